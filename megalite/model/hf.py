@@ -1,0 +1,97 @@
+"""Mapping between `transformers.GPT2LMHeadModel` and megalite's GPT-2 state.
+
+HF GPT-2 stores its linear layers as `Conv1D` with weight [in, out]; megalite uses nn.Linear
+[out, in], so the mapping is: same names, Conv1D weights transposed, HF's attention-mask
+buffers (`attn.bias`, `attn.masked_bias` in older versions) dropped, and one copy of the tied
+embedding (`lm_head.weight` is `transformer.wte.weight`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from megalite.config import ConfigError, ModelConfig
+
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
+
+
+def hf_config(cfg: ModelConfig):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_positions=cfg.n_positions,
+        vocab_size=cfg.vocab_size, n_inner=cfg.n_inner, resid_pdrop=cfg.resid_pdrop,
+        embd_pdrop=cfg.embd_pdrop, attn_pdrop=cfg.attn_pdrop,
+        layer_norm_epsilon=cfg.layer_norm_epsilon, initializer_range=cfg.initializer_range,
+        activation_function="gelu_new", tie_word_embeddings=True,
+        bos_token_id=min(50256, cfg.vocab_size - 1), eos_token_id=min(50256, cfg.vocab_size - 1),
+    )
+
+
+def from_hf_state_dict(hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for name, t in hf_sd.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue
+        out[name] = t.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else t
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for name, t in sd.items():
+        if name == "lm_head.weight":
+            continue
+        out[name] = t.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else t.contiguous()
+    return out
+
+
+def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
+    """The model config must describe the checkpoint being loaded; name the first mismatch."""
+    for key in SHAPE_FIELDS:
+        theirs = getattr(hf_cfg, key)
+        if getattr(cfg, key) != theirs:
+            raise ConfigError(
+                f"model.{key}={getattr(cfg, key)!r}: init_from={source!r} has {key}={theirs}; "
+                f"pick the matching preset or set model.{key}={theirs}")
+    theirs_inner = getattr(hf_cfg, "n_inner", None) or 4 * hf_cfg.n_embd
+    if cfg.ffn_size != theirs_inner:
+        raise ConfigError(f"model.n_inner={cfg.n_inner!r}: init_from={source!r} has an MLP of "
+                          f"{theirs_inner}; set model.n_inner={theirs_inner}")
+
+
+def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
+    """Read GPT2LMHeadModel weights from a local directory or a hub id, as megalite names."""
+    from transformers import GPT2LMHeadModel
+
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(source, torch_dtype=torch.float32)
+    except OSError as e:
+        raise ConfigError(f"init_from={source!r}: cannot load a GPT2LMHeadModel from it ({e}); "
+                          "give a directory written by save_pretrained or a hub id such as gpt2"
+                          ) from e
+    check_shape_matches(cfg, hf.config, source)
+    return from_hf_state_dict(hf.state_dict())
+
+
+def save_hf(sd: Dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
+            tokenizer_dir: Optional[Path] = None) -> Path:
+    """Write a `transformers` GPT-2 directory (config.json, model.safetensors, tokenizer files)."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel(hf_config(cfg))
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(sd), strict=False)
+    missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))
+               and m != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"state does not map onto GPT2LMHeadModel: missing {missing}, "
+                         f"unexpected {unexpected}")
+    out_dir = Path(out_dir)
+    hf.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
+    return out_dir

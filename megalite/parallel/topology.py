@@ -1,0 +1,136 @@
+"""The rank grid: the one place where a global rank becomes (tp, pp, dp) coordinates.
+
+    rank = tp_rank + tp * (pp_rank + pp * dp_rank)          # [TP, PP, DP], TP innermost
+
+so the TP group of a rank is a run of consecutive ranks (inside one node), PP spans nearby nodes
+and DP is outermost (Llama 3's network-aware order). Every group is a slice of
+`grid = arange(world).view(dp, pp, tp)`. The `Topology` is created once after
+`init_process_group` and passed explicitly to everything that communicates; nothing reads groups
+from module globals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.comm import CommCounter, Group
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    pp: int
+    dp: int
+
+
+def rank_of(coords: Coords, tp: int, pp: int) -> int:
+    return coords.tp + tp * (coords.pp + pp * coords.dp)
+
+
+def coords_of(rank: int, tp: int, pp: int) -> Coords:
+    return Coords(tp=rank % tp, pp=(rank // tp) % pp, dp=rank // (tp * pp))
+
+
+def group_ranks(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
+    """All rank lists of every group kind, derived from one grid of shape [dp, pp, tp].
+
+    tp: ranks sharing (pp, dp); pp: sharing (tp, dp); dp: sharing (tp, pp);
+    mp (model parallel = TP x PP, one model replica): sharing dp;
+    embedding: first and last pipeline stage of each (tp, dp) (just the stage when pp = 1).
+    """
+    grid = torch.arange(tp * pp * dp).view(dp, pp, tp)
+    out: Dict[str, List[List[int]]] = {
+        "tp": [grid[d, p, :].tolist() for d in range(dp) for p in range(pp)],
+        "pp": [grid[d, :, t].tolist() for d in range(dp) for t in range(tp)],
+        "dp": [grid[:, p, t].tolist() for p in range(pp) for t in range(tp)],
+        "mp": [grid[d].flatten().tolist() for d in range(dp)],
+    }
+    out["embedding"] = [sorted({r[0], r[-1]}) for r in out["pp"]]
+    return out
+
+
+@dataclass
+class Topology:
+    """Sizes, this rank's coordinates and its process groups (`Group` handles)."""
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int
+    counter: CommCounter = field(default_factory=CommCounter)
+    groups: Dict[str, Group] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def coords(self) -> Coords:
+        return coords_of(self.rank, self.tp, self.pp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.pp - 1
+
+    @property
+    def tp_group(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def pp_group(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def dp_group(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def mp_group(self) -> Group:
+        return self.groups["mp"]
+
+    @property
+    def embedding_group(self) -> Group:
+        return self.groups["embedding"]
+
+    def describe(self) -> str:
+        c = self.coords
+        return (f"rank {self.rank}/{self.world_size} tp={c.tp}/{self.tp} pp={c.pp}/{self.pp} "
+                f"dp={c.dp}/{self.dp}")
+
+
+def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
+                   backend_pg_options: Optional[dict] = None) -> Topology:
+    """Create every process group of the grid; works without torch.distributed at world size 1.
+
+    `dist.new_group` is collective over the whole world, so every rank creates every group in
+    the same order and keeps the handles of the groups it belongs to.
+    """
+    world = tp * pp * dp
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized and dist.get_world_size() != world:
+        raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {tp}*{pp}*{dp}")
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if not initialized and world != 1:
+        raise RuntimeError("torch.distributed must be initialized for world size > 1")
+    topo = Topology(tp=tp, pp=pp, dp=dp, rank=rank)
+    for kind, rank_lists in group_ranks(tp, pp, dp).items():
+        mine: Optional[Tuple[List[int], Optional[dist.ProcessGroup]]] = None
+        for ranks in rank_lists:
+            pg = None
+            if initialized and len(ranks) > 1:
+                pg = dist.new_group(ranks, **(backend_pg_options or {}))
+            if rank in ranks:
+                mine = (ranks, pg)
+        if mine is not None:
+            ranks, pg = mine
+            topo.groups[kind] = Group(name=kind, ranks=ranks, rank=ranks.index(rank), pg=pg,
+                                      counter=topo.counter)
+    return topo

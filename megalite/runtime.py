@@ -1,0 +1,75 @@
+"""Process start-up: device, backend, process group, topology, precision.
+
+CUDA + NCCL when GPUs are present (one GPU per local rank), CPU + gloo otherwise. The launcher
+(torchrun) provides RANK / WORLD_SIZE / LOCAL_RANK; without them the process is a world of one
+and no process group is created.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite.config import Config, dp_size
+from megalite.parallel.topology import Topology, build_topology
+
+
+@dataclass
+class Runtime:
+    topology: Topology
+    device: torch.device
+    compute_dtype: torch.dtype  # autocast dtype; float32 = no autocast
+
+    def autocast(self):
+        """bf16 autocast for forward passes; master weights and optimizer state stay fp32."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but torch.cuda.is_available() is False")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def init_runtime(cfg: Config, timeout_s: float = 600.0) -> Runtime:
+    """Create the process group (if launched with WORLD_SIZE > 1 or under torchrun) and the
+    topology. `cfg` must already be validated."""
+    world = world_size_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg.device, local_rank)
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    topo = build_topology(cfg.tp, cfg.pp, dp_size(cfg, world))
+    return Runtime(topology=topo, device=device, compute_dtype=compute_dtype(cfg.precision, device))
+
+
+def shutdown(runtime: Optional[Runtime] = None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

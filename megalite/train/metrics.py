@@ -1,0 +1,191 @@
+"""What a run reports: throughput, TFLOP/s, MFU, memory, communication; jsonl + wandb + console.
+
+MFU = achieved model FLOP/s per device / peak FLOP/s per device (Chowdhery et al. 2022, App. B),
+with model FLOPs per token from `megalite.model.gpt2.flops_per_token` (6N + 12·L·h·s). The peak
+comes from, in order: `log.peak_tflops`; a table of known accelerators (dense bf16 tensor-core
+peaks from the vendors' data sheets); on CPU a measured fp32 matmul peak. An unknown accelerator
+gets no number: MFU is reported as null rather than against a guess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device (no sparsity). Matched against torch.cuda.get_device_name();
+# more specific names first (an "H100 PCIe" must not match plain "H100").
+PEAK_TFLOPS_BF16: Tuple[Tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("V100", 125.0),  # fp16 tensor cores (no bf16 on Volta)
+    ("MI300X", 1307.0),
+    ("MI250X", 383.0),
+)
+
+
+@dataclass
+class Peak:
+    tflops: Optional[float]
+    source: str
+
+
+def measure_cpu_matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
+    """Best-of-`repeats` fp32 matmul throughput of this process's CPU threads, in TFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm up the BLAS threads
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+def peak_tflops(device: torch.device, override: Optional[float]) -> Peak:
+    if override is not None:
+        return Peak(override, "config log.peak_tflops")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_TFLOPS_BF16:
+            if key in name:
+                return Peak(value, f"table: {name} dense bf16 ({key})")
+        return Peak(None, f"unknown device {name!r}: set log.peak_tflops to report MFU")
+    if device.type == "cpu":
+        n = 1024
+        return Peak(measure_cpu_matmul_tflops(n),
+                    f"measured: best fp32 {n}x{n} matmul on CPU, {torch.get_num_threads()} threads")
+    return Peak(None, f"unknown device type {device.type!r}: set log.peak_tflops")
+
+
+def peak_memory_bytes(device: torch.device) -> Dict[str, int]:
+    """Peak accelerator memory allocated by tensors; on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: int, world_size: int,
+               peak: Peak) -> Dict[str, Optional[float]]:
+    """tokens/s over the whole job, model TFLOP/s per device and MFU (null without a peak)."""
+    tokens_per_s = tokens / seconds
+    tflops = tokens_per_s * flops_per_token / world_size / 1e12
+    return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+            "mfu": tflops / peak.tflops if peak.tflops else None}
+
+
+# jsonl key -> wandb key; the prefixes are the panel sections of a wandb workspace.
+WANDB_SECTIONS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "val_loss": "val/loss", "tokens_per_s": "perf/tokens_per_s",
+    "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
+}
+
+
+def wandb_row(record: dict) -> dict:
+    """Flatten one metrics.jsonl record into wandb keys: train/*, val/*, perf/*, memory/*,
+    comm/<group>/<op>_bytes."""
+    row = {}
+    for key, value in record.items():
+        if key == "step" or value is None:
+            continue
+        if key == "memory":
+            row.update({f"memory/{k}": v for k, v in value.items()})
+        elif key == "comm":
+            for name, counts in value.items():
+                row[f"comm/{name}_bytes"] = counts["bytes"]
+                row[f"comm/{name}_wire_bytes"] = counts["wire_bytes"]
+        else:
+            row[WANDB_SECTIONS.get(key, f"train/{key}")] = value
+    return row
+
+
+def wandb_mode(setting: str) -> Optional[str]:
+    """log.wandb -> wandb mode: auto = online when credentials exist, else offline."""
+    if setting == "false":
+        return None
+    if setting == "true":
+        return "online"
+    netrc = Path(os.path.expanduser("~/.netrc"))
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (
+        netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+    return "online" if has_key else "offline"
+
+
+class MetricsWriter:
+    """Rank 0's sink: `<run dir>/metrics.jsonl` (a header line, then one line per log step),
+    the same values to wandb, and a console progress bar."""
+
+    def __init__(self, run_dir: Path, header: dict, wandb_setting: str, project: str,
+                 run_name: Optional[str], config: dict, total_steps: int, start_step: int,
+                 progress: bool):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"run": header}) + "\n")
+        self.wandb_run = self._start_wandb(wandb_setting, project, run_name, config, header)
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True)
+
+    def _start_wandb(self, setting, project, run_name, config, header):
+        mode = wandb_mode(setting)
+        if mode is None:
+            return None
+        import wandb
+
+        def init(m):
+            return wandb.init(project=project, name=run_name, dir=str(self.run_dir), mode=m,
+                              config={"megalite": config, "run": header}, reinit="finish_previous",
+                              settings=wandb.Settings(init_timeout=60, silent=True,
+                                                      console="off"))
+        try:
+            return init(mode)
+        except Exception as e:  # network trouble must never stop training
+            if mode == "offline":
+                raise
+            print(f"wandb online init failed ({e}); logging offline into {self.run_dir}",
+                  file=sys.stderr)
+            return init("offline")
+
+    def log(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(wandb_row(record), step=record["step"])
+        if self.bar is not None:
+            self.bar.n = record["step"]
+            shown = {"loss": record.get("loss"), "val": record.get("val_loss"),
+                     "tok/s": record.get("tokens_per_s"), "mfu": record.get("mfu")}
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items() if v is not None},
+                                 refresh=False)
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Pretrain GPT-2 with megalite.
+
+    torchrun --nproc_per_node=8 scripts/pretrain.py model=gpt2 train.seq_len=1024
+    python scripts/pretrain.py                      # tiny preset on the embedded stdlib corpus
+
+The run directory is Hydra's output directory (`hydra.run.dir`); metrics.jsonl, the wandb run
+and (by default) checkpoints go there. The configuration is validated, and the token shards
+checked, before any process group is created.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+
+from megalite.config import ConfigError, register_configs, resolve_path, to_config, validate  # noqa: E402
+from megalite.data.loader import DataError, TokenShards, check_vocab  # noqa: E402
+from megalite.runtime import init_runtime, shutdown, world_size_from_env  # noqa: E402
+from megalite.train.trainer import Trainer, broadcast_run_dir  # noqa: E402
+
+register_configs()
+
+
+def keep_hydra_output_on_rank0() -> None:
+    """Only rank 0 writes Hydra's run directory; the others get rank 0's path later."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.",
+                     "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(node) -> None:
+    cfg = to_config(node)
+    try:
+        validate(cfg, world_size_from_env())
+        shards = TokenShards(resolve_path(cfg.data.dir), "train")
+        TokenShards(resolve_path(cfg.data.dir), "val")
+        check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
+    except (ConfigError, DataError) as e:
+        print(f"megalite: bad configuration: {e}", file=sys.stderr)
+        sys.exit(2)
+    runtime = init_runtime(cfg)
+    run_dir = broadcast_run_dir(Path(HydraConfig.get().runtime.output_dir).resolve())
+    if runtime.topology.rank == 0:
+        print(f"megalite: {runtime.topology.describe()} device={runtime.device} run_dir={run_dir}")
+    Trainer(cfg, runtime, run_dir).fit()
+    shutdown(runtime)
+
+
+if __name__ == "__main__":
+    keep_hydra_output_on_rank0()
+    main()

@@ -1,0 +1,95 @@
+"""Rank grid: [TP, PP, DP] mapping, group membership, and the real groups on gloo ranks."""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import comm
+from megalite.parallel.topology import Coords, build_topology, coords_of, group_ranks, rank_of
+from tests.launcher import RankFailure, run_ranks
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 4), (2, 2, 2), (4, 2, 1), (2, 1, 3), (1, 4, 2)]
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_rank_formula_round_trips(tp, pp, dp):
+    for rank in range(tp * pp * dp):
+        c = coords_of(rank, tp, pp)
+        assert rank == c.tp + tp * (c.pp + pp * c.dp)
+        assert rank_of(c, tp, pp) == rank
+        assert 0 <= c.dp < dp
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_groups_partition_the_world(tp, pp, dp):
+    world = tp * pp * dp
+    groups = group_ranks(tp, pp, dp)
+    for kind, size in (("tp", tp), ("pp", pp), ("dp", dp), ("mp", tp * pp)):
+        lists = groups[kind]
+        assert sorted(itertools.chain(*lists)) == list(range(world)), kind
+        assert all(len(g) == size for g in lists), kind
+    for g in groups["tp"]:  # TP innermost: consecutive ranks (inside one node)
+        assert g == list(range(g[0], g[0] + tp))
+    for g in groups["dp"]:  # members share (tp, pp) and differ in dp
+        cs = [coords_of(r, tp, pp) for r in g]
+        assert len({(c.tp, c.pp) for c in cs}) == 1 and [c.dp for c in cs] == list(range(dp))
+    for g in groups["embedding"]:
+        stages = [coords_of(r, tp, pp).pp for r in g]
+        assert stages == sorted({0, pp - 1})
+
+
+def test_example_layout_2_2_2():
+    g = group_ranks(2, 2, 2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["mp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert coords_of(5, 2, 2) == Coords(tp=1, pp=0, dp=1)
+
+
+def test_world_size_one_needs_no_process_group():
+    topo = build_topology(1, 1, 1)
+    assert topo.world_size == 1 and topo.is_first_stage and topo.is_last_stage
+    t = torch.ones(3)
+    comm.all_reduce(t, topo.dp_group)
+    assert t.tolist() == [1, 1, 1] and topo.counter.snapshot() == {}
+
+
+def _groups_on_ranks(rank, world, tp, pp, dp):
+    topo = build_topology(tp, pp, dp)
+    out = {}
+    for kind in ("tp", "pp", "dp", "mp"):
+        g = topo.groups[kind]
+        t = torch.tensor([float(rank)])
+        comm.all_reduce(t, g)
+        out[kind] = (g.ranks, t.item())
+    return out, topo.counter.snapshot()
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 2, 2)])
+def test_real_groups_reduce_over_their_members(tp, pp, dp):
+    results = run_ranks(_groups_on_ranks, tp * pp * dp, args=(tp, pp, dp))
+    for rank, (groups, counts) in enumerate(results):
+        for kind, (ranks, total) in groups.items():
+            assert rank in ranks
+            assert total == sum(ranks), (rank, kind)
+        # one 4-byte fp32 all-reduce per group of size > 1, counted with its ring cost
+        for kind, (ranks, _) in groups.items():
+            n = len(ranks)
+            key = f"{kind}/all_reduce"
+            if n == 1:
+                assert key not in counts
+            else:
+                assert counts[key] == {"calls": 1, "bytes": 4, "wire_bytes": 2 * (n - 1) / n * 4}
+
+
+def _fails_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError("planted failure")
+    dist.barrier()
+
+
+def test_launcher_surfaces_a_rank_failure():
+    with pytest.raises(RankFailure, match="planted failure"):
+        run_ranks(_fails_on_rank_one, 2, timeout_s=30)
