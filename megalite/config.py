@@ -77,7 +77,7 @@ class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step over all DP ranks
     seq_len: int = 128
     eval_every: int = 100  # steps between validation passes (0 = never)
-    eval_steps: int = 10  # micro-batches per validation pass
+    eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class OptimConfig:
 @dataclass
 class LogConfig:
     every: int = 10  # steps between metric lines
-    wandb: str = "auto"  # auto (online with credentials, else offline into the run dir) | true | false
+    wandb: str = "auto"  # auto (online with credentials, else offline) | true | offline | false
     project: str = "megalite"
     run_name: Optional[str] = None
     peak_tflops: Optional[float] = None  # per-device peak FLOP/s override (TFLOP/s) for MFU
@@ -147,9 +147,10 @@ def validate(cfg: Config, world_size: int) -> None:
     Runs before any process group is created or any file is written.
     """
     m, t, o = cfg.model, cfg.train, cfg.optim
+    if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
+        _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
+              f"positive tp, pp; choose tp and pp whose product divides {world_size}")
     for key, value, ok in (("tp", cfg.tp, SUPPORTED_TP), ("pp", cfg.pp, SUPPORTED_PP)):
-        if value < 1:
-            _fail(key, value, "must be a positive integer")
         if value not in ok:
             _fail(key, value, f"not implemented yet (supported: {list(ok)}); "
                   f"{'tensor' if key == 'tp' else 'pipeline'} parallelism lands with its own issue")
@@ -160,9 +161,6 @@ def validate(cfg: Config, world_size: int) -> None:
               "ZeRO stages 1-3 land with the ZeRO issue")
     if cfg.sp and cfg.tp == 1:
         _fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
-    if world_size % (cfg.tp * cfg.pp) != 0:
-        _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp; "
-              f"choose tp and pp whose product divides {world_size}")
     dp = dp_size(cfg, world_size)
     if cfg.precision not in ("auto", "fp32", "bf16"):
         _fail("precision", cfg.precision, "use auto, fp32 or bf16")
@@ -201,8 +199,8 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
     if o.grad_clip < 0 or o.weight_decay < 0:
         _fail("optim.grad_clip/weight_decay", (o.grad_clip, o.weight_decay), "must be >= 0")
-    if cfg.log.wandb not in ("auto", "true", "false"):
-        _fail("log.wandb", cfg.log.wandb, "use auto, true or false")
+    if cfg.log.wandb not in ("auto", "true", "offline", "false"):
+        _fail("log.wandb", cfg.log.wandb, "use auto, true, offline or false")
     if cfg.log.every < 1:
         _fail("log.every", cfg.log.every, "must be >= 1")
     if cfg.log.peak_tflops is not None and cfg.log.peak_tflops <= 0:
@@ -221,6 +219,7 @@ def to_config(node) -> Config:
         return node
     obj = OmegaConf.to_object(node)
     assert isinstance(obj, Config), type(obj)
+    obj.log.wandb = obj.log.wandb.lower()  # `log.wandb=true` arrives as the string "True"
     return obj
 
 

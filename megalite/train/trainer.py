@@ -60,6 +60,7 @@ class Trainer:
         self.batches = TrainBatches(self.train_shards, self.sampler, t.micro_batch_size,
                                     t.seq_len, runtime.device)
         self.val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len, t.eval_steps,
+                               t.global_batch_size,
                                dp_rank=topo.coords.dp, dp_size=topo.dp, device=runtime.device)
 
         self.ckpt_root = resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir \

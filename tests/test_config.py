@@ -1,0 +1,87 @@
+"""Config composition and validation: every bad value is refused naming key, value and remedy."""
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from megalite.config import Config, ConfigError, load_config, validate
+
+
+def test_defaults_compose_and_validate():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert (cfg.tp, cfg.pp, cfg.zero, cfg.sp) == (1, 1, 0, False)
+    assert cfg.model.name == "tiny" and cfg.data.source == "stdlib"
+    validate(cfg, world_size=1)
+
+
+def test_presets_use_hf_shapes():
+    xl = load_config(["model=gpt2-xl"]).model
+    assert (xl.n_layer, xl.n_embd, xl.n_head, xl.n_positions, xl.vocab_size) == (48, 1600, 25, 1024, 50257)
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(MissingConfigException, match="gpt2-xl"):
+        load_config(["model=gpt5"])
+
+
+def test_unknown_key_and_wrong_type_fail_at_composition():
+    with pytest.raises(ConfigCompositionException, match="train.max_stepz"):
+        load_config(["train.max_stepz=3"])
+    with pytest.raises(ConfigCompositionException, match="train.max_steps"):
+        load_config(["train.max_steps=many"])
+
+
+def bad(overrides, world_size=1):
+    cfg = load_config(overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("overrides,world,expect", [
+    (["train.seq_len=512"], 1, "train.seq_len=512"),
+    (["train.global_batch_size=30"], 1, "train.global_batch_size=30"),
+    (["train.global_batch_size=32"], 3, "micro_batch_size*dp = 8*3 = 24"),
+    (["tp=2"], 2, "tp=2: not implemented yet"),
+    (["pp=2"], 2, "pp=2: not implemented yet"),
+    (["zero=1"], 2, "zero=1: not implemented yet"),
+    (["zero=5"], 1, "zero=5"),
+    (["sp=true"], 1, "sp=True"),
+    (["model.n_head=3"], 1, "model.n_head=3"),
+    (["precision=fp16"], 1, "precision='fp16'"),
+    (["optim.min_lr=1.0"], 1, "optim.min_lr=1.0"),
+    (["optim.betas=[0.9]"], 1, "optim.betas"),
+    (["log.wandb=maybe"], 1, "log.wandb='maybe'"),
+    (["checkpoint.resume=/no/such/ckpt"], 1, "checkpoint.resume='/no/such/ckpt'"),
+    (["model.attn_pdrop=1.5"], 1, "model.attn_pdrop=1.5"),
+])
+def test_bad_values_are_named(overrides, world, expect):
+    assert expect in bad(overrides, world)
+
+
+def test_global_batch_message_suggests_a_valid_value():
+    msg = bad(["train.global_batch_size=44"])
+    assert "multiple of micro_batch_size*dp = 8*1 = 8 (e.g. 48)" in msg
+
+
+def test_world_size_must_factor():
+    assert "world size 3 must equal tp*pp*dp" in bad(["tp=2"], world_size=3)
+    validate(load_config(), world_size=4)  # dp = 4
+
+
+@pytest.mark.parametrize("value", ["true", "false", "offline", "auto"])
+def test_wandb_setting_survives_yaml_booleans(value):
+    cfg = load_config([f"log.wandb={value}"])
+    assert cfg.log.wandb == value
+    validate(cfg, 1)
+
+
+def test_wandb_auto_is_offline_without_credentials(monkeypatch, tmp_path):
+    from megalite.train.metrics import wandb_mode
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert wandb_mode("auto") == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")
+    assert wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    assert wandb_mode("false") is None and wandb_mode("offline") == "offline"

@@ -1,0 +1,113 @@
+"""End to end: scripts/pretrain.py in a subprocess, as a user runs it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+from tests.wandb_log import history
+
+REPO = Path(__file__).resolve().parent.parent
+HEADER_KEYS = {"layout", "model", "vocab_size", "parameters", "flops_per_token", "flops_formula",
+               "peak_tflops_per_device", "peak_source"}
+RECORD_KEYS = {"step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s",
+               "tflops_per_device", "mfu", "step_time_s", "memory", "comm"}
+
+
+def pretrain(run_dir, *overrides, nproc=1, expect_ok=True, timeout=300):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true")
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = launcher + [str(REPO / "scripts" / "pretrain.py"), f"hydra.run.dir={run_dir}",
+                      *TINY, *overrides]
+    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def read_metrics(run_dir):
+    """(header, records) of the latest run segment: a resumed run appends a new header line."""
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, line in enumerate(lines) if "run" in line)
+    return lines[last]["run"], lines[last + 1:]
+
+
+def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    pretrain(run, f"data.dir={tiny_data}", "train.max_steps=60", "train.eval_every=30",
+             "log.every=10", "log.wandb=offline", "optim.lr=3e-3", "optim.warmup_steps=5")
+    header, records = read_metrics(run)
+    assert HEADER_KEYS <= set(header)
+    assert header["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "sp": False, "world_size": 1}
+    assert header["peak_source"].startswith("measured") and header["peak_tflops_per_device"] > 0
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+    for r in records:
+        assert RECORD_KEYS <= set(r), set(r) ^ RECORD_KEYS
+        assert r["tokens_per_s"] > 0 and r["tflops_per_device"] > 0 and r["mfu"] > 0
+    assert [r["step"] for r in records if r["val_loss"] is not None] == [30, 60]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    assert records[-1]["val_loss"] < records[0]["loss"]
+    rows = {row["_step"]: row for row in history(run / "wandb")}
+    for r in records:
+        row = rows[r["step"]]
+        assert row["train/loss"] == pytest.approx(r["loss"], rel=1e-12)
+        assert row["train/lr"] == pytest.approx(r["lr"], rel=1e-12)
+        assert row["perf/mfu"] == pytest.approx(r["mfu"], rel=1e-12)
+        if r["val_loss"] is not None:
+            assert row["val/loss"] == pytest.approx(r["val_loss"], rel=1e-12)
+    assert (run / "checkpoints" / "step_00000060" / "meta.json").is_file()
+
+
+def test_resume_continues_the_same_loss_curve(tiny_data, tmp_path):
+    common = [f"data.dir={tiny_data}", "train.max_steps=12", "train.eval_every=0", "log.every=1",
+              "log.wandb=false", "model.resid_pdrop=0.1", "model.attn_pdrop=0.1",
+              "model.embd_pdrop=0.1", "precision=fp32"]
+    full = tmp_path / "full"
+    pretrain(full, *common, "checkpoint.every=6")
+    _, straight = read_metrics(full)
+    resumed_dir = tmp_path / "resumed"
+    pretrain(resumed_dir, *common, f"checkpoint.dir={full / 'checkpoints'}", "checkpoint.resume=auto")
+    _, resumed = read_metrics(resumed_dir)
+    assert [r["step"] for r in resumed] == []  # latest complete checkpoint is step 12: nothing left
+    pretrain(resumed_dir, *common, f"checkpoint.resume={full / 'checkpoints' / 'step_00000006'}")
+    header, resumed = read_metrics(resumed_dir)
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[6:]]  # bit-exact (fp32 CPU)
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight[6:]]
+
+
+def test_two_ranks_under_torchrun_equal_one(tiny_data, tmp_path):
+    common = [f"data.dir={tiny_data}", "train.max_steps=5", "train.eval_every=0", "log.every=1",
+              "log.wandb=false", "precision=fp32"]
+    pretrain(tmp_path / "one", *common)
+    pretrain(tmp_path / "two", *common, nproc=2)
+    _, one = read_metrics(tmp_path / "one")
+    header, two = read_metrics(tmp_path / "two")
+    assert header["layout"]["dp"] == 2
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    # per step: one fp32 all-reduce of every gradient + one fp64 scalar for the logged loss
+    assert two[0]["comm"]["dp/all_reduce"]["bytes"] == header["parameters"] * 4 + 8
+    assert "dp/all_reduce" not in one[0]["comm"]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model=gpt5"], "Could not find 'model/gpt5'"),
+    (["train.seq_len=100"], "train.seq_len=100"),
+    (["train.global_batch_size=10"], "train.global_batch_size=10"),
+    (["model.vocab_size=512"], "model.vocab_size=512"),
+    (["data.dir=/nonexistent/shards"], "data.dir"),
+])
+def test_bad_input_fails_before_anything_is_written(tiny_data, tmp_path, overrides, needle):
+    run = tmp_path / "run"
+    proc = pretrain(run, f"data.dir={tiny_data}", *overrides, expect_ok=False)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr[-3000:]
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
