@@ -1,0 +1,186 @@
+"""Reading token shards for training: memmapped shards, a resumable DP-sharded sampler, batches.
+
+A data directory (written by `scripts/prepare_data.py`) holds `meta.json` and, per split, flat
+binary shards `<split>_00000.bin, ...` of uint16 (vocab <= 65536) or uint32 token ids, documents
+separated by EOS. A *sample* is a window of seq_len + 1 consecutive tokens inside one shard
+(windows start every seq_len tokens, so input x = w[:-1] and target y = w[1:] cover the stream
+once); windows never cross a shard boundary.
+
+The sampler's whole state is the number of samples consumed: position p of the run reads window
+`perm_e[p mod n]` with `e = p // n` and `perm_e` a permutation of the n windows seeded by
+`seed + e`. A global batch is the next `global_batch_size` positions; DP rank d takes the d-th
+contiguous slice, so concatenating the ranks' slices gives the serial batch, and every TP/PP rank
+of one replica (same d) reads the identical batch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+META_FILE = "meta.json"
+SPLITS = ("train", "val")
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+PREPARE_HINT = "run `python scripts/prepare_data.py data.dir=<dir>` first"
+
+
+class DataError(ValueError):
+    """Missing, truncated or mismatched data; the message names the file or key and the fix."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every token id of the vocabulary."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def check_vocab(tokenizer_vocab: int, model_vocab: int) -> None:
+    """Every token id of the data must have a row in the model's embedding."""
+    if tokenizer_vocab > model_vocab:
+        raise DataError(f"model.vocab_size={model_vocab}: the data's tokenizer has "
+                        f"{tokenizer_vocab} tokens; set model.vocab_size>={tokenizer_vocab} "
+                        "or prepare the data with a smaller tokenizer")
+
+
+def read_meta(data_dir: Path) -> dict:
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"data.dir={str(data_dir)!r}: no such directory; {PREPARE_HINT}")
+    path = data_dir / META_FILE
+    if not path.is_file():
+        raise DataError(f"data.dir={str(data_dir)!r}: no {META_FILE} (not prepared, or "
+                        f"preparation did not finish); {PREPARE_HINT}")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e}); {PREPARE_HINT}") from e
+    if meta.get("dtype") not in DTYPES:
+        raise DataError(f"{path}: unknown dtype {meta.get('dtype')!r} (expected one of "
+                        f"{sorted(DTYPES)}); {PREPARE_HINT}")
+    return meta
+
+
+class TokenShards:
+    """One split of a data directory: its shards as read-only memmaps, checked against meta."""
+
+    def __init__(self, data_dir: Path, split: str):
+        self.dir = Path(data_dir)
+        self.meta = read_meta(self.dir)
+        self.dtype = np.dtype(DTYPES[self.meta["dtype"]])
+        if split not in self.meta.get("splits", {}):
+            raise DataError(f"{self.dir / META_FILE}: no split {split!r}; {PREPARE_HINT}")
+        self.shards: List[np.memmap] = []
+        for entry in self.meta["splits"][split]["shards"]:
+            path = self.dir / entry["file"]
+            if not path.is_file():
+                raise DataError(f"{path}: shard listed in {META_FILE} is missing; {PREPARE_HINT}")
+            expected = entry["tokens"] * self.dtype.itemsize
+            actual = path.stat().st_size
+            if actual != expected:
+                raise DataError(f"{path}: {actual} bytes, but {META_FILE} lists {entry['tokens']} "
+                                f"tokens x {self.dtype.itemsize} bytes = {expected} (truncated "
+                                f"or from another preparation); {PREPARE_HINT}")
+            self.shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+        self._counts: Dict[int, np.ndarray] = {}
+
+    def _windows_per_shard(self, seq_len: int) -> np.ndarray:
+        if seq_len not in self._counts:
+            self._counts[seq_len] = np.array(
+                [max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
+        return self._counts[seq_len]
+
+    def num_samples(self, seq_len: int) -> int:
+        return int(self._windows_per_shard(seq_len).sum())
+
+    def sample(self, index: int, seq_len: int) -> np.ndarray:
+        """Window `index` (seq_len + 1 tokens) as int64."""
+        counts = self._windows_per_shard(seq_len)
+        if not 0 <= index < counts.sum():
+            raise IndexError(f"sample {index} out of range [0, {counts.sum()})")
+        ends = np.cumsum(counts)
+        shard = int(np.searchsorted(ends, index, side="right"))
+        start = (index - (ends[shard] - counts[shard])) * seq_len
+        return np.asarray(self.shards[shard][start:start + seq_len + 1], dtype=np.int64)
+
+
+class ResumableSampler:
+    """Deterministic sample order whose state is `consumed_samples` (see the module docstring)."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, dp_rank: int, dp_size: int,
+                 seed: int, consumed_samples: int = 0):
+        if global_batch_size % dp_size != 0:
+            raise DataError(f"train.global_batch_size={global_batch_size}: must be a multiple of "
+                            f"the data-parallel size {dp_size}")
+        if num_samples < global_batch_size:
+            raise DataError(f"train.global_batch_size={global_batch_size}: the training split has "
+                            f"only {num_samples} samples of this train.seq_len; lower the batch "
+                            "or train.seq_len, or prepare more data")
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.consumed_samples = consumed_samples
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+        return self._perm
+
+    def next_global_batch(self) -> np.ndarray:
+        """This DP rank's slice of the next global batch (sample indices); advances the state."""
+        per_rank = self.global_batch_size // self.dp_size
+        first = self.consumed_samples + self.dp_rank * per_rank
+        out = np.empty(per_rank, dtype=np.int64)
+        for i, pos in enumerate(range(first, first + per_rank)):
+            out[i] = self._permutation(pos // self.num_samples)[pos % self.num_samples]
+        self.consumed_samples += self.global_batch_size
+        return out
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def _to_batch(windows: List[np.ndarray], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    w = torch.from_numpy(np.stack(windows))
+    if device.type == "cuda":
+        w = w.pin_memory().to(device, non_blocking=True)
+    return w[:, :-1], w[:, 1:]
+
+
+class TrainBatches:
+    """Micro-batches (x, y) of one optimizer step for this DP rank, from the sampler."""
+
+    def __init__(self, shards: TokenShards, sampler: ResumableSampler, micro_batch_size: int,
+                 seq_len: int, device: torch.device):
+        self.shards, self.sampler = shards, sampler
+        self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
+
+    def next_step(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        indices = self.sampler.next_global_batch()
+        mb = self.micro_batch_size
+        return [_to_batch([self.shards.sample(int(i), self.seq_len) for i in indices[j:j + mb]],
+                          self.device)
+                for j in range(0, len(indices), mb)]
+
+
+def val_batches(shards: TokenShards, micro_batch_size: int, seq_len: int, eval_steps: int,
+                global_batch_size: int, dp_rank: int, dp_size: int, device: torch.device
+                ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
+    windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
+    global batch, in micro-batches. The mean loss over all ranks is the serial run's."""
+    n = shards.num_samples(seq_len)
+    if n == 0:
+        raise DataError(f"train.seq_len={seq_len}: the validation split has no window of "
+                        f"{seq_len + 1} tokens; lower train.seq_len or raise data.val_fraction")
+    per_rank = global_batch_size // dp_size
+    positions = [k * global_batch_size + dp_rank * per_rank + j
+                 for k in range(eval_steps) for j in range(per_rank)]
+    windows = [shards.sample(p % n, seq_len) for p in positions]
+    return [_to_batch(windows[j:j + micro_batch_size], device)
+            for j in range(0, len(windows), micro_batch_size)]
