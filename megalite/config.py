@@ -18,11 +18,6 @@ from omegaconf import OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
-# Parallel dimensions that have landed. A value outside these sets is refused with a message
-# saying which issue turns it on, instead of silently training something else.
-SUPPORTED_TP = (1,)
-SUPPORTED_PP = (1,)
-SUPPORTED_ZERO = (0,)
 
 
 class ConfigError(ValueError):
@@ -78,6 +73,7 @@ class TrainConfig:
     seq_len: int = 128
     eval_every: int = 100  # steps between validation passes (0 = never)
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
+    recompute: bool = False  # recompute each block's activations in backward (saves memory)
 
 
 @dataclass
@@ -100,6 +96,20 @@ class LogConfig:
     run_name: Optional[str] = None
     peak_tflops: Optional[float] = None  # per-device peak FLOP/s override (TFLOP/s) for MFU
     progress: bool = True  # console progress bar
+    pipeline_trace: bool = False  # write each rank's F/B schedule trace (Chrome trace format)
+    #                              to <run dir>/pipeline_trace/ at every log step
+
+
+@dataclass
+class ParallelConfig:
+    """Knobs of the parallel engines (the layout itself is the top-level tp, pp, zero, sp)."""
+
+    bucket_mb: float = 25.0  # gradient bucket size (fp32 MiB) for the DP reductions (zero 0-2)
+    reshard_after_forward: bool = True  # zero=3: free gathered blocks after forward (else keep
+    #                                     them for the whole step: less traffic, more memory)
+    edge_stage_layers: Optional[int] = None  # blocks on the first and last pipeline stage (they
+    #                                          also hold embedding / head); null = balanced
+    timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the group
 
 
 @dataclass
@@ -126,6 +136,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def register_configs() -> None:
@@ -141,24 +152,20 @@ def dp_size(cfg: Config, world_size: int) -> int:
     return world_size // (cfg.tp * cfg.pp)
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Check every cross-field rule; raise ConfigError on the first violation.
+def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None) -> List[str]:
+    """Check every cross-field rule; raise ConfigError on the first violation, return the
+    warnings (legal but probably unintended settings) for the caller to print.
 
-    Runs before any process group is created or any file is written.
+    Runs before any process group is created or any file is written. `local_gpus` is the
+    number of GPUs of one node (None on CPU).
     """
     m, t, o = cfg.model, cfg.train, cfg.optim
+    warnings: List[str] = []
     if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
         _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
               f"positive tp, pp; choose tp and pp whose product divides {world_size}")
-    for key, value, ok in (("tp", cfg.tp, SUPPORTED_TP), ("pp", cfg.pp, SUPPORTED_PP)):
-        if value not in ok:
-            _fail(key, value, f"not implemented yet (supported: {list(ok)}); "
-                  f"{'tensor' if key == 'tp' else 'pipeline'} parallelism lands with its own issue")
     if cfg.zero not in (0, 1, 2, 3):
         _fail("zero", cfg.zero, "ZeRO stage must be one of 0, 1, 2, 3")
-    if cfg.zero not in SUPPORTED_ZERO:
-        _fail("zero", cfg.zero, f"not implemented yet (supported: {list(SUPPORTED_ZERO)}); "
-              "ZeRO stages 1-3 land with the ZeRO issue")
     if cfg.sp and cfg.tp == 1:
         _fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
     dp = dp_size(cfg, world_size)
@@ -169,21 +176,58 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
         if getattr(m, key) < 1:
             _fail(f"model.{key}", getattr(m, key), "must be a positive integer")
+    if m.n_inner is not None and m.n_inner < 1:
+        _fail("model.n_inner", m.n_inner, "must be a positive integer or null (= 4 * n_embd)")
     if m.n_embd % m.n_head != 0:
         _fail("model.n_head", m.n_head, f"must divide model.n_embd={m.n_embd}")
+    if m.n_head % cfg.tp:
+        _fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
+    if m.n_embd % cfg.tp:
+        _fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
+    if m.ffn_size % cfg.tp:
+        _fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
+    if local_gpus is not None and cfg.tp > local_gpus:
+        warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
+                        "group's all-reduces in every layer will cross the inter-node network "
+                        "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if not 0.0 <= getattr(m, key) < 1.0:
             _fail(f"model.{key}", getattr(m, key), "dropout probability must be in [0, 1)")
     if t.seq_len < 1 or t.seq_len > m.n_positions:
         _fail("train.seq_len", t.seq_len,
               f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise n_positions")
+    if cfg.sp and t.seq_len % cfg.tp:
+        _fail("train.seq_len", t.seq_len, f"with sp=true must be divisible by tp={cfg.tp} "
+              f"(each TP rank holds seq_len/tp positions); e.g. {t.seq_len - t.seq_len % cfg.tp}")
     if t.micro_batch_size < 1:
         _fail("train.micro_batch_size", t.micro_batch_size, "must be a positive integer")
     if t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp) != 0:
         good = t.micro_batch_size * dp
         _fail("train.global_batch_size", t.global_batch_size,
               f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp} = {good} "
-              f"(e.g. {good * max(1, round(t.global_batch_size / good))})")
+              f"(e.g. {good * max(1, round(t.global_batch_size / good))}); the number of "
+              "micro-batches per step m = global_batch_size / (micro_batch_size*dp) must be >= 1")
+    if cfg.pp > m.n_layer:
+        _fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
+              f"leave a stage with no block; use pp <= {m.n_layer}")
+    edge = cfg.parallel.edge_stage_layers
+    if edge is not None:
+        rest = m.n_layer - 2 * edge
+        if cfg.pp < 2 or edge < 1 or rest < cfg.pp - 2 or (cfg.pp == 2 and rest != 0):
+            _fail("parallel.edge_stage_layers", edge,
+                  f"with pp={cfg.pp} and model.n_layer={m.n_layer} every stage needs at least one "
+                  "block and the blocks must add up; use null (balanced) or a value k with "
+                  f"2k + (pp-2) <= n_layer (and 2k = n_layer for pp=2)")
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if cfg.pp > 1 and num_micro < cfg.pp:
+        bubble = (cfg.pp - 1) / (num_micro + cfg.pp - 1)
+        warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
+                        f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
+                        f"((p-1)/(m+p-1)); raise train.global_batch_size or lower "
+                        "train.micro_batch_size")
+    if cfg.zero > 0 and dp == 1:
+        warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
+                        "changes no memory and only adds copies); use zero=0 or more ranks")
     if t.max_steps < 1:
         _fail("train.max_steps", t.max_steps, "must be a positive integer")
     if t.eval_every < 0 or t.eval_steps < 1:
@@ -199,6 +243,10 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
     if o.grad_clip < 0 or o.weight_decay < 0:
         _fail("optim.grad_clip/weight_decay", (o.grad_clip, o.weight_decay), "must be >= 0")
+    if cfg.parallel.bucket_mb <= 0:
+        _fail("parallel.bucket_mb", cfg.parallel.bucket_mb, "must be > 0 (e.g. 25)")
+    if cfg.parallel.timeout_s <= 0:
+        _fail("parallel.timeout_s", cfg.parallel.timeout_s, "must be > 0 seconds (e.g. 600)")
     if cfg.log.wandb not in ("auto", "true", "offline", "false"):
         _fail("log.wandb", cfg.log.wandb, "use auto, true, offline or false")
     if cfg.log.every < 1:
@@ -211,6 +259,11 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
         _fail("checkpoint.resume", cfg.checkpoint.resume,
               "use none, auto, or the path of an existing checkpoint directory")
+    return warnings
+
+
+def num_micro_batches(cfg: Config, world_size: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size(cfg, world_size))
 
 
 def to_config(node) -> Config:

@@ -6,7 +6,6 @@ and no process group is created.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,13 +22,8 @@ from megalite.parallel.topology import Topology, build_topology
 class Runtime:
     topology: Topology
     device: torch.device
-    compute_dtype: torch.dtype  # autocast dtype; float32 = no autocast
-
-    def autocast(self):
-        """bf16 autocast for forward passes; master weights and optimizer state stay fp32."""
-        if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+    compute_dtype: torch.dtype  # dtype of the model's parameters and activations; the
+    #                             optimizer's master weights and moments are always fp32
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -38,6 +32,11 @@ class Runtime:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_gpus() -> Optional[int]:
+    """GPUs of this node (None without CUDA), for validating the TP size before launch."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
 def pick_device(setting: str, local_rank: int) -> torch.device:
@@ -55,7 +54,7 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def init_runtime(cfg: Config, timeout_s: float = 600.0) -> Runtime:
+def init_runtime(cfg: Config) -> Runtime:
     """Create the process group (if launched with WORLD_SIZE > 1 or under torchrun) and the
     topology. `cfg` must already be validated."""
     world = world_size_from_env()
@@ -64,8 +63,9 @@ def init_runtime(cfg: Config, timeout_s: float = 600.0) -> Runtime:
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    topo = build_topology(cfg.tp, cfg.pp, dp_size(cfg, world))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                                **kwargs)
+    topo = build_topology(cfg.tp, cfg.pp, dp_size(cfg, world), timeout_s=cfg.parallel.timeout_s)
     return Runtime(topology=topo, device=device, compute_dtype=compute_dtype(cfg.precision, device))
 
 

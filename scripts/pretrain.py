@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from megalite.config import ConfigError, register_configs, resolve_path, to_config, validate  # noqa: E402
 from megalite.data.loader import DataError, TokenShards, check_vocab  # noqa: E402
-from megalite.runtime import init_runtime, shutdown, world_size_from_env  # noqa: E402
+from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env  # noqa: E402
 from megalite.train.trainer import Trainer, broadcast_run_dir  # noqa: E402
 
 register_configs()
@@ -38,13 +38,16 @@ def keep_hydra_output_on_rank0() -> None:
 def main(node) -> None:
     cfg = to_config(node)
     try:
-        validate(cfg, world_size_from_env())
+        warnings = validate(cfg, world_size_from_env(), local_gpus())
         shards = TokenShards(resolve_path(cfg.data.dir), "train")
         TokenShards(resolve_path(cfg.data.dir), "val")
         check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
     except (ConfigError, DataError) as e:
         print(f"megalite: bad configuration: {e}", file=sys.stderr)
         sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for w in warnings:
+            print(f"megalite: warning: {w}", file=sys.stderr)
     runtime = init_runtime(cfg)
     run_dir = broadcast_run_dir(Path(HydraConfig.get().runtime.output_dir).resolve())
     if runtime.topology.rank == 0:

@@ -41,9 +41,13 @@ def bad(overrides, world_size=1):
     (["train.seq_len=512"], 1, "train.seq_len=512"),
     (["train.global_batch_size=30"], 1, "train.global_batch_size=30"),
     (["train.global_batch_size=32"], 3, "micro_batch_size*dp = 8*3 = 24"),
-    (["tp=2"], 2, "tp=2: not implemented yet"),
-    (["pp=2"], 2, "pp=2: not implemented yet"),
-    (["zero=1"], 2, "zero=1: not implemented yet"),
+    (["tp=3"], 3, "tp=3: must divide model.n_head=4"),
+    (["tp=2", "model.n_inner=131"], 2, "MLP size 131"),
+    (["tp=2", "sp=true", "train.seq_len=127"], 2, "train.seq_len=127: with sp=true"),
+    (["pp=5"], 5, "pp=5: more pipeline stages than blocks"),
+    (["pp=2", "parallel.edge_stage_layers=1"], 2, "parallel.edge_stage_layers=1"),
+    (["pp=3", "parallel.edge_stage_layers=2"], 3, "parallel.edge_stage_layers=2"),
+    (["parallel.bucket_mb=0"], 1, "parallel.bucket_mb=0"),
     (["zero=5"], 1, "zero=5"),
     (["sp=true"], 1, "sp=True"),
     (["model.n_head=3"], 1, "model.n_head=3"),
@@ -85,3 +89,14 @@ def test_wandb_auto_is_offline_without_credentials(monkeypatch, tmp_path):
     assert wandb_mode("auto") == "online"
     monkeypatch.setenv("WANDB_API_KEY", "k")
     assert wandb_mode("false") is None and wandb_mode("offline") == "offline"
+
+
+def test_warnings_for_legal_but_wasteful_settings():
+    assert validate(load_config(), 1) == []
+    (w,) = validate(load_config(["pp=4", "train.global_batch_size=16"]), 4)
+    assert "m = global_batch_size/(micro_batch_size*dp) = 2 micro-batches < pp=4" in w
+    assert "60%" in w  # (p-1)/(m+p-1) = 3/5
+    (w,) = validate(load_config(["zero=1"]), 1)
+    assert "zero=1 with a data-parallel size of 1" in w
+    (w,) = validate(load_config(["tp=4"]), 4, local_gpus=2)
+    assert "tp=4 is larger than the 2 GPUs of one node" in w

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ConfigError, ModelConfig
-from megalite.model.gpt2 import GPT2, count_parameters, flops_per_token
+from megalite.model.gpt2 import GPT2, count_parameters, flops_per_token, num_parameters
 from megalite.model.hf import from_hf_state_dict, hf_config, load_hf_state_dict, save_hf
+from megalite.model.init import init_parameters, load_global_state
 
 SMALL = ModelConfig(name="t", n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=211,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -27,7 +28,7 @@ def hf_model(cfg, seed=0):
 def test_logits_and_loss_match_hf(cfg):
     hf = hf_model(cfg)
     ours = GPT2(cfg).eval()
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
+    load_global_state(ours, from_hf_state_dict(hf.state_dict()))
     ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids, labels=ids)
@@ -43,8 +44,9 @@ def test_logits_and_loss_match_hf(cfg):
 def test_parameter_count_matches_hf_and_embedding_is_tied():
     hf = hf_model(SMALL)
     ours = GPT2(SMALL)
-    assert count_parameters(ours) == sum(p.numel() for p in hf.parameters())
+    assert count_parameters(ours) == sum(p.numel() for p in hf.parameters()) == num_parameters(SMALL)
     assert ours.lm_head.weight is ours.transformer.wte.weight
+    assert ours.transformer.wte.weight.shape == (256, SMALL.n_embd)  # vocab 211 padded to 128
 
 
 def test_gpt2_presets_have_hf_parameter_counts():
@@ -55,39 +57,55 @@ def test_gpt2_presets_have_hf_parameter_counts():
                 "gpt2-xl": 1_557_611_200}
     for name, n in expected.items():
         m = load_config([f"model={name}"]).model
+        assert num_parameters(m) == n, name
         with torch.device("meta"):
             assert count_parameters(GPT2(m)) == n, name
 
 
 def test_init_statistics():
     cfg = ModelConfig(n_layer=8, n_embd=256, n_head=4, vocab_size=1000)
-    torch.manual_seed(0)
     m = GPT2(cfg)
+    init_parameters(m, seed=0)
     std = lambda t: t.float().std().item()
-    assert std(m.transformer.h[0].attn.c_attn.weight) == pytest.approx(0.02, rel=0.05)
-    assert std(m.transformer.h[0].mlp.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert std(m.transformer.h[0].attn.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert m.transformer.h[0].ln_1.weight.eq(1).all() and m.transformer.h[0].attn.c_attn.bias.eq(0).all()
+    h0 = m.transformer.h["0"]
+    assert std(h0.attn.c_attn.weight) == pytest.approx(0.02, rel=0.05)
+    assert std(h0.mlp.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert std(h0.attn.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert h0.ln_1.weight.eq(1).all() and h0.attn.c_attn.bias.eq(0).all()
+    assert m.transformer.wte.weight[1000:].eq(0).all()  # vocabulary padding rows
+
+
+def test_init_is_independent_of_construction_order():
+    """Each tensor's initial value depends only on the seed and its global name."""
+    a = GPT2(SMALL)
+    init_parameters(a, seed=5)
+    b = GPT2(SMALL, blocks=range(1, 3), first=False, last=True)  # a later pipeline stage
+    init_parameters(b, seed=5)
+    for name, p in b.named_parameters():
+        ref = dict(a.named_parameters())["transformer.wte.weight" if name == "lm_head.weight" else name]
+        assert torch.equal(p, ref), name
 
 
 def test_flops_per_token_formula():
     cfg = SMALL
-    n_matmul = count_parameters(GPT2(cfg)) - cfg.n_positions * cfg.n_embd
+    n_matmul = num_parameters(cfg) - cfg.n_positions * cfg.n_embd
     assert flops_per_token(cfg, 32) == 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * 32
 
 
 def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    torch.manual_seed(3)
     ours = GPT2(SMALL)
-    save_hf(ours.state_dict(), SMALL, tmp_path / "hf")
+    init_parameters(ours, seed=3)
+    state = {spec.name: spec.unshard([p.detach()]) for (name, p), spec in
+             zip(ours.named_parameters(), ours.param_specs.values())}
+    save_hf(state, SMALL, tmp_path / "hf")
     back = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, SMALL.vocab_size, (1, 9))
     with torch.no_grad():
         assert (back(ids).logits - ours.eval()(ids)).abs().max() <= 1e-5
     loaded = load_hf_state_dict(str(tmp_path / "hf"), SMALL)
-    for k, v in ours.state_dict().items():
+    for k, v in state.items():
         assert torch.equal(loaded[k], v), k
     wrong = ModelConfig(**{**SMALL.__dict__, "n_layer": 4})
     with pytest.raises(ConfigError, match="model.n_layer=4"):

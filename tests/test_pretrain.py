@@ -93,8 +93,10 @@ def test_two_ranks_under_torchrun_equal_one(tiny_data, tmp_path):
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    # per step: one fp32 all-reduce of every gradient + one fp64 scalar for the logged loss
-    assert two[0]["comm"]["dp/all_reduce"]["bytes"] == header["parameters"] * 4 + 8
+    # per step: one fp32 all-reduce of every gradient (169,728 parameters: no padding for dp=2);
+    # the averages of logged metrics are not training traffic and are not counted
+    for record in two:
+        assert record["comm"]["dp/all_reduce"]["bytes"] == header["parameters"] * 4
     assert "dp/all_reduce" not in one[0]["comm"]
 
 

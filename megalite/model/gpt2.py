@@ -1,133 +1,278 @@
-"""GPT-2, architecturally identical to `transformers.GPT2LMHeadModel` (Radford et al. 2019).
+"""GPT-2, architecturally identical to `transformers.GPT2LMHeadModel` (Radford et al. 2019),
+built from tensor-parallel layers; one instance is one pipeline stage.
 
 Learned absolute positions, pre-LayerNorm blocks, tanh-approximated GELU, causal attention via
 `scaled_dot_product_attention`, final LayerNorm, LM head tied to the token embedding. Dropout
 sits where HF puts it: after the embedding sum (embd_pdrop), on the attention probabilities
 (attn_pdrop), after each residual branch (resid_pdrop).
 
-Parameter names follow HF (`transformer.h.3.attn.c_attn.weight`, ...) so that `megalite.model.hf`
-is a transpose-only mapping: HF stores Conv1D weights as [in, out], we use nn.Linear [out, in].
+Parallel layout (Megatron): attention is split by heads (fused QKV column-parallel, output
+projection row-parallel), the MLP's fc column-parallel and proj row-parallel, the token
+embedding and LM head split over the (padded) vocabulary with a vocab-parallel cross-entropy.
+Activations are [s, b, h]; with sequence parallelism the residual stream, LayerNorms and dropout
+work on [s/tp, b, h]. A stage holds blocks `blocks` (global indices, so parameter names are the
+HF names: `transformer.h.7.attn.c_attn.weight`), plus the embeddings if it is the first stage
+and ln_f + LM head if it is the last. A last stage that is not also the first holds its own copy
+of the token embedding as `lm_head.weight` (initialised identically; its gradient is summed with
+the first stage's over the embedding group).
 
-Init (GPT-2 paper §2.3, as in HF `_init_weights`): weights N(0, 0.02), biases 0, LayerNorm (1, 0),
-and the residual output projections (`attn.c_proj`, `mlp.c_proj`) N(0, 0.02 / sqrt(2 n_layer)) so
-the residual stream's variance does not grow with depth.
+Each parameter has a `ParamSpec` in `model.param_specs` (global name, global shape, TP split);
+weights use nn.Linear's [out, in] (HF's Conv1D stores [in, out]; `megalite.model.hf` transposes).
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+import contextlib
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.parallel.comm import Group, copy_to_tp, gather_from_seq
+from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
+from megalite.parallel.rng import RNGTracker
+from megalite.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
+                                      VocabParallelEmbedding, gather_vocab, sequence_chunk,
+                                      vocab_parallel_cross_entropy)
+from megalite.parallel.topology import build_topology
+
+RegionFactory = Callable[[], contextlib.AbstractContextManager]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+                 residual_region: RegionFactory):
         super().__init__()
-        self.n_head = cfg.n_head
+        if cfg.n_head % tp_group.size:
+            raise ValueError(f"n_head={cfg.n_head} not divisible by tp={tp_group.size}")
+        self.heads = cfg.n_head // tp_group.size  # heads of this TP rank
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # fused [q | k | v]
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.attn_pdrop = cfg.attn_pdrop
-        self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
+        self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, tp_group, sp)  # [q|k|v]
+        self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_group, sp)
+        self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
+        self.tp_region, self.residual_region = tp_region, residual_region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.c_attn(x).split(h, dim=-1)
-        q, k, v = (t.view(b, s, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_pdrop if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, s, h)
-        return self.resid_dropout(self.c_proj(y))
+        qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
+        with self.tp_region():  # this rank's heads: its own dropout masks
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_pdrop if self.training else 0.0, is_causal=True)
+        y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        with self.residual_region():
+            return F.dropout(y, self.resid_pdrop, self.training)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool,
+                 residual_region: RegionFactory):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, cfg.ffn_size)
-        self.c_proj = nn.Linear(cfg.ffn_size, cfg.n_embd)
-        self.dropout = nn.Dropout(cfg.resid_pdrop)
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, cfg.ffn_size, tp_group, sp)
+        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.n_embd, tp_group, sp)
+        self.resid_pdrop, self.residual_region = cfg.resid_pdrop, residual_region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        with self.residual_region():
+            return F.dropout(y, self.resid_pdrop, self.training)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+                 residual_region: RegionFactory):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_group, sp, residual_region)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
-class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class LMHead(nn.Module):
+    """Holds the output embedding: the first stage's `wte.weight` itself when the stage has
+    both, else a copy (see the module docstring)."""
+
+    def __init__(self, weight: nn.Parameter):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.embd_pdrop)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class GPT2(nn.Module):
-    """GPT-2 LM. `forward(input_ids, labels)` returns the mean token cross-entropy."""
+    """One pipeline stage of GPT-2 (the whole model with the defaults: tp = pp = 1).
 
-    def __init__(self, cfg: ModelConfig):
+    forward(inputs, labels=None):
+      inputs: token ids [b, s] on the first stage, else the previous stage's hidden states.
+      Not the last stage: returns hidden states [s, b, h] ([s/tp, b, h] with SP).
+      Last stage: the mean token cross-entropy with `labels` [b, s]; without labels, the
+      logits [b, s, vocab_size] (gathered over TP, padding removed).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group: Optional[Group] = None,
+                 sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
+                 blocks: Optional[range] = None, first: bool = True, last: bool = True,
+                 recompute: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.transformer = Transformer(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied input/output embedding
-        self.reset_parameters()
+        self.tp_group = tp_group if tp_group is not None else build_topology(1, 1, 1).tp_group
+        self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
+        self.rng, self.recompute = rng, recompute
+        self.first, self.last = first, last
+        self.blocks = blocks if blocks is not None else range(cfg.n_layer)
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.tp_group.size)
+        sp, tp_group = self.sequence_parallel, self.tp_group
+        tp_region = rng.tp_region if rng is not None else contextlib.nullcontext
+        # Dropout on the residual stream: its own masks per TP rank only when SP shards it.
+        residual_region = tp_region if sp else contextlib.nullcontext
+        self.residual_region = residual_region
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = self.cfg.initializer_range
-        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual_out = name.endswith("c_proj")
-                module.weight.normal_(0.0, residual_std if is_residual_out else std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, std)
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
+        self.transformer = nn.Module()
+        if first:
+            self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.n_embd, tp_group, sp)
+            self.transformer.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.transformer.h = nn.ModuleDict(
+            {str(i): Block(cfg, tp_group, sp, tp_region, residual_region) for i in self.blocks})
+        if last:
+            self.transformer.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+            self.lm_head = LMHead(self.transformer.wte.weight if first else nn.Parameter(
+                torch.empty(self.padded_vocab // tp_group.size, cfg.n_embd)))
+        self.param_specs: Dict[str, ParamSpec] = {
+            name: self._spec(name, module) for name, module in self._param_owners().items()}
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    # --- parameter metadata -------------------------------------------------------------
+
+    def _param_owners(self) -> Dict[str, nn.Module]:
+        owners = {}
+        for mod_name, module in self.named_modules():
+            for p_name, _ in module.named_parameters(recurse=False):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                owners[full] = module
+        names = {n for n, _ in self.named_parameters()}  # tied parameter listed once
+        return {n: m for n, m in owners.items() if n in names}
+
+    def _spec(self, name: str, module: nn.Module) -> ParamSpec:
+        cfg, leaf = self.cfg, name.rsplit(".", 1)[-1]
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            return ParamSpec("transformer.wte.weight", (cfg.vocab_size, cfg.n_embd), tp_dim=0,
+                             padded_rows=self.padded_vocab, tied_copy=name == "lm_head.weight")
+        param = getattr(module, leaf)
+        tp = self.tp_group.size
+        if isinstance(module, ColumnParallelLinear):
+            interleave = 3 if name.endswith("c_attn." + leaf) else 1
+            shape = (param.shape[0] * tp, *param.shape[1:])
+            return ParamSpec(name, shape, tp_dim=0, tp_interleave=interleave)
+        if isinstance(module, RowParallelLinear) and leaf == "weight":
+            return ParamSpec(name, (param.shape[0], param.shape[1] * tp), tp_dim=1)
+        return ParamSpec(name, tuple(param.shape))  # replicated over TP
+
+    def sharding_units(self) -> List[nn.Module]:
+        """The modules ZeRO-3 gathers one at a time, in forward order."""
         t = self.transformer
-        s = input_ids.shape[1]
+        units = [t.wte, t.wpe] if self.first else []
+        units += list(t.h.values())
+        if self.last:
+            units += [t.ln_f, self.lm_head]
+        return units
+
+    # --- forward ------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+        s = ids.shape[1]
         if s > self.cfg.n_positions:
             raise ValueError(f"sequence length {s} > model.n_positions={self.cfg.n_positions}")
-        pos = torch.arange(s, device=input_ids.device)
-        x = t.drop(t.wte(input_ids) + t.wpe(pos))
-        for block in t.h:
-            x = block(x)
-        return t.ln_f(x)
+        t = self.transformer
+        x = t.wte(ids.t())
+        chunk = sequence_chunk(s, self.tp_group, self.sequence_parallel)
+        pos = torch.arange(chunk.start, chunk.stop, device=ids.device)
+        x = x + t.wpe(pos).unsqueeze(1)
+        with self.residual_region():
+            return F.dropout(x, self.cfg.embd_pdrop, self.training)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None
+    def _run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        if not (self.recompute and self.training and torch.is_grad_enabled()):
+            return block(x)
+        return recompute_block(block, x, self.rng)
+
+    def logits_local(self, x: torch.Tensor) -> torch.Tensor:
+        """Last stage: ln_f and the LM head -> this rank's vocabulary slice [s, b, V/tp]."""
+        x = self.transformer.ln_f(x)
+        x = gather_from_seq(x, self.tp_group) if self.sequence_parallel \
+            else copy_to_tp(x, self.tp_group)
+        return self.lm_head(x)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]."""
+        per_token = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1), self.tp_group,
+            self.tp_group.rank * logits.shape[-1], self.cfg.vocab_size)
+        return per_token.mean()
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
-        """Logits [b, s, vocab] without labels; mean cross-entropy over all tokens with them."""
-        logits = self.lm_head(self.hidden_states(input_ids))
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        x = self.embed(inputs) if self.first else inputs
+        for block in self.transformer.h.values():
+            x = self._run_block(block, x)
+        if not self.last:
+            return x
+        logits = self.logits_local(x)
+        if labels is not None:
+            return self.loss(logits, labels)
+        return gather_vocab(logits, self.tp_group, self.cfg.vocab_size).transpose(0, 1)
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Unique parameters (the tied embedding counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def recompute_block(block: nn.Module, x: torch.Tensor, rng: Optional[RNGTracker]
+                    ) -> torch.Tensor:
+    """Activation recomputation (Chen et al. 2016; Korthikanti 2022 "full" recompute): keep only
+    the block's input and re-run its forward during backward. torch's checkpoint restores the
+    default (replicated) RNG stream for the re-run; the TP stream is restored here, so the
+    re-run draws the same dropout masks, and put back afterwards so later forwards continue
+    their own stream."""
+    if rng is None:
+        return checkpoint(block, x, use_reentrant=False)
+    snapshot = rng.tp_state()
+    calls = [0]
+
+    def run(inp: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 1:
+            return block(inp)
+        current = rng.tp_state()
+        rng.set_tp_state(snapshot)
+        try:
+            return block(inp)
+        finally:
+            rng.set_tp_state(current)
+
+    return checkpoint(run, x, use_reentrant=False)
+
+
+def count_parameters(model: GPT2) -> int:
+    """Parameters of the global model held (in part) by this stage, each counted once, without
+    vocabulary padding: for tp = pp = 1, GPT2LMHeadModel's count."""
+    return sum(_numel(s.shape) for s in model.param_specs.values() if not s.tied_copy)
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the whole model (tied embedding once, no padding)."""
+    h, f = cfg.n_embd, cfg.ffn_size
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+    return cfg.n_layer * block + 2 * h + cfg.vocab_size * h + cfg.n_positions * h
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
@@ -138,7 +283,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     6N = forward (2N) + backward (4N); 12·L·h·s = the attention score and value matmuls
     (QK^T and AV, forward + backward) not covered by N.
     """
-    h, L, f, v = cfg.n_embd, cfg.n_layer, cfg.ffn_size, cfg.vocab_size
-    block = 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-    n = L * block + 2 * h + v * h
-    return 6 * n + 12 * L * h * seq_len
+    n = num_parameters(cfg) - cfg.n_positions * cfg.n_embd
+    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len

@@ -32,22 +32,20 @@ def hf_config(cfg: ModelConfig):
 
 
 def from_hf_state_dict(hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel state -> megalite's global state (same names, nn.Linear layout,
+    one copy of the tied embedding)."""
     out = {}
     for name, t in hf_sd.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
             continue
         out[name] = t.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else t
-    out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
 def to_hf_state_dict(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    out = {}
-    for name, t in sd.items():
-        if name == "lm_head.weight":
-            continue
-        out[name] = t.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else t.contiguous()
-    return out
+    """megalite's global state -> GPT2LMHeadModel names and Conv1D layout."""
+    return {name: t.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else t.contiguous()
+            for name, t in sd.items()}
 
 
 def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:

@@ -8,7 +8,7 @@ it, using the standard ring costs (Patarasuk & Yuan 2009; as in NCCL's busbw):
     reduce_scatter    (N - 1) / N * S        (S = full, unscattered input bytes)
     all_gather        (N - 1) / N * S        (S = full, gathered output bytes)
     broadcast         (N - 1) / N * S        (pipelined ring)
-    send              S
+    send              S                      (pipeline point-to-point)
 
 A group of size 1 communicates nothing and records nothing. The counters live in the
 `CommCounter` owned by the `Topology`; no module state.
@@ -77,42 +77,61 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce."""
+# torch >= 2.12 renamed the tensor-based collectives; older releases (e.g. the CUDA images' 2.11)
+# have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Done:
+    """The `Work` of a collective that needed no communication (a group of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce. Returns the tensor, or a Work to wait on with async_op=True."""
     if group.size > 1:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _nbytes(tensor)
         group.counter.record(group.name, "all_reduce", nbytes, 2 * _ring(group.size) * nbytes)
-        dist.all_reduce(tensor, op=op, group=group.pg)
-    return tensor
+        work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
+        if async_op:
+            return work
+    return _Done() if async_op else tensor
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
-                   op=dist.ReduceOp.SUM) -> torch.Tensor:
+                   op=dist.ReduceOp.SUM, async_op: bool = False):
     """output (1/N of input, along dim 0) = this rank's chunk of the sum of inputs."""
     if group.size == 1:
         output.copy_(input)
-        return output
-    nbytes = input.numel() * input.element_size()
+        return _Done() if async_op else output
+    nbytes = _nbytes(input)
     group.counter.record(group.name, "reduce_scatter", nbytes, _ring(group.size) * nbytes)
-    dist.reduce_scatter_tensor(output, input, op=op, group=group.pg)
-    return output
+    work = _reduce_scatter_single(output, input, op=op, group=group.pg, async_op=async_op)
+    return work if async_op else output
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group) -> torch.Tensor:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
     """output (N x input, along dim 0) = concatenation of every rank's input."""
     if group.size == 1:
         output.copy_(input)
-        return output
-    nbytes = output.numel() * output.element_size()
+        return _Done() if async_op else output
+    nbytes = _nbytes(output)
     group.counter.record(group.name, "all_gather", nbytes, _ring(group.size) * nbytes)
-    dist.all_gather_into_tensor(output, input, group=group.pg)
-    return output
+    work = _all_gather_single(output, input, group=group.pg, async_op=async_op)
+    return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:
     """Broadcast from the group member with index `src_index` (not a global rank)."""
     if group.size > 1:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _nbytes(tensor)
         group.counter.record(group.name, "broadcast", nbytes, _ring(group.size) * nbytes)
         dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
     return tensor
@@ -124,3 +143,121 @@ def all_reduce_scalars(values: List[float], group: Group, op=dist.ReduceOp.SUM,
     t = torch.tensor(values, dtype=torch.float64, device=device)
     all_reduce(t, group, op=op)
     return t.tolist()
+
+
+def send_recv(sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Tensor, int]],
+              group: Group) -> None:
+    """Batched point-to-point: post every isend and irecv at once (so two neighbours that
+    exchange tensors cannot deadlock), then wait for all. Peers are indices into `group`."""
+    ops = [dist.P2POp(dist.isend, t, group.ranks[peer], group=group.pg) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, group.ranks[peer], group=group.pg) for t, peer in recvs]
+    for t, _ in sends:
+        group.counter.record(group.name, "send", _nbytes(t), _nbytes(t))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+# --- autograd regions for tensor / sequence parallelism (Shoeybi 2019; Korthikanti 2022) -------
+#
+#   function               forward                          backward
+#   copy_to_tp (f)         identity                         all-reduce
+#   reduce_from_tp (g)     all-reduce                       identity
+#   scatter_to_seq         keep this rank's sequence chunk  all-gather along the sequence
+#   gather_from_seq        all-gather along the sequence    reduce-scatter along the sequence
+#   reduce_scatter_to_seq  reduce-scatter along sequence    all-gather along the sequence
+#
+# Activations are [s, b, h]: the sequence is dim 0, so its chunks are contiguous and map
+# directly onto all_gather / reduce_scatter of flat tensors.
+
+
+def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = torch.empty((x.shape[0] * group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return all_gather(out, x.contiguous(), group)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if x.shape[0] % group.size:
+        raise ValueError(f"sequence length {x.shape[0]} not divisible by tp={group.size}")
+    out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return reduce_scatter(out, x.contiguous(), group)
+
+
+def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if x.shape[0] % group.size:
+        raise ValueError(f"sequence length {x.shape[0]} not divisible by tp={group.size}")
+    return x.chunk(group.size, dim=0)[group.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ScatterToSeq.apply(x, group)
+
+
+def gather_from_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherFromSeq.apply(x, group)
+
+
+def reduce_scatter_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceScatterToSeq.apply(x, group)

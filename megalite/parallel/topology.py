@@ -3,17 +3,17 @@
     rank = tp_rank + tp * (pp_rank + pp * dp_rank)          # [TP, PP, DP], TP innermost
 
 so the TP group of a rank is a run of consecutive ranks (inside one node), PP spans nearby nodes
-and DP is outermost (Llama 3's network-aware order). Every group is a slice of
-`grid = arange(world).view(dp, pp, tp)`. The `Topology` is created once after
+and DP is outermost (Llama 3's network-aware order). Every group is a slice of the grid
+[dp, pp, tp] of ranks. The `Topology` is created once after
 `init_process_group` and passed explicitly to everything that communicates; nothing reads groups
 from module globals.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from megalite.parallel.comm import CommCounter, Group
@@ -41,12 +41,14 @@ def group_ranks(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
     mp (model parallel = TP x PP, one model replica): sharing dp;
     embedding: first and last pipeline stage of each (tp, dp) (just the stage when pp = 1).
     """
-    grid = torch.arange(tp * pp * dp).view(dp, pp, tp)
+    def grid(t: int, p: int, d: int) -> int:
+        return rank_of(Coords(t, p, d), tp, pp)
+
     out: Dict[str, List[List[int]]] = {
-        "tp": [grid[d, p, :].tolist() for d in range(dp) for p in range(pp)],
-        "pp": [grid[d, :, t].tolist() for d in range(dp) for t in range(tp)],
-        "dp": [grid[:, p, t].tolist() for p in range(pp) for t in range(tp)],
-        "mp": [grid[d].flatten().tolist() for d in range(dp)],
+        "tp": [[grid(t, p, d) for t in range(tp)] for d in range(dp) for p in range(pp)],
+        "pp": [[grid(t, p, d) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "dp": [[grid(t, p, d) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "mp": [[grid(t, p, d) for p in range(pp) for t in range(tp)] for d in range(dp)],
     }
     out["embedding"] = [sorted({r[0], r[-1]}) for r in out["pp"]]
     return out
@@ -106,7 +108,7 @@ class Topology:
 
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
-                   backend_pg_options: Optional[dict] = None) -> Topology:
+                   timeout_s: Optional[float] = None) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
 
     `dist.new_group` is collective over the whole world, so every rank creates every group in
@@ -126,7 +128,8 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
         for ranks in rank_lists:
             pg = None
             if initialized and len(ranks) > 1:
-                pg = dist.new_group(ranks, **(backend_pg_options or {}))
+                kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+                pg = dist.new_group(ranks, **kwargs)
             if rank in ranks:
                 mine = (ranks, pg)
         if mine is not None:

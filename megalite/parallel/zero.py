@@ -1,51 +1,346 @@
-"""Data-parallel engine over the DP group (the outermost dimension of [TP, PP, DP]).
+"""The data-parallel engine: ZeRO stages 0-3 over the DP group (Rajbhandari et al. 2019).
 
-Stage 0 so far: after the last micro-batch of a step, the gradients of all parameters are
-averaged across DP ranks with all-reduces over flat buffers of at most `bucket_bytes`, once per
-optimizer step (never per micro-batch). Overlapping those all-reduces with backward, and ZeRO
-stages 1-3 (sharded optimizer state, gradients, parameters), land with the ZeRO issue.
+Parameters live in flat buffers ("buckets", or per-block "units" for stage 3; see
+`megalite.parallel.flat`). Each DP rank owns one contiguous range of every buffer — the whole
+buffer for stage 0 — and runs AdamW on the fp32 master copy of that range only:
+
+| zero | parameters           | gradients                                   | optimizer (master + moments) |
+|------|----------------------|---------------------------------------------|------------------------------|
+| 0    | full                 | full; all-reduce per bucket                 | full                         |
+| 1    | full                 | full; reduce-scatter per bucket             | own range                    |
+| 2    | full                 | own range; reduce-scatter every micro-batch | own range                    |
+| 3    | own range; gathered  | own range; reduce-scatter every micro-batch | own range                    |
+|      | per block on demand  |                                             |                              |
+
+Gradients reach the engine through post-accumulate-grad hooks: each parameter's gradient is
+added (in fp32) into its bucket's flat gradient and released; when the last parameter of a
+bucket has reported, the bucket's collective is launched asynchronously, so communication
+overlaps the rest of the backward pass. Stages 0 and 1 accumulate micro-batches locally and
+communicate once per optimizer step, during the last micro-batch's backward; stages 2 and 3 keep
+no full gradient and reduce-scatter after every micro-batch.
+
+After the reductions, on the owned range only: gradients of TP-replicated parameters are summed
+over TP when sequence parallelism gave each TP rank part of them, and the two copies of the tied
+embedding (first and last pipeline stage) are summed over the embedding group — the tied
+embedding is a bucket of its own on both stages, so both own the same elements. The global
+gradient norm counts each element once: TP-replicated pieces on TP rank 0, the tied copy not at
+all, DP ranges summed over DP (stages 1-3) — so clipping equals the serial run.
+
+After the optimizer step the fp32 master range is copied into the model-dtype parameters; stages
+1 and 2 all-gather the updated ranges, stage 3 keeps its range (see `megalite.parallel.zero3`).
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+import torch.nn as nn
 
+from megalite.config import OptimConfig
 from megalite.parallel import comm
-from megalite.parallel.comm import Group
+from megalite.parallel.flat import FlatLayout, Segment
+from megalite.parallel.topology import Topology
 
 
-def _buckets(tensors: List[torch.Tensor], bucket_bytes: int) -> List[List[torch.Tensor]]:
-    out: List[List[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not out or size + nbytes > bucket_bytes or out[-1][0].dtype != t.dtype:
-            out.append([])
-            size = 0
-        out[-1].append(t)
-        size += nbytes
-    return out
+class Bucket:
+    """One flat buffer of parameters with its gradient and master-weight state."""
+
+    def __init__(self, names: List[str], params: List[nn.Parameter], specs, topo: Topology,
+                 zero: int, param_dtype: torch.dtype, tied: bool = False):
+        group = topo.dp_group
+        self.group, self.zero, self.tied = group, zero, tied
+        self.layout = FlatLayout(names, params, specs, shards=group.size)
+        padded = self.layout.padded_numel
+        self.lo, self.hi = (0, padded) if zero == 0 else self.layout.shard_range(group.rank)
+        device = params[0].device
+        values = torch.zeros(padded, dtype=torch.float32, device=device)
+        for view, p in zip(self.layout.views(values), params):
+            view.copy_(p.detach())
+        self.param_full = values.to(param_dtype) if param_dtype != torch.float32 else values
+        if zero < 3:
+            self.param_region = self.param_full[self.lo:self.hi]
+        else:
+            self.param_region = self.param_full[self.lo:self.hi].clone()
+        for view, p in zip(self.layout.views(self.param_full), params):
+            p.data = view
+        self.main = self.param_region if param_dtype == torch.float32 \
+            else values[self.lo:self.hi].clone()
+        self.grad_full: Optional[torch.Tensor] = None
+        if zero <= 1:
+            self.grad_full = torch.zeros(padded, dtype=torch.float32, device=device)
+            self.main_grad = self.grad_full[self.lo:self.hi]
+        else:
+            self.main_grad = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
+        self.segments: List[Segment] = self.layout.segments(self.lo, self.hi)
+        self.reported = 0
+        self._temp: Optional[torch.Tensor] = None  # zero 2/3: this backward's full gradient
+        self._work = None
+        self._out: Optional[torch.Tensor] = None
+        self._pending: List[Tuple[object, torch.Tensor]] = []
+        self.launched = False
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        return self.layout.params
+
+    def region_view(self, flat: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """`seg`'s elements in a tensor that holds this rank's range [lo, hi)."""
+        return flat[seg.flat_lo - self.lo:seg.flat_hi - self.lo]
+
+    # --- gradients ----------------------------------------------------------------------
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self.grad_full is not None:
+            target = self.grad_full
+        else:
+            if self._temp is None:
+                self._temp = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
+                                         device=grad.device)
+            target = self._temp
+        off = self.layout.offsets[index]
+        target[off:off + grad.numel()].add_(grad.reshape(-1))
+
+    def launch(self) -> None:
+        """Start this bucket's DP reduction (the gradient of the mean over DP ranks)."""
+        n = self.group.size
+        self.launched = True
+        if self.zero == 0:
+            self.grad_full.div_(n)
+            self._work = comm.all_reduce(self.grad_full, self.group, async_op=True)
+        elif self.zero == 1:
+            self.grad_full.div_(n)
+            self._out = torch.empty_like(self.main_grad)
+            self._work = comm.reduce_scatter(self._out, self.grad_full, self.group, async_op=True)
+        else:
+            if self._temp is None:  # no gradient reached this bucket: reduce zeros
+                self._temp = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
+                                         device=self.main_grad.device)
+            self._temp.div_(n)
+            out = torch.empty_like(self.main_grad)
+            self._pending.append(
+                (comm.reduce_scatter(out, self._temp, self.group, async_op=True), out))
+            self._temp = None
+
+    def complete(self) -> None:
+        """Wait for launched reductions and fold their results into `main_grad`."""
+        if self.zero <= 1:
+            if self._work is not None:
+                self._work.wait()
+                if self.zero == 1:
+                    self.grad_full[self.lo:self.hi].copy_(self._out)
+                self._work, self._out = None, None
+        else:
+            for work, out in self._pending:
+                work.wait()
+                self.main_grad.add_(out)
+            self._pending = []
+        self.launched = False
+
+    def zero_grad(self) -> None:
+        (self.grad_full if self.grad_full is not None else self.main_grad).zero_()
+
+    # --- parameters ---------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """Master range -> model-dtype parameters; stages 1-2 gather every rank's range."""
+        if self.main is not self.param_region:
+            self.param_region.copy_(self.main)
+        if self.zero in (1, 2):
+            comm.all_gather(self.param_full, self.param_region, self.group)
 
 
-class DataParallelGrads:
-    """Averages gradients over the DP group: grad = (1/N) sum over replicas."""
+class ZeroEngine:
+    """Owns the parameters, gradients and optimizer state of one model stage on one rank."""
 
-    def __init__(self, params: List[torch.nn.Parameter], dp_group: Group,
-                 bucket_bytes: int = 25 * 2**20):
-        self.params = [p for p in {id(p): p for p in params}.values() if p.requires_grad]
-        self.group = dp_group
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, model: nn.Module, topo: Topology, zero: int, optim: OptimConfig,
+                 param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
+                 sequence_parallel: bool = False, reshard_after_forward: bool = True):
+        self.topo, self.zero, self.model = topo, zero, model
+        self.sequence_parallel = sequence_parallel and topo.tp > 1
+        named = list(model.named_parameters())
+        specs = model.param_specs
+        if zero == 3:
+            from megalite.parallel.zero3 import unit_groups
+
+            groups = unit_groups(model)
+        else:
+            groups = bucket_groups(named, specs, bucket_mb * 2**20 / 4, tied_alone=topo.pp > 1)
+        params = dict(named)
+        self.buckets: List[Bucket] = []
+        for names in groups:
+            tied = any(specs[n].name == "transformer.wte.weight" for n in names) and topo.pp > 1
+            self.buckets.append(Bucket(names, [params[n] for n in names],
+                                       [specs[n] for n in names], topo, zero, param_dtype, tied))
+        self._where: Dict[nn.Parameter, Tuple[Bucket, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.sync_grads = True  # stages 0-1: is this backward the step's last micro-batch?
+        self.zero3 = None
+        if zero == 3:
+            from megalite.parallel.zero3 import Zero3Gathering
+
+            self.zero3 = Zero3Gathering(model, self, reshard_after_forward)
+        self._build_optimizer(optim)
+
+    # --- optimizer ----------------------------------------------------------------------
+
+    def _build_optimizer(self, cfg: OptimConfig) -> None:
+        """AdamW over the owned segments of every bucket: one leaf tensor per piece of a
+        parameter, a view of the fp32 master range, its gradient a view of `main_grad`."""
+        decay, no_decay = [], []
+        self.main_params: List[Tuple[nn.Parameter, Segment, Bucket]] = []
+        for b in self.buckets:
+            for seg in b.segments:
+                piece = nn.Parameter(b.region_view(b.main, seg))
+                piece.grad = b.region_view(b.main_grad, seg)
+                (decay if seg.spec.weight_decay else no_decay).append(piece)
+                self.main_params.append((piece, seg, b))
+        device = self.buckets[0].main.device
+        extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),
+                                           eps=cfg.eps, **extra)
+        tp_rank = self.topo.coords.tp
+        self._norm_grads = [p.grad for p, seg, _ in self.main_params
+                            if not seg.spec.tied_copy and (tp_rank == 0 or not seg.spec.tp_replicated)]
+        self._all_grads = [p.grad for p, _, _ in self.main_params]
+
+    # --- gradient flow ------------------------------------------------------------------
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        bucket, index = self._where[p]
+        bucket.add_grad(index, p.grad)
+        p.grad = None
+        bucket.reported += 1
+        if bucket.reported == len(bucket.params):
+            bucket.reported = 0
+            if self.zero >= 2 or self.sync_grads:
+                bucket.launch()
+            if self.zero3 is not None:
+                self.zero3.after_backward(bucket)
+
+    def set_grad_sync(self, final_micro_batch: bool) -> None:
+        """Tell stages 0-1 whether the coming backward is the step's last micro-batch."""
+        self.sync_grads = final_micro_batch
+
+    def finish_grad_sync(self) -> None:
+        """After the step's last backward: every bucket's gradient reduced over DP (and TP /
+        the embedding group where needed) on this rank's range."""
+        for b in self.buckets:
+            if self.zero <= 1 and not b.launched:
+                b.launch()  # a bucket no gradient reached this step (reduces zeros)
+            b.complete()
+        if self.sequence_parallel:
+            pieces = [b.region_view(b.main_grad, s) for b in self.buckets for s in b.segments
+                      if s.spec.tp_replicated]
+            if pieces:
+                flat = torch.cat(pieces)
+                comm.all_reduce(flat, self.topo.tp_group)
+                torch._foreach_copy_(pieces, list(flat.split([p.numel() for p in pieces])))
+        for b in self.buckets:
+            if b.tied:
+                comm.all_reduce(b.main_grad, self.topo.embedding_group)
+        if self.zero3 is not None:
+            self.zero3.end_of_step()
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradient of the whole model (see the module docstring)."""
+        device = self.buckets[0].main_grad.device
+        if self._norm_grads:
+            sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(self._norm_grads)]).sum()
+        else:
+            sq = torch.zeros((), device=device)
+        if self.zero >= 1:
+            comm.all_reduce(sq, self.topo.dp_group)
+        comm.all_reduce(sq, self.topo.mp_group)
+        return sq.sqrt()
+
+    def clip_and_step(self, lr: float, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping (no-op when max_norm = 0), AdamW on the owned ranges, and the
+        parameters brought up to date. Returns the pre-clipping norm."""
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(self._all_grads, coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for b in self.buckets:
+            b.after_step()
+        return norm
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    def release_params(self) -> None:
+        """Stage 3: free every gathered unit (after a forward-only pass)."""
+        if self.zero3 is not None:
+            self.zero3.end_of_step()
+
+    # --- checkpoint restore ---------------------------------------------------------------
+
+    def adam_step(self) -> int:
+        """Optimizer steps taken (AdamW's bias-correction count, the same for every piece)."""
+        for state in self.optimizer.state.values():
+            return int(state["step"])
+        return 0
 
     @torch.no_grad()
-    def sync(self) -> None:
-        if self.group.size == 1:
-            return
-        grads = [p.grad for p in self.params if p.grad is not None]
-        for bucket in _buckets(grads, self.bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
-            comm.all_reduce(flat, self.group)
-            flat.div_(self.group.size)
-            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(synced)
+    def set_optimizer_state(self, piece: nn.Parameter, kind: str, values: torch.Tensor,
+                            step: int) -> None:
+        state = self.optimizer.state[piece]
+        if "step" not in state:
+            fused = bool(self.optimizer.defaults.get("fused"))
+            state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=piece.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(piece, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(piece, memory_format=torch.preserve_format)
+        state[kind].copy_(values)
+
+    @torch.no_grad()
+    def params_from_master(self) -> None:
+        """Model parameters from the (just loaded) master ranges."""
+        for b in self.buckets:
+            b.after_step()
+
+    # --- accounting ---------------------------------------------------------------------
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds for parameters (model dtype; stage 3: its range only),
+        gradients (fp32 accumulation buffers) and optimizer state (Adam moments, plus the fp32
+        master copy where the model is not fp32)."""
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        params = grads = optim = 0
+        for b in self.buckets:
+            params += nbytes(b.param_region if self.zero == 3 else b.param_full)
+            grads += nbytes(b.grad_full if b.grad_full is not None else b.main_grad)
+            if b.main is not b.param_region:
+                optim += nbytes(b.main)
+        for state in self.optimizer.state.values():
+            optim += sum(nbytes(v) for k, v in state.items() if k != "step" and torch.is_tensor(v))
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def bucket_groups(named: List[Tuple[str, nn.Parameter]], specs, bucket_numel: float,
+                  tied_alone: bool) -> List[List[str]]:
+    """Parameter names per bucket: reverse registration order (the order backward produces
+    gradients), closed at `bucket_numel` elements; the tied embedding alone when pipelined."""
+    groups: List[List[str]] = []
+    size = 0.0
+    for name, p in reversed(named):
+        if tied_alone and specs[name].name == "transformer.wte.weight":
+            groups.append([name])
+            size = bucket_numel  # nothing joins the tied bucket
+            continue
+        if not groups or size + p.numel() > bucket_numel:
+            groups.append([])
+            size = 0.0
+        groups[-1].append(name)
+        size += p.numel()
+    return [g for g in groups if g]

@@ -1,17 +1,27 @@
-"""Checkpoint save / resume for replicated layouts (tp = pp = 1, zero = 0).
-
-Layout of one checkpoint:
+"""Sharded, layout-independent checkpoints: written in parallel, loadable under any layout.
 
     <checkpoint.dir>/step_00000100/
-        model.pt            model state (rank 0; every DP replica holds the same)
-        optimizer.pt        AdamW state (rank 0)
-        rng_rank00003.pt    torch / CUDA / numpy / python RNG of each rank
-        meta.json           written last: step, consumed samples, layout, config, file list
+        rank00003.bin       this rank's pieces of global tensors, raw little-endian fp32
+        rng_rank00003.pt    this rank's RNG streams (restored when the layout is unchanged)
+        meta.json           written last by rank 0: step, sampler position, layout, model shape,
+                            the index of every piece and every file's size and CRC32
 
-A checkpoint is written under `step_N.tmp/` and renamed to `step_N/` by rank 0 only after every
-rank has finished writing (a barrier) and `meta.json` is on disk, so a crash mid-save never
-leaves a directory that looks complete. Only directories named `step_N` that hold a
-`meta.json` are ever picked; the `keep` most recent are kept.
+A *piece* is a contiguous range [lo, hi) of one TP rank's slice (flattened) of one global tensor
+(HF name, e.g. `transformer.h.3.attn.c_attn.weight`) of one kind (`param` = the fp32 master
+weights, `exp_avg`, `exp_avg_sq` = AdamW's moments). ZeRO ranges cut tensors into such pieces,
+TP slices are recorded with the spec that made them (split dim, [q|k|v] interleave, vocab
+padding), and every element is written by exactly one rank: DP replicas (zero 0), TP replicas
+of replicated tensors and the pipeline's second copy of the tied embedding write nothing.
+
+Loading rebuilds each global tensor from its pieces (checking that they cover it), cuts the
+slice the current rank owns under the *current* (tp, pp, dp, zero), and fills the master
+weights, the moments and the model parameters — so any valid layout resumes any checkpoint.
+
+A checkpoint counts only when complete: written under `step_N.tmp/`, published by rank 0 with
+an atomic rename after every rank has finished and meta.json is on disk. Only `step_N`
+directories holding a meta.json are ever picked; the `keep` most recent are kept. Files are
+verified (size, CRC32) before anything is loaded, on every rank, and the verdict is agreed over
+all ranks, so either every rank loads a checkpoint or none does.
 """
 from __future__ import annotations
 
@@ -21,18 +31,23 @@ import random
 import re
 import shutil
 import time
+import zlib
 from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megalite.config import Config
+from megalite.parallel.param_spec import ParamSpec
+from megalite.parallel.topology import Topology
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
 
 
 class CheckpointError(RuntimeError):
@@ -44,35 +59,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _gather_objects(obj) -> List:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def complete_checkpoints(root: Path) -> List[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir()
-             if STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -81,30 +80,71 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def save_checkpoint(root: Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, consumed_samples: int, cfg: Config,
-                    rank: int, world_size: int, keep: int) -> Path:
+def _spec_record(spec: ParamSpec, tp: int) -> dict:
+    return {"shape": list(spec.shape), "tp_dim": spec.tp_dim, "tp_interleave": spec.tp_interleave,
+            "padded_rows": spec.padded_rows, "tp": tp}
+
+
+def _writes(spec: ParamSpec, topo: Topology, zero: int) -> bool:
+    """Whether this rank is the one that writes its copy of `spec`'s elements."""
+    c = topo.coords
+    if spec.tied_copy or (spec.tp_replicated and c.tp != 0):
+        return False
+    return zero >= 1 or c.dp == 0
+
+
+# --- save ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_samples: int,
+                    cfg: Config, topo: Topology, keep: int) -> Path:
     """Collective: every rank must call it. Returns the published directory."""
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
+    rank = topo.rank
+    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    torch.save(rng_state(), tmp / f"rng_rank{rank:05d}.pt")
-    if rank == 0:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    _barrier()
+    data_file = f"rank{rank:05d}.bin"
+    pieces, offset, crc = [], 0, 0
+    with open(tmp / data_file, "wb") as f:
+        for piece_param, seg, bucket in engine.main_params:
+            if not _writes(seg.spec, topo, cfg.zero):
+                continue
+            state = engine.optimizer.state.get(piece_param, {})
+            tensors = {"param": piece_param.detach(), "exp_avg": state.get("exp_avg"),
+                       "exp_avg_sq": state.get("exp_avg_sq")}
+            for kind, t in tensors.items():
+                if t is None:
+                    continue
+                raw = t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+                f.write(raw)
+                crc = zlib.crc32(raw, crc)
+                pieces.append({"name": seg.spec.name, "kind": kind, "tp_rank": topo.coords.tp,
+                               "lo": seg.param_lo, "hi": seg.param_hi, "file": data_file,
+                               "offset": offset, "spec": _spec_record(seg.spec, topo.tp)})
+                offset += len(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    rng_file = f"rng_rank{rank:05d}.pt"
+    torch.save(rng_state, tmp / rng_file)
+    files = {data_file: {"bytes": offset, "crc32": crc},
+             rng_file: {"bytes": (tmp / rng_file).stat().st_size,
+                        "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
+    gathered = _gather_objects((pieces, files))
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "step": step,
-                "consumed_samples": consumed_samples, "world_size": world_size,
-                "layout": {"tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero,
-                           "dp": world_size // (cfg.tp * cfg.pp)},
+                "consumed_samples": consumed_samples, "adam_step": engine.adam_step(),
+                "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
+                           "sp": cfg.sp, "world_size": topo.world_size},
                 "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
-                "files": sorted(p.name for p in tmp.iterdir())}
-        _fsync_write(tmp / "meta.json", json.dumps(meta, indent=1))
+                "files": {k: v for _, fs in gathered for k, v in fs.items()},
+                "pieces": [p for ps, _ in gathered for p in ps]}
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -114,42 +154,156 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module,
     return final
 
 
-def _load(path: Path, what: str):
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file missing: {path} ({what})")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint file unreadable (truncated or corrupted?): {path}: "
-                              f"{e}") from e
+# --- load ---------------------------------------------------------------------------------
 
 
 def read_meta(ckpt: Path) -> dict:
-    meta_path = ckpt / "meta.json"
-    if not meta_path.is_file():
+    path = ckpt / "meta.json"
+    if not path.is_file():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no meta.json)")
-    return json.loads(meta_path.read_text())
-
-
-def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    cfg: Config, rank: int) -> dict:
-    """Restore model, optimizer and this rank's RNG; returns the checkpoint's meta."""
-    meta = read_meta(ckpt)
-    for key in ("tp", "pp"):
-        if meta["layout"][key] != getattr(cfg, key):
-            raise CheckpointError(
-                f"{key}={getattr(cfg, key)}: checkpoint {ckpt} was written with "
-                f"{key}={meta['layout'][key]}; resharding across layouts lands with the "
-                f"checkpoint issue")
-    for key, value in meta["model"].items():
-        if key != "name" and getattr(cfg.model, key) != value and not key.endswith("pdrop"):
-            raise CheckpointError(f"model.{key}={getattr(cfg.model, key)!r}: checkpoint {ckpt} "
-                                  f"has {key}={value!r}")
-    model.load_state_dict(_load(ckpt / "model.pt", "model"))
-    optimizer.load_state_dict(_load(ckpt / "optimizer.pt", "optimizer"))
-    rng_file = ckpt / f"rng_rank{rank:05d}.pt"
-    if rng_file.is_file():
-        set_rng_state(_load(rng_file, "rng"))
-    else:  # a rank the writing layout did not have: a fresh, seed-derived stream
-        torch.manual_seed(cfg.seed + 7919 * (rank + 1) + meta["step"])
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupted ({e})") from e
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {meta.get('format_version')} (this "
+                              f"megalite reads {FORMAT_VERSION})")
     return meta
+
+
+def verify_file(ckpt: Path, name: str, record: dict) -> None:
+    """Size and CRC32 of one file against meta.json; raises CheckpointError naming it."""
+    path = ckpt / name
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (listed in {ckpt / 'meta.json'})")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, meta.json lists {record['bytes']} "
+                              "(truncated or overwritten)")
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    if crc != record["crc32"]:
+        raise CheckpointError(f"{path}: CRC32 {crc:#010x} != {record['crc32']:#010x} in "
+                              "meta.json (corrupted)")
+
+
+class _Reader:
+    """Global tensors rebuilt from a checkpoint's pieces."""
+
+    def __init__(self, ckpt: Path, meta: dict):
+        self.ckpt = ckpt
+        self.index: Dict[Tuple[str, str], List[dict]] = {}
+        for p in meta["pieces"]:
+            self.index.setdefault((p["name"], p["kind"]), []).append(p)
+
+    def files_for(self, names: List[str]) -> List[str]:
+        return sorted({p["file"] for (n, _), ps in self.index.items() if n in names for p in ps})
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self.index
+
+    def global_tensor(self, name: str, kind: str) -> torch.Tensor:
+        pieces = self.index.get((name, kind))
+        if not pieces:
+            raise CheckpointError(f"{self.ckpt}: no {kind} of {name}")
+        rec = pieces[0]["spec"]
+        spec = ParamSpec(name, tuple(rec["shape"]), rec["tp_dim"], rec["tp_interleave"],
+                         rec["padded_rows"])
+        tp = rec["tp"] if spec.tp_dim is not None else 1
+        local_shape = spec.local_shape(rec["tp"])
+        numel = int(np.prod(local_shape))
+        slices, covered = [], []
+        for r in range(tp):
+            flat = torch.empty(numel, dtype=torch.float32)
+            mask = torch.zeros(numel, dtype=torch.bool)
+            for p in (q for q in pieces if q["tp_rank"] == r):
+                count = p["hi"] - p["lo"]
+                data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=count,
+                                   offset=p["offset"])
+                flat[p["lo"]:p["hi"]] = torch.from_numpy(data)
+                mask[p["lo"]:p["hi"]] = True
+            covered.append(bool(mask.all()))
+            slices.append(flat.view(local_shape))
+        if not all(covered):
+            raise CheckpointError(f"{self.ckpt}: the pieces of {name} ({kind}) do not cover it")
+        return spec.unshard(slices)
+
+
+def check_compatible(meta: dict, cfg: Config, ckpt: Path) -> None:
+    for key in SHAPE_KEYS:
+        theirs, ours = meta["model"].get(key), getattr(cfg.model, key)
+        if theirs != ours:
+            raise CheckpointError(f"model.{key}={ours!r}: checkpoint {ckpt} was trained with "
+                                  f"{key}={theirs!r}; set model.{key}={theirs!r} to resume it")
+
+
+def agree(ok: bool, topo: Topology) -> bool:
+    """True only if every rank says True."""
+    if topo.world_size == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[dict, Optional[dict]]:
+    """Collective. Verify, then restore master weights, moments and parameters of this rank's
+    part under the current layout. Returns (meta, this rank's RNG state or None when the
+    layout differs from the writer's). Raises CheckpointError (on every rank) if any rank finds
+    the checkpoint incomplete or corrupted; nothing is modified then."""
+    error: Optional[str] = None
+    meta: dict = {}
+    try:
+        meta = read_meta(ckpt)
+        check_compatible(meta, cfg, ckpt)
+        reader = _Reader(ckpt, meta)
+        names = sorted({seg.spec.name for _, seg, _ in engine.main_params})
+        for name in reader.files_for(names):
+            verify_file(ckpt, name, meta["files"][name])
+        same_layout = meta["layout"]["world_size"] == topo.world_size and all(
+            meta["layout"][k] == v for k, v in (("tp", topo.tp), ("pp", topo.pp), ("dp", topo.dp)))
+        rng_name = f"rng_rank{topo.rank:05d}.pt"
+        if same_layout:
+            verify_file(ckpt, rng_name, meta["files"][rng_name])
+    except (CheckpointError, KeyError, OSError) as e:
+        error = str(e)
+    if not agree(error is None, topo):
+        raise CheckpointError(error or f"{ckpt}: another rank found it incomplete or corrupted")
+
+    cache: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    def local_flat(spec: ParamSpec, kind: str) -> torch.Tensor:
+        key = (spec.name, kind)
+        if key not in cache:
+            cache.clear()  # one global tensor at a time
+            full = reader.global_tensor(spec.name, kind)
+            cache[key] = spec.shard(full, topo.coords.tp, topo.tp).reshape(-1)
+        return cache[key]
+
+    with torch.no_grad():
+        for kind in KINDS:
+            for piece, seg, _ in sorted(engine.main_params, key=lambda t: t[1].spec.name):
+                if kind != "param" and not reader.has(seg.spec.name, kind):
+                    continue
+                values = local_flat(seg.spec, kind)[seg.param_lo:seg.param_hi]
+                if kind == "param":
+                    piece.copy_(values)
+                else:
+                    engine.set_optimizer_state(piece, kind, values, meta["adam_step"])
+        engine.params_from_master()
+    rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
+    return meta, rng
+
+
+def rng_state(tracker) -> dict:
+    return {"tracker": tracker.state_dict(), "torch_cpu": torch.get_rng_state(),
+            "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(tracker, state: dict) -> None:
+    tracker.load_state_dict(state["tracker"])
+    torch.set_rng_state(state["torch_cpu"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

@@ -1,9 +1,12 @@
 """The training loop. It composes the pieces; the parallel logic lives in megalite/parallel.
 
-One optimizer step = `global_batch_size / (micro_batch_size * dp)` micro-batches per DP rank,
-each loss scaled by 1/num_micro so the accumulated gradient is the gradient of the mean loss
-over the rank's share; averaging over DP then gives the gradient of the mean over the global
-batch — the same number the serial run computes.
+    data (DP-sharded sampler) -> pipeline schedule (1F1B over this rank's model stage)
+        -> ZeRO engine (gradient reduction, global-norm clipping, sharded AdamW) -> metrics
+
+One optimizer step = m = global_batch_size / (micro_batch_size * dp) micro-batches per DP rank,
+each loss scaled by 1/m so the accumulated gradient is the gradient of the mean loss over the
+rank's share; averaging over DP then gives the gradient of the mean over the global batch — the
+same number the serial run computes.
 """
 from __future__ import annotations
 
@@ -16,52 +19,60 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, resolve_path
+from megalite.config import Config, num_micro_batches, resolve_path
 from megalite.data.loader import ResumableSampler, TokenShards, TrainBatches, check_vocab, val_batches
-from megalite.model.gpt2 import GPT2, count_parameters, flops_per_token
+from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
 from megalite.model.hf import load_hf_state_dict
+from megalite.model.init import init_parameters, load_global_state
 from megalite.parallel import comm
-from megalite.parallel.zero import DataParallelGrads
+from megalite.parallel.pipeline import PipelineSchedule, expected_bubble, partition_layers
+from megalite.parallel.rng import RNGTracker
+from megalite.parallel.zero import ZeroEngine
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.metrics import MetricsWriter, peak_memory_bytes, peak_tflops, throughput
-from megalite.train.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at, set_lr
-
-
-def dropout_seed(cfg: Config, runtime: Runtime) -> int:
-    """Replicas see different data and so draw different dropout masks."""
-    return cfg.seed + 7919 * (runtime.topology.coords.dp + 1)
+from megalite.train.optim import lr_at
 
 
 class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path):
         self.cfg, self.rt, self.run_dir = cfg, runtime, Path(run_dir)
-        topo = runtime.topology
+        topo = self.topo = runtime.topology
         self.rank = topo.rank
         data_dir = resolve_path(cfg.data.dir)
         self.train_shards = TokenShards(data_dir, "train")
         self.val_shards = TokenShards(data_dir, "val")
         check_vocab(self.train_shards.meta["vocab_size"], cfg.model.vocab_size)
 
-        torch.manual_seed(cfg.seed)  # identical initial weights on every replica
-        self.model = GPT2(cfg.model).to(runtime.device)
+        c = topo.coords
+        self.stages = partition_layers(cfg.model.n_layer, topo.pp, cfg.parallel.edge_stage_layers)
+        self.rng = RNGTracker(cfg.seed, c.tp, c.pp, c.dp, runtime.device)
+        with torch.device(runtime.device):
+            self.model = GPT2(cfg.model, topo.tp_group, cfg.sp, self.rng,
+                              blocks=self.stages[c.pp], first=topo.is_first_stage,
+                              last=topo.is_last_stage, recompute=cfg.train.recompute)
+        init_parameters(self.model, cfg.seed)  # the same global weights in every layout
         if cfg.init_from:
-            self.model.load_state_dict(load_hf_state_dict(cfg.init_from, cfg.model))
-        self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(self.model, cfg.optim, runtime.device)
-        self.dp_grads = DataParallelGrads(self.params, topo.dp_group)
-        torch.manual_seed(dropout_seed(cfg, runtime))
+            load_global_state(self.model, load_hf_state_dict(cfg.init_from, cfg.model))
+        self.engine = ZeroEngine(
+            self.model, topo, cfg.zero, cfg.optim, param_dtype=runtime.compute_dtype,
+            bucket_mb=cfg.parallel.bucket_mb, sequence_parallel=cfg.sp,
+            reshard_after_forward=cfg.parallel.reshard_after_forward)
 
         t = cfg.train
-        self.num_micro = t.global_batch_size // (t.micro_batch_size * topo.dp)
+        self.num_micro = num_micro_batches(cfg, topo.world_size)
+        seq_local = t.seq_len // topo.tp if cfg.sp and topo.tp > 1 else t.seq_len
+        self.schedule = PipelineSchedule(
+            self.model, topo, self.engine, (seq_local, t.micro_batch_size, cfg.model.n_embd),
+            runtime.compute_dtype, runtime.device)
         self.sampler = ResumableSampler(
             self.train_shards.num_samples(t.seq_len), t.global_batch_size,
-            dp_rank=topo.coords.dp, dp_size=topo.dp, seed=cfg.seed)
+            dp_rank=c.dp, dp_size=topo.dp, seed=cfg.seed)
         self.batches = TrainBatches(self.train_shards, self.sampler, t.micro_batch_size,
                                     t.seq_len, runtime.device)
         self.val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len, t.eval_steps,
-                               t.global_batch_size,
-                               dp_rank=topo.coords.dp, dp_size=topo.dp, device=runtime.device)
+                               t.global_batch_size, dp_rank=c.dp, dp_size=topo.dp,
+                               device=runtime.device)
 
         self.ckpt_root = resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir \
             else self.run_dir / "checkpoints"
@@ -69,39 +80,66 @@ class Trainer:
         self._resume()
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops)
+        self.state_bytes = comm_gather_state_bytes(self.engine, topo)
         self.writer: Optional[MetricsWriter] = None
         if self.rank == 0:
             self.writer = MetricsWriter(
                 self.run_dir, self.run_header(), cfg.log.wandb, cfg.log.project,
                 cfg.log.run_name, asdict(cfg), t.max_steps, self.step, cfg.log.progress)
 
+    # --- checkpoints --------------------------------------------------------------------
+
     def _resume(self) -> None:
         setting = self.cfg.checkpoint.resume
         if setting == "none":
             return
-        path = ckpt.latest_checkpoint(self.ckpt_root) if setting == "auto" \
-            else resolve_path(setting)
-        if path is None:
-            if self.rank == 0:
+        if setting == "auto":
+            candidates = list(reversed(ckpt.complete_checkpoints(self.ckpt_root)))
+            if not candidates and self.rank == 0:
                 print(f"checkpoint.resume=auto: no complete checkpoint in {self.ckpt_root}; "
                       "starting from scratch")
+        else:
+            candidates = [resolve_path(setting)]
+        for path in candidates:
+            try:
+                meta, rng = ckpt.load_checkpoint(path, self.engine, self.cfg, self.topo)
+            except ckpt.CheckpointError as e:
+                if setting != "auto":
+                    raise
+                if self.rank == 0:
+                    print(f"checkpoint {path} unusable, trying the previous one: {e}")
+                continue
+            self.step = meta["step"]
+            self.sampler.load_state_dict({"consumed_samples": meta["consumed_samples"]})
+            if rng is not None:
+                ckpt.set_rng_state(self.rng, rng)
+            else:  # another layout: fresh dropout streams, derived from the seed and the step
+                self.rng.reseed(self.cfg.seed + 1_000_003 * self.step)
+            if self.rank == 0:
+                print(f"resumed from {path} at step {self.step}")
             return
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.cfg, self.rank)
-        self.step = meta["step"]
-        self.sampler.load_state_dict({"consumed_samples": meta["consumed_samples"]})
-        if self.rank == 0:
-            print(f"resumed from {path} at step {self.step}")
+        if candidates:
+            raise ckpt.CheckpointError(f"no usable checkpoint in {self.ckpt_root}")
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine,
+                                    ckpt.rng_state(self.rng), self.sampler.consumed_samples,
+                                    self.cfg, self.topo, self.cfg.checkpoint.keep)
+
+    # --- reporting ----------------------------------------------------------------------
 
     def run_header(self) -> dict:
-        cfg, topo, m = self.cfg, self.rt.topology, self.cfg.model
+        cfg, topo, m = self.cfg, self.topo, self.cfg.model
         return {
             "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
                        "sp": cfg.sp, "world_size": topo.world_size},
+            "stages": [[r.start, r.stop] for r in self.stages],
+            "micro_batches": self.num_micro,
             "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
                       "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
-            "vocab_size": m.vocab_size,
+            "vocab_size": m.vocab_size, "padded_vocab_size": self.model.padded_vocab,
             "tokenizer_vocab_size": self.train_shards.meta["vocab_size"],
-            "parameters": count_parameters(self.model),
+            "parameters": num_parameters(m),
             "flops_per_token": self.flops_per_token,
             "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
             "peak_tflops_per_device": self.peak.tflops, "peak_source": self.peak.source,
@@ -109,51 +147,58 @@ class Trainer:
             "seq_len": cfg.train.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
             "global_batch_size": cfg.train.global_batch_size,
             "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
+            "model_state_bytes": self.state_bytes,
             "data_dir": str(resolve_path(cfg.data.dir)), "run_dir": str(self.run_dir),
             "start_step": self.step,
         }
 
+    def _global_mean(self, value: float) -> float:
+        """A value held by the last pipeline stage (0 elsewhere), averaged over DP replicas."""
+        topo = self.topo
+        value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
+        return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp
+
+    # --- the loop -----------------------------------------------------------------------
+
     def train_step(self) -> Tuple[float, float]:
-        """One optimizer step; returns (this rank's mean micro-batch loss, global grad norm)."""
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps))
+        """One optimizer step; returns (this replica's mean loss on the last stage, else 0;
+        the global grad norm)."""
+        lr = lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps)
         self.model.train()
-        total = torch.zeros((), device=self.rt.device)
-        for x, y in self.batches.next_step():
-            with self.rt.autocast():
-                loss = self.model(x, y)
-            (loss / self.num_micro).backward()
-            total += loss.detach()
-        self.dp_grads.sync()
-        norm = global_grad_norm(self.params, self.rt.topology.mp_group)
-        clip_grads_(self.params, self.cfg.optim.grad_clip, norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.schedule.train_step(self.batches.next_step())
+        self.engine.finish_grad_sync()
+        norm = self.engine.clip_and_step(lr, self.cfg.optim.grad_clip)
+        self.engine.zero_grad()
+        self.last_lr = lr
         self.step += 1
-        return total.item() / self.num_micro, norm.item()
+        return loss, norm.item()
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = []
-        for x, y in self.val:
-            with self.rt.autocast():
-                losses.append(self.model(x, y).float().item())
-        local = sum(losses) / len(losses)
-        dp = self.rt.topology.dp_group
-        return comm.all_reduce_scalars([local], dp, device=self.rt.device)[0] / dp.size
+        loss = self.schedule.evaluate(self.val)
+        self.engine.release_params()
+        return self._global_mean(loss)
 
     def fit(self) -> List[dict]:
-        cfg, topo = self.cfg, self.rt.topology
+        cfg, topo = self.cfg, self.topo
         t = cfg.train
         records: List[dict] = []
-        interval_losses: List[float] = []
-        comm_before = topo.counter.snapshot()
+        losses: List[float] = []
+        bubbles: List[float] = []
+        step_comm: dict = {}  # bytes sent by the training steps (not evaluation or logging)
         self.rt.synchronize()
         t0 = time.perf_counter()
         excluded_s = 0.0
         while self.step < t.max_steps:
+            before = topo.counter.snapshot()
             loss, grad_norm = self.train_step()
-            interval_losses.append(loss)
+            for key, counts in topo.counter.delta(topo.counter.snapshot(), before).items():
+                acc = step_comm.setdefault(key, {})
+                for name, value in counts.items():
+                    acc[name] = acc.get(name, 0) + value
+            losses.append(loss)
+            bubbles.append(self.schedule.trace.bubble)
             last = self.step == t.max_steps
             val_loss = None
             if t.eval_every and (self.step % t.eval_every == 0 or last):
@@ -163,37 +208,52 @@ class Trainer:
             if self.step % cfg.log.every == 0 or last:
                 self.rt.synchronize()
                 elapsed = time.perf_counter() - t0 - excluded_s
-                steps = len(interval_losses)
-                mean_loss = comm.all_reduce_scalars(
-                    [sum(interval_losses) / steps], topo.dp_group, device=self.rt.device
-                )[0] / topo.dp
-                comm_now = topo.counter.snapshot()
+                steps = len(losses)
                 per_step = {k: {n: v / steps for n, v in c.items()}
-                            for k, c in topo.counter.delta(comm_now, comm_before).items()}
+                            for k, c in step_comm.items() if c.get("calls")}
+                mean_loss = self._global_mean(sum(losses) / steps)
                 tokens = steps * t.global_batch_size * t.seq_len
                 record = {"step": self.step, "loss": mean_loss, "val_loss": val_loss,
-                          "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                          "lr": self.last_lr, "grad_norm": grad_norm,
                           **throughput(tokens, elapsed, self.flops_per_token, topo.world_size,
                                        self.peak),
                           "step_time_s": elapsed / steps,
                           "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
                           "memory": peak_memory_bytes(self.rt.device), "comm": per_step}
+                if topo.pp > 1:
+                    bubble = comm.all_reduce_scalars([sum(bubbles) / steps], topo.pp_group,
+                                                     device=self.rt.device)[0] / topo.pp
+                    record["pipeline_bubble"] = bubble
+                    record["pipeline_bubble_expected"] = expected_bubble(topo.pp, self.num_micro)
+                if cfg.log.pipeline_trace:
+                    self.schedule.trace.dump(
+                        self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
+                        topo.coords.pp, self.rank)
                 records.append(record)
                 if self.writer is not None:
                     self.writer.log(record)
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"loss is {mean_loss} at step {self.step}")
-                interval_losses, comm_before, excluded_s = [], topo.counter.snapshot(), 0.0
+                losses, bubbles, excluded_s, step_comm = [], [], 0.0, {}
                 t0 = time.perf_counter()
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                 c0 = time.perf_counter()
-                ckpt.save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer,
-                                     self.sampler.consumed_samples, cfg, self.rank,
-                                     topo.world_size, cfg.checkpoint.keep)
+                self.save()
                 excluded_s += time.perf_counter() - c0
         if self.writer is not None:
             self.writer.close()
         return records
+
+
+def comm_gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:
+    """Every rank's model-state bytes (parameters, gradients, optimizer), for the run header."""
+    mine = {"rank": topo.rank, "tp": topo.coords.tp, "pp": topo.coords.pp, "dp": topo.coords.dp,
+            **engine.state_bytes()}
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    out = [None] * topo.world_size
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def broadcast_run_dir(run_dir: Path) -> Path:

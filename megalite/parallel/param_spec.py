@@ -1,0 +1,89 @@
+"""How each local parameter relates to the global, serial tensor it is a piece of.
+
+Every parameter of a model stage carries a `ParamSpec`: the global (HF) name, the global
+logical shape, and how tensor parallelism splits it. Clipping, ZeRO, checkpoints and HF export
+read these specs and need no special cases:
+
+- `tp_dim=None`: replicated over the TP group (LayerNorm, row-parallel biases, wpe).
+- `tp_dim=d`: split into `tp` equal chunks along dim d. With `tp_interleave=k` the dim is k
+  stacked blocks, each split separately — HF's fused `c_attn` is [q | k | v] along the output
+  dim, and TP rank r holds [q_r | k_r | v_r] so that its heads stay whole.
+- `padded_rows=P`: dim 0 is zero-padded from the logical size to P before splitting (the
+  vocabulary, padded to a multiple of 128·tp so each TP rank gets an equal, aligned slice).
+- `tied_copy=True`: this parameter is a second copy of another one (the last pipeline stage's
+  LM head = the first stage's token embedding); norms and exports count it once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: Tuple[int, ...]
+    tp_dim: Optional[int] = None
+    tp_interleave: int = 1
+    padded_rows: Optional[int] = None
+    tied_copy: bool = False
+
+    @property
+    def tp_replicated(self) -> bool:
+        return self.tp_dim is None
+
+    @property
+    def weight_decay(self) -> bool:
+        """Matrices and embeddings decay; biases and LayerNorm parameters do not."""
+        return len(self.shape) >= 2
+
+    def padded_shape(self) -> Tuple[int, ...]:
+        if self.padded_rows is None:
+            return self.shape
+        return (self.padded_rows, *self.shape[1:])
+
+    def local_shape(self, tp: int) -> Tuple[int, ...]:
+        shape = list(self.padded_shape())
+        if self.tp_dim is not None:
+            if shape[self.tp_dim] % (tp * self.tp_interleave):
+                raise ValueError(f"{self.name}: dim {self.tp_dim} of {tuple(shape)} does not "
+                                 f"split into {self.tp_interleave} x tp={tp} equal parts")
+            shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        if self.padded_rows is None or self.padded_rows == full.shape[0]:
+            return full
+        extra = full.new_zeros((self.padded_rows - full.shape[0], *full.shape[1:]))
+        return torch.cat([full, extra])
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+        """This TP rank's piece of the global (logical, unpadded) tensor."""
+        if tuple(full.shape) != self.shape:
+            raise ValueError(f"{self.name}: expected global shape {self.shape}, got "
+                             f"{tuple(full.shape)}")
+        full = self.pad(full)
+        if self.tp_dim is None or tp == 1:
+            return full
+        blocks = full.chunk(self.tp_interleave, dim=self.tp_dim)
+        return torch.cat([b.chunk(tp, dim=self.tp_dim)[tp_rank] for b in blocks],
+                         dim=self.tp_dim)
+
+    def unshard(self, pieces: List[torch.Tensor]) -> torch.Tensor:
+        """The global (logical, unpadded) tensor from every TP rank's piece, in rank order."""
+        if self.tp_dim is None or len(pieces) == 1:
+            full = pieces[0]
+        else:
+            per_rank = [p.chunk(self.tp_interleave, dim=self.tp_dim) for p in pieces]
+            full = torch.cat([torch.cat([blocks[i] for blocks in per_rank], dim=self.tp_dim)
+                              for i in range(self.tp_interleave)], dim=self.tp_dim)
+        return full[:self.shape[0]] if self.padded_rows is not None else full
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """The vocabulary rounded up to a multiple of `multiple`·tp (Megatron's
+    make-vocab-size-divisible-by): equal TP slices, aligned for tensor cores."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step

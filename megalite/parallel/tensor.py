@@ -1,0 +1,173 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019 §3; sequence parallelism,
+Korthikanti et al. 2022 §4). Activations are [s, b, h]; with sequence parallelism the
+activations between TP regions are [s/tp, b, h] shards of the sequence.
+
+All TP/SP communication goes through the five autograd regions of `megalite.parallel.comm`:
+
+    ColumnParallelLinear   x -> copy_to_tp (or gather_from_seq with SP) -> x W_r^T + b_r
+    RowParallelLinear      x_r W_r^T -> reduce_from_tp (or reduce_scatter_to_seq with SP) -> + b
+    VocabParallelEmbedding rows of this rank's vocab slice -> reduce_from_tp / reduce_scatter
+    vocab_parallel_cross_entropy   logits stay split over the vocabulary: max, target logit
+                                   and sum of exponentials are reduced across TP, never the
+                                   logits themselves.
+
+Weights are stored as nn.Linear does, [out, in]; the `ParamSpec` of each parameter says how it
+relates to the global tensor (see `megalite.parallel.param_spec`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite.parallel import comm
+from megalite.parallel.comm import Group
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T + b_r, W split by output features: TP rank r computes its slice of y.
+
+    The input is replicated ([s, b, in]; backward all-reduces dL/dx over TP) or, with sequence
+    parallelism, a sequence shard [s/tp, b, in] that is all-gathered first (backward
+    reduce-scatters dL/dx). The output stays split: [s, b, out/tp].
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group: Group,
+                 sequence_parallel: bool, bias: bool = True):
+        super().__init__()
+        tp = tp_group.size
+        if out_features % tp:
+            raise ValueError(f"output features {out_features} not divisible by tp={tp}")
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_from_seq(x, self.tp_group) if self.sequence_parallel \
+            else comm.copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b, W split by input features; x_r is the column-parallel output.
+
+    The partial products are summed across TP (all-reduce, or reduce-scatter along the sequence
+    with SP, giving [s/tp, b, out]); the bias, replicated, is added once after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group: Group,
+                 sequence_parallel: bool, bias: bool = True):
+        super().__init__()
+        tp = tp_group.size
+        if in_features % tp:
+            raise ValueError(f"input features {in_features} not divisible by tp={tp}")
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = comm.reduce_scatter_to_seq(y, self.tp_group) if self.sequence_parallel \
+            else comm.reduce_from_tp(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose (padded) rows are split over TP: rank r holds rows
+    [r·V/tp, (r+1)·V/tp). Ids outside the slice look up zeros; summing across TP gives every
+    rank the full embedding ([s, b, h]), or with SP its sequence shard ([s/tp, b, h])."""
+
+    def __init__(self, padded_vocab: int, dim: int, tp_group: Group, sequence_parallel: bool):
+        super().__init__()
+        tp = tp_group.size
+        if padded_vocab % tp:
+            raise ValueError(f"vocabulary {padded_vocab} not divisible by tp={tp}")
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.rows = padded_vocab // tp
+        self.start = tp_group.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size == 1:
+            out = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.start
+            outside = (local < 0) | (local >= self.rows)
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return comm.reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel \
+            else comm.reduce_from_tp(out, self.tp_group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary.
+
+    loss_i = log sum_j exp(z_ij - m_i) - (z_i,t_i - m_i), m_i = max_j z_ij, with the max, the
+    target logit and the sum of exponentials each all-reduced across TP (three messages of one
+    number per token). Columns at or beyond `vocab_size` (padding) are excluded: they get
+    probability 0, hence gradient 0. Backward: dL/dz = softmax(z) - onehot(t), scaled by the
+    incoming per-token gradient, computed on this rank's slice only.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group: Group, vocab_start: int, vocab_size: int):
+        logits = logits.float()
+        cols = logits.shape[-1]
+        if vocab_start + cols > vocab_size:  # this slice holds padded columns
+            pad = torch.arange(vocab_start, vocab_start + cols, device=logits.device) >= vocab_size
+            logits = logits.masked_fill(pad, float("-inf"))
+        logits_max = logits.max(dim=-1).values
+        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_t = target - vocab_start
+        outside = (local_t < 0) | (local_t >= cols)
+        local_t = local_t.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        reduced = torch.stack([target_logit, sum_exp])  # one message for both sums
+        comm.all_reduce(reduced, group)
+        target_logit, sum_exp = reduced[0], reduced[1]
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, outside = ctx.saved_tensors
+        grad = softmax
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= (~outside).to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group,
+                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """Per-token losses [n] from this rank's logits [n, V/tp] (columns vocab_start ...) and the
+    targets [n]; `vocab_size` is the real (unpadded) vocabulary."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)
+
+
+def gather_vocab(logits: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
+    """All TP ranks' logit slices [..., V/tp] joined along the vocabulary and unpadded
+    ([..., vocab_size]); for inference and tests, never for the training loss."""
+    if group.size > 1:
+        out = torch.empty((group.size, *logits.shape), dtype=logits.dtype, device=logits.device)
+        comm.all_gather(out.view(group.size * logits.shape[0], *logits.shape[1:]),
+                        logits.contiguous(), group)
+        logits = torch.cat(list(out.unbind(0)), dim=-1)
+    return logits[..., :vocab_size]
+
+
+def sequence_chunk(length: int, group: Optional[Group], sequence_parallel: bool) -> range:
+    """Positions [start, end) of the sequence held by this rank."""
+    if not sequence_parallel or group is None or group.size == 1:
+        return range(length)
+    chunk = length // group.size
+    return range(group.rank * chunk, (group.rank + 1) * chunk)

@@ -1,0 +1,155 @@
+"""ZeRO-3 parameter gathering: each unit (embedding, position embedding, one block, ln_f, LM
+head — `model.sharding_units()`, in forward order) keeps only its DP range between uses and is
+all-gathered just before it runs.
+
+    forward   pre-hook : gather (or wait for the prefetch), prefetch the next unit
+              post-hook: free the gathered parameters (reshard_after_forward), except for the
+                         stage's last unit, whose backward starts right away
+    backward  a hook on the unit's output gradient fires just before the unit's backward:
+              gather again, prefetch the previous unit
+              when every parameter's gradient is in (engine): reduce-scatter, free
+
+Freeing shrinks the flat buffer's storage to 0 bytes; gathering grows it back and fills it, so
+the tensors autograd saved in forward (views of that storage) are valid again in backward
+(the technique of PyTorch FSDP1). The prefetch is an asynchronous all-gather: on GPUs NCCL runs
+it on its own stream, on CPUs gloo on its own threads, overlapping the current unit's compute.
+
+`reshard_after_forward=False` keeps every unit gathered from its first use to the end of the
+step: one all-gather per unit per step instead of two per micro-batch, at the memory cost of
+the stage's full parameters during the step — the better choice under pipeline parallelism with
+many micro-batches (see the README's ZeRO section for the traffic of both).
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from megalite.parallel import comm
+
+
+def unit_groups(model: nn.Module) -> List[List[str]]:
+    """Parameter names of each unit, in forward order; a parameter shared by two units (the
+    tied embedding of a single-stage model) belongs to the first."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen, groups = set(), []
+    for module in model.sharding_units():
+        group = [names[id(p)] for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in module.parameters())
+        if group:
+            groups.append(group)
+    return groups
+
+
+class _UnitState:
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.gathered = False
+        self.work = None
+        self.in_backward = False
+
+
+class Zero3Gathering:
+    def __init__(self, model: nn.Module, engine, reshard_after_forward: bool):
+        self.reshard_after_forward = reshard_after_forward
+        by_param = {id(p): b for b in engine.buckets for p in b.params}
+        self.order: List[nn.Module] = list(model.sharding_units())
+        self.state: Dict[int, _UnitState] = {}
+        self.unit_of: Dict[nn.Module, _UnitState] = {}
+        for module in self.order:
+            bucket = by_param[id(next(module.parameters()))]
+            if id(bucket) not in self.state:
+                self.state[id(bucket)] = _UnitState(bucket)
+            self.unit_of[module] = self.state[id(bucket)]
+        for unit in self.state.values():
+            self._free(unit)
+        for i, module in enumerate(self.order):
+            module.register_forward_pre_hook(self._make_pre_forward(i))
+            module.register_forward_hook(self._make_post_forward(i))
+
+    # --- gather / free ------------------------------------------------------------------
+
+    def _start_gather(self, unit: _UnitState, async_op: bool) -> None:
+        if unit.gathered or unit.work is not None:
+            return
+        b = unit.bucket
+        b.param_full.untyped_storage().resize_(b.param_full.numel() * b.param_full.element_size())
+        work = comm.all_gather(b.param_full, b.param_region, b.group, async_op=async_op)
+        if async_op:
+            unit.work = work
+        else:
+            unit.gathered = True
+
+    def _ensure(self, unit: _UnitState) -> None:
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+            unit.gathered = True
+        elif not unit.gathered:
+            self._start_gather(unit, async_op=False)
+
+    def _free(self, unit: _UnitState) -> None:
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        unit.bucket.param_full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    # --- hooks --------------------------------------------------------------------------
+
+    def _make_pre_forward(self, i: int):
+        def hook(module, args):
+            self._ensure(self.unit_of[module])
+            if i + 1 < len(self.order):
+                self._start_gather(self.unit_of[self.order[i + 1]], async_op=True)
+        return hook
+
+    def _make_post_forward(self, i: int):
+        last = i == len(self.order) - 1
+
+        def hook(module, args, output):
+            unit = self.unit_of[module]
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(self._make_pre_backward(i))
+            if self.reshard_after_forward and not last and not unit.in_backward:
+                self._free(unit)
+        return hook
+
+    def _make_pre_backward(self, i: int):
+        def hook(grad):
+            unit = self.unit_of[self.order[i]]
+            self._ensure(unit)
+            unit.in_backward = True
+            if i > 0:
+                self._start_gather(self.unit_of[self.order[i - 1]], async_op=True)
+            return grad
+        return hook
+
+    def after_backward(self, bucket) -> None:
+        """The engine's signal: every gradient of this unit is in (and reduce-scattered)."""
+        unit = self.state[id(bucket)]
+        unit.in_backward = False
+        if self.reshard_after_forward:
+            self._free(unit)
+
+    def end_of_step(self) -> None:
+        """Free every unit (after the step's last backward, or after a forward-only pass)."""
+        for unit in self.state.values():
+            unit.in_backward = False
+            if unit.gathered or unit.work is not None:
+                self._free(unit)
+
+    def gathered_parameters(self):
+        """Context: every unit gathered (for reading full parameters: export, checks)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            for unit in self.state.values():
+                self._ensure(unit)
+            try:
+                yield
+            finally:
+                self.end_of_step()
+        return ctx()
