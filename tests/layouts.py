@@ -31,9 +31,13 @@ def _steps(rank, world, overrides, run_dir, steps):
     validate(cfg, world)
     trainer = Trainer(cfg, init_runtime(cfg), run_dir)
     zero3 = trainer.engine.zero3
-    losses, norms, params = [], [], []
+    losses, norms, params, max_live = [], [], [], []
+    counter = trainer.topo.counter
     for _ in range(steps):
+        before = counter.snapshot()
         loss, norm = trainer.train_step()
+        step_comm = counter.delta(counter.snapshot(), before)
+        max_live.append(trainer.schedule.max_live)
         losses.append(trainer._global_mean(loss))
         norms.append(norm)
         ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
@@ -42,14 +46,30 @@ def _steps(rank, world, overrides, run_dir, steps):
     val = trainer.evaluate()
     specs = dict(trainer.model.param_specs)
     c = trainer.topo.coords
+    local_numel = sum(p.numel() for p in trainer.model.parameters())
     return {"losses": losses, "norms": norms, "val": val, "params": params, "specs": specs,
-            "tp_rank": c.tp, "tp": trainer.topo.tp,
-            "bytes": trainer.engine.state_bytes(), "comm": trainer.topo.counter.snapshot()}
+            "coords": (c.tp, c.pp, c.dp), "tp_rank": c.tp, "tp": trainer.topo.tp,
+            "max_live": max_live, "local_numel": local_numel,
+            "bytes": trainer.engine.state_bytes(), "step_comm": step_comm}
+
+
+def _many(rank, world, runs, run_dir, steps):
+    return [_steps(rank, world, overrides, f"{run_dir}/{i}", steps)
+            for i, overrides in enumerate(runs)]
 
 
 def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
                  timeout_s: float = 600) -> List[dict]:
-    return run_ranks(_steps, world, args=(overrides, str(tmp_path), steps), timeout_s=timeout_s)
+    """One configuration on `world` ranks: a result per rank."""
+    return train_layouts(tmp_path, world, [overrides], steps, timeout_s)[0]
+
+
+def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
+                  timeout_s: float = 900) -> List[List[dict]]:
+    """Several configurations one after the other in the same `world` ranks (one launch):
+    a list of per-rank results for each configuration."""
+    per_rank = run_ranks(_many, world, args=(runs, str(tmp_path), steps), timeout_s=timeout_s)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 
 
 def close(a: float, b: float, rel: float) -> bool:
