@@ -74,6 +74,7 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation passes (0 = never)
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
     recompute: bool = False  # recompute each block's activations in backward (saves memory)
+    compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
 
 
 @dataclass

@@ -18,6 +18,6 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 # A model and batch small enough that 2-4 ranks train a few steps per second on 2 cores.
-TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
+TINY = ["device=cpu", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
         "model.vocab_size=1024", "train.seq_len=32", "train.micro_batch_size=4",
         "train.global_batch_size=16", "train.eval_steps=2", "log.progress=false"]

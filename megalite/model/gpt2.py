@@ -41,6 +41,14 @@ from megalite.parallel.topology import build_topology
 RegionFactory = Callable[[], contextlib.AbstractContextManager]
 
 
+def dropout(x: torch.Tensor, p: float, training: bool, region: RegionFactory) -> torch.Tensor:
+    """F.dropout drawing from the RNG stream of `region`; nothing at all when p = 0."""
+    if p == 0.0 or not training:
+        return x
+    with region():
+        return F.dropout(x, p, True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                  residual_region: RegionFactory):
@@ -58,12 +66,11 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
-        with self.tp_region():  # this rank's heads: its own dropout masks
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.attn_pdrop if self.training else 0.0, is_causal=True)
+        p = self.attn_pdrop if self.training else 0.0
+        with self.tp_region() if p > 0 else contextlib.nullcontext():  # this rank's heads
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
-        with self.residual_region():
-            return F.dropout(y, self.resid_pdrop, self.training)
+        return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
 
 class MLP(nn.Module):
@@ -76,8 +83,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-        with self.residual_region():
-            return F.dropout(y, self.resid_pdrop, self.training)
+        return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
 
 class Block(nn.Module):
@@ -119,7 +125,7 @@ class GPT2(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Optional[Group] = None,
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
                  blocks: Optional[range] = None, first: bool = True, last: bool = True,
-                 recompute: bool = False):
+                 recompute: bool = False, compile: bool = False):
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group if tp_group is not None else build_topology(1, 1, 1).tp_group
@@ -146,6 +152,11 @@ class GPT2(nn.Module):
                 torch.empty(self.padded_vocab // tp_group.size, cfg.n_embd)))
         self.param_specs: Dict[str, ParamSpec] = {
             name: self._spec(name, module) for name, module in self._param_owners().items()}
+        if compile:
+            # Each block's forward is compiled (fusing LayerNorm, GELU, residual adds, the
+            # attention reshapes); module hooks (ZeRO-3 gathering) stay in eager Python.
+            for block in self.transformer.h.values():
+                block.forward = torch.compile(block.forward)
 
     # --- parameter metadata -------------------------------------------------------------
 
@@ -194,8 +205,7 @@ class GPT2(nn.Module):
         chunk = sequence_chunk(s, self.tp_group, self.sequence_parallel)
         pos = torch.arange(chunk.start, chunk.stop, device=ids.device)
         x = x + t.wpe(pos).unsqueeze(1)
-        with self.residual_region():
-            return F.dropout(x, self.cfg.embd_pdrop, self.training)
+        return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)
 
     def _run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
         if not (self.recompute and self.training and torch.is_grad_enabled()):
@@ -210,11 +220,16 @@ class GPT2(nn.Module):
         return self.lm_head(x)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]."""
-        per_token = vocab_parallel_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1), self.tp_group,
-            self.tp_group.rank * logits.shape[-1], self.cfg.vocab_size)
-        return per_token.mean()
+        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]. Padded
+        vocabulary columns never count. Without TP, PyTorch's fused cross-entropy on the real
+        columns; with TP, the vocab-parallel one (logits stay split)."""
+        logits = logits.reshape(-1, logits.shape[-1])
+        targets = labels.t().reshape(-1)
+        if self.tp_group.size == 1:
+            return F.cross_entropy(logits[:, :self.cfg.vocab_size].float(), targets)
+        return vocab_parallel_cross_entropy(
+            logits, targets, self.tp_group, self.tp_group.rank * logits.shape[-1],
+            self.cfg.vocab_size).mean()
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:

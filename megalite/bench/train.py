@@ -1,0 +1,202 @@
+"""Single-device training throughput: megalite against `transformers.GPT2LMHeadModel`.
+
+Both train the same shapes on the same batches with AdamW (decay on matrices, global-norm
+clipping at 1.0, fused on CUDA) and mixed precision on CUDA: megalite keeps bf16 parameters
+with fp32 master weights and fp32 gradient accumulation in its engine (Megatron's scheme);
+transformers runs as its Trainer does with bf16=True (fp32 parameters under bf16 autocast).
+megalite runs its real training path: GPT2 stage -> pipeline schedule (pp = 1) -> ZeRO engine
+(zero = 0). Reported per configuration: tokens/s, model TFLOP/s and MFU (6N + 12·L·h·s FLOPs
+per token, the device's dense bf16 peak), peak memory, and the ratio megalite / transformers.
+
+On CPU the two alternate step by step (noise hits both); on CUDA each runs alone, one after
+the other, in the same process. `--micro-batch` takes candidates, largest first: the first
+that fits in memory is used ("the largest micro-batch that fits").
+"""
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import replace
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
+from megalite.config import OptimConfig, load_config
+from megalite.model.gpt2 import GPT2, flops_per_token
+from megalite.model.init import init_parameters
+from megalite.parallel.pipeline import PipelineSchedule
+from megalite.parallel.rng import RNGTracker
+from megalite.parallel.topology import build_topology
+from megalite.parallel.zero import ZeroEngine
+from megalite.train.metrics import peak_tflops
+
+Batches = List[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool
+                  ) -> Callable[[Batches], None]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    topo = build_topology(1, 1, 1)
+    rng = RNGTracker(0, 0, 0, 0, device)
+    with torch.device(device):
+        model = GPT2(mcfg, topo.tp_group, rng=rng, recompute=recompute, compile=compile)
+    init_parameters(model, seed=0)
+    engine = ZeroEngine(model, topo, 0, OptimConfig(), param_dtype=dtype)
+    schedule = PipelineSchedule(model, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
+                                device)
+    model.train()
+
+    def step(batches: Batches) -> None:
+        schedule.train_step(batches)
+        engine.finish_grad_sync()
+        engine.clip_and_step(1e-4, 1.0)
+        engine.zero_grad()
+    return step
+
+
+def transformers_step(mcfg, device, compile: bool) -> Callable[[Batches], None]:
+    from transformers import GPT2LMHeadModel
+
+    from megalite.model.hf import hf_config
+
+    torch.manual_seed(0)
+    hf_cfg = hf_config(mcfg)
+    hf_cfg._attn_implementation = "sdpa"  # the same attention kernel as megalite
+    model = GPT2LMHeadModel(hf_cfg).to(device).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, **extra)
+    forward = torch.compile(model) if compile else model
+    cuda = device.type == "cuda"
+
+    def step(batches: Batches) -> None:
+        for x, _ in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = forward(input_ids=x, labels=x).loss  # HF shifts the labels itself
+            (loss / len(batches)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _batches(vocab: int, micro_batch: int, seq: int, micro_batches: int, device) -> Batches:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(micro_batches):
+        w = torch.randint(0, vocab, (micro_batch, seq + 1), generator=g).to(device)
+        out.append((w[:, :-1], w[:, 1:]))
+    return out
+
+
+def _fits(make: Callable[[int], Callable[[Batches], None]], candidates: List[int], vocab: int,
+          seq: int, micro_batches: int, device) -> Tuple[Optional[int], Optional[Callable]]:
+    """The largest micro-batch from `candidates` whose step runs (and the step function)."""
+    for mb in candidates:
+        step = None
+        try:
+            step = make(mb)
+            step(_batches(vocab, mb, seq, micro_batches, device))
+            synchronize(device)
+            return mb, step
+        except torch.OutOfMemoryError:
+            del step
+            gc.collect()
+            torch.cuda.empty_cache()
+    return None, None
+
+
+def _row(name, mb, seq, micro_batches, seconds, fpt, peak, memory):
+    tokens = mb * seq * micro_batches
+    tps = tokens / seconds
+    tflops = tps * fpt / 1e12
+    return {"model": name, "micro_batch": mb, "tokens_per_s": tps, "tflops": tflops,
+            "mfu": tflops / peak.tflops if peak.tflops else None, "peak_memory_gib": memory / 2**30,
+            "step_s": seconds}
+
+
+def run(args) -> List[dict]:
+    device = torch.device(args.device)
+    peak = peak_tflops(device, args.peak_tflops)
+    print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+          f"), threads={torch.get_num_threads()}, torch {torch.__version__}, "
+          f"peak={peak.tflops} TFLOP/s ({peak.source})", flush=True)
+    results = []
+    for preset in args.presets:
+        mcfg = load_config([f"model={preset}"]).model
+        mcfg = replace(mcfg, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
+                       attn_pdrop=args.dropout)
+        seq = min(args.seq_len, mcfg.n_positions)
+        fpt = flops_per_token(mcfg, seq)
+        variants = [(f"megalite{'+recompute' if r else ''}{'+compile' if c else ''}", r, c)
+                    for r in args.recompute for c in args.compile]
+        hf_variants = [(f"transformers{'+compile' if c else ''}", c) for c in args.compile]
+        if device.type == "cpu":
+            mb = args.micro_batch[0]
+            fns = {}
+            batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
+            for name, r, c in variants:
+                step = megalite_step(mcfg, device, mb, seq, r, c)
+                fns[name] = (lambda s: lambda: s(batches))(step)
+            for name, c in hf_variants:
+                step = transformers_step(mcfg, device, c)
+                fns[name] = (lambda s: lambda: s(batches))(step)
+            times = alternate(fns, device, args.warmup, args.steps)
+            for name, t in times.items():
+                results.append({"preset": preset, "seq": seq,
+                                **_row(name, mb, seq, args.micro_batches, t, fpt, peak, 0)})
+        else:
+            contenders = [(n, (lambda r, c: lambda mb: megalite_step(mcfg, device, mb, seq, r, c))(r, c))
+                          for n, r, c in variants]
+            contenders += [(n, (lambda c: lambda mb: transformers_step(mcfg, device, c))(c))
+                           for n, c in hf_variants]
+            for name, make in contenders:
+                reset_peak(device)
+                mb, step = _fits(make, args.micro_batch, mcfg.vocab_size, seq,
+                                 args.micro_batches, device)
+                if step is None:
+                    print(f"{preset} {name}: no micro-batch of {args.micro_batch} fits", flush=True)
+                    continue
+                batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
+                for _ in range(args.warmup):
+                    step(batches)
+                times = sorted(timed(lambda: step(batches), device) for _ in range(args.steps))
+                row = _row(name, mb, seq, args.micro_batches, times[len(times) // 2], fpt, peak,
+                           peak_memory(device))
+                results.append({"preset": preset, "seq": seq, **row})
+                print(json.dumps(results[-1]), flush=True)
+                del step
+                gc.collect()
+                torch.cuda.empty_cache()
+    _print_table(results)
+    return results
+
+
+def _print_table(results: List[dict]) -> None:
+    print(f"\n{'preset':<8} {'seq':>5} {'model':<30} {'mb':>3} {'tokens/s':>10} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'mem GiB':>8} {'vs transformers':>15}")
+    for r in results:
+        base = [b for b in results if b["preset"] == r["preset"] and b["model"] == "transformers"]
+        ratio = r["tokens_per_s"] / base[0]["tokens_per_s"] if base else float("nan")
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        print(f"{r['preset']:<8} {r['seq']:>5} {r['model']:<30} {r['micro_batch']:>3} "
+              f"{r['tokens_per_s']:>10.0f} {r['tflops']:>8.2f} {mfu:>6} "
+              f"{r['peak_memory_gib']:>8.2f} {ratio:>15.3f}")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--presets", nargs="+", default=["tiny", "gpt2"])
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, nargs="+", default=[4],
+                        help="candidates, largest first; the first that fits is used")
+    parser.add_argument("--micro-batches", type=int, default=1, help="per optimizer step")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--recompute", type=int, nargs="+", default=[0], choices=[0, 1])
+    parser.add_argument("--compile", type=int, nargs="+", default=[0], choices=[0, 1])
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,67 @@
+"""The CUDA path: bf16 parameters with fp32 master weights and moments, fused AdamW, SDPA's
+flash kernel, torch.compile. Skipped on machines without a GPU (CI); run on one with
+`python -m pytest tests/test_cuda.py`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.config import ModelConfig, OptimConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CFG = ModelConfig(n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=1000,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _engine(compile: bool = False):
+    from megalite.model.gpt2 import GPT2
+    from megalite.model.init import init_parameters
+    from megalite.parallel.pipeline import PipelineSchedule
+    from megalite.parallel.topology import build_topology
+    from megalite.parallel.zero import ZeroEngine
+
+    device = torch.device("cuda")
+    topo = build_topology(1, 1, 1)
+    with torch.device(device):
+        model = GPT2(CFG, topo.tp_group, compile=compile)
+    init_parameters(model, seed=0)
+    engine = ZeroEngine(model, topo, 0, OptimConfig(lr=1e-3), param_dtype=torch.bfloat16)
+    schedule = PipelineSchedule(model, topo, engine, (64, 4, CFG.n_embd), torch.bfloat16, device)
+    return model, engine, schedule
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_training_with_fp32_master_weights(compile):
+    model, engine, schedule = _engine(compile)
+    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in model.parameters())
+    assert all(b.main.dtype == torch.float32 for b in engine.buckets)
+    assert engine.optimizer.defaults["fused"]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, CFG.vocab_size, (4, 65), generator=g).cuda()
+    batch = [(w[:, :-1], w[:, 1:])]
+    losses = []
+    for _ in range(20):
+        losses.append(schedule.train_step(batch))
+        engine.finish_grad_sync()
+        engine.clip_and_step(1e-3, 1.0)
+        engine.zero_grad()
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 1.0, losses  # memorising one batch
+    state = engine.optimizer.state[engine.main_params[0][0]]
+    assert state["exp_avg"].dtype == torch.float32
+
+
+def test_flash_attention_kernel_is_used_for_bf16():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises if flash cannot run these inputs
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_peak_comes_from_the_device_table():
+    from megalite.train.metrics import peak_tflops
+
+    peak = peak_tflops(torch.device("cuda"), None)
+    assert peak.source.startswith("table:") or peak.tflops is None
