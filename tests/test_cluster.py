@@ -28,16 +28,16 @@ from tests.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The parallel layout of the 4-worker job. Only tp=1 pp=1 zero=0 exist today, so the 4 workers
-# are 4 data-parallel replicas. Once tensor and pipeline parallelism land, flip this to
-# ["tp=2", "pp=2"] (dp=1): TP inside an "agent" and PP across them, as on a real cluster.
-TWO_NODE_LAYOUT = ["tp=1", "pp=1"]
+# The parallel layout of the 4-worker job, as on a real cluster: TP inside an agent ("node"),
+# PP across the two agents, dp=1 (ranks 0-1 and 2-3 are the TP pairs of stages 0 and 1).
+# ["tp=1", "pp=1"] makes the 4 workers plain data-parallel replicas instead.
+TWO_NODE_LAYOUT = ["tp=2", "pp=2"]
 
 NNODES, NPROC_PER_NODE = 2, 2
 WORLD = NNODES * NPROC_PER_NODE
-MAX_STEPS = 120  # ~13 ms a step here: long enough to kill a worker mid-run, short enough to wait for
-CKPT_EVERY = 20
-RUN_TIMEOUT_S = 240  # per job; a healthy one takes ~10 s (a restart included ~25 s) on 2 cores
+MAX_STEPS = 60  # 30-100 ms a step here: long enough to kill a worker mid-run, short enough to wait
+CKPT_EVERY = 10
+RUN_TIMEOUT_S = 240  # per job; a healthy one takes ~15 s (a restart included ~30 s) on 2 cores
 SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
 
 # fp32 and no dropout: an interrupted and resumed run must reproduce the uninterrupted losses
@@ -494,8 +494,10 @@ def test_sbatch_script_runs_a_two_node_job_through_a_fake_srun(reference, tiny_d
         rcs = job.wait()
         logs = job.logs()
     assert rcs == {"sbatch": 0}, logs
-    header, records = read_segments(run_dir)[-1]
+    segments = read_segments(run_dir)
+    assert len(segments) == 1, logs  # no restart
+    header, records = segments[0]
     assert header["layout"]["world_size"] == WORLD
-    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1)), logs
     assert_same_as_reference(records, reference)
     assert checkpoint_meta(run_dir / "checkpoints", MAX_STEPS).is_file()

@@ -222,7 +222,7 @@ def test_megalite_is_installed_from_the_copied_source_without_replacing_torch(df
     assert copied["megalite"] == os.path.join(project, "megalite"), copied
     # pip installs that directory (non-editable), constrained to the base image's torch
     assert os.path.normpath(os.path.join(workdir, pip_target(pip_run))) == project, pip_run
-    assert "--constraint" in pip_run and "torch.__version__" in pip_run, \
+    assert "--constraint" in pip_run and "torch==" in pip_run, \
         "pip must be constrained to the image's torch (never reinstall it)"
     assert "-e " not in pip_run and "--editable" not in pip_run
     # every source exists and is part of the build context
