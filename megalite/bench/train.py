@@ -93,13 +93,16 @@ def _batches(vocab: int, micro_batch: int, seq: int, micro_batches: int, device)
 
 
 def _fits(make: Callable[[int], Callable[[Batches], None]], candidates: List[int], vocab: int,
-          seq: int, micro_batches: int, device) -> Tuple[Optional[int], Optional[Callable]]:
-    """The largest micro-batch from `candidates` whose step runs (and the step function)."""
+          seq: int, micro_batches: int, device, warmup: int
+          ) -> Tuple[Optional[int], Optional[Callable]]:
+    """The largest micro-batch from `candidates` whose warmup steps run (and the step)."""
     for mb in candidates:
         step = None
         try:
             step = make(mb)
-            step(_batches(vocab, mb, seq, micro_batches, device))
+            batches = _batches(vocab, mb, seq, micro_batches, device)
+            for _ in range(max(1, warmup)):
+                step(batches)
             synchronize(device)
             return mb, step
         except torch.OutOfMemoryError:
@@ -156,13 +159,11 @@ def run(args) -> List[dict]:
             for name, make in contenders:
                 reset_peak(device)
                 mb, step = _fits(make, args.micro_batch, mcfg.vocab_size, seq,
-                                 args.micro_batches, device)
+                                 args.micro_batches, device, args.warmup)
                 if step is None:
                     print(f"{preset} {name}: no micro-batch of {args.micro_batch} fits", flush=True)
                     continue
                 batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
-                for _ in range(args.warmup):
-                    step(batches)
                 times = sorted(timed(lambda: step(batches), device) for _ in range(args.steps))
                 row = _row(name, mb, seq, args.micro_batches, times[len(times) // 2], fpt, peak,
                            peak_memory(device))

@@ -156,6 +156,7 @@ class _Clock:
 
     def seconds(self, start, end) -> float:
         if self.cuda:
+            end.synchronize()
             return start.elapsed_time(end) / 1e3
         return end - start
 
@@ -182,7 +183,8 @@ class PipelineSchedule:
         self.first, self.last = topo.is_first_stage, topo.is_last_stage
         self.link = StageLink(topo, activation_shape, dtype, device)
         self.clock = _Clock(device)
-        self.trace = StepTrace()
+        self._marks: list = []
+        self._step_marks = None
         self.max_live = 0  # most micro-batches with activations alive at once, this step
         self._pending_grad: Optional[torch.Tensor] = None
 
@@ -240,11 +242,17 @@ class PipelineSchedule:
                     # input in the same exchange.
                     want_input = nxt is not None and nxt[0] == "F"
                     received, _ = link.exchange(send_prev=inp.grad, recv_prev=want_input)
-        step_end = self.clock.mark()
-        self.trace = StepTrace(
-            [Event(k, i, self.clock.seconds(step_start, a), self.clock.seconds(step_start, b))
-             for k, i, a, b in marks], self.clock.seconds(step_start, step_end))
+        self._marks, self._step_marks = marks, (step_start, self.clock.mark())
         return (loss_sum / m).item() if self.last else 0.0
+
+    @property
+    def trace(self) -> StepTrace:
+        """The last step's F/B events (on CUDA this waits for that step to finish)."""
+        if self._step_marks is None:
+            return StepTrace()
+        start, end = self._step_marks
+        return StepTrace([Event(k, i, self.clock.seconds(start, a), self.clock.seconds(start, b))
+                          for k, i, a, b in self._marks], self.clock.seconds(start, end))
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:

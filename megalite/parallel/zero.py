@@ -31,6 +31,7 @@ After the optimizer step the fp32 master range is copied into the model-dtype pa
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -172,10 +173,11 @@ class ZeroEngine:
             self.buckets.append(Bucket(names, [params[n] for n in names],
                                        [specs[n] for n in names], topo, zero, param_dtype, tied))
         self._where: Dict[nn.Parameter, Tuple[Bucket, int]] = {}
+        hook = _weak_hook(self)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(hook)
         self.sync_grads = True  # stages 0-1: is this backward the step's last micro-batch?
         self.zero3 = None
         if zero == 3:
@@ -325,6 +327,19 @@ class ZeroEngine:
         for state in self.optimizer.state.values():
             optim += sum(nbytes(v) for k, v in state.items() if k != "step" and torch.is_tensor(v))
         return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def _weak_hook(engine: "ZeroEngine"):
+    """The parameters' gradient hook, holding the engine weakly: hooks live in C++ where
+    Python's garbage collector cannot see them, so a strong reference would keep every engine
+    (and its buffers) alive forever through parameter -> hook -> engine -> parameter."""
+    ref = weakref.ref(engine)
+
+    def hook(p: nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad(p)
+    return hook
 
 
 def bucket_groups(named: List[Tuple[str, nn.Parameter]], specs, bucket_numel: float,

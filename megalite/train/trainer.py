@@ -186,7 +186,6 @@ class Trainer:
         t = cfg.train
         records: List[dict] = []
         losses: List[float] = []
-        bubbles: List[float] = []
         step_comm: dict = {}  # bytes sent by the training steps (not evaluation or logging)
         self.rt.synchronize()
         t0 = time.perf_counter()
@@ -199,7 +198,6 @@ class Trainer:
                 for name, value in counts.items():
                     acc[name] = acc.get(name, 0) + value
             losses.append(loss)
-            bubbles.append(self.schedule.trace.bubble)
             last = self.step == t.max_steps
             val_loss = None
             if t.eval_every and (self.step % t.eval_every == 0 or last):
@@ -221,8 +219,8 @@ class Trainer:
                           "step_time_s": elapsed / steps,
                           "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
                           "memory": peak_memory_bytes(self.rt.device), "comm": per_step}
-                if topo.pp > 1:
-                    bubble = comm.all_reduce_scalars([sum(bubbles) / steps], topo.pp_group,
+                if topo.pp > 1:  # measured on this log step, averaged over the stages
+                    bubble = comm.all_reduce_scalars([self.schedule.trace.bubble], topo.pp_group,
                                                      device=self.rt.device)[0] / topo.pp
                     record["pipeline_bubble"] = bubble
                     record["pipeline_bubble_expected"] = expected_bubble(topo.pp, self.num_micro)
@@ -235,7 +233,7 @@ class Trainer:
                     self.writer.log(record)
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"loss is {mean_loss} at step {self.step}")
-                losses, bubbles, excluded_s, step_comm = [], [], 0.0, {}
+                losses, excluded_s, step_comm = [], 0.0, {}
                 t0 = time.perf_counter()
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                 c0 = time.perf_counter()
