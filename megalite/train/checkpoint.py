@@ -231,6 +231,19 @@ class _Reader:
         return spec.unshard(slices)
 
 
+def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor]:
+    """Every global tensor of a checkpoint (HF names, nn.Linear layout, fp32, vocabulary
+    unpadded), whatever layout wrote it: for export, generation and inspection. Verifies the
+    files it reads; reads one process's worth (no process group needed)."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    reader = _Reader(ckpt, meta)
+    names = sorted({n for (n, k) in reader.index if k == kind})
+    for name in reader.files_for(names):
+        verify_file(ckpt, name, meta["files"][name])
+    return {name: reader.global_tensor(name, kind) for name in names}
+
+
 def check_compatible(meta: dict, cfg: Config, ckpt: Path) -> None:
     for key in SHAPE_KEYS:
         theirs, ours = meta["model"].get(key), getattr(cfg.model, key)
