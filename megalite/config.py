@@ -75,6 +75,8 @@ class TrainConfig:
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
     recompute: bool = False  # recompute each block's activations in backward (saves memory)
     compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
+    max_bad_steps: int = 5  # consecutive steps with a NaN/inf loss or gradient that are
+    #                         skipped (no update, counted) before the run stops
 
 
 @dataclass
@@ -231,6 +233,9 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None) -> 
                         "changes no memory and only adds copies); use zero=0 or more ranks")
     if t.max_steps < 1:
         _fail("train.max_steps", t.max_steps, "must be a positive integer")
+    if t.max_bad_steps < 1:
+        _fail("train.max_bad_steps", t.max_bad_steps, "must be >= 1 (1 = stop at the first "
+              "non-finite step)")
     if t.eval_every < 0 or t.eval_steps < 1:
         _fail("train.eval_every/eval_steps", (t.eval_every, t.eval_steps),
               "eval_every must be >= 0 (0 = never) and eval_steps >= 1")

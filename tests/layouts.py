@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -26,7 +26,7 @@ FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0"
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false", "train.eval_every=0"]
 
 
-def _steps(rank, world, overrides, run_dir, steps):
+def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     cfg = load_config(TINY + FP32_NO_DROPOUT + overrides)
     validate(cfg, world)
     trainer = Trainer(cfg, init_runtime(cfg), run_dir)
@@ -38,6 +38,8 @@ def _steps(rank, world, overrides, run_dir, steps):
         loss, norm = trainer.train_step()
         step_comm = counter.delta(counter.snapshot(), before)
         max_live.append(trainer.schedule.max_live)
+        if save_at is not None and trainer.step == save_at:
+            trainer.save()
         losses.append(trainer._global_mean(loss))
         norms.append(norm)
         ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
@@ -53,22 +55,24 @@ def _steps(rank, world, overrides, run_dir, steps):
             "bytes": trainer.engine.state_bytes(), "step_comm": step_comm}
 
 
-def _many(rank, world, runs, run_dir, steps):
-    return [_steps(rank, world, overrides, f"{run_dir}/{i}", steps)
+def _many(rank, world, runs, run_dir, steps, save_at):
+    return [_steps(rank, world, overrides, f"{run_dir}/{i}", steps, save_at)
             for i, overrides in enumerate(runs)]
 
 
 def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
-                 timeout_s: float = 600) -> List[dict]:
+                 timeout_s: float = 600, save_at: Optional[int] = None) -> List[dict]:
     """One configuration on `world` ranks: a result per rank."""
-    return train_layouts(tmp_path, world, [overrides], steps, timeout_s)[0]
+    return train_layouts(tmp_path, world, [overrides], steps, timeout_s, save_at)[0]
 
 
 def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
-                  timeout_s: float = 900) -> List[List[dict]]:
+                  timeout_s: float = 900, save_at: Optional[int] = None) -> List[List[dict]]:
     """Several configurations one after the other in the same `world` ranks (one launch):
-    a list of per-rank results for each configuration."""
-    per_rank = run_ranks(_many, world, args=(runs, str(tmp_path), steps), timeout_s=timeout_s)
+    a list of per-rank results for each configuration. With `save_at=k` each run writes a
+    checkpoint after its step k (to its `checkpoint.dir`)."""
+    per_rank = run_ranks(_many, world, args=(runs, str(tmp_path), steps, save_at),
+                         timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 
 

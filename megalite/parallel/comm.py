@@ -83,8 +83,36 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CommError(RuntimeError):
+    """A collective failed or timed out (a peer died or is stuck): names the group and op."""
+
+
+def _describe(op: str, group: Group) -> str:
+    return f"{op} on the {group.name} group (global ranks {group.ranks})"
+
+
+def _call(op: str, group: Group, fn):
+    """Run a collective; a failure or timeout (parallel.timeout_s) becomes a CommError that
+    says which group was waiting, instead of an anonymous backend error."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise CommError(f"{_describe(op, group)} failed: {e}. A peer in this group crashed, "
+                        "was killed or is stuck; see its log") from e
+
+
+class _Work:
+    """An asynchronous collective's handle; `wait()` raises CommError naming the group."""
+
+    def __init__(self, work, op: str, group: Group):
+        self.work, self.op, self.group = work, op, group
+
+    def wait(self) -> bool:
+        return _call(self.op, self.group, self.work.wait)
+
+
 class _Done:
-    """The `Work` of a collective that needed no communication (a group of one)."""
+    """The handle of a collective that needed no communication (a group of one)."""
 
     def wait(self) -> bool:
         return True
@@ -99,9 +127,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
     if group.size > 1:
         nbytes = _nbytes(tensor)
         group.counter.record(group.name, "all_reduce", nbytes, 2 * _ring(group.size) * nbytes)
-        work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
+        work = _call("all_reduce", group, lambda: dist.all_reduce(
+            tensor, op=op, group=group.pg, async_op=async_op))
         if async_op:
-            return work
+            return _Work(work, "all_reduce", group)
     return _Done() if async_op else tensor
 
 
@@ -113,8 +142,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         return _Done() if async_op else output
     nbytes = _nbytes(input)
     group.counter.record(group.name, "reduce_scatter", nbytes, _ring(group.size) * nbytes)
-    work = _reduce_scatter_single(output, input, op=op, group=group.pg, async_op=async_op)
-    return work if async_op else output
+    work = _call("reduce_scatter", group, lambda: _reduce_scatter_single(
+        output, input, op=op, group=group.pg, async_op=async_op))
+    return _Work(work, "reduce_scatter", group) if async_op else output
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -124,8 +154,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         return _Done() if async_op else output
     nbytes = _nbytes(output)
     group.counter.record(group.name, "all_gather", nbytes, _ring(group.size) * nbytes)
-    work = _all_gather_single(output, input, group=group.pg, async_op=async_op)
-    return work if async_op else output
+    work = _call("all_gather", group, lambda: _all_gather_single(
+        output, input, group=group.pg, async_op=async_op))
+    return _Work(work, "all_gather", group) if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:
@@ -133,7 +164,8 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.T
     if group.size > 1:
         nbytes = _nbytes(tensor)
         group.counter.record(group.name, "broadcast", nbytes, _ring(group.size) * nbytes)
-        dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
+        _call("broadcast", group,
+              lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg))
     return tensor
 
 
@@ -154,8 +186,10 @@ def send_recv(sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Ten
     for t, _ in sends:
         group.counter.record(group.name, "send", _nbytes(t), _nbytes(t))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        def exchange():
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        _call("send/recv", group, exchange)
 
 
 # --- autograd regions for tensor / sequence parallelism (Shoeybi 2019; Korthikanti 2022) -------

@@ -260,10 +260,12 @@ class ZeroEngine:
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
 
-    def clip_and_step(self, lr: float, max_norm: float) -> torch.Tensor:
+    def clip_and_step(self, lr: float, max_norm: float, norm: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
         """Global-norm clipping (no-op when max_norm = 0), AdamW on the owned ranges, and the
         parameters brought up to date. Returns the pre-clipping norm."""
-        norm = self.grad_norm()
+        if norm is None:
+            norm = self.grad_norm()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(self._all_grads, coef)

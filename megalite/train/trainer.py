@@ -34,6 +34,10 @@ from megalite.train.metrics import MetricsWriter, peak_memory_bytes, peak_tflops
 from megalite.train.optim import lr_at
 
 
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive steps with a NaN/inf loss or gradient."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path):
         self.cfg, self.rt, self.run_dir = cfg, runtime, Path(run_dir)
@@ -78,6 +82,8 @@ class Trainer:
         self.ckpt_root = resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir \
             else self.run_dir / "checkpoints"
         self.step = 0
+        self.skipped_steps = 0  # non-finite steps skipped so far (this process)
+        self.bad_in_a_row = 0
         self._resume()
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops)
@@ -161,18 +167,34 @@ class Trainer:
 
     # --- the loop -----------------------------------------------------------------------
 
-    def train_step(self) -> Tuple[float, float]:
-        """One optimizer step; returns (this replica's mean loss on the last stage, else 0;
-        the global grad norm)."""
+    def train_step(self) -> Tuple[Optional[float], float]:
+        """One optimizer step; returns (this replica's mean loss on the last stage, 0.0 on the
+        others, None if the step was skipped; the global grad norm).
+
+        A NaN/inf global gradient norm (the same number on every rank, so every rank decides
+        alike) skips the update: the batch is consumed, the step counted in `skipped_steps`;
+        `train.max_bad_steps` such steps in a row stop the run."""
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps)
         self.model.train()
         loss = self.schedule.train_step(self.batches.next_step())
         self.engine.finish_grad_sync()
-        norm = self.engine.clip_and_step(lr, self.cfg.optim.grad_clip)
+        norm = self.engine.grad_norm()
+        finite = math.isfinite(norm.item())
+        if finite:
+            self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm)
+            self.bad_in_a_row = 0
+        else:
+            self.skipped_steps += 1
+            self.bad_in_a_row += 1
         self.engine.zero_grad()
         self.last_lr = lr
         self.step += 1
-        return loss, norm.item()
+        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            raise NonFiniteError(
+                f"{self.bad_in_a_row} steps in a row (up to step {self.step}) had a non-finite "
+                f"loss or gradient (train.max_bad_steps={self.cfg.train.max_bad_steps}); lower "
+                "optim.lr, check the data, or resume from an earlier checkpoint")
+        return (loss if finite else None), norm.item()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -186,6 +208,7 @@ class Trainer:
         t = cfg.train
         records: List[dict] = []
         losses: List[float] = []
+        steps_in_interval = 0
         step_comm: dict = {}  # bytes sent by the training steps (not evaluation or logging)
         self.rt.synchronize()
         t0 = time.perf_counter()
@@ -197,7 +220,9 @@ class Trainer:
                 acc = step_comm.setdefault(key, {})
                 for name, value in counts.items():
                     acc[name] = acc.get(name, 0) + value
-            losses.append(loss)
+            if loss is not None:
+                losses.append(loss)
+            steps_in_interval += 1
             last = self.step == t.max_steps
             val_loss = None
             if t.eval_every and (self.step % t.eval_every == 0 or last):
@@ -207,10 +232,10 @@ class Trainer:
             if self.step % cfg.log.every == 0 or last:
                 self.rt.synchronize()
                 elapsed = time.perf_counter() - t0 - excluded_s
-                steps = len(losses)
+                steps = steps_in_interval
                 per_step = {k: {n: v / steps for n, v in c.items()}
                             for k, c in step_comm.items() if c.get("calls")}
-                mean_loss = self._global_mean(sum(losses) / steps)
+                mean_loss = self._global_mean(sum(losses) / len(losses)) if losses else None
                 tokens = steps * t.global_batch_size * t.seq_len
                 record = {"step": self.step, "loss": mean_loss, "val_loss": val_loss,
                           "lr": self.last_lr, "grad_norm": grad_norm,
@@ -218,7 +243,9 @@ class Trainer:
                                        self.peak),
                           "step_time_s": elapsed / steps,
                           "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
-                          "memory": peak_memory_bytes(self.rt.device), "comm": per_step}
+                          "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
+                          "skipped_steps": steps - len(losses),
+                          "skipped_total": self.skipped_steps}
                 if topo.pp > 1:  # measured on this log step, averaged over the stages
                     bubble = comm.all_reduce_scalars([self.schedule.trace.bubble], topo.pp_group,
                                                      device=self.rt.device)[0] / topo.pp
@@ -231,9 +258,7 @@ class Trainer:
                 records.append(record)
                 if self.writer is not None:
                     self.writer.log(record)
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(f"loss is {mean_loss} at step {self.step}")
-                losses, excluded_s, step_comm = [], 0.0, {}
+                losses, excluded_s, step_comm, steps_in_interval = [], 0.0, {}, 0
                 t0 = time.perf_counter()
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                 c0 = time.perf_counter()

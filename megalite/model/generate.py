@@ -1,0 +1,45 @@
+"""Autoregressive sampling from a serial GPT2 (tp = pp = 1): the simplest proof that a
+checkpoint is a language model.
+
+No KV cache: every new token re-runs the model on the last `n_positions` tokens (a sliding
+window once the text is longer than the model's context). Temperature 0 is greedy decoding;
+otherwise logits / temperature, optionally restricted to the `top_k` largest, are sampled from
+`generator`, so a seeded generator makes the output deterministic.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from megalite.model.gpt2 import GPT2
+
+
+@torch.no_grad()
+def generate(model: GPT2, ids: List[int], max_new_tokens: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             vocab_size: Optional[int] = None) -> List[int]:
+    """`ids` (at least one token) followed by `max_new_tokens` sampled tokens. Only ids below
+    `vocab_size` (default: the model's) are ever sampled: a tokenizer may have fewer tokens
+    than the embedding has rows."""
+    if not ids:
+        raise ValueError("the prompt must hold at least one token")
+    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(f"need max_new_tokens >= 0 (got {max_new_tokens}), temperature >= 0 "
+                         f"(got {temperature}), top_k >= 1 or None (got {top_k})")
+    model.eval()
+    device = next(model.parameters()).device
+    vocab_size = vocab_size or model.cfg.vocab_size
+    out = torch.tensor([ids], dtype=torch.long, device=device)
+    for _ in range(max_new_tokens):
+        logits = model(out[:, -model.cfg.n_positions:])[0, -1, :vocab_size].float()
+        if temperature == 0:
+            token = logits.argmax().view(1)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < vocab_size:
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        out = torch.cat([out, token.view(1, 1)], dim=1)
+    return out[0].tolist()

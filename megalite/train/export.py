@@ -1,0 +1,148 @@
+"""Checkpoints as models: export to `transformers`, load for inference, in one process.
+
+A checkpoint of any layout (tp, pp, dp, zero; see `megalite.train.checkpoint`) holds the fp32
+master weights in pieces; `read_global_state` rebuilds the global tensors. From there:
+
+    export_hf(ckpt, out_dir)   a `transformers` GPT-2 directory (config.json, model.safetensors,
+                               generation_config.json, tokenizer files) that
+                               GPT2LMHeadModel / AutoTokenizer.from_pretrained load
+    load_model(ckpt)           the serial megalite GPT2 (tp = pp = 1) with the checkpoint's weights
+    load_tokenizer(ckpt)       the tokenizer the run's data was tokenized with
+
+`ckpt` is a checkpoint directory (`step_NNNNNNNN/` holding meta.json) or a checkpoint root
+(`checkpoint.dir`), which stands for its latest complete checkpoint. The tokenizer is the one
+`scripts/prepare_data.py` saved in `<data.dir>/tokenizer`, with data.dir read from the config
+recorded in meta.json; a relative data.dir is relative to the directory the run was launched
+from, so run from there or name the tokenizer directory explicitly.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megalite.config import ModelConfig, resolve_path
+from megalite.data.prepare import TOKENIZER_DIR
+from megalite.model.gpt2 import GPT2
+from megalite.model.hf import save_hf
+from megalite.model.init import load_global_state
+from megalite.train.checkpoint import latest_checkpoint, read_global_state, read_meta
+
+
+class ExportError(ValueError):
+    """A path that cannot be used; the message names it and what is expected instead."""
+
+
+def resolve_checkpoint(path) -> Path:
+    """`path` if it is a complete checkpoint, else the latest complete checkpoint under it."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest
+    problem = ("does not exist" if not path.exists() else "is not a directory"
+               if not path.is_dir() else "holds no meta.json and no complete checkpoint")
+    raise ExportError(f"{path}: {problem}; expected a megalite checkpoint directory "
+                      "step_NNNNNNNN holding meta.json (e.g. <run dir>/checkpoints/step_00000300) "
+                      "or a checkpoint.dir containing one")
+
+
+def model_config(ckpt: Path) -> ModelConfig:
+    """The model shape recorded in a checkpoint's meta.json."""
+    return ModelConfig(**read_meta(ckpt)["model"])
+
+
+def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
+    """`override`, else `<data.dir>/tokenizer` of the run that wrote the checkpoint."""
+    if override is not None:
+        path, origin = Path(override), "the tokenizer directory given"
+    else:
+        data_dir = read_meta(ckpt)["config"]["data"]["dir"]
+        path = resolve_path(data_dir) / TOKENIZER_DIR
+        origin = (f"data.dir={data_dir!r} recorded in {ckpt / 'meta.json'}, relative to the "
+                  f"current directory {os.getcwd()}")
+    if not path.is_dir():
+        raise ExportError(f"no tokenizer at {path} (from {origin}); run from the directory the "
+                          "training was launched from, or give the tokenizer directory "
+                          "(--tokenizer DIR, e.g. <data.dir>/tokenizer)")
+    return path
+
+
+def load_tokenizer(ckpt: Path, override: Optional[str] = None):
+    """The checkpoint's tokenizer (see `tokenizer_dir`), checked against the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_dir(ckpt, override)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: not a tokenizer directory ({e})") from e
+    vocab_size = model_config(ckpt).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ExportError(f"{path}: {len(tokenizer)} tokens, more than the checkpoint's "
+                          f"model.vocab_size={vocab_size}: not the tokenizer of this run")
+    return tokenizer
+
+
+def load_model(ckpt: Path, device: str = "cpu") -> GPT2:
+    """The serial GPT2 holding the checkpoint's weights, in eval mode."""
+    with torch.device(device):
+        model = GPT2(model_config(ckpt))
+    load_global_state(model, read_global_state(ckpt))
+    return model.eval()
+
+
+def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = False) -> Path:
+    """Write checkpoint `ckpt` as a `transformers` GPT-2 directory `out_dir`.
+
+    Everything is written to a temporary sibling directory that replaces `out_dir` only when
+    complete. An existing non-empty `out_dir` is an error unless `force`; `out_dir` may never
+    contain the checkpoint or the tokenizer it is made from. Returns the checkpoint exported.
+    """
+    ckpt = resolve_checkpoint(ckpt)
+    out_dir = Path(out_dir)
+    tok_dir = tokenizer_dir(ckpt, tokenizer)
+    for source in (ckpt, tok_dir):
+        if source.resolve().is_relative_to(out_dir.resolve()):
+            raise ExportError(f"{out_dir}: contains {source}, which the export reads; "
+                              "pick another output directory")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{out_dir}: exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise ExportError(f"{out_dir}: exists and is not empty; pick a new directory, or "
+                          "replace it with --force")
+    tok = load_tokenizer(ckpt, str(tok_dir))
+    state = read_global_state(ckpt)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_hf(state, model_config(ckpt), tmp, tok_dir)
+        _use_tokenizer_special_ids(tmp, tok)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt
+
+
+def _use_tokenizer_special_ids(out_dir: Path, tok) -> None:
+    """Point config.json's and generation_config.json's BOS/EOS ids at the tokenizer's (the
+    GPT-2 defaults, 50256, are wrong for a trained tokenizer)."""
+    from transformers import GenerationConfig, GPT2Config
+
+    config = GPT2Config.from_pretrained(out_dir)
+    config.eos_token_id = tok.eos_token_id
+    config.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
