@@ -215,3 +215,32 @@ def test_dropout_run_is_reproducible_from_its_seed(tiny_data, tmp_path):
                                        for s in (5, 5, 6)], steps=3)
     assert runs[0][0]["losses"] == runs[1][0]["losses"]
     assert runs[0][0]["losses"] != runs[2][0]["losses"]
+
+
+def _activation_bytes(rank, world):
+    from megalite.bench.tensor import formulas, saved_activation_bytes
+    from megalite.model.gpt2 import GPT2
+    from megalite.model.init import init_parameters
+
+    cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4, n_positions=32, vocab_size=256,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    topo = build_topology(world, 1, 1)
+    ids = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for sp in (False, True):
+        model = GPT2(cfg, topo.tp_group, sequence_parallel=sp).train()
+        init_parameters(model, seed=0)
+        x = model.embed(ids).detach().requires_grad_()
+        measured = saved_activation_bytes(lambda: model.transformer.h["0"](x), model.parameters())
+        out[sp] = (measured, formulas(32, 3, 64, 4, world, sp and world > 1, 4)["ours"])
+    return out
+
+
+def test_activation_memory_per_layer_matches_the_formula():
+    """What autograd keeps per layer: e·sbh(4 + 12/t) with TP, e·sbh·16/t with TP + SP (plus
+    LayerNorm statistics and the attention log-sum-exp); megalite/bench/tensor.py derives it."""
+    for rank, by_sp in enumerate(run_ranks(_activation_bytes, 2)):
+        for sp, (measured, formula) in by_sp.items():
+            assert measured == pytest.approx(formula, rel=1e-9), (rank, sp, measured, formula)
+    ((alone, formula),) = [v for k, v in run_ranks(_activation_bytes, 1)[0].items() if not k]
+    assert alone == pytest.approx(formula, rel=1e-9)

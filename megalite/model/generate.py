@@ -24,9 +24,12 @@ def generate(model: GPT2, ids: List[int], max_new_tokens: int, temperature: floa
     than the embedding has rows."""
     if not ids:
         raise ValueError("the prompt must hold at least one token")
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError(f"need max_new_tokens >= 0 (got {max_new_tokens}), temperature >= 0 "
-                         f"(got {temperature}), top_k >= 1 or None (got {top_k})")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: must be >= 1 (or None = no restriction)")
     model.eval()
     device = next(model.parameters()).device
     vocab_size = vocab_size or model.cfg.vocab_size

@@ -4,7 +4,8 @@ activations between TP regions are [s/tp, b, h] shards of the sequence.
 
 All TP/SP communication goes through the five autograd regions of `megalite.parallel.comm`:
 
-    ColumnParallelLinear   x -> copy_to_tp (or gather_from_seq with SP) -> x W_r^T + b_r
+    ColumnParallelLinear   x -> copy_to_tp (or gather_from_seq with SP, re-gathered in
+                           backward instead of kept) -> x W_r^T + b_r
     RowParallelLinear      x_r W_r^T -> reduce_from_tp (or reduce_scatter_to_seq with SP) -> + b
     VocabParallelEmbedding rows of this rank's vocab slice -> reduce_from_tp / reduce_scatter
     vocab_parallel_cross_entropy   logits stay split over the vocabulary: max, target logit
@@ -27,12 +28,40 @@ from megalite.parallel import comm
 from megalite.parallel.comm import Group
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b, saving only the local shard x for backward and gathering
+    it again there (Korthikanti et al. 2022 §4.2.2): the full-sequence input never stays alive,
+    so a layer's activations are 1/tp of the replicated case, at one more all-gather per layer.
+
+        forward : X = all-gather(x) along the sequence; y = X W^T + b
+        backward: X = all-gather(x) again; dW = dy^T X, db = sum dy;
+                  dx = reduce-scatter(dy W) along the sequence
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group: Group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(comm._gather_seq(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = comm._gather_seq(x, ctx.group)
+        grad_x = comm._reduce_scatter_seq(grad.matmul(weight), ctx.group)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r, W split by output features: TP rank r computes its slice of y.
 
     The input is replicated ([s, b, in]; backward all-reduces dL/dx over TP) or, with sequence
     parallelism, a sequence shard [s/tp, b, in] that is all-gathered first (backward
-    reduce-scatters dL/dx). The output stays split: [s, b, out/tp].
+    reduce-scatters dL/dx; only the shard is kept for backward, see _SequenceParallelLinear).
+    The output stays split: [s, b, out/tp].
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group,
@@ -46,9 +75,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_from_seq(x, self.tp_group) if self.sequence_parallel \
-            else comm.copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel and self.tp_group.size > 1:
+            return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_group)
+        return F.linear(comm.copy_to_tp(x, self.tp_group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

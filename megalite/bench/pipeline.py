@@ -1,0 +1,241 @@
+"""1F1B pipeline step time against m: megalite's PipelineSchedule next to
+`torch.distributed.pipelining.Schedule1F1B`, on real gloo ranks (tp = dp = 1, world = pp).
+
+For each pp in `--pp` a world of pp processes is spawned; for each m in `--micro-batches` both
+contenders are built afresh from the same GPT-2 stage split (`partition_layers`, the same
+`GPT2` stage modules), the same initial weights (`init_parameters`, same seed) and train on the
+same m micro-batches:
+
+- megalite: its real training path, `schedule.train_step` -> `engine.finish_grad_sync` (tied
+  embedding gradient summed over the first and last stage) -> `engine.clip_and_step` (global-norm
+  clipping, AdamW) -> `engine.zero_grad` (ZeroEngine with zero = 0);
+- torch: `PipelineStage` over the same stage module (the last stage returns its logits and
+  `loss_fn` is the stage's own cross-entropy), `Schedule1F1B(stage, m, loss_fn)` (it scales
+  gradients by 1/m, as megalite does), then the same tied-gradient all-reduce, the same global
+  norm clipping and `torch.optim.AdamW` with the same hyper-parameters and decay groups.
+
+A step is timed from a barrier to the end of the optimizer step on each rank; the step time is
+the slowest rank's. The two alternate step by step (A B B A ...) so that machine noise hits
+both; reported are medians, the ratio torch / megalite (> 1: megalite faster), megalite's
+measured bubble (idle fraction of the step per stage, `schedule.trace.bubble`, averaged over
+stages and timed steps) next to the ideal (p - 1) / (m + p - 1), and the relative difference of
+the two losses at the first step (same weights, same batches, same math: should be ~1e-6) and
+at the last one. Dropout is off so that both compute exactly the same function.
+
+Notes. `Schedule1F1B` refuses m < p ("n/a" in the table). The default vocabulary (2048) keeps
+the LM head near the cost of a block, so the stages are balanced as the formula assumes. With
+more ranks than cores (pp = 4 on 2 cores) ranks share cores: a waiting rank yields its core to
+a computing one, so the bubble is not comparable with the formula there.
+"""
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megalite.config import ModelConfig, OptimConfig
+from megalite.model.gpt2 import GPT2
+from megalite.model.init import init_parameters
+from megalite.parallel.pipeline import PipelineSchedule, expected_bubble, partition_layers
+from megalite.parallel.topology import build_topology
+from megalite.parallel.zero import ZeroEngine
+
+LR, CLIP, SEED = 1e-3, 1.0, 1234
+OPTIONS = ("micro_batches", "steps", "warmup", "n_layer", "n_embd", "n_head", "seq_len",
+           "micro_batch_size", "vocab_size")
+
+
+def _model_cfg(o: dict) -> ModelConfig:
+    return ModelConfig(name="bench", n_layer=o["n_layer"], n_embd=o["n_embd"], n_head=o["n_head"],
+                       n_positions=max(o["seq_len"], 256), vocab_size=o["vocab_size"],
+                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _stage_model(cfg: ModelConfig, topo, blocks: range) -> GPT2:
+    model = GPT2(cfg, topo.tp_group, blocks=blocks, first=topo.is_first_stage,
+                 last=topo.is_last_stage)
+    init_parameters(model, SEED)
+    return model.train()
+
+
+class TorchStage(nn.Module):
+    """A megalite stage with the pipelining contract: token ids (first stage) or hidden states
+    in, hidden states out; the last stage returns its logits [s, b, V] (the loss is loss_fn)."""
+
+    def __init__(self, gpt: GPT2):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        if not g.last:
+            return g(x)
+        x = g.embed(x) if g.first else x
+        for block in g.transformer.h.values():
+            x = block(x)
+        return g.logits_local(x)
+
+
+def _megalite(cfg, topo, blocks, o):
+    model = _stage_model(cfg, topo, blocks)
+    engine = ZeroEngine(model, topo, 0, OptimConfig(lr=LR))
+    schedule = PipelineSchedule(model, topo, engine, (o["seq_len"], o["micro_batch_size"],
+                                                      cfg.n_embd), torch.float32,
+                                torch.device("cpu"))
+
+    def step(batches):
+        loss = schedule.train_step(batches)
+        engine.finish_grad_sync()
+        engine.clip_and_step(LR, CLIP)
+        engine.zero_grad()
+        return loss, schedule.trace.bubble
+    return step
+
+
+def _pipelining(cfg, topo, blocks, m):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    gpt = _stage_model(cfg, topo, blocks)
+    stage = PipelineStage(TorchStage(gpt), topo.coords.pp, topo.pp, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=gpt.loss) if gpt.last \
+        else Schedule1F1B(stage, n_microbatches=m)
+    named = list(gpt.named_parameters())
+    oc = OptimConfig(lr=LR)
+    groups = [{"params": [p for n, p in named if gpt.param_specs[n].weight_decay == d],
+               "weight_decay": oc.weight_decay if d else 0.0} for d in (True, False)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=LR, betas=tuple(oc.betas),
+                            eps=oc.eps, foreach=True)
+    tied = [p for n, p in named if gpt.param_specs[n].name == "transformer.wte.weight"]
+    counted = [p for n, p in named if not gpt.param_specs[n].tied_copy]
+    embedding_pg = topo.embedding_group.pg
+
+    def step(batches):
+        losses: list = []
+        if gpt.first:
+            schedule.step(torch.cat([x for x, _ in batches]), return_outputs=False)
+        elif gpt.last:
+            schedule.step(target=torch.cat([y for _, y in batches]), losses=losses,
+                          return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        for p in tied:  # the two copies of the tied embedding: first + last stage
+            dist.all_reduce(p.grad, group=embedding_pg)
+        grads = [p.grad for p in counted if p.grad is not None]
+        sq = torch.stack(torch._foreach_norm(grads)).square().sum()
+        dist.all_reduce(sq)  # global norm over the stages (as megalite's grad_norm)
+        torch._foreach_mul_([p.grad for p in gpt.parameters() if p.grad is not None],
+                            torch.clamp(CLIP / (sq.sqrt() + 1e-6), max=1.0))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return (torch.stack(losses).mean().item() if losses else 0.0), 0.0
+    return step
+
+
+def _timed(step, batches):
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss, bubble = step(batches)
+    return time.perf_counter() - t0, loss, bubble
+
+
+def _worker(rank: int, pp: int, port: int, o: dict, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=pp, timeout=timedelta(seconds=600))
+    topo = build_topology(1, pp, 1)
+    cfg = _model_cfg(o)
+    blocks = partition_layers(cfg.n_layer, pp)[topo.coords.pp]
+    g = torch.Generator().manual_seed(SEED)
+    rows = []
+    for m in o["micro_batches"]:
+        words = torch.randint(0, cfg.vocab_size, (m, o["micro_batch_size"], o["seq_len"] + 1),
+                              generator=g)
+        batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in words]
+        fns = {"megalite": _megalite(cfg, topo, blocks, o)}
+        if m >= pp:  # Schedule1F1B raises "Number of microbatches must be >= stages" otherwise
+            fns["torch"] = _pipelining(cfg, topo, blocks, m)
+        times = {n: [] for n in fns}
+        losses = {n: [] for n in fns}
+        bubbles = []
+        for i in range(o["warmup"] + o["steps"]):
+            for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+                dt, loss, bubble = _timed(fns[name], batches)
+                t = torch.tensor([dt])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
+                s = torch.tensor([loss, bubble / pp])
+                dist.all_reduce(s)  # loss from the last stage; bubble averaged over stages
+                losses[name].append(s[0].item())
+                if i >= o["warmup"]:
+                    times[name].append(t.item())
+                    if name == "megalite":
+                        bubbles.append(s[1].item())
+        row = {"pp": pp, "m": m, "blocks": [len(r) for r in partition_layers(cfg.n_layer, pp)],
+               "megalite_s": statistics.median(times["megalite"]),
+               "bubble": statistics.mean(bubbles), "bubble_expected": expected_bubble(pp, m),
+               "loss_first": losses["megalite"][0], "loss_last": losses["megalite"][-1]}
+        if "torch" in fns:
+            lm, lt = losses["megalite"], losses["torch"]
+            row.update(torch_s=statistics.median(times["torch"]),
+                       rel_diff_first=abs(lm[0] - lt[0]) / abs(lt[0]),
+                       rel_diff_last=abs(lm[-1] - lt[-1]) / abs(lt[-1]))
+        rows.append(row)
+        if rank == 0:
+            print(f"pp={pp} m={m}: {row}", flush=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args) -> List[dict]:
+    import torch.multiprocessing as tmp
+
+    o = {k: getattr(args, k) for k in OPTIONS}
+    print(f"torch {torch.__version__}, gloo, 1 thread per rank; GPT-2 n_layer={o['n_layer']} "
+          f"n_embd={o['n_embd']} vocab={o['vocab_size']} seq={o['seq_len']} "
+          f"micro-batch={o['micro_batch_size']}; {o['warmup']} warmup + {o['steps']} timed steps",
+          flush=True)
+    results: List[dict] = []
+    for pp in args.pp:
+        queue = tmp.get_context("spawn").SimpleQueue()
+        tmp.spawn(_worker, args=(pp, _free_port(), o, queue), nprocs=pp, join=True)
+        results += queue.get()
+    _print_table(results)
+    return results
+
+
+def _print_table(rows: List[dict]) -> None:
+    print(f"\n{'pp':>3} {'m':>3} {'megalite s':>11} {'torch s':>9} {'torch/megalite':>15} "
+          f"{'bubble':>7} {'(p-1)/(m+p-1)':>14} {'loss rel diff 1st/last':>23}")
+    for r in rows:
+        if "torch_s" in r:
+            torch_s, ratio = f"{r['torch_s']:.3f}", f"{r['torch_s'] / r['megalite_s']:.3f}"
+            diff = f"{r['rel_diff_first']:.1e} / {r['rel_diff_last']:.1e}"
+        else:
+            torch_s = ratio = diff = "n/a (m<p)"
+        print(f"{r['pp']:>3} {r['m']:>3} {r['megalite_s']:>11.3f} {torch_s:>9} {ratio:>15} "
+              f"{r['bubble']:>7.3f} {r['bubble_expected']:>14.3f} {diff:>23}")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=2048)
