@@ -13,10 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megalite.bench import tensor, train  # noqa: E402
+from megalite.bench import checkpoint, tensor, train  # noqa: E402
 
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
+    "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
 }
 

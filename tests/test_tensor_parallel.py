@@ -244,3 +244,53 @@ def test_activation_memory_per_layer_matches_the_formula():
             assert measured == pytest.approx(formula, rel=1e-9), (rank, sp, measured, formula)
     ((alone, formula),) = [v for k, v in run_ranks(_activation_bytes, 1)[0].items() if not k]
     assert alone == pytest.approx(formula, rel=1e-9)
+
+
+def _regions(rank, world):
+    """Each autograd region's forward and backward against its definition."""
+    from megalite.parallel import comm
+
+    g = build_topology(world, 1, 1).tp_group
+    torch.manual_seed(0)
+    full = torch.randn(4 * world, 3)  # [s, h]; the same on every rank
+    grads = torch.randn(world, 4 * world, 3)  # a different upstream gradient per rank
+    mine = full.chunk(world)[rank]
+    out = {}
+
+    def run(name, fn, x, grad):
+        x = x.clone().requires_grad_()
+        y = fn(x, g)
+        y.backward(grad.clone())  # backward may reduce the incoming gradient in place
+        out[name] = (y.detach(), x.grad)
+
+    run("copy_to_tp", comm.copy_to_tp, full, grads[rank])
+    run("reduce_from_tp", comm.reduce_from_tp, full * (rank + 1), grads[0])
+    run("scatter_to_seq", comm.scatter_to_seq, full, grads[rank].chunk(world)[rank])
+    run("gather_from_seq", comm.gather_from_seq, mine, grads[rank])
+    run("reduce_scatter_to_seq", comm.reduce_scatter_to_seq, full * (rank + 1),
+        grads[0].chunk(world)[rank])
+    return out, full, grads
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_five_regions_forward_and_backward(world):
+    """copy_to_tp: identity / all-reduce; reduce_from_tp: all-reduce / identity;
+    scatter_to_seq: split / all-gather; gather_from_seq: all-gather / reduce-scatter;
+    reduce_scatter_to_seq: reduce-scatter / all-gather (sequence = dim 0)."""
+    results = run_ranks(_regions, world)
+    _, full, grads = results[0]
+    total = sum(range(1, world + 1))
+    for rank, (out, _, _) in enumerate(results):
+        chunk = lambda t: t.chunk(world)[rank]
+        y, dx = out["copy_to_tp"]
+        assert torch.equal(y, full) and torch.allclose(dx, grads.sum(0))
+        y, dx = out["reduce_from_tp"]
+        assert torch.allclose(y, full * total) and torch.equal(dx, grads[0])
+        y, dx = out["scatter_to_seq"]
+        assert torch.equal(y, chunk(full))
+        assert torch.equal(dx, torch.cat([grads[r].chunk(world)[r] for r in range(world)]))
+        y, dx = out["gather_from_seq"]
+        assert torch.equal(y, full) and torch.allclose(dx, chunk(grads.sum(0)))
+        y, dx = out["reduce_scatter_to_seq"]
+        assert torch.allclose(y, chunk(full * total))
+        assert torch.equal(dx, grads[0])

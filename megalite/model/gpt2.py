@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
-from megalite.parallel.comm import Group, copy_to_tp, gather_from_seq
+from megalite.parallel.comm import Group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
-                                      VocabParallelEmbedding, gather_vocab, sequence_chunk,
+                                      VocabParallelEmbedding, column_parallel_linear,
+                                      gather_vocab, sequence_chunk,
                                       vocab_parallel_cross_entropy)
 from megalite.parallel.topology import build_topology
 
@@ -101,15 +102,18 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Holds the output embedding: the first stage's `wte.weight` itself when the stage has
-    both, else a copy (see the module docstring)."""
+    """The output layer, column-parallel over the vocabulary: [s(/tp), b, h] -> this rank's
+    logits [s, b, V/tp]. Holds the output embedding: the first stage's `wte.weight` itself when
+    the stage has both, else a copy (see the module docstring)."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, tp_group: Group, sequence_parallel: bool):
         super().__init__()
         self.weight = weight
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return column_parallel_linear(x, self.weight, None, self.tp_group,
+                                      self.sequence_parallel)
 
 
 class GPT2(nn.Module):
@@ -149,7 +153,7 @@ class GPT2(nn.Module):
         if last:
             self.transformer.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
             self.lm_head = LMHead(self.transformer.wte.weight if first else nn.Parameter(
-                torch.empty(self.padded_vocab // tp_group.size, cfg.n_embd)))
+                torch.empty(self.padded_vocab // tp_group.size, cfg.n_embd)), tp_group, sp)
         self.param_specs: Dict[str, ParamSpec] = {
             name: self._spec(name, module) for name, module in self._param_owners().items()}
         if compile:
@@ -214,10 +218,7 @@ class GPT2(nn.Module):
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
         """Last stage: ln_f and the LM head -> this rank's vocabulary slice [s, b, V/tp]."""
-        x = self.transformer.ln_f(x)
-        x = gather_from_seq(x, self.tp_group) if self.sequence_parallel \
-            else copy_to_tp(x, self.tp_group)
-        return self.lm_head(x)
+        return self.lm_head(self.transformer.ln_f(x))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]. Padded

@@ -75,9 +75,17 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.tp_group.size > 1:
-            return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_group)
-        return F.linear(comm.copy_to_tp(x, self.tp_group), self.weight, self.bias)
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
+                                      self.sequence_parallel)
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """The column-parallel product (the linear above; also the LM head, whose weight is the
+    vocab-parallel embedding)."""
+    if sequence_parallel and group.size > 1:
+        return _SequenceParallelLinear.apply(x, weight, bias, group)
+    return F.linear(comm.copy_to_tp(x, group), weight, bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,0 +1,117 @@
+"""Checkpoint save and load: time and bytes for a preset (default `gpt2`, 124M parameters) at
+dp ∈ {1, 2, 4}, and how save time scales with the number of ranks.
+
+Each DP size runs in its own gloo world with zero=1 (dp > 1; zero=0 at dp = 1), so every rank
+writes its 1/dp share of the fp32 master weights and both AdamW moments (12 bytes per parameter
+in total) in parallel; rank 0 then writes meta.json and publishes the directory. Reported: save
+time (from the first rank starting to the directory being published, barrier to barrier),
+bytes on disk, write bandwidth, the time to load it back under the same layout (verification
+by CRC32 included), and under a different layout (dp -> dp=1, zero=0: every global tensor is
+rebuilt from all the pieces). Paths: --dir (default a temporary directory; put it on the file
+system you care about).
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+from megalite.config import load_config
+from megalite.spawn import run_ranks
+
+
+def _directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _build(preset: str, dp: int, zero: int, root: Path):
+    from megalite.model.gpt2 import GPT2
+    from megalite.model.init import init_parameters
+    from megalite.parallel.topology import build_topology
+    from megalite.parallel.zero import ZeroEngine
+
+    cfg = load_config([f"model={preset}", f"zero={zero}", "device=cpu",
+                       f"checkpoint.dir={root}"])
+    topo = build_topology(1, 1, dp)
+    model = GPT2(cfg.model, topo.tp_group)
+    init_parameters(model, seed=0)
+    engine = ZeroEngine(model, topo, zero, cfg.optim)
+    return cfg, topo, model, engine
+
+
+def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
+    import torch.distributed as dist
+
+    from megalite.parallel.rng import RNGTracker
+    from megalite.train import checkpoint as ckpt
+
+    root = Path(root)
+    zero = 1 if world > 1 else 0
+    cfg, topo, model, engine = _build(preset, world, zero, root)
+    for piece, _, _ in engine.main_params:  # an optimizer step, so the moments exist
+        piece.grad.normal_()
+    engine.clip_and_step(1e-4, 1.0)
+    rng = ckpt.rng_state(RNGTracker(0, 0, 0, rank, torch.device("cpu")))
+    dist.barrier()
+    t0 = time.perf_counter()
+    path = ckpt.save_checkpoint(root, 1, engine, rng, 0, cfg, topo, keep=1)
+    save_s = time.perf_counter() - t0
+    _, _, _, fresh = _build(preset, world, zero, root)
+    dist.barrier()
+    t0 = time.perf_counter()
+    ckpt.load_checkpoint(path, fresh, cfg, topo)
+    dist.barrier()
+    load_s = time.perf_counter() - t0
+    return {"save_s": save_s, "load_s": load_s, "path": str(path)}
+
+
+def _load_serial(rank: int, world: int, preset: str, root: str, path: str) -> float:
+    from megalite.train import checkpoint as ckpt
+
+    cfg, topo, _, engine = _build(preset, 1, 0, Path(root))
+    t0 = time.perf_counter()
+    ckpt.load_checkpoint(Path(path), engine, cfg, topo)
+    return time.perf_counter() - t0
+
+
+def run(args) -> List[dict]:
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="megalite-ckpt-"))
+    n_params = None
+    rows = []
+    for dp in args.dp:
+        root = base / f"dp{dp}"
+        shutil.rmtree(root, ignore_errors=True)
+        res = run_ranks(_save_and_load, dp, args=(args.preset, str(root)), timeout_s=3600)
+        path = Path(res[0]["path"])
+        size = _directory_bytes(path)
+        cross = run_ranks(_load_serial, 1, args=(args.preset, str(root), str(path)),
+                          timeout_s=3600)[0] if dp > 1 else None
+        save_s = max(r["save_s"] for r in res)
+        rows.append({"dp": dp, "bytes": size, "save_s": save_s,
+                     "load_s": max(r["load_s"] for r in res), "load_as_dp1_s": cross,
+                     "write_gb_s": size / save_s / 1e9})
+        if n_params is None:
+            from megalite.model.gpt2 import num_parameters
+
+            n_params = num_parameters(load_config([f"model={args.preset}"]).model)
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\ncheckpoint of model={args.preset} ({n_params / 1e6:.0f}M parameters, fp32 master "
+          f"+ 2 AdamW moments = {12 * n_params / 2**30:.2f} GiB of state), gloo, "
+          f"{torch.get_num_threads()} threads/rank, {base}")
+    print(f"{'dp':>3} {'GiB':>6} {'save s':>7} {'GB/s':>6} {'load s':>7} {'load as dp=1 s':>15}")
+    for r in rows:
+        cross = f"{r['load_as_dp1_s']:.2f}" if r["load_as_dp1_s"] is not None else "-"
+        print(f"{r['dp']:>3} {r['bytes'] / 2**30:>6.2f} {r['save_s']:>7.2f} {r['write_gb_s']:>6.2f} "
+              f"{r['load_s']:>7.2f} {cross:>15}")
+    return rows
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
