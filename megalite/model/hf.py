@@ -18,16 +18,22 @@ CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"
 SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
 
 
-def hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
+              eos_token_id: Optional[int] = None):
+    """The `transformers.GPT2Config` of a model shape. Special token ids come from the
+    tokenizer; without one, GPT-2's 50256 where the vocabulary has it, else none."""
     from transformers import GPT2Config
 
+    gpt2_eos = 50256 if cfg.vocab_size > 50256 else None
+    eos = eos_token_id if eos_token_id is not None else gpt2_eos
+    bos = bos_token_id if bos_token_id is not None else eos
     return GPT2Config(
         n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, n_positions=cfg.n_positions,
         vocab_size=cfg.vocab_size, n_inner=cfg.n_inner, resid_pdrop=cfg.resid_pdrop,
         embd_pdrop=cfg.embd_pdrop, attn_pdrop=cfg.attn_pdrop,
         layer_norm_epsilon=cfg.layer_norm_epsilon, initializer_range=cfg.initializer_range,
         activation_function="gelu_new", tie_word_embeddings=True,
-        bos_token_id=min(50256, cfg.vocab_size - 1), eos_token_id=min(50256, cfg.vocab_size - 1),
+        bos_token_id=bos, eos_token_id=eos,
     )
 
 
@@ -78,10 +84,15 @@ def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]
 
 def save_hf(sd: Dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
             tokenizer_dir: Optional[Path] = None) -> Path:
-    """Write a `transformers` GPT-2 directory (config.json, model.safetensors, tokenizer files)."""
+    """Write a `transformers` GPT-2 directory (config.json, generation_config.json,
+    model.safetensors, and the tokenizer files with its special token ids in the configs)."""
     from transformers import AutoTokenizer, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
 
-    hf = GPT2LMHeadModel(hf_config(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else None
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id} \
+        if tokenizer is not None else {}
+    hf = GPT2LMHeadModel(hf_config(cfg, **ids))
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(sd), strict=False)
     missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))
                and m != "lm_head.weight"]
@@ -89,7 +100,13 @@ def save_hf(sd: Dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
         raise ValueError(f"state does not map onto GPT2LMHeadModel: missing {missing}, "
                          f"unexpected {unexpected}")
     out_dir = Path(out_dir)
-    hf.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer_dir is not None:
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        hf.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     return out_dir

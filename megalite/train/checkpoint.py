@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config
+from megalite.config import Config, resolve_path
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
@@ -139,6 +139,7 @@ def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_sam
                 "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
                            "sp": cfg.sp, "world_size": topo.world_size},
                 "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
+                "data_dir": str(resolve_path(cfg.data.dir)),
                 "files": {k: v for _, fs in gathered for k, v in fs.items()},
                 "pieces": [p for ps, _ in gathered for p in ps]}
         with open(tmp / "meta.json", "w") as f:

@@ -11,9 +11,8 @@ master weights in pieces; `read_global_state` rebuilds the global tensors. From 
 
 `ckpt` is a checkpoint directory (`step_NNNNNNNN/` holding meta.json) or a checkpoint root
 (`checkpoint.dir`), which stands for its latest complete checkpoint. The tokenizer is the one
-`scripts/prepare_data.py` saved in `<data.dir>/tokenizer`, with data.dir read from the config
-recorded in meta.json; a relative data.dir is relative to the directory the run was launched
-from, so run from there or name the tokenizer directory explicitly.
+`scripts/prepare_data.py` saved in `<data.dir>/tokenizer`, with the data directory's absolute
+path read from meta.json; name another tokenizer directory explicitly where the data moved.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from megalite.config import ModelConfig, resolve_path
+from megalite.config import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.gpt2 import GPT2
 from megalite.model.hf import save_hf
@@ -61,10 +60,10 @@ def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
     if override is not None:
         path, origin = Path(override), "the tokenizer directory given"
     else:
-        data_dir = read_meta(ckpt)["config"]["data"]["dir"]
-        path = resolve_path(data_dir) / TOKENIZER_DIR
-        origin = (f"data.dir={data_dir!r} recorded in {ckpt / 'meta.json'}, relative to the "
-                  f"current directory {os.getcwd()}")
+        meta = read_meta(ckpt)
+        data_dir = meta["data_dir"]  # absolute: resolved when the checkpoint was written
+        path = Path(data_dir) / TOKENIZER_DIR
+        origin = f"data_dir={data_dir!r} recorded in {ckpt / 'meta.json'}"
     if not path.is_dir():
         raise ExportError(f"no tokenizer at {path} (from {origin}); run from the directory the "
                           "training was launched from, or give the tokenizer directory "
@@ -115,7 +114,7 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise ExportError(f"{out_dir}: exists and is not empty; pick a new directory, or "
                           "replace it with --force")
-    tok = load_tokenizer(ckpt, str(tok_dir))
+    load_tokenizer(ckpt, str(tok_dir))  # checked against the model before anything is written
     state = read_global_state(ckpt)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
@@ -123,7 +122,6 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
     tmp.mkdir()
     try:
         save_hf(state, model_config(ckpt), tmp, tok_dir)
-        _use_tokenizer_special_ids(tmp, tok)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)
@@ -134,15 +132,3 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ckpt
-
-
-def _use_tokenizer_special_ids(out_dir: Path, tok) -> None:
-    """Point config.json's and generation_config.json's BOS/EOS ids at the tokenizer's (the
-    GPT-2 defaults, 50256, are wrong for a trained tokenizer)."""
-    from transformers import GenerationConfig, GPT2Config
-
-    config = GPT2Config.from_pretrained(out_dir)
-    config.eos_token_id = tok.eos_token_id
-    config.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-    config.save_pretrained(out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)

@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Export a megalite checkpoint (any tp/pp/dp/zero layout) as a `transformers` GPT-2 directory.
+
+    python scripts/export_hf.py outputs/run/checkpoints/step_00000300 exported/gpt2-run
+    python scripts/export_hf.py outputs/run/checkpoints exported/gpt2-run   # latest checkpoint
+
+Writes config.json, model.safetensors, generation_config.json and the tokenizer the run's data
+was prepared with (`<data.dir>/tokenizer`; data.dir is taken from the checkpoint and a relative
+one is relative to the launch directory, or give --tokenizer DIR). Then
+
+    GPT2LMHeadModel.from_pretrained("exported/gpt2-run")
+    AutoTokenizer.from_pretrained("exported/gpt2-run")
+
+An existing non-empty OUT_DIR is replaced only with --force; the export appears complete or
+not at all.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megalite.train.checkpoint import CheckpointError  # noqa: E402
+from megalite.train.export import ExportError, export_hf  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("checkpoint", help="a checkpoint directory step_NNNNNNNN, or a "
+                        "checkpoint.dir (its latest complete checkpoint)")
+    parser.add_argument("out_dir", help="the transformers directory to write")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's "
+                        "<data.dir>/tokenizer)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    args = parser.parse_args()
+    try:
+        ckpt = export_hf(args.checkpoint, args.out_dir, args.tokenizer, args.force)
+    except (CheckpointError, ExportError) as e:
+        print(f"megalite: cannot export: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported {ckpt} to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
