@@ -99,6 +99,8 @@ WANDB_SECTIONS = {
     "val_loss": "val/loss", "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
+    "pipeline_bubble": "perf/pipeline_bubble",
+    "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
 }
 
 
