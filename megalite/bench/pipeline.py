@@ -17,22 +17,24 @@ same m micro-batches:
 A step is timed from a barrier to the end of the optimizer step on each rank; the step time is
 the slowest rank's. The two alternate step by step (A B B A ...) so that machine noise hits
 both; reported are medians, the ratio torch / megalite (> 1: megalite faster), megalite's
-measured bubble (idle fraction of the step per stage, `schedule.trace.bubble`, averaged over
-stages and timed steps) next to the ideal (p - 1) / (m + p - 1), and the relative difference of
-the two losses at the first step (same weights, same batches, same math: should be ~1e-6) and
-at the last one. Dropout is off so that both compute exactly the same function.
+measured bubble next to the ideal (p - 1) / (m + p - 1), and the relative difference of
+the two losses at the first step (same weights, same batches, same math: ~0; on CPU they come
+out bitwise equal) and at the last one. Dropout is off so that both compute the same function.
+The untimed warmup steps absorb Schedule1F1B's shape inference on its first step.
+
+The bubble is the trainer's `pipeline_bubble`: each stage's time not spent in F or B,
+against the step's common length (the longest stage's, as the stages start together),
+averaged over stages and timed steps.
 
 Notes. `Schedule1F1B` refuses m < p ("n/a" in the table). The default vocabulary (2048) keeps
-the LM head near the cost of a block, so the stages are balanced as the formula assumes. With
+the LM head near one block's cost (8192 would make the last stage ~2x the others). With
 more ranks than cores (pp = 4 on 2 cores) ranks share cores: a waiting rank yields its core to
 a computing one, so the bubble is not comparable with the formula there.
 """
 from __future__ import annotations
 
-import socket
 import statistics
 import time
-from datetime import timedelta
 from typing import List
 
 import torch
@@ -45,6 +47,7 @@ from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule, expected_bubble, partition_layers
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
+from megalite.spawn import run_ranks
 
 LR, CLIP, SEED = 1e-3, 1.0, 1234
 OPTIONS = ("micro_batches", "steps", "warmup", "n_layer", "n_embd", "n_head", "seq_len",
@@ -94,7 +97,8 @@ def _megalite(cfg, topo, blocks, o):
         engine.finish_grad_sync()
         engine.clip_and_step(LR, CLIP)
         engine.zero_grad()
-        return loss, schedule.trace.bubble
+        trace = schedule.trace
+        return loss, trace.busy, trace.wall
     return step
 
 
@@ -103,8 +107,9 @@ def _pipelining(cfg, topo, blocks, m):
 
     gpt = _stage_model(cfg, topo, blocks)
     stage = PipelineStage(TorchStage(gpt), topo.coords.pp, topo.pp, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=gpt.loss) if gpt.last \
-        else Schedule1F1B(stage, n_microbatches=m)
+    # loss_fn on every stage: without it a stage runs forward-only (`_has_backward` False) and
+    # the last stage hangs sending it backward metadata.
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=gpt.loss)
     named = list(gpt.named_parameters())
     oc = OptimConfig(lr=LR)
     groups = [{"params": [p for n, p in named if gpt.param_specs[n].weight_decay == d],
@@ -113,7 +118,6 @@ def _pipelining(cfg, topo, blocks, m):
                             eps=oc.eps, foreach=True)
     tied = [p for n, p in named if gpt.param_specs[n].name == "transformer.wte.weight"]
     counted = [p for n, p in named if not gpt.param_specs[n].tied_copy]
-    embedding_pg = topo.embedding_group.pg
 
     def step(batches):
         losses: list = []
@@ -125,7 +129,7 @@ def _pipelining(cfg, topo, blocks, m):
         else:
             schedule.step(return_outputs=False)
         for p in tied:  # the two copies of the tied embedding: first + last stage
-            dist.all_reduce(p.grad, group=embedding_pg)
+            dist.all_reduce(p.grad, group=topo.embedding_group.pg)
         grads = [p.grad for p in counted if p.grad is not None]
         sq = torch.stack(torch._foreach_norm(grads)).square().sum()
         dist.all_reduce(sq)  # global norm over the stages (as megalite's grad_norm)
@@ -133,21 +137,19 @@ def _pipelining(cfg, topo, blocks, m):
                             torch.clamp(CLIP / (sq.sqrt() + 1e-6), max=1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return (torch.stack(losses).mean().item() if losses else 0.0), 0.0
+        return (torch.stack(losses).mean().item() if losses else 0.0), 0.0, 0.0
     return step
 
 
 def _timed(step, batches):
     dist.barrier()
     t0 = time.perf_counter()
-    loss, bubble = step(batches)
-    return time.perf_counter() - t0, loss, bubble
+    loss, busy, wall = step(batches)
+    return time.perf_counter() - t0, loss, busy, wall
 
 
-def _worker(rank: int, pp: int, port: int, o: dict, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=pp, timeout=timedelta(seconds=600))
+def _worker(rank: int, pp: int, o: dict) -> List[dict]:
+    """One rank of a gloo world of pp ranks (1 thread each, see megalite.spawn)."""
     topo = build_topology(1, pp, 1)
     cfg = _model_cfg(o)
     blocks = partition_layers(cfg.n_layer, pp)[topo.coords.pp]
@@ -165,19 +167,20 @@ def _worker(rank: int, pp: int, port: int, o: dict, queue) -> None:
         bubbles = []
         for i in range(o["warmup"] + o["steps"]):
             for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
-                dt, loss, bubble = _timed(fns[name], batches)
-                t = torch.tensor([dt])
+                dt, loss, busy, wall = _timed(fns[name], batches)
+                t = torch.tensor([dt, wall])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
-                s = torch.tensor([loss, bubble / pp])
-                dist.all_reduce(s)  # loss from the last stage; bubble averaged over stages
+                s = torch.tensor([loss, busy / pp])
+                dist.all_reduce(s)  # loss from the last stage; mean busy time over the stages
                 losses[name].append(s[0].item())
                 if i >= o["warmup"]:
-                    times[name].append(t.item())
+                    times[name].append(t[0].item())
                     if name == "megalite":
-                        bubbles.append(s[1].item())
+                        bubbles.append(1 - s[1].item() / t[1].item())
         row = {"pp": pp, "m": m, "blocks": [len(r) for r in partition_layers(cfg.n_layer, pp)],
                "megalite_s": statistics.median(times["megalite"]),
-               "bubble": statistics.mean(bubbles), "bubble_expected": expected_bubble(pp, m),
+               "bubble": statistics.mean(bubbles),
+               "bubble_expected": expected_bubble(pp, m),
                "loss_first": losses["megalite"][0], "loss_last": losses["megalite"][-1]}
         if "torch" in fns:
             lm, lt = losses["megalite"], losses["torch"]
@@ -186,21 +189,11 @@ def _worker(rank: int, pp: int, port: int, o: dict, queue) -> None:
                        rel_diff_last=abs(lm[-1] - lt[-1]) / abs(lt[-1]))
         rows.append(row)
         if rank == 0:
-            print(f"pp={pp} m={m}: {row}", flush=True)
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(rows)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            print(f"pp={pp} m={m} done: megalite {row['megalite_s']:.3f} s", flush=True)
+    return rows
 
 
 def run(args) -> List[dict]:
-    import torch.multiprocessing as tmp
-
     o = {k: getattr(args, k) for k in OPTIONS}
     print(f"torch {torch.__version__}, gloo, 1 thread per rank; GPT-2 n_layer={o['n_layer']} "
           f"n_embd={o['n_embd']} vocab={o['vocab_size']} seq={o['seq_len']} "
@@ -208,16 +201,17 @@ def run(args) -> List[dict]:
           flush=True)
     results: List[dict] = []
     for pp in args.pp:
-        queue = tmp.get_context("spawn").SimpleQueue()
-        tmp.spawn(_worker, args=(pp, _free_port(), o, queue), nprocs=pp, join=True)
-        results += queue.get()
+        results += run_ranks(_worker, pp, args=(o,), timeout_s=3600)[0]
     _print_table(results)
     return results
 
 
 def _print_table(rows: List[dict]) -> None:
-    print(f"\n{'pp':>3} {'m':>3} {'megalite s':>11} {'torch s':>9} {'torch/megalite':>15} "
-          f"{'bubble':>7} {'(p-1)/(m+p-1)':>14} {'loss rel diff 1st/last':>23}")
+    print("\nstep time: median over timed steps (slowest rank); torch/megalite > 1: megalite "
+          "faster. bubble: megalite's, mean over stages and steps.")
+    print(f"{'pp':>3} {'m':>3} {'megalite s':>11} {'torch s':>9} {'torch/megalite':>15} "
+          f"{'bubble':>7} {'(p-1)/(m+p-1)':>14} "
+          f"{'loss rel diff 1st/last':>23}")
     for r in rows:
         if "torch_s" in r:
             torch_s, ratio = f"{r['torch_s']:.3f}", f"{r['torch_s'] / r['megalite_s']:.3f}"

@@ -129,7 +129,9 @@ class StepTrace:
 
     @property
     def bubble(self) -> float:
-        """Fraction of the step this stage spent not computing (waiting on neighbours)."""
+        """Fraction of this stage's own step spent not computing (waiting on neighbours). It
+        ends at the stage's last backward, so it leaves out the wait for the earlier stages'
+        last backwards; the trainer measures against the longest stage instead."""
         return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
 
     def dump(self, path: Path, stage: int, rank: int) -> None:

@@ -165,6 +165,17 @@ class Trainer:
         value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
         return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp
 
+    def _measured_bubble(self) -> float:
+        """Idle fraction of this log step's pipeline, averaged over the stages. The stages start
+        the step together (the previous step ended with a global reduction), so each stage's
+        idle time counts against the step's common length, the longest stage's: a stage that
+        finishes its last backward early waits for the earlier stages' backwards."""
+        trace, group = self.schedule.trace, self.topo.pp_group
+        wall = comm.all_reduce_scalars([trace.wall], group, op=dist.ReduceOp.MAX,
+                                       device=self.rt.device)[0]
+        idle = 1.0 - trace.busy / wall if wall > 0 else 0.0
+        return comm.all_reduce_scalars([idle], group, device=self.rt.device)[0] / self.topo.pp
+
     # --- the loop -----------------------------------------------------------------------
 
     def train_step(self) -> Tuple[Optional[float], float]:
@@ -246,10 +257,8 @@ class Trainer:
                           "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
                           "skipped_steps": steps - len(losses),
                           "skipped_total": self.skipped_steps}
-                if topo.pp > 1:  # measured on this log step, averaged over the stages
-                    bubble = comm.all_reduce_scalars([self.schedule.trace.bubble], topo.pp_group,
-                                                     device=self.rt.device)[0] / topo.pp
-                    record["pipeline_bubble"] = bubble
+                if topo.pp > 1:
+                    record["pipeline_bubble"] = self._measured_bubble()
                     record["pipeline_bubble_expected"] = expected_bubble(topo.pp, self.num_micro)
                 if cfg.log.pipeline_trace:
                     self.schedule.trace.dump(
