@@ -113,3 +113,20 @@ def test_bad_input_fails_before_anything_is_written(tiny_data, tmp_path, overrid
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-3000:]
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
+def test_pipeline_run_reports_its_bubble_and_dumps_the_schedule(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    pretrain(run, f"data.dir={tiny_data}", "pp=2", "train.micro_batch_size=4",
+             "train.global_batch_size=16", "train.max_steps=2", "train.eval_every=0",
+             "log.every=1", "log.wandb=false", "log.pipeline_trace=true", nproc=2)
+    header, records = read_metrics(run)
+    assert header["stages"] == [[0, 1], [1, 2]] and header["micro_batches"] == 4
+    for r in records:
+        assert 0.0 <= r["pipeline_bubble"] < 1.0
+        assert r["pipeline_bubble_expected"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    for rank in range(2):
+        events = json.loads((run / "pipeline_trace" / f"rank{rank:05d}.json").read_text())
+        names = [e["name"] for e in events["traceEvents"]]
+        assert sorted(names) == sorted([f"F{i}" for i in range(4)] + [f"B{i}" for i in range(4)])
+        assert all(e["tid"] == rank for e in events["traceEvents"])  # one row per stage
