@@ -13,13 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megalite.bench import checkpoint, pipeline, tensor, train  # noqa: E402
+from megalite.bench import checkpoint, pipeline, tensor, train, zero  # noqa: E402
 
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
     "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
+    "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
 }
 
 

@@ -225,8 +225,15 @@ class ZeroEngine:
                 self.zero3.after_backward(bucket)
 
     def set_grad_sync(self, final_micro_batch: bool) -> None:
-        """Tell stages 0-1 whether the coming backward is the step's last micro-batch."""
+        """Called before each backward. Stages 0-1: whether it is the step's last micro-batch
+        (their only reduction). Stages 2-3: first fold in the previous micro-batch's
+        reduce-scatters — by now long finished behind a forward — so that at most one
+        micro-batch's reductions and their buffers are ever alive (the backend keeps each
+        pending reduction's full-size input until it is waited on)."""
         self.sync_grads = final_micro_batch
+        if self.zero >= 2:
+            for b in self.buckets:
+                b.complete()
 
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every bucket's gradient reduced over DP (and TP /
