@@ -101,8 +101,8 @@ def run(args) -> List[dict]:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\ncheckpoint of model={args.preset} ({n_params / 1e6:.0f}M parameters, fp32 master "
-          f"+ 2 AdamW moments = {12 * n_params / 2**30:.2f} GiB of state), gloo, "
-          f"{torch.get_num_threads()} threads/rank, {base}")
+          f"+ 2 AdamW moments = {12 * n_params / 2**30:.2f} GiB of state), gloo, 1 thread "
+          f"per rank, {base}")
     print(f"{'dp':>3} {'GiB':>6} {'save s':>7} {'GB/s':>6} {'load s':>7} {'load as dp=1 s':>15}")
     for r in rows:
         cross = f"{r['load_as_dp1_s']:.2f}" if r["load_as_dp1_s"] is not None else "-"

@@ -119,7 +119,7 @@ def run(args) -> List[dict]:
                                                  args.steps, args.warmup), timeout_s=1800)
         rows += [r for r in per_rank[0]]  # every rank holds the same amounts (equal shards)
     print(f"\nGPT-2 n_layer={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={args.seq_len} "
-          f"b={args.micro_batch}, fp32, dropout 0, gloo on {torch.get_num_threads()} threads/rank")
+          f"b={args.micro_batch}, fp32, dropout 0, gloo, 1 thread per rank (megalite.spawn)")
     print(f"{'tp':>3} {'sp':>5} {'tokens/s':>9} {'layer MiB':>10} {'ours formula':>13} "
           f"{'paper formula':>14} {'forward MiB':>12}")
     for r in rows:

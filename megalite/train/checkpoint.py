@@ -118,13 +118,13 @@ def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_sam
             for kind, t in tensors.items():
                 if t is None:
                     continue
-                raw = t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+                raw = t.detach().to("cpu", torch.float32).contiguous().numpy().data
                 f.write(raw)
                 crc = zlib.crc32(raw, crc)
                 pieces.append({"name": seg.spec.name, "kind": kind, "tp_rank": topo.coords.tp,
                                "lo": seg.param_lo, "hi": seg.param_hi, "file": data_file,
                                "offset": offset, "spec": _spec_record(seg.spec, topo.tp)})
-                offset += len(raw)
+                offset += raw.nbytes
         f.flush()
         os.fsync(f.fileno())
     rng_file = f"rng_rank{rank:05d}.pt"
@@ -205,30 +205,55 @@ class _Reader:
     def has(self, name: str, kind: str) -> bool:
         return (name, kind) in self.index
 
-    def global_tensor(self, name: str, kind: str) -> torch.Tensor:
+    def _pieces(self, name: str, kind: str) -> List[dict]:
         pieces = self.index.get((name, kind))
         if not pieces:
             raise CheckpointError(f"{self.ckpt}: no {kind} of {name}")
-        rec = pieces[0]["spec"]
-        spec = ParamSpec(name, tuple(rec["shape"]), rec["tp_dim"], rec["tp_interleave"],
-                         rec["padded_rows"])
-        tp = rec["tp"] if spec.tp_dim is not None else 1
-        local_shape = spec.local_shape(rec["tp"])
+        return pieces
+
+    def written_spec(self, name: str, kind: str) -> Tuple[ParamSpec, int]:
+        """The spec the writer split `name` with, and the writer's TP size."""
+        rec = self._pieces(name, kind)[0]["spec"]
+        return ParamSpec(name, tuple(rec["shape"]), rec["tp_dim"], rec["tp_interleave"],
+                         rec["padded_rows"]), rec["tp"]
+
+    def plan(self, spec: ParamSpec, kind: str, tp: int, tp_rank: int, lo: int, hi: int
+             ) -> Optional[List[dict]]:
+        """The pieces holding elements [lo, hi) of TP rank `tp_rank`'s flattened slice when the
+        writer split `spec` the same way (same TP size, padding, interleave): a rank then
+        reads only its own range. None when the split changed (rebuild the global tensor)."""
+        written, written_tp = self.written_spec(spec.name, kind)
+        same = written.tp_dim == spec.tp_dim and written.tp_interleave == spec.tp_interleave \
+            and written.padded_rows == spec.padded_rows and (spec.tp_dim is None or written_tp == tp)
+        if not same:
+            return None
+        rank = tp_rank if spec.tp_dim is not None else 0
+        return [p for p in self._pieces(spec.name, kind)
+                if p["tp_rank"] == rank and p["lo"] < hi and p["hi"] > lo]
+
+    def read_range(self, pieces: List[dict], lo: int, hi: int, what: str) -> torch.Tensor:
+        """Elements [lo, hi) of one TP slice from the planned pieces, checked for coverage."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        covered = torch.zeros(hi - lo, dtype=torch.bool)
+        for p in pieces:
+            a, b = max(lo, p["lo"]), min(hi, p["hi"])
+            data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=b - a,
+                               offset=p["offset"] + 4 * (a - p["lo"]))
+            out[a - lo:b - lo] = torch.from_numpy(data)
+            covered[a - lo:b - lo] = True
+        if not bool(covered.all()):
+            raise CheckpointError(f"{self.ckpt}: the pieces of {what} do not cover it")
+        return out
+
+    def global_tensor(self, name: str, kind: str) -> torch.Tensor:
+        """The whole tensor: every writer TP rank's slice read in full, then joined."""
+        pieces = self._pieces(name, kind)
+        spec, written_tp = self.written_spec(name, kind)
+        local_shape = spec.local_shape(written_tp)
         numel = int(np.prod(local_shape))
-        slices, covered = [], []
-        for r in range(tp):
-            flat = torch.empty(numel, dtype=torch.float32)
-            mask = torch.zeros(numel, dtype=torch.bool)
-            for p in (q for q in pieces if q["tp_rank"] == r):
-                count = p["hi"] - p["lo"]
-                data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=count,
-                                   offset=p["offset"])
-                flat[p["lo"]:p["hi"]] = torch.from_numpy(data)
-                mask[p["lo"]:p["hi"]] = True
-            covered.append(bool(mask.all()))
-            slices.append(flat.view(local_shape))
-        if not all(covered):
-            raise CheckpointError(f"{self.ckpt}: the pieces of {name} ({kind}) do not cover it")
+        slices = [self.read_range([p for p in pieces if p["tp_rank"] == r], 0, numel,
+                                  f"{name} ({kind})").view(local_shape)
+                  for r in range(written_tp if spec.tp_dim is not None else 1)]
         return spec.unshard(slices)
 
 
@@ -269,12 +294,22 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
     the checkpoint incomplete or corrupted; nothing is modified then."""
     error: Optional[str] = None
     meta: dict = {}
+    plans = []
     try:
         meta = read_meta(ckpt)
         check_compatible(meta, cfg, ckpt)
         reader = _Reader(ckpt, meta)
-        names = sorted({seg.spec.name for _, seg, _ in engine.main_params})
-        for name in reader.files_for(names):
+        files = set()
+        for piece, seg, _ in sorted(engine.main_params, key=lambda t: t[1].spec.name):
+            for kind in KINDS:
+                if kind != "param" and not reader.has(seg.spec.name, kind):
+                    continue
+                plan = reader.plan(seg.spec, kind, topo.tp, topo.coords.tp, seg.param_lo,
+                                   seg.param_hi)
+                plans.append((piece, seg, kind, plan))
+                files.update(p["file"] for p in plan) if plan is not None \
+                    else files.update(reader.files_for([seg.spec.name]))
+        for name in sorted(files):
             verify_file(ckpt, name, meta["files"][name])
         same_layout = meta["layout"]["world_size"] == topo.world_size and all(
             meta["layout"][k] == v for k, v in (("tp", topo.tp), ("pp", topo.pp), ("dp", topo.dp)))
@@ -288,7 +323,8 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
 
     cache: Dict[Tuple[str, str], torch.Tensor] = {}
 
-    def local_flat(spec: ParamSpec, kind: str) -> torch.Tensor:
+    def resliced(spec: ParamSpec, kind: str) -> torch.Tensor:
+        """This rank's flattened slice, cut from the rebuilt global tensor (TP split changed)."""
         key = (spec.name, kind)
         if key not in cache:
             cache.clear()  # one global tensor at a time
@@ -297,15 +333,16 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
         return cache[key]
 
     with torch.no_grad():
-        for kind in KINDS:
-            for piece, seg, _ in sorted(engine.main_params, key=lambda t: t[1].spec.name):
-                if kind != "param" and not reader.has(seg.spec.name, kind):
-                    continue
-                values = local_flat(seg.spec, kind)[seg.param_lo:seg.param_hi]
-                if kind == "param":
-                    piece.copy_(values)
-                else:
-                    engine.set_optimizer_state(piece, kind, values, meta["adam_step"])
+        for piece, seg, kind, plan in plans:
+            if plan is not None:
+                values = reader.read_range(plan, seg.param_lo, seg.param_hi,
+                                           f"{seg.spec.name} ({kind})")
+            else:
+                values = resliced(seg.spec, kind)[seg.param_lo:seg.param_hi]
+            if kind == "param":
+                piece.copy_(values)
+            else:
+                engine.set_optimizer_state(piece, kind, values, meta["adam_step"])
         engine.params_from_master()
     rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
     return meta, rng
