@@ -136,7 +136,8 @@ def run(args) -> List[dict]:
         fpt = flops_per_token(mcfg, seq)
         variants = [(f"megalite{'+recompute' if r else ''}{'+compile' if c else ''}", r, c)
                     for r in args.recompute for c in args.compile]
-        hf_variants = [(f"transformers{'+compile' if c else ''}", c) for c in args.compile]
+        hf_variants = [(f"transformers{'+compile' if c else ''}", c) for c in args.compile
+                       if args.reference]
         if device.type == "cpu":
             mb = args.micro_batch[0]
             fns = {}
@@ -199,5 +200,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--recompute", type=int, nargs="+", default=[0], choices=[0, 1])
     parser.add_argument("--compile", type=int, nargs="+", default=[0], choices=[0, 1])
+    parser.add_argument("--reference", type=int, default=1, choices=[0, 1],
+                        help="also run transformers.GPT2LMHeadModel (default 1)")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

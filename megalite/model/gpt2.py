@@ -161,6 +161,9 @@ class GPT2(nn.Module):
             # attention reshapes); module hooks (ZeRO-3 gathering) stay in eager Python.
             for block in self.transformer.h.values():
                 block.forward = torch.compile(block.forward)
+            if last and tp_group.size == 1:
+                # the loss reads the bf16 logits once: slice, upcast and log-softmax fused
+                self.loss = torch.compile(self.loss)
 
     # --- parameter metadata -------------------------------------------------------------
 
