@@ -20,7 +20,7 @@ from megalite.parallel.param_spec import ParamSpec
 from megalite.runtime import init_runtime
 from megalite.train.trainer import Trainer
 from tests.conftest import TINY
-from tests.launcher import run_ranks
+from megalite.spawn import run_ranks
 
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false", "train.eval_every=0"]

@@ -14,7 +14,7 @@ from megalite.runtime import init_runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.trainer import NonFiniteError, Trainer
 from tests.conftest import TINY
-from tests.launcher import RankFailure, run_ranks
+from megalite.spawn import RankFailure, run_ranks
 from tests.layouts import FP32_NO_DROPOUT, assert_equal, train_layout, train_layouts
 
 STEPS, SAVE_AT = 10, 5

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from tests.conftest import TINY
-from tests.launcher import free_port
+from megalite.spawn import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megalite.config import ModelConfig
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.topology import build_topology
-from tests.launcher import run_ranks
+from megalite.spawn import run_ranks
 from tests.layouts import assert_equal, train_layout, train_layouts
 
 S, B, H = 8, 3, 12  # sequence, batch, hidden of the layer tests

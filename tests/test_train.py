@@ -10,7 +10,7 @@ from megalite.runtime import init_runtime
 from megalite.train.optim import lr_at
 from megalite.train.trainer import Trainer
 from tests.conftest import TINY
-from tests.launcher import run_ranks
+from megalite.spawn import run_ranks
 
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false"]

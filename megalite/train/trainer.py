@@ -30,7 +30,8 @@ from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
-from megalite.train.metrics import MetricsWriter, peak_memory_bytes, peak_tflops, throughput
+from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
+                                    throughput)
 from megalite.train.optim import lr_at
 
 
@@ -86,7 +87,9 @@ class Trainer:
         self.bad_in_a_row = 0
         self._resume()
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops)
+        # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
+        self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops) if self.rank == 0 \
+            else Peak(None, "reported by rank 0")
         self.state_bytes = comm_gather_state_bytes(self.engine, topo)
         self.writer: Optional[MetricsWriter] = None
         if self.rank == 0:
