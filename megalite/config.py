@@ -130,7 +130,7 @@ class Config:
     zero: int = 0  # ZeRO stage over the data-parallel dimension
     sp: bool = False  # sequence parallelism (with tp > 1)
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 autocast + fp32 master on CUDA, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
     init_from: Optional[str] = None  # HF GPT2LMHeadModel directory or hub id to load weights from
     model: ModelConfig = field(default_factory=ModelConfig)

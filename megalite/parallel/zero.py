@@ -105,22 +105,25 @@ class Bucket:
         """Start this bucket's DP reduction (the gradient of the mean over DP ranks)."""
         n = self.group.size
         self.launched = True
+        if n > 1:  # the mean over DP ranks (a single rank's gradient is already the mean)
+            (self.grad_full if self.zero <= 1 else self._temp_or_zeros()).div_(n)
         if self.zero == 0:
-            self.grad_full.div_(n)
             self._work = comm.all_reduce(self.grad_full, self.group, async_op=True)
         elif self.zero == 1:
-            self.grad_full.div_(n)
             self._out = torch.empty_like(self.main_grad)
             self._work = comm.reduce_scatter(self._out, self.grad_full, self.group, async_op=True)
         else:
-            if self._temp is None:  # no gradient reached this bucket: reduce zeros
-                self._temp = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
-                                         device=self.main_grad.device)
-            self._temp.div_(n)
             out = torch.empty_like(self.main_grad)
             self._pending.append(
-                (comm.reduce_scatter(out, self._temp, self.group, async_op=True), out))
+                (comm.reduce_scatter(out, self._temp_or_zeros(), self.group, async_op=True), out))
             self._temp = None
+
+    def _temp_or_zeros(self) -> torch.Tensor:
+        """This backward's full gradient (zero 2/3); zeros if no gradient reached the bucket."""
+        if self._temp is None:
+            self._temp = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
+                                     device=self.main_grad.device)
+        return self._temp
 
     def complete(self) -> None:
         """Wait for launched reductions and fold their results into `main_grad`."""
