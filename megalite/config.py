@@ -17,6 +17,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# SDPA kernels `train.attention` may name (megalite.model.attention); the last two need CUDA.
+ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
+ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
 
 
 
@@ -75,6 +78,7 @@ class TrainConfig:
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
     recompute: bool = False  # recompute each block's activations in backward (saves memory)
     compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
+    attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
     max_bad_steps: int = 5  # consecutive steps with a NaN/inf loss or gradient that are
     #                         skipped (no update, counted) before the run stops
 
@@ -231,6 +235,12 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None) -> 
     if cfg.zero > 0 and dp == 1:
         warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
                         "changes no memory and only adds copies); use zero=0 or more ranks")
+    if t.attention not in ATTENTION_CHOICES:
+        _fail("train.attention", t.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not local_gpus)
+    if t.attention in ATTENTION_CUDA_ONLY and on_cpu:
+        _fail("train.attention", t.attention, "this kernel runs on CUDA GPUs only; on CPU use "
+              "auto, flash or math")
     if t.max_steps < 1:
         _fail("train.max_steps", t.max_steps, "must be a positive integer")
     if t.max_bad_steps < 1:

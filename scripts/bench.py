@@ -13,10 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megalite.bench import checkpoint, pipeline, tensor, train, zero  # noqa: E402
+from megalite.bench import attention, checkpoint, pipeline, tensor, train, zero  # noqa: E402
 
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
+    "attention": (attention, "causal attention fwd+bwd under each SDPA kernel (flash, cuDNN, ...)"),
     "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),

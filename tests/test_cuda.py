@@ -65,3 +65,25 @@ def test_peak_comes_from_the_device_table():
 
     peak = peak_tflops(torch.device("cuda"), None)
     assert peak.source.startswith("table:") or peak.tflops is None
+
+
+@pytest.mark.parametrize("choice", ["flash", "cudnn", "efficient"])
+def test_attention_kernels_agree_with_math_in_bf16(choice):
+    from megalite.model.gpt2 import GPT2
+    from megalite.model.init import init_parameters
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(0, CFG.vocab_size, (4, 65), generator=g).cuda()
+    out = {}
+    for c in ("math", choice):
+        with torch.device("cuda"):
+            model = GPT2(CFG, attention=c)
+        init_parameters(model, seed=0)
+        model.to(torch.bfloat16)
+        loss = model(w[:, :-1], w[:, 1:])
+        loss.backward()
+        grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        out[c] = (loss.float().item(), grad)
+    assert abs(out[choice][0] - out["math"][0]) <= 1e-2 * abs(out["math"][0])
+    diff = (out[choice][1] - out["math"][1]).norm() / out["math"][1].norm()
+    assert diff <= 3e-2, diff

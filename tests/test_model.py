@@ -110,3 +110,27 @@ def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
     wrong = ModelConfig(**{**SMALL.__dict__, "n_layer": 4})
     with pytest.raises(ConfigError, match="model.n_layer=4"):
         load_hf_state_dict(str(tmp_path / "hf"), wrong)
+
+
+def test_attention_kernel_choice_changes_no_result():
+    """train.attention picks SDPA's kernel only: the math and flash kernels give auto's loss and
+    gradients (fp32), a kernel that cannot run the inputs raises instead of falling back."""
+    from megalite.config import ATTENTION_CHOICES
+    from megalite.model.attention import BACKENDS
+
+    assert ATTENTION_CHOICES == ("auto", *BACKENDS)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 33), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for choice in ("auto", "flash", "math", "cudnn"):
+        model = GPT2(SMALL, attention=choice)
+        init_parameters(model, seed=0)
+        if choice == "cudnn":  # CUDA only: no silent fallback on CPU
+            with pytest.raises(RuntimeError):
+                model(ids[:, :-1], ids[:, 1:])
+            continue
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        results[choice] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]))
+    for choice in ("flash", "math"):
+        assert abs(results[choice][0] - results["auto"][0]) <= 1e-6
+        assert torch.allclose(results[choice][1], results["auto"][1], rtol=1e-4, atol=1e-6)

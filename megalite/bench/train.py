@@ -17,12 +17,13 @@ from __future__ import annotations
 import gc
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
-from megalite.config import OptimConfig, load_config
+from megalite.config import ATTENTION_CHOICES, OptimConfig, load_config
 from megalite.model.gpt2 import GPT2, flops_per_token
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
@@ -34,13 +35,14 @@ from megalite.train.metrics import peak_tflops
 Batches = List[Tuple[torch.Tensor, torch.Tensor]]
 
 
-def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool
-                  ) -> Callable[[Batches], None]:
+def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool,
+                  attention: str = "auto") -> Callable[[Batches], None]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     topo = build_topology(1, 1, 1)
     rng = RNGTracker(0, 0, 0, 0, device)
     with torch.device(device):
-        model = GPT2(mcfg, topo.tp_group, rng=rng, recompute=recompute, compile=compile)
+        model = GPT2(mcfg, topo.tp_group, rng=rng, recompute=recompute, compile=compile,
+                     attention=attention)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, 0, OptimConfig(), param_dtype=dtype)
     schedule = PipelineSchedule(model, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
@@ -134,16 +136,17 @@ def run(args) -> List[dict]:
                        attn_pdrop=args.dropout)
         seq = min(args.seq_len, mcfg.n_positions)
         fpt = flops_per_token(mcfg, seq)
-        variants = [(f"megalite{'+recompute' if r else ''}{'+compile' if c else ''}", r, c)
-                    for r in args.recompute for c in args.compile]
+        variants = [(f"megalite{'+recompute' if r else ''}{'+compile' if c else ''}"
+                     f"{'' if a == 'auto' else '+' + a}", r, c, a)
+                    for r in args.recompute for c in args.compile for a in args.attention]
         hf_variants = [(f"transformers{'+compile' if c else ''}", c) for c in args.compile
                        if args.reference]
         if device.type == "cpu":
             mb = args.micro_batch[0]
             fns = {}
             batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
-            for name, r, c in variants:
-                step = megalite_step(mcfg, device, mb, seq, r, c)
+            for name, r, c, a in variants:
+                step = megalite_step(mcfg, device, mb, seq, r, c, a)
                 fns[name] = (lambda s: lambda: s(batches))(step)
             for name, c in hf_variants:
                 step = transformers_step(mcfg, device, c)
@@ -153,8 +156,9 @@ def run(args) -> List[dict]:
                 results.append({"preset": preset, "seq": seq,
                                 **_row(name, mb, seq, args.micro_batches, t, fpt, peak, 0)})
         else:
-            contenders = [(n, (lambda r, c: lambda mb: megalite_step(mcfg, device, mb, seq, r, c))(r, c))
-                          for n, r, c in variants]
+            contenders = [(n, (lambda r, c, a: lambda mb: megalite_step(mcfg, device, mb, seq, r,
+                                                                        c, a))(r, c, a))
+                          for n, r, c, a in variants]
             contenders += [(n, (lambda c: lambda mb: transformers_step(mcfg, device, c))(c))
                            for n, c in hf_variants]
             for name, make in contenders:
@@ -170,11 +174,31 @@ def run(args) -> List[dict]:
                            peak_memory(device))
                 results.append({"preset": preset, "seq": seq, **row})
                 print(json.dumps(results[-1]), flush=True)
+                if args.profile:
+                    profile_step(lambda: step(batches), device,
+                                 Path(args.profile) / f"{preset}-{name}.json.gz")
                 del step
                 gc.collect()
                 torch.cuda.empty_cache()
     _print_table(results)
     return results
+
+
+def profile_step(step: Callable[[], None], device, trace: Path, rows: int = 25) -> None:
+    """One step under torch.profiler: the kernels that took the most device time, and a Chrome
+    trace (chrome://tracing, ui.perfetto.dev) at `trace`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    prof.export_chrome_trace(str(trace))
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70),
+          flush=True)
+    print(f"trace: {trace}", flush=True)
 
 
 def _print_table(results: List[dict]) -> None:
@@ -200,6 +224,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--recompute", type=int, nargs="+", default=[0], choices=[0, 1])
     parser.add_argument("--compile", type=int, nargs="+", default=[0], choices=[0, 1])
+    parser.add_argument("--attention", nargs="+", default=["auto"], choices=list(ATTENTION_CHOICES),
+                        help="SDPA kernels to compare (train.attention)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after timing, profile one step of each configuration: print the "
+                        "top kernels, write a Chrome trace per configuration into DIR")
     parser.add_argument("--reference", type=int, default=1, choices=[0, 1],
                         help="also run transformers.GPT2LMHeadModel (default 1)")
     parser.add_argument("--peak-tflops", type=float, default=None)

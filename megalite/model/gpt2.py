@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.attention import kernel_region
 from megalite.parallel.comm import Group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.rng import RNGTracker
@@ -52,7 +53,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, region: RegionFactory) ->
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory):
+                 residual_region: RegionFactory, attention: str = "auto"):
         super().__init__()
         if cfg.n_head % tp_group.size:
             raise ValueError(f"n_head={cfg.n_head} not divisible by tp={tp_group.size}")
@@ -62,13 +63,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_group, sp)
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
+        self.kernel_region = kernel_region(attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         p = self.attn_pdrop if self.training else 0.0
-        with self.tp_region() if p > 0 else contextlib.nullcontext():  # this rank's heads
+        with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
@@ -89,10 +91,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory):
+                 residual_region: RegionFactory, attention: str = "auto"):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region)
+        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region, attention)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, tp_group, sp, residual_region)
 
@@ -124,12 +126,14 @@ class GPT2(nn.Module):
       Not the last stage: returns hidden states [s, b, h] ([s/tp, b, h] with SP).
       Last stage: the mean token cross-entropy with `labels` [b, s]; without labels, the
       logits [b, s, vocab_size] (gathered over TP, padding removed).
+
+    `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: Optional[Group] = None,
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
                  blocks: Optional[range] = None, first: bool = True, last: bool = True,
-                 recompute: bool = False, compile: bool = False):
+                 recompute: bool = False, compile: bool = False, attention: str = "auto"):
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group if tp_group is not None else build_topology(1, 1, 1).tp_group
@@ -149,7 +153,8 @@ class GPT2(nn.Module):
             self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.n_embd, tp_group, sp)
             self.transformer.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.transformer.h = nn.ModuleDict(
-            {str(i): Block(cfg, tp_group, sp, tp_region, residual_region) for i in self.blocks})
+            {str(i): Block(cfg, tp_group, sp, tp_region, residual_region, attention)
+             for i in self.blocks})
         if last:
             self.transformer.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
             self.lm_head = LMHead(self.transformer.wte.weight if first else nn.Parameter(
