@@ -4,7 +4,6 @@ HF export and generation: tests/test_export.py."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -452,7 +452,7 @@ def test_sbatch_dry_run_parameters_and_container(tmp_path):
                           CONTAINER_MOUNTS="/datasets:/datasets", NODES="4")
     assert proc.returncode == 0, proc.stderr
     _, cmd = dry_run_plan(proc.stdout)
-    assert f"--container-image=registry.example/megalite:0.1" in cmd
+    assert "--container-image=registry.example/megalite:0.1" in cmd
     assert f"--container-mounts={REPO}:{REPO},/datasets:/datasets" in cmd
     for arg in ("--nproc_per_node=4", "--rdzv_endpoint=node3:6000", "--max-restarts=0",
                 "/opt/megalite/scripts/pretrain.py", "hydra.run.dir=/shared/runs/x"):

@@ -22,7 +22,7 @@ import os
 import shutil
 import sysconfig
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 import numpy as np
 
