@@ -17,14 +17,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hydra  # noqa: E402
+import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from megalite.config import ConfigError, register_configs, resolve_path, to_config, validate  # noqa: E402
 from megalite.data.loader import DataError, TokenShards, check_vocab  # noqa: E402
+from megalite.plan import make_plan, memory_warning  # noqa: E402
 from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env  # noqa: E402
 from megalite.train.trainer import Trainer, broadcast_run_dir  # noqa: E402
 
 register_configs()
+
+
+def planned_device(cfg) -> str:
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and local_gpus()) else "cpu"
 
 
 def keep_hydra_output_on_rank0() -> None:
@@ -46,7 +52,11 @@ def main(node) -> None:
         print(f"megalite: bad configuration: {e}", file=sys.stderr)
         sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:
-        for w in warnings:
+        plan = make_plan(cfg, world_size_from_env(), planned_device(cfg))
+        print(plan.table())
+        if planned_device(cfg) == "cuda":
+            warnings.append(memory_warning(plan, torch.cuda.get_device_properties(0).total_memory))
+        for w in filter(None, warnings):
             print(f"megalite: warning: {w}", file=sys.stderr)
     runtime = init_runtime(cfg)
     run_dir = broadcast_run_dir(Path(HydraConfig.get().runtime.output_dir).resolve())

@@ -46,6 +46,10 @@ def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_p
     assert HEADER_KEYS <= set(header)
     assert header["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "sp": False, "world_size": 1}
     assert header["peak_source"].startswith("measured") and header["peak_tflops_per_device"] > 0
+    (planned,) = header["plan"]["stages"]  # the plan's state bytes = what the engine holds
+    (held,) = header["model_state_bytes"]
+    for kind in ("params", "grads", "optimizer"):
+        assert held[kind] == pytest.approx(planned["bytes"][kind], rel=1e-3)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
     for r in records:
         assert RECORD_KEYS <= set(r), set(r) ^ RECORD_KEYS

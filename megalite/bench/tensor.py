@@ -41,6 +41,7 @@ from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
+from megalite.plan import layer_activation_bytes
 from megalite.spawn import run_ranks
 
 
@@ -62,14 +63,13 @@ def saved_activation_bytes(fn, params) -> int:
 
 
 def formulas(s: int, b: int, h: int, a: int, t: int, sp: bool, elem: int) -> Dict[str, float]:
-    small = 4 * (s // t if sp else s) * b + a * s * b / t  # LayerNorm stats, log-sum-exp
+    """Korthikanti's bytes per layer (2-byte activations, masks, scores) and this
+    implementation's (`megalite.plan.layer_activation_bytes`, `elem` bytes per element)."""
     if sp:
         paper = s * b * h / t * (34 + 5 * a * s / h)
-        ours = s * b * h * 16 / t
     else:
         paper = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-        ours = s * b * h * (4 + 12 / t)
-    return {"paper": paper, "ours": elem * (ours + small)}
+    return {"paper": paper, "ours": layer_activation_bytes(s, b, h, a, t, sp, elem)}
 
 
 def _measure(rank: int, world: int, cfg: ModelConfig, seq: int, micro_batch: int, steps: int,

@@ -326,7 +326,8 @@ class ZeroEngine:
     def state_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds for parameters (model dtype; stage 3: its range only),
         gradients (fp32 accumulation buffers) and optimizer state (Adam moments, plus the fp32
-        master copy where the model is not fp32)."""
+        master copy where the model is not fp32), also before the first step allocates the
+        moments."""
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
@@ -336,8 +337,11 @@ class ZeroEngine:
             grads += nbytes(b.grad_full if b.grad_full is not None else b.main_grad)
             if b.main is not b.param_region:
                 optim += nbytes(b.main)
-        for state in self.optimizer.state.values():
-            optim += sum(nbytes(v) for k, v in state.items() if k != "step" and torch.is_tensor(v))
+        for piece, _, _ in self.main_params:
+            state = self.optimizer.state.get(piece, {})
+            moments = [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
+            # AdamW creates its moments at the first step: count them before that too
+            optim += sum(nbytes(v) for v in moments) if moments else 2 * nbytes(piece)
         return {"params": params, "grads": grads, "optimizer": optim}
 
 

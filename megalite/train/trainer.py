@@ -28,6 +28,7 @@ from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule, expected_bubble, partition_layers
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
+from megalite.plan import make_plan
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
@@ -158,6 +159,7 @@ class Trainer:
             "global_batch_size": cfg.train.global_batch_size,
             "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
             "model_state_bytes": self.state_bytes,
+            "plan": make_plan(cfg, topo.world_size, self.rt.device.type).as_dict(),
             "data_dir": str(resolve_path(cfg.data.dir)), "run_dir": str(self.run_dir),
             "start_step": self.step,
         }
