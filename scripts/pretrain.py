@@ -30,7 +30,8 @@ register_configs()
 
 
 def planned_device(cfg) -> str:
-    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and local_gpus()) else "cpu"
+    """The device type the run will use (a device=cuda run without GPUs fails at start-up)."""
+    return "cuda" if cfg.device in ("auto", "cuda") and local_gpus() else "cpu"
 
 
 def keep_hydra_output_on_rank0() -> None:
