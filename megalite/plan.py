@@ -26,8 +26,9 @@ staging buffers, the gradient of the parameter being folded into G, compiled-gra
 Communication per optimizer step and rank, ring wire bytes as `megalite.parallel.comm` counts
 them (all-reduce 2(n−1)/n·S, reduce-scatter / all-gather (n−1)/n·S, send S), with S = e·sbh
 a full activation:
-  tp   per micro-batch and layer: 4 all-reduces (2 with the forward re-run of recompute more);
-       with SP 6 all-gathers + 4 reduce-scatters (+ 2 + 2 with recompute); the embedding, the
+  tp   per micro-batch and layer: 4 all-reduces; with SP 6 all-gathers + 4 reduce-scatters;
+       recompute's forward re-run adds 1 all-reduce (SP: 2 all-gathers + 1 reduce-scatter), as
+       it stops once the saved tensors are rebuilt (before the MLP's reduction); the embedding, the
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
        TP-replicated gradients per step
   pp   per micro-batch: the activation forward and its gradient backward, e·s'bh each
@@ -185,8 +186,10 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
         r = _ring(tp)
         tp_bytes = 0.0
         if tp > 1:
-            per_layer = (10 + (4 if t_cfg.recompute else 0)) * r * full if sp else \
-                (4 + (2 if t_cfg.recompute else 0)) * 2 * r * full
+            # recompute's re-run stops once the saved tensors are rebuilt (torch checkpoint's
+            # early stop): the MLP output's reduction is not repeated
+            per_layer = (10 + (3 if t_cfg.recompute else 0)) * r * full if sp else \
+                (4 + (1 if t_cfg.recompute else 0)) * 2 * r * full
             per_micro = n * per_layer
             if first:
                 per_micro += 2 * r * full  # embedding: all-reduce, or reduce-scatter + all-gather

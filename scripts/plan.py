@@ -48,6 +48,8 @@ def main() -> None:
     plan = make_plan(cfg, args.world_size, args.device)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
     if args.gpu_memory_gib is not None:
+        if args.gpu_memory_gib <= 0:
+            parser.error(f"--gpu-memory-gib={args.gpu_memory_gib}: must be > 0 (e.g. 80)")
         over = [s for s in plan.stages if s.bytes["total"] > args.gpu_memory_gib * GIB]
         for s in over:
             print(f"megalite: stage {s.stage} needs about {s.bytes['total'] / GIB:.1f} GiB per "

@@ -17,7 +17,8 @@ from tests.layouts import FP32_NO_DROPOUT, train_layouts
 LAYOUTS = [
     ["tp=2", "pp=2", "zero=1", "sp=true"],
     ["tp=2", "pp=2", "zero=3"],
-    ["tp=2", "zero=2"],
+    ["tp=2", "zero=2", "train.recompute=true"],
+    ["tp=2", "pp=2", "sp=true", "train.recompute=true"],
     ["zero=3", "train.global_batch_size=16"],
 ]
 
@@ -87,6 +88,8 @@ def test_plan_script_reports_checks_and_flags_memory():
     assert len([line for line in ok.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]) == 2
     bad = run_plan("--world-size", "16", "model=gpt2-xl", "tp=8", "pp=2")
     assert bad.returncode == 2 and "tp=8: must divide model.n_head=25" in bad.stderr
+    empty = run_plan("--world-size", "0")
+    assert empty.returncode == 2 and "world size=0: needs at least one rank" in empty.stderr
     # gpt2-xl at micro-batch 24 did not fit one 80 GB H100 (scripts/bench.py train), 16 did
     big = ["--world-size", "1", "--gpu-memory-gib", "80", "model=gpt2-xl", "train.seq_len=1024"]
     over = run_plan(*big, "train.micro_batch_size=24", "train.global_batch_size=48")

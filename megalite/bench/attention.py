@@ -2,7 +2,7 @@
 `F.scaled_dot_product_attention` under each SDPA backend (flash, cuDNN, memory-efficient, math),
 with the error of output and input gradients against the math kernel in fp32.
 
-This is what `train.attention=auto` rests on (`megalite.model.attention`). FLOPs counted as
+The evidence for choosing `train.attention` (`megalite.model.attention`). FLOPs counted as
 the causal kernels do the work: forward 2·b·a·s²·d (QKᵀ and AV, half the square), backward
 2.5× forward (FlashAttention-2's count, with the recomputed scores); TFLOP/s = that / time.
 """
