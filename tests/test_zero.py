@@ -77,13 +77,19 @@ def test_every_stage_equals_serial(tiny_data, tmp_path, serial_run, dp):
 def test_composed_with_tensor_and_pipeline_parallelism(tiny_data, tmp_path, serial_run):
     """tp=2 pp=2 dp=2 (8 ranks) with zero 1 and zero 3 (sequence parallel on for the latter):
     TP-local slices sharded over DP, each stage over its own DP group, the tied embedding's
-    copies summed, clipping over one global norm."""
+    copies summed, clipping over one global norm. The zero 3 run once more with activation
+    recomputation: the re-run forward inside backward finds its unit gathered and starts no
+    gather of its own, so the DP traffic is the same as without recomputation."""
+    zero3 = ["tp=2", "pp=2", "zero=3", "sp=true"]
     runs = train_layouts(tmp_path, 8, [
         _common(tiny_data, ["tp=2", "pp=2", "zero=1"]),
-        _common(tiny_data, ["tp=2", "pp=2", "zero=3", "sp=true"]),
+        _common(tiny_data, zero3),
+        _common(tiny_data, zero3 + ["train.recompute=true"]),
     ])
     for ranks in runs:
         assert_equal(serial_run, ranks)
+    for plain, recomputed in zip(runs[1], runs[2]):
+        assert dp_wire_bytes(recomputed["step_comm"]) == dp_wire_bytes(plain["step_comm"])
 
 
 def test_zero3_keeping_gathered_blocks_for_the_step(tiny_data, tmp_path, serial_run):

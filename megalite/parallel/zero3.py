@@ -6,7 +6,9 @@ all-gathered just before it runs.
               post-hook: free the gathered parameters (reshard_after_forward), except for the
                          stage's last unit, whose backward starts right away
     backward  a hook on the unit's output gradient fires just before the unit's backward:
-              gather again, prefetch the previous unit
+              gather again, prefetch the previous unit; with activation recomputation the
+              unit's forward re-runs here and its pre-hook, finding the unit in backward,
+              prefetches nothing (the next unit's backward is already done)
               when every parameter's gradient is in (engine): reduce-scatter, free
 
 Freeing shrinks the flat buffer's storage to 0 bytes; gathering grows it back and fills it, so
@@ -100,8 +102,9 @@ class Zero3Gathering:
 
     def _make_pre_forward(self, i: int):
         def hook(module, args):
-            self._ensure(self.unit_of[module])
-            if i + 1 < len(self.order):
+            unit = self.unit_of[module]
+            self._ensure(unit)
+            if i + 1 < len(self.order) and not unit.in_backward:
                 self._start_gather(self.unit_of[self.order[i + 1]], async_op=True)
         return hook
 
