@@ -159,12 +159,14 @@ def dp_size(cfg: Config, world_size: int) -> int:
     return world_size // (cfg.tp * cfg.pp)
 
 
-def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None) -> List[str]:
+def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
+             local_ranks: int = 1) -> List[str]:
     """Check every cross-field rule; raise ConfigError on the first violation, return the
     warnings (legal but probably unintended settings) for the caller to print.
 
     Runs before any process group is created or any file is written. `local_gpus` is the
-    number of GPUs of one node (None on CPU).
+    number of GPUs of one node (None on CPU); `local_ranks` the processes started on this node
+    (torchrun's --nproc_per_node), one GPU each on CUDA.
     """
     m, t, o = cfg.model, cfg.train, cfg.optim
     warnings: List[str] = []
@@ -183,9 +185,19 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None) -> 
         _fail("precision", cfg.precision, "use auto, fp32 or bf16")
     if cfg.device not in ("auto", "cpu", "cuda"):
         _fail("device", cfg.device, "use auto, cpu or cuda")
+    if cfg.device == "cuda" and not local_gpus:
+        _fail("device", cfg.device, "no CUDA GPU is visible on this machine; use device=auto "
+              "(CPU when there is no GPU) or device=cpu")
+    if cfg.device in ("auto", "cuda") and local_gpus and local_ranks > local_gpus:
+        _fail("torchrun --nproc_per_node", local_ranks, f"this node has {local_gpus} GPUs and "
+              f"every rank needs its own; use --nproc_per_node<={local_gpus}, or device=cpu")
     for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
         if getattr(m, key) < 1:
             _fail(f"model.{key}", getattr(m, key), "must be a positive integer")
+    for key in ("layer_norm_epsilon", "initializer_range"):
+        if not getattr(m, key) > 0:
+            _fail(f"model.{key}", getattr(m, key), "must be > 0 (GPT-2 uses "
+                  f"{getattr(ModelConfig, key)})")
     if m.n_inner is not None and m.n_inner < 1:
         _fail("model.n_inner", m.n_inner, "must be a positive integer or null (= 4 * n_embd)")
     if m.n_embd % m.n_head != 0:
@@ -252,8 +264,12 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None) -> 
     if t.eval_every < 0 or t.eval_steps < 1:
         _fail("train.eval_every/eval_steps", (t.eval_every, t.eval_steps),
               "eval_every must be >= 0 (0 = never) and eval_steps >= 1")
-    if o.lr <= 0 or not 0 <= o.min_lr <= o.lr:
-        _fail("optim.min_lr", o.min_lr, f"need 0 <= min_lr <= lr (lr={o.lr} must be > 0)")
+    if not o.lr > 0:
+        _fail("optim.lr", o.lr, "must be > 0 (e.g. 6e-4)")
+    if not 0 <= o.min_lr <= o.lr:
+        _fail("optim.min_lr", o.min_lr, f"need 0 <= min_lr <= optim.lr={o.lr}")
+    if not o.eps > 0:
+        _fail("optim.eps", o.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
     if o.warmup_steps < 0:
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
     if o.decay_steps is not None and o.decay_steps < 1:

@@ -5,8 +5,8 @@
     python scripts/pretrain.py                      # tiny preset on the embedded stdlib corpus
 
 The run directory is Hydra's output directory (`hydra.run.dir`); metrics.jsonl, the wandb run
-and (by default) checkpoints go there. The configuration is validated, and the token shards
-checked, before any process group is created.
+and (by default) checkpoints go there. The configuration is validated, the token shards (and
+the init_from checkpoint's config) checked, before any process group is created.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from megalite.config import ConfigError, register_configs, resolve_path, to_config, validate  # noqa: E402
-from megalite.data.loader import DataError, TokenShards, check_vocab  # noqa: E402
+from megalite.data.loader import DataError, check_data  # noqa: E402
+from megalite.model.hf import check_init_from  # noqa: E402
 from megalite.plan import make_plan, memory_warning  # noqa: E402
 from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env  # noqa: E402
 from megalite.train.trainer import Trainer, broadcast_run_dir  # noqa: E402
@@ -45,10 +46,12 @@ def keep_hydra_output_on_rank0() -> None:
 def main(node) -> None:
     cfg = to_config(node)
     try:
-        warnings = validate(cfg, world_size_from_env(), local_gpus())
-        shards = TokenShards(resolve_path(cfg.data.dir), "train")
-        TokenShards(resolve_path(cfg.data.dir), "val")
-        check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
+        warnings = validate(cfg, world_size_from_env(), local_gpus(),
+                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        check_data(resolve_path(cfg.data.dir), cfg.train.seq_len, cfg.train.global_batch_size,
+                   cfg.model.vocab_size, evaluates=cfg.train.eval_every > 0)
+        if cfg.init_from:
+            check_init_from(cfg.init_from, cfg.model)
     except (ConfigError, DataError) as e:
         print(f"megalite: bad configuration: {e}", file=sys.stderr)
         sys.exit(2)

@@ -53,6 +53,11 @@ def bad(overrides, world_size=1):
     (["model.n_head=3"], 1, "model.n_head=3"),
     (["precision=fp16"], 1, "precision='fp16'"),
     (["optim.min_lr=1.0"], 1, "optim.min_lr=1.0"),
+    (["optim.lr=-1"], 1, "optim.lr=-1.0: must be > 0"),
+    (["optim.eps=0"], 1, "optim.eps=0.0"),
+    (["model.layer_norm_epsilon=-1"], 1, "model.layer_norm_epsilon=-1.0"),
+    (["model.initializer_range=0"], 1, "model.initializer_range=0.0"),
+    (["device=cuda"], 1, "device='cuda': no CUDA GPU is visible"),
     (["optim.betas=[0.9]"], 1, "optim.betas"),
     (["log.wandb=maybe"], 1, "log.wandb='maybe'"),
     (["checkpoint.resume=/no/such/ckpt"], 1, "checkpoint.resume='/no/such/ckpt'"),
@@ -102,3 +107,12 @@ def test_warnings_for_legal_but_wasteful_settings():
     assert "zero=1 with a data-parallel size of 1" in w
     (w,) = validate(load_config(["tp=4"]), 4, local_gpus=2)
     assert "tp=4 is larger than the 2 GPUs of one node" in w
+
+
+def test_more_ranks_per_node_than_gpus_is_refused():
+    cfg = load_config(["train.global_batch_size=64"])
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node=8: this node has 4 GPUs"):
+        validate(cfg, 8, local_gpus=4, local_ranks=8)
+    validate(cfg, 8, local_gpus=8, local_ranks=8)
+    validate(load_config(["device=cpu", "train.global_batch_size=64"]), 8, local_gpus=4,
+             local_ranks=8)  # CPU ranks

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from megalite.config import DataConfig
 from megalite.data.loader import (META_FILE, DataError, ResumableSampler, TokenShards, TrainBatches,
-                                  check_vocab, token_dtype, val_batches)
+                                  check_data, check_vocab, token_dtype, val_batches)
 from megalite.data.prepare import (EOS_TOKEN, ShardWriter, prepare, split_documents,
                                    stdlib_files)
 
@@ -271,6 +271,21 @@ def test_sampler_epochs_wrap_into_fresh_permutations():
     assert order[:10] == np.random.default_rng(7).permutation(10).tolist()
     assert order[10:] == np.random.default_rng(8).permutation(10).tolist()
     assert sorted(order) == sorted(list(range(10)) * 2)
+
+
+def test_data_is_checked_before_launch(tmp_path):
+    """Enough training windows for one global batch; a validation window only when the run
+    evaluates (train.eval_every > 0); the vocabulary fits."""
+    data = make_data_dir(tmp_path / "d", {"train": np.arange(50), "val": np.arange(5)}, 100)
+    check_data(data, 4, 12, 8192, evaluates=False)  # 12 windows of 4 + 1 tokens
+    with pytest.raises(DataError, match=r"train.global_batch_size=16.*only 12 samples"):
+        check_data(data, 4, 16, 8192, evaluates=False)
+    check_data(data, 4, 12, 8192, evaluates=True)  # one validation window
+    with pytest.raises(DataError, match=r"train.seq_len=8: the validation split.*eval_every=0"):
+        check_data(data, 8, 6, 8192, evaluates=True)
+    check_data(data, 8, 6, 8192, evaluates=False)
+    with pytest.raises(DataError, match="model.vocab_size=64"):
+        check_data(data, 4, 12, 64, evaluates=False)
 
 
 def test_sampler_refuses_too_little_data():

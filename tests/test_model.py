@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from megalite.config import ConfigError, ModelConfig
 from megalite.model.gpt2 import GPT2, count_parameters, flops_per_token, num_parameters
-from megalite.model.hf import from_hf_state_dict, hf_config, load_hf_state_dict, save_hf
+from megalite.model.hf import (check_init_from, from_hf_state_dict, hf_config, load_hf_state_dict,
+                              save_hf)
 from megalite.model.init import init_parameters, load_global_state
 
 SMALL = ModelConfig(name="t", n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=211,
@@ -110,6 +111,12 @@ def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
     wrong = ModelConfig(**{**SMALL.__dict__, "n_layer": 4})
     with pytest.raises(ConfigError, match="model.n_layer=4"):
         load_hf_state_dict(str(tmp_path / "hf"), wrong)
+    # the check before launch reads config.json alone and finds the same mismatch
+    check_init_from(str(tmp_path / "hf"), SMALL)
+    with pytest.raises(ConfigError, match="model.n_layer=4"):
+        check_init_from(str(tmp_path / "hf"), wrong)
+    with pytest.raises(ConfigError, match="init_from=.*nowhere.*no GPT-2 config.json"):
+        check_init_from(str(tmp_path / "nowhere"), SMALL)
 
 
 def test_attention_kernel_choice_changes_no_result():

@@ -114,9 +114,7 @@ class ResumableSampler:
             raise DataError(f"train.global_batch_size={global_batch_size}: must be a multiple of "
                             f"the data-parallel size {dp_size}")
         if num_samples < global_batch_size:
-            raise DataError(f"train.global_batch_size={global_batch_size}: the training split has "
-                            f"only {num_samples} samples of this train.seq_len; lower the batch "
-                            "or train.seq_len, or prepare more data")
+            raise DataError(_too_few_train_samples(global_batch_size, num_samples))
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.consumed_samples = consumed_samples
@@ -168,6 +166,30 @@ class TrainBatches:
                 for j in range(0, len(indices), mb)]
 
 
+def check_data(data_dir: Path, seq_len: int, global_batch_size: int, model_vocab: int,
+               evaluates: bool) -> None:
+    """Before launch: both splits are readable, every token id fits the model's vocabulary, the
+    training split holds at least one global batch of windows, and (when the run evaluates)
+    the validation split at least one window."""
+    train, val = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
+    check_vocab(train.meta["vocab_size"], model_vocab)
+    if train.num_samples(seq_len) < global_batch_size:
+        raise DataError(_too_few_train_samples(global_batch_size, train.num_samples(seq_len)))
+    if evaluates and val.num_samples(seq_len) == 0:
+        raise DataError(_no_val_window(seq_len))
+
+
+def _too_few_train_samples(global_batch_size: int, num_samples: int) -> str:
+    return (f"train.global_batch_size={global_batch_size}: the training split has only "
+            f"{num_samples} samples of this train.seq_len; lower the batch or train.seq_len, or "
+            "prepare more data")
+
+
+def _no_val_window(seq_len: int) -> str:
+    return (f"train.seq_len={seq_len}: the validation split has no window of {seq_len + 1} "
+            "tokens; lower train.seq_len, raise data.val_fraction, or set train.eval_every=0")
+
+
 def val_batches(shards: TokenShards, micro_batch_size: int, seq_len: int, eval_steps: int,
                 global_batch_size: int, dp_rank: int, dp_size: int, device: torch.device
                 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -176,8 +198,7 @@ def val_batches(shards: TokenShards, micro_batch_size: int, seq_len: int, eval_s
     global batch, in micro-batches. The mean loss over all ranks is the serial run's."""
     n = shards.num_samples(seq_len)
     if n == 0:
-        raise DataError(f"train.seq_len={seq_len}: the validation split has no window of "
-                        f"{seq_len + 1} tokens; lower train.seq_len or raise data.val_fraction")
+        raise DataError(_no_val_window(seq_len))
     per_rank = global_batch_size // dp_size
     positions = [k * global_batch_size + dp_rank * per_rank + j
                  for k in range(eval_steps) for j in range(per_rank)]

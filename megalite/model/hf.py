@@ -68,6 +68,19 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                           f"{theirs_inner}; set model.n_inner={theirs_inner}")
 
 
+def check_init_from(source: str, cfg: ModelConfig) -> None:
+    """Before launch: `source` has a GPT-2 config (config.json only, no weights read) that
+    matches the model config."""
+    from transformers import GPT2Config
+
+    try:
+        hf_cfg = GPT2Config.from_pretrained(source)
+    except OSError as e:
+        raise ConfigError(f"init_from={source!r}: no GPT-2 config.json there ({e}); give a "
+                          "directory written by save_pretrained or a hub id such as gpt2") from e
+    check_shape_matches(cfg, hf_cfg, source)
+
+
 def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """Read GPT2LMHeadModel weights from a local directory or a hub id, as megalite names."""
     from transformers import GPT2LMHeadModel

@@ -9,7 +9,9 @@ gets no number: MFU is reported as null rather than against a guess.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import resource
 import sys
 import time
@@ -19,8 +21,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device (no sparsity). Matched against torch.cuda.get_device_name();
-# more specific names first (an "H100 PCIe" must not match plain "H100").
+# Dense bf16 peak TFLOP/s per device (no sparsity). Matched against torch.cuda.get_device_name()
+# as whole words (an "L40" is not an "L4", a "GH200" not an "H200"); more specific names first
+# (an "H100 PCIe" must not match plain "H100").
 PEAK_TFLOPS_BF16: Tuple[Tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
@@ -31,6 +34,7 @@ PEAK_TFLOPS_BF16: Tuple[Tuple[str, float], ...] = (
     ("A100", 312.0),
     ("A800", 312.0),
     ("L40S", 362.0),
+    ("L40", 181.0),
     ("L4", 121.0),
     ("A10G", 70.0),
     ("A10", 125.0),
@@ -59,15 +63,19 @@ def measure_cpu_matmul_tflops(n: int = 2048, repeats: int = 4) -> float:
     return 2 * n**3 / best / 1e12
 
 
+def table_peak(device_name: str) -> Peak:
+    """The first table entry whose name appears in `device_name` as whole words."""
+    for key, value in PEAK_TFLOPS_BF16:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
+            return Peak(value, f"table: {device_name} dense bf16 ({key})")
+    return Peak(None, f"unknown device {device_name!r}: set log.peak_tflops to report MFU")
+
+
 def peak_tflops(device: torch.device, override: Optional[float]) -> Peak:
     if override is not None:
         return Peak(override, "config log.peak_tflops")
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_TFLOPS_BF16:
-            if key in name:
-                return Peak(value, f"table: {name} dense bf16 ({key})")
-        return Peak(None, f"unknown device {name!r}: set log.peak_tflops to report MFU")
+        return table_peak(torch.cuda.get_device_name(device))
     if device.type == "cpu":
         n = 2048
         return Peak(measure_cpu_matmul_tflops(n),
@@ -102,6 +110,18 @@ WANDB_SECTIONS = {
     "pipeline_bubble": "perf/pipeline_bubble",
     "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
 }
+
+
+def strict_json(value):
+    """NaN and inf (a diverged step's grad_norm) as null: metrics.jsonl stays standard JSON that
+    jq and other strict parsers read."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def wandb_row(record: dict) -> dict:
@@ -146,7 +166,7 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         with open(self.path, "a") as f:
-            f.write(json.dumps({"run": header}) + "\n")
+            f.write(json.dumps(strict_json({"run": header}), allow_nan=False) + "\n")
         self.wandb_run = self._start_wandb(wandb_setting, project, run_name, config, header)
         self.bar = None
         if progress:
@@ -177,7 +197,7 @@ class MetricsWriter:
 
     def log(self, record: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(wandb_row(record), step=record["step"])
         if self.bar is not None:

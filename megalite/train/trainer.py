@@ -77,9 +77,7 @@ class Trainer:
             dp_rank=c.dp, dp_size=topo.dp, seed=cfg.seed)
         self.batches = TrainBatches(self.train_shards, self.sampler, t.micro_batch_size,
                                     t.seq_len, runtime.device)
-        self.val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len, t.eval_steps,
-                               t.global_batch_size, dp_rank=c.dp, dp_size=topo.dp,
-                               device=runtime.device)
+        self._val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
         self.ckpt_root = resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir \
             else self.run_dir / "checkpoints"
@@ -212,10 +210,20 @@ class Trainer:
                 "optim.lr, check the data, or resume from an earlier checkpoint")
         return (loss if finite else None), norm.item()
 
+    def val_batches(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's share of the fixed validation set, read at the first evaluation (a
+        run with train.eval_every=0 needs no validation windows)."""
+        if self._val is None:
+            t, c = self.cfg.train, self.topo.coords
+            self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
+                                    t.eval_steps, t.global_batch_size, dp_rank=c.dp,
+                                    dp_size=self.topo.dp, device=self.rt.device)
+        return self._val
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        loss = self.schedule.evaluate(self.val)
+        loss = self.schedule.evaluate(self.val_batches())
         self.engine.release_params()
         return self._global_mean(loss)
 

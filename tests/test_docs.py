@@ -1,0 +1,88 @@
+"""Every training launch written in the docs is a configuration that `validate()` accepts at
+the world size the command starts (torchrun's nodes x processes per node, sbatch's nodes x GPUs
+per node), so a user who copies one is not refused on the cluster."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import pytest
+
+from megalite.config import load_config, validate
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = ["README.md", "docker/README.md", "scripts/slurm/README.md",
+        "scripts/slurm/pretrain.sbatch", "conf/config.yaml"]
+GPUS_PER_NODE = 8  # what `--nproc_per_node=gpu` starts on the nodes the docs have in mind
+LAUNCHERS = ("torchrun", "sbatch ", "docker run", "python ")
+
+
+def logical_lines(text: str) -> List[str]:
+    """Lines with backslash continuations joined; comment markers of shell/YAML examples
+    (`#   torchrun ...`) dropped."""
+    out, current = [], ""
+    for raw in text.splitlines():
+        line = re.sub(r"^\s*#\s?", "", raw).strip()
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        out.append(current + line)
+        current = ""
+    return out
+
+
+def _flag(line: str, name: str) -> Optional[str]:
+    match = re.search(rf"{name}[= ](\S+)", line)
+    return match.group(1) if match else None
+
+
+def launch(line: str) -> Optional[Tuple[int, int, List[str]]]:
+    """(world size, processes per node, overrides) of a training launch; None for other lines
+    and for launches with placeholders (`...`, `<overrides>`) or whose size the line does not
+    say."""
+    script = re.search(r"\S*scripts/(?:slurm/)?pretrain\.(?:py|sbatch)\b", line)
+    if not script or not any(word in line[:script.start()] for word in LAUNCHERS):
+        return None
+    if "sbatch" in line[:script.start()]:
+        nodes, per_node = _flag(line, "--nodes"), _flag(line, "--gpus-per-node")
+    elif "torchrun" in line or "docker run" in line:
+        nodes, per_node = _flag(line, "--nnodes") or "1", _flag(line, "--nproc_per_node")
+    else:
+        nodes, per_node = "1", "1"
+    rest = line[script.end():].split()
+    if nodes is None or per_node is None or any(w == "..." or w.startswith("<") for w in rest):
+        return None
+    per_node = str(GPUS_PER_NODE) if per_node == "gpu" else per_node
+    overrides = [w for w in rest if re.match(r"^[\w.]+=", w) and not w.startswith("hydra")]
+    return int(nodes) * int(per_node), int(per_node), overrides
+
+
+def documented_launches() -> List[Tuple[str, int, int, List[str]]]:
+    found = []
+    for doc in DOCS:
+        for line in logical_lines((REPO / doc).read_text()):
+            parsed = launch(line)
+            if parsed is not None:
+                found.append((doc, *parsed))
+    return found
+
+
+def test_the_extractor_reads_the_launch_forms():
+    assert launch("torchrun --nnodes=2 --nproc_per_node=8 --rdzv_id=x scripts/pretrain.py "
+                  "hydra.run.dir=o model=gpt2 tp=2") == (16, 8, ["model=gpt2", "tp=2"])
+    assert launch("sbatch --nodes=4 --gpus-per-node=8 scripts/slurm/pretrain.sbatch zero=1") \
+        == (32, 8, ["zero=1"])
+    assert launch("python scripts/pretrain.py") == (1, 1, [])
+    assert launch("VENV=$PWD/.venv sbatch scripts/slurm/pretrain.sbatch ...") is None
+    assert launch("    pretrain=$MEGALITE_DIR/scripts/pretrain.py") is None
+    found = documented_launches()
+    assert len(found) >= 9, found
+    assert {doc for doc, *_ in found} == set(DOCS)
+
+
+@pytest.mark.parametrize("doc,world,per_node,overrides", documented_launches(),
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_documented_launch_is_valid(doc, world, per_node, overrides):
+    cfg = load_config(overrides)
+    validate(cfg, world, local_gpus=None if world == 1 else per_node, local_ranks=per_node)
