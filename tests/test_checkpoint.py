@@ -3,6 +3,8 @@ checkpoints, NaN steps, stuck peers). Kill-and-restart under torchrun: tests/tes
 HF export and generation: tests/test_export.py."""
 from __future__ import annotations
 
+import json
+import shutil
 import time
 
 import pytest
@@ -72,27 +74,72 @@ def _trainer(tiny_data, run_dir, *extra) -> Trainer:
 
 
 def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsys):
+    """A damaged data file or a tampered index is refused by name; resume=auto falls back to
+    the previous checkpoint and moves the damaged one (and anything after it) to superseded/;
+    unfinished step_N.tmp directories are deleted."""
     root = tmp_path / "ckpt"
     common = (f"checkpoint.dir={root}", "checkpoint.every=2", "train.max_steps=4")
     _trainer(tiny_data, tmp_path / "a", *common).fit()
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
-    # half-written checkpoints are never picked
-    (root / "step_00000006.tmp").mkdir()
-    (root / "step_00000008").mkdir()  # no meta.json: incomplete
-    assert ckpt.latest_checkpoint(root).name == "step_00000004"
+    step4 = root / "step_00000004"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(step4, pristine)
 
-    data = root / "step_00000004" / "rank00000.bin"
-    original = data.read_bytes()
-    for damage in ("truncate", "flip"):
-        data.write_bytes(original[:-100] if damage == "truncate"
-                         else original[:50] + bytes([original[50] ^ 0xFF]) + original[51:])
-        with pytest.raises(ckpt.CheckpointError, match=r"step_00000004/rank00000.bin"):
-            _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={root / 'step_00000004'}")
+    def tampered_index(meta: dict) -> dict:  # still valid JSON, one offset off
+        meta["pieces"][3]["offset"] += 4
+        return meta
+
+    damages = {
+        "rank00000.bin": lambda b: b[:-100],
+        "rank00000.bin ": lambda b: b[:50] + bytes([b[50] ^ 0xFF]) + b[51:],
+        "meta.json": lambda b: json.dumps(tampered_index(json.loads(b))).encode(),
+    }
+    for target, damage in damages.items():
+        shutil.rmtree(step4, ignore_errors=True)
+        shutil.copytree(pristine, step4)
+        (root / "step_00000006.tmp").mkdir()  # half-written checkpoints are never picked
+        (root / "step_00000008").mkdir()  # no meta.json: incomplete
+        assert ckpt.latest_checkpoint(root) == step4
+        path = step4 / target.strip()
+        path.write_bytes(damage(path.read_bytes()))
+        with pytest.raises(ckpt.CheckpointError, match=rf"step_00000004/{target.strip()}"):
+            _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={step4}")
         resumed = _trainer(tiny_data, tmp_path / "c", *common, "checkpoint.resume=auto")
         assert resumed.step == 2  # fell back to the previous complete checkpoint
         assert "step_00000004 unusable" in capsys.readouterr().out
-    data.write_bytes(original)
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "superseded"]
+    assert sorted(p.name[:13] for p in (root / "superseded").iterdir()) == \
+        ["step_00000004"] * 3 + ["step_00000008"] * 3
+    # an index whose own CRC32 was recomputed is still checked: every piece inside its file
+    bad = tmp_path / "bad_index"
+    shutil.copytree(pristine, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    meta["pieces"][-1]["offset"] = meta["files"][meta["pieces"][-1]["file"]]["bytes"]
+    meta["meta_crc32"] = ckpt._meta_crc32(meta)
+    (bad / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="do not cover it or lie outside their file"):
+        ckpt.read_global_state(bad, meta["pieces"][-1]["kind"])
+    shutil.copytree(pristine, step4)
     assert _trainer(tiny_data, tmp_path / "d", *common, "checkpoint.resume=auto").step == 4
+
+
+def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tiny_data, tmp_path):
+    """Resumed at step 2 while steps 4 and 6 of an abandoned continuation exist: those move to
+    superseded/, so keep=1 keeps the resumed run's newest checkpoint and resume=auto picks it."""
+    root = tmp_path / "ckpt"
+    first = (f"checkpoint.dir={root}", "checkpoint.every=2", "checkpoint.keep=3")
+    _trainer(tiny_data, tmp_path / "a", *first, "train.max_steps=6").fit()
+    again = _trainer(tiny_data, tmp_path / "b", f"checkpoint.dir={root}", "checkpoint.every=1",
+                     "checkpoint.keep=1", "train.max_steps=4",
+                     f"checkpoint.resume={root / 'step_00000002'}")
+    assert again.step == 2
+    again.fit()
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004"]
+    assert ckpt.read_meta(root / "step_00000004")["consumed_samples"] == 4 * 8
+    assert sorted(p.name[:13] for p in (root / "superseded").iterdir()) == \
+        ["step_00000004", "step_00000006"]
+    assert _trainer(tiny_data, tmp_path / "c", f"checkpoint.dir={root}",
+                    "checkpoint.resume=auto").step == 4
 
 
 def test_non_finite_steps_are_skipped_counted_and_bounded(tiny_data, tmp_path):
@@ -118,6 +165,9 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(tiny_data, tmp_path):
     assert records[2][1] is None and records[2][2] != records[2][2]  # skipped, norm NaN
     assert all(loss is not None for _, loss, _ in records[:2] + records[3:])
     assert trainer.skipped_steps == 1
+    saved = trainer.save()  # the count survives a resume
+    resumed = _trainer(tiny_data, tmp_path / "r", f"checkpoint.resume={saved}")
+    assert (resumed.step, resumed.skipped_steps) == (6, 1)
 
     bad_steps.update(range(3, 100))
     trainer.cfg.train.max_bad_steps = 2
@@ -140,3 +190,17 @@ def _stuck_peer(rank, world):
 def test_a_stuck_peer_gives_an_error_naming_the_group():
     with pytest.raises(RankFailure, match=r"all_reduce on the tp group \(global ranks \[0, 1\]\)"):
         run_ranks(_stuck_peer, 2, timeout_s=60)
+
+
+def test_resume_under_another_data_order_is_said(tiny_data, tmp_path, capsys):
+    """The sampler's position counts windows of seq_len + 1 tokens in a seed's permutation of
+    data.dir: resuming under another seq_len or seed is allowed but warned about."""
+    saved = _trainer(tiny_data, tmp_path / "a", "train.max_steps=1").save()
+    capsys.readouterr()
+    _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={saved}")
+    assert "differs from the checkpoint" not in capsys.readouterr().err
+    _trainer(tiny_data, tmp_path / "c", f"checkpoint.resume={saved}", "train.seq_len=16",
+             "seed=7")
+    err = capsys.readouterr().err
+    assert "train.seq_len=16 differs from the checkpoint's 32" in err
+    assert "seed=7 differs from the checkpoint's 1234" in err

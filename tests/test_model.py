@@ -117,6 +117,13 @@ def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
         check_init_from(str(tmp_path / "hf"), wrong)
     with pytest.raises(ConfigError, match="init_from=.*nowhere.*no GPT-2 config.json"):
         check_init_from(str(tmp_path / "nowhere"), SMALL)
+    for key, value in (("activation_function", "relu"), ("tie_word_embeddings", False),
+                       ("scale_attn_by_inverse_layer_idx", True), ("layer_norm_epsilon", 1e-6)):
+        other = hf_config(SMALL)
+        setattr(other, key, value)
+        other.save_pretrained(tmp_path / key)
+        with pytest.raises(ConfigError, match=f"{key}"):
+            check_init_from(str(tmp_path / key), SMALL)
 
 
 def test_attention_kernel_choice_changes_no_result():

@@ -16,6 +16,11 @@ from megalite.config import ConfigError, ModelConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
+# GPT2Config switches megalite's model has one setting of (the accepted values; first = ours):
+# tanh GELU, attention scaled by 1/sqrt(d) only, the LM head tied to the token embedding.
+ARCHITECTURE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+                "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+                "tie_word_embeddings": (True,)}
 
 
 def hf_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
@@ -66,6 +71,15 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
     if cfg.ffn_size != theirs_inner:
         raise ConfigError(f"model.n_inner={cfg.n_inner!r}: init_from={source!r} has an MLP of "
                           f"{theirs_inner}; set model.n_inner={theirs_inner}")
+    if cfg.layer_norm_epsilon != hf_cfg.layer_norm_epsilon:
+        raise ConfigError(f"model.layer_norm_epsilon={cfg.layer_norm_epsilon!r}: init_from="
+                          f"{source!r} was trained with {hf_cfg.layer_norm_epsilon}; set "
+                          f"model.layer_norm_epsilon={hf_cfg.layer_norm_epsilon}")
+    for key, ours in ARCHITECTURE.items():
+        theirs = getattr(hf_cfg, key, ours[0])
+        if theirs not in ours:
+            raise ConfigError(f"init_from={source!r}: {key}={theirs!r}, but megalite's GPT-2 "
+                              f"has {key}={ours[0]!r}; its weights would compute another model")
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:

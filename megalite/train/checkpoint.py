@@ -4,7 +4,8 @@
         rank00003.bin       this rank's pieces of global tensors, raw little-endian fp32
         rng_rank00003.pt    this rank's RNG streams (restored when the layout is unchanged)
         meta.json           written last by rank 0: step, sampler position, layout, model shape,
-                            the index of every piece and every file's size and CRC32
+                            the index of every piece, every file's size and CRC32, and the
+                            CRC32 of meta.json's own content
 
 A *piece* is a contiguous range [lo, hi) of one TP rank's slice (flattened) of one global tensor
 (HF name, e.g. `transformer.h.3.attn.c_attn.weight`) of one kind (`param` = the fp32 master
@@ -19,9 +20,15 @@ weights, the moments and the model parameters — so any valid layout resumes an
 
 A checkpoint counts only when complete: written under `step_N.tmp/`, published by rank 0 with
 an atomic rename after every rank has finished and meta.json is on disk. Only `step_N`
-directories holding a meta.json are ever picked; the `keep` most recent are kept. Files are
-verified (size, CRC32) before anything is loaded, on every rank, and the verdict is agreed over
-all ranks, so either every rank loads a checkpoint or none does.
+directories holding a meta.json are ever picked; the `keep` most recent are kept. A directory
+being replaced or deleted is first renamed out of the `step_N` namespace, so a crash midway
+never leaves a half-deleted directory that looks complete. When a run starts at step k, the
+checkpoints of steps after k (an abandoned continuation, or ones that failed to load) are moved
+to `superseded/`, so they neither take `keep`'s places nor get picked by `resume=auto` again.
+
+Before anything is loaded, on every rank: meta.json's own CRC32, the index (every piece inside
+its file, every tensor slice covered) and the files' sizes and CRC32s are checked, and the
+verdict is agreed over all ranks, so either every rank loads a checkpoint or none does.
 """
 from __future__ import annotations
 
@@ -45,7 +52,8 @@ from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+SUPERSEDED_DIR = "superseded"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
 
@@ -75,6 +83,38 @@ def complete_checkpoints(root: Path) -> List[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def _discard(path: Path) -> None:
+    """Delete a directory, renaming it out of the `step_N` namespace first."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.time_ns()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def set_aside_later_checkpoints(root: Path, step: int) -> List[Path]:
+    """A run starting at `step`: move `step_N` with N > step into `superseded/` (kept for the
+    user, invisible to `keep` and `resume=auto`); delete unfinished `step_N.tmp` directories
+    and trash left by a crash. Rank 0 only, before the run's first save. Returns the moved."""
+    if not root.is_dir():
+        return []
+    moved = []
+    for p in sorted(root.iterdir()):
+        match = STEP_DIR.match(p.name)
+        if match and int(match.group(1)) > step:
+            (root / SUPERSEDED_DIR).mkdir(exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            dest = root / SUPERSEDED_DIR / f"{p.name}-{stamp}"
+            n = 1
+            while dest.exists():
+                n += 1
+                dest = root / SUPERSEDED_DIR / f"{p.name}-{stamp}-{n}"
+            os.replace(p, dest)
+            moved.append(dest)
+        elif p.name.startswith(".trash-step_") or (p.name.startswith("step_")
+                                                   and p.name.endswith(".tmp")):
+            shutil.rmtree(p, ignore_errors=True)
+    return moved
+
+
 def latest_checkpoint(root: Path) -> Optional[Path]:
     found = complete_checkpoints(root)
     return found[-1] if found else None
@@ -96,8 +136,13 @@ def _writes(spec: ParamSpec, topo: Topology, zero: int) -> bool:
 # --- save ---------------------------------------------------------------------------------
 
 
+def _meta_crc32(meta: dict) -> int:
+    body = {k: v for k, v in meta.items() if k != "meta_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
 def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_samples: int,
-                    cfg: Config, topo: Topology, keep: int) -> Path:
+                    cfg: Config, topo: Topology, keep: int, skipped_steps: int = 0) -> Path:
     """Collective: every rank must call it. Returns the published directory."""
     rank = topo.rank
     final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
@@ -136,21 +181,23 @@ def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_sam
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "step": step,
                 "consumed_samples": consumed_samples, "adam_step": engine.adam_step(),
+                "skipped_steps": skipped_steps,
                 "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
                            "sp": cfg.sp, "world_size": topo.world_size},
                 "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
                 "data_dir": str(resolve_path(cfg.data.dir)),
                 "files": {k: v for _, fs in gathered for k, v in fs.items()},
                 "pieces": [p for ps, _ in gathered for p in ps]}
+        meta["meta_crc32"] = _meta_crc32(meta)
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
         if final.exists():
-            shutil.rmtree(final)
+            _discard(final)
         os.replace(tmp, final)
         for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
     _barrier()
     return final
 
@@ -169,6 +216,8 @@ def read_meta(ckpt: Path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {meta.get('format_version')} (this "
                               f"megalite reads {FORMAT_VERSION})")
+    if meta.get("meta_crc32") != _meta_crc32(meta):
+        raise CheckpointError(f"{path}: its content does not match its CRC32 (corrupted)")
     return meta
 
 
@@ -191,13 +240,32 @@ def verify_file(ckpt: Path, name: str, record: dict) -> None:
 
 
 class _Reader:
-    """Global tensors rebuilt from a checkpoint's pieces."""
+    """Global tensors rebuilt from a checkpoint's pieces; the index is checked on creation."""
 
     def __init__(self, ckpt: Path, meta: dict):
         self.ckpt = ckpt
         self.index: Dict[Tuple[str, str], List[dict]] = {}
         for p in meta["pieces"]:
             self.index.setdefault((p["name"], p["kind"]), []).append(p)
+        self._check_index(meta["files"])
+
+    def _check_index(self, files: dict) -> None:
+        """Every piece lies inside its file, and each TP slice of each tensor is covered by its
+        pieces without a gap, so reading cannot fail halfway (after the ranks agreed)."""
+        for (name, kind), pieces in self.index.items():
+            spec, tp = self.written_spec(name, kind)
+            numel = int(np.prod(spec.local_shape(tp)))
+            for rank in range(tp if spec.tp_dim is not None else 1):
+                end = 0
+                for p in sorted((p for p in pieces if p["tp_rank"] == rank),
+                                key=lambda p: p["lo"]):
+                    size = files.get(p["file"], {}).get("bytes", -1)
+                    if p["lo"] > end or p["offset"] + 4 * (p["hi"] - p["lo"]) > size:
+                        break
+                    end = max(end, p["hi"])
+                if end < numel:
+                    raise CheckpointError(f"{self.ckpt}: the pieces of {name} ({kind}, TP rank "
+                                          f"{rank}) do not cover it or lie outside their file")
 
     def files_for(self, names: List[str]) -> List[str]:
         return sorted({p["file"] for (n, _), ps in self.index.items() if n in names for p in ps})
@@ -231,18 +299,15 @@ class _Reader:
         return [p for p in self._pieces(spec.name, kind)
                 if p["tp_rank"] == rank and p["lo"] < hi and p["hi"] > lo]
 
-    def read_range(self, pieces: List[dict], lo: int, hi: int, what: str) -> torch.Tensor:
-        """Elements [lo, hi) of one TP slice from the planned pieces, checked for coverage."""
+    def read_range(self, pieces: List[dict], lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of one TP slice from the planned pieces (which cover it: the index
+        was checked)."""
         out = torch.empty(hi - lo, dtype=torch.float32)
-        covered = torch.zeros(hi - lo, dtype=torch.bool)
         for p in pieces:
             a, b = max(lo, p["lo"]), min(hi, p["hi"])
             data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=b - a,
                                offset=p["offset"] + 4 * (a - p["lo"]))
             out[a - lo:b - lo] = torch.from_numpy(data)
-            covered[a - lo:b - lo] = True
-        if not bool(covered.all()):
-            raise CheckpointError(f"{self.ckpt}: the pieces of {what} do not cover it")
         return out
 
     def global_tensor(self, name: str, kind: str) -> torch.Tensor:
@@ -251,8 +316,8 @@ class _Reader:
         spec, written_tp = self.written_spec(name, kind)
         local_shape = spec.local_shape(written_tp)
         numel = int(np.prod(local_shape))
-        slices = [self.read_range([p for p in pieces if p["tp_rank"] == r], 0, numel,
-                                  f"{name} ({kind})").view(local_shape)
+        slices = [self.read_range([p for p in pieces if p["tp_rank"] == r], 0,
+                                  numel).view(local_shape)
                   for r in range(written_tp if spec.tp_dim is not None else 1)]
         return spec.unshard(slices)
 
@@ -316,8 +381,8 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
         rng_name = f"rng_rank{topo.rank:05d}.pt"
         if same_layout:
             verify_file(ckpt, rng_name, meta["files"][rng_name])
-    except (CheckpointError, KeyError, OSError) as e:
-        error = str(e)
+    except (CheckpointError, KeyError, OSError, TypeError, ValueError) as e:
+        error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
     if not agree(error is None, topo):
         raise CheckpointError(error or f"{ckpt}: another rank found it incomplete or corrupted")
 
@@ -335,8 +400,7 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
     with torch.no_grad():
         for piece, seg, kind, plan in plans:
             if plan is not None:
-                values = reader.read_range(plan, seg.param_lo, seg.param_hi,
-                                           f"{seg.spec.name} ({kind})")
+                values = reader.read_range(plan, seg.param_lo, seg.param_hi)
             else:
                 values = resliced(seg.spec, kind)[seg.param_lo:seg.param_hi]
             if kind == "param":

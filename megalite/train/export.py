@@ -52,7 +52,7 @@ def resolve_checkpoint(path) -> Path:
 
 def model_config(ckpt: Path) -> ModelConfig:
     """The model shape recorded in a checkpoint's meta.json."""
-    return ModelConfig(**read_meta(ckpt)["model"])
+    return ModelConfig(**read_meta(resolve_checkpoint(ckpt))["model"])
 
 
 def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
@@ -60,6 +60,7 @@ def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
     if override is not None:
         path, origin = Path(override), "the tokenizer directory given"
     else:
+        ckpt = resolve_checkpoint(ckpt)
         meta = read_meta(ckpt)
         data_dir = meta["data_dir"]  # absolute: resolved when the checkpoint was written
         path = Path(data_dir) / TOKENIZER_DIR
@@ -88,7 +89,9 @@ def load_tokenizer(ckpt: Path, override: Optional[str] = None):
 
 
 def load_model(ckpt: Path, device: str = "cpu") -> GPT2:
-    """The serial GPT2 holding the checkpoint's weights, in eval mode."""
+    """The serial GPT2 holding the checkpoint's weights, in eval mode; `ckpt` is a checkpoint
+    or a checkpoint directory (its latest complete checkpoint)."""
+    ckpt = resolve_checkpoint(ckpt)
     with torch.device(device):
         model = GPT2(model_config(ckpt))
     load_global_state(model, read_global_state(ckpt))

@@ -11,6 +11,7 @@ same number the serial run computes.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -85,6 +86,7 @@ class Trainer:
         self.skipped_steps = 0  # non-finite steps skipped so far (this process)
         self.bad_in_a_row = 0
         self._resume()
+        self._set_aside_later_checkpoints()
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
         self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops) if self.rank == 0 \
@@ -119,7 +121,11 @@ class Trainer:
                     print(f"checkpoint {path} unusable, trying the previous one: {e}")
                 continue
             self.step = meta["step"]
+            self.skipped_steps = meta["skipped_steps"]
             self.sampler.load_state_dict({"consumed_samples": meta["consumed_samples"]})
+            if self.rank == 0:
+                for warning in data_position_warnings(meta, self.cfg):
+                    print(f"megalite: warning: {warning}", file=sys.stderr)
             if rng is not None:
                 ckpt.set_rng_state(self.rng, rng)
             else:  # another layout: fresh dropout streams, derived from the seed and the step
@@ -130,10 +136,21 @@ class Trainer:
         if candidates:
             raise ckpt.CheckpointError(f"no usable checkpoint in {self.ckpt_root}")
 
+    def _set_aside_later_checkpoints(self) -> None:
+        """Checkpoints after the step this run starts from belong to an abandoned continuation
+        (or failed to load): out of the way of `keep` and `resume=auto`."""
+        if self.rank == 0:
+            for moved in ckpt.set_aside_later_checkpoints(self.ckpt_root, self.step):
+                print(f"megalite: this run starts at step {self.step}; moved the later "
+                      f"checkpoint to {moved}", file=sys.stderr)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine,
                                     ckpt.rng_state(self.rng), self.sampler.consumed_samples,
-                                    self.cfg, self.topo, self.cfg.checkpoint.keep)
+                                    self.cfg, self.topo, self.cfg.checkpoint.keep,
+                                    self.skipped_steps)
 
     # --- reporting ----------------------------------------------------------------------
 
@@ -289,6 +306,21 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
         return records
+
+
+def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
+    """The sampler's position is a count of samples (windows of train.seq_len + 1 tokens from a
+    permutation seeded by `seed`, over `data.dir`): resumed under another seq_len, seed or data
+    directory it points elsewhere in the data. Legal (e.g. a longer context late in training),
+    but worth saying."""
+    then = {"train.seq_len": meta["config"]["train"]["seq_len"], "seed": meta["config"]["seed"],
+            "data.dir": meta["data_dir"]}
+    now = {"train.seq_len": cfg.train.seq_len, "seed": cfg.seed,
+           "data.dir": str(resolve_path(cfg.data.dir))}
+    return [f"{key}={now[key]!r} differs from the checkpoint's {then[key]!r}: the resumed run "
+            f"continues at sample {meta['consumed_samples']} of a different order of windows, "
+            "not where the checkpointed run stopped"
+            for key in then if then[key] != now[key]]
 
 
 def comm_gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:
