@@ -1,6 +1,7 @@
 """Every training launch written in the docs is a configuration that `validate()` accepts at
 the world size the command starts (torchrun's nodes x processes per node, sbatch's nodes x GPUs
-per node), so a user who copies one is not refused on the cluster."""
+per node), so a user who copies one is not refused on the cluster; and the README's configuration
+table names every key of the schema."""
 from __future__ import annotations
 
 import re
@@ -86,3 +87,30 @@ def test_the_extractor_reads_the_launch_forms():
 def test_documented_launch_is_valid(doc, world, per_node, overrides):
     cfg = load_config(overrides)
     validate(cfg, world, local_gpus=None if world == 1 else per_node, local_ranks=per_node)
+
+
+def test_every_config_key_is_in_the_readme_reference():
+    """README's configuration table names every field of the schema (a `group.*` row may list
+    the group's fields by name)."""
+    from dataclasses import fields, is_dataclass
+
+    from megalite.config import Config
+
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Configuration reference"):]
+    table = table[:table.index("\n## ", 1)]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()
+            if line.startswith("| `")}
+    missing = []
+    defaults = Config()
+    for top in fields(Config):
+        if not is_dataclass(getattr(defaults, top.name)):
+            if f"`{top.name}`" not in table:
+                missing.append(top.name)
+            continue
+        group = top.name
+        star = next((line for key, line in rows.items() if key == f"`{group}.*`"), "")
+        for sub in fields(getattr(defaults, group)):
+            if f"`{group}.{sub.name}`" not in table and not re.search(rf"\b{sub.name}\b", star):
+                missing.append(f"{group}.{sub.name}")
+    assert not missing, f"README's configuration table lacks {missing}"
