@@ -77,6 +77,9 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation passes (0 = never)
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
     recompute: bool = False  # recompute each block's activations in backward (saves memory)
+    recompute_layers: Optional[int] = None  # with recompute: only the first N blocks of each
+    #                                         pipeline stage (Megatron's --recompute-method block
+    #                                         --recompute-num-layers N); None = every block
     compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
     attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
     max_bad_steps: int = 5  # consecutive steps with a NaN/inf loss or gradient that are
@@ -256,6 +259,10 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if t.attention in ATTENTION_CUDA_ONLY and on_cpu:
         _fail("train.attention", t.attention, "this kernel runs on CUDA GPUs only; on CPU use "
               "auto, flash or math")
+    if t.recompute_layers is not None and (t.recompute_layers < 1 or not t.recompute):
+        _fail("train.recompute_layers", t.recompute_layers,
+              "needs train.recompute=true and a value >= 1 (the blocks recomputed at the start "
+              "of each pipeline stage), or null for every block")
     if t.max_steps < 1:
         _fail("train.max_steps", t.max_steps, "must be a positive integer")
     if t.max_bad_steps < 1:

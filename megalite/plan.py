@@ -14,7 +14,9 @@ compute dtype, 2 for bf16, 4 for fp32):
                 e·sbh(4 + 12/t)   TP         e·sbh·16/t   TP + SP
                 + 16·s'b (LayerNorm mean/rstd) + 4·(a/t)·sb (attention log-sum-exp)
                 + 2·s'bh (residual dropout masks, resid_pdrop > 0)      s' = s/t with SP
-              recompute: e·s'bh per layer (the block input) + one layer's full set
+              recompute: e·s'bh per recomputed layer (the block input) + one layer's full
+              set (the layer being re-run); train.recompute_layers = r: r layers of each stage
+              recomputed, the others keep their full set
               first stage: token ids 8·sb (+ embedding dropout mask); last stage: ln_f input and
               output e·s'bh each, the targets 8·sb, the loss's fp32 probabilities 4·sb·V/t
   ZeRO-3 working set: the gathered units, ≈ 2 of the largest (current + prefetch) × e, or the
@@ -27,7 +29,8 @@ Communication per optimizer step and rank, ring wire bytes as `megalite.parallel
 them (all-reduce 2(n−1)/n·S, reduce-scatter / all-gather (n−1)/n·S, send S), with S = e·sbh
 a full activation:
   tp   per micro-batch and layer: 4 all-reduces; with SP 6 all-gathers + 4 reduce-scatters;
-       recompute's forward re-run adds 1 all-reduce (SP: 2 all-gathers + 1 reduce-scatter), as
+       each recomputed layer's forward re-run adds 1 all-reduce (SP: 2 all-gathers + 1
+       reduce-scatter), as
        it stops once the saved tensors are rebuilt (before the MLP's reduction); the embedding, the
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
        TP-replicated gradients per step
@@ -80,8 +83,10 @@ class Plan:
     def table(self) -> str:
         lay = self.layout
         unit, scale = ("GiB", GIB) if self.peak.bytes["total"] >= GIB else ("MiB", 2**20)
+        partial = f" (first {lay['recompute_layers']} per stage)" \
+            if lay["recompute"] and lay["recompute_layers"] is not None else ""
         lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
-                 f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}, "
+                 f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
                  f"m={lay['micro_batches']}",
                  "placement over DP: " + ", ".join(f"{k} {v}" for k, v in self.placement.items()),
@@ -127,6 +132,14 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
+def recomputed_layers(cfg: Config, stage_layers: int) -> int:
+    """How many of a stage's blocks re-run their forward in backward."""
+    if not cfg.train.recompute:
+        return 0
+    limit = cfg.train.recompute_layers
+    return stage_layers if limit is None else min(limit, stage_layers)
+
+
 def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
     """The estimate for `cfg` on `world_size` ranks; `device_type` decides the compute dtype
     where `precision=auto` (bf16 on cuda, fp32 on cpu), as the runtime does."""
@@ -147,7 +160,6 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
     layer_params = (4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h
                     + (f * h + f) // tp + h * f // tp + h)
     layer_replicated = 6 * h  # LayerNorms and the row-parallel biases
-    layer_act = e * s_local * b * h if t_cfg.recompute else layer_act_full
 
     stages = []
     for k, blocks in enumerate(partition_layers(m.n_layer, pp, cfg.parallel.edge_stage_layers)):
@@ -161,7 +173,9 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
             psi += 2 * h + (0 if first else vocab // tp * h)
             replicated += 2 * h
 
-        act = n * layer_act + (layer_act_full if t_cfg.recompute else 0)
+        recomputed = recomputed_layers(cfg, n)
+        act = (recomputed * e * s_local * b * h + (n - recomputed) * layer_act_full
+               + (layer_act_full if recomputed else 0))
         if first:
             act += 8 * s * b + (s_local * b * h if m.embd_pdrop > 0 else 0)
         if last:
@@ -188,9 +202,9 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
         if tp > 1:
             # recompute's re-run stops once the saved tensors are rebuilt (torch checkpoint's
             # early stop): the MLP output's reduction is not repeated
-            per_layer = (10 + (3 if t_cfg.recompute else 0)) * r * full if sp else \
-                (4 + (1 if t_cfg.recompute else 0)) * 2 * r * full
-            per_micro = n * per_layer
+            per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
+                (4 * 2 * r * full, 2 * r * full)
+            per_micro = n * per_layer + recomputed * rerun
             if first:
                 per_micro += 2 * r * full  # embedding: all-reduce, or reduce-scatter + all-gather
             if last:
@@ -218,10 +232,12 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
         "P": "sharded-with-gather" if zero == 3 and dp > 1 else "replicated",
         "G": "sharded" if zero >= 2 and dp > 1 else "replicated",
         "O": "sharded" if zero >= 1 and dp > 1 else "replicated",
-        "A": ("materialized (recomputed)" if t_cfg.recompute else
+        "A": ("materialized (recomputed)" if t_cfg.recompute and t_cfg.recompute_layers is None
+              else "partly recomputed" if t_cfg.recompute else
               "sharded over TP (SP)" if sp else "replicated over TP" if tp > 1 else "kept"),
     }
     layout = {"model": m.name, "tp": tp, "pp": pp, "dp": dp, "zero": zero, "sp": sp,
-              "recompute": t_cfg.recompute, "dtype": "bf16" if bf16 else "fp32",
+              "recompute": t_cfg.recompute, "recompute_layers": t_cfg.recompute_layers,
+              "dtype": "bf16" if bf16 else "fp32",
               "micro_batch": b, "seq_len": s, "micro_batches": micro, "world_size": world_size}
     return Plan(layout, placement, stages)

@@ -58,6 +58,8 @@ def bad(overrides, world_size=1):
     (["model.layer_norm_epsilon=-1"], 1, "model.layer_norm_epsilon=-1.0"),
     (["model.initializer_range=0"], 1, "model.initializer_range=0.0"),
     (["device=cuda"], 1, "device='cuda': no CUDA GPU is visible"),
+    (["train.recompute_layers=2"], 1, "train.recompute_layers=2: needs train.recompute=true"),
+    (["train.recompute=true", "train.recompute_layers=0"], 1, "train.recompute_layers=0"),
     (["optim.betas=[0.9]"], 1, "optim.betas"),
     (["log.wandb=maybe"], 1, "log.wandb='maybe'"),
     (["checkpoint.resume=/no/such/ckpt"], 1, "checkpoint.resume='/no/such/ckpt'"),

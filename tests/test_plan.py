@@ -20,6 +20,7 @@ LAYOUTS = [
     ["tp=2", "zero=2", "train.recompute=true"],
     ["tp=2", "pp=2", "sp=true", "train.recompute=true"],
     ["zero=3", "train.global_batch_size=16"],
+    ["tp=2", "sp=true", "train.recompute=true", "train.recompute_layers=1"],
 ]
 
 
@@ -54,11 +55,13 @@ def test_plan_matches_measured_state_and_traffic(measured, index):
                 (runs[index], stage.stage, group, [r["step_comm"] for r in ranks])
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [[], ["train.recompute=true"],
+                                       ["train.recompute=true", "train.recompute_layers=1"]])
 def test_activation_estimate_matches_saved_tensors(recompute):
-    cfg = load_config(TINY + FP32_NO_DROPOUT + [f"train.recompute={recompute}"])
+    cfg = load_config(TINY + FP32_NO_DROPOUT + recompute)
     stage = make_plan(cfg, 1, "cpu").stages[0]
-    model = GPT2(cfg.model, recompute=recompute).train()
+    model = GPT2(cfg.model, recompute=cfg.train.recompute,
+                 recompute_layers=cfg.train.recompute_layers).train()
     init_parameters(model, seed=0)
     s, b = cfg.train.seq_len, cfg.train.micro_batch_size
     w = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))

@@ -211,14 +211,16 @@ def test_dropout_masks_differ_inside_and_agree_outside_tp_regions():
 def test_dropout_run_is_reproducible_from_its_seed(tiny_data, tmp_path):
     """Same seed, same losses; another seed, other losses. With activation recomputation the
     re-run forward in backward draws the same masks as the first (replicated and TP streams
-    restored), so gradients and the following steps equal the run without it."""
+    restored), so gradients and the following steps equal the run without it — also when only
+    the first block is recomputed."""
     dropout = ["model.resid_pdrop=0.1", "model.attn_pdrop=0.1", "model.embd_pdrop=0.1",
                "tp=2", "sp=true"]
     runs = train_layouts(tmp_path, 2, [_common(tiny_data) + dropout + extra for extra in (
-        ["seed=5"], ["seed=5"], ["seed=6"], ["seed=5", "train.recompute=true"])], steps=3)
+        ["seed=5"], ["seed=5"], ["seed=6"], ["seed=5", "train.recompute=true"],
+        ["seed=5", "train.recompute=true", "train.recompute_layers=1"])], steps=3)
     assert runs[0][0]["losses"] == runs[1][0]["losses"]
     assert runs[0][0]["losses"] != runs[2][0]["losses"]
-    for plain, recomputed in zip(runs[0], runs[3]):
+    for plain, recomputed in [pair for run in runs[3:] for pair in zip(runs[0], run)]:
         for key in ("losses", "norms"):
             assert all(close(a, b, 1e-6) for a, b in zip(plain[key], recomputed[key])), \
                 (key, plain[key], recomputed[key])

@@ -36,13 +36,14 @@ Batches = List[Tuple[torch.Tensor, torch.Tensor]]
 
 
 def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool,
-                  attention: str = "auto") -> Callable[[Batches], None]:
+                  attention: str = "auto", recompute_layers: Optional[int] = None
+                  ) -> Callable[[Batches], None]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     topo = build_topology(1, 1, 1)
     rng = RNGTracker(0, 0, 0, 0, device)
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group, rng=rng, recompute=recompute, compile=compile,
-                     attention=attention)
+                     attention=attention, recompute_layers=recompute_layers)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, 0, OptimConfig(), param_dtype=dtype)
     schedule = PipelineSchedule(model, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
@@ -136,9 +137,10 @@ def run(args) -> List[dict]:
                        attn_pdrop=args.dropout)
         seq = min(args.seq_len, mcfg.n_positions)
         fpt = flops_per_token(mcfg, seq)
-        variants = [(f"megalite{'+recompute' if r else ''}{'+compile' if c else ''}"
+        variants = [(f"megalite{_recompute_name(r)}{'+compile' if c else ''}"
                      f"{'' if a == 'auto' else '+' + a}", r, c, a)
-                    for r in args.recompute for c in args.compile for a in args.attention]
+                    for r in recompute_settings(args) for c in args.compile
+                    for a in args.attention]
         hf_variants = [(f"transformers{'+compile' if c else ''}", c) for c in args.compile
                        if args.reference]
         if device.type == "cpu":
@@ -146,7 +148,7 @@ def run(args) -> List[dict]:
             fns = {}
             batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
             for name, r, c, a in variants:
-                step = megalite_step(mcfg, device, mb, seq, r, c, a)
+                step = megalite_step(mcfg, device, mb, seq, r[0], c, a, r[1])
                 fns[name] = (lambda s: lambda: s(batches))(step)
             for name, c in hf_variants:
                 step = transformers_step(mcfg, device, c)
@@ -156,8 +158,8 @@ def run(args) -> List[dict]:
                 results.append({"preset": preset, "seq": seq,
                                 **_row(name, mb, seq, args.micro_batches, t, fpt, peak, 0)})
         else:
-            contenders = [(n, (lambda r, c, a: lambda mb: megalite_step(mcfg, device, mb, seq, r,
-                                                                        c, a))(r, c, a))
+            contenders = [(n, (lambda r, c, a: lambda mb: megalite_step(
+                mcfg, device, mb, seq, r[0], c, a, r[1]))(r, c, a))
                           for n, r, c, a in variants]
             contenders += [(n, (lambda c: lambda mb: transformers_step(mcfg, device, c))(c))
                            for n, c in hf_variants]
@@ -213,6 +215,17 @@ def _print_table(results: List[dict]) -> None:
               f"{r['peak_memory_gib']:>8.2f} {ratio:>15.3f}")
 
 
+def recompute_settings(args) -> List[Tuple[bool, Optional[int]]]:
+    """(recompute, recompute_layers) per variant: off, and on for each --recompute-layers."""
+    return [setting for r in args.recompute for setting in (
+        [(True, n) for n in args.recompute_layers] if r else [(False, None)])]
+
+
+def _recompute_name(setting: Tuple[bool, Optional[int]]) -> str:
+    on, layers = setting
+    return "" if not on else "+recompute" if layers is None else f"+recompute{layers}"
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "gpt2"])
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -223,6 +236,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--recompute", type=int, nargs="+", default=[0], choices=[0, 1])
+    parser.add_argument("--recompute-layers", type=int, nargs="+", default=[None],
+                        help="with --recompute 1: recompute only the first N blocks "
+                        "(train.recompute_layers); several values give several variants")
     parser.add_argument("--compile", type=int, nargs="+", default=[0], choices=[0, 1])
     parser.add_argument("--attention", nargs="+", default=["auto"], choices=list(ATTENTION_CHOICES),
                         help="SDPA kernels to compare (train.attention)")

@@ -128,17 +128,21 @@ class GPT2(nn.Module):
       logits [b, s, vocab_size] (gathered over TP, padding removed).
 
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
+    `recompute` re-runs blocks in backward instead of keeping their activations: every block of
+    the stage, or its first `recompute_layers` (Megatron's "block" method: a stage that nearly
+    fits recomputes only as many blocks as it must).
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: Optional[Group] = None,
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
                  blocks: Optional[range] = None, first: bool = True, last: bool = True,
-                 recompute: bool = False, compile: bool = False, attention: str = "auto"):
+                 recompute: bool = False, compile: bool = False, attention: str = "auto",
+                 recompute_layers: Optional[int] = None):
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group if tp_group is not None else build_topology(1, 1, 1).tp_group
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
-        self.rng, self.recompute = rng, recompute
+        self.rng, self.recompute, self.recompute_layers = rng, recompute, recompute_layers
         self.first, self.last = first, last
         self.blocks = blocks if blocks is not None else range(cfg.n_layer)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.tp_group.size)
@@ -219,8 +223,12 @@ class GPT2(nn.Module):
         x = x + t.wpe(pos).unsqueeze(1)
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)
 
-    def _run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        if not (self.recompute and self.training and torch.is_grad_enabled()):
+    def _run_block(self, index: int, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """Block `index` of this stage; recomputed in backward when recompute is on and the
+        block is among the stage's first `recompute_layers` (all of them when None)."""
+        recomputed = self.recompute and (self.recompute_layers is None
+                                         or index < self.recompute_layers)
+        if not (recomputed and self.training and torch.is_grad_enabled()):
             return block(x)
         return recompute_block(block, x, self.rng)
 
@@ -243,8 +251,8 @@ class GPT2(nn.Module):
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
         x = self.embed(inputs) if self.first else inputs
-        for block in self.transformer.h.values():
-            x = self._run_block(block, x)
+        for index, block in enumerate(self.transformer.h.values()):
+            x = self._run_block(index, block, x)
         if not self.last:
             return x
         logits = self.logits_local(x)

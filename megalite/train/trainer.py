@@ -58,7 +58,8 @@ class Trainer:
             self.model = GPT2(cfg.model, topo.tp_group, cfg.sp, self.rng,
                               blocks=self.stages[c.pp], first=topo.is_first_stage,
                               last=topo.is_last_stage, recompute=cfg.train.recompute,
-                              compile=cfg.train.compile, attention=cfg.train.attention)
+                              compile=cfg.train.compile, attention=cfg.train.attention,
+                              recompute_layers=cfg.train.recompute_layers)
         init_parameters(self.model, cfg.seed)  # the same global weights in every layout
         if cfg.init_from:
             load_global_state(self.model, load_hf_state_dict(cfg.init_from, cfg.model))
