@@ -40,7 +40,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
         max_live.append(trainer.schedule.max_live)
         if save_at is not None and trainer.step == save_at:
             trainer.save()
-        losses.append(trainer._global_mean(loss))
+        losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
         norms.append(norm)
         ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
         with ctx:
