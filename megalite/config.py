@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # SDPA kernels `train.attention` may name (megalite.model.attention); the last two need CUDA.
 ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
 
 
@@ -89,9 +90,11 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate
-    min_lr: float = 1e-4  # floor of the cosine decay
+    min_lr: float = 1e-4  # floor of the decay
     warmup_steps: int = 30  # linear warmup from 0 to lr
-    decay_steps: Optional[int] = None  # cosine decay length; None = train.max_steps
+    schedule: str = "cosine"  # after warmup: cosine | linear | constant | wsd (megalite.train.optim)
+    decay_steps: Optional[int] = None  # step at which the decay reaches min_lr; None = max_steps
+    wsd_decay_fraction: float = 0.2  # wsd: share of the post-warmup steps spent decaying
     weight_decay: float = 0.1  # applied to matrices only (not biases, LayerNorm, ...)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -277,6 +280,11 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
         _fail("optim.min_lr", o.min_lr, f"need 0 <= min_lr <= optim.lr={o.lr}")
     if not o.eps > 0:
         _fail("optim.eps", o.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
+    if o.schedule not in LR_SCHEDULES:
+        _fail("optim.schedule", o.schedule, f"use one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 < o.wsd_decay_fraction <= 1.0:
+        _fail("optim.wsd_decay_fraction", o.wsd_decay_fraction,
+              "must be in (0, 1], e.g. 0.2 (the last 20% of the steps after warmup decay)")
     if o.warmup_steps < 0:
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
     if o.decay_steps is not None and o.decay_steps < 1:

@@ -54,6 +54,8 @@ def bad(overrides, world_size=1):
     (["precision=fp16"], 1, "precision='fp16'"),
     (["optim.min_lr=1.0"], 1, "optim.min_lr=1.0"),
     (["optim.lr=-1"], 1, "optim.lr=-1.0: must be > 0"),
+    (["optim.schedule=step"], 1, "optim.schedule='step': use one of cosine, linear"),
+    (["optim.wsd_decay_fraction=0"], 1, "optim.wsd_decay_fraction=0.0"),
     (["optim.eps=0"], 1, "optim.eps=0.0"),
     (["model.layer_norm_epsilon=-1"], 1, "model.layer_norm_epsilon=-1.0"),
     (["model.initializer_range=0"], 1, "model.initializer_range=0.0"),

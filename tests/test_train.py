@@ -61,3 +61,23 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert lr_at(110, o, 110) == pytest.approx(0.1) and lr_at(500, o, 110) == 0.1
     lrs = [lr_at(s, o, 110) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.parametrize("schedule,at_60,at_100", [
+    ("linear", 0.55, 0.19),        # half way: (1 + 0.1) / 2; 90% of the way: 1 - 0.9 * 0.9
+    ("constant", 1.0, 1.0),
+    ("wsd", 1.0, 0.55),            # stable until step 90 (the last 20 of 100 steps decay)
+])
+def test_other_lr_schedules(schedule, at_60, at_100):
+    o = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule=schedule)
+    assert lr_at(0, o, 110) == pytest.approx(0.1)  # the same warmup
+    assert lr_at(60, o, 110) == pytest.approx(at_60)
+    assert lr_at(100, o, 110) == pytest.approx(at_100)
+    assert lr_at(500, o, 110) == (1.0 if schedule == "constant" else 0.1)
+    lrs = [lr_at(s, o, 110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    if schedule == "wsd":
+        assert lrs[:80] == [1.0] * 80 and lrs[-1] == 0.1
+        short = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd",
+                            wsd_decay_fraction=0.5, decay_steps=50)
+        assert lr_at(29, short, 110) == 1.0 and lr_at(40, short, 110) == pytest.approx(0.55)
