@@ -8,10 +8,11 @@ and what would work.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -67,6 +68,8 @@ class DataConfig:
     num_proc: int = 2  # tokenizer processes
     shard_tokens: int = 100_000_000  # tokens per shard file
     max_documents: Optional[int] = None  # cap on documents read (None = all)
+    blend: Optional[List[str]] = None  # train on several prepared dirs: [w1, dir1, w2, dir2, ...]
+    #                                    (Megatron's weighted --data-path); None = `dir` alone
 
 
 @dataclass
@@ -159,6 +162,30 @@ def register_configs() -> None:
 
 def _fail(key: str, value, remedy: str) -> None:
     raise ConfigError(f"{key}={value!r}: {remedy}")
+
+
+def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
+    """(directory, weight) of every dataset the run trains on: `data.blend` parsed, or
+    `data.dir` alone with weight 1. Directories resolved against the launch directory."""
+    if data.blend is None:
+        return [(resolve_path(data.dir), 1.0)]
+    items = list(data.blend)
+    example = "e.g. data.blend=[0.7,data/owt,0.3,data/wiki]"
+    if len(items) < 2 or len(items) % 2:
+        _fail("data.blend", items, f"alternate weights and prepared data directories, {example}")
+    sources = []
+    for weight, directory in zip(items[0::2], items[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not (w > 0 and math.isfinite(w)):
+            _fail("data.blend", items, f"weight {weight!r} (before {directory!r}) must be a "
+                  f"positive number; {example}")
+        sources.append((resolve_path(directory), w))
+    if len({d for d, _ in sources}) != len(sources):
+        _fail("data.blend", items, "names a directory twice; give each dataset once")
+    return sources
 
 
 def dp_size(cfg: Config, world_size: int) -> int:
@@ -293,6 +320,7 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
         _fail("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
     if o.grad_clip < 0 or o.weight_decay < 0:
         _fail("optim.grad_clip/weight_decay", (o.grad_clip, o.weight_decay), "must be >= 0")
+    data_sources(cfg.data)  # raises on a malformed data.blend
     if cfg.parallel.bucket_mb <= 0:
         _fail("parallel.bucket_mb", cfg.parallel.bucket_mb, "must be > 0 (e.g. 25)")
     if cfg.parallel.timeout_s <= 0:

@@ -20,7 +20,7 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-from megalite.config import ConfigError, register_configs, resolve_path, to_config, validate  # noqa: E402
+from megalite.config import ConfigError, data_sources, register_configs, to_config, validate  # noqa: E402
 from megalite.data.loader import DataError, check_data  # noqa: E402
 from megalite.model.hf import check_init_from  # noqa: E402
 from megalite.plan import make_plan, memory_warning  # noqa: E402
@@ -48,8 +48,9 @@ def main(node) -> None:
     try:
         warnings = validate(cfg, world_size_from_env(), local_gpus(),
                             int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        check_data(resolve_path(cfg.data.dir), cfg.train.seq_len, cfg.train.global_batch_size,
-                   cfg.model.vocab_size, evaluates=cfg.train.eval_every > 0)
+        check_data([d for d, _ in data_sources(cfg.data)], cfg.train.seq_len,
+                   cfg.train.global_batch_size, cfg.model.vocab_size,
+                   evaluates=cfg.train.eval_every > 0)
         if cfg.init_from:
             check_init_from(cfg.init_from, cfg.model)
     except (ConfigError, DataError) as e:

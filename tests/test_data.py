@@ -277,15 +277,15 @@ def test_data_is_checked_before_launch(tmp_path):
     """Enough training windows for one global batch; a validation window only when the run
     evaluates (train.eval_every > 0); the vocabulary fits."""
     data = make_data_dir(tmp_path / "d", {"train": np.arange(50), "val": np.arange(5)}, 100)
-    check_data(data, 4, 12, 8192, evaluates=False)  # 12 windows of 4 + 1 tokens
+    check_data([data], 4, 12, 8192, evaluates=False)  # 12 windows of 4 + 1 tokens
     with pytest.raises(DataError, match=r"train.global_batch_size=16.*only 12 samples"):
-        check_data(data, 4, 16, 8192, evaluates=False)
-    check_data(data, 4, 12, 8192, evaluates=True)  # one validation window
+        check_data([data], 4, 16, 8192, evaluates=False)
+    check_data([data], 4, 12, 8192, evaluates=True)  # one validation window
     with pytest.raises(DataError, match=r"train.seq_len=8: the validation split.*eval_every=0"):
-        check_data(data, 8, 6, 8192, evaluates=True)
-    check_data(data, 8, 6, 8192, evaluates=False)
+        check_data([data], 8, 6, 8192, evaluates=True)
+    check_data([data], 8, 6, 8192, evaluates=False)
     with pytest.raises(DataError, match="model.vocab_size=64"):
-        check_data(data, 4, 12, 64, evaluates=False)
+        check_data([data], 4, 12, 64, evaluates=False)
 
 
 def test_sampler_refuses_too_little_data():
@@ -302,7 +302,7 @@ def test_train_batches_follow_the_rank_slice(stdlib_data):
     n = shards.num_samples(seq)
     sampler = ResumableSampler(n, 8, dp_rank=1, dp_size=2, seed=5)
     indices = ResumableSampler(n, 8, dp_rank=1, dp_size=2, seed=5).next_global_batch()
-    step = TrainBatches(shards, sampler, mb, seq, torch.device("cpu")).next_step()
+    step = TrainBatches([shards], sampler, mb, seq, torch.device("cpu")).next_step()
     assert len(step) == 2 and sampler.consumed_samples == 8
     for j, (x, y) in enumerate(step):
         assert x.shape == y.shape == (mb, seq) and x.dtype == y.dtype == torch.int64

@@ -58,7 +58,8 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     rng = ckpt.rng_state(RNGTracker(0, 0, 0, rank, torch.device("cpu")))
     dist.barrier()
     t0 = time.perf_counter()
-    path = ckpt.save_checkpoint(root, 1, engine, rng, 0, cfg, topo, keep=1)
+    path = ckpt.save_checkpoint(root, 1, engine, rng, {"consumed_samples": 0}, cfg, topo,
+                                keep=1)
     save_s = time.perf_counter() - t0
     _, _, _, fresh = _build(preset, world, zero, root)
     dist.barrier()

@@ -11,12 +11,19 @@ The sampler's whole state is the number of samples consumed: position p of the r
 `seed + e`. A global batch is the next `global_batch_size` positions; DP rank d takes the d-th
 contiguous slice, so concatenating the ranks' slices gives the serial batch, and every TP/PP rank
 of one replica (same d) reads the identical batch.
+
+A *blend* of several data directories (`data.blend`, Megatron's weighted `--data-path`) fills
+each position of the run from the dataset furthest behind its share (Megatron's greedy
+blending: argmax_d w_d·(n + 1) − c_d after n positions, c_d the samples taken from d so far);
+dataset d's c-th sample is window `perm_{d,e}[c mod n_d]` of its own epoch-wise permutations.
+The sampler's state is then the consumed count plus every c_d.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -105,6 +112,36 @@ class TokenShards:
         return np.asarray(self.shards[shard][start:start + seq_len + 1], dtype=np.int64)
 
 
+class SampleOrder:
+    """Position p -> window `perm_e[p mod n]`, e = p // n, perm_e a permutation of the n windows
+    seeded by `seed + e`: every window once per epoch, a fresh order each epoch."""
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def __getitem__(self, pos: int) -> int:
+        epoch = pos // self.num_samples
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+        return int(self._perm[pos % self.num_samples])
+
+
+def blend_choices(weights: Sequence[float], counts: List[int], n: int) -> List[int]:
+    """The datasets of the next `n` positions (Megatron's greedy blending), advancing `counts`
+    (samples taken from each dataset so far; their sum is the positions filled so far)."""
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    out = []
+    filled = sum(counts)
+    for i in range(n):
+        d = max(range(len(shares)), key=lambda k: shares[k] * (filled + i + 1) - counts[k])
+        counts[d] += 1
+        out.append(d)
+    return out
+
+
 class ResumableSampler:
     """Deterministic sample order whose state is `consumed_samples` (see the module docstring)."""
 
@@ -118,29 +155,65 @@ class ResumableSampler:
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.consumed_samples = consumed_samples
-        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._perm = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
-        return self._perm
+        self._order = SampleOrder(num_samples, seed)
 
     def next_global_batch(self) -> np.ndarray:
         """This DP rank's slice of the next global batch (sample indices); advances the state."""
         per_rank = self.global_batch_size // self.dp_size
         first = self.consumed_samples + self.dp_rank * per_rank
-        out = np.empty(per_rank, dtype=np.int64)
-        for i, pos in enumerate(range(first, first + per_rank)):
-            out[i] = self._permutation(pos // self.num_samples)[pos % self.num_samples]
+        out = np.array([self._order[pos] for pos in range(first, first + per_rank)],
+                       dtype=np.int64)
         self.consumed_samples += self.global_batch_size
         return out
+
+    def next_samples(self) -> List[Tuple[int, int]]:
+        """This rank's slice of the next global batch as (dataset, window) pairs."""
+        return [(0, int(i)) for i in self.next_global_batch()]
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
+
+
+class BlendedSampler:
+    """The sampler of a blend (see the module docstring): same slicing over DP ranks as
+    `ResumableSampler`, positions drawn from the datasets by their weights."""
+
+    def __init__(self, num_samples: Sequence[int], weights: Sequence[float],
+                 global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        if global_batch_size % dp_size != 0:
+            raise DataError(f"train.global_batch_size={global_batch_size}: must be a multiple of "
+                            f"the data-parallel size {dp_size}")
+        self.weights = list(weights)
+        self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
+        self.orders = [SampleOrder(n, seed + 1_000_003 * d) for d, n in enumerate(num_samples)]
+        self.counts = [0] * len(self.orders)
+        self.consumed_samples = 0
+
+    def next_samples(self) -> List[Tuple[int, int]]:
+        start = list(self.counts)
+        choices = blend_choices(self.weights, self.counts, self.global_batch_size)
+        taken = list(start)
+        pairs = []
+        for d in choices:
+            pairs.append((d, self.orders[d][taken[d]]))
+            taken[d] += 1
+        self.consumed_samples += self.global_batch_size
+        per_rank = self.global_batch_size // self.dp_size
+        return pairs[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "counts": list(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("counts", [])) != len(self.counts):
+            raise DataError(f"the checkpoint's data position is for {len(state.get('counts', []))}"
+                            f" blended datasets, this run blends {len(self.counts)}; resume with "
+                            "the same data.blend, or start a new run")
+        self.consumed_samples = int(state["consumed_samples"])
+        self.counts = [int(c) for c in state["counts"]]
 
 
 def _to_batch(windows: List[np.ndarray], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -151,32 +224,57 @@ def _to_batch(windows: List[np.ndarray], device: torch.device) -> Tuple[torch.Te
 
 
 class TrainBatches:
-    """Micro-batches (x, y) of one optimizer step for this DP rank, from the sampler."""
+    """Micro-batches (x, y) of one optimizer step for this DP rank, from the sampler's
+    (dataset, window) pairs over `sources` (one TokenShards per blended dataset)."""
 
-    def __init__(self, shards: TokenShards, sampler: ResumableSampler, micro_batch_size: int,
+    def __init__(self, sources: Sequence[TokenShards], sampler, micro_batch_size: int,
                  seq_len: int, device: torch.device):
-        self.shards, self.sampler = shards, sampler
+        self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
 
     def next_step(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        indices = self.sampler.next_global_batch()
+        pairs = self.sampler.next_samples()
         mb = self.micro_batch_size
-        return [_to_batch([self.shards.sample(int(i), self.seq_len) for i in indices[j:j + mb]],
+        return [_to_batch([self.sources[d].sample(i, self.seq_len) for d, i in pairs[j:j + mb]],
                           self.device)
-                for j in range(0, len(indices), mb)]
+                for j in range(0, len(pairs), mb)]
 
 
-def check_data(data_dir: Path, seq_len: int, global_batch_size: int, model_vocab: int,
-               evaluates: bool) -> None:
-    """Before launch: both splits are readable, every token id fits the model's vocabulary, the
-    training split holds at least one global batch of windows, and (when the run evaluates)
-    the validation split at least one window."""
-    train, val = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
-    check_vocab(train.meta["vocab_size"], model_vocab)
-    if train.num_samples(seq_len) < global_batch_size:
-        raise DataError(_too_few_train_samples(global_batch_size, train.num_samples(seq_len)))
-    if evaluates and val.num_samples(seq_len) == 0:
-        raise DataError(_no_val_window(seq_len))
+def check_data(data_dirs: Sequence[Path], seq_len: int, global_batch_size: int,
+               model_vocab: int, evaluates: bool) -> None:
+    """Before launch, for every dataset of the run: both splits are readable, every token id
+    fits the model's vocabulary, and (when the run evaluates) the validation split has a window.
+    One dataset must hold a global batch of training windows; blended ones at least one window
+    each, and the same tokenizer (their token ids must mean the same tokens)."""
+    first_tokenizer = None
+    for data_dir in data_dirs:
+        train, val = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
+        check_vocab(train.meta["vocab_size"], model_vocab)
+        need = global_batch_size if len(data_dirs) == 1 else 1
+        if train.num_samples(seq_len) < need:
+            raise DataError(_too_few_train_samples(global_batch_size, train.num_samples(seq_len))
+                            if need > 1 else f"data.blend: {data_dir} has no training window of "
+                            f"train.seq_len + 1 = {seq_len + 1} tokens; prepare more data")
+        if evaluates and val.num_samples(seq_len) == 0:
+            raise DataError(_no_val_window(seq_len))
+        fingerprint = tokenizer_fingerprint(data_dir, train.meta)
+        if first_tokenizer is None:
+            first_tokenizer = (data_dir, fingerprint)
+        elif fingerprint != first_tokenizer[1]:
+            raise DataError(f"data.blend: {data_dir} was tokenized with another tokenizer than "
+                            f"{first_tokenizer[0]}; prepare every blended dataset with the same "
+                            "data.tokenizer (e.g. gpt2)")
+
+
+def tokenizer_fingerprint(data_dir: Path, meta: dict) -> str:
+    """What identifies the tokenizer of a prepared directory: a hash of its saved tokenizer
+    files, with the vocabulary size and EOS id."""
+    digest = hashlib.sha256(f"{meta['vocab_size']}/{meta.get('eos_token_id')}".encode())
+    tok_dir = Path(data_dir) / meta.get("tokenizer", {}).get("dir", "tokenizer")
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        if (tok_dir / name).is_file():
+            digest.update(name.encode() + (tok_dir / name).read_bytes())
+    return digest.hexdigest()
 
 
 def _too_few_train_samples(global_batch_size: int, num_samples: int) -> str:
@@ -190,18 +288,30 @@ def _no_val_window(seq_len: int) -> str:
             "tokens; lower train.seq_len, raise data.val_fraction, or set train.eval_every=0")
 
 
-def val_batches(shards: TokenShards, micro_batch_size: int, seq_len: int, eval_steps: int,
-                global_batch_size: int, dp_rank: int, dp_size: int, device: torch.device
+def val_batches(shards, micro_batch_size: int, seq_len: int, eval_steps: int,
+                global_batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
+                weights: Optional[Sequence[float]] = None
                 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
-    global batch, in micro-batches. The mean loss over all ranks is the serial run's."""
-    n = shards.num_samples(seq_len)
-    if n == 0:
+    global batch, in micro-batches. The mean loss over all ranks is the serial run's.
+
+    `shards` is one TokenShards, or one per blended dataset with their `weights`: position p
+    then takes its dataset from the greedy blend and that dataset's next window in order."""
+    sources = [shards] if isinstance(shards, TokenShards) else list(shards)
+    sizes = [s.num_samples(seq_len) for s in sources]
+    if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
+    total = global_batch_size * eval_steps
+    choices = blend_choices(weights or [1.0], [0] * len(sources), total)
+    taken = [0] * len(sources)
+    pairs = []
+    for d in choices:
+        pairs.append((d, taken[d] % sizes[d]))
+        taken[d] += 1
     per_rank = global_batch_size // dp_size
     positions = [k * global_batch_size + dp_rank * per_rank + j
                  for k in range(eval_steps) for j in range(per_rank)]
-    windows = [shards.sample(p % n, seq_len) for p in positions]
+    windows = [sources[pairs[p][0]].sample(pairs[p][1], seq_len) for p in positions]
     return [_to_batch(windows[j:j + micro_batch_size], device)
             for j in range(0, len(windows), micro_batch_size)]

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, resolve_path
+from megalite.config import Config, data_sources
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
@@ -141,9 +141,10 @@ def _meta_crc32(meta: dict) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
-def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_samples: int,
+def save_checkpoint(root: Path, step: int, engine, rng_state: dict, sampler_state: dict,
                     cfg: Config, topo: Topology, keep: int, skipped_steps: int = 0) -> Path:
-    """Collective: every rank must call it. Returns the published directory."""
+    """Collective: every rank must call it. Returns the published directory. `sampler_state`
+    is the data position (consumed samples; per-dataset counts of a blend)."""
     rank = topo.rank
     final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
     if rank == 0:
@@ -179,13 +180,16 @@ def save_checkpoint(root: Path, step: int, engine, rng_state: dict, consumed_sam
                         "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
     gathered = _gather_objects((pieces, files))
     if rank == 0:
+        sources = data_sources(cfg.data)
         meta = {"format_version": FORMAT_VERSION, "step": step,
-                "consumed_samples": consumed_samples, "adam_step": engine.adam_step(),
+                "consumed_samples": sampler_state["consumed_samples"],
+                "sampler": sampler_state, "adam_step": engine.adam_step(),
                 "skipped_steps": skipped_steps,
                 "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
                            "sp": cfg.sp, "world_size": topo.world_size},
                 "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
-                "data_dir": str(resolve_path(cfg.data.dir)),
+                "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)
+                "data_sources": [[str(d), w] for d, w in sources],
                 "files": {k: v for _, fs in gathered for k, v in fs.items()},
                 "pieces": [p for ps, _ in gathered for p in ps]}
         meta["meta_crc32"] = _meta_crc32(meta)

@@ -20,8 +20,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, num_micro_batches, resolve_path
-from megalite.data.loader import ResumableSampler, TokenShards, TrainBatches, check_vocab, val_batches
+from megalite.config import Config, data_sources, num_micro_batches, resolve_path
+from megalite.data.loader import (BlendedSampler, ResumableSampler, TokenShards, TrainBatches,
+                                  check_vocab, val_batches)
 from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
 from megalite.model.hf import load_hf_state_dict
 from megalite.model.init import init_parameters, load_global_state
@@ -46,10 +47,11 @@ class Trainer:
         self.cfg, self.rt, self.run_dir = cfg, runtime, Path(run_dir)
         topo = self.topo = runtime.topology
         self.rank = topo.rank
-        data_dir = resolve_path(cfg.data.dir)
-        self.train_shards = TokenShards(data_dir, "train")
-        self.val_shards = TokenShards(data_dir, "val")
-        check_vocab(self.train_shards.meta["vocab_size"], cfg.model.vocab_size)
+        self.data_sources = data_sources(cfg.data)
+        self.train_shards = [TokenShards(d, "train") for d, _ in self.data_sources]
+        self.val_shards = [TokenShards(d, "val") for d, _ in self.data_sources]
+        for shards in self.train_shards:
+            check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
 
         c = topo.coords
         self.stages = partition_layers(cfg.model.n_layer, topo.pp, cfg.parallel.edge_stage_layers)
@@ -74,9 +76,12 @@ class Trainer:
         self.schedule = PipelineSchedule(
             self.model, topo, self.engine, (seq_local, t.micro_batch_size, cfg.model.n_embd),
             runtime.compute_dtype, runtime.device)
-        self.sampler = ResumableSampler(
-            self.train_shards.num_samples(t.seq_len), t.global_batch_size,
-            dp_rank=c.dp, dp_size=topo.dp, seed=cfg.seed)
+        weights = [w for _, w in self.data_sources]
+        sizes = [s.num_samples(t.seq_len) for s in self.train_shards]
+        self.sampler = ResumableSampler(sizes[0], t.global_batch_size, dp_rank=c.dp,
+                                        dp_size=topo.dp, seed=cfg.seed) if len(sizes) == 1 \
+            else BlendedSampler(sizes, weights, t.global_batch_size, dp_rank=c.dp,
+                                dp_size=topo.dp, seed=cfg.seed)
         self.batches = TrainBatches(self.train_shards, self.sampler, t.micro_batch_size,
                                     t.seq_len, runtime.device)
         self._val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
@@ -123,7 +128,7 @@ class Trainer:
                 continue
             self.step = meta["step"]
             self.skipped_steps = meta["skipped_steps"]
-            self.sampler.load_state_dict({"consumed_samples": meta["consumed_samples"]})
+            self.sampler.load_state_dict(meta["sampler"])
             if self.rank == 0:
                 for warning in data_position_warnings(meta, self.cfg):
                     print(f"megalite: warning: {warning}", file=sys.stderr)
@@ -149,7 +154,7 @@ class Trainer:
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine,
-                                    ckpt.rng_state(self.rng), self.sampler.consumed_samples,
+                                    ckpt.rng_state(self.rng), self.sampler.state_dict(),
                                     self.cfg, self.topo, self.cfg.checkpoint.keep,
                                     self.skipped_steps)
 
@@ -165,7 +170,7 @@ class Trainer:
             "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
                       "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
             "vocab_size": m.vocab_size, "padded_vocab_size": self.model.padded_vocab,
-            "tokenizer_vocab_size": self.train_shards.meta["vocab_size"],
+            "tokenizer_vocab_size": self.train_shards[0].meta["vocab_size"],
             "parameters": num_parameters(m),
             "flops_per_token": self.flops_per_token,
             "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
@@ -176,7 +181,9 @@ class Trainer:
             "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
             "model_state_bytes": self.state_bytes,
             "plan": make_plan(cfg, topo.world_size, self.rt.device.type).as_dict(),
-            "data_dir": str(resolve_path(cfg.data.dir)), "run_dir": str(self.run_dir),
+            "data_dir": str(self.data_sources[0][0]),
+            "data_sources": [[str(d), w] for d, w in self.data_sources],
+            "run_dir": str(self.run_dir),
             "start_step": self.step,
         }
 
@@ -235,7 +242,8 @@ class Trainer:
             t, c = self.cfg.train, self.topo.coords
             self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp,
-                                    dp_size=self.topo.dp, device=self.rt.device)
+                                    dp_size=self.topo.dp, device=self.rt.device,
+                                    weights=[w for _, w in self.data_sources])
         return self._val
 
     @torch.no_grad()
@@ -311,17 +319,24 @@ class Trainer:
 
 def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
     """The sampler's position is a count of samples (windows of train.seq_len + 1 tokens from a
-    permutation seeded by `seed`, over `data.dir`): resumed under another seq_len, seed or data
-    directory it points elsewhere in the data. Legal (e.g. a longer context late in training),
-    but worth saying."""
+    permutation seeded by `seed`, over `data.dir` or the `data.blend`): resumed under another
+    seq_len, seed or data it points elsewhere in the data. Legal (e.g. a longer context late in
+    training), but worth saying."""
     then = {"train.seq_len": meta["config"]["train"]["seq_len"], "seed": meta["config"]["seed"],
-            "data.dir": meta["data_dir"]}
+            "data": _data_label(meta["data_sources"])}
     now = {"train.seq_len": cfg.train.seq_len, "seed": cfg.seed,
-           "data.dir": str(resolve_path(cfg.data.dir))}
+           "data": _data_label([[str(d), w] for d, w in data_sources(cfg.data)])}
     return [f"{key}={now[key]!r} differs from the checkpoint's {then[key]!r}: the resumed run "
             f"continues at sample {meta['consumed_samples']} of a different order of windows, "
             "not where the checkpointed run stopped"
             for key in then if then[key] != now[key]]
+
+
+def _data_label(sources: List[list]):
+    """A data directory alone by its path, a blend as its [weight, dir] list."""
+    if len(sources) == 1:
+        return sources[0][0]
+    return [x for d, w in sources for x in (w, d)]
 
 
 def comm_gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:

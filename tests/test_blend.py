@@ -1,0 +1,90 @@
+"""Blended datasets (`data.blend`, Megatron's weighted --data-path): the greedy blend keeps every
+prefix within one sample of its shares, DP ranks split the serial batches, the position resumes
+exactly, blends of different tokenizers are refused, and training on a blend under DP (and
+resumed under another layout) equals the serial run."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from megalite.config import ConfigError, load_config, validate
+from megalite.data.loader import BlendedSampler, DataError, blend_choices, check_data
+from megalite.train import checkpoint as ckpt
+from tests.layouts import assert_equal, train_layout
+
+
+def test_greedy_blend_tracks_the_weights():
+    counts = [0, 0, 0]
+    choices = blend_choices([0.5, 0.3, 0.2], counts, 1000)
+    assert choices[:10] == [0, 1, 2, 0, 0, 1, 0, 2, 1, 0]  # ties go to the first dataset
+    assert counts == [500, 300, 200]
+    running = np.zeros(3)
+    for n, d in enumerate(choices, 1):
+        running[d] += 1
+        assert np.all(np.abs(running - n * np.array([0.5, 0.3, 0.2])) < 1.0), n
+    assert blend_choices([7, 3], [0, 0], 10).count(0) == 7  # weights need not sum to 1
+
+
+def _take(sampler, steps):
+    return [sampler.next_samples() for _ in range(steps)]
+
+
+def test_blended_sampler_splits_over_dp_resumes_and_cycles_each_dataset():
+    sizes, weights = [5, 40], [0.5, 0.5]
+    serial = _take(BlendedSampler(sizes, weights, 8, 0, 1, seed=3), 6)
+    ranks = [_take(BlendedSampler(sizes, weights, 8, d, 2, seed=3), 6) for d in range(2)]
+    for step in range(6):
+        assert ranks[0][step] + ranks[1][step] == serial[step]
+    flat = [pair for batch in serial for pair in batch]
+    small = [i for d, i in flat if d == 0]  # 24 samples of a 5-window dataset: ~5 epochs
+    for epoch in range(4):
+        assert sorted(small[5 * epoch:5 * epoch + 5]) == list(range(5))
+    assert small[:5] != small[5:10]  # a fresh permutation each epoch
+    first = BlendedSampler(sizes, weights, 8, 1, 2, seed=3)
+    _take(first, 3)
+    again = BlendedSampler(sizes, weights, 8, 1, 2, seed=3)
+    again.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert _take(again, 3) == ranks[1][3:]
+    with pytest.raises(DataError, match="for 2 blended datasets, this run blends 3"):
+        BlendedSampler([5, 5, 5], [1, 1, 1], 8, 0, 1, seed=3).load_state_dict(first.state_dict())
+
+
+@pytest.fixture(scope="module")
+def second_data(tiny_data, tmp_path_factory):
+    """A second prepared directory with the same tokenizer (a copy of the first)."""
+    copy = tmp_path_factory.mktemp("blend") / "copy"
+    shutil.copytree(tiny_data, copy)
+    return copy
+
+
+def test_blend_is_checked_before_launch(tiny_data, second_data, tmp_path):
+    check_data([tiny_data, second_data], 32, 16, 1024, evaluates=True)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data, other)
+    tokenizer = other / "tokenizer" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace('"unk_token"', '"unk_token" ', 1))
+    with pytest.raises(DataError, match="was tokenized with another tokenizer"):
+        check_data([tiny_data, other], 32, 16, 1024, evaluates=False)
+    with pytest.raises(ConfigError, match="data.blend=.*alternate weights"):
+        validate(load_config([f"data.blend=[1,{tiny_data},2]"]), 1)
+
+
+def test_training_on_a_blend_equals_serial_under_dp_and_resumes(tiny_data, second_data,
+                                                                 tmp_path):
+    root = tmp_path / "ckpt"
+    common = [f"data.blend=[0.75,{tiny_data},0.25,{second_data}]", "train.micro_batch_size=2",
+              "train.global_batch_size=8", "train.eval_every=0"]
+    (serial,) = train_layout(tmp_path / "s", 1, common + [f"checkpoint.dir={root}"], steps=6,
+                             save_at=3)
+    meta = ckpt.read_meta(root / "step_00000003")
+    assert meta["sampler"] == {"consumed_samples": 24, "counts": [18, 6]}
+    assert meta["data_sources"] == [[str(tiny_data), 0.75], [str(second_data), 0.25]]
+    assert_equal(serial, train_layout(tmp_path / "dp", 2, common + ["zero=1"], steps=6))
+    resumed = train_layout(tmp_path / "r", 2, common + [
+        f"checkpoint.resume={root / 'step_00000003'}"], steps=3)
+    tail = {**serial, "losses": serial["losses"][3:], "norms": serial["norms"][3:],
+            "params": serial["params"][3:]}
+    assert_equal(tail, resumed)
