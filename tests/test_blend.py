@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from megalite.config import ConfigError, load_config, validate
-from megalite.data.loader import BlendedSampler, DataError, blend_choices, check_data
+from megalite.data.loader import DataError, check_data
+from megalite.data.sampler import BlendedSampler, blend_choices
 from megalite.train import checkpoint as ckpt
 from tests.layouts import assert_equal, train_layout
 

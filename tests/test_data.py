@@ -14,8 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from megalite.config import DataConfig
-from megalite.data.loader import (META_FILE, DataError, ResumableSampler, TokenShards, TrainBatches,
-                                  check_data, check_vocab, token_dtype, val_batches)
+from megalite.data.loader import (META_FILE, DataError, TokenShards, TrainBatches, check_data,
+                                  check_vocab, token_dtype, val_batches)
+from megalite.data.sampler import ResumableSampler
 from megalite.data.prepare import (EOS_TOKEN, ShardWriter, prepare, split_documents,
                                    stdlib_files)
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import Config, data_sources, num_micro_batches, resolve_path
-from megalite.data.loader import (BlendedSampler, ResumableSampler, TokenShards, TrainBatches,
-                                  check_vocab, val_batches)
+from megalite.data.loader import TokenShards, TrainBatches, check_vocab, val_batches
+from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
 from megalite.model.hf import load_hf_state_dict
 from megalite.model.init import init_parameters, load_global_state
