@@ -319,13 +319,14 @@ def test_val_batches_are_fixed_shared_over_dp_and_wrap(tmp_path):
     cpu = torch.device("cpu")
     assert shards.num_samples(4) == 3
     # 3 global batches of 2 windows, micro-batch 2, one rank
-    serial = val_batches(shards, 2, 4, 3, 2, dp_rank=0, dp_size=1, device=cpu)
-    again = val_batches(shards, 2, 4, 3, 2, dp_rank=0, dp_size=1, device=cpu)
+    serial = val_batches([shards], 2, 4, 3, 2, dp_rank=0, dp_size=1, device=cpu)
+    again = val_batches([shards], 2, 4, 3, 2, dp_rank=0, dp_size=1, device=cpu)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(serial, again))
     starts = [int(x[r, 0]) for x, _ in serial for r in range(2)]
     assert starts == [0, 4, 8, 0, 4, 8]  # 3 windows, wrapped
     # two DP ranks, micro-batch 1: each global batch is split between them, same windows
-    ranks = [val_batches(shards, 1, 4, 3, 2, dp_rank=d, dp_size=2, device=cpu) for d in range(2)]
+    ranks = [val_batches([shards], 1, 4, 3, 2, dp_rank=d, dp_size=2, device=cpu)
+             for d in range(2)]
     assert [int(ranks[d][k][0][0, 0]) for k in range(3) for d in range(2)] == starts
     with pytest.raises(DataError, match="train.seq_len=20"):
-        val_batches(shards, 1, 20, 1, 1, dp_rank=0, dp_size=1, device=cpu)
+        val_batches([shards], 1, 20, 1, 1, dp_rank=0, dp_size=1, device=cpu)

@@ -73,7 +73,7 @@ def test_export_loads_in_transformers_with_the_runs_validation_loss(runs, export
 
     _, records = read_metrics(runs / "tp2pp2")
     run_val = records[-1]["val_loss"]
-    batches = val_batches(TokenShards(tiny_data, "val"), micro_batch_size=4, seq_len=32,
+    batches = val_batches([TokenShards(tiny_data, "val")], micro_batch_size=4, seq_len=32,
                           eval_steps=2, global_batch_size=16, dp_rank=0, dp_size=1,
                           device=torch.device("cpu"))
     serial = load_model(ckpt)

@@ -170,10 +170,11 @@ def _common(tiny_data):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_training_equals_tp1(tiny_data, tmp_path, serial_run, tp):
-    """10 optimizer steps (fp32, dropout 0), sequence parallelism off and on: losses, grad
-    norms, validation loss and every parameter slice after every step equal the tp=1 run
-    within 1e-5 relative."""
+    """10 optimizer steps (fp32, dropout 0), sequence parallelism off and on, and on with the
+    first of the two blocks recomputed: losses, grad norms, validation loss and every parameter
+    slice after every step equal the tp=1 run within 1e-5 relative."""
     runs = [_common(tiny_data) + [f"tp={tp}", f"sp={sp}"] for sp in ("false", "true")]
+    runs.append(runs[-1] + ["train.recompute=true", "train.recompute_layers=1"])
     for ranks in train_layouts(tmp_path, tp, runs):
         assert_equal(serial_run, ranks)
 

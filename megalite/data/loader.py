@@ -167,17 +167,16 @@ def _no_val_window(seq_len: int) -> str:
             "tokens; lower train.seq_len, raise data.val_fraction, or set train.eval_every=0")
 
 
-def val_batches(shards, micro_batch_size: int, seq_len: int, eval_steps: int,
-                global_batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
-                weights: Optional[Sequence[float]] = None
+def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: int,
+                eval_steps: int, global_batch_size: int, dp_rank: int, dp_size: int,
+                device: torch.device, weights: Optional[Sequence[float]] = None
                 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
     global batch, in micro-batches. The mean loss over all ranks is the serial run's.
 
-    `shards` is one TokenShards, or one per blended dataset with their `weights`: position p
-    then takes its dataset from the greedy blend and that dataset's next window in order."""
-    sources = [shards] if isinstance(shards, TokenShards) else list(shards)
+    `sources` holds one TokenShards per dataset; for a blend, with their `weights`, position p
+    takes its dataset from the greedy blend and that dataset's next window in order."""
     sizes = [s.num_samples(seq_len) for s in sources]
     if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
