@@ -82,7 +82,8 @@ class TrainConfig:
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
     recompute: bool = False  # recompute each block's activations in backward (saves memory)
     recompute_layers: Optional[int] = None  # with recompute: only the first N blocks of each
-    #                                         pipeline stage (Megatron's --recompute-method block
+    #                                         pipeline stage (of each model chunk with virtual
+    #                                         stages; Megatron's --recompute-method block
     #                                         --recompute-num-layers N); None = every block
     compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
     attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
@@ -125,6 +126,8 @@ class ParallelConfig:
     #                                     them for the whole step: less traffic, more memory)
     edge_stage_layers: Optional[int] = None  # blocks on the first and last pipeline stage (they
     #                                          also hold embedding / head); null = balanced
+    virtual_stages: int = 1  # model chunks per pipeline stage: > 1 runs the interleaved 1F1B
+    #                          schedule (Megatron's virtual pipeline): bubble (p-1)/(v·m+p-1)
     timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the group
 
 
@@ -265,17 +268,34 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if cfg.pp > m.n_layer:
         _fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
               f"leave a stage with no block; use pp <= {m.n_layer}")
+    v = cfg.parallel.virtual_stages
+    if not isinstance(v, int) or v < 1 or (v > 1 and cfg.pp < 2):
+        _fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
+              "(the interleaved schedule runs several model chunks per pipeline stage)")
+    if cfg.pp * v > m.n_layer:
+        _fail("parallel.virtual_stages", v, f"pp*virtual_stages = {cfg.pp * v} model chunks "
+              f"need at least as many blocks (model.n_layer={m.n_layer}); use virtual_stages <= "
+              f"{m.n_layer // cfg.pp}")
+    chunks = cfg.pp * v  # the model's slices (virtual stages)
     edge = cfg.parallel.edge_stage_layers
     if edge is not None:
         rest = m.n_layer - 2 * edge
-        if cfg.pp < 2 or edge < 1 or rest < cfg.pp - 2 or (cfg.pp == 2 and rest != 0):
+        if chunks < 2 or edge < 1 or rest < chunks - 2 or (chunks == 2 and rest != 0):
             _fail("parallel.edge_stage_layers", edge,
-                  f"with pp={cfg.pp} and model.n_layer={m.n_layer} every stage needs at least one "
-                  "block and the blocks must add up; use null (balanced) or a value k with "
-                  f"2k + (pp-2) <= n_layer (and 2k = n_layer for pp=2)")
+                  f"with pp*virtual_stages={chunks} model slices and model.n_layer={m.n_layer} "
+                  "every slice needs at least one block and the blocks must add up; use null "
+                  f"(balanced) or a value k with 2k + ({chunks}-2) <= n_layer (and 2k = n_layer "
+                  "for 2 slices)")
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if v > 1 and num_micro % cfg.pp:
+        good = cfg.pp * t.micro_batch_size * dp
+        _fail("train.global_batch_size", t.global_batch_size,
+              f"with parallel.virtual_stages={v} the micro-batches per step m = "
+              f"global_batch_size/(micro_batch_size*dp) = {num_micro} must be a multiple of "
+              f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
+              f"of {good}, e.g. {good * max(1, round(t.global_batch_size / good))}")
     if cfg.pp > 1 and num_micro < cfg.pp:
-        bubble = (cfg.pp - 1) / (num_micro + cfg.pp - 1)
+        bubble = (cfg.pp - 1) / (v * num_micro + cfg.pp - 1)
         warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
                         f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
                         f"((p-1)/(m+p-1)); raise train.global_batch_size or lower "

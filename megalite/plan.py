@@ -9,7 +9,9 @@ compute dtype, 2 for bf16, 4 for fp32):
   P params    e·Ψ   (zero 3: e·Ψ/N)                     replicated | sharded-with-gather (zero 3)
   G grads     4·Ψ   (zero 2, 3: 4·Ψ/N)                  fp32 accumulation; replicated | sharded
   O optimizer (8 + 4 if e < 4)·Ψ   (zero >= 1: /N)      AdamW moments (+ fp32 master)
-  A activations   per micro-batch × micro-batches in flight, min(pp − stage, m) under 1F1B
+  A activations   per micro-batch × micro-batches in flight, min(pp − stage, m) under 1F1B;
+              interleaved (v chunks): the peak over the stage's order of the alive chunks'
+              bytes (`megalite.parallel.schedule.peak_live_bytes`)
               per layer (Korthikanti et al. 2022, with fused attention and no stored scores):
                 e·sbh(4 + 12/t)   TP         e·sbh·16/t   TP + SP
                 + 16·s'b (LayerNorm mean/rstd) + 4·(a/t)·sb (attention log-sum-exp)
@@ -19,8 +21,9 @@ compute dtype, 2 for bf16, 4 for fp32):
               recomputed, the others keep their full set
               first stage: token ids 8·sb (+ embedding dropout mask); last stage: ln_f input and
               output e·s'bh each, the targets 8·sb, the loss's fp32 probabilities 4·sb·V/t
-  ZeRO-3 working set: the gathered units, ≈ 2 of the largest (current + prefetch) × e, or the
-              whole stage e·Ψ with parallel.reshard_after_forward=false
+  ZeRO-3 working set: the gathered units, ≈ 2 of the largest (current + prefetch) × e (+ one
+              block per further chunk, whose last unit stays gathered), or the whole stage e·Ψ
+              with parallel.reshard_after_forward=false
 
 Not counted: the CUDA context and library workspaces, allocator fragmentation, communication
 staging buffers, the gradient of the parameter being folded into G, compiled-graph buffers.
@@ -34,10 +37,11 @@ a full activation:
        it stops once the saved tensors are rebuilt (before the MLP's reduction); the embedding, the
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
        TP-replicated gradients per step
-  pp   per micro-batch: the activation forward and its gradient backward, e·s'bh each
+  pp   per micro-batch and chunk: the activation forward and its gradient backward, e·s'bh
+       each (a chunk that starts / ends the model receives / sends none)
   dp   zero 0: all-reduce 4Ψ; zero 1: reduce-scatter 4Ψ + all-gather e·Ψ; zero 2: m
-       reduce-scatters + all-gather; zero 3: per micro-batch all-gathers of e·(2Ψ − the last
-       unit, which stays gathered from forward into backward) + reduce-scatter 4Ψ
+       reduce-scatters + all-gather; zero 3: per micro-batch all-gathers of e·(2Ψ − each chunk's
+       last unit, which stays gathered from forward into backward) + reduce-scatter 4Ψ
        (reshard_after_forward=false: one all-gather e·Ψ per step)
   embedding  pp > 1, first and last stage: all-reduce of the tied embedding's gradient, 4·Vh/t
 """
@@ -48,7 +52,8 @@ from typing import Dict, List, Optional
 
 from megalite.config import Config, dp_size, num_micro_batches
 from megalite.parallel.param_spec import padded_vocab_size
-from megalite.parallel.pipeline import partition_layers
+from megalite.parallel.pipeline import stage_chunks
+from megalite.parallel.schedule import max_in_flight, peak_live_bytes
 
 GIB = 2**30
 
@@ -85,7 +90,8 @@ class Plan:
         unit, scale = ("GiB", GIB) if self.peak.bytes["total"] >= GIB else ("MiB", 2**20)
         partial = f" (first {lay['recompute_layers']} per stage)" \
             if lay["recompute"] and lay["recompute_layers"] is not None else ""
-        lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
+        virtual = f" virtual_stages={lay['virtual_stages']}" if lay["virtual_stages"] > 1 else ""
+        lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']}{virtual} dp={lay['dp']} "
                  f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
                  f"m={lay['micro_batches']}",
@@ -161,70 +167,79 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
                     + (f * h + f) // tp + h * f // tp + h)
     layer_replicated = 6 * h  # LayerNorms and the row-parallel biases
 
+    v = cfg.parallel.virtual_stages
+    full = e * sbh  # one full activation [s, b, h]
+    r, rd = _ring(tp), _ring(dp)
+    shard = dp if zero >= 1 else 1
     stages = []
-    for k, blocks in enumerate(partition_layers(m.n_layer, pp, cfg.parallel.edge_stage_layers)):
-        first, last, n = k == 0, k == pp - 1, len(blocks)
-        psi = n * layer_params
-        replicated = n * layer_replicated
-        if first:
-            psi += vocab // tp * h + m.n_positions * h
-            replicated += m.n_positions * h
-        if last:
-            psi += 2 * h + (0 if first else vocab // tp * h)
-            replicated += 2 * h
+    for k, chunk_blocks in enumerate(stage_chunks(m.n_layer, pp, v,
+                                                  cfg.parallel.edge_stage_layers)):
+        psi = replicated = largest_unit = kept_units = 0
+        sends = tp_per_micro = 0.0
+        chunk_act: List[float] = []
+        for c, blocks in enumerate(chunk_blocks):
+            # a chunk holds the embeddings / the head when it is the model's first / last slice
+            first, last, n = k == 0 and c == 0, k == pp - 1 and c == v - 1, len(blocks)
+            psi += n * layer_params
+            replicated += n * layer_replicated
+            if first:
+                psi += vocab // tp * h + m.n_positions * h
+                replicated += m.n_positions * h
+            if last:
+                psi += 2 * h + (0 if first else vocab // tp * h)
+                replicated += 2 * h
+            largest_unit = max(largest_unit, layer_params if n else 0,
+                               vocab // tp * h if (first or last) else 0)
 
-        recomputed = recomputed_layers(cfg, n)
-        act = (recomputed * e * s_local * b * h + (n - recomputed) * layer_act_full
-               + (layer_act_full if recomputed else 0))
-        if first:
-            act += 8 * s * b + (s_local * b * h if m.embd_pdrop > 0 else 0)
-        if last:
-            act += 2 * e * s_local * b * h + 8 * s_local * b + 8 * s * b + 4 * s * b * (
-                m.vocab_size if tp == 1 else vocab // tp) + (s * b if tp > 1 else 0)
-        in_flight = min(pp - k, micro)
+            recomputed = recomputed_layers(cfg, n)
+            act = (recomputed * e * s_local * b * h + (n - recomputed) * layer_act_full
+                   + (layer_act_full if recomputed else 0))
+            if first:
+                act += 8 * s * b + (s_local * b * h if m.embd_pdrop > 0 else 0)
+            if last:
+                act += 2 * e * s_local * b * h + 8 * s_local * b + 8 * s * b + 4 * s * b * (
+                    m.vocab_size if tp == 1 else vocab // tp) + (s * b if tp > 1 else 0)
+            chunk_act.append(act)
 
-        shard = dp if zero >= 1 else 1
+            if tp > 1:
+                # recompute's re-run stops once the saved tensors are rebuilt (torch
+                # checkpoint's early stop): the MLP output's reduction is not repeated
+                per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
+                    (4 * 2 * r * full, 2 * r * full)
+                tp_per_micro += n * per_layer + recomputed * rerun
+                if first:
+                    tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
+                if last:
+                    tp_per_micro += (3 if sp else 2) * r * full + 2 * r * 12 * s * b  # head, loss
+            sends += (0 if last else 1) + (0 if first else 1)
+            # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
+            # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
+            kept_units += layer_params if not last else 0 if first else vocab // tp * h
+
         state = {
             "params": e * psi / (dp if zero == 3 else 1),
             "grads": 4 * psi / (dp if zero >= 2 else 1),
             "optimizer": (8 + (4 if e < 4 else 0)) * psi / shard,
-            "activations": act * in_flight,
+            "activations": peak_live_bytes(pp, k, micro, v, chunk_act),
         }
-        largest_unit = max(layer_params if n else 0,
-                           vocab // tp * h if (first or last) else 0)
         state["zero3_gathered"] = 0.0 if zero != 3 or dp == 1 else (
-            2 * e * largest_unit if cfg.parallel.reshard_after_forward else e * psi * _ring(dp))
+            e * (2 * largest_unit + (v - 1) * layer_params) if cfg.parallel.reshard_after_forward
+            else e * psi * _ring(dp))
         state["total"] = sum(state.values())
 
-        full = e * sbh  # one full activation [s, b, h]
-        r = _ring(tp)
-        tp_bytes = 0.0
-        if tp > 1:
-            # recompute's re-run stops once the saved tensors are rebuilt (torch checkpoint's
-            # early stop): the MLP output's reduction is not repeated
-            per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
-                (4 * 2 * r * full, 2 * r * full)
-            per_micro = n * per_layer + recomputed * rerun
-            if first:
-                per_micro += 2 * r * full  # embedding: all-reduce, or reduce-scatter + all-gather
-            if last:
-                per_micro += (3 if sp else 2) * r * full + 2 * r * 12 * s * b  # head, loss
-            tp_bytes = micro * per_micro + (2 * r * 4 * replicated / shard if sp else 0)
-        sends = (0 if last else 1) + (0 if first else 1)
+        tp_bytes = micro * tp_per_micro + (2 * r * 4 * replicated / shard if sp else 0) \
+            if tp > 1 else 0.0
         pp_bytes = float(micro * sends * e * s_local * b * h) if pp > 1 else 0.0
-        rd = _ring(dp)
-        # ZeRO-3 keeps the stage's last unit gathered from its forward into its backward (with
-        # pp = 1 that is the tied embedding, gathered twice in forward: no saving)
-        last_unit = layer_params if not last else 0 if first else vocab // tp * h
         dp_bytes = {0: 2 * rd * 4 * psi,
                     1: rd * (4 + e) * psi,
                     2: rd * (micro * 4 + e) * psi,
-                    3: rd * micro * (4 * psi + e * (2 * psi - last_unit))
+                    3: rd * micro * (4 * psi + e * (2 * psi - kept_units))
                     if cfg.parallel.reshard_after_forward
                     else rd * (micro * 4 + e) * psi}[zero] if dp > 1 else 0.0
-        tied = pp > 1 and (first or last)
+        tied = pp > 1 and k in (0, pp - 1)
         emb_bytes = 4 * (vocab // tp * h) / shard if tied else 0.0
-        stages.append(StagePlan(k, n, psi, in_flight, state,
+        stages.append(StagePlan(k, sum(len(x) for x in chunk_blocks), psi,
+                                max_in_flight(pp, k, micro, v), state,
                                 {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes,
                                  "embedding": emb_bytes}))
 
@@ -237,6 +252,7 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
               "sharded over TP (SP)" if sp else "replicated over TP" if tp > 1 else "kept"),
     }
     layout = {"model": m.name, "tp": tp, "pp": pp, "dp": dp, "zero": zero, "sp": sp,
+              "virtual_stages": v,
               "recompute": t_cfg.recompute, "recompute_layers": t_cfg.recompute_layers,
               "dtype": "bf16" if bf16 else "fp32",
               "micro_batch": b, "seq_len": s, "micro_batches": micro, "world_size": world_size}

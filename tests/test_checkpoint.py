@@ -144,14 +144,15 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tiny_data,
 
 def test_non_finite_steps_are_skipped_counted_and_bounded(tiny_data, tmp_path):
     trainer = _trainer(tiny_data, tmp_path / "a", "train.max_steps=6", "train.eval_every=0")
-    real_loss = trainer.model.loss
+    (model,) = trainer.model.chunks
+    real_loss = model.loss
     bad_steps = {2}  # 0-based: the third step gets a NaN loss
 
     def planted(logits, labels):
         loss = real_loss(logits, labels)
         return loss * float("nan") if trainer.step in bad_steps else loss
 
-    trainer.model.loss = planted
+    model.loss = planted
     before = None
     records = []
     for _ in range(6):

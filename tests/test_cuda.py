@@ -27,7 +27,7 @@ def _engine(compile: bool = False):
         model = GPT2(CFG, topo.tp_group, compile=compile)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, 0, OptimConfig(lr=1e-3), param_dtype=torch.bfloat16)
-    schedule = PipelineSchedule(model, topo, engine, (64, 4, CFG.n_embd), torch.bfloat16, device)
+    schedule = PipelineSchedule(model.chunks, topo, engine, (64, 4, CFG.n_embd), torch.bfloat16, device)
     return model, engine, schedule
 
 

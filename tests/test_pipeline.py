@@ -1,5 +1,6 @@
-"""1F1B pipeline parallelism: the schedule's order, stage partition, and training equal to
-pp=1 on real gloo ranks (with tensor parallelism, m < pp, m = pp and m > pp)."""
+"""Pipeline parallelism: the 1F1B and interleaved schedules' orders and rounds, stage
+partition, and training equal to pp=1 on real gloo ranks (with tensor parallelism, m < pp,
+m = pp and m > pp; interleaved with TP + SP, ZeRO 1 and 3)."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +8,10 @@ import itertools
 import pytest
 import torch
 
-from megalite.parallel.pipeline import (Event, StepTrace, expected_bubble, partition_layers,
-                                        schedule_1f1b)
+from megalite.config import ConfigError, load_config, validate
+from megalite.parallel.pipeline import Event, StepTrace, partition_layers, stage_chunks
+from megalite.parallel.schedule import (Op, expected_bubble, max_in_flight, peak_live_bytes,
+                                        plan_rounds, stage_order)
 from tests.layouts import assert_equal, train_layout, train_layouts
 
 
@@ -47,15 +50,93 @@ def _simulate_1f1b(pp: int, m: int):
 def test_schedule_is_1f1b(pp, m):
     reference = _simulate_1f1b(pp, m)
     for stage in range(pp):
-        order = schedule_1f1b(pp, stage, m)
+        order = [(op.kind, op.micro_batch) for op in stage_order(pp, stage, m)]
         assert order == reference[stage], (stage, order, reference[stage])
         warmup = min(pp - stage - 1, m)
         assert order[:warmup] == [("F", i) for i in range(warmup)]
-        in_flight, most = 0, 0
-        for kind, _ in order:
-            in_flight += 1 if kind == "F" else -1
-            most = max(most, in_flight)
-        assert most <= pp - stage and in_flight == 0
+        assert max_in_flight(pp, stage, m) == min(pp - stage, m)
+
+
+def test_interleaved_order_is_megatrons():
+    """pp=2, v=2, m=4 (Megatron's get_model_chunk_id / warmup count): forwards go through the
+    micro-batches in groups of pp per chunk, backwards with the chunks reversed."""
+    f = [Op("F", c, i) for c, i in [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]]
+    b = [Op("B", c, i) for c, i in [(1, 0), (1, 1), (0, 0), (0, 1), (1, 2), (1, 3), (0, 2), (0, 3)]]
+    # stage 0: warmup (2-0-1)*2 + (2-1)*2 = 4 forwards; stage 1: 2
+    assert stage_order(2, 0, 4, 2) == f[:4] + [f[4], b[0], f[5], b[1], f[6], b[2], f[7], b[3]] \
+        + b[4:]
+    assert stage_order(2, 1, 4, 2) == f[:2] + [x for k in range(6) for x in (f[2 + k], b[k])] \
+        + b[6:]
+    with pytest.raises(ValueError, match="multiple of pp=2"):
+        stage_order(2, 0, 3, 2)
+
+
+@pytest.mark.parametrize("pp,v", [(2, 1), (2, 2), (2, 3), (3, 2), (4, 1), (4, 2), (4, 4), (8, 2)])
+def test_rounds_match_and_bubble_follows_the_formula(pp, v):
+    """Every operation runs once, after its input arrived; every transfer is one stage's send
+    and its consumer's receive in the same round; the simulated idle fraction is
+    (p-1)/(v·m+p-1) and at most (p-s-1)·2 + (v-1)·p + 1 chunk activations are alive (Megatron's
+    warmup + 1)."""
+    for m in (pp, 2 * pp, 3 * pp) if v > 1 else (1, pp - 1 or 1, pp, 2 * pp + 1):
+        rounds = plan_rounds(pp, m, v)
+        arrived, sent, received = [set() for _ in range(pp)], [], []
+        for index in range(max(r[-1].index for r in rounds) + 1):
+            for s in range(pp):
+                rnd = next((r for r in rounds[s] if r.index == index), None)
+                if rnd is None:
+                    continue
+                op = rnd.op
+                if op is not None:
+                    virtual = op.chunk * pp + s
+                    needs_input = (op.kind == "F" and virtual > 0) or \
+                        (op.kind == "B" and virtual < pp * v - 1)
+                    if needs_input:
+                        assert (op.kind, op.chunk, op.micro_batch) in arrived[s], (s, op)
+                sent += [(index, t) for t in rnd.sends]
+                received += [(index, t) for t in rnd.recvs]
+                assert all(t.src == s for t in rnd.sends) and all(t.dst == s for t in rnd.recvs)
+            for i, t in received:
+                if i == index:
+                    arrived[t.dst].add(("F" if t.kind == "act" else "B", t.chunk, t.micro_batch))
+        assert sorted(sent, key=repr) == sorted(received, key=repr)
+        for s in range(pp):
+            ops = [r.op for r in rounds[s] if r.op is not None]
+            assert sorted(ops, key=repr) == sorted(
+                (Op(k, c, i) for k in "FB" for c in range(v) for i in range(m)), key=repr)
+            assert ops == stage_order(pp, s, m, v)
+            limit = min(pp - s, m) if v == 1 else min((pp - s - 1) * 2 + (v - 1) * pp + 1, m * v)
+            assert max_in_flight(pp, s, m, v) == limit
+        length = max(r[-1].index for r in rounds) + 1  # in forward/backward time units
+        assert 1 - 2 * m * v / length == pytest.approx(expected_bubble(pp, m, v))
+
+
+def test_peak_live_bytes_weights_the_chunks():
+    assert peak_live_bytes(2, 0, 4, 2, [1.0, 1.0]) == max_in_flight(2, 0, 4, 2)
+    # stage 0: F(0,0) F(0,1) F(1,0) F(1,1) F(0,2) B(1,0) F(0,3): 4 x 10 + 1 alive
+    assert peak_live_bytes(2, 0, 4, 2, [10.0, 1.0]) == 41.0
+
+
+def test_stage_chunks_interleave_the_model():
+    assert stage_chunks(8, 2, 2) == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
+    assert stage_chunks(8, 2) == [[range(0, 4)], [range(4, 8)]]
+    assert [[len(r) for r in c] for c in stage_chunks(10, 2, 2, edge_stage_layers=2)] == \
+        [[2, 3], [3, 2]]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["pp=1", "parallel.virtual_stages=2"], "parallel.virtual_stages"),
+    (["pp=2", "parallel.virtual_stages=0"], "parallel.virtual_stages"),
+    (["pp=2", "parallel.virtual_stages=2", "model.n_layer=3"], "parallel.virtual_stages"),
+    (["pp=2", "parallel.virtual_stages=2", "train.global_batch_size=12"],
+     "train.global_batch_size"),  # m = 3
+    (["pp=2", "parallel.virtual_stages=2", "model.n_layer=4",
+      "parallel.edge_stage_layers=2"], "parallel.edge_stage_layers"),
+])
+def test_virtual_stages_refused_before_launch(overrides, key):
+    cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
+                       "train.global_batch_size=16", *overrides])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, 2 if "pp=2" in overrides else 1)
 
 
 def test_partition_is_contiguous_and_balanced():
@@ -94,11 +175,12 @@ def serial_runs(tiny_data, tmp_path_factory):
     return {m: r[0] for m, r in zip(ms, runs)}
 
 
-def _check(serial, ranks, pp):
+def _check(serial, ranks, pp, v=1):
     assert_equal(serial, ranks)
     for res in ranks:
         stage = res["coords"][1]
-        assert max(res["max_live"]) <= pp - stage, (stage, res["max_live"])
+        limit = pp - stage if v == 1 else (pp - stage - 1) * 2 + (v - 1) * pp + 1
+        assert max(res["max_live"]) <= limit, (stage, res["max_live"])
 
 
 @pytest.mark.parametrize("pp,tp,ms", [
@@ -126,14 +208,51 @@ def test_tied_embedding_copies_stay_identical(tiny_data, tmp_path, serial_runs):
     for tp_rank in range(2):
         first, last = by_coords[(tp_rank, 0, 0)], by_coords[(tp_rank, 1, 0)]
         for step in range(len(first["params"])):
-            assert torch.equal(first["params"][step]["transformer.wte.weight"],
-                               last["params"][step]["lm_head.weight"])
+            assert torch.equal(first["params"][step]["models.0.transformer.wte.weight"],
+                               last["params"][step]["models.0.lm_head.weight"])
 
 
 def test_edge_stages_with_fewer_blocks(tiny_data, tmp_path, serial_runs):
     ranks = train_layout(tmp_path, 3, _layout(tiny_data, 3, 1, 4,
                                               ["parallel.edge_stage_layers=1"]))
     _check(serial_runs[4], ranks, 3)
-    blocks = {r["coords"][1]: sorted({n.split(".")[2] for n in r["specs"]
-                                      if n.startswith("transformer.h.")}) for r in ranks}
+    blocks = {r["coords"][1]: sorted({s.name.split(".")[2] for s in r["specs"].values()
+                                      if s.name.startswith("transformer.h.")}) for r in ranks}
     assert blocks == {0: ["0"], 1: ["1", "2"], 2: ["3"]}
+
+
+@pytest.mark.parametrize("pp,tp,m,extra", [
+    (2, 1, 2, []),  # m = pp: every forward of both chunks is warmup on stage 0
+    (2, 2, 4, ["sp=true"]),  # with TP + SP
+    (4, 1, 4, []),  # 8 chunks of one block each (n_layer=8)
+])
+def test_interleaved_training_equals_pp1(tiny_data, tmp_path, serial_runs, pp, tp, m, extra):
+    """Interleaved 1F1B (virtual_stages=2): the same 10 steps as the pp=1 run, every
+    parameter slice included; activations alive stay within Megatron's warmup + 1."""
+    overrides = _layout(tiny_data, pp, tp, m, ["parallel.virtual_stages=2", *extra])
+    if pp * 2 > 4:
+        overrides.append("model.n_layer=8")
+        serial = train_layout(tmp_path / "serial", 1, _layout(tiny_data, 1, 1, m,
+                                                               ["model.n_layer=8"]))[0]
+    else:
+        serial = serial_runs[m]
+    _check(serial, train_layout(tmp_path, pp * tp, overrides), pp, v=2)
+
+
+def test_interleaved_with_zero_and_resharded_resume(tiny_data, tmp_path, serial_runs):
+    """pp2 x dp2 with virtual_stages=2 under zero 3 equals the pp=1 run; its step-5 checkpoint
+    resumes under (pp2, v2, zero 1) and under (pp4, v1): steps 6-10 equal the uninterrupted
+    run (block names are global, so chunks do not show in the checkpoint)."""
+    root = tmp_path / "ckpt"
+    writer = _layout(tiny_data, 2, 1, 4, ["parallel.virtual_stages=2", "zero=3",
+                                          f"checkpoint.dir={root}"])
+    (written,) = train_layouts(tmp_path / "w", 4, [writer], save_at=5)
+    _check(serial_runs[4], written, 2, v=2)
+    serial = serial_runs[4]
+    expected = {**serial, "losses": serial["losses"][5:], "norms": serial["norms"][5:],
+                "params": serial["params"][5:]}
+    resume = f"checkpoint.resume={root / 'step_00000005'}"
+    for ranks in train_layouts(tmp_path / "r", 4, [
+            _layout(tiny_data, 2, 1, 4, ["parallel.virtual_stages=2", "zero=1", resume]),
+            _layout(tiny_data, 4, 1, 4, [resume])], steps=5):
+        assert_equal(expected, ranks)

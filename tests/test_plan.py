@@ -21,6 +21,8 @@ LAYOUTS = [
     ["tp=2", "pp=2", "sp=true", "train.recompute=true"],
     ["zero=3", "train.global_batch_size=16"],
     ["tp=2", "sp=true", "train.recompute=true", "train.recompute_layers=1"],
+    ["tp=2", "pp=2", "zero=3", "parallel.virtual_stages=2", "model.n_layer=4"],
+    ["tp=2", "pp=2", "zero=1", "sp=true", "parallel.virtual_stages=2", "model.n_layer=4"],
 ]
 
 

@@ -44,7 +44,8 @@ def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_p
              "log.every=10", "log.wandb=offline", "optim.lr=3e-3", "optim.warmup_steps=5")
     header, records = read_metrics(run)
     assert HEADER_KEYS <= set(header)
-    assert header["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "sp": False, "world_size": 1}
+    assert header["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "sp": False,
+                                "virtual_stages": 1, "world_size": 1}
     assert header["peak_source"].startswith("measured") and header["peak_tflops_per_device"] > 0
     (planned,) = header["plan"]["stages"]  # the plan's state bytes = what the engine holds
     (held,) = header["model_state_bytes"]
@@ -130,7 +131,7 @@ def test_pipeline_run_reports_its_bubble_and_dumps_the_schedule(tiny_data, tmp_p
              "train.global_batch_size=16", "train.max_steps=2", "train.eval_every=0",
              "log.every=1", "log.wandb=false", "log.pipeline_trace=true", nproc=2)
     header, records = read_metrics(run)
-    assert header["stages"] == [[0, 1], [1, 2]] and header["micro_batches"] == 4
+    assert header["stages"] == [[[0, 1]], [[1, 2]]] and header["micro_batches"] == 4
     for r in records:
         assert 0.0 <= r["pipeline_bubble"] < 1.0
         assert r["pipeline_bubble_expected"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)

@@ -44,7 +44,8 @@ import torch.nn as nn
 from megalite.config import ModelConfig, OptimConfig
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
-from megalite.parallel.pipeline import PipelineSchedule, expected_bubble, partition_layers
+from megalite.parallel.pipeline import PipelineSchedule, partition_layers
+from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.spawn import run_ranks
@@ -88,7 +89,7 @@ class TorchStage(nn.Module):
 def _megalite(cfg, topo, blocks, o):
     model = _stage_model(cfg, topo, blocks)
     engine = ZeroEngine(model, topo, 0, OptimConfig(lr=LR))
-    schedule = PipelineSchedule(model, topo, engine, (o["seq_len"], o["micro_batch_size"],
+    schedule = PipelineSchedule(model.chunks, topo, engine, (o["seq_len"], o["micro_batch_size"],
                                                       cfg.n_embd), torch.float32,
                                 torch.device("cpu"))
 

@@ -86,7 +86,7 @@ def _measure(rank: int, world: int, cfg: ModelConfig, seq: int, micro_batch: int
         init_parameters(model, seed=0)
         engine = ZeroEngine(model, topo, 0, OptimConfig())
         local_seq = seq // world if sp else seq
-        schedule = PipelineSchedule(model, topo, engine, (local_seq, micro_batch, cfg.n_embd),
+        schedule = PipelineSchedule(model.chunks, topo, engine, (local_seq, micro_batch, cfg.n_embd),
                                     torch.float32, device)
         params = list(model.parameters())
         x = model.embed(batch[0][0]).detach().requires_grad_()

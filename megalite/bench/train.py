@@ -46,7 +46,7 @@ def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, com
                      attention=attention, recompute_layers=recompute_layers)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, 0, OptimConfig(), param_dtype=dtype)
-    schedule = PipelineSchedule(model, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
+    schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
                                 device)
     model.train()
 

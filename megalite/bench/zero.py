@@ -89,7 +89,7 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
     if name.startswith("megalite"):
         engine = ZeroEngine(model, topo, 3 if name.endswith("z3") else 1, optim)
         mb, seq = batches[0][0].shape
-        schedule = PipelineSchedule(model, topo, engine, (seq, mb, mcfg.n_embd), torch.float32,
+        schedule = PipelineSchedule(model.chunks, topo, engine, (seq, mb, mcfg.n_embd), torch.float32,
                                     torch.device("cpu"))
 
         def step(probe: bool) -> Tuple[float, int]:

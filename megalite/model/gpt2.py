@@ -200,6 +200,12 @@ class GPT2(nn.Module):
             return ParamSpec(name, (param.shape[0], param.shape[1] * tp), tp_dim=1)
         return ParamSpec(name, tuple(param.shape))  # replicated over TP
 
+    @property
+    def chunks(self) -> List["GPT2"]:
+        """The model chunks this module is made of: itself (`megalite.model.stage` holds
+        several for the interleaved schedule)."""
+        return [self]
+
     def sharding_units(self) -> List[nn.Module]:
         """The modules ZeRO-3 gathers one at a time, in forward order."""
         t = self.transformer

@@ -1,20 +1,12 @@
-"""Pipeline parallelism: stage partition, point-to-point links and the 1F1B schedule
-(Narayanan et al. 2021, "PipeDream-Flush"; Megatron-LM's non-interleaved schedule).
+"""Pipeline parallelism: stage partition, point-to-point links and the executor of the
+schedules in `megalite.parallel.schedule` (1F1B, and interleaved 1F1B over several model chunks
+per rank).
 
-With p stages and m micro-batches, stage s runs
-
-    warmup   = min(p - s - 1, m) forwards
-    steady   = m - warmup times: one forward, then one backward (oldest micro-batch first)
-    cooldown = warmup backwards
-
-so at most p - s micro-batches have live activations on stage s (instead of m under GPipe),
-and the idle "bubble" is (p - 1) / (m + p - 1) of the step when forward and backward times are
-equal across stages. Activations travel forward and their gradients backward through batched
-isend/irecv with shapes known from the configuration (no shape handshake); every exchange
-between neighbours posts its send and its receive together, so neighbours never wait on each
-other's sends. A stage's output is freed as soon as it has been sent (only its autograd graph is
-kept; Megatron's "deallocate_output_tensor"), and its backward is started with the received
-gradient directly on the autograd engine.
+Activations travel forward and their gradients backward through batched isend/irecv with shapes
+known from the configuration (no shape handshake), grouped in the schedule's rounds so that no
+two ranks can wait on each other. A stage's output is freed as soon as it has been sent (only
+its autograd graph is kept; Megatron's "deallocate_output_tensor"), and its backward is started
+with the received gradient directly on the autograd engine.
 """
 from __future__ import annotations
 
@@ -22,12 +14,13 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import Variable
 
 from megalite.parallel import comm
+from megalite.parallel.schedule import plan_rounds
 from megalite.parallel.topology import Topology
 
 
@@ -63,49 +56,31 @@ def partition_layers(n_layer: int, pp: int, edge_stage_layers: Optional[int] = N
     return ranges
 
 
-def schedule_1f1b(pp: int, stage: int, m: int) -> List[Tuple[str, int]]:
-    """The (kind, micro-batch) order of stage `stage`: ("F", i) and ("B", i)."""
-    warmup = min(pp - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(m - warmup, m)]
-    return order
-
-
-def expected_bubble(pp: int, m: int) -> float:
-    return (pp - 1) / (m + pp - 1)
+def stage_chunks(n_layer: int, pp: int, v: int = 1, edge_stage_layers: Optional[int] = None
+                 ) -> List[List[range]]:
+    """Per stage, the block ranges of its v model chunks: the model is partitioned into pp·v
+    virtual stages (`partition_layers`) and virtual stage c·pp + s is chunk c of stage s."""
+    parts = partition_layers(n_layer, pp * v, edge_stage_layers)
+    return [[parts[c * pp + s] for c in range(v)] for s in range(pp)]
 
 
 class StageLink:
-    """Point-to-point traffic of one stage with its neighbours in the pipeline group."""
+    """Point-to-point traffic of one stage with the other stages of its pipeline group."""
 
     def __init__(self, topo: Topology, shape: Tuple[int, ...], dtype: torch.dtype,
                  device: torch.device):
         self.group = topo.pp_group
-        self.stage, self.pp = topo.coords.pp, topo.pp
         self.shape, self.dtype, self.device = shape, dtype, device
 
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-
-    def exchange(self, send_next: Optional[torch.Tensor] = None,
-                 send_prev: Optional[torch.Tensor] = None, recv_next: bool = False,
-                 recv_prev: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """One batched exchange; returns (tensor from prev, tensor from next)."""
-        sends, recvs = [], []
-        from_prev = self._empty() if recv_prev else None
-        from_next = self._empty() if recv_next else None
-        if send_next is not None:
-            sends.append((send_next.contiguous(), self.stage + 1))
-        if send_prev is not None:
-            sends.append((send_prev.contiguous(), self.stage - 1))
-        if from_prev is not None:
-            recvs.append((from_prev, self.stage - 1))
-        if from_next is not None:
-            recvs.append((from_next, self.stage + 1))
-        comm.send_recv(sends, recvs, self.group)
-        return from_prev, from_next
+    def exchange(self, sends: Sequence[Tuple[torch.Tensor, int]], sources: Sequence[int]
+                 ) -> List[torch.Tensor]:
+        """One batch: send each (tensor, stage), receive one tensor from each source stage (in
+        this order); returns the received tensors."""
+        received = [torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    for _ in sources]
+        comm.send_recv([(t.contiguous(), peer) for t, peer in sends],
+                       list(zip(received, sources)), self.group)
+        return received
 
 
 @dataclass
@@ -114,6 +89,7 @@ class Event:
     micro_batch: int
     start: float  # seconds since the step began
     end: float
+    chunk: int = 0
 
 
 @dataclass
@@ -136,9 +112,11 @@ class StepTrace:
 
     def dump(self, path: Path, stage: int, rank: int) -> None:
         """Chrome trace format (chrome://tracing, ui.perfetto.dev): one row per stage."""
-        events = [{"name": f"{e.kind}{e.micro_batch}", "ph": "X", "pid": 0, "tid": stage,
+        events = [{"name": f"{e.kind}{e.micro_batch}" + (f".{e.chunk}" if e.chunk else ""),
+                   "ph": "X", "pid": 0, "tid": stage,
                    "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
-                   "args": {"rank": rank, "micro_batch": e.micro_batch}} for e in self.events]
+                   "args": {"rank": rank, "micro_batch": e.micro_batch, "chunk": e.chunk}}
+                  for e in self.events]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
@@ -172,80 +150,74 @@ def _backward_from(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
 
 
 class PipelineSchedule:
-    """Runs one stage's part of a training step (1F1B) or of a forward-only evaluation.
+    """Runs one stage's part of a training step or of a forward-only evaluation.
 
-    `stage(inputs, labels)` is the model stage; `engine` gets told which backward is the
-    step's last (data-parallel gradient sync happens once, there). For pp = 1 this is plain
-    gradient accumulation: forward, backward, for each micro-batch.
+    `chunks` are this rank's model chunks (one GPT2 stage each; several with the interleaved
+    schedule), `chunk(inputs, labels)` the forward; `engine` gets told before each backward
+    whether it is its chunk's last of the step (data-parallel gradient sync happens there).
+    For pp = 1 this is plain gradient accumulation: forward, backward, for each micro-batch.
     """
 
-    def __init__(self, stage, topo: Topology, engine, activation_shape: Tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device):
-        self.stage, self.topo, self.engine = stage, topo, engine
-        self.first, self.last = topo.is_first_stage, topo.is_last_stage
+    def __init__(self, chunks: Sequence, topo: Topology, engine,
+                 activation_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.chunks, self.topo, self.engine = list(chunks), topo, engine
         self.link = StageLink(topo, activation_shape, dtype, device)
         self.clock = _Clock(device)
         self._marks: list = []
         self._step_marks = None
-        self.max_live = 0  # most micro-batches with activations alive at once, this step
-        self._pending_grad: Optional[torch.Tensor] = None
+        self.max_live = 0  # most (chunk, micro-batch) activations alive at once, this step
+
+    def _rounds(self, m: int, forward_only: bool):
+        return plan_rounds(self.topo.pp, m, len(self.chunks), forward_only)[self.topo.coords.pp]
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward and backward of every micro-batch; returns the mean loss on the last stage
         (0.0 elsewhere). Gradients of the mean loss over the micro-batches accumulate."""
         m = len(micro_batches)
-        link, topo = self.link, self.topo
         marks, step_start = [], self.clock.mark()
-        live: List[Tuple[Optional[torch.Tensor], torch.Tensor]] = []  # (input, output) per F
+        received: Dict[Tuple[str, int, int], torch.Tensor] = {}  # (kind, chunk, micro-batch)
+        live: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=micro_batches[0][0].device)
         self.max_live = 0
-        received: Optional[torch.Tensor] = None
-        order = schedule_1f1b(topo.pp, topo.coords.pp, m)
-        backwards_done = 0
-
-        for pos, (kind, i) in enumerate(order):
-            nxt = order[pos + 1] if pos + 1 < len(order) else None
-            if kind == "F":
-                if not self.first and received is None:
-                    received, _ = link.exchange(recv_prev=True)
+        for rnd in self._rounds(m, forward_only=False):
+            op, outgoing = rnd.op, []
+            if op is not None:
+                model, key = self.chunks[op.chunk], (op.chunk, op.micro_batch)
                 t0 = self.clock.mark()
-                x, y = micro_batches[i]
-                inp = x if self.first else received.requires_grad_()
-                out = self.stage(inp, y if self.last else None)
-                if self.last:
-                    loss_sum += out.detach()
-                    out = out / m
-                marks.append(("F", i, t0, self.clock.mark()))
-                live.append((None if self.first else inp, out))
-                self.max_live = max(self.max_live, len(live))
-                received = None
-                if not self.last:
-                    # Send the output on; in the steady state receive the gradient of the
-                    # oldest in-flight micro-batch in the same exchange.
-                    want_grad = nxt is not None and nxt[0] == "B"
-                    _, grad = link.exchange(send_next=out.detach(), recv_next=want_grad)
-                    out.data = torch.empty(1, dtype=out.dtype, device=out.device)
-                    self._pending_grad = grad
-            else:
-                inp, out = live.pop(0)
-                grad = torch.ones_like(out) if self.last else None  # d(loss)/d(loss)
-                if not self.last:
-                    grad = self._pending_grad
-                    if grad is None:
-                        _, grad = link.exchange(recv_next=True)
-                    self._pending_grad = None
-                backwards_done += 1
-                self.engine.set_grad_sync(backwards_done == m)
-                t0 = self.clock.mark()
-                _backward_from(out, grad)
-                marks.append(("B", i, t0, self.clock.mark()))
-                if not self.first:
-                    # Send the input gradient back; if a forward comes next, receive its
-                    # input in the same exchange.
-                    want_input = nxt is not None and nxt[0] == "F"
-                    received, _ = link.exchange(send_prev=inp.grad, recv_prev=want_input)
+                if op.kind == "F":
+                    x, y = micro_batches[op.micro_batch]
+                    inp = x if model.first else received.pop(("act", *key)).requires_grad_()
+                    out = model(inp, y if model.last else None)
+                    if model.last:
+                        loss_sum += out.detach()
+                        out = out / m
+                    live[key] = (None if model.first else inp, out)
+                    self.max_live = max(self.max_live, len(live))
+                    if not model.last:
+                        outgoing.append(out)
+                else:
+                    inp, out = live.pop(key)
+                    grad = torch.ones_like(out) if model.last else received.pop(("grad", *key))
+                    self.engine.set_grad_sync(op.micro_batch == m - 1)  # the chunk's last
+                    _backward_from(out, grad)
+                    if not model.first:
+                        outgoing.append(inp.grad)
+                marks.append((op.kind, op.micro_batch, op.chunk, t0, self.clock.mark()))
+            self._exchange(rnd, outgoing, received)
+            if op is not None and op.kind == "F" and outgoing:
+                out = outgoing[0]  # sent: keep only its autograd graph
+                out.data = torch.empty(1, dtype=out.dtype, device=out.device)
         self._marks, self._step_marks = marks, (step_start, self.clock.mark())
-        return (loss_sum / m).item() if self.last else 0.0
+        return (loss_sum / m).item() if self.topo.is_last_stage else 0.0
+
+    def _exchange(self, rnd, outgoing: List[torch.Tensor], received: dict) -> None:
+        """The round's batch: what this round's operation produced goes to its consumer, and
+        the transfers addressed to this stage arrive."""
+        if not (rnd.sends or rnd.recvs):
+            return
+        sends = [(t.detach(), tr.dst) for t, tr in zip(outgoing, rnd.sends)]
+        for tr, t in zip(rnd.recvs, self.link.exchange(sends, [tr.src for tr in rnd.recvs])):
+            received[(tr.kind, tr.chunk, tr.micro_batch)] = t
 
     @property
     def trace(self) -> StepTrace:
@@ -253,18 +225,24 @@ class PipelineSchedule:
         if self._step_marks is None:
             return StepTrace()
         start, end = self._step_marks
-        return StepTrace([Event(k, i, self.clock.seconds(start, a), self.clock.seconds(start, b))
-                          for k, i, a, b in self._marks], self.clock.seconds(start, end))
+        return StepTrace([Event(k, i, self.clock.seconds(start, a), self.clock.seconds(start, b), c)
+                          for k, i, c, a, b in self._marks], self.clock.seconds(start, end))
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward-only pass; the mean loss on the last stage (0.0 elsewhere)."""
+        received: Dict[Tuple[str, int, int], torch.Tensor] = {}
         total = 0.0
-        for x, y in micro_batches:
-            inp = x if self.first else self.link.exchange(recv_prev=True)[0]
-            out = self.stage(inp, y if self.last else None)
-            if self.last:
-                total += out.float().item()
-            else:
-                self.link.exchange(send_next=out)
-        return total / len(micro_batches) if self.last else 0.0
+        for rnd in self._rounds(len(micro_batches), forward_only=True):
+            outgoing = []
+            if rnd.op is not None:
+                model, (x, y) = self.chunks[rnd.op.chunk], micro_batches[rnd.op.micro_batch]
+                inp = x if model.first else received.pop(("act", rnd.op.chunk,
+                                                          rnd.op.micro_batch))
+                out = model(inp, y if model.last else None)
+                if model.last:
+                    total += out.float().item()
+                else:
+                    outgoing.append(out)
+            self._exchange(rnd, outgoing, received)
+        return total / len(micro_batches) if self.topo.is_last_stage else 0.0

@@ -154,39 +154,40 @@ class Bucket:
 
 
 class ZeroEngine:
-    """Owns the parameters, gradients and optimizer state of one model stage on one rank."""
+    """Owns the parameters, gradients and optimizer state of one model stage on one rank
+    (`model.chunks`: the stage's model chunks, one without an interleaved schedule)."""
 
     def __init__(self, model: nn.Module, topo: Topology, zero: int, optim: OptimConfig,
                  param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, reshard_after_forward: bool = True):
         self.topo, self.zero, self.model = topo, zero, model
         self.sequence_parallel = sequence_parallel and topo.tp > 1
-        named = list(model.named_parameters())
-        specs = model.param_specs
-        if zero == 3:
-            from megalite.parallel.zero3 import unit_groups
+        from megalite.parallel.zero3 import unit_groups
 
-            groups = unit_groups(model)
-        else:
-            groups = bucket_groups(named, specs, bucket_mb * 2**20 / 4, tied_alone=topo.pp > 1)
-        params = dict(named)
         self.buckets: List[Bucket] = []
-        for names in groups:
-            tied = any(specs[n].name == "transformer.wte.weight" for n in names) and topo.pp > 1
-            self.buckets.append(Bucket(names, [params[n] for n in names],
-                                       [specs[n] for n in names], topo, zero, param_dtype, tied))
+        for chunk in model.chunks:  # a bucket never spans chunks: each syncs after its own
+            named, specs = list(chunk.named_parameters()), chunk.param_specs  # last backward
+            groups = unit_groups(chunk) if zero == 3 else bucket_groups(
+                named, specs, bucket_mb * 2**20 / 4, tied_alone=topo.pp > 1)
+            params = dict(named)
+            for names in groups:
+                tied = any(specs[n].name == "transformer.wte.weight" for n in names) \
+                    and topo.pp > 1
+                self.buckets.append(Bucket(names, [params[n] for n in names],
+                                           [specs[n] for n in names], topo, zero, param_dtype,
+                                           tied))
         self._where: Dict[nn.Parameter, Tuple[Bucket, int]] = {}
         hook = _weak_hook(self)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(hook)
-        self.sync_grads = True  # stages 0-1: is this backward the step's last micro-batch?
+        self.sync_grads = True  # stages 0-1: is this backward its chunk's last of the step?
         self.zero3 = None
         if zero == 3:
             from megalite.parallel.zero3 import Zero3Gathering
 
-            self.zero3 = Zero3Gathering(model, self, reshard_after_forward)
+            self.zero3 = Zero3Gathering(model.chunks, self, reshard_after_forward)
         self._build_optimizer(optim)
 
     # --- optimizer ----------------------------------------------------------------------
@@ -229,7 +230,8 @@ class ZeroEngine:
 
     def set_grad_sync(self, final_micro_batch: bool) -> None:
         """Called before each backward. Stages 0-1: whether it is the step's last micro-batch
-        (their only reduction). Stages 2-3: first fold in the previous micro-batch's
+        of the chunk it runs (their only reduction; a backward only reaches its own chunk's
+        buckets). Stages 2-3: first fold in the previous micro-batch's
         reduce-scatters — by now long finished behind a forward — so that at most one
         micro-batch's reductions and their buffers are ever alive (the backend keeps each
         pending reduction's full-size input until it is waited on)."""

@@ -1,10 +1,11 @@
 """ZeRO-3 parameter gathering: each unit (embedding, position embedding, one block, ln_f, LM
-head — `model.sharding_units()`, in forward order) keeps only its DP range between uses and is
-all-gathered just before it runs.
+head — a model chunk's `sharding_units()`, in forward order) keeps only its DP range between
+uses and is all-gathered just before it runs.
 
     forward   pre-hook : gather (or wait for the prefetch), prefetch the next unit
               post-hook: free the gathered parameters (reshard_after_forward), except for the
-                         stage's last unit, whose backward starts right away
+                         chunk's last unit, whose backward comes first (right away on the
+                         last pipeline stage)
     backward  a hook on the unit's output gradient fires just before the unit's backward:
               gather again, prefetch the previous unit; with activation recomputation the
               unit's forward re-runs here and its pre-hook, finding the unit in backward,
@@ -53,22 +54,27 @@ class _UnitState:
 
 
 class Zero3Gathering:
-    def __init__(self, model: nn.Module, engine, reshard_after_forward: bool):
+    """Gathering hooks on the units of `chunks` (each chunk's `sharding_units()`, a chain in
+    forward order: prefetching follows the chain and stops at its ends, as the next unit to
+    run after a chunk's last one may belong to any chunk)."""
+
+    def __init__(self, chunks, engine, reshard_after_forward: bool):
         self.reshard_after_forward = reshard_after_forward
         by_param = {id(p): b for b in engine.buckets for p in b.params}
-        self.order: List[nn.Module] = list(model.sharding_units())
         self.state: Dict[int, _UnitState] = {}
         self.unit_of: Dict[nn.Module, _UnitState] = {}
-        for module in self.order:
-            bucket = by_param[id(next(module.parameters()))]
-            if id(bucket) not in self.state:
-                self.state[id(bucket)] = _UnitState(bucket)
-            self.unit_of[module] = self.state[id(bucket)]
+        for chunk in chunks:
+            chain: List[nn.Module] = list(chunk.sharding_units())
+            for module in chain:
+                bucket = by_param[id(next(module.parameters()))]
+                if id(bucket) not in self.state:
+                    self.state[id(bucket)] = _UnitState(bucket)
+                self.unit_of[module] = self.state[id(bucket)]
+            for i, module in enumerate(chain):
+                module.register_forward_pre_hook(self._make_pre_forward(chain, i))
+                module.register_forward_hook(self._make_post_forward(chain, i))
         for unit in self.state.values():
             self._free(unit)
-        for i, module in enumerate(self.order):
-            module.register_forward_pre_hook(self._make_pre_forward(i))
-            module.register_forward_hook(self._make_post_forward(i))
 
     # --- gather / free ------------------------------------------------------------------
 
@@ -100,32 +106,32 @@ class Zero3Gathering:
 
     # --- hooks --------------------------------------------------------------------------
 
-    def _make_pre_forward(self, i: int):
+    def _make_pre_forward(self, chain: List[nn.Module], i: int):
         def hook(module, args):
             unit = self.unit_of[module]
             self._ensure(unit)
-            if i + 1 < len(self.order) and not unit.in_backward:
-                self._start_gather(self.unit_of[self.order[i + 1]], async_op=True)
+            if i + 1 < len(chain) and not unit.in_backward:
+                self._start_gather(self.unit_of[chain[i + 1]], async_op=True)
         return hook
 
-    def _make_post_forward(self, i: int):
-        last = i == len(self.order) - 1
+    def _make_post_forward(self, chain: List[nn.Module], i: int):
+        last = i == len(chain) - 1
 
         def hook(module, args, output):
             unit = self.unit_of[module]
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(self._make_pre_backward(i))
+                output.register_hook(self._make_pre_backward(chain, i))
             if self.reshard_after_forward and not last and not unit.in_backward:
                 self._free(unit)
         return hook
 
-    def _make_pre_backward(self, i: int):
+    def _make_pre_backward(self, chain: List[nn.Module], i: int):
         def hook(grad):
-            unit = self.unit_of[self.order[i]]
+            unit = self.unit_of[chain[i]]
             self._ensure(unit)
             unit.in_backward = True
             if i > 0:
-                self._start_gather(self.unit_of[self.order[i - 1]], async_op=True)
+                self._start_gather(self.unit_of[chain[i - 1]], async_op=True)
             return grad
         return hook
 

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from megalite.config import Config, data_sources, num_micro_batches, resolve_path
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab, val_batches
 from megalite.data.sampler import BlendedSampler, ResumableSampler
-from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
+from megalite.model.gpt2 import flops_per_token, num_parameters
 from megalite.model.hf import load_hf_state_dict
 from megalite.model.init import init_parameters, load_global_state
+from megalite.model.stage import build_stage
 from megalite.parallel import comm
-from megalite.parallel.pipeline import PipelineSchedule, expected_bubble, partition_layers
+from megalite.parallel.pipeline import PipelineSchedule, stage_chunks
+from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan import make_plan
@@ -54,17 +56,20 @@ class Trainer:
             check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
 
         c = topo.coords
-        self.stages = partition_layers(cfg.model.n_layer, topo.pp, cfg.parallel.edge_stage_layers)
+        self.stages = stage_chunks(cfg.model.n_layer, topo.pp, cfg.parallel.virtual_stages,
+                                   cfg.parallel.edge_stage_layers)
         self.rng = RNGTracker(cfg.seed, c.tp, c.pp, c.dp, runtime.device)
         with torch.device(runtime.device):
-            self.model = GPT2(cfg.model, topo.tp_group, cfg.sp, self.rng,
-                              blocks=self.stages[c.pp], first=topo.is_first_stage,
-                              last=topo.is_last_stage, recompute=cfg.train.recompute,
-                              compile=cfg.train.compile, attention=cfg.train.attention,
-                              recompute_layers=cfg.train.recompute_layers)
-        init_parameters(self.model, cfg.seed)  # the same global weights in every layout
-        if cfg.init_from:
-            load_global_state(self.model, load_hf_state_dict(cfg.init_from, cfg.model))
+            self.model = build_stage(cfg.model, self.stages[c.pp], c.pp, topo.pp,
+                                     tp_group=topo.tp_group, sequence_parallel=cfg.sp,
+                                     rng=self.rng, recompute=cfg.train.recompute,
+                                     compile=cfg.train.compile, attention=cfg.train.attention,
+                                     recompute_layers=cfg.train.recompute_layers)
+        hf_state = load_hf_state_dict(cfg.init_from, cfg.model) if cfg.init_from else None
+        for chunk in self.model.chunks:
+            init_parameters(chunk, cfg.seed)  # the same global weights in every layout
+            if hf_state is not None:
+                load_global_state(chunk, hf_state)
         self.engine = ZeroEngine(
             self.model, topo, cfg.zero, cfg.optim, param_dtype=runtime.compute_dtype,
             bucket_mb=cfg.parallel.bucket_mb, sequence_parallel=cfg.sp,
@@ -74,7 +79,7 @@ class Trainer:
         self.num_micro = num_micro_batches(cfg, topo.world_size)
         seq_local = t.seq_len // topo.tp if cfg.sp and topo.tp > 1 else t.seq_len
         self.schedule = PipelineSchedule(
-            self.model, topo, self.engine, (seq_local, t.micro_batch_size, cfg.model.n_embd),
+            self.model.chunks, topo, self.engine, (seq_local, t.micro_batch_size, cfg.model.n_embd),
             runtime.compute_dtype, runtime.device)
         weights = [w for _, w in self.data_sources]
         sizes = [s.num_samples(t.seq_len) for s in self.train_shards]
@@ -164,8 +169,9 @@ class Trainer:
         cfg, topo, m = self.cfg, self.topo, self.cfg.model
         return {
             "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
-                       "sp": cfg.sp, "world_size": topo.world_size},
-            "stages": [[r.start, r.stop] for r in self.stages],
+                       "sp": cfg.sp, "virtual_stages": cfg.parallel.virtual_stages,
+                       "world_size": topo.world_size},
+            "stages": [[[r.start, r.stop] for r in chunks] for chunks in self.stages],
             "micro_batches": self.num_micro,
             "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
                       "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
@@ -298,7 +304,8 @@ class Trainer:
                           "skipped_total": self.skipped_steps}
                 if topo.pp > 1:
                     record["pipeline_bubble"] = self._measured_bubble()
-                    record["pipeline_bubble_expected"] = expected_bubble(topo.pp, self.num_micro)
+                    record["pipeline_bubble_expected"] = expected_bubble(
+                        topo.pp, self.num_micro, cfg.parallel.virtual_stages)
                 if cfg.log.pipeline_trace:
                     self.schedule.trace.dump(
                         self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
