@@ -1,23 +1,26 @@
-"""1F1B pipeline step time against m: megalite's PipelineSchedule next to
-`torch.distributed.pipelining.Schedule1F1B`, on real gloo ranks (tp = dp = 1, world = pp).
+"""Pipeline step time against m: megalite's PipelineSchedule next to
+`torch.distributed.pipelining.Schedule1F1B` (and, with `--virtual-stages v`, megalite's
+interleaved schedule next to `ScheduleInterleaved1F1B`), on real gloo ranks (tp = dp = 1,
+world = pp).
 
-For each pp in `--pp` a world of pp processes is spawned; for each m in `--micro-batches` both
-contenders are built afresh from the same GPT-2 stage split (`partition_layers`, the same
-`GPT2` stage modules), the same initial weights (`init_parameters`, same seed) and train on the
-same m micro-batches:
+For each pp in `--pp` a world of pp processes is spawned; for each v in `--virtual-stages` and
+m in `--micro-batches` both contenders are built afresh from the same GPT-2 split
+(`stage_chunks`: v chunks per rank, the same `GPT2` modules), the same initial weights
+(`init_parameters`, same seed) and train on the same m micro-batches:
 
 - megalite: its real training path, `schedule.train_step` -> `engine.finish_grad_sync` (tied
   embedding gradient summed over the first and last stage) -> `engine.clip_and_step` (global-norm
   clipping, AdamW) -> `engine.zero_grad` (ZeroEngine with zero = 0);
-- torch: `PipelineStage` over the same stage module (the last stage returns its logits and
-  `loss_fn` is the stage's own cross-entropy), `Schedule1F1B(stage, m, loss_fn)` (it scales
-  gradients by 1/m, as megalite does), then the same tied-gradient all-reduce, the same global
+- torch: a `PipelineStage` over each chunk (the last returns its logits and `loss_fn` is the
+  stage's own cross-entropy), `Schedule1F1B(stage, m, loss_fn)` or
+  `ScheduleInterleaved1F1B(stages, m, loss_fn)` (they scale gradients by 1/m, as megalite
+  does), then the same tied-gradient all-reduce, the same global
   norm clipping and `torch.optim.AdamW` with the same hyper-parameters and decay groups.
 
 A step is timed from a barrier to the end of the optimizer step on each rank; the step time is
 the slowest rank's. The two alternate step by step (A B B A ...) so that machine noise hits
 both; reported are medians, the ratio torch / megalite (> 1: megalite faster), megalite's
-measured bubble next to the ideal (p - 1) / (m + p - 1), and the relative difference of
+measured bubble next to the ideal (p - 1) / (v·m + p - 1), and the relative difference of
 the two losses at the first step (same weights, same batches, same math: ~0; on CPU they come
 out bitwise equal) and at the last one. Dropout is off so that both compute the same function.
 The untimed warmup steps absorb Schedule1F1B's shape inference on its first step.
@@ -26,7 +29,8 @@ The bubble is the trainer's `pipeline_bubble`: each stage's time not spent in F 
 against the step's common length (the longest stage's, as the stages start together),
 averaged over stages and timed steps.
 
-Notes. `Schedule1F1B` refuses m < p ("n/a" in the table). The default vocabulary (2048) keeps
+Notes. `Schedule1F1B` refuses m < p ("n/a" in the table); the interleaved schedules run only
+where m is a multiple of p. The default vocabulary (2048) keeps
 the LM head near one block's cost (8192 would make the last stage ~2x the others). With
 more ranks than cores (pp = 4 on 2 cores) ranks share cores: a waiting rank yields its core to
 a computing one, so the bubble is not comparable with the formula there.
@@ -44,14 +48,15 @@ import torch.nn as nn
 from megalite.config import ModelConfig, OptimConfig
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
-from megalite.parallel.pipeline import PipelineSchedule, partition_layers
+from megalite.model.stage import PipelineStage as Chunks, build_stage
+from megalite.parallel.pipeline import PipelineSchedule, stage_chunks
 from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.spawn import run_ranks
 
 LR, CLIP, SEED = 1e-3, 1.0, 1234
-OPTIONS = ("micro_batches", "steps", "warmup", "n_layer", "n_embd", "n_head", "seq_len",
+OPTIONS = ("micro_batches", "virtual_stages", "steps", "warmup", "n_layer", "n_embd", "n_head", "seq_len",
            "micro_batch_size", "vocab_size")
 
 
@@ -61,10 +66,10 @@ def _model_cfg(o: dict) -> ModelConfig:
                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def _stage_model(cfg: ModelConfig, topo, blocks: range) -> GPT2:
-    model = GPT2(cfg, topo.tp_group, blocks=blocks, first=topo.is_first_stage,
-                 last=topo.is_last_stage)
-    init_parameters(model, SEED)
+def _stage_model(cfg: ModelConfig, topo, blocks: List[range]) -> Chunks:
+    model = build_stage(cfg, blocks, topo.coords.pp, topo.pp, tp_group=topo.tp_group)
+    for chunk in model.chunks:
+        init_parameters(chunk, SEED)
     return model.train()
 
 
@@ -104,37 +109,38 @@ def _megalite(cfg, topo, blocks, o):
 
 
 def _pipelining(cfg, topo, blocks, m):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleaved1F1B)
 
-    gpt = _stage_model(cfg, topo, blocks)
-    stage = PipelineStage(TorchStage(gpt), topo.coords.pp, topo.pp, torch.device("cpu"))
+    model = _stage_model(cfg, topo, blocks)
+    v, first, last = len(blocks), topo.is_first_stage, topo.is_last_stage
+    stages = [PipelineStage(TorchStage(chunk), c * topo.pp + topo.coords.pp, topo.pp * v,
+                            torch.device("cpu")) for c, chunk in enumerate(model.chunks)]
     # loss_fn on every stage: without it a stage runs forward-only (`_has_backward` False) and
     # the last stage hangs sending it backward metadata.
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=gpt.loss)
-    named = list(gpt.named_parameters())
+    loss_fn = model.chunks[-1].loss
+    schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn) if v == 1 else \
+        ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    named = list(model.named_parameters())
     oc = OptimConfig(lr=LR)
-    groups = [{"params": [p for n, p in named if gpt.param_specs[n].weight_decay == d],
+    groups = [{"params": [p for n, p in named if model.param_specs[n].weight_decay == d],
                "weight_decay": oc.weight_decay if d else 0.0} for d in (True, False)]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=LR, betas=tuple(oc.betas),
                             eps=oc.eps, foreach=True)
-    tied = [p for n, p in named if gpt.param_specs[n].name == "transformer.wte.weight"]
-    counted = [p for n, p in named if not gpt.param_specs[n].tied_copy]
+    tied = [p for n, p in named if model.param_specs[n].name == "transformer.wte.weight"]
+    counted = [p for n, p in named if not model.param_specs[n].tied_copy]
 
     def step(batches):
         losses: list = []
-        if gpt.first:
-            schedule.step(torch.cat([x for x, _ in batches]), return_outputs=False)
-        elif gpt.last:
-            schedule.step(target=torch.cat([y for _, y in batches]), losses=losses,
-                          return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        args = (torch.cat([x for x, _ in batches]),) if first else ()
+        extra = {"target": torch.cat([y for _, y in batches]), "losses": losses} if last else {}
+        schedule.step(*args, return_outputs=False, **extra)
         for p in tied:  # the two copies of the tied embedding: first + last stage
             dist.all_reduce(p.grad, group=topo.embedding_group.pg)
         grads = [p.grad for p in counted if p.grad is not None]
         sq = torch.stack(torch._foreach_norm(grads)).square().sum()
         dist.all_reduce(sq)  # global norm over the stages (as megalite's grad_norm)
-        torch._foreach_mul_([p.grad for p in gpt.parameters() if p.grad is not None],
+        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
                             torch.clamp(CLIP / (sq.sqrt() + 1e-6), max=1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -153,45 +159,54 @@ def _worker(rank: int, pp: int, o: dict) -> List[dict]:
     """One rank of a gloo world of pp ranks (1 thread each, see megalite.spawn)."""
     topo = build_topology(1, pp, 1)
     cfg = _model_cfg(o)
-    blocks = partition_layers(cfg.n_layer, pp)[topo.coords.pp]
     g = torch.Generator().manual_seed(SEED)
     rows = []
-    for m in o["micro_batches"]:
-        words = torch.randint(0, cfg.vocab_size, (m, o["micro_batch_size"], o["seq_len"] + 1),
-                              generator=g)
-        batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in words]
-        fns = {"megalite": _megalite(cfg, topo, blocks, o)}
-        if m >= pp:  # Schedule1F1B raises "Number of microbatches must be >= stages" otherwise
-            fns["torch"] = _pipelining(cfg, topo, blocks, m)
-        times = {n: [] for n in fns}
-        losses = {n: [] for n in fns}
-        bubbles = []
-        for i in range(o["warmup"] + o["steps"]):
-            for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
-                dt, loss, busy, wall = _timed(fns[name], batches)
-                t = torch.tensor([dt, wall])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
-                s = torch.tensor([loss, busy / pp])
-                dist.all_reduce(s)  # loss from the last stage; mean busy time over the stages
-                losses[name].append(s[0].item())
-                if i >= o["warmup"]:
-                    times[name].append(t[0].item())
-                    if name == "megalite":
-                        bubbles.append(1 - s[1].item() / t[1].item())
-        row = {"pp": pp, "m": m, "blocks": [len(r) for r in partition_layers(cfg.n_layer, pp)],
-               "megalite_s": statistics.median(times["megalite"]),
-               "bubble": statistics.mean(bubbles),
-               "bubble_expected": expected_bubble(pp, m),
-               "loss_first": losses["megalite"][0], "loss_last": losses["megalite"][-1]}
-        if "torch" in fns:
-            lm, lt = losses["megalite"], losses["torch"]
-            row.update(torch_s=statistics.median(times["torch"]),
-                       rel_diff_first=abs(lm[0] - lt[0]) / abs(lt[0]),
-                       rel_diff_last=abs(lm[-1] - lt[-1]) / abs(lt[-1]))
-        rows.append(row)
-        if rank == 0:
-            print(f"pp={pp} m={m} done: megalite {row['megalite_s']:.3f} s", flush=True)
+    for v in o["virtual_stages"]:
+        split = stage_chunks(cfg.n_layer, pp, v)
+        for m in o["micro_batches"]:
+            if v > 1 and m % pp:
+                continue  # the interleaved schedules run micro-batches in groups of pp
+            rows.append(_compare(topo, cfg, split, m, o, g))
+            if rank == 0:
+                print(f"pp={pp} v={v} m={m} done: megalite {rows[-1]['megalite_s']:.3f} s",
+                      flush=True)
     return rows
+
+
+def _compare(topo, cfg, split, m: int, o: dict, g: torch.Generator) -> dict:
+    pp, v, blocks = topo.pp, len(split[0]), split[topo.coords.pp]
+    words = torch.randint(0, cfg.vocab_size, (m, o["micro_batch_size"], o["seq_len"] + 1),
+                          generator=g)
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in words]
+    fns = {"megalite": _megalite(cfg, topo, blocks, o)}
+    if m >= pp:  # Schedule1F1B raises "Number of microbatches must be >= stages" otherwise
+        fns["torch"] = _pipelining(cfg, topo, blocks, m)
+    times = {n: [] for n in fns}
+    losses = {n: [] for n in fns}
+    bubbles = []
+    for i in range(o["warmup"] + o["steps"]):
+        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            dt, loss, busy, wall = _timed(fns[name], batches)
+            t = torch.tensor([dt, wall])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
+            s = torch.tensor([loss, busy / pp])
+            dist.all_reduce(s)  # loss from the last stage; mean busy time over the stages
+            losses[name].append(s[0].item())
+            if i >= o["warmup"]:
+                times[name].append(t[0].item())
+                if name == "megalite":
+                    bubbles.append(1 - s[1].item() / t[1].item())
+    row = {"pp": pp, "v": v, "m": m, "blocks": [[len(r) for r in c] for c in split],
+           "megalite_s": statistics.median(times["megalite"]),
+           "bubble": statistics.mean(bubbles),
+           "bubble_expected": expected_bubble(pp, m, v),
+           "loss_first": losses["megalite"][0], "loss_last": losses["megalite"][-1]}
+    if "torch" in fns:
+        lm, lt = losses["megalite"], losses["torch"]
+        row.update(torch_s=statistics.median(times["torch"]),
+                   rel_diff_first=abs(lm[0] - lt[0]) / abs(lt[0]),
+                   rel_diff_last=abs(lm[-1] - lt[-1]) / abs(lt[-1]))
+    return row
 
 
 def run(args) -> List[dict]:
@@ -210,8 +225,8 @@ def run(args) -> List[dict]:
 def _print_table(rows: List[dict]) -> None:
     print("\nstep time: median over timed steps (slowest rank); torch/megalite > 1: megalite "
           "faster. bubble: megalite's, mean over stages and steps.")
-    print(f"{'pp':>3} {'m':>3} {'megalite s':>11} {'torch s':>9} {'torch/megalite':>15} "
-          f"{'bubble':>7} {'(p-1)/(m+p-1)':>14} "
+    print(f"{'pp':>3} {'v':>2} {'m':>3} {'megalite s':>11} {'torch s':>9} {'torch/megalite':>15} "
+          f"{'bubble':>7} {'(p-1)/(vm+p-1)':>15} "
           f"{'loss rel diff 1st/last':>23}")
     for r in rows:
         if "torch_s" in r:
@@ -219,13 +234,15 @@ def _print_table(rows: List[dict]) -> None:
             diff = f"{r['rel_diff_first']:.1e} / {r['rel_diff_last']:.1e}"
         else:
             torch_s = ratio = diff = "n/a (m<p)"
-        print(f"{r['pp']:>3} {r['m']:>3} {r['megalite_s']:>11.3f} {torch_s:>9} {ratio:>15} "
-              f"{r['bubble']:>7.3f} {r['bubble_expected']:>14.3f} {diff:>23}")
+        print(f"{r['pp']:>3} {r['v']:>2} {r['m']:>3} {r['megalite_s']:>11.3f} {torch_s:>9} "
+              f"{ratio:>15} {r['bubble']:>7.3f} {r['bubble_expected']:>15.3f} {diff:>23}")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1],
+                        help="model chunks per rank (> 1: the interleaved schedules)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--n-layer", type=int, default=8)
