@@ -241,8 +241,8 @@ def test_interleaved_training_equals_pp1(tiny_data, tmp_path, serial_runs, pp, t
 
 def test_interleaved_with_zero_and_resharded_resume(tiny_data, tmp_path, serial_runs):
     """pp2 x dp2 with virtual_stages=2 under zero 3 equals the pp=1 run; its step-5 checkpoint
-    resumes under (pp2, v2, zero 1) and under (pp4, v1): steps 6-10 equal the uninterrupted
-    run (block names are global, so chunks do not show in the checkpoint)."""
+    resumes under (pp2, v2, zero 1), (pp2, v2, zero 2) and (pp4, v1): steps 6-10 equal the
+    uninterrupted run (block names are global, so chunks do not show in the checkpoint)."""
     root = tmp_path / "ckpt"
     writer = _layout(tiny_data, 2, 1, 4, ["parallel.virtual_stages=2", "zero=3",
                                           f"checkpoint.dir={root}"])
@@ -254,5 +254,6 @@ def test_interleaved_with_zero_and_resharded_resume(tiny_data, tmp_path, serial_
     resume = f"checkpoint.resume={root / 'step_00000005'}"
     for ranks in train_layouts(tmp_path / "r", 4, [
             _layout(tiny_data, 2, 1, 4, ["parallel.virtual_stages=2", "zero=1", resume]),
+            _layout(tiny_data, 2, 1, 4, ["parallel.virtual_stages=2", "zero=2", resume]),
             _layout(tiny_data, 4, 1, 4, [resume])], steps=5):
         assert_equal(expected, ranks)

@@ -65,6 +65,12 @@ class Round:
     recvs: List[Transfer] = field(default_factory=list)
 
 
+def _check_groups(pp: int, m: int) -> None:
+    if m % pp:
+        raise ValueError(f"the interleaved schedule needs m={m} micro-batches to be a multiple "
+                         f"of pp={pp}")
+
+
 def stage_order(pp: int, stage: int, m: int, v: int = 1) -> List[Op]:
     """The operations of `stage`, in order: 1F1B for v = 1, interleaved 1F1B for v > 1."""
     if v == 1:
@@ -73,9 +79,7 @@ def stage_order(pp: int, stage: int, m: int, v: int = 1) -> List[Op]:
         for i in range(m - warmup):
             order += [Op("F", 0, warmup + i), Op("B", 0, i)]
         return order + [Op("B", 0, i) for i in range(m - warmup, m)]
-    if m % pp:
-        raise ValueError(f"the interleaved schedule needs m={m} micro-batches to be a multiple "
-                         f"of pp={pp}")
+    _check_groups(pp, m)
     total = m * v
 
     def op(kind: str, k: int) -> Op:
@@ -101,9 +105,8 @@ def _source(kind: str, stage: int, chunk: int, pp: int, v: int) -> Optional[Tupl
 
 def forward_order(pp: int, m: int, v: int = 1) -> List[Op]:
     """Forward-only (evaluation): the training order's forwards, in the same micro-batch groups."""
-    if v > 1 and m % pp:
-        raise ValueError(f"the interleaved schedule needs m={m} micro-batches to be a multiple "
-                         f"of pp={pp}")
+    if v > 1:
+        _check_groups(pp, m)
     group = pp if v > 1 else m
     return [Op("F", (k % (group * v)) // group, (k // (group * v)) * group + k % group)
             for k in range(m * v)]
