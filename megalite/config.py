@@ -137,6 +137,8 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints (0 = only at the end)
     resume: str = "none"  # none | auto (latest complete checkpoint in dir) | path to a checkpoint
     keep: int = 3  # most recent checkpoints kept
+    async_save: bool = False  # write in a background thread: the loop only waits for a copy of
+    #                           the rank's state in host memory (torchtitan's async checkpoint)
 
 
 @dataclass

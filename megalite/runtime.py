@@ -65,7 +65,8 @@ def init_runtime(cfg: Config) -> Runtime:
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                 **kwargs)
-    topo = build_topology(cfg.tp, cfg.pp, dp_size(cfg, world), timeout_s=cfg.parallel.timeout_s)
+    topo = build_topology(cfg.tp, cfg.pp, dp_size(cfg, world), timeout_s=cfg.parallel.timeout_s,
+                          checkpoint_group=cfg.checkpoint.async_save)
     return Runtime(topology=topo, device=device, compute_dtype=compute_dtype(cfg.precision, device))
 
 

@@ -7,7 +7,10 @@ in total) in parallel; rank 0 then writes meta.json and publishes the directory.
 time (from the first rank starting to the directory being published, barrier to barrier),
 bytes on disk, write bandwidth, the time to load it back under the same layout (verification
 by CRC32 included), and under a different layout (dp -> dp=1, zero=0: every global tensor is
-rebuilt from all the pieces). Paths: --dir (default a temporary directory; put it on the file
+rebuilt from all the pieces). Then the same save in the background (checkpoint.async_save),
+twice: the one-off allocation of the staging buffer (at start-up in a run), how long the
+caller is blocked at each save (the snapshot into host memory) and how long until the second
+checkpoint is published. Paths: --dir (default a temporary directory; put it on the file
 system you care about).
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _build(preset: str, dp: int, zero: int, root: Path):
 
     cfg = load_config([f"model={preset}", f"zero={zero}", "device=cpu",
                        f"checkpoint.dir={root}"])
-    topo = build_topology(1, 1, dp)
+    topo = build_topology(1, 1, dp, checkpoint_group=True)
     model = GPT2(cfg.model, topo.tp_group)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, zero, cfg.optim)
@@ -48,6 +51,7 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
 
     from megalite.parallel.rng import RNGTracker
     from megalite.train import checkpoint as ckpt
+    from megalite.train.async_checkpoint import CheckpointSaver
 
     root = Path(root)
     zero = 1 if world > 1 else 0
@@ -67,7 +71,23 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     ckpt.load_checkpoint(path, fresh, cfg, topo)
     dist.barrier()
     load_s = time.perf_counter() - t0
-    return {"save_s": save_s, "load_s": load_s, "path": str(path)}
+    t0 = time.perf_counter()
+    saver = CheckpointSaver(root, cfg, topo, torch.device("cpu"), background=True,
+                            state_numel=ckpt.written_numel(engine, cfg, topo))
+    staging_s = time.perf_counter() - t0
+    blocked, published = [], []
+    for step in (2, 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        saver.save(step, engine, rng, {"consumed_samples": 0}, 0)
+        blocked.append(time.perf_counter() - t0)
+        saver.wait()
+        dist.barrier()
+        published.append(time.perf_counter() - t0)
+    saver.close()
+    return {"save_s": save_s, "load_s": load_s, "path": str(path),
+            "async_staging_s": staging_s, "async_blocked_s": blocked,
+            "async_published_s": published[1]}
 
 
 def _load_serial(rank: int, world: int, preset: str, root: str, path: str) -> float:
@@ -94,7 +114,11 @@ def run(args) -> List[dict]:
         save_s = max(r["save_s"] for r in res)
         rows.append({"dp": dp, "bytes": size, "save_s": save_s,
                      "load_s": max(r["load_s"] for r in res), "load_as_dp1_s": cross,
-                     "write_gb_s": size / save_s / 1e9})
+                     "write_gb_s": size / save_s / 1e9,
+                     "async_staging_s": max(r["async_staging_s"] for r in res),
+                     "async_blocked_s": [max(r["async_blocked_s"][i] for r in res)
+                                         for i in range(2)],
+                     "async_published_s": max(r["async_published_s"] for r in res)})
         if n_params is None:
             from megalite.model.gpt2 import num_parameters
 
@@ -104,11 +128,14 @@ def run(args) -> List[dict]:
     print(f"\ncheckpoint of model={args.preset} ({n_params / 1e6:.0f}M parameters, fp32 master "
           f"+ 2 AdamW moments = {12 * n_params / 2**30:.2f} GiB of state), gloo, 1 thread "
           f"per rank, {base}")
-    print(f"{'dp':>3} {'GiB':>6} {'save s':>7} {'GB/s':>6} {'load s':>7} {'load as dp=1 s':>15}")
+    print(f"{'dp':>3} {'GiB':>6} {'save s':>7} {'GB/s':>6} {'load s':>7} {'load as dp=1 s':>15}"
+          f" {'async: staging s':>16} {'blocked s':>11} {'published s':>11}")
     for r in rows:
         cross = f"{r['load_as_dp1_s']:.2f}" if r["load_as_dp1_s"] is not None else "-"
         print(f"{r['dp']:>3} {r['bytes'] / 2**30:>6.2f} {r['save_s']:>7.2f} {r['write_gb_s']:>6.2f} "
-              f"{r['load_s']:>7.2f} {cross:>15}")
+              f"{r['load_s']:>7.2f} {cross:>15} {r['async_staging_s']:>16.2f} "
+              f"{'/'.join(f'{b:.3f}' for b in r['async_blocked_s']):>11} "
+              f"{r['async_published_s']:>11.2f}")
     return rows
 
 

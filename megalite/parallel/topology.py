@@ -101,6 +101,12 @@ class Topology:
     def embedding_group(self) -> Group:
         return self.groups["embedding"]
 
+    @property
+    def checkpoint_group(self) -> Group:
+        """All ranks, over gloo: background checkpoint saves (`build_topology(...,
+        checkpoint_group=True)`), never used by the training thread."""
+        return self.groups["checkpoint"]
+
     def describe(self) -> str:
         c = self.coords
         return (f"rank {self.rank}/{self.world_size} tp={c.tp}/{self.tp} pp={c.pp}/{self.pp} "
@@ -108,11 +114,13 @@ class Topology:
 
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
-                   timeout_s: Optional[float] = None) -> Topology:
+                   timeout_s: Optional[float] = None, checkpoint_group: bool = False) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
 
     `dist.new_group` is collective over the whole world, so every rank creates every group in
-    the same order and keeps the handles of the groups it belongs to.
+    the same order and keeps the handles of the groups it belongs to. `checkpoint_group` adds
+    a gloo group of all ranks for a background thread's collectives (a separate communicator,
+    so they cannot interleave with the training thread's).
     """
     world = tp * pp * dp
     initialized = dist.is_available() and dist.is_initialized()
@@ -136,4 +144,10 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
             ranks, pg = mine
             topo.groups[kind] = Group(name=kind, ranks=ranks, rank=ranks.index(rank), pg=pg,
                                       counter=topo.counter)
+    if checkpoint_group:
+        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        pg = dist.new_group(list(range(world)), backend="gloo", **kwargs) \
+            if initialized and world > 1 else None
+        topo.groups["checkpoint"] = Group(name="checkpoint", ranks=list(range(world)),
+                                          rank=rank, pg=pg, counter=topo.counter)
     return topo

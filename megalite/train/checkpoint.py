@@ -18,8 +18,12 @@ Loading rebuilds each global tensor from its pieces (checking that they cover it
 slice the current rank owns under the *current* (tp, pp, dp, zero), and fills the master
 weights, the moments and the model parameters — so any valid layout resumes any checkpoint.
 
-A checkpoint counts only when complete: written under `step_N.tmp/`, published by rank 0 with
-an atomic rename after every rank has finished and meta.json is on disk. Only `step_N`
+A save is a snapshot (`take_snapshot`: this rank's pieces, RNG and data position at the end of
+a step) and its writing (`write_snapshot`), in the training thread or in a background thread
+(`megalite.train.async_checkpoint`). A checkpoint counts only when complete: written under
+`step_N.tmp/`, published by rank 0 with an atomic rename after every rank has reported its
+files written and meta.json is on disk. A rank that fails to write is reported to all: nothing
+is published and every rank raises the same error. Only `step_N`
 directories holding a meta.json are ever picked; the `keep` most recent are kept. A directory
 being replaced or deleted is first renamed out of the `step_N` namespace, so a crash midway
 never leaves a half-deleted directory that looks complete. When a run starts at step k, the
@@ -32,6 +36,7 @@ verdict is agreed over all ranks, so either every rank loads a checkpoint or non
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -39,9 +44,9 @@ import re
 import shutil
 import time
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -62,17 +67,30 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-def _gather_objects(obj) -> List:
-    if not (dist.is_available() and dist.is_initialized()):
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    if _distributed():
+        dist.barrier(group=group)
+
+
+def _gather_objects(obj, group: Optional[dist.ProcessGroup] = None) -> List:
+    if not _distributed():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _broadcast_object(obj, group: Optional[dist.ProcessGroup] = None):
+    """Rank 0's `obj` on every rank."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def complete_checkpoints(root: Path) -> List[Path]:
@@ -141,69 +159,155 @@ def _meta_crc32(meta: dict) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
-def save_checkpoint(root: Path, step: int, engine, rng_state: dict, sampler_state: dict,
-                    cfg: Config, topo: Topology, keep: int, skipped_steps: int = 0) -> Path:
-    """Collective: every rank must call it. Returns the published directory. `sampler_state`
-    is the data position (consumed samples; per-dataset counts of a blend)."""
-    rank = topo.rank
-    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
-    data_file = f"rank{rank:05d}.bin"
-    pieces, offset, crc = [], 0, 0
-    with open(tmp / data_file, "wb") as f:
-        for piece_param, seg, bucket in engine.main_params:
-            if not _writes(seg.spec, topo, cfg.zero):
+def written_numel(engine, cfg: Config, topo: Topology) -> int:
+    """Elements this rank writes into a checkpoint (once AdamW's moments exist)."""
+    return len(KINDS) * sum(seg.param_hi - seg.param_lo for _, seg, _ in engine.main_params
+                            if _writes(seg.spec, topo, cfg.zero))
+
+
+@dataclass
+class Snapshot:
+    """What one rank writes into a checkpoint, as of the end of one optimizer step.
+
+    `tensors` are the values of `pieces`, in file order: the live master weights and moments
+    for a save in the training thread, or copies in a staging buffer for a save in the
+    background (`take_snapshot(..., staging=...)`), which training may then overwrite."""
+    step: int
+    tensors: List[torch.Tensor]
+    pieces: List[dict]
+    rng_state: dict
+    sampler_state: dict
+    adam_step: int
+    skipped_steps: int
+
+
+def take_snapshot(step: int, engine, rng_state: dict, sampler_state: dict, cfg: Config,
+                  topo: Topology, skipped_steps: int = 0,
+                  staging: Optional[Callable[[int], torch.Tensor]] = None) -> Snapshot:
+    """This rank's pieces at `step`. With `staging` (numel -> a flat fp32 CPU buffer), their
+    values are copied into it (device-to-host for CUDA tensors) before returning."""
+    data_file = f"rank{topo.rank:05d}.bin"
+    tensors, pieces, offset = [], [], 0
+    for piece_param, seg, _ in engine.main_params:
+        if not _writes(seg.spec, topo, cfg.zero):
+            continue
+        state = engine.optimizer.state.get(piece_param, {})
+        for kind, t in (("param", piece_param), ("exp_avg", state.get("exp_avg")),
+                        ("exp_avg_sq", state.get("exp_avg_sq"))):
+            if t is None:
                 continue
-            state = engine.optimizer.state.get(piece_param, {})
-            tensors = {"param": piece_param.detach(), "exp_avg": state.get("exp_avg"),
-                       "exp_avg_sq": state.get("exp_avg_sq")}
-            for kind, t in tensors.items():
-                if t is None:
-                    continue
-                raw = t.detach().to("cpu", torch.float32).contiguous().numpy().data
-                f.write(raw)
-                crc = zlib.crc32(raw, crc)
-                pieces.append({"name": seg.spec.name, "kind": kind, "tp_rank": topo.coords.tp,
-                               "lo": seg.param_lo, "hi": seg.param_hi, "file": data_file,
-                               "offset": offset, "spec": _spec_record(seg.spec, topo.tp)})
-                offset += raw.nbytes
+            tensors.append(t.detach().reshape(-1))
+            pieces.append({"name": seg.spec.name, "kind": kind, "tp_rank": topo.coords.tp,
+                           "lo": seg.param_lo, "hi": seg.param_hi, "file": data_file,
+                           "offset": offset, "spec": _spec_record(seg.spec, topo.tp)})
+            offset += 4 * t.numel()
+    if staging is not None:
+        flat = staging(offset // 4)
+        views, at = [], 0
+        for t in tensors:
+            view = flat[at:at + t.numel()]
+            view.copy_(t, non_blocking=True)
+            views.append(view)
+            at += t.numel()
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        tensors = views
+    return Snapshot(step, tensors, pieces, rng_state, copy.deepcopy(sampler_state),
+                    engine.adam_step(), skipped_steps)
+
+
+def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
+    """This rank's data file (its pieces, raw little-endian fp32, fsynced) and RNG file;
+    returns their sizes and CRC32s."""
+    data_file, rng_file = f"rank{rank:05d}.bin", f"rng_rank{rank:05d}.pt"
+    size, crc = 0, 0
+    with open(tmp / data_file, "wb") as f:
+        for t in snap.tensors:
+            raw = t.to("cpu", torch.float32).contiguous().numpy().data
+            f.write(raw)
+            crc = zlib.crc32(raw, crc)
+            size += raw.nbytes
         f.flush()
         os.fsync(f.fileno())
-    rng_file = f"rng_rank{rank:05d}.pt"
-    torch.save(rng_state, tmp / rng_file)
-    files = {data_file: {"bytes": offset, "crc32": crc},
-             rng_file: {"bytes": (tmp / rng_file).stat().st_size,
-                        "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
-    gathered = _gather_objects((pieces, files))
+    torch.save(snap.rng_state, tmp / rng_file)
+    return {data_file: {"bytes": size, "crc32": crc},
+            rng_file: {"bytes": (tmp / rng_file).stat().st_size,
+                       "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
+
+
+def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, topo: Topology,
+             keep: int, gathered: List) -> None:
+    """Rank 0: meta.json (fsynced), then the atomic rename, then old checkpoints beyond `keep`
+    deleted."""
+    sources = data_sources(cfg.data)
+    meta = {"format_version": FORMAT_VERSION, "step": snap.step,
+            "consumed_samples": snap.sampler_state["consumed_samples"],
+            "sampler": snap.sampler_state, "adam_step": snap.adam_step,
+            "skipped_steps": snap.skipped_steps,
+            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
+                       "sp": cfg.sp, "virtual_stages": cfg.parallel.virtual_stages,
+                       "world_size": topo.world_size},
+            "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
+            "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)
+            "data_sources": [[str(d), w] for d, w in sources],
+            "files": {k: v for _, fs, _ in gathered for k, v in fs.items()},
+            "pieces": [p for ps, _, _ in gathered for p in ps]}
+    meta["meta_crc32"] = _meta_crc32(meta)
+    with open(tmp / "meta.json", "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        _discard(final)
+    os.replace(tmp, final)
+    for old in complete_checkpoints(root)[:-keep]:
+        _discard(old)
+
+
+def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep: int,
+                   group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Collective over `group` (default: the world): every rank writes its snapshot into
+    `step_N.tmp/`, rank 0 publishes `step_N/`. Any rank's failure is agreed on: nothing is
+    published and every rank raises CheckpointError naming the rank and the error (the
+    unfinished `step_N.tmp/` is deleted at the next start)."""
+    rank = topo.rank
+    final, tmp = root / f"step_{snap.step:08d}", root / f"step_{snap.step:08d}.tmp"
+    error: Optional[str] = None
     if rank == 0:
-        sources = data_sources(cfg.data)
-        meta = {"format_version": FORMAT_VERSION, "step": step,
-                "consumed_samples": sampler_state["consumed_samples"],
-                "sampler": sampler_state, "adam_step": engine.adam_step(),
-                "skipped_steps": skipped_steps,
-                "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
-                           "sp": cfg.sp, "world_size": topo.world_size},
-                "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
-                "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)
-                "data_sources": [[str(d), w] for d, w in sources],
-                "files": {k: v for _, fs in gathered for k, v in fs.items()},
-                "pieces": [p for ps, _ in gathered for p in ps]}
-        meta["meta_crc32"] = _meta_crc32(meta)
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            _discard(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(root)[:-keep]:
-            _discard(old)
-    _barrier()
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"rank 0: {type(e).__name__}: {e}"
+    _barrier(group)
+    files: dict = {}
+    if error is None:
+        try:
+            files = _write_rank_files(tmp, snap, rank)
+        except (OSError, RuntimeError) as e:
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+    gathered = _gather_objects((snap.pieces, files, error), group)
+    errors = [e for _, _, e in gathered if e]
+    if not errors and rank == 0:
+        try:
+            _publish(root, tmp, final, snap, cfg, topo, keep, gathered)
+        except OSError as e:
+            errors = [f"rank 0 publishing: {type(e).__name__}: {e}"]
+    errors = _broadcast_object(errors, group)
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CheckpointError(f"checkpoint {final} was not published: {errors[0]}{more}")
     return final
+
+
+def save_checkpoint(root: Path, step: int, engine, rng_state: dict, sampler_state: dict,
+                    cfg: Config, topo: Topology, keep: int, skipped_steps: int = 0) -> Path:
+    """Collective, in the calling thread: every rank must call it. Returns the published
+    directory. `sampler_state` is the data position (consumed samples; per-dataset counts of a
+    blend). Background saves: `megalite.train.async_checkpoint`."""
+    snap = take_snapshot(step, engine, rng_state, sampler_state, cfg, topo, skipped_steps)
+    return write_snapshot(root, snap, cfg, topo, keep)
 
 
 # --- load ---------------------------------------------------------------------------------

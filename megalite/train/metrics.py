@@ -109,6 +109,7 @@ WANDB_SECTIONS = {
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
     "pipeline_bubble": "perf/pipeline_bubble",
     "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
+    "checkpoint_blocked_s": "perf/checkpoint_blocked_s",
 }
 
 

@@ -10,6 +10,7 @@ same number the serial run computes.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -35,6 +36,7 @@ from megalite.parallel.zero import ZeroEngine
 from megalite.plan import make_plan
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
+from megalite.train.async_checkpoint import CheckpointSaver
 from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
                                     throughput)
 from megalite.train.optim import lr_at
@@ -98,6 +100,9 @@ class Trainer:
         self.bad_in_a_row = 0
         self._resume()
         self._set_aside_later_checkpoints()
+        self.saver = CheckpointSaver(
+            self.ckpt_root, cfg, topo, runtime.device, background=cfg.checkpoint.async_save,
+            state_numel=ckpt.written_numel(self.engine, cfg, topo))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
         self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops) if self.rank == 0 \
@@ -157,11 +162,11 @@ class Trainer:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
-    def save(self) -> Path:
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.engine,
-                                    ckpt.rng_state(self.rng), self.sampler.state_dict(),
-                                    self.cfg, self.topo, self.cfg.checkpoint.keep,
-                                    self.skipped_steps)
+    def save(self) -> Optional[Path]:
+        """Checkpoint the current step (collective). Returns the published directory, or None
+        with checkpoint.async_save (published in the background; `self.saver.wait()`)."""
+        return self.saver.save(self.step, self.engine, ckpt.rng_state(self.rng),
+                               self.sampler.state_dict(), self.skipped_steps)
 
     # --- reporting ----------------------------------------------------------------------
 
@@ -260,6 +265,21 @@ class Trainer:
         return self._global_mean(loss)
 
     def fit(self) -> List[dict]:
+        """Train to train.max_steps: evaluate, checkpoint and log on their schedules. Returns
+        the metric records. A background save still in flight is waited for at the end (also
+        when training fails, so the last checkpoint taken gets published)."""
+        try:
+            records = self._fit()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the training error is the one to report
+                self.saver.close()
+            raise
+        self.saver.close()
+        if self.writer is not None:
+            self.writer.close()
+        return records
+
+    def _fit(self) -> List[dict]:
         cfg, topo = self.cfg, self.topo
         t = cfg.train
         records: List[dict] = []
@@ -268,7 +288,7 @@ class Trainer:
         step_comm: dict = {}  # bytes sent by the training steps (not evaluation or logging)
         self.rt.synchronize()
         t0 = time.perf_counter()
-        excluded_s = 0.0
+        excluded_s = checkpoint_s = 0.0
         while self.step < t.max_steps:
             before = topo.counter.snapshot()
             loss, grad_norm = self.train_step()
@@ -285,9 +305,13 @@ class Trainer:
                 e0 = time.perf_counter()
                 val_loss = self.evaluate()
                 excluded_s += time.perf_counter() - e0
+            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
+                c0 = time.perf_counter()
+                self.save()
+                checkpoint_s += time.perf_counter() - c0
             if self.step % cfg.log.every == 0 or last:
                 self.rt.synchronize()
-                elapsed = time.perf_counter() - t0 - excluded_s
+                elapsed = time.perf_counter() - t0 - excluded_s - checkpoint_s
                 steps = steps_in_interval
                 per_step = {k: {n: v / steps for n, v in c.items()}
                             for k, c in step_comm.items() if c.get("calls")}
@@ -300,6 +324,7 @@ class Trainer:
                           "step_time_s": elapsed / steps,
                           "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
                           "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
+                          "checkpoint_blocked_s": checkpoint_s,
                           "skipped_steps": steps - len(losses),
                           "skipped_total": self.skipped_steps}
                 if topo.pp > 1:
@@ -313,14 +338,9 @@ class Trainer:
                 records.append(record)
                 if self.writer is not None:
                     self.writer.log(record)
-                losses, excluded_s, step_comm, steps_in_interval = [], 0.0, {}, 0
+                losses, step_comm, steps_in_interval = [], {}, 0
+                excluded_s = checkpoint_s = 0.0
                 t0 = time.perf_counter()
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
-                c0 = time.perf_counter()
-                self.save()
-                excluded_s += time.perf_counter() - c0
-        if self.writer is not None:
-            self.writer.close()
         return records
 
 
