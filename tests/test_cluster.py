@@ -305,11 +305,12 @@ def test_killed_worker_restarts_the_job_which_resumes_and_finishes(reference, ti
     restarted workers fail in init_process_group and the job dies once the restarts run out.
 
     The losses before the kill and after the resume equal the uninterrupted run's bit for bit
-    (fp32, no dropout).
+    (fp32, no dropout). This job saves in the background (checkpoint.async_save), so the kill
+    can also interrupt a save in flight; the reference run saved in the loop.
     """
     run_dir, ckpt = tmp_path / "run", tmp_path / "shared_ckpt"
     overrides = [f"data.dir={tiny_data}", *COMMON, f"checkpoint.dir={ckpt}",
-                 "checkpoint.resume=auto"]
+                 "checkpoint.resume=auto", "checkpoint.async_save=true"]
     with Job(tmp_path, run_dir, overrides, max_restarts=1) as job:
         a = job.agent("a", is_host=True)
         b = job.agent("b", is_host=False)

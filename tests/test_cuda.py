@@ -87,3 +87,36 @@ def test_attention_kernels_agree_with_math_in_bf16(choice):
     assert abs(out[choice][0] - out["math"][0]) <= 1e-2 * abs(out["math"][0])
     diff = (out[choice][1] - out["math"][1]).norm() / out["math"][1].norm()
     assert diff <= 3e-2, diff
+
+
+def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
+    """checkpoint.async_save on CUDA: the snapshot goes through pinned host memory, and the
+    background checkpoint holds the state of its step although training went on meanwhile."""
+    from megalite.config import load_config
+    from megalite.parallel.rng import RNGTracker
+    from megalite.train import checkpoint as ckpt
+    from megalite.train.async_checkpoint import CheckpointSaver
+
+    model, engine, schedule = _engine()
+    cfg = load_config(["device=cuda"])
+    topo = engine.topo
+    w = torch.randint(0, CFG.vocab_size, (4, 65), generator=torch.Generator().manual_seed(0))
+    batch = [(w[:, :-1].cuda(), w[:, 1:].cuda())]
+
+    def step():
+        schedule.train_step(batch)
+        engine.finish_grad_sync()
+        engine.clip_and_step(1e-3, 1.0)
+        engine.zero_grad()
+
+    step()
+    rng = ckpt.rng_state(RNGTracker(0, 0, 0, 0, torch.device("cuda")))
+    saver = CheckpointSaver(tmp_path / "bg", cfg, topo, torch.device("cuda"), background=True,
+                            state_numel=ckpt.written_numel(engine, cfg, topo))
+    assert saver._staging.is_pinned()
+    saver.save(1, engine, rng, {"consumed_samples": 4}, 0)
+    sync = ckpt.save_checkpoint(tmp_path / "loop", 1, engine, rng, {"consumed_samples": 4}, cfg,
+                                topo, keep=1)
+    step()  # overwrites the live state while the background save may still be writing
+    background = saver.close()
+    assert (background / "rank00000.bin").read_bytes() == (sync / "rank00000.bin").read_bytes()

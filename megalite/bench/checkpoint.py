@@ -63,7 +63,7 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     dist.barrier()
     t0 = time.perf_counter()
     path = ckpt.save_checkpoint(root, 1, engine, rng, {"consumed_samples": 0}, cfg, topo,
-                                keep=1)
+                                keep=3)
     save_s = time.perf_counter() - t0
     _, _, _, fresh = _build(preset, world, zero, root)
     dist.barrier()
