@@ -12,6 +12,7 @@ from megalite.config import ConfigError, load_config, validate
 from megalite.parallel.pipeline import Event, StepTrace, partition_layers, stage_chunks
 from megalite.parallel.schedule import (Op, expected_bubble, max_in_flight, peak_live_bytes,
                                         plan_rounds, stage_order)
+from megalite.spawn import run_ranks
 from tests.layouts import assert_equal, train_layout, train_layouts
 
 
@@ -257,3 +258,57 @@ def test_interleaved_with_zero_and_resharded_resume(tiny_data, tmp_path, serial_
             _layout(tiny_data, 2, 1, 4, ["parallel.virtual_stages=2", "zero=2", resume]),
             _layout(tiny_data, 4, 1, 4, [resume])], steps=5):
         assert_equal(expected, ranks)
+
+
+SLOW_S = 0.4
+
+
+def _slow_middle_stage(rank, world, m):
+    """pp=3 (1F1B, tiny chunks) with stage 1's forwards held up SLOW_S each; returns this
+    stage's F/B events of the second step."""
+    import time
+
+    from megalite.config import ModelConfig, OptimConfig
+    from megalite.model.init import init_parameters
+    from megalite.model.stage import build_stage
+    from megalite.parallel.pipeline import PipelineSchedule
+    from megalite.parallel.topology import build_topology
+    from megalite.parallel.zero import ZeroEngine
+
+    topo = build_topology(1, world, 1)
+    cfg = ModelConfig(n_layer=world, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = build_stage(cfg, stage_chunks(world, world)[rank], rank, world,
+                        tp_group=topo.tp_group)
+    for chunk in model.chunks:
+        init_parameters(chunk, seed=0)
+        if rank == 1:
+            fast = chunk.forward
+
+            def slow(*args, fast=fast):
+                time.sleep(SLOW_S)
+                return fast(*args)
+
+            chunk.forward = slow
+    engine = ZeroEngine(model, topo, 0, OptimConfig())
+    schedule = PipelineSchedule(model.chunks, topo, engine, (16, 2, 32), torch.float32,
+                                torch.device("cpu"))
+    w = torch.randint(0, 64, (m, 2, 17), generator=torch.Generator().manual_seed(0))
+    batches = [(x[:, :-1], x[:, 1:]) for x in w]
+    for _ in range(2):
+        schedule.train_step(batches)
+        engine.finish_grad_sync()
+        engine.zero_grad()
+    return [(e.kind, e.micro_batch, e.start, e.end) for e in schedule.trace.events]
+
+
+def test_a_stage_does_not_wait_for_its_sends():
+    """Stage 0 of pp=3 runs F0 F1 F2 before its first backward (1F1B warmup) and F2 needs
+    nothing from the other stages. Stage 1 receives F1's activation only after its own slow
+    forward of micro-batch 0: a stage that waited for its sends (lockstep rounds) would start
+    F2 about SLOW_S after F1 ended; posted without waiting, F2 follows F1 at once."""
+    events = run_ranks(_slow_middle_stage, 3, args=(3,), timeout_s=300)[0]
+    at = {(kind, mb): (start, end) for kind, mb, start, end in events}
+    assert [k for k, _, _, _ in events[:3]] == ["F", "F", "F"]
+    gap = at[("F", 2)][0] - at[("F", 1)][1]
+    assert gap < SLOW_S / 4, gap

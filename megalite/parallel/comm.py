@@ -177,19 +177,42 @@ def all_reduce_scalars(values: List[float], group: Group, op=dist.ReduceOp.SUM,
     return t.tolist()
 
 
+class PendingBatch:
+    """A posted batch of point-to-point operations: `wait()` (idempotent) blocks until all of
+    them are done, `done()` asks without blocking (NCCL answers as the operations finish;
+    gloo's operations report completion only once waited for). It holds the sent tensors
+    until then."""
+
+    def __init__(self, works, group: Group, sent: List[torch.Tensor]):
+        self._works, self._group, self._sent = list(works), group, sent
+
+    def done(self) -> bool:
+        if self._works and all(w.is_completed() for w in self._works):
+            self.wait()  # collects errors, if any
+        return not self._works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        if works:
+            _call("send/recv", self._group, lambda: [w.wait() for w in works])
+        self._sent = []
+
+
 def send_recv(sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Tensor, int]],
-              group: Group) -> None:
+              group: Group, async_op: bool = False) -> Optional[PendingBatch]:
     """Batched point-to-point: post every isend and irecv at once (so two neighbours that
-    exchange tensors cannot deadlock), then wait for all. Peers are indices into `group`."""
+    exchange tensors cannot deadlock), then wait for all, or with `async_op` return the
+    `PendingBatch` to wait on. Peers are indices into `group`."""
     ops = [dist.P2POp(dist.isend, t, group.ranks[peer], group=group.pg) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group.ranks[peer], group=group.pg) for t, peer in recvs]
     for t, _ in sends:
         group.counter.record(group.name, "send", _nbytes(t), _nbytes(t))
-    if ops:
-        def exchange():
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        _call("send/recv", group, exchange)
+    works = _call("send/recv", group, lambda: dist.batch_isend_irecv(ops)) if ops else []
+    batch = PendingBatch(works, group, [t for t, _ in sends])
+    if async_op:
+        return batch
+    batch.wait()
+    return None
 
 
 # --- autograd regions for tensor / sequence parallelism (Shoeybi 2019; Korthikanti 2022) -------

@@ -4,9 +4,13 @@ per rank).
 
 Activations travel forward and their gradients backward through batched isend/irecv with shapes
 known from the configuration (no shape handshake), grouped in the schedule's rounds so that no
-two ranks can wait on each other. A stage's output is freed as soon as it has been sent (only
-its autograd graph is kept; Megatron's "deallocate_output_tensor"), and its backward is started
-with the received gradient directly on the autograd engine.
+two ranks can wait on each other. A round's batch is posted without waiting for it: a stage
+waits for a received tensor only when an operation consumes it, and for its sends only at the
+end of the step (Megatron's overlap_p2p_comm), so a stage that is ahead never waits for a
+slower neighbour's operation of the same round. Once sent, a stage's output keeps only its
+autograd graph (Megatron's "deallocate_output_tensor"); its memory goes when the send is done
+(NCCL reports that as it happens; gloo only when waited for, so on CPU at the end of the
+step). A backward is started with the received gradient directly on the autograd engine.
 """
 from __future__ import annotations
 
@@ -73,14 +77,15 @@ class StageLink:
         self.shape, self.dtype, self.device = shape, dtype, device
 
     def exchange(self, sends: Sequence[Tuple[torch.Tensor, int]], sources: Sequence[int]
-                 ) -> List[torch.Tensor]:
-        """One batch: send each (tensor, stage), receive one tensor from each source stage (in
-        this order); returns the received tensors."""
+                 ) -> Tuple[List[torch.Tensor], comm.PendingBatch]:
+        """Post one batch: send each (tensor, stage), receive one tensor from each source stage
+        (in this order). Returns the receive buffers and the batch, which must be waited for
+        before they are read."""
         received = [torch.empty(self.shape, dtype=self.dtype, device=self.device)
                     for _ in sources]
-        comm.send_recv([(t.contiguous(), peer) for t, peer in sends],
-                       list(zip(received, sources)), self.group)
-        return received
+        batch = comm.send_recv([(t.contiguous(), peer) for t, peer in sends],
+                               list(zip(received, sources)), self.group, async_op=True)
+        return received, batch
 
 
 @dataclass
@@ -141,6 +146,13 @@ class _Clock:
         return end - start
 
 
+def _take(received: dict, key: Tuple[str, int, int]) -> torch.Tensor:
+    """A received tensor, once the batch that brought it is done."""
+    tensor, batch = received.pop(key)
+    batch.wait()
+    return tensor
+
+
 def _backward_from(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
     """Backward through `output`'s graph even though `output` itself was freed after sending
     (its shape no longer matches `grad`; the autograd engine does not check it)."""
@@ -175,7 +187,8 @@ class PipelineSchedule:
         (0.0 elsewhere). Gradients of the mean loss over the micro-batches accumulate."""
         m = len(micro_batches)
         marks, step_start = [], self.clock.mark()
-        received: Dict[Tuple[str, int, int], torch.Tensor] = {}  # (kind, chunk, micro-batch)
+        received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
+        posted: List[comm.PendingBatch] = []
         live: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=micro_batches[0][0].device)
         self.max_live = 0
@@ -183,10 +196,14 @@ class PipelineSchedule:
             op, outgoing = rnd.op, []
             if op is not None:
                 model, key = self.chunks[op.chunk], (op.chunk, op.micro_batch)
+                x, y = micro_batches[op.micro_batch]
+                # the received input first (it may still be in flight): waiting is not computing
+                edge = model.first if op.kind == "F" else model.last
+                arrived = None if edge else _take(received, ("act" if op.kind == "F" else "grad",
+                                                             *key))
                 t0 = self.clock.mark()
                 if op.kind == "F":
-                    x, y = micro_batches[op.micro_batch]
-                    inp = x if model.first else received.pop(("act", *key)).requires_grad_()
+                    inp = x if arrived is None else arrived.requires_grad_()
                     out = model(inp, y if model.last else None)
                     if model.last:
                         loss_sum += out.detach()
@@ -197,27 +214,32 @@ class PipelineSchedule:
                         outgoing.append(out)
                 else:
                     inp, out = live.pop(key)
-                    grad = torch.ones_like(out) if model.last else received.pop(("grad", *key))
                     self.engine.set_grad_sync(op.micro_batch == m - 1)  # the chunk's last
-                    _backward_from(out, grad)
+                    _backward_from(out, torch.ones_like(out) if arrived is None else arrived)
                     if not model.first:
                         outgoing.append(inp.grad)
                 marks.append((op.kind, op.micro_batch, op.chunk, t0, self.clock.mark()))
-            self._exchange(rnd, outgoing, received)
+            self._exchange(rnd, outgoing, received, posted)
             if op is not None and op.kind == "F" and outgoing:
-                out = outgoing[0]  # sent: keep only its autograd graph
+                out = outgoing[0]  # sent (the batch holds it until done): keep only the graph
                 out.data = torch.empty(1, dtype=out.dtype, device=out.device)
+        for batch in posted:
+            batch.wait()
         self._marks, self._step_marks = marks, (step_start, self.clock.mark())
         return (loss_sum / m).item() if self.topo.is_last_stage else 0.0
 
-    def _exchange(self, rnd, outgoing: List[torch.Tensor], received: dict) -> None:
-        """The round's batch: what this round's operation produced goes to its consumer, and
-        the transfers addressed to this stage arrive."""
+    def _exchange(self, rnd, outgoing: List[torch.Tensor], received: dict,
+                  posted: List[comm.PendingBatch]) -> None:
+        """Post the round's batch: what this round's operation produced goes to its consumer,
+        and the transfers addressed to this stage are received into `received` (waited for by
+        `_take`). `posted` keeps the batches not yet known to be done (their sent tensors)."""
         if not (rnd.sends or rnd.recvs):
             return
         sends = [(t.detach(), tr.dst) for t, tr in zip(outgoing, rnd.sends)]
-        for tr, t in zip(rnd.recvs, self.link.exchange(sends, [tr.src for tr in rnd.recvs])):
-            received[(tr.kind, tr.chunk, tr.micro_batch)] = t
+        tensors, batch = self.link.exchange(sends, [tr.src for tr in rnd.recvs])
+        for tr, t in zip(rnd.recvs, tensors):
+            received[(tr.kind, tr.chunk, tr.micro_batch)] = (t, batch)
+        posted[:] = [b for b in posted if not b.done()] + [batch]
 
     @property
     def trace(self) -> StepTrace:
@@ -231,18 +253,21 @@ class PipelineSchedule:
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward-only pass; the mean loss on the last stage (0.0 elsewhere)."""
-        received: Dict[Tuple[str, int, int], torch.Tensor] = {}
+        received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
+        posted: List[comm.PendingBatch] = []
         total = 0.0
         for rnd in self._rounds(len(micro_batches), forward_only=True):
             outgoing = []
             if rnd.op is not None:
                 model, (x, y) = self.chunks[rnd.op.chunk], micro_batches[rnd.op.micro_batch]
-                inp = x if model.first else received.pop(("act", rnd.op.chunk,
-                                                          rnd.op.micro_batch))
+                inp = x if model.first else _take(received, ("act", rnd.op.chunk,
+                                                             rnd.op.micro_batch))
                 out = model(inp, y if model.last else None)
                 if model.last:
                     total += out.float().item()
                 else:
                     outgoing.append(out)
-            self._exchange(rnd, outgoing, received)
+            self._exchange(rnd, outgoing, received, posted)
+        for batch in posted:
+            batch.wait()
         return total / len(micro_batches) if self.topo.is_last_stage else 0.0

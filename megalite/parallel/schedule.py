@@ -25,9 +25,11 @@ forward or backward: in round r each stage runs its next operation if its input 
 earlier round, and what it produces is sent in round r's exchange, where the receiver posts the
 matching receive. Every stage posts each round's sends and receives in one batch, in the order
 the simulation lists them, so every send of a round meets its receive in the same round of the
-peer: the exchanges cannot deadlock under any order (a rank only ever waits for peers that are
-in the same round, and their round only needs what earlier rounds delivered), also with p = 2
-where a rank's next and previous stage are the same rank. A schedule whose orders cannot
+peer: the exchanges cannot deadlock under any order, also with p = 2 where a rank's next and
+previous stage are the same rank. The executor posts a round's batch without waiting and waits
+for a transfer of round r only in a later round, when an operation consumes it; the peer posts
+round r once its operation of round r ran, which only needed transfers of earlier rounds, so
+by induction over the rounds every wait ends. A schedule whose orders cannot
 complete is refused when it is planned, before any rank waits.
 """
 from __future__ import annotations
