@@ -115,6 +115,9 @@ class LogConfig:
     progress: bool = True  # console progress bar
     pipeline_trace: bool = False  # write each rank's F/B schedule trace (Chrome trace format)
     #                              to <run dir>/pipeline_trace/ at every log step
+    profile_steps: Optional[List[int]] = None  # [first, last]: run these steps (numbered as in
+    #                                             metrics.jsonl) under torch.profiler; per rank
+    #                                             a Chrome trace + top-ops table in <run dir>/profile/
 
 
 @dataclass
@@ -351,6 +354,12 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
         _fail("log.wandb", cfg.log.wandb, "use auto, true, offline or false")
     if cfg.log.every < 1:
         _fail("log.every", cfg.log.every, "must be >= 1")
+    steps = cfg.log.profile_steps
+    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]
+                              or steps[0] > cfg.train.max_steps):
+        _fail("log.profile_steps", list(steps),
+              f"two step numbers [first, last] with 1 <= first <= last and first <= "
+              f"train.max_steps={cfg.train.max_steps}, e.g. [10, 12]; null = no profiling")
     if cfg.log.peak_tflops is not None and cfg.log.peak_tflops <= 0:
         _fail("log.peak_tflops", cfg.log.peak_tflops, "must be > 0 or null (= device table)")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:

@@ -40,6 +40,7 @@ from megalite.train.async_checkpoint import CheckpointSaver
 from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
                                     throughput)
 from megalite.train.optim import lr_at
+from megalite.train.profiling import StepProfiler
 
 
 class NonFiniteError(FloatingPointError):
@@ -100,6 +101,8 @@ class Trainer:
         self.bad_in_a_row = 0
         self._resume()
         self._set_aside_later_checkpoints()
+        self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank,
+                                     runtime.device)
         self.saver = CheckpointSaver(
             self.ckpt_root, cfg, topo, runtime.device, background=cfg.checkpoint.async_save,
             state_numel=ckpt.written_numel(self.engine, cfg, topo))
@@ -291,7 +294,9 @@ class Trainer:
         excluded_s = checkpoint_s = 0.0
         while self.step < t.max_steps:
             before = topo.counter.snapshot()
-            loss, grad_norm = self.train_step()
+            with self.profiler.step(self.step + 1):
+                loss, grad_norm = self.train_step()
+            excluded_s += self.profiler.take_export_seconds()
             for key, counts in topo.counter.delta(topo.counter.snapshot(), before).items():
                 acc = step_comm.setdefault(key, {})
                 for name, value in counts.items():
@@ -341,6 +346,7 @@ class Trainer:
                 losses, step_comm, steps_in_interval = [], {}, 0
                 excluded_s = checkpoint_s = 0.0
                 t0 = time.perf_counter()
+        self.profiler.close()
         return records
 
 
