@@ -127,6 +127,8 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient bucket size (fp32 MiB) for the DP reductions (zero 0-2)
     reshard_after_forward: bool = True  # zero=3: free gathered blocks after forward (else keep
     #                                     them for the whole step: less traffic, more memory)
+    overlap_param_gather: bool = False  # zero=1/2: all-gather the updated parameters during
+    #                                    the next forward, each block waiting for its own bucket
     edge_stage_layers: Optional[int] = None  # blocks on the first and last pipeline stage (they
     #                                          also hold embedding / head); null = balanced
     virtual_stages: int = 1  # model chunks per pipeline stage: > 1 runs the interleaved 1F1B
@@ -348,6 +350,11 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     data_sources(cfg.data)  # raises on a malformed data.blend
     if cfg.parallel.bucket_mb <= 0:
         _fail("parallel.bucket_mb", cfg.parallel.bucket_mb, "must be > 0 (e.g. 25)")
+    if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
+        _fail("parallel.overlap_param_gather", True,
+              f"needs zero=1 or zero=2 (zero={cfg.zero}: "
+              + ("no parameter gather to overlap" if cfg.zero == 0 else
+                 "ZeRO-3 gathers each block before use and prefetches the next already") + ")")
     if cfg.parallel.timeout_s <= 0:
         _fail("parallel.timeout_s", cfg.parallel.timeout_s, "must be > 0 seconds (e.g. 600)")
     if cfg.log.wandb not in ("auto", "true", "offline", "false"):

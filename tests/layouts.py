@@ -42,6 +42,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
             trainer.save()
         losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
         norms.append(norm)
+        trainer.engine.wait_for_params()  # overlap_param_gather: the next forward would wait
         ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
         with ctx:
             params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from megalite.spawn import run_ranks
 from tests.layouts import assert_equal, train_layout, train_layouts
 
 GLOBAL_BATCH = 8
@@ -114,3 +115,72 @@ def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
         assert_equal(serial, ranks)
         for res in ranks:  # every bucket padded up to a multiple of 3 elements
             assert res["bytes"]["params"] > 4 * res["local_numel"]
+
+
+def test_overlapped_parameter_gather_equals_serial(tiny_data, tmp_path, serial_run):
+    """parallel.overlap_param_gather: zero 1 and zero 2 (many small buckets) at dp 2, and zero 1
+    under pp 2: the gathers run during the next forward, and still every step equals the
+    serial run, with the same DP traffic."""
+    overlap = ["parallel.overlap_param_gather=true", "parallel.bucket_mb=0.05"]
+    runs = train_layouts(tmp_path, 2, [_common(tiny_data, ["zero=1", *overlap]),
+                                       _common(tiny_data, ["zero=2", *overlap])])
+    m = GLOBAL_BATCH // (MICRO_BATCH * 2)
+    for zero, ranks in zip((1, 2), runs):
+        assert_equal(serial_run, ranks)
+        _check_accounting(ranks, zero, 2, m)
+    ranks = train_layout(tmp_path / "pp", 4, _common(tiny_data, ["pp=2", "zero=1", *overlap]))
+    assert_equal(serial_run, ranks)
+
+
+def _gather_and_forward_order(rank, world, tiny_data, run_dir):
+    """One step, then the next step's order of (wait for bucket b) and (forward of unit u)."""
+    from megalite.config import load_config, validate
+    from megalite.runtime import init_runtime
+    from megalite.train.trainer import Trainer
+    from tests.conftest import TINY
+    from tests.layouts import FP32_NO_DROPOUT
+
+    cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, [
+        "zero=1", "parallel.overlap_param_gather=true", "parallel.bucket_mb=0.05"]))
+    validate(cfg, world)
+    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    gather = trainer.engine.param_gather
+    events = []
+    units = trainer.model.chunks[0].sharding_units()
+    for u, unit in enumerate(units):
+        unit.register_forward_pre_hook(lambda module, args, u=u: events.append(("forward", u)))
+    trainer.train_step()
+
+    class Recorded:
+        def __init__(self, work, index):
+            self.work, self.index = work, index
+
+        def wait(self):
+            events.append(("wait", self.index))
+            return self.work.wait()
+
+    index = {id(b): i for i, b in enumerate(gather.order)}
+    gather._pending = {k: Recorded(w, index[k]) for k, w in gather._pending.items()}
+    events.clear()
+    trainer.train_step()
+    by_param = {id(p): index[id(b)] for b in gather.order for p in b.params}
+    needs = [sorted({by_param[id(p)] for p in unit.parameters()}) for unit in units]
+    return events, needs, len(gather.order)
+
+
+def test_each_block_waits_for_its_own_buckets_only(tiny_data, tmp_path):
+    """Each unit's forward comes after the waits for every bucket holding its parameters, and
+    the first unit runs before the last bucket has been waited for (the gathers overlap the
+    forward instead of all finishing in the step)."""
+    for events, needs, n_buckets in run_ranks(_gather_and_forward_order, 2,
+                                              args=(tiny_data, str(tmp_path)), timeout_s=300):
+        assert n_buckets > 2
+        first_forward = {}
+        for i, event in enumerate(events):
+            if event[0] == "forward":
+                first_forward.setdefault(event[1], i)
+        waited = {b: i for i, (kind, b) in enumerate(events) if kind == "wait"}
+        assert sorted(waited) == list(range(n_buckets))
+        for unit, buckets in enumerate(needs):
+            assert all(waited[b] < first_forward[unit] for b in buckets), (unit, events)
+        assert first_forward[0] < waited[n_buckets - 1], events

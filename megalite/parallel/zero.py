@@ -145,12 +145,15 @@ class Bucket:
 
     # --- parameters ---------------------------------------------------------------------
 
-    def after_step(self) -> None:
-        """Master range -> model-dtype parameters; stages 1-2 gather every rank's range."""
+    def after_step(self, async_op: bool = False):
+        """Master range -> model-dtype parameters; stages 1-2 gather every rank's range (with
+        `async_op`, returns the gather's handle to wait on; None when there is none)."""
         if self.main is not self.param_region:
             self.param_region.copy_(self.main)
         if self.zero in (1, 2):
-            comm.all_gather(self.param_full, self.param_region, self.group)
+            return comm.all_gather(self.param_full, self.param_region, self.group,
+                                   async_op=async_op)
+        return None
 
 
 class ZeroEngine:
@@ -159,7 +162,8 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, topo: Topology, zero: int, optim: OptimConfig,
                  param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
-                 sequence_parallel: bool = False, reshard_after_forward: bool = True):
+                 sequence_parallel: bool = False, reshard_after_forward: bool = True,
+                 overlap_param_gather: bool = False):
         self.topo, self.zero, self.model = topo, zero, model
         self.sequence_parallel = sequence_parallel and topo.tp > 1
         from megalite.parallel.zero3 import unit_groups
@@ -188,6 +192,11 @@ class ZeroEngine:
             from megalite.parallel.zero3 import Zero3Gathering
 
             self.zero3 = Zero3Gathering(model.chunks, self, reshard_after_forward)
+        self.param_gather = None  # zero 1/2 with overlap_param_gather: see param_gather.py
+        if overlap_param_gather and zero in (1, 2):
+            from megalite.parallel.param_gather import OverlappedParamGather
+
+            self.param_gather = OverlappedParamGather(model.chunks, self.buckets)
         self._build_optimizer(optim)
 
     # --- optimizer ----------------------------------------------------------------------
@@ -284,9 +293,18 @@ class ZeroEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        for b in self.buckets:
-            b.after_step()
+        if self.param_gather is not None:
+            self.param_gather.launch()  # waited for by the next forward, unit by unit
+        else:
+            for b in self.buckets:
+                b.after_step()
         return norm
+
+    def wait_for_params(self) -> None:
+        """Make the model parameters current (they are after every step unless the
+        parameter gather overlaps the next forward)."""
+        if self.param_gather is not None:
+            self.param_gather.wait()
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -320,6 +338,7 @@ class ZeroEngine:
     @torch.no_grad()
     def params_from_master(self) -> None:
         """Model parameters from the (just loaded) master ranges."""
+        self.wait_for_params()
         for b in self.buckets:
             b.after_step()
 

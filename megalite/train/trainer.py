@@ -76,7 +76,8 @@ class Trainer:
         self.engine = ZeroEngine(
             self.model, topo, cfg.zero, cfg.optim, param_dtype=runtime.compute_dtype,
             bucket_mb=cfg.parallel.bucket_mb, sequence_parallel=cfg.sp,
-            reshard_after_forward=cfg.parallel.reshard_after_forward)
+            reshard_after_forward=cfg.parallel.reshard_after_forward,
+            overlap_param_gather=cfg.parallel.overlap_param_gather)
 
         t = cfg.train
         self.num_micro = num_micro_batches(cfg, topo.world_size)
@@ -168,6 +169,7 @@ class Trainer:
     def save(self) -> Optional[Path]:
         """Checkpoint the current step (collective). Returns the published directory, or None
         with checkpoint.async_save (published in the background; `self.saver.wait()`)."""
+        self.engine.wait_for_params()  # the master ranges alias the parameters on CPU
         return self.saver.save(self.step, self.engine, ckpt.rng_state(self.rng),
                                self.sampler.state_dict(), self.skipped_steps)
 
@@ -347,6 +349,7 @@ class Trainer:
                 excluded_s = checkpoint_s = 0.0
                 t0 = time.perf_counter()
         self.profiler.close()
+        self.engine.wait_for_params()
         return records
 
 
