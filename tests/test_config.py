@@ -48,6 +48,8 @@ def bad(overrides, world_size=1):
     (["pp=2", "parallel.edge_stage_layers=1"], 2, "parallel.edge_stage_layers=1"),
     (["pp=3", "parallel.edge_stage_layers=2"], 3, "parallel.edge_stage_layers=2"),
     (["parallel.bucket_mb=0"], 1, "parallel.bucket_mb=0"),
+    (["parallel.overlap_param_gather=true"], 1, "parallel.overlap_param_gather=True: needs zero=1"),
+    (["zero=3", "parallel.overlap_param_gather=true"], 1, "ZeRO-3 gathers each block"),
     (["zero=5"], 1, "zero=5"),
     (["sp=true"], 1, "sp=True"),
     (["model.n_head=3"], 1, "model.n_head=3"),
