@@ -58,8 +58,7 @@ class CheckpointSaver:
 
     def __init__(self, root: Path, cfg: Config, topo: Topology, device: torch.device,
                  background: bool, state_numel: int = 0):
-        self.root, self.cfg, self.topo, self.device = root, cfg, topo, device
-        self.background = background
+        self.root, self.cfg, self.topo = root, cfg, topo
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megalite-checkpoint") \
             if background else None
         self._pending: Optional[Future] = None
@@ -98,7 +97,8 @@ class CheckpointSaver:
         return pending.result() if pending is not None else None
 
     def close(self) -> Optional[Path]:
-        """Wait for the last save and stop the background thread."""
+        """Wait for the last save and stop the background thread (later saves, if any, run
+        in the calling thread)."""
         try:
             return self.wait()
         finally:
