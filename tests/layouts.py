@@ -31,7 +31,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     validate(cfg, world)
     trainer = Trainer(cfg, init_runtime(cfg), run_dir)
     zero3 = trainer.engine.zero3
-    losses, norms, params, max_live = [], [], [], []
+    losses, norms, params, max_live, param_norms = [], [], [], [], []
     counter = trainer.topo.counter
     for _ in range(steps):
         before = counter.snapshot()
@@ -42,6 +42,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
             trainer.save()
         losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
         norms.append(norm)
+        param_norms.append(trainer.engine.param_norm().item())
         trainer.engine.wait_for_params()  # overlap_param_gather: the next forward would wait
         ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
         with ctx:
@@ -50,7 +51,8 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     specs = dict(trainer.model.param_specs)
     c = trainer.topo.coords
     local_numel = sum(p.numel() for p in trainer.model.parameters())
-    return {"losses": losses, "norms": norms, "val": val, "params": params, "specs": specs,
+    return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
+            "params": params, "specs": specs,
             "coords": (c.tp, c.pp, c.dp), "tp_rank": c.tp, "tp": trainer.topo.tp,
             "max_live": max_live, "local_numel": local_numel,
             "bytes": trainer.engine.state_bytes(), "step_comm": step_comm}
@@ -77,6 +79,14 @@ def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 
 
+PER_STEP = ("losses", "norms", "param_norms", "params")
+
+
+def from_step(result: dict, start: int) -> dict:
+    """A run's result seen from step `start` on (to compare a resumed run with)."""
+    return {**result, **{key: result[key][start:] for key in PER_STEP}}
+
+
 def close(a: float, b: float, rel: float) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
@@ -96,6 +106,8 @@ def assert_equal(serial: dict, ranks: List[dict], rel: float = 1e-5, atol: float
                 (r, s, serial["losses"][s], res["losses"][s])
             assert close(serial["norms"][s], res["norms"][s], rel), \
                 (r, s, serial["norms"][s], res["norms"][s])
+            assert close(serial["param_norms"][s], res["param_norms"][s], rel), \
+                (r, s, serial["param_norms"][s], res["param_norms"][s])
         assert close(serial["val"], res["val"], rel), (r, serial["val"], res["val"])
         for s in range(steps):
             ref = serial_global(serial, s)

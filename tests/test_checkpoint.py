@@ -16,7 +16,8 @@ from megalite.train import checkpoint as ckpt
 from megalite.train.trainer import NonFiniteError, Trainer
 from tests.conftest import TINY
 from megalite.spawn import RankFailure, run_ranks
-from tests.layouts import FP32_NO_DROPOUT, assert_equal, train_layout, train_layouts
+from tests.layouts import (FP32_NO_DROPOUT, assert_equal, from_step, train_layout,
+                           train_layouts)
 
 STEPS, SAVE_AT = 10, 5
 
@@ -24,12 +25,6 @@ STEPS, SAVE_AT = 10, 5
 def _common(tiny_data, *extra):
     return [f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8",
             *extra]
-
-
-def _from(serial: dict, start: int) -> dict:
-    """The serial run seen from step `start` on."""
-    return {**serial, "losses": serial["losses"][start:], "norms": serial["norms"][start:],
-            "params": serial["params"][start:]}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +53,7 @@ def test_resume_under_any_layout(tiny_data, tmp_path, serial_run):
         assert b["losses"] == a["losses"][SAVE_AT:], rank  # exact: same layout, fp32
         assert b["norms"] == a["norms"][SAVE_AT:], rank
 
-    expected = _from(serial_run, SAVE_AT)
+    expected = from_step(serial_run, SAVE_AT)
     (serial_resumed,) = train_layouts(tmp_path / "r1", 1, [_common(tiny_data, *resume)],
                                       steps=STEPS - SAVE_AT)
     assert_equal(expected, serial_resumed)

@@ -218,10 +218,14 @@ class ZeroEngine:
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),
                                            eps=cfg.eps, **extra)
-        tp_rank = self.topo.coords.tp
-        self._norm_grads = [p.grad for p, seg, _ in self.main_params
-                            if not seg.spec.tied_copy and (tp_rank == 0 or not seg.spec.tp_replicated)]
+        self._norm_grads = [p.grad for p, seg, _ in self.main_params if self._counted(seg)]
         self._all_grads = [p.grad for p, _, _ in self.main_params]
+
+    def _counted(self, seg: Segment) -> bool:
+        """Whether this rank counts `seg` in a global norm: the tied embedding's second copy
+        never, TP-replicated tensors on TP rank 0 only."""
+        spec = seg.spec
+        return not spec.tied_copy and (self.topo.coords.tp == 0 or not spec.tp_replicated)
 
     # --- gradient flow ------------------------------------------------------------------
 
@@ -269,17 +273,26 @@ class ZeroEngine:
         if self.zero3 is not None:
             self.zero3.end_of_step()
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient of the whole model (see the module docstring)."""
-        device = self.buckets[0].main_grad.device
-        if self._norm_grads:
-            sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(self._norm_grads)]).sum()
+    def _global_norm(self, pieces: List[torch.Tensor]) -> torch.Tensor:
+        """L2 norm over the whole model of tensors laid out like the master pieces, each
+        element counted once (see the module docstring)."""
+        if pieces:
+            sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(pieces)]).sum()
         else:
-            sq = torch.zeros((), device=device)
+            sq = torch.zeros((), device=self.buckets[0].main_grad.device)
         if self.zero >= 1:
             comm.all_reduce(sq, self.topo.dp_group)
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradient of the whole model."""
+        return self._global_norm(self._norm_grads)
+
+    def param_norm(self) -> torch.Tensor:
+        """Global L2 norm of the fp32 master weights (Megatron's --log-params-norm)."""
+        return self._global_norm([p.detach() for p, seg, _ in self.main_params
+                                  if self._counted(seg)])
 
     def clip_and_step(self, lr: float, max_norm: float, norm: Optional[torch.Tensor] = None
                       ) -> torch.Tensor:

@@ -104,6 +104,7 @@ def throughput(tokens: int, seconds: float, flops_per_token: int, world_size: in
 # jsonl key -> wandb key; the prefixes are the panel sections of a wandb workspace.
 WANDB_SECTIONS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "param_norm": "train/param_norm",
     "val_loss": "val/loss", "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",

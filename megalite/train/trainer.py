@@ -326,6 +326,7 @@ class Trainer:
                 tokens = steps * t.global_batch_size * t.seq_len
                 record = {"step": self.step, "loss": mean_loss, "val_loss": val_loss,
                           "lr": self.last_lr, "grad_norm": grad_norm,
+                          "param_norm": self.engine.param_norm().item(),
                           **throughput(tokens, elapsed, self.flops_per_token, topo.world_size,
                                        self.peak),
                           "step_time_s": elapsed / steps,
