@@ -89,6 +89,10 @@ class TrainConfig:
     attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
     max_bad_steps: int = 5  # consecutive steps with a NaN/inf loss or gradient that are
     #                         skipped (no update, counted) before the run stops
+    max_minutes: Optional[float] = None  # stop after this much training time with a
+    #                                      checkpoint (below the scheduler's time limit)
+    exit_signal: Optional[str] = None  # SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: on this signal
+    #                                    finish the step, checkpoint and exit cleanly
 
 
 @dataclass
@@ -168,6 +172,9 @@ class Config:
 def register_configs() -> None:
     """Register the schema so Hydra type-checks `conf/config.yaml` against `Config`."""
     ConfigStore.instance().store(name="megalite_schema", node=Config)
+
+
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
 def _fail(key: str, value, remedy: str) -> None:
@@ -322,6 +329,11 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
               "of each pipeline stage), or null for every block")
     if t.max_steps < 1:
         _fail("train.max_steps", t.max_steps, "must be a positive integer")
+    if t.max_minutes is not None and t.max_minutes <= 0:
+        _fail("train.max_minutes", t.max_minutes, "must be > 0 minutes, or null (no limit)")
+    if t.exit_signal is not None and t.exit_signal not in EXIT_SIGNALS:
+        _fail("train.exit_signal", t.exit_signal,
+              f"use one of {', '.join(EXIT_SIGNALS)}, or null (no handler)")
     if t.max_bad_steps < 1:
         _fail("train.max_bad_steps", t.max_bad_steps, "must be >= 1 (1 = stop at the first "
               "non-finite step)")

@@ -14,7 +14,7 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -41,6 +41,7 @@ from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak
                                     throughput)
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
+from megalite.train.stop import StopRequest
 
 
 class NonFiniteError(FloatingPointError):
@@ -102,6 +103,7 @@ class Trainer:
         self.bad_in_a_row = 0
         self._resume()
         self._set_aside_later_checkpoints()
+        self.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, runtime.device)
         self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank,
                                      runtime.device)
         self.saver = CheckpointSaver(
@@ -285,73 +287,95 @@ class Trainer:
         return records
 
     def _fit(self) -> List[dict]:
-        cfg, topo = self.cfg, self.topo
-        t = cfg.train
+        cfg, t = self.cfg, self.cfg.train
+        counter = self.topo.counter
         records: List[dict] = []
-        losses: List[float] = []
-        steps_in_interval = 0
-        step_comm: dict = {}  # bytes sent by the training steps (not evaluation or logging)
         self.rt.synchronize()
-        t0 = time.perf_counter()
-        excluded_s = checkpoint_s = 0.0
-        while self.step < t.max_steps:
-            before = topo.counter.snapshot()
-            with self.profiler.step(self.step + 1):
-                loss, grad_norm = self.train_step()
-            excluded_s += self.profiler.take_export_seconds()
-            for key, counts in topo.counter.delta(topo.counter.snapshot(), before).items():
-                acc = step_comm.setdefault(key, {})
-                for name, value in counts.items():
-                    acc[name] = acc.get(name, 0) + value
-            if loss is not None:
-                losses.append(loss)
-            steps_in_interval += 1
-            last = self.step == t.max_steps
-            val_loss = None
-            if t.eval_every and (self.step % t.eval_every == 0 or last):
-                e0 = time.perf_counter()
-                val_loss = self.evaluate()
-                excluded_s += time.perf_counter() - e0
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
-                c0 = time.perf_counter()
-                self.save()
-                checkpoint_s += time.perf_counter() - c0
-            if self.step % cfg.log.every == 0 or last:
-                self.rt.synchronize()
-                elapsed = time.perf_counter() - t0 - excluded_s - checkpoint_s
-                steps = steps_in_interval
-                per_step = {k: {n: v / steps for n, v in c.items()}
-                            for k, c in step_comm.items() if c.get("calls")}
-                mean_loss = self._global_mean(sum(losses) / len(losses)) if losses else None
-                tokens = steps * t.global_batch_size * t.seq_len
-                record = {"step": self.step, "loss": mean_loss, "val_loss": val_loss,
-                          "lr": self.last_lr, "grad_norm": grad_norm,
-                          "param_norm": self.engine.param_norm().item(),
-                          **throughput(tokens, elapsed, self.flops_per_token, topo.world_size,
-                                       self.peak),
-                          "step_time_s": elapsed / steps,
-                          "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
-                          "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
-                          "checkpoint_blocked_s": checkpoint_s,
-                          "skipped_steps": steps - len(losses),
-                          "skipped_total": self.skipped_steps}
-                if topo.pp > 1:
-                    record["pipeline_bubble"] = self._measured_bubble()
-                    record["pipeline_bubble_expected"] = expected_bubble(
-                        topo.pp, self.num_micro, cfg.parallel.virtual_stages)
-                if cfg.log.pipeline_trace:
-                    self.schedule.trace.dump(
-                        self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
-                        topo.coords.pp, self.rank)
-                records.append(record)
-                if self.writer is not None:
-                    self.writer.log(record)
-                losses, step_comm, steps_in_interval = [], {}, 0
-                excluded_s = checkpoint_s = 0.0
-                t0 = time.perf_counter()
+        interval = _Interval()
+        with self.stop_request as stop:
+            while self.step < t.max_steps:
+                before = counter.snapshot()
+                with self.profiler.step(self.step + 1):
+                    loss, grad_norm = self.train_step()
+                interval.excluded_s += self.profiler.take_export_seconds()
+                interval.add_step(loss, counter.delta(counter.snapshot(), before))
+                stopping = stop.reason()
+                end = self.step == t.max_steps
+                last = end or stopping is not None
+                val_loss = None
+                if t.eval_every and (self.step % t.eval_every == 0 or end):
+                    e0 = time.perf_counter()
+                    val_loss = self.evaluate()
+                    interval.excluded_s += time.perf_counter() - e0
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
+                    c0 = time.perf_counter()
+                    self.save()
+                    interval.checkpoint_s += time.perf_counter() - c0
+                if self.step % cfg.log.every == 0 or last:
+                    records.append(self._record(interval, val_loss, grad_norm))
+                    if self.writer is not None:
+                        self.writer.log(records[-1])
+                    interval = _Interval()
+                if stopping is not None:
+                    if self.rank == 0:
+                        print(f"megalite: stopped after step {self.step} ({stopping}); the "
+                              "checkpoint of this step continues it with "
+                              "checkpoint.resume=auto", file=sys.stderr)
+                    break
         self.profiler.close()
         self.engine.wait_for_params()
         return records
+
+    def _record(self, interval: "_Interval", val_loss: Optional[float], grad_norm: float
+                ) -> dict:
+        """The metrics line closing `interval` (collective: means and norms over ranks)."""
+        cfg, topo, t = self.cfg, self.topo, self.cfg.train
+        self.rt.synchronize()
+        elapsed = time.perf_counter() - interval.t0 - interval.excluded_s - interval.checkpoint_s
+        steps, losses = interval.steps, interval.losses
+        per_step = {k: {n: v / steps for n, v in c.items()}
+                    for k, c in interval.comm.items() if c.get("calls")}
+        mean_loss = self._global_mean(sum(losses) / len(losses)) if losses else None
+        tokens = steps * t.global_batch_size * t.seq_len
+        record = {"step": self.step, "loss": mean_loss, "val_loss": val_loss,
+                  "lr": self.last_lr, "grad_norm": grad_norm,
+                  "param_norm": self.engine.param_norm().item(),
+                  **throughput(tokens, elapsed, self.flops_per_token, topo.world_size,
+                               self.peak),
+                  "step_time_s": elapsed / steps,
+                  "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
+                  "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
+                  "checkpoint_blocked_s": interval.checkpoint_s,
+                  "skipped_steps": steps - len(losses),
+                  "skipped_total": self.skipped_steps}
+        if topo.pp > 1:
+            record["pipeline_bubble"] = self._measured_bubble()
+            record["pipeline_bubble_expected"] = expected_bubble(
+                topo.pp, self.num_micro, cfg.parallel.virtual_stages)
+        if cfg.log.pipeline_trace:
+            self.schedule.trace.dump(self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
+                                     topo.coords.pp, self.rank)
+        return record
+
+
+@dataclass
+class _Interval:
+    """What the steps since the last metrics line add up to."""
+    t0: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    losses: List[float] = field(default_factory=list)  # of the steps not skipped
+    comm: dict = field(default_factory=dict)  # bytes sent by the training steps
+    excluded_s: float = 0.0  # evaluation, profiler export: not training time
+    checkpoint_s: float = 0.0  # waiting for checkpoint saves
+
+    def add_step(self, loss: Optional[float], step_comm: dict) -> None:
+        self.steps += 1
+        if loss is not None:
+            self.losses.append(loss)
+        for key, counts in step_comm.items():
+            acc = self.comm.setdefault(key, {})
+            for name, value in counts.items():
+                acc[name] = acc.get(name, 0) + value
 
 
 def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
