@@ -159,7 +159,8 @@ class Config:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
-    init_from: Optional[str] = None  # HF GPT2LMHeadModel directory or hub id to load weights from
+    init_from: Optional[str] = None  # weights to start from: HF GPT2LMHeadModel directory or hub
+    #                                  id, or a megalite checkpoint (weights only, step 0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -22,9 +22,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from megalite.config import ConfigError, data_sources, register_configs, to_config, validate  # noqa: E402
 from megalite.data.loader import DataError, check_data  # noqa: E402
-from megalite.model.hf import check_init_from  # noqa: E402
 from megalite.plan import make_plan, memory_warning  # noqa: E402
 from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env  # noqa: E402
+from megalite.train.init_from import check_init_from  # noqa: E402
 from megalite.train.trainer import Trainer, broadcast_run_dir  # noqa: E402
 
 register_configs()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +202,37 @@ def test_resume_under_another_data_order_is_said(tiny_data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "train.seq_len=16 differs from the checkpoint's 32" in err
     assert "seed=7 differs from the checkpoint's 1234" in err
+
+
+def _start_from(rank, world, tiny_data, run_dir, source):
+    """A tp=2 run with init_from=`source`: its parameters before training, against the
+    checkpoint's; and where it starts."""
+    cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, "tp=2", f"init_from={source}"))
+    validate(cfg, world)
+    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    state = ckpt.read_global_state(ckpt.latest_checkpoint(Path(source)))
+    c = trainer.topo.coords
+    differ = [name for name, p in trainer.model.named_parameters()
+              if not torch.equal(p.detach(), trainer.model.param_specs[name].shard(
+                  state[trainer.model.param_specs[name].name], c.tp, trainer.topo.tp))]
+    return {"differ": differ, "step": trainer.step, "adam_step": trainer.engine.adam_step(),
+            "consumed": trainer.sampler.consumed_samples}
+
+
+def test_init_from_a_megalite_checkpoint_takes_the_weights_only(tiny_data, tmp_path):
+    """init_from=<checkpoint.dir> (Megatron's --finetune): the latest checkpoint's weights, cut
+    for tp=2, and a fresh start (step 0, no AdamW moments, data from the beginning); a model
+    shape that does not match is refused before launch, naming the key."""
+    from megalite.config import ConfigError
+    from megalite.train.init_from import check_init_from
+
+    root = tmp_path / "ckpt"
+    trainer = _trainer(tiny_data, tmp_path / "a", "train.max_steps=3", f"checkpoint.dir={root}",
+                       "log.progress=false")
+    trainer.fit()
+    for res in run_ranks(_start_from, 2, args=(tiny_data, str(tmp_path / "b"), str(root)),
+                         timeout_s=300):
+        assert res == {"differ": [], "step": 0, "adam_step": 0, "consumed": 0}, res
+    check_init_from(str(root), trainer.cfg.model)
+    with pytest.raises(ConfigError, match="model.n_layer=3: init_from=.* n_layer=2"):
+        check_init_from(str(root), load_config(TINY + ["model.n_layer=3"]).model)

@@ -25,7 +25,6 @@ from megalite.config import Config, data_sources, num_micro_batches, resolve_pat
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab, val_batches
 from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.model.gpt2 import flops_per_token, num_parameters
-from megalite.model.hf import load_hf_state_dict
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import build_stage
 from megalite.parallel import comm
@@ -37,6 +36,7 @@ from megalite.plan import make_plan
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.async_checkpoint import CheckpointSaver
+from megalite.train.init_from import load_init_state
 from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
                                     throughput)
 from megalite.train.optim import lr_at
@@ -69,11 +69,11 @@ class Trainer:
                                      rng=self.rng, recompute=cfg.train.recompute,
                                      compile=cfg.train.compile, attention=cfg.train.attention,
                                      recompute_layers=cfg.train.recompute_layers)
-        hf_state = load_hf_state_dict(cfg.init_from, cfg.model) if cfg.init_from else None
+        init_state = load_init_state(cfg.init_from, cfg.model) if cfg.init_from else None
         for chunk in self.model.chunks:
             init_parameters(chunk, cfg.seed)  # the same global weights in every layout
-            if hf_state is not None:
-                load_global_state(chunk, hf_state)
+            if init_state is not None:
+                load_global_state(chunk, init_state)
         self.engine = ZeroEngine(
             self.model, topo, cfg.zero, cfg.optim, param_dtype=runtime.compute_dtype,
             bucket_mb=cfg.parallel.bucket_mb, sequence_parallel=cfg.sp,
