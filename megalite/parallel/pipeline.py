@@ -8,17 +8,18 @@ two ranks can wait on each other. A round's batch is posted without waiting for 
 waits for a received tensor only when an operation consumes it, and for its sends only at the
 end of the step (Megatron's overlap_p2p_comm), so a stage that is ahead never waits for a
 slower neighbour's operation of the same round. Once sent, a stage's output keeps only its
-autograd graph (Megatron's "deallocate_output_tensor"); its memory goes when the send is done
-(NCCL reports that as it happens; gloo only when waited for, so on CPU at the end of the
-step). A backward is started with the received gradient directly on the autograd engine.
+autograd graph (Megatron's "deallocate_output_tensor"); its memory goes once its batch and the
+batches posted before it are done (NCCL reports that as it happens; gloo only when waited for,
+so on CPU at the end of the step). A backward is started with the received gradient directly on the autograd engine.
 """
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import Variable
@@ -188,7 +189,7 @@ class PipelineSchedule:
         m = len(micro_batches)
         marks, step_start = [], self.clock.mark()
         received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
-        posted: List[comm.PendingBatch] = []
+        posted: Deque[comm.PendingBatch] = deque()
         live: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=micro_batches[0][0].device)
         self.max_live = 0
@@ -229,17 +230,21 @@ class PipelineSchedule:
         return (loss_sum / m).item() if self.topo.is_last_stage else 0.0
 
     def _exchange(self, rnd, outgoing: List[torch.Tensor], received: dict,
-                  posted: List[comm.PendingBatch]) -> None:
+                  posted: Deque[comm.PendingBatch]) -> None:
         """Post the round's batch: what this round's operation produced goes to its consumer,
         and the transfers addressed to this stage are received into `received` (waited for by
-        `_take`). `posted` keeps the batches not yet known to be done (their sent tensors)."""
+        `_take`). `posted` keeps the batches, oldest first, until they are known to be done
+        (they hold the sent tensors); only the oldest are asked, so a round costs O(1) even
+        where completion is never reported before a wait (gloo)."""
         if not (rnd.sends or rnd.recvs):
             return
         sends = [(t.detach(), tr.dst) for t, tr in zip(outgoing, rnd.sends)]
         tensors, batch = self.link.exchange(sends, [tr.src for tr in rnd.recvs])
         for tr, t in zip(rnd.recvs, tensors):
             received[(tr.kind, tr.chunk, tr.micro_batch)] = (t, batch)
-        posted[:] = [b for b in posted if not b.done()] + [batch]
+        posted.append(batch)
+        while posted and posted[0].done():
+            posted.popleft()
 
     @property
     def trace(self) -> StepTrace:
@@ -254,7 +259,7 @@ class PipelineSchedule:
     def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward-only pass; the mean loss on the last stage (0.0 elsewhere)."""
         received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
-        posted: List[comm.PendingBatch] = []
+        posted: Deque[comm.PendingBatch] = deque()
         total = 0.0
         for rnd in self._rounds(len(micro_batches), forward_only=True):
             outgoing = []

@@ -30,6 +30,11 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
     meta.json only); names the first mismatch."""
     ckpt = megalite_checkpoint(source)
     if ckpt is None:
+        if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+            raise ConfigError(f"init_from={source!r}: this directory holds neither a "
+                              "transformers GPT-2 (config.json) nor a megalite checkpoint "
+                              "(meta.json, or a checkpoint.dir with a complete step_N); give one "
+                              "of those or a hub id such as gpt2")
         hf.check_init_from(source, cfg)
         return
     try:

@@ -33,7 +33,6 @@ class StepProfiler:
         self.out_dir, self.rank, self.device = Path(out_dir), rank, device
         self._prof: Optional[profile] = None
         self._export_s = 0.0
-        self.written: list = []
 
     def take_export_seconds(self) -> float:
         """Seconds spent writing results since the last call (to leave out of throughput)."""
@@ -72,7 +71,6 @@ class StepProfiler:
         table = self.out_dir / f"rank{self.rank:05d}.txt"
         table.write_text(prof.key_averages().table(sort_by=key, row_limit=TABLE_ROWS,
                                                    max_name_column_width=70))
-        self.written += [trace, table]
         if self.rank == 0:
             print(f"megalite: profile of steps {self.window[0]}-{self.window[1]} written to "
                   f"{self.out_dir}", flush=True)
