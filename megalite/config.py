@@ -141,6 +141,19 @@ class ParallelConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """Loss scaling for precision=fp16 (megalite.train.loss_scale; Megatron's --loss-scale,
+    --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis)."""
+
+    static: Optional[float] = None  # a fixed scale; None = dynamic scaling with the keys below
+    initial: float = 65536.0  # dynamic: the first scale (2^16)
+    min: float = 1.0  # dynamic: the scale never drops below this; overflows there count as
+    #                   non-finite steps (train.max_bad_steps)
+    window: int = 1000  # dynamic: the scale doubles after this many steps without overflow
+    hysteresis: int = 2  # dynamic: overflows tolerated (skipped) before the scale halves
+
+
+@dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # None = <run dir>/checkpoints
     every: int = 0  # steps between checkpoints (0 = only at the end)
@@ -157,7 +170,8 @@ class Config:
     zero: int = 0  # ZeRO stage over the data-parallel dimension
     sp: bool = False  # sequence parallelism (with tp > 1)
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) |
+    #                          fp32 | bf16 | fp16 (fp16 params + fp32 master/moments, loss scaling)
     device: str = "auto"  # auto | cpu | cuda
     init_from: Optional[str] = None  # weights to start from: HF GPT2LMHeadModel directory or hub
     #                                  id, or a megalite checkpoint (weights only, step 0)
@@ -167,6 +181,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
@@ -176,6 +191,7 @@ def register_configs() -> None:
 
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def _fail(key: str, value, remedy: str) -> None:
@@ -206,6 +222,14 @@ def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
     return sources
 
 
+def resolved_precision(precision: str, device_type: str) -> str:
+    """What `precision` computes in on `device_type`: bf16, fp16 or fp32 (auto = bf16 on
+    CUDA, fp32 elsewhere)."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return precision
+
+
 def dp_size(cfg: Config, world_size: int) -> int:
     return world_size // (cfg.tp * cfg.pp)
 
@@ -232,8 +256,9 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if cfg.sp and cfg.tp == 1:
         _fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
     dp = dp_size(cfg, world_size)
-    if cfg.precision not in ("auto", "fp32", "bf16"):
-        _fail("precision", cfg.precision, "use auto, fp32 or bf16")
+    if cfg.precision not in PRECISIONS:
+        _fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
+    _check_loss_scale(cfg)
     if cfg.device not in ("auto", "cpu", "cuda"):
         _fail("device", cfg.device, "use auto, cpu or cuda")
     if cfg.device == "cuda" and not local_gpus:
@@ -389,6 +414,29 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
         _fail("checkpoint.resume", cfg.checkpoint.resume,
               "use none, auto, or the path of an existing checkpoint directory")
     return warnings
+
+
+def _check_loss_scale(cfg: Config) -> None:
+    ls = cfg.loss_scale
+    if ls.static is not None:
+        if cfg.precision != "fp16":
+            _fail("loss_scale.static", ls.static, f"only precision=fp16 scales the loss "
+                  f"(precision={cfg.precision!r}: bf16 and fp32 share fp32's exponent range and "
+                  "need no scaling); remove it or set precision=fp16")
+        if not (ls.static > 0 and math.isfinite(ls.static)):
+            _fail("loss_scale.static", ls.static, "must be a positive number (e.g. 1024), or "
+                  "null for dynamic scaling")
+    for key in ("initial", "min"):
+        value = getattr(ls, key)
+        if not (value > 0 and math.isfinite(value)):
+            _fail(f"loss_scale.{key}", value, f"must be a positive number (default "
+                  f"{getattr(LossScaleConfig, key)})")
+    if ls.min > ls.initial:
+        _fail("loss_scale.min", ls.min, f"must be <= loss_scale.initial={ls.initial}")
+    for key in ("window", "hysteresis"):
+        if getattr(ls, key) < 1:
+            _fail(f"loss_scale.{key}", getattr(ls, key), f"must be >= 1 (default "
+                  f"{getattr(LossScaleConfig, key)})")
 
 
 def num_micro_batches(cfg: Config, world_size: int) -> int:

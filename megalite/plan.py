@@ -3,7 +3,7 @@ theoretical memory report, with ZeRO's placement vocabulary).
 
 For every pipeline stage, per rank (Ψ = parameter elements of the rank's TP slice of the stage,
 vocabulary padded; N = DP size; t = TP size; m = micro-batches per step; e = bytes of the
-compute dtype, 2 for bf16, 4 for fp32):
+compute dtype, 2 for bf16 and fp16, 4 for fp32):
 
   state       bytes                                     placement
   P params    e·Ψ   (zero 3: e·Ψ/N)                     replicated | sharded-with-gather (zero 3)
@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.config import Config, dp_size, num_micro_batches
+from megalite.config import Config, dp_size, num_micro_batches, resolved_precision
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.pipeline import stage_chunks
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
@@ -153,8 +153,8 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
     tp, pp, zero, sp = cfg.tp, cfg.pp, cfg.zero, cfg.sp and cfg.tp > 1
     dp = dp_size(cfg, world_size)
     micro = num_micro_batches(cfg, world_size)
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device_type == "cuda")
-    e = 2 if bf16 else 4
+    dtype = resolved_precision(cfg.precision, device_type)
+    e = 4 if dtype == "fp32" else 2
     h, f, a = m.n_embd, m.ffn_size, m.n_head
     vocab = padded_vocab_size(m.vocab_size, tp)
     s, b = t_cfg.seq_len, t_cfg.micro_batch_size
@@ -254,6 +254,6 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
     layout = {"model": m.name, "tp": tp, "pp": pp, "dp": dp, "zero": zero, "sp": sp,
               "virtual_stages": v,
               "recompute": t_cfg.recompute, "recompute_layers": t_cfg.recompute_layers,
-              "dtype": "bf16" if bf16 else "fp32",
+              "dtype": dtype,
               "micro_batch": b, "seq_len": s, "micro_batches": micro, "world_size": world_size}
     return Plan(layout, placement, stages)

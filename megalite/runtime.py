@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, dp_size
+from megalite.config import Config, dp_size, resolved_precision
 from megalite.parallel.topology import Topology, build_topology
 
 
@@ -48,10 +48,11 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    return DTYPES[resolved_precision(precision, device.type)]
 
 
 def init_runtime(cfg: Config) -> Runtime:

@@ -31,7 +31,8 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     validate(cfg, world)
     trainer = Trainer(cfg, init_runtime(cfg), run_dir)
     zero3 = trainer.engine.zero3
-    losses, norms, params, max_live, param_norms = [], [], [], [], []
+    losses, norms, params, max_live, param_norms, masters_cast = [], [], [], [], [], []
+    masters = [_masters(trainer.engine)]
     counter = trainer.topo.counter
     for _ in range(steps):
         before = counter.snapshot()
@@ -44,6 +45,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
         norms.append(norm)
         param_norms.append(trainer.engine.param_norm().item())
         trainer.engine.wait_for_params()  # overlap_param_gather: the next forward would wait
+        masters_cast.append(_parameters_are_masters_cast(trainer.engine))
         ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
         with ctx:
             params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
@@ -55,7 +57,21 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
             "params": params, "specs": specs,
             "coords": (c.tp, c.pp, c.dp), "tp_rank": c.tp, "tp": trainer.topo.tp,
             "max_live": max_live, "local_numel": local_numel,
-            "bytes": trainer.engine.state_bytes(), "step_comm": step_comm}
+            "bytes": trainer.engine.state_bytes(), "step_comm": step_comm,
+            "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)]}
+
+
+def _masters(engine) -> List[tuple]:
+    """This rank's fp32 master ranges: (global name, lo, hi of the flattened TP slice, values)."""
+    return [(seg.spec.name, seg.param_lo, seg.param_hi, piece.detach().clone())
+            for piece, seg, _ in engine.main_params]
+
+
+def _parameters_are_masters_cast(engine) -> bool:
+    """Every owned range of the model-dtype parameters is its fp32 master range cast down."""
+    return all(b.main.dtype == torch.float32 and
+               torch.equal(b.param_region, b.main.to(b.param_region.dtype))
+               for b in engine.buckets)
 
 
 def _many(rank, world, runs, run_dir, steps, save_at):
@@ -116,3 +132,32 @@ def assert_equal(serial: dict, ranks: List[dict], rel: float = 1e-5, atol: float
                 expect = spec.shard(ref[spec.name], res["tp_rank"], res["tp"])
                 torch.testing.assert_close(local, expect, rtol=rel, atol=atol,
                                            msg=f"rank {r} step {s} {name}")
+
+
+def _global_masters(result: dict, which: int) -> Dict[str, torch.Tensor]:
+    """A serial run's fp32 master weights (first or last of `result["masters"]`) as global
+    tensors (vocabulary padding removed)."""
+    flat: Dict[str, list] = {}
+    for name, lo, _, values in result["masters"][which]:
+        flat.setdefault(name, []).append((lo, values))
+    specs = {s.name: s for s in result["specs"].values() if not s.tied_copy}
+    return {name: specs[name].unshard([torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])])
+                                       .view(specs[name].local_shape(1))])
+            for name, parts in flat.items()}
+
+
+def master_update_error(serial: dict, rank: dict) -> float:
+    """How far a rank's fp32 master weights after the run are from its slice of the serial
+    run's, relative to how far training moved them: ||w - w_serial|| / ||w_serial - w_0||
+    over the ranges the rank owns. Under bf16/fp16 the two runs round differently, so this
+    is small but not zero; a lost or doubled gradient or update makes it of order 1."""
+    start, end = _global_masters(serial, 0), _global_masters(serial, -1)
+    specs = {s.name: s for s in rank["specs"].values()}
+    err = moved = 0.0
+    for name, lo, hi, values in rank["masters"][-1]:
+        spec = specs[name]
+        expect = spec.shard(end[name], rank["tp_rank"], rank["tp"]).reshape(-1)[lo:hi]
+        initial = spec.shard(start[name], rank["tp_rank"], rank["tp"]).reshape(-1)[lo:hi]
+        err += float(((values - expect) ** 2).sum())
+        moved += float(((expect - initial) ** 2).sum())
+    return math.sqrt(err / moved)

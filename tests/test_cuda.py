@@ -1,6 +1,6 @@
-"""The CUDA path: bf16 parameters with fp32 master weights and moments, fused AdamW, SDPA's
-flash kernel, torch.compile. Skipped on machines without a GPU (CI); run on one with
-`python -m pytest tests/test_cuda.py`."""
+"""The CUDA path: bf16 (or fp16, loss-scaled) parameters with fp32 master weights and
+moments, fused AdamW, SDPA's flash kernel, torch.compile. Skipped on machines without a GPU
+(CI); run on one with `python -m pytest tests/test_cuda.py`."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ CFG = ModelConfig(n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=1
                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def _engine(compile: bool = False):
+def _engine(compile: bool = False, dtype: torch.dtype = torch.bfloat16):
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
@@ -26,15 +26,17 @@ def _engine(compile: bool = False):
     with torch.device(device):
         model = GPT2(CFG, topo.tp_group, compile=compile)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, 0, OptimConfig(lr=1e-3), param_dtype=torch.bfloat16)
-    schedule = PipelineSchedule(model.chunks, topo, engine, (64, 4, CFG.n_embd), torch.bfloat16, device)
+    engine = ZeroEngine(model, topo, 0, OptimConfig(lr=1e-3), param_dtype=dtype)
+    schedule = PipelineSchedule(model.chunks, topo, engine, (64, 4, CFG.n_embd), dtype, device)
     return model, engine, schedule
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_bf16_training_with_fp32_master_weights(compile):
-    model, engine, schedule = _engine(compile)
-    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in model.parameters())
+@pytest.mark.parametrize("compile,dtype,scale", [(False, torch.bfloat16, 1.0),
+                                                 (True, torch.bfloat16, 1.0),
+                                                 (False, torch.float16, 1024.0)])
+def test_reduced_precision_training_with_fp32_master_weights(compile, dtype, scale):
+    model, engine, schedule = _engine(compile, dtype)
+    assert all(p.dtype == dtype and p.is_cuda for p in model.parameters())
     assert all(b.main.dtype == torch.float32 for b in engine.buckets)
     assert engine.optimizer.defaults["fused"]
     g = torch.Generator().manual_seed(0)
@@ -42,9 +44,9 @@ def test_bf16_training_with_fp32_master_weights(compile):
     batch = [(w[:, :-1], w[:, 1:])]
     losses = []
     for _ in range(20):
-        losses.append(schedule.train_step(batch))
+        losses.append(schedule.train_step(batch, loss_scale=scale))
         engine.finish_grad_sync()
-        engine.clip_and_step(1e-3, 1.0)
+        engine.clip_and_step(1e-3, 1.0, grad_scale=scale)
         engine.zero_grad()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 1.0, losses  # memorising one batch
@@ -114,9 +116,9 @@ def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
     saver = CheckpointSaver(tmp_path / "bg", cfg, topo, torch.device("cuda"), background=True,
                             state_numel=ckpt.written_numel(engine, cfg, topo))
     assert saver._staging.is_pinned()
-    saver.save(1, engine, rng, {"consumed_samples": 4}, 0)
-    sync = ckpt.save_checkpoint(tmp_path / "loop", 1, engine, rng, {"consumed_samples": 4}, cfg,
-                                topo, keep=1)
+    progress = ckpt.Progress({"consumed_samples": 4})
+    saver.save(1, engine, rng, progress)
+    sync = ckpt.save_checkpoint(tmp_path / "loop", 1, engine, rng, progress, cfg, topo, keep=1)
     step()  # overwrites the live state while the background save may still be writing
     background = saver.close()
     assert (background / "rank00000.bin").read_bytes() == (sync / "rank00000.bin").read_bytes()

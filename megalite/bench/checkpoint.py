@@ -62,8 +62,8 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     rng = ckpt.rng_state(RNGTracker(0, 0, 0, rank, torch.device("cpu")))
     dist.barrier()
     t0 = time.perf_counter()
-    path = ckpt.save_checkpoint(root, 1, engine, rng, {"consumed_samples": 0}, cfg, topo,
-                                keep=3)
+    path = ckpt.save_checkpoint(root, 1, engine, rng, ckpt.Progress({"consumed_samples": 0}),
+                                cfg, topo, keep=3)
     save_s = time.perf_counter() - t0
     _, _, _, fresh = _build(preset, world, zero, root)
     dist.barrier()
@@ -79,7 +79,7 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     for step in (2, 3):
         dist.barrier()
         t0 = time.perf_counter()
-        saver.save(step, engine, rng, {"consumed_samples": 0}, 0)
+        saver.save(step, engine, rng, ckpt.Progress({"consumed_samples": 0}))
         blocked.append(time.perf_counter() - t0)
         saver.wait()
         dist.barrier()

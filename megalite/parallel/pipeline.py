@@ -183,9 +183,11 @@ class PipelineSchedule:
     def _rounds(self, m: int, forward_only: bool):
         return plan_rounds(self.topo.pp, m, len(self.chunks), forward_only)[self.topo.coords.pp]
 
-    def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                   loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch; returns the mean loss on the last stage
-        (0.0 elsewhere). Gradients of the mean loss over the micro-batches accumulate."""
+        (0.0 elsewhere). Gradients of the mean loss over the micro-batches, times
+        `loss_scale` (fp16 loss scaling; the engine unscales), accumulate."""
         m = len(micro_batches)
         marks, step_start = [], self.clock.mark()
         received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
@@ -209,6 +211,8 @@ class PipelineSchedule:
                     if model.last:
                         loss_sum += out.detach()
                         out = out / m
+                        if loss_scale != 1.0:
+                            out = out * loss_scale
                     live[key] = (None if model.first else inp, out)
                     self.max_live = max(self.max_live, len(live))
                     if not model.last:

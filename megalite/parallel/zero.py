@@ -294,14 +294,19 @@ class ZeroEngine:
         return self._global_norm([p.detach() for p, seg, _ in self.main_params
                                   if self._counted(seg)])
 
-    def clip_and_step(self, lr: float, max_norm: float, norm: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
+    def clip_and_step(self, lr: float, max_norm: float, norm: Optional[torch.Tensor] = None,
+                      grad_scale: float = 1.0) -> torch.Tensor:
         """Global-norm clipping (no-op when max_norm = 0), AdamW on the owned ranges, and the
-        parameters brought up to date. Returns the pre-clipping norm."""
+        parameters brought up to date. Returns the pre-clipping norm.
+
+        `grad_scale`: the factor the gradients carry (fp16 loss scaling); they are divided by
+        it in the same pass as the clipping, and `norm`, if given, is the unscaled norm."""
         if norm is None:
-            norm = self.grad_norm()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            norm = self.grad_norm() / grad_scale
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+        if grad_scale != 1.0:
+            coef = 1.0 / grad_scale if coef is None else coef / grad_scale
+        if coef is not None:
             torch._foreach_mul_(self._all_grads, coef)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -74,18 +74,17 @@ class CheckpointSaver:
             self._staging = _host_buffer(numel, self._pinned)
         return self._staging[:numel]
 
-    def save(self, step: int, engine, rng_state: dict, sampler_state: dict,
-             skipped_steps: int) -> Optional[Path]:
+    def save(self, step: int, engine, rng_state: dict, progress: ckpt.Progress
+             ) -> Optional[Path]:
         """Collective. In the training thread: returns the published directory. In the
         background: returns None once the snapshot is taken; `wait()` returns the directory."""
         keep = self.cfg.checkpoint.keep
         if self._pool is None:
-            snap = ckpt.take_snapshot(step, engine, rng_state, sampler_state, self.cfg,
-                                      self.topo, skipped_steps)
+            snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo)
             return ckpt.write_snapshot(self.root, snap, self.cfg, self.topo, keep)
         self.wait()  # one save in flight; its staging buffer is about to be overwritten
-        snap = ckpt.take_snapshot(step, engine, rng_state, sampler_state, self.cfg, self.topo,
-                                  skipped_steps, staging=self._staging_buffer)
+        snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo,
+                                  staging=self._staging_buffer)
         group = self.topo.checkpoint_group.pg if self.topo.world_size > 1 else None
         self._pending = self._pool.submit(ckpt.write_snapshot, self.root, snap, self.cfg,
                                           self.topo, keep, group)

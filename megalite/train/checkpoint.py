@@ -3,9 +3,10 @@
     <checkpoint.dir>/step_00000100/
         rank00003.bin       this rank's pieces of global tensors, raw little-endian fp32
         rng_rank00003.pt    this rank's RNG streams (restored when the layout is unchanged)
-        meta.json           written last by rank 0: step, sampler position, layout, model shape,
-                            the index of every piece, every file's size and CRC32, and the
-                            CRC32 of meta.json's own content
+        meta.json           written last by rank 0: step, sampler position, skipped steps, the
+                            fp16 loss scale, layout, model shape, the index of every piece,
+                            every file's size and CRC32, and the CRC32 of meta.json's own
+                            content
 
 A *piece* is a contiguous range [lo, hi) of one TP rank's slice (flattened) of one global tensor
 (HF name, e.g. `transformer.h.3.attn.c_attn.weight`) of one kind (`param` = the fp32 master
@@ -166,6 +167,14 @@ def written_numel(engine, cfg: Config, topo: Topology) -> int:
 
 
 @dataclass
+class Progress:
+    """Where a run stands besides its tensors (the same on every rank, kept in meta.json)."""
+    sampler: dict  # the data position: consumed samples (per-dataset counts of a blend)
+    skipped_steps: int = 0  # non-finite steps skipped so far
+    loss_scaler: Optional[dict] = None  # precision=fp16: the dynamic loss scale's state
+
+
+@dataclass
 class Snapshot:
     """What one rank writes into a checkpoint, as of the end of one optimizer step.
 
@@ -176,14 +185,13 @@ class Snapshot:
     tensors: List[torch.Tensor]
     pieces: List[dict]
     rng_state: dict
-    sampler_state: dict
+    progress: Progress
     adam_step: int
-    skipped_steps: int
 
 
-def take_snapshot(step: int, engine, rng_state: dict, sampler_state: dict, cfg: Config,
-                  topo: Topology, skipped_steps: int = 0,
-                  staging: Optional[Callable[[int], torch.Tensor]] = None) -> Snapshot:
+def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: Config,
+                  topo: Topology, staging: Optional[Callable[[int], torch.Tensor]] = None
+                  ) -> Snapshot:
     """This rank's pieces at `step`. With `staging` (numel -> a flat fp32 CPU buffer), their
     values are copied into it (device-to-host for CUDA tensors) before returning."""
     data_file = f"rank{topo.rank:05d}.bin"
@@ -212,8 +220,8 @@ def take_snapshot(step: int, engine, rng_state: dict, sampler_state: dict, cfg: 
         if any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()
         tensors = views
-    return Snapshot(step, tensors, pieces, rng_state, copy.deepcopy(sampler_state),
-                    engine.adam_step(), skipped_steps)
+    return Snapshot(step, tensors, pieces, rng_state, copy.deepcopy(progress),
+                    engine.adam_step())
 
 
 def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
@@ -240,10 +248,11 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
     """Rank 0: meta.json (fsynced), then the atomic rename, then old checkpoints beyond `keep`
     deleted."""
     sources = data_sources(cfg.data)
+    progress = snap.progress
     meta = {"format_version": FORMAT_VERSION, "step": snap.step,
-            "consumed_samples": snap.sampler_state["consumed_samples"],
-            "sampler": snap.sampler_state, "adam_step": snap.adam_step,
-            "skipped_steps": snap.skipped_steps,
+            "consumed_samples": progress.sampler["consumed_samples"],
+            "sampler": progress.sampler, "adam_step": snap.adam_step,
+            "skipped_steps": progress.skipped_steps, "loss_scaler": progress.loss_scaler,
             "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
                        "sp": cfg.sp, "virtual_stages": cfg.parallel.virtual_stages,
                        "world_size": topo.world_size},
@@ -301,12 +310,11 @@ def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep
     return final
 
 
-def save_checkpoint(root: Path, step: int, engine, rng_state: dict, sampler_state: dict,
-                    cfg: Config, topo: Topology, keep: int, skipped_steps: int = 0) -> Path:
+def save_checkpoint(root: Path, step: int, engine, rng_state: dict, progress: Progress,
+                    cfg: Config, topo: Topology, keep: int) -> Path:
     """Collective, in the calling thread: every rank must call it. Returns the published
-    directory. `sampler_state` is the data position (consumed samples; per-dataset counts of a
-    blend). Background saves: `megalite.train.async_checkpoint`."""
-    snap = take_snapshot(step, engine, rng_state, sampler_state, cfg, topo, skipped_steps)
+    directory. Background saves: `megalite.train.async_checkpoint`."""
+    snap = take_snapshot(step, engine, rng_state, progress, cfg, topo)
     return write_snapshot(root, snap, cfg, topo, keep)
 
 

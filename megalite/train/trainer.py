@@ -37,6 +37,7 @@ from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.async_checkpoint import CheckpointSaver
 from megalite.train.init_from import load_init_state
+from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
                                     throughput)
 from megalite.train.optim import lr_at
@@ -101,6 +102,8 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0  # non-finite steps skipped so far (this process)
         self.bad_in_a_row = 0
+        self.loss_scaler = LossScaler.from_config(cfg.loss_scale) \
+            if runtime.compute_dtype == torch.float16 else None
         self._resume()
         self._set_aside_later_checkpoints()
         self.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, runtime.device)
@@ -144,6 +147,8 @@ class Trainer:
                 continue
             self.step = meta["step"]
             self.skipped_steps = meta["skipped_steps"]
+            if self.loss_scaler is not None:
+                self.loss_scaler.load_state_dict(meta.get("loss_scaler"))
             self.sampler.load_state_dict(meta["sampler"])
             if self.rank == 0:
                 for warning in data_position_warnings(meta, self.cfg):
@@ -172,8 +177,12 @@ class Trainer:
         """Checkpoint the current step (collective). Returns the published directory, or None
         with checkpoint.async_save (published in the background; `self.saver.wait()`)."""
         self.engine.wait_for_params()  # the master ranges alias the parameters on CPU
-        return self.saver.save(self.step, self.engine, ckpt.rng_state(self.rng),
-                               self.sampler.state_dict(), self.skipped_steps)
+        return self.saver.save(self.step, self.engine, ckpt.rng_state(self.rng), self.progress())
+
+    def progress(self) -> ckpt.Progress:
+        """The run's position besides its tensors, as a checkpoint records it."""
+        return ckpt.Progress(self.sampler.state_dict(), self.skipped_steps,
+                             None if self.loss_scaler is None else self.loss_scaler.state_dict())
 
     # --- reporting ----------------------------------------------------------------------
 
@@ -230,27 +239,36 @@ class Trainer:
 
         A NaN/inf global gradient norm (the same number on every rank, so every rank decides
         alike) skips the update: the batch is consumed, the step counted in `skipped_steps`;
-        `train.max_bad_steps` such steps in a row stop the run."""
+        `train.max_bad_steps` such steps in a row stop the run. With fp16 the gradients carry
+        the loss scale: the norm and the update are unscaled, and an overflow that the
+        dynamic scale absorbs (by shrinking) does not count towards max_bad_steps."""
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.train()
-        loss = self.schedule.train_step(self.batches.next_step())
+        loss = self.schedule.train_step(self.batches.next_step(), loss_scale=scale)
         self.engine.finish_grad_sync()
-        norm = self.engine.grad_norm()
+        norm = self.engine.grad_norm() / scale
         finite = math.isfinite(norm.item())
+        absorbed = self.loss_scaler is not None and self.loss_scaler.update(overflow=not finite)
         if finite:
-            self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm)
+            self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
             self.bad_in_a_row = 0
         else:
             self.skipped_steps += 1
-            self.bad_in_a_row += 1
+            self.bad_in_a_row = 0 if absorbed else self.bad_in_a_row + 1
         self.engine.zero_grad()
         self.last_lr = lr
         self.step += 1
         if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            scaler = self.loss_scaler
+            at_floor = "" if scaler is None else (
+                f" at the dynamic loss scale's floor loss_scale.min={scaler.scale:g}"
+                if scaler.dynamic else f" at the static loss_scale.static={scaler.scale:g}")
             raise NonFiniteError(
                 f"{self.bad_in_a_row} steps in a row (up to step {self.step}) had a non-finite "
-                f"loss or gradient (train.max_bad_steps={self.cfg.train.max_bad_steps}); lower "
-                "optim.lr, check the data, or resume from an earlier checkpoint")
+                f"loss or gradient{at_floor} (train.max_bad_steps="
+                f"{self.cfg.train.max_bad_steps}); lower optim.lr, check the data, or resume "
+                "from an earlier checkpoint")
         return (loss if finite else None), norm.item()
 
     def val_batches(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -348,6 +366,8 @@ class Trainer:
                   "checkpoint_blocked_s": interval.checkpoint_s,
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
+        if self.loss_scaler is not None:
+            record["loss_scale"] = self.loss_scaler.scale
         if topo.pp > 1:
             record["pipeline_bubble"] = self._measured_bubble()
             record["pipeline_bubble_expected"] = expected_bubble(
