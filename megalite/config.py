@@ -93,6 +93,8 @@ class TrainConfig:
     #                                      checkpoint (below the scheduler's time limit)
     exit_signal: Optional[str] = None  # SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: on this signal
     #                                    finish the step, checkpoint and exit cleanly
+    gc_every: Optional[int] = None  # Python's garbage collector off while training, run on
+    #                                 every rank after every N-th step; None = automatic
 
 
 @dataclass
@@ -360,6 +362,9 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if t.exit_signal is not None and t.exit_signal not in EXIT_SIGNALS:
         _fail("train.exit_signal", t.exit_signal,
               f"use one of {', '.join(EXIT_SIGNALS)}, or null (no handler)")
+    if t.gc_every is not None and t.gc_every < 1:
+        _fail("train.gc_every", t.gc_every, "must be >= 1 (steps between collections, e.g. "
+              "50), or null for Python's automatic collection")
     if t.max_bad_steps < 1:
         _fail("train.max_bad_steps", t.max_bad_steps, "must be >= 1 (1 = stop at the first "
               "non-finite step)")

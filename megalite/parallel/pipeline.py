@@ -15,7 +15,6 @@ so on CPU at the end of the step). A backward is started with the received gradi
 from __future__ import annotations
 
 import json
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd import Variable
 
+from megalite.clock import DeviceClock
 from megalite.parallel import comm
 from megalite.parallel.schedule import plan_rounds
 from megalite.parallel.topology import Topology
@@ -127,26 +127,6 @@ class StepTrace:
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-class _Clock:
-    """Wall-clock marks; on CUDA, events resolved once at the end of the step."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, start, end) -> float:
-        if self.cuda:
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return end - start
-
-
 def _take(received: dict, key: Tuple[str, int, int]) -> torch.Tensor:
     """A received tensor, once the batch that brought it is done."""
     tensor, batch = received.pop(key)
@@ -175,7 +155,7 @@ class PipelineSchedule:
                  activation_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.chunks, self.topo, self.engine = list(chunks), topo, engine
         self.link = StageLink(topo, activation_shape, dtype, device)
-        self.clock = _Clock(device)
+        self.clock = DeviceClock(device)
         self._marks: list = []
         self._step_marks = None
         self.max_live = 0  # most (chunk, micro-batch) activations alive at once, this step

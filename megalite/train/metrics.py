@@ -127,14 +127,16 @@ def strict_json(value):
 
 
 def wandb_row(record: dict) -> dict:
-    """Flatten one metrics.jsonl record into wandb keys: train/*, val/*, perf/*, memory/*,
-    comm/<group>/<op>_bytes."""
+    """Flatten one metrics.jsonl record into wandb keys: train/*, val/*, perf/*,
+    perf/phase/<phase>_s, memory/*, comm/<group>/<op>_bytes."""
     row = {}
     for key, value in record.items():
         if key == "step" or value is None:
             continue
         if key == "memory":
             row.update({f"memory/{k}": v for k, v in value.items()})
+        elif key == "step_phases_s":
+            row.update({f"perf/phase/{k}_s": v for k, v in value.items()})
         elif key == "comm":
             for name, counts in value.items():
                 row[f"comm/{name}_bytes"] = counts["bytes"]

@@ -36,6 +36,7 @@ from megalite.plan import make_plan
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.async_checkpoint import CheckpointSaver
+from megalite.train.gc_control import ScheduledGC
 from megalite.train.init_from import load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
@@ -43,6 +44,7 @@ from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
 from megalite.train.stop import StopRequest
+from megalite.train.timers import PHASES, StepTimers
 
 
 class NonFiniteError(FloatingPointError):
@@ -109,6 +111,7 @@ class Trainer:
         self.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, runtime.device)
         self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank,
                                      runtime.device)
+        self.timers = StepTimers(runtime.device)
         self.saver = CheckpointSaver(
             self.ckpt_root, cfg, topo, runtime.device, background=cfg.checkpoint.async_save,
             state_numel=ckpt.written_numel(self.engine, cfg, topo))
@@ -220,6 +223,16 @@ class Trainer:
         value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
         return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp
 
+    def _slowest_phases(self, steps: int) -> dict:
+        """Seconds per step in each phase of the step (`megalite.train.timers`), of the rank
+        slowest in that phase."""
+        spent = self.timers.take()
+        values = [spent[p] / steps for p in PHASES]
+        for group in (self.topo.mp_group, self.topo.dp_group):  # together: the whole world
+            values = comm.all_reduce_scalars(values, group, op=dist.ReduceOp.MAX,
+                                             device=self.rt.device)
+        return dict(zip(PHASES, values))
+
     def _measured_bubble(self) -> float:
         """Idle fraction of this log step's pipeline, averaged over the stages. The stages start
         the step together (the previous step ended with a global reduction), so each stage's
@@ -245,20 +258,32 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.train()
-        loss = self.schedule.train_step(self.batches.next_step(), loss_scale=scale)
-        self.engine.finish_grad_sync()
-        norm = self.engine.grad_norm() / scale
-        finite = math.isfinite(norm.item())
+        timers = self.timers
+        with timers.phase("data"):
+            micro_batches = self.batches.next_step()
+        with timers.phase("forward_backward"):
+            loss = self.schedule.train_step(micro_batches, loss_scale=scale)
+        with timers.phase("grad_sync"):
+            self.engine.finish_grad_sync()
+        with timers.phase("optimizer"):
+            norm = self.engine.grad_norm() / scale
+            finite = math.isfinite(norm.item())
+            if finite:
+                self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
+            self.engine.zero_grad()
+        self.last_lr = lr
+        self.step += 1
+        self._count_non_finite(finite)
+        return (loss if finite else None), norm.item()
+
+    def _count_non_finite(self, finite: bool) -> None:
+        """Skipped steps, the loss scale's response, and the stop after too many in a row."""
         absorbed = self.loss_scaler is not None and self.loss_scaler.update(overflow=not finite)
         if finite:
-            self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
             self.bad_in_a_row = 0
         else:
             self.skipped_steps += 1
             self.bad_in_a_row = 0 if absorbed else self.bad_in_a_row + 1
-        self.engine.zero_grad()
-        self.last_lr = lr
-        self.step += 1
         if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
             scaler = self.loss_scaler
             at_floor = "" if scaler is None else (
@@ -269,7 +294,6 @@ class Trainer:
                 f"loss or gradient{at_floor} (train.max_bad_steps="
                 f"{self.cfg.train.max_bad_steps}); lower optim.lr, check the data, or resume "
                 "from an earlier checkpoint")
-        return (loss if finite else None), norm.item()
 
     def val_batches(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of the fixed validation set, read at the first evaluation (a
@@ -310,11 +334,13 @@ class Trainer:
         records: List[dict] = []
         self.rt.synchronize()
         interval = _Interval()
-        with self.stop_request as stop:
+        self.timers.take()  # phases of steps run outside fit are not this interval's
+        with self.stop_request as stop, ScheduledGC(t.gc_every) as collector:
             while self.step < t.max_steps:
                 before = counter.snapshot()
                 with self.profiler.step(self.step + 1):
                     loss, grad_norm = self.train_step()
+                collector.after_step(self.step)
                 interval.excluded_s += self.profiler.take_export_seconds()
                 interval.add_step(loss, counter.delta(counter.snapshot(), before))
                 stopping = stop.reason()
@@ -366,6 +392,7 @@ class Trainer:
                   "checkpoint_blocked_s": interval.checkpoint_s,
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
+        record["step_phases_s"] = self._slowest_phases(steps)
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if topo.pp > 1:
