@@ -253,6 +253,8 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
         _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
               f"positive tp, pp; choose tp and pp whose product divides {world_size}")
+    if cfg.seed < 0:
+        _fail("seed", cfg.seed, "must be a non-negative integer (e.g. 1234)")
     if cfg.zero not in (0, 1, 2, 3):
         _fail("zero", cfg.zero, "ZeRO stage must be one of 0, 1, 2, 3")
     if cfg.sp and cfg.tp == 1:
@@ -391,8 +393,9 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if o.grad_clip < 0 or o.weight_decay < 0:
         _fail("optim.grad_clip/weight_decay", (o.grad_clip, o.weight_decay), "must be >= 0")
     data_sources(cfg.data)  # raises on a malformed data.blend
-    if cfg.parallel.bucket_mb <= 0:
-        _fail("parallel.bucket_mb", cfg.parallel.bucket_mb, "must be > 0 (e.g. 25)")
+    if not (cfg.parallel.bucket_mb > 0 and math.isfinite(cfg.parallel.bucket_mb)):
+        _fail("parallel.bucket_mb", cfg.parallel.bucket_mb, "must be a positive number of MiB "
+              "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
     if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
         _fail("parallel.overlap_param_gather", True,
               f"needs zero=1 or zero=2 (zero={cfg.zero}: "

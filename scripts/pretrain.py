@@ -6,7 +6,8 @@
 
 The run directory is Hydra's output directory (`hydra.run.dir`); metrics.jsonl, the wandb run
 and (by default) checkpoints go there. The configuration is validated, the token shards (and
-the init_from checkpoint's config) checked, before any process group is created.
+the init_from and resume checkpoints' model shape) checked, before any process group is
+created.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from megalite.data.loader import DataError, check_data  # noqa: E402
 from megalite.plan import make_plan, memory_warning  # noqa: E402
 from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env  # noqa: E402
 from megalite.train.init_from import check_init_from  # noqa: E402
+from megalite.train.resume import check_resume  # noqa: E402
 from megalite.train.trainer import Trainer, broadcast_run_dir  # noqa: E402
 
 register_configs()
@@ -53,6 +55,7 @@ def main(node) -> None:
                    evaluates=cfg.train.eval_every > 0)
         if cfg.init_from:
             check_init_from(cfg.init_from, cfg.model)
+        check_resume(cfg)
     except (ConfigError, DataError) as e:
         print(f"megalite: bad configuration: {e}", file=sys.stderr)
         sys.exit(2)

@@ -239,3 +239,92 @@ def test_init_from_a_megalite_checkpoint_takes_the_weights_only(tiny_data, tmp_p
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="init_from=.*empty.*neither a transformers GPT-2"):
         check_init_from(str(tmp_path / "empty"), trainer.cfg.model)
+
+
+def _auto_resume(rank, world, tiny_data, root, hide_newest_on):
+    """dp=2 zero=1, resume=auto; rank `hide_newest_on` does not see the newest checkpoint in
+    its own listing (a node whose view of the shared directory lags)."""
+    from megalite.train import resume
+
+    if rank == hide_newest_on:
+        listed = resume.complete_checkpoints
+        resume.complete_checkpoints = lambda path: listed(path)[:-1]
+    cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, "zero=1",
+                                                       f"checkpoint.dir={root}",
+                                                       "checkpoint.resume=auto"))
+    validate(cfg, world)
+    trainer = Trainer(cfg, init_runtime(cfg), f"{root}/../run")
+    return trainer.step, trainer.sampler.consumed_samples, trainer.engine.adam_step()
+
+
+def _load_own_choice(rank, world, tiny_data, root):
+    """Each rank loads a checkpoint of its own choosing: rank 0 step 4, rank 1 step 2."""
+    cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, "zero=1"))
+    validate(cfg, world)
+    trainer = Trainer(cfg, init_runtime(cfg), f"{root}/../run")
+    try:
+        ckpt.load_checkpoint(Path(root) / f"step_0000000{4 if rank == 0 else 2}", trainer.engine,
+                             cfg, trainer.topo)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_every_rank_resumes_from_the_same_checkpoint(tiny_data, tmp_path):
+    """resume=auto takes rank 0's listing on every rank, so a rank that does not yet see the
+    newest checkpoint still resumes from it; ranks asked to load different steps refuse
+    together, naming them."""
+    root = tmp_path / "ckpt"
+    _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=2",
+             "train.max_steps=4").fit()
+    for res in run_ranks(_auto_resume, 2, args=(tiny_data, str(root), 1), timeout_s=300):
+        assert res == (4, 4 * 8, 4), res
+    for message in run_ranks(_load_own_choice, 2, args=(tiny_data, str(root)), timeout_s=300):
+        assert "loading different checkpoints (steps [2, 4])" in message, message
+
+
+def test_a_failed_cleanup_of_old_checkpoints_keeps_the_run_going(tiny_data, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Deleting checkpoints beyond `keep` happens after the new one is published: failing
+    to is a warning, not a failed save."""
+    def busy(path):
+        raise OSError(16, "Device or resource busy", str(path))
+
+    monkeypatch.setattr(ckpt, "_discard", busy)
+    root = tmp_path / "ckpt"
+    _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=1",
+             "checkpoint.keep=1", "train.max_steps=3").fit()
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == \
+        ["step_00000001", "step_00000002", "step_00000003"]
+    assert "published step_00000002 but could not delete" in capsys.readouterr().err
+
+
+def test_resume_is_checked_before_launch(tiny_data, tmp_path):
+    """The checkpoint a run would resume is checked before any process group exists: its
+    model shape (the MLP size, however written) and its blend; a checkpoint.dir means its
+    newest checkpoint, a directory holding none is refused."""
+    from megalite.config import ConfigError
+    from megalite.train.resume import check_resume
+
+    root = tmp_path / "ckpt"
+    _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=2",
+             "train.max_steps=4").fit()
+
+    def cfg(*extra):
+        return load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, *extra))
+
+    check_resume(cfg(f"checkpoint.resume={root}", "model.n_inner=256"))  # = 4 * n_embd
+    assert _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={root}",
+                    "model.n_inner=256").step == 4
+    with pytest.raises(ConfigError, match="model.n_layer=3: checkpoint.resume=.*step_00000004"
+                                          r"\) was trained with n_layer=2"):
+        check_resume(cfg(f"checkpoint.resume={root}", "model.n_layer=3"))
+    with pytest.raises(ConfigError, match="model.n_layer=3"):
+        check_resume(cfg(f"checkpoint.dir={root}", "checkpoint.resume=auto", "model.n_layer=3"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds neither a complete checkpoint"):
+        check_resume(cfg(f"checkpoint.resume={tmp_path / 'empty'}"))
+    other = tmp_path / "other_data"
+    shutil.copytree(tiny_data, other)
+    with pytest.raises(ConfigError, match="data.blend: .* 1 blended dataset.*this run blends 2"):
+        check_resume(cfg(f"checkpoint.resume={root}", f"data.blend=[1,{tiny_data},1,{other}]"))

@@ -127,3 +127,11 @@ def test_more_ranks_per_node_than_gpus_is_refused():
     validate(cfg, 8, local_gpus=8, local_ranks=8)
     validate(load_config(["device=cpu", "train.global_batch_size=64"]), 8, local_gpus=4,
              local_ranks=8)  # CPU ranks
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["seed=-1"], "seed=-1: must be a non-negative integer"),
+    (["parallel.bucket_mb=inf"], "parallel.bucket_mb=inf: must be a positive number"),
+])
+def test_values_that_used_to_fail_after_launch_are_refused(overrides, expect):
+    assert expect in bad(overrides)

@@ -81,3 +81,14 @@ def test_other_lr_schedules(schedule, at_60, at_100):
         short = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd",
                             wsd_decay_fraction=0.5, decay_steps=50)
         assert lr_at(29, short, 110) == 1.0 and lr_at(40, short, 110) == pytest.approx(0.55)
+
+
+def test_a_step_that_evaluates_writes_a_metrics_line(tiny_data, tmp_path):
+    """Validation every 3 steps, metrics every 2: the evaluations at steps 3 and 6 are logged
+    (with their own lines where the metrics schedule has none)."""
+    cfg = load_config(TINY + FP32_NO_DROPOUT + [
+        f"data.dir={tiny_data}", "train.max_steps=6", "log.every=2", "train.eval_every=3"])
+    validate(cfg, 1)
+    records = Trainer(cfg, init_runtime(cfg), tmp_path).fit()
+    assert [(r["step"], r["val_loss"] is not None) for r in records] == \
+        [(2, False), (3, True), (4, False), (6, True)]

@@ -184,3 +184,23 @@ def test_each_block_waits_for_its_own_buckets_only(tiny_data, tmp_path):
         for unit, buckets in enumerate(needs):
             assert all(waited[b] < first_forward[unit] for b in buckets), (unit, events)
         assert first_forward[0] < waited[n_buckets - 1], events
+
+
+@pytest.mark.parametrize("bucket_numel", [1e3, 1e30, float("inf")])
+def test_the_tied_embedding_is_a_bucket_of_its_own_on_both_pipeline_ends(bucket_numel):
+    """Its gradient is summed over the embedding group bucket by bucket, so the first and
+    the last stage must hold it alone, whatever the bucket size."""
+    from megalite.config import ModelConfig
+    from megalite.model.gpt2 import GPT2
+    from megalite.parallel.zero import bucket_groups
+
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=100)
+    for stage in (GPT2(cfg, blocks=range(1), last=False), GPT2(cfg, blocks=range(1, 2),
+                                                              first=False)):
+        groups = bucket_groups(list(stage.named_parameters()), stage.param_specs,
+                               bucket_numel, tied_alone=True)
+        tied = [g for g in groups if any(stage.param_specs[n].name == "transformer.wte.weight"
+                                         for n in g)]
+        assert len(tied) == 1 and len(tied[0]) == 1, groups
+        assert sorted(n for g in groups for n in g) == sorted(n for n, _ in
+                                                              stage.named_parameters())

@@ -402,15 +402,15 @@ def bucket_groups(named: List[Tuple[str, nn.Parameter]], specs, bucket_numel: fl
     """Parameter names per bucket: reverse registration order (the order backward produces
     gradients), closed at `bucket_numel` elements; the tied embedding alone when pipelined."""
     groups: List[List[str]] = []
-    size = 0.0
+    size, closed = 0.0, True
     for name, p in reversed(named):
         if tied_alone and specs[name].name == "transformer.wte.weight":
             groups.append([name])
-            size = bucket_numel  # nothing joins the tied bucket
+            closed = True  # nothing joins the tied bucket
             continue
-        if not groups or size + p.numel() > bucket_numel:
+        if closed or size + p.numel() > bucket_numel:
             groups.append([])
-            size = 0.0
+            size, closed = 0.0, False
         groups[-1].append(name)
         size += p.numel()
-    return [g for g in groups if g]
+    return groups

@@ -43,6 +43,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, data_sources
+from megalite.config import Config, ModelConfig, data_sources
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
@@ -85,7 +86,7 @@ def _gather_objects(obj, group: Optional[dist.ProcessGroup] = None) -> List:
     return out
 
 
-def _broadcast_object(obj, group: Optional[dist.ProcessGroup] = None):
+def broadcast_object(obj, group: Optional[dist.ProcessGroup] = None):
     """Rank 0's `obj` on every rank."""
     if not _distributed():
         return obj
@@ -137,6 +138,15 @@ def set_aside_later_checkpoints(root: Path, step: int) -> List[Path]:
 def latest_checkpoint(root: Path) -> Optional[Path]:
     found = complete_checkpoints(root)
     return found[-1] if found else None
+
+
+def find_checkpoint(path) -> Optional[Path]:
+    """The checkpoint `path` names: itself if it is a complete `step_N` (holds meta.json),
+    else the newest complete checkpoint of a checkpoint.dir; None when it is neither."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    return latest_checkpoint(path) if path.is_dir() else None
 
 
 def _spec_record(spec: ParamSpec, tp: int) -> dict:
@@ -237,7 +247,10 @@ def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
             size += raw.nbytes
         f.flush()
         os.fsync(f.fileno())
-    torch.save(snap.rng_state, tmp / rng_file)
+    with open(tmp / rng_file, "wb") as f:
+        torch.save(snap.rng_state, f)
+        f.flush()
+        os.fsync(f.fileno())
     return {data_file: {"bytes": size, "crc32": crc},
             rng_file: {"bytes": (tmp / rng_file).stat().st_size,
                        "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
@@ -269,8 +282,21 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
     if final.exists():
         _discard(final)
     os.replace(tmp, final)
+    _fsync_dir(root)  # the rename itself survives a power loss before the old ones go
     for old in complete_checkpoints(root)[:-keep]:
-        _discard(old)
+        try:
+            _discard(old)
+        except OSError as e:  # step_N is published: a stale old one is not worth the run
+            print(f"megalite: warning: published {final.name} but could not delete {old} "
+                  f"(checkpoint.keep={keep}): {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep: int,
@@ -294,7 +320,7 @@ def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep
     if error is None:
         try:
             files = _write_rank_files(tmp, snap, rank)
-        except (OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - reported to every rank, which all raise
             error = f"rank {rank}: {type(e).__name__}: {e}"
     gathered = _gather_objects((snap.pieces, files, error), group)
     errors = [e for _, _, e in gathered if e]
@@ -303,7 +329,7 @@ def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep
             _publish(root, tmp, final, snap, cfg, topo, keep, gathered)
         except OSError as e:
             errors = [f"rank 0 publishing: {type(e).__name__}: {e}"]
-    errors = _broadcast_object(errors, group)
+    errors = broadcast_object(errors, group)
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise CheckpointError(f"checkpoint {final} was not published: {errors[0]}{more}")
@@ -451,21 +477,28 @@ def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor
     return {name: reader.global_tensor(name, kind) for name in names}
 
 
+def shape_mismatch(theirs: dict, cfg: ModelConfig, keys: Tuple[str, ...] = SHAPE_KEYS
+                   ) -> Optional[Tuple[str, object, object]]:
+    """The first of `keys` in which a checkpoint's model (meta.json's "model") differs from
+    `cfg`: (key, ours, theirs), or None. The MLP size counts, not how it was written
+    (n_inner=null is 4 * n_embd)."""
+    for key in keys:
+        ours, recorded = getattr(cfg, key), theirs.get(key)
+        if key == "n_inner":
+            same = cfg.ffn_size == (recorded if recorded is not None else 4 * theirs.get("n_embd"))
+        else:
+            same = recorded == ours
+        if not same:
+            return key, ours, recorded
+    return None
+
+
 def check_compatible(meta: dict, cfg: Config, ckpt: Path) -> None:
-    for key in SHAPE_KEYS:
-        theirs, ours = meta["model"].get(key), getattr(cfg.model, key)
-        if theirs != ours:
-            raise CheckpointError(f"model.{key}={ours!r}: checkpoint {ckpt} was trained with "
-                                  f"{key}={theirs!r}; set model.{key}={theirs!r} to resume it")
-
-
-def agree(ok: bool, topo: Topology) -> bool:
-    """True only if every rank says True."""
-    if topo.world_size == 1:
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
+    mismatch = shape_mismatch(meta["model"], cfg.model)
+    if mismatch is not None:
+        key, ours, theirs = mismatch
+        raise CheckpointError(f"model.{key}={ours!r}: checkpoint {ckpt} was trained with "
+                              f"{key}={theirs!r}; set model.{key}={theirs!r} to resume it")
 
 
 def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[dict, Optional[dict]]:
@@ -499,8 +532,7 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
             verify_file(ckpt, rng_name, meta["files"][rng_name])
     except (CheckpointError, KeyError, OSError, TypeError, ValueError) as e:
         error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-    if not agree(error is None, topo):
-        raise CheckpointError(error or f"{ckpt}: another rank found it incomplete or corrupted")
+    _agree_to_load(ckpt, error, meta.get("step"))
 
     cache: Dict[Tuple[str, str], torch.Tensor] = {}
 
@@ -526,6 +558,21 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
         engine.params_from_master()
     rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
     return meta, rng
+
+
+def _agree_to_load(ckpt: Path, error: Optional[str], step: Optional[int]) -> None:
+    """Collective: every rank found its part of the checkpoint sound, and all of them are
+    loading the same step; else CheckpointError on every rank, naming the first problem.
+    (The verdicts travel as objects, which every backend carries: NCCL has no CPU tensors.)"""
+    verdicts = _gather_objects((error, step))
+    errors = [(rank, e) for rank, (e, _) in enumerate(verdicts) if e]
+    if errors:
+        rank, first = errors[0]
+        raise CheckpointError(first if first == error else f"rank {rank}: {first}")
+    steps = sorted({s for _, s in verdicts})
+    if len(steps) > 1:
+        raise CheckpointError(f"{ckpt}: the ranks are loading different checkpoints (steps "
+                              f"{steps}); every rank must resume from the same step")
 
 
 def rng_state(tracker) -> dict:

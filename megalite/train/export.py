@@ -28,7 +28,7 @@ from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.gpt2 import GPT2
 from megalite.model.hf import save_hf
 from megalite.model.init import load_global_state
-from megalite.train.checkpoint import latest_checkpoint, read_global_state, read_meta
+from megalite.train.checkpoint import find_checkpoint, read_global_state, read_meta
 
 
 class ExportError(ValueError):
@@ -38,11 +38,9 @@ class ExportError(ValueError):
 def resolve_checkpoint(path) -> Path:
     """`path` if it is a complete checkpoint, else the latest complete checkpoint under it."""
     path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is not None:
-        return latest
+    found = find_checkpoint(path)
+    if found is not None:
+        return found
     problem = ("does not exist" if not path.exists() else "is not a directory"
                if not path.is_dir() else "holds no meta.json and no complete checkpoint")
     raise ExportError(f"{path}: {problem}; expected a megalite checkpoint directory "

@@ -6,29 +6,20 @@ layout. `checkpoint.resume` is the other thing: it continues a run where it stop
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
 from megalite.config import ConfigError, ModelConfig
 from megalite.model import hf
-from megalite.train.checkpoint import (SHAPE_KEYS, CheckpointError, latest_checkpoint,
-                                       read_global_state, read_meta)
-
-
-def megalite_checkpoint(source: str) -> Optional[Path]:
-    """The checkpoint `source` names (a step_N directory, or the latest complete one in a
-    checkpoint.dir); None when it is not a megalite checkpoint."""
-    path = Path(source)
-    if (path / "meta.json").is_file():
-        return path
-    return latest_checkpoint(path) if path.is_dir() else None
+from megalite.train.checkpoint import (SHAPE_KEYS, CheckpointError, find_checkpoint,
+                                       read_global_state, read_meta, shape_mismatch)
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:
     """Before launch: `source` holds weights of the configured model shape (reads configs and
     meta.json only); names the first mismatch."""
-    ckpt = megalite_checkpoint(source)
+    ckpt = find_checkpoint(source)
     if ckpt is None:
         if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
             raise ConfigError(f"init_from={source!r}: this directory holds neither a "
@@ -41,17 +32,17 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
         theirs = read_meta(ckpt)["model"]
     except CheckpointError as e:
         raise ConfigError(f"init_from={source!r}: {e}") from e
-    for key in (*SHAPE_KEYS, "layer_norm_epsilon"):
-        if theirs.get(key) != getattr(cfg, key):
-            raise ConfigError(f"model.{key}={getattr(cfg, key)!r}: init_from={source!r} "
-                              f"({ckpt.name}) was trained with {key}={theirs.get(key)!r}; set "
-                              f"model.{key}={theirs.get(key)!r}")
+    mismatch = shape_mismatch(theirs, cfg, (*SHAPE_KEYS, "layer_norm_epsilon"))
+    if mismatch is not None:
+        key, ours, recorded = mismatch
+        raise ConfigError(f"model.{key}={ours!r}: init_from={source!r} ({ckpt.name}) was "
+                          f"trained with {key}={recorded!r}; set model.{key}={recorded!r}")
 
 
 def load_init_state(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """The global weights (HF names, nn.Linear layout, fp32, vocabulary unpadded) to start
     from; a megalite checkpoint's files are verified (size, CRC32) as they are read."""
-    ckpt = megalite_checkpoint(source)
+    ckpt = find_checkpoint(source)
     if ckpt is None:
         return hf.load_hf_state_dict(source, cfg)
     check_init_from(source, cfg)

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, data_sources, num_micro_batches, resolve_path
+from megalite.config import Config, data_sources, num_micro_batches
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab, val_batches
 from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.model.gpt2 import flops_per_token, num_parameters
@@ -43,6 +43,8 @@ from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak
                                     throughput)
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
+from megalite.train.resume import candidates as resume_candidates
+from megalite.train.resume import checkpoint_root
 from megalite.train.stop import StopRequest
 from megalite.train.timers import PHASES, StepTimers
 
@@ -99,8 +101,7 @@ class Trainer:
                                     t.seq_len, runtime.device)
         self._val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
-        self.ckpt_root = resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir \
-            else self.run_dir / "checkpoints"
+        self.ckpt_root = checkpoint_root(cfg, self.run_dir)
         self.step = 0
         self.skipped_steps = 0  # non-finite steps skipped so far (this process)
         self.bad_in_a_row = 0
@@ -130,16 +131,11 @@ class Trainer:
 
     def _resume(self) -> None:
         setting = self.cfg.checkpoint.resume
-        if setting == "none":
-            return
-        if setting == "auto":
-            candidates = list(reversed(ckpt.complete_checkpoints(self.ckpt_root)))
-            if not candidates and self.rank == 0:
-                print(f"checkpoint.resume=auto: no complete checkpoint in {self.ckpt_root}; "
-                      "starting from scratch")
-        else:
-            candidates = [resolve_path(setting)]
-        for path in candidates:
+        tried = resume_candidates(setting, self.ckpt_root)
+        if setting == "auto" and not tried and self.rank == 0:
+            print(f"checkpoint.resume=auto: no complete checkpoint in {self.ckpt_root}; "
+                  "starting from scratch")
+        for path in tried:
             try:
                 meta, rng = ckpt.load_checkpoint(path, self.engine, self.cfg, self.topo)
             except ckpt.CheckpointError as e:
@@ -163,7 +159,7 @@ class Trainer:
             if self.rank == 0:
                 print(f"resumed from {path} at step {self.step}")
             return
-        if candidates:
+        if tried:
             raise ckpt.CheckpointError(f"no usable checkpoint in {self.ckpt_root}")
 
     def _set_aside_later_checkpoints(self) -> None:
@@ -314,8 +310,8 @@ class Trainer:
         return self._global_mean(loss)
 
     def fit(self) -> List[dict]:
-        """Train to train.max_steps: evaluate, checkpoint and log on their schedules. Returns
-        the metric records. A background save still in flight is waited for at the end (also
+        """Train to train.max_steps: evaluate, checkpoint and log on their schedules (a step
+        that evaluates also writes a metrics line). Returns the metric records. A background save still in flight is waited for at the end (also
         when training fails, so the last checkpoint taken gets published)."""
         try:
             records = self._fit()
@@ -355,7 +351,7 @@ class Trainer:
                     c0 = time.perf_counter()
                     self.save()
                     interval.checkpoint_s += time.perf_counter() - c0
-                if self.step % cfg.log.every == 0 or last:
+                if self.step % cfg.log.every == 0 or last or val_loss is not None:
                     records.append(self._record(interval, val_loss, grad_norm))
                     if self.writer is not None:
                         self.writer.log(records[-1])
@@ -366,6 +362,7 @@ class Trainer:
                               "checkpoint of this step continues it with "
                               "checkpoint.resume=auto", file=sys.stderr)
                     break
+            self.saver.wait()  # the last save published while exit_signal is still handled
         self.profiler.close()
         self.engine.wait_for_params()
         return records
