@@ -76,6 +76,10 @@ class StageLink:
                  device: torch.device):
         self.group = topo.pp_group
         self.shape, self.dtype, self.device = shape, dtype, device
+        # With NCCL, every member of a group must take part in its first call (the note of
+        # torch.distributed.batch_isend_irecv), and a schedule's first transfers involve
+        # only some stages: one collective over the pipeline group first.
+        comm.all_reduce(torch.zeros(1, device=device), self.group)
 
     def exchange(self, sends: Sequence[Tuple[torch.Tensor, int]], sources: Sequence[int]
                  ) -> Tuple[List[torch.Tensor], comm.PendingBatch]:
