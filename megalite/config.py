@@ -77,6 +77,9 @@ class TrainConfig:
     max_steps: int = 300  # optimizer steps
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
     global_batch_size: int = 32  # sequences per optimizer step over all DP ranks
+    rampup_batch_size: Optional[List[int]] = None  # [start, increment, samples]: the global
+    #   batch grows from `start` by `increment` in equal steps over the first `samples`
+    #   samples to global_batch_size (Megatron's --rampup-batch-size); None = constant
     seq_len: int = 128
     eval_every: int = 100  # steps between validation passes (0 = never)
     eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
@@ -331,6 +334,7 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
                   f"(balanced) or a value k with 2k + ({chunks}-2) <= n_layer (and 2k = n_layer "
                   "for 2 slices)")
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    _check_rampup(cfg, dp)
     if v > 1 and num_micro % cfg.pp:
         good = cfg.pp * t.micro_batch_size * dp
         _fail("train.global_batch_size", t.global_batch_size,
@@ -422,6 +426,28 @@ def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
         _fail("checkpoint.resume", cfg.checkpoint.resume,
               "use none, auto, or the path of an existing checkpoint directory")
     return warnings
+
+
+def _check_rampup(cfg: Config, dp: int) -> None:
+    t = cfg.train
+    if t.rampup_batch_size is None:
+        return
+    ramp = list(t.rampup_batch_size)
+    unit = t.micro_batch_size * dp * (cfg.pp if cfg.parallel.virtual_stages > 1 else 1)
+    example = f"e.g. train.rampup_batch_size=[{unit},{unit},100000]"
+    if len(ramp) != 3 or min(ramp) < 1:
+        _fail("train.rampup_batch_size", ramp, f"three positive integers [start, increment, "
+              f"samples], {example}")
+    start, increment, _ = ramp
+    if start >= t.global_batch_size or (t.global_batch_size - start) % increment:
+        _fail("train.rampup_batch_size", ramp, f"start must be below train.global_batch_size="
+              f"{t.global_batch_size} and reach it in whole increments (global_batch_size - "
+              f"start a multiple of increment); {example}")
+    if start % unit or increment % unit:
+        what = "micro_batch_size*dp" + ("*pp (interleaved schedule)"
+                                        if cfg.parallel.virtual_stages > 1 else "")
+        _fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
+              f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
 
 
 def _check_loss_scale(cfg: Config) -> None:

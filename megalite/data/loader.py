@@ -117,8 +117,11 @@ class TrainBatches:
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
 
-    def next_step(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        pairs = self.sampler.next_samples()
+    def next_step(self, global_batch_size: Optional[int] = None
+                  ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next global batch (of the sampler's size unless
+        given: a batch-size ramp)."""
+        pairs = self.sampler.next_samples(global_batch_size)
         mb = self.micro_batch_size
         return [_to_batch([self.sources[d].sample(i, self.seq_len) for d, i in pairs[j:j + mb]],
                           self.device)

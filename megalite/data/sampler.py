@@ -14,7 +14,7 @@ The sampler's state is then the consumed count plus every c_d.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -66,18 +66,20 @@ class ResumableSampler:
         self.consumed_samples = consumed_samples
         self._order = SampleOrder(num_samples, seed)
 
-    def next_global_batch(self) -> np.ndarray:
-        """This DP rank's slice of the next global batch (sample indices); advances the state."""
-        per_rank = self.global_batch_size // self.dp_size
+    def next_global_batch(self, batch_size: Optional[int] = None) -> np.ndarray:
+        """This DP rank's slice of the next global batch (sample indices) of `batch_size`
+        samples (default: global_batch_size); advances the state."""
+        batch_size = batch_size or self.global_batch_size
+        per_rank = batch_size // self.dp_size
         first = self.consumed_samples + self.dp_rank * per_rank
         out = np.array([self._order[pos] for pos in range(first, first + per_rank)],
                        dtype=np.int64)
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += batch_size
         return out
 
-    def next_samples(self) -> List[Tuple[int, int]]:
+    def next_samples(self, batch_size: Optional[int] = None) -> List[Tuple[int, int]]:
         """This rank's slice of the next global batch as (dataset, window) pairs."""
-        return [(0, int(i)) for i in self.next_global_batch()]
+        return [(0, int(i)) for i in self.next_global_batch(batch_size)]
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}
@@ -101,16 +103,17 @@ class BlendedSampler:
         self.counts = [0] * len(self.orders)
         self.consumed_samples = 0
 
-    def next_samples(self) -> List[Tuple[int, int]]:
+    def next_samples(self, batch_size: Optional[int] = None) -> List[Tuple[int, int]]:
+        batch_size = batch_size or self.global_batch_size
         start = list(self.counts)
-        choices = blend_choices(self.weights, self.counts, self.global_batch_size)
+        choices = blend_choices(self.weights, self.counts, batch_size)
         taken = list(start)
         pairs = []
         for d in choices:
             pairs.append((d, self.orders[d][taken[d]]))
             taken[d] += 1
-        self.consumed_samples += self.global_batch_size
-        per_rank = self.global_batch_size // self.dp_size
+        self.consumed_samples += batch_size
+        per_rank = batch_size // self.dp_size
         return pairs[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
 
     def state_dict(self) -> dict:

@@ -3,7 +3,8 @@
     data (DP-sharded sampler) -> pipeline schedule (1F1B over this rank's model stage)
         -> ZeRO engine (gradient reduction, global-norm clipping, sharded AdamW) -> metrics
 
-One optimizer step = m = global_batch_size / (micro_batch_size * dp) micro-batches per DP rank,
+One optimizer step = m = global_batch_size / (micro_batch_size * dp) micro-batches per DP rank
+(the step's global batch size: `train.rampup_batch_size` grows it over the first samples),
 each loss scaled by 1/m so the accumulated gradient is the gradient of the mean loss over the
 rank's share; averaging over DP then gives the gradient of the mean over the global batch — the
 same number the serial run computes.
@@ -36,6 +37,7 @@ from megalite.plan import make_plan
 from megalite.runtime import Runtime
 from megalite.train import checkpoint as ckpt
 from megalite.train.async_checkpoint import CheckpointSaver
+from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
 from megalite.train.init_from import load_init_state
 from megalite.train.loss_scale import LossScaler
@@ -99,6 +101,8 @@ class Trainer:
                                 dp_size=topo.dp, seed=cfg.seed)
         self.batches = TrainBatches(self.train_shards, self.sampler, t.micro_batch_size,
                                     t.seq_len, runtime.device)
+        self.batch_size = BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size)
+        self.last_batch_size = t.global_batch_size  # of the last step taken
         self._val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
         self.ckpt_root = checkpoint_root(cfg, self.run_dir)
@@ -255,8 +259,9 @@ class Trainer:
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.train()
         timers = self.timers
+        self.last_batch_size = self.batch_size.at(self.sampler.consumed_samples)
         with timers.phase("data"):
-            micro_batches = self.batches.next_step()
+            micro_batches = self.batches.next_step(self.last_batch_size)
         with timers.phase("forward_backward"):
             loss = self.schedule.train_step(micro_batches, loss_scale=scale)
         with timers.phase("grad_sync"):
@@ -338,7 +343,8 @@ class Trainer:
                     loss, grad_norm = self.train_step()
                 collector.after_step(self.step)
                 interval.excluded_s += self.profiler.take_export_seconds()
-                interval.add_step(loss, counter.delta(counter.snapshot(), before))
+                interval.add_step(loss, counter.delta(counter.snapshot(), before),
+                                  self.last_batch_size)
                 stopping = stop.reason()
                 end = self.step == t.max_steps
                 last = end or stopping is not None
@@ -377,7 +383,7 @@ class Trainer:
         per_step = {k: {n: v / steps for n, v in c.items()}
                     for k, c in interval.comm.items() if c.get("calls")}
         mean_loss = self._global_mean(sum(losses) / len(losses)) if losses else None
-        tokens = steps * t.global_batch_size * t.seq_len
+        tokens = interval.samples * t.seq_len
         record = {"step": self.step, "loss": mean_loss, "val_loss": val_loss,
                   "lr": self.last_lr, "grad_norm": grad_norm,
                   "param_norm": self.engine.param_norm().item(),
@@ -385,6 +391,7 @@ class Trainer:
                                self.peak),
                   "step_time_s": elapsed / steps,
                   "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
+                  "global_batch_size": self.last_batch_size,
                   "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
                   "checkpoint_blocked_s": interval.checkpoint_s,
                   "skipped_steps": steps - len(losses),
@@ -395,7 +402,8 @@ class Trainer:
         if topo.pp > 1:
             record["pipeline_bubble"] = self._measured_bubble()
             record["pipeline_bubble_expected"] = expected_bubble(
-                topo.pp, self.num_micro, cfg.parallel.virtual_stages)
+                topo.pp, self.last_batch_size // (t.micro_batch_size * topo.dp),
+                cfg.parallel.virtual_stages)
         if cfg.log.pipeline_trace:
             self.schedule.trace.dump(self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
                                      topo.coords.pp, self.rank)
@@ -407,13 +415,15 @@ class _Interval:
     """What the steps since the last metrics line add up to."""
     t0: float = field(default_factory=time.perf_counter)
     steps: int = 0
+    samples: int = 0  # sequences trained on (the global batch sizes of the steps)
     losses: List[float] = field(default_factory=list)  # of the steps not skipped
     comm: dict = field(default_factory=dict)  # bytes sent by the training steps
     excluded_s: float = 0.0  # evaluation, profiler export: not training time
     checkpoint_s: float = 0.0  # waiting for checkpoint saves
 
-    def add_step(self, loss: Optional[float], step_comm: dict) -> None:
+    def add_step(self, loss: Optional[float], step_comm: dict, batch_size: int) -> None:
         self.steps += 1
+        self.samples += batch_size
         if loss is not None:
             self.losses.append(loss)
         for key, counts in step_comm.items():
