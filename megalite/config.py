@@ -142,7 +142,8 @@ class ParallelConfig:
     #                                          also hold embedding / head); null = balanced
     virtual_stages: int = 1  # model chunks per pipeline stage: > 1 runs the interleaved 1F1B
     #                          schedule (Megatron's virtual pipeline): bubble (p-1)/(v·m+p-1)
-    timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the group
+    timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
+    #                           group (gloo); NCCL's watchdog ends the process, naming the group
 
 
 @dataclass

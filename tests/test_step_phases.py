@@ -32,7 +32,7 @@ def _slowed(rank, world, tiny_data, run_dir):
         trainer.engine.finish_grad_sync = lambda: (time.sleep(DELAY_S), sync())
     else:
         read = trainer.batches.next_step
-        trainer.batches.next_step = lambda: (time.sleep(DELAY_S), read())[1]
+        trainer.batches.next_step = lambda *args: (time.sleep(DELAY_S), read(*args))[1]
     return trainer.fit()
 
 

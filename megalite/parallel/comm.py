@@ -169,9 +169,10 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.T
     return tensor
 
 
-def all_reduce_scalars(values: List[float], group: Group, op=dist.ReduceOp.SUM,
-                       device: Optional[torch.device] = None) -> List[float]:
-    """All-reduce a few Python floats in one fp64 message (metrics, norms)."""
+def all_reduce_scalars(values: List[float], group: Group, device: torch.device,
+                       op=dist.ReduceOp.SUM) -> List[float]:
+    """All-reduce a few Python floats in one fp64 message (metrics, norms), staged on
+    `device` (the run's: NCCL carries no CPU tensors)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     all_reduce(t, group, op=op)
     return t.tolist()

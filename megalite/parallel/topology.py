@@ -10,6 +10,7 @@ from module globals.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
@@ -136,8 +137,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
         for ranks in rank_lists:
             pg = None
             if initialized and len(ranks) > 1:
-                kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-                pg = dist.new_group(ranks, **kwargs)
+                pg = _new_group(ranks, kind, timeout_s)
             if rank in ranks:
                 mine = (ranks, pg)
         if mine is not None:
@@ -145,9 +145,18 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
             topo.groups[kind] = Group(name=kind, ranks=ranks, rank=ranks.index(rank), pg=pg,
                                       counter=topo.counter)
     if checkpoint_group:
-        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        pg = dist.new_group(list(range(world)), backend="gloo", **kwargs) \
+        pg = _new_group(list(range(world)), "checkpoint", timeout_s, backend="gloo") \
             if initialized and world > 1 else None
         topo.groups["checkpoint"] = Group(name="checkpoint", ranks=list(range(world)),
                                           rank=rank, pg=pg, counter=topo.counter)
     return topo
+
+
+def _new_group(ranks: List[int], name: str, timeout_s: Optional[float],
+               backend: Optional[str] = None) -> dist.ProcessGroup:
+    """`dist.new_group`, named where torch can (`group_desc`, torch >= 2.4): NCCL reports a
+    timed-out or failed collective from its watchdog thread, which names the group by this."""
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    if "group_desc" in inspect.signature(dist.new_group).parameters:
+        kwargs["group_desc"] = name
+    return dist.new_group(ranks, backend=backend, **kwargs)

@@ -229,8 +229,8 @@ class Trainer:
         spent = self.timers.take()
         values = [spent[p] / steps for p in PHASES]
         for group in (self.topo.mp_group, self.topo.dp_group):  # together: the whole world
-            values = comm.all_reduce_scalars(values, group, op=dist.ReduceOp.MAX,
-                                             device=self.rt.device)
+            values = comm.all_reduce_scalars(values, group, self.rt.device,
+                                             op=dist.ReduceOp.MAX)
         return dict(zip(PHASES, values))
 
     def _measured_bubble(self) -> float:
