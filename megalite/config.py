@@ -17,7 +17,8 @@ from typing import List, Optional, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# the package's Hydra configs: in a checkout a link to `conf/`, in an installed package a copy
+CONF_DIR = Path(__file__).parent / "conf"
 # SDPA kernels `train.attention` may name (megalite.model.attention); the last two need CUDA.
 ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")

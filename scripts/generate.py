@@ -6,8 +6,9 @@
 
 Loads the checkpoint into the serial GPT-2 (one process), encodes the prompt with the run's
 tokenizer (`<data.dir>/tokenizer`, or --tokenizer DIR), samples, and prints prompt and
-continuation. The same --seed gives the same text (on the same device). An empty prompt starts
-from the EOS token.
+continuation, up to the end of the document (the EOS token; --ignore-eos samples on past it).
+The same --seed gives the same text (on the same device). An empty prompt starts from the EOS
+token.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep sampling after the end-of-document token")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's "
                         "<data.dir>/tokenizer)")
     args = parser.parse_args()
@@ -45,7 +48,8 @@ def main() -> None:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
         generator = torch.Generator(args.device).manual_seed(args.seed)
         out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
-                       generator, vocab_size=len(tokenizer))
+                       generator, vocab_size=len(tokenizer),
+                       eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id)
     except (CheckpointError, ExportError, ValueError) as e:
         print(f"megalite: cannot generate: {e}", file=sys.stderr)
         sys.exit(2)

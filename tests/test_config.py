@@ -135,3 +135,28 @@ def test_more_ranks_per_node_than_gpus_is_refused():
 ])
 def test_values_that_used_to_fail_after_launch_are_refused(overrides, expect):
     assert expect in bad(overrides)
+
+
+def test_an_installed_package_carries_its_configs(tmp_path):
+    """A wheel of megalite (what `pip install .` and the Docker image install) holds the Hydra
+    configs, so `load_config` works from site-packages, outside the checkout."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(repo)],
+                   check=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "wheel").glob("megalite-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = ("import megalite, megalite.config as c; "
+             "assert megalite.__file__.startswith(%r), megalite.__file__; "
+             "print(c.load_config(['model=gpt2-xl']).model.n_layer)" % str(site))
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "48"

@@ -89,6 +89,9 @@ def test_export_loads_in_transformers_with_the_runs_validation_loss(runs, export
     assert len(tok) == len(data_tok) == cfg.vocab_size
     assert tok.encode(PROMPT) == data_tok.encode(PROMPT)
     assert hf.config.eos_token_id == hf.generation_config.eos_token_id == tok.eos_token_id
+    assert tok.model_max_length == cfg.n_positions  # truncation=True fits the model's context
+    long = tok("x = 1\n" * 200, truncation=True)["input_ids"]
+    assert len(long) == cfg.n_positions
 
 
 def test_exports_of_different_layouts_agree(exported):
@@ -145,6 +148,8 @@ def test_generate_is_seeded_and_greedy_equals_transformers_argmax(runs, exported
     with torch.no_grad():
         for _ in range(8):
             ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
+            if ids[-1] == tok.eos_token_id:  # the end of the document: generate stops too
+                break
     assert greedy == tok.decode(ids) + "\n"
 
 

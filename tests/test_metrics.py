@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megalite.train.metrics import MetricsWriter, table_peak
+from megalite.train.metrics import MetricsWriter, Peak, table_peak, throughput
 
 
 @pytest.mark.parametrize("name,tflops,key", [
@@ -44,3 +44,13 @@ def test_non_finite_values_are_written_as_null(tmp_path):
     assert header == {"run": {"peak": None}}
     assert record == {"step": 1, "loss": None, "grad_norm": None,
                       "comm": {"dp/all_reduce": {"bytes": 4, "rate": None}}, "ok": 1.5}
+
+
+def test_throughput_is_per_device_against_the_peak():
+    """tokens/s of the whole job; TFLOP/s and MFU per device: 8 devices at 1,000 tokens/s
+    each of a 6e9-FLOP/token model do 6 TFLOP/s each, 60% of a 10 TFLOP/s peak."""
+    out = throughput(tokens=16_000, seconds=2.0, flops_per_token=6_000_000_000, world_size=8,
+                     peak=Peak(10.0, "test"))
+    assert out == pytest.approx({"tokens_per_s": 8_000.0, "tflops_per_device": 6.0,
+                                 "mfu": 0.6})
+    assert throughput(16_000, 2.0, 6_000_000_000, 8, Peak(None, "unknown"))["mfu"] is None

@@ -10,16 +10,14 @@ from megalite.model.gpt2 import GPT2, count_parameters, flops_per_token, num_par
 from megalite.model.hf import (check_init_from, from_hf_state_dict, hf_config, load_hf_state_dict,
                               save_hf)
 from megalite.model.init import init_parameters, load_global_state
+from tests.conftest import random_hf_gpt2
 
 SMALL = ModelConfig(name="t", n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=211,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def hf_model(cfg, seed=0):
-    from transformers import GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(hf_config(cfg)).eval()
+    return random_hf_gpt2(cfg, seed)
 
 
 @pytest.mark.parametrize("cfg", [SMALL, ModelConfig(name="v", n_layer=2, n_embd=48, n_head=3,
@@ -148,3 +146,22 @@ def test_attention_kernel_choice_changes_no_result():
     for choice in ("flash", "math"):
         assert abs(results[choice][0] - results["auto"][0]) <= 1e-6
         assert torch.allclose(results[choice][1], results["auto"][1], rtol=1e-4, atol=1e-6)
+
+
+def test_generation_stops_at_the_end_of_the_document():
+    """Greedy decoding from a model that counts upwards and wraps to token 0 (EOS here):
+    generation ends with the EOS token, as transformers' generate does, unless told not to."""
+    from megalite.model.generate import generate
+
+    class Counter(torch.nn.Module):
+        cfg = ModelConfig(n_layer=1, n_embd=4, n_head=1, n_positions=16, vocab_size=8)
+
+        def __init__(self):
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, ids):
+            return F.one_hot((ids + 1) % 8, 8).float()  # next token = this one + 1
+
+    assert generate(Counter(), [5], 10, temperature=0, eos_token_id=0) == [5, 6, 7, 0]
+    assert generate(Counter(), [5], 5, temperature=0) == [5, 6, 7, 0, 1, 2]

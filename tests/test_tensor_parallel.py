@@ -11,6 +11,7 @@ from megalite.config import ModelConfig
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.topology import build_topology
 from megalite.spawn import run_ranks
+from tests.conftest import random_hf_gpt2
 from tests.layouts import assert_equal, close, train_layout, train_layouts
 
 S, B, H = 8, 3, 12  # sequence, batch, hidden of the layer tests
@@ -140,14 +141,11 @@ def _logits_vs_hf(rank, world, cfg, sp, state, ids, ref_logits, ref_loss):
 @pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
 def test_gpt2_logits_equal_transformers_with_the_gpt2_vocabulary(tp, sp):
     """vocab 50257 is not divisible by tp: padded to 50432 / 50688, padding never shows."""
-    from transformers import GPT2LMHeadModel
-
-    from megalite.model.hf import from_hf_state_dict, hf_config
+    from megalite.model.hf import from_hf_state_dict
 
     cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=50257,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    hf = GPT2LMHeadModel(hf_config(cfg)).eval()
+    hf = random_hf_gpt2(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref_logits = hf(ids[:, :16]).logits

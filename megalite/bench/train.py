@@ -171,6 +171,7 @@ def run(args) -> List[dict]:
                     print(f"{preset} {name}: no micro-batch of {args.micro_batch} fits", flush=True)
                     continue
                 batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
+                reset_peak(device)  # not the high-water mark of a larger micro-batch that failed
                 times = sorted(timed(lambda: step(batches), device) for _ in range(args.steps))
                 row = _row(name, mb, seq, args.micro_batches, times[len(times) // 2], fpt, peak,
                            peak_memory(device))

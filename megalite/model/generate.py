@@ -4,7 +4,9 @@ checkpoint is a language model.
 No KV cache: every new token re-runs the model on the last `n_positions` tokens (a sliding
 window once the text is longer than the model's context). Temperature 0 is greedy decoding;
 otherwise logits / temperature, optionally restricted to the `top_k` largest, are sampled from
-`generator`, so a seeded generator makes the output deterministic.
+`generator`, so a seeded generator makes the output deterministic. Generation stops after
+`eos_token_id` (the end of the document; what follows would start an unrelated one), as
+`transformers`' generate does.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from megalite.model.gpt2 import GPT2
 @torch.no_grad()
 def generate(model: GPT2, ids: List[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             vocab_size: Optional[int] = None) -> List[int]:
-    """`ids` (at least one token) followed by `max_new_tokens` sampled tokens. Only ids below
+             vocab_size: Optional[int] = None, eos_token_id: Optional[int] = None) -> List[int]:
+    """`ids` (at least one token) followed by up to `max_new_tokens` sampled tokens, the last
+    of them `eos_token_id` if it was sampled (None: never stop early). Only ids below
     `vocab_size` (default: the model's) are ever sampled: a tokenizer may have fewer tokens
     than the embedding has rows."""
     if not ids:
@@ -45,4 +48,6 @@ def generate(model: GPT2, ids: List[int], max_new_tokens: int, temperature: floa
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
         out = torch.cat([out, token.view(1, 1)], dim=1)
+        if eos_token_id is not None and int(token) == eos_token_id:
+            break
     return out[0].tolist()

@@ -135,5 +135,6 @@ def save_hf(sd: Dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
         if bar:
             hf_logging.enable_progress_bar()
     if tokenizer is not None:
+        tokenizer.model_max_length = cfg.n_positions  # the model's context, for truncation=True
         tokenizer.save_pretrained(out_dir)
     return out_dir
