@@ -477,11 +477,11 @@ def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor
     return {name: reader.global_tensor(name, kind) for name in names}
 
 
-def shape_mismatch(theirs: dict, cfg: ModelConfig, keys: Tuple[str, ...] = SHAPE_KEYS
-                   ) -> Optional[Tuple[str, object, object]]:
-    """The first of `keys` in which a checkpoint's model (meta.json's "model") differs from
-    `cfg`: (key, ours, theirs), or None. The MLP size counts, not how it was written
-    (n_inner=null is 4 * n_embd)."""
+def shape_mismatch(theirs: dict, cfg: ModelConfig, where: str,
+                   keys: Tuple[str, ...] = SHAPE_KEYS) -> Optional[str]:
+    """What is wrong, if anything, between a checkpoint's model (meta.json's "model", trained
+    by `where`) and `cfg`: the first differing key of `keys`, named with both values. The MLP
+    size counts, not how it was written (n_inner=null is 4 * n_embd)."""
     for key in keys:
         ours, recorded = getattr(cfg, key), theirs.get(key)
         if key == "n_inner":
@@ -489,16 +489,15 @@ def shape_mismatch(theirs: dict, cfg: ModelConfig, keys: Tuple[str, ...] = SHAPE
         else:
             same = recorded == ours
         if not same:
-            return key, ours, recorded
+            return (f"model.{key}={ours!r}: {where} was trained with {key}={recorded!r}; set "
+                    f"model.{key}={recorded!r}")
     return None
 
 
 def check_compatible(meta: dict, cfg: Config, ckpt: Path) -> None:
-    mismatch = shape_mismatch(meta["model"], cfg.model)
-    if mismatch is not None:
-        key, ours, theirs = mismatch
-        raise CheckpointError(f"model.{key}={ours!r}: checkpoint {ckpt} was trained with "
-                              f"{key}={theirs!r}; set model.{key}={theirs!r} to resume it")
+    problem = shape_mismatch(meta["model"], cfg.model, f"checkpoint {ckpt}")
+    if problem is not None:
+        raise CheckpointError(f"{problem} to resume it")
 
 
 def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[dict, Optional[dict]]:

@@ -32,11 +32,10 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
         theirs = read_meta(ckpt)["model"]
     except CheckpointError as e:
         raise ConfigError(f"init_from={source!r}: {e}") from e
-    mismatch = shape_mismatch(theirs, cfg, (*SHAPE_KEYS, "layer_norm_epsilon"))
-    if mismatch is not None:
-        key, ours, recorded = mismatch
-        raise ConfigError(f"model.{key}={ours!r}: init_from={source!r} ({ckpt.name}) was "
-                          f"trained with {key}={recorded!r}; set model.{key}={recorded!r}")
+    problem = shape_mismatch(theirs, cfg, f"init_from={source!r} ({ckpt.name})",
+                             (*SHAPE_KEYS, "layer_norm_epsilon"))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def load_init_state(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:

@@ -67,11 +67,9 @@ def check_resume(cfg: Config) -> None:
 
 
 def _check_meta(meta: dict, cfg: Config, where: str) -> None:
-    mismatch = shape_mismatch(meta["model"], cfg.model)
-    if mismatch is not None:
-        key, ours, theirs = mismatch
-        raise ConfigError(f"model.{key}={ours!r}: {where} was trained with {key}={theirs!r}; "
-                          f"set model.{key}={theirs!r} to resume it")
+    problem = shape_mismatch(meta["model"], cfg.model, where)
+    if problem is not None:
+        raise ConfigError(f"{problem} to resume it")
     blended = len(meta["sampler"].get("counts", [1]))
     sources = len(data_sources(cfg.data))
     if sources > 1 and blended != sources:
