@@ -184,9 +184,8 @@ def _tokenize(batch: Dict[str, list], tokenizer, eos: int) -> Dict[str, list]:
 
 def _write_split(ds, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int,
                  progress: bool) -> dict:
-    from tqdm.auto import tqdm
-
     import pyarrow.compute as pc
+    from tqdm.auto import tqdm
 
     writer = ShardWriter(out_dir, split, dtype, shard_tokens)
     total = 0

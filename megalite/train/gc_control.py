@@ -16,7 +16,7 @@ from typing import Optional
 class ScheduledGC:
     def __init__(self, every: Optional[int]):
         self.every = every
-        self._was_enabled = gc.isenabled()
+        self._was_enabled = True  # the setting to restore, read on entering
 
     def __enter__(self) -> "ScheduledGC":
         if self.every is not None:

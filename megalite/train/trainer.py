@@ -316,8 +316,9 @@ class Trainer:
 
     def fit(self) -> List[dict]:
         """Train to train.max_steps: evaluate, checkpoint and log on their schedules (a step
-        that evaluates also writes a metrics line). Returns the metric records. A background save still in flight is waited for at the end (also
-        when training fails, so the last checkpoint taken gets published)."""
+        that evaluates also writes a metrics line). Returns the metric records. A background
+        save still in flight is waited for at the end (also when training fails, so the last
+        checkpoint taken gets published)."""
         try:
             records = self._fit()
         except BaseException:
@@ -467,8 +468,4 @@ def comm_gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:
 
 def broadcast_run_dir(run_dir: Path) -> Path:
     """Rank 0's run directory, on every rank (Hydra's timestamp may differ between ranks)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return run_dir
-    box = [str(run_dir)]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    return Path(ckpt.broadcast_object(str(run_dir)))
