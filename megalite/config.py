@@ -2,9 +2,10 @@
 
 Hydra composes `conf/config.yaml` (plus the `model=` and `data=` groups) on top of the
 `Config` schema registered here, so a misspelt key or a wrong type fails at composition.
-`validate()` then checks every rule that involves more than one field or the world size,
-*before* any process group exists, and raises `ConfigError` naming the key, the bad value
-and what would work.
+Each section checks its own fields (`check()`, all of them through `check_sections`); the
+rules that join sections or involve the world size live with the layout they decide
+(`megalite.layout.validate` runs both, *before* any process group exists). Every check raises
+`ConfigError` naming the key, the bad value and what would work.
 """
 from __future__ import annotations
 
@@ -51,6 +52,21 @@ class ModelConfig:
     def ffn_size(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    def check(self) -> None:
+        for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
+            if getattr(self, key) < 1:
+                _fail(f"model.{key}", getattr(self, key), "must be a positive integer")
+        for key in ("layer_norm_epsilon", "initializer_range"):
+            if not getattr(self, key) > 0:
+                _fail(f"model.{key}", getattr(self, key), "must be > 0 (GPT-2 uses "
+                      f"{getattr(ModelConfig, key)})")
+        if self.n_inner is not None and self.n_inner < 1:
+            _fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
+        if self.n_embd % self.n_head != 0:
+            _fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                _fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
 
 @dataclass
 class DataConfig:
@@ -100,6 +116,57 @@ class TrainConfig:
     gc_every: Optional[int] = None  # Python's garbage collector off while training, run on
     #                                 every rank after every N-th step; None = automatic
 
+    def check(self) -> None:
+        if self.seq_len < 1:
+            _fail("train.seq_len", self.seq_len, "must be a positive integer (and at most "
+                  "model.n_positions)")
+        if self.micro_batch_size < 1:
+            _fail("train.micro_batch_size", self.micro_batch_size, "must be a positive integer")
+        if self.global_batch_size < 1:
+            _fail("train.global_batch_size", self.global_batch_size, "must be a positive "
+                  "multiple of micro_batch_size*dp (m = global_batch_size / (micro_batch_size*dp)"
+                  " micro-batches per step must be >= 1)")
+        self._check_rampup()
+        if self.attention not in ATTENTION_CHOICES:
+            _fail("train.attention", self.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
+        if self.recompute_layers is not None and (self.recompute_layers < 1 or not self.recompute):
+            _fail("train.recompute_layers", self.recompute_layers,
+                  "needs train.recompute=true and a value >= 1 (the blocks recomputed at the "
+                  "start of each pipeline stage), or null for every block")
+        self._check_stopping()
+        if self.eval_every < 0 or self.eval_steps < 1:
+            _fail("train.eval_every/eval_steps", (self.eval_every, self.eval_steps),
+                  "eval_every must be >= 0 (0 = never) and eval_steps >= 1")
+
+    def _check_stopping(self) -> None:
+        if self.max_steps < 1:
+            _fail("train.max_steps", self.max_steps, "must be a positive integer")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            _fail("train.max_minutes", self.max_minutes, "must be > 0 minutes, or null (no limit)")
+        if self.exit_signal is not None and self.exit_signal not in EXIT_SIGNALS:
+            _fail("train.exit_signal", self.exit_signal,
+                  f"use one of {', '.join(EXIT_SIGNALS)}, or null (no handler)")
+        if self.gc_every is not None and self.gc_every < 1:
+            _fail("train.gc_every", self.gc_every, "must be >= 1 (steps between collections, e.g. "
+                  "50), or null for Python's automatic collection")
+        if self.max_bad_steps < 1:
+            _fail("train.max_bad_steps", self.max_bad_steps, "must be >= 1 (1 = stop at the "
+                  "first non-finite step)")
+
+    def _check_rampup(self) -> None:
+        """The ramp's shape; whole micro-batches per DP rank is a layout rule."""
+        if self.rampup_batch_size is None:
+            return
+        ramp = list(self.rampup_batch_size)
+        example = "e.g. train.rampup_batch_size=[32,32,100000]"
+        if len(ramp) != 3 or min(ramp) < 1:
+            _fail("train.rampup_batch_size", ramp, f"three positive integers [start, "
+                  f"increment, samples], {example}")
+        start, increment, _ = ramp
+        if start >= self.global_batch_size or (self.global_batch_size - start) % increment:
+            _fail("train.rampup_batch_size", ramp, f"start must be below "
+                  f"train.global_batch_size={self.global_batch_size} and reach it in whole "
+                  f"increments (global_batch_size - start a multiple of increment); {example}")
 
 @dataclass
 class OptimConfig:
@@ -114,6 +181,27 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
 
+    def check(self) -> None:
+        if not self.lr > 0:
+            _fail("optim.lr", self.lr, "must be > 0 (e.g. 6e-4)")
+        if not 0 <= self.min_lr <= self.lr:
+            _fail("optim.min_lr", self.min_lr, f"need 0 <= min_lr <= optim.lr={self.lr}")
+        if not self.eps > 0:
+            _fail("optim.eps", self.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
+        if self.schedule not in LR_SCHEDULES:
+            _fail("optim.schedule", self.schedule, f"use one of {', '.join(LR_SCHEDULES)}")
+        if not 0.0 < self.wsd_decay_fraction <= 1.0:
+            _fail("optim.wsd_decay_fraction", self.wsd_decay_fraction,
+                  "must be in (0, 1], e.g. 0.2 (the last 20% of the steps after warmup decay)")
+        if self.warmup_steps < 0:
+            _fail("optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            _fail("optim.decay_steps", self.decay_steps, "must be >= 1 or null (= train.max_steps)")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _fail("optim.betas", list(self.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            _fail("optim.grad_clip/weight_decay", (self.grad_clip, self.weight_decay),
+                  "must be >= 0")
 
 @dataclass
 class LogConfig:
@@ -129,6 +217,18 @@ class LogConfig:
     #                                             metrics.jsonl) under torch.profiler; per rank
     #                                             a Chrome trace + top-ops table in <run dir>/profile/
 
+    def check(self) -> None:
+        if self.wandb not in ("auto", "true", "offline", "false"):
+            _fail("log.wandb", self.wandb, "use auto, true, offline or false")
+        if self.every < 1:
+            _fail("log.every", self.every, "must be >= 1")
+        steps = self.profile_steps
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            _fail("log.profile_steps", list(steps),
+                  "two step numbers [first, last] with 1 <= first <= last (and first <= "
+                  "train.max_steps), e.g. [10, 12]; null = no profiling")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            _fail("log.peak_tflops", self.peak_tflops, "must be > 0 or null (= device table)")
 
 @dataclass
 class ParallelConfig:
@@ -146,6 +246,16 @@ class ParallelConfig:
     timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
     #                           group (gloo); NCCL's watchdog ends the process, naming the group
 
+    def check(self) -> None:
+        v = self.virtual_stages
+        if not isinstance(v, int) or v < 1:
+            _fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
+                  "(the interleaved schedule runs several model chunks per pipeline stage)")
+        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
+            _fail("parallel.bucket_mb", self.bucket_mb, "must be a positive number of MiB "
+                  "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
+        if self.timeout_s <= 0:
+            _fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
 
 @dataclass
 class LossScaleConfig:
@@ -159,6 +269,21 @@ class LossScaleConfig:
     window: int = 1000  # dynamic: the scale doubles after this many steps without overflow
     hysteresis: int = 2  # dynamic: overflows tolerated (skipped) before the scale halves
 
+    def check(self) -> None:
+        if self.static is not None and not (self.static > 0 and math.isfinite(self.static)):
+            _fail("loss_scale.static", self.static, "must be a positive number (e.g. 1024), or "
+                  "null for dynamic scaling")
+        for key in ("initial", "min"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):
+                _fail(f"loss_scale.{key}", value, f"must be a positive number (default "
+                      f"{getattr(LossScaleConfig, key)})")
+        if self.min > self.initial:
+            _fail("loss_scale.min", self.min, f"must be <= loss_scale.initial={self.initial}")
+        for key in ("window", "hysteresis"):
+            if getattr(self, key) < 1:
+                _fail(f"loss_scale.{key}", getattr(self, key), f"must be >= 1 (default "
+                      f"{getattr(LossScaleConfig, key)})")
 
 @dataclass
 class CheckpointConfig:
@@ -169,6 +294,13 @@ class CheckpointConfig:
     async_save: bool = False  # write in a background thread: the loop only waits for a copy of
     #                           the rank's state in host memory (torchtitan's async checkpoint)
 
+    def check(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            _fail("checkpoint.every/keep", (self.every, self.keep),
+                  "every must be >= 0 (0 = only at the end), keep >= 1")
+        if self.resume not in ("none", "auto") and not Path(self.resume).exists():
+            _fail("checkpoint.resume", self.resume,
+                  "use none, auto, or the path of an existing checkpoint directory")
 
 @dataclass
 class Config:
@@ -229,254 +361,20 @@ def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
     return sources
 
 
-def resolved_precision(precision: str, device_type: str) -> str:
-    """What `precision` computes in on `device_type`: bf16, fp16 or fp32 (auto = bf16 on
-    CUDA, fp32 elsewhere)."""
-    if precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
-    return precision
-
-
-def dp_size(cfg: Config, world_size: int) -> int:
-    return world_size // (cfg.tp * cfg.pp)
-
-
-def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
-             local_ranks: int = 1) -> List[str]:
-    """Check every cross-field rule; raise ConfigError on the first violation, return the
-    warnings (legal but probably unintended settings) for the caller to print.
-
-    Runs before any process group is created or any file is written. `local_gpus` is the
-    number of GPUs of one node (None on CPU); `local_ranks` the processes started on this node
-    (torchrun's --nproc_per_node), one GPU each on CUDA.
-    """
-    m, t, o = cfg.model, cfg.train, cfg.optim
-    warnings: List[str] = []
-    if world_size < 1:
-        _fail("world size", world_size, "needs at least one rank (torchrun --nproc_per_node, "
-              "scripts/plan.py --world-size)")
-    if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
-        _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
-              f"positive tp, pp; choose tp and pp whose product divides {world_size}")
+def check_sections(cfg: Config) -> None:
+    """Every section's own rules, and the top-level keys'."""
     if cfg.seed < 0:
         _fail("seed", cfg.seed, "must be a non-negative integer (e.g. 1234)")
     if cfg.zero not in (0, 1, 2, 3):
         _fail("zero", cfg.zero, "ZeRO stage must be one of 0, 1, 2, 3")
-    if cfg.sp and cfg.tp == 1:
-        _fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
-    dp = dp_size(cfg, world_size)
     if cfg.precision not in PRECISIONS:
         _fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
-    _check_loss_scale(cfg)
     if cfg.device not in ("auto", "cpu", "cuda"):
         _fail("device", cfg.device, "use auto, cpu or cuda")
-    if cfg.device == "cuda" and not local_gpus:
-        _fail("device", cfg.device, "no CUDA GPU is visible on this machine; use device=auto "
-              "(CPU when there is no GPU) or device=cpu")
-    if cfg.device in ("auto", "cuda") and local_gpus and local_ranks > local_gpus:
-        _fail("torchrun --nproc_per_node", local_ranks, f"this node has {local_gpus} GPUs and "
-              f"every rank needs its own; use --nproc_per_node<={local_gpus}, or device=cpu")
-    for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
-        if getattr(m, key) < 1:
-            _fail(f"model.{key}", getattr(m, key), "must be a positive integer")
-    for key in ("layer_norm_epsilon", "initializer_range"):
-        if not getattr(m, key) > 0:
-            _fail(f"model.{key}", getattr(m, key), "must be > 0 (GPT-2 uses "
-                  f"{getattr(ModelConfig, key)})")
-    if m.n_inner is not None and m.n_inner < 1:
-        _fail("model.n_inner", m.n_inner, "must be a positive integer or null (= 4 * n_embd)")
-    if m.n_embd % m.n_head != 0:
-        _fail("model.n_head", m.n_head, f"must divide model.n_embd={m.n_embd}")
-    if m.n_head % cfg.tp:
-        _fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
-    if m.n_embd % cfg.tp:
-        _fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
-    if m.ffn_size % cfg.tp:
-        _fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
-    if local_gpus is not None and cfg.tp > local_gpus:
-        warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
-                        "group's all-reduces in every layer will cross the inter-node network "
-                        "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
-    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if not 0.0 <= getattr(m, key) < 1.0:
-            _fail(f"model.{key}", getattr(m, key), "dropout probability must be in [0, 1)")
-    if t.seq_len < 1 or t.seq_len > m.n_positions:
-        _fail("train.seq_len", t.seq_len,
-              f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise n_positions")
-    if cfg.sp and t.seq_len % cfg.tp:
-        _fail("train.seq_len", t.seq_len, f"with sp=true must be divisible by tp={cfg.tp} "
-              f"(each TP rank holds seq_len/tp positions); e.g. {t.seq_len - t.seq_len % cfg.tp}")
-    if t.micro_batch_size < 1:
-        _fail("train.micro_batch_size", t.micro_batch_size, "must be a positive integer")
-    if t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        good = t.micro_batch_size * dp
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp} = {good} "
-              f"(e.g. {good * max(1, round(t.global_batch_size / good))}); the number of "
-              "micro-batches per step m = global_batch_size / (micro_batch_size*dp) must be >= 1")
-    if cfg.pp > m.n_layer:
-        _fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
-              f"leave a stage with no block; use pp <= {m.n_layer}")
-    v = cfg.parallel.virtual_stages
-    if not isinstance(v, int) or v < 1 or (v > 1 and cfg.pp < 2):
-        _fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
-              "(the interleaved schedule runs several model chunks per pipeline stage)")
-    if cfg.pp * v > m.n_layer:
-        _fail("parallel.virtual_stages", v, f"pp*virtual_stages = {cfg.pp * v} model chunks "
-              f"need at least as many blocks (model.n_layer={m.n_layer}); use virtual_stages <= "
-              f"{m.n_layer // cfg.pp}")
-    chunks = cfg.pp * v  # the model's slices (virtual stages)
-    edge = cfg.parallel.edge_stage_layers
-    if edge is not None:
-        rest = m.n_layer - 2 * edge
-        if chunks < 2 or edge < 1 or rest < chunks - 2 or (chunks == 2 and rest != 0):
-            _fail("parallel.edge_stage_layers", edge,
-                  f"with pp*virtual_stages={chunks} model slices and model.n_layer={m.n_layer} "
-                  "every slice needs at least one block and the blocks must add up; use null "
-                  f"(balanced) or a value k with 2k + ({chunks}-2) <= n_layer (and 2k = n_layer "
-                  "for 2 slices)")
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    _check_rampup(cfg, dp)
-    if v > 1 and num_micro % cfg.pp:
-        good = cfg.pp * t.micro_batch_size * dp
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"with parallel.virtual_stages={v} the micro-batches per step m = "
-              f"global_batch_size/(micro_batch_size*dp) = {num_micro} must be a multiple of "
-              f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
-              f"of {good}, e.g. {good * max(1, round(t.global_batch_size / good))}")
-    if cfg.pp > 1 and num_micro < cfg.pp:
-        bubble = (cfg.pp - 1) / (v * num_micro + cfg.pp - 1)
-        warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
-                        f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
-                        f"((p-1)/(m+p-1)); raise train.global_batch_size or lower "
-                        "train.micro_batch_size")
-    if cfg.zero > 0 and dp == 1:
-        warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
-                        "changes no memory and only adds copies); use zero=0 or more ranks")
-    if t.attention not in ATTENTION_CHOICES:
-        _fail("train.attention", t.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not local_gpus)
-    if t.attention in ATTENTION_CUDA_ONLY and on_cpu:
-        _fail("train.attention", t.attention, "this kernel runs on CUDA GPUs only; on CPU use "
-              "auto, flash or math")
-    if t.recompute_layers is not None and (t.recompute_layers < 1 or not t.recompute):
-        _fail("train.recompute_layers", t.recompute_layers,
-              "needs train.recompute=true and a value >= 1 (the blocks recomputed at the start "
-              "of each pipeline stage), or null for every block")
-    if t.max_steps < 1:
-        _fail("train.max_steps", t.max_steps, "must be a positive integer")
-    if t.max_minutes is not None and t.max_minutes <= 0:
-        _fail("train.max_minutes", t.max_minutes, "must be > 0 minutes, or null (no limit)")
-    if t.exit_signal is not None and t.exit_signal not in EXIT_SIGNALS:
-        _fail("train.exit_signal", t.exit_signal,
-              f"use one of {', '.join(EXIT_SIGNALS)}, or null (no handler)")
-    if t.gc_every is not None and t.gc_every < 1:
-        _fail("train.gc_every", t.gc_every, "must be >= 1 (steps between collections, e.g. "
-              "50), or null for Python's automatic collection")
-    if t.max_bad_steps < 1:
-        _fail("train.max_bad_steps", t.max_bad_steps, "must be >= 1 (1 = stop at the first "
-              "non-finite step)")
-    if t.eval_every < 0 or t.eval_steps < 1:
-        _fail("train.eval_every/eval_steps", (t.eval_every, t.eval_steps),
-              "eval_every must be >= 0 (0 = never) and eval_steps >= 1")
-    if not o.lr > 0:
-        _fail("optim.lr", o.lr, "must be > 0 (e.g. 6e-4)")
-    if not 0 <= o.min_lr <= o.lr:
-        _fail("optim.min_lr", o.min_lr, f"need 0 <= min_lr <= optim.lr={o.lr}")
-    if not o.eps > 0:
-        _fail("optim.eps", o.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
-    if o.schedule not in LR_SCHEDULES:
-        _fail("optim.schedule", o.schedule, f"use one of {', '.join(LR_SCHEDULES)}")
-    if not 0.0 < o.wsd_decay_fraction <= 1.0:
-        _fail("optim.wsd_decay_fraction", o.wsd_decay_fraction,
-              "must be in (0, 1], e.g. 0.2 (the last 20% of the steps after warmup decay)")
-    if o.warmup_steps < 0:
-        _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    if o.decay_steps is not None and o.decay_steps < 1:
-        _fail("optim.decay_steps", o.decay_steps, "must be >= 1 or null (= train.max_steps)")
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        _fail("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
-    if o.grad_clip < 0 or o.weight_decay < 0:
-        _fail("optim.grad_clip/weight_decay", (o.grad_clip, o.weight_decay), "must be >= 0")
+    for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
+                    cfg.checkpoint):
+        section.check()
     data_sources(cfg.data)  # raises on a malformed data.blend
-    if not (cfg.parallel.bucket_mb > 0 and math.isfinite(cfg.parallel.bucket_mb)):
-        _fail("parallel.bucket_mb", cfg.parallel.bucket_mb, "must be a positive number of MiB "
-              "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
-    if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
-        _fail("parallel.overlap_param_gather", True,
-              f"needs zero=1 or zero=2 (zero={cfg.zero}: "
-              + ("no parameter gather to overlap" if cfg.zero == 0 else
-                 "ZeRO-3 gathers each block before use and prefetches the next already") + ")")
-    if cfg.parallel.timeout_s <= 0:
-        _fail("parallel.timeout_s", cfg.parallel.timeout_s, "must be > 0 seconds (e.g. 600)")
-    if cfg.log.wandb not in ("auto", "true", "offline", "false"):
-        _fail("log.wandb", cfg.log.wandb, "use auto, true, offline or false")
-    if cfg.log.every < 1:
-        _fail("log.every", cfg.log.every, "must be >= 1")
-    steps = cfg.log.profile_steps
-    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]
-                              or steps[0] > cfg.train.max_steps):
-        _fail("log.profile_steps", list(steps),
-              f"two step numbers [first, last] with 1 <= first <= last and first <= "
-              f"train.max_steps={cfg.train.max_steps}, e.g. [10, 12]; null = no profiling")
-    if cfg.log.peak_tflops is not None and cfg.log.peak_tflops <= 0:
-        _fail("log.peak_tflops", cfg.log.peak_tflops, "must be > 0 or null (= device table)")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
-        _fail("checkpoint.every/keep", (cfg.checkpoint.every, cfg.checkpoint.keep),
-              "every must be >= 0 (0 = only at the end), keep >= 1")
-    if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
-        _fail("checkpoint.resume", cfg.checkpoint.resume,
-              "use none, auto, or the path of an existing checkpoint directory")
-    return warnings
-
-
-def _check_rampup(cfg: Config, dp: int) -> None:
-    t = cfg.train
-    if t.rampup_batch_size is None:
-        return
-    ramp = list(t.rampup_batch_size)
-    unit = t.micro_batch_size * dp * (cfg.pp if cfg.parallel.virtual_stages > 1 else 1)
-    example = f"e.g. train.rampup_batch_size=[{unit},{unit},100000]"
-    if len(ramp) != 3 or min(ramp) < 1:
-        _fail("train.rampup_batch_size", ramp, f"three positive integers [start, increment, "
-              f"samples], {example}")
-    start, increment, _ = ramp
-    if start >= t.global_batch_size or (t.global_batch_size - start) % increment:
-        _fail("train.rampup_batch_size", ramp, f"start must be below train.global_batch_size="
-              f"{t.global_batch_size} and reach it in whole increments (global_batch_size - "
-              f"start a multiple of increment); {example}")
-    if start % unit or increment % unit:
-        what = "micro_batch_size*dp" + ("*pp (interleaved schedule)"
-                                        if cfg.parallel.virtual_stages > 1 else "")
-        _fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
-              f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
-
-
-def _check_loss_scale(cfg: Config) -> None:
-    ls = cfg.loss_scale
-    if ls.static is not None:
-        if cfg.precision != "fp16":
-            _fail("loss_scale.static", ls.static, f"only precision=fp16 scales the loss "
-                  f"(precision={cfg.precision!r}: bf16 and fp32 share fp32's exponent range and "
-                  "need no scaling); remove it or set precision=fp16")
-        if not (ls.static > 0 and math.isfinite(ls.static)):
-            _fail("loss_scale.static", ls.static, "must be a positive number (e.g. 1024), or "
-                  "null for dynamic scaling")
-    for key in ("initial", "min"):
-        value = getattr(ls, key)
-        if not (value > 0 and math.isfinite(value)):
-            _fail(f"loss_scale.{key}", value, f"must be a positive number (default "
-                  f"{getattr(LossScaleConfig, key)})")
-    if ls.min > ls.initial:
-        _fail("loss_scale.min", ls.min, f"must be <= loss_scale.initial={ls.initial}")
-    for key in ("window", "hysteresis"):
-        if getattr(ls, key) < 1:
-            _fail(f"loss_scale.{key}", getattr(ls, key), f"must be >= 1 (default "
-                  f"{getattr(LossScaleConfig, key)})")
-
-
-def num_micro_batches(cfg: Config, world_size: int) -> int:
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size(cfg, world_size))
 
 
 def to_config(node) -> Config:

@@ -50,9 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.config import Config, dp_size, num_micro_batches, resolved_precision
+from megalite.config import Config
+from megalite.layout import Layout, stage_chunks
 from megalite.parallel.param_spec import padded_vocab_size
-from megalite.parallel.pipeline import stage_chunks
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
 
 GIB = 2**30
@@ -146,14 +146,14 @@ def recomputed_layers(cfg: Config, stage_layers: int) -> int:
     return stage_layers if limit is None else min(limit, stage_layers)
 
 
-def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
-    """The estimate for `cfg` on `world_size` ranks; `device_type` decides the compute dtype
-    where `precision=auto` (bf16 on cuda, fp32 on cpu), as the runtime does."""
+def make_plan(cfg: Config, layout: Layout) -> Plan:
+    """The estimate for `cfg` under `layout` (which need not be this process's: the planner
+    makes layouts for world sizes it does not run on)."""
     m, t_cfg = cfg.model, cfg.train
-    tp, pp, zero, sp = cfg.tp, cfg.pp, cfg.zero, cfg.sp and cfg.tp > 1
-    dp = dp_size(cfg, world_size)
-    micro = num_micro_batches(cfg, world_size)
-    dtype = resolved_precision(cfg.precision, device_type)
+    tp, pp, dp = layout.tp_size, layout.pp_size, layout.dp_size
+    zero, sp = layout.zero_stage, layout.sequence_parallel
+    micro = layout.micro_batches(t_cfg.global_batch_size)
+    dtype = layout.precision
     e = 4 if dtype == "fp32" else 2
     h, f, a = m.n_embd, m.ffn_size, m.n_head
     vocab = padded_vocab_size(m.vocab_size, tp)
@@ -167,7 +167,7 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
                     + (f * h + f) // tp + h * f // tp + h)
     layer_replicated = 6 * h  # LayerNorms and the row-parallel biases
 
-    v = cfg.parallel.virtual_stages
+    v = layout.virtual_stages
     full = e * sbh  # one full activation [s, b, h]
     r, rd = _ring(tp), _ring(dp)
     shard = dp if zero >= 1 else 1
@@ -251,9 +251,7 @@ def make_plan(cfg: Config, world_size: int, device_type: str = "cuda") -> Plan:
               else "partly recomputed" if t_cfg.recompute else
               "sharded over TP (SP)" if sp else "replicated over TP" if tp > 1 else "kept"),
     }
-    layout = {"model": m.name, "tp": tp, "pp": pp, "dp": dp, "zero": zero, "sp": sp,
-              "virtual_stages": v,
-              "recompute": t_cfg.recompute, "recompute_layers": t_cfg.recompute_layers,
-              "dtype": dtype,
-              "micro_batch": b, "seq_len": s, "micro_batches": micro, "world_size": world_size}
-    return Plan(layout, placement, stages)
+    described = {"model": m.name, **layout.as_dict(),
+                 "recompute": t_cfg.recompute, "recompute_layers": t_cfg.recompute_layers,
+                 "dtype": dtype, "micro_batch": b, "seq_len": s, "micro_batches": micro}
+    return Plan(described, placement, stages)

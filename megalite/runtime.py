@@ -14,16 +14,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, dp_size, resolved_precision
+from megalite.config import Config
+from megalite.layout import Layout, device_type_for
 from megalite.parallel.topology import Topology, build_topology
 
 
 @dataclass
 class Runtime:
+    layout: Layout
     topology: Topology
     device: torch.device
-    compute_dtype: torch.dtype  # dtype of the model's parameters and activations; the
-    #                             optimizer's master weights and moments are always fp32
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of the model's parameters and activations; the optimizer's master weights
+        and moments are always fp32."""
+        return self.layout.compute_dtype
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -39,36 +45,35 @@ def local_gpus() -> Optional[int]:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def pick_device(setting: str, local_rank: int) -> torch.device:
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("device=cuda but torch.cuda.is_available() is False")
+def run_layout(cfg: Config) -> Layout:
+    """The layout of this launch: `cfg` (validated) on the launcher's world size, on the
+    device kind this node offers for `cfg.device`."""
+    return Layout.from_config(cfg, world_size_from_env(), device_type_for(cfg.device, local_gpus()))
+
+
+def local_device(layout: Layout, local_rank: int) -> torch.device:
+    """This process's device: its node-local GPU on CUDA (made current), else the CPU."""
+    if layout.device_type == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    return DTYPES[resolved_precision(precision, device.type)]
-
-
-def init_runtime(cfg: Config) -> Runtime:
+def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
     """Create the process group (if launched with WORLD_SIZE > 1 or under torchrun) and the
-    topology. `cfg` must already be validated."""
-    world = world_size_from_env()
+    topology. `cfg` must already be validated; `layout` defaults to `run_layout(cfg)`."""
+    layout = layout or run_layout(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(cfg.device, local_rank)
+    device = local_device(layout, local_rank)
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                 **kwargs)
-    topo = build_topology(cfg.tp, cfg.pp, dp_size(cfg, world), timeout_s=cfg.parallel.timeout_s,
+    topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,
+                          timeout_s=cfg.parallel.timeout_s,
                           checkpoint_group=cfg.checkpoint.async_save)
-    return Runtime(topology=topo, device=device, compute_dtype=compute_dtype(cfg.precision, device))
+    return Runtime(layout=layout, topology=topo, device=device)
 
 
 def shutdown(runtime: Optional[Runtime] = None) -> None:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megalite.train.checkpoint import CheckpointError  # noqa: E402
-from megalite.train.export import ExportError, export_hf  # noqa: E402
+from megalite.checkpoint.export import export_hf  # noqa: E402
+from megalite.checkpoint.format import CheckpointError  # noqa: E402
+from megalite.checkpoint.resolve import CheckpointNotFound  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         ckpt = export_hf(args.checkpoint, args.out_dir, args.tokenizer, args.force)
-    except (CheckpointError, ExportError) as e:
+    except (CheckpointError, CheckpointNotFound) as e:
         print(f"megalite: cannot export: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"exported {ckpt} to {args.out_dir}")

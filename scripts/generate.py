@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from megalite.model.generate import generate  # noqa: E402
-from megalite.train.checkpoint import CheckpointError  # noqa: E402
-from megalite.train.export import ExportError, load_model, load_tokenizer, resolve_checkpoint  # noqa: E402
+from megalite.checkpoint.export import load_model, load_tokenizer  # noqa: E402
+from megalite.checkpoint.format import CheckpointError  # noqa: E402
+from megalite.checkpoint.resolve import resolve_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def main() -> None:
         out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
                        generator, vocab_size=len(tokenizer),
                        eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id)
-    except (CheckpointError, ExportError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         print(f"megalite: cannot generate: {e}", file=sys.stderr)
         sys.exit(2)
     print(tokenizer.decode(out))

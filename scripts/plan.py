@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megalite.config import ConfigError, load_config, validate  # noqa: E402
+from megalite.config import ConfigError, load_config  # noqa: E402
+from megalite.layout import Layout, validate  # noqa: E402
 from megalite.plan import GIB, make_plan  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def main() -> None:
         sys.exit(2)
     for w in warnings:
         print(f"megalite: warning: {w}", file=sys.stderr)
-    plan = make_plan(cfg, args.world_size, args.device)
+    plan = make_plan(cfg, Layout.from_config(cfg, args.world_size, args.device))
     print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:

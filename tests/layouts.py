@@ -15,10 +15,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megalite.config import load_config, validate
+from megalite.config import load_config
+from megalite.layout import validate
 from megalite.parallel.param_spec import ParamSpec
 from megalite.runtime import init_runtime
-from megalite.train.trainer import Trainer
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from megalite.spawn import run_ranks
 
@@ -29,7 +30,7 @@ FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0"
 def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     cfg = load_config(TINY + FP32_NO_DROPOUT + overrides)
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     zero3 = trainer.engine.zero3
     losses, norms, params, max_live, param_norms, masters_cast = [], [], [], [], [], []
     masters = [_masters(trainer.engine)]
@@ -55,7 +56,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     local_numel = sum(p.numel() for p in trainer.model.parameters())
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
             "params": params, "specs": specs,
-            "coords": (c.tp, c.pp, c.dp), "tp_rank": c.tp, "tp": trainer.topo.tp,
+            "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "max_live": max_live, "local_numel": local_numel,
             "bytes": trainer.engine.state_bytes(), "step_comm": step_comm,
             "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)]}

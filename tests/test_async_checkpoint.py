@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from megalite.config import load_config, validate
+from megalite.config import load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
-from megalite.train import checkpoint as ckpt
-from megalite.train.trainer import Trainer
+from megalite.checkpoint import save as ckpt_save
+from megalite.checkpoint.format import CheckpointError, read_meta
+from megalite.checkpoint.resolve import complete_checkpoints
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -30,9 +33,9 @@ def _run(rank, world, tiny_data, run_dir, async_save, fail_at=None, resume=False
         f"checkpoint.dir={run_dir}/ckpt", f"checkpoint.async_save={async_save}",
         f"checkpoint.resume={'auto' if resume else 'none'}"])
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), Path(run_dir))
+    trainer = build_trainer(cfg, init_runtime(cfg), Path(run_dir))
     start = trainer.step
-    write, written = ckpt._write_rank_files, []
+    write, written = ckpt_save._write_rank_files, []
 
     def slow_write(tmp, snap, r):
         time.sleep(SLOW_S)
@@ -42,14 +45,14 @@ def _run(rank, world, tiny_data, run_dir, async_save, fail_at=None, resume=False
         written.append((snap.step, trainer.step))
         return out
 
-    ckpt._write_rank_files = slow_write
+    ckpt_save._write_rank_files = slow_write
     error = None
     try:
         records = trainer.fit()
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         records, error = [], str(e)
     finally:
-        ckpt._write_rank_files = write
+        ckpt_save._write_rank_files = write
     return {"records": records, "written": written, "error": error, "start": start}
 
 
@@ -75,7 +78,7 @@ def test_async_saves_equal_sync_saves_and_overlap_training(tiny_data, tmp_path):
     for step in (2, 4, 6):
         d_sync = tmp_path / "sync" / "ckpt" / f"step_{step:08d}"
         d_async = tmp_path / "async" / "ckpt" / f"step_{step:08d}"
-        m_sync, m_async = ckpt.read_meta(d_sync), ckpt.read_meta(d_async)
+        m_sync, m_async = read_meta(d_sync), read_meta(d_async)
         for key in ("step", "consumed_samples", "sampler", "adam_step", "pieces", "layout"):
             assert m_sync[key] == m_async[key], (step, key)
         assert {k: v["crc32"] for k, v in m_sync["files"].items() if k.endswith(".bin")} \
@@ -96,11 +99,11 @@ def test_a_failed_save_publishes_nothing_and_stops_every_rank(tiny_data, tmp_pat
         assert "rank 1" in res["error"] and "step_00000004" in res["error"], res["error"]
         assert "No space left on device" in res["error"]
     root = tmp_path / "run" / "ckpt"
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002"]
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002"]
     assert (root / "step_00000004.tmp").is_dir() and not (root / "step_00000006.tmp").exists()
     resumed = run_ranks(_run, 2, args=(tiny_data, run_dir, async_save, None, True),
                         timeout_s=600)
     assert resumed[0]["start"] == 2 and resumed[0]["error"] is None
     assert not (root / "step_00000004.tmp").exists()
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == \
+    assert [p.name for p in complete_checkpoints(root)] == \
         ["step_00000002", "step_00000004", "step_00000006"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.config import ConfigError, load_config, validate
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.train.batch_size import BatchSizeSchedule
-from megalite.train.trainer import Trainer
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layouts
 
@@ -47,7 +48,7 @@ def test_logged_batch_sizes_and_tokens(tiny_data, tmp_path):
     cfg = load_config(TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}", *RAMP,
                                                 "train.max_steps=6"])
     validate(cfg, 1)
-    records = Trainer(cfg, init_runtime(cfg), tmp_path).fit()
+    records = build_trainer(cfg, init_runtime(cfg), tmp_path).fit()
     assert [r["global_batch_size"] for r in records] == SIZES
     consumed = [sum(SIZES[:i + 1]) * cfg.train.seq_len for i in range(6)]
     assert [r["consumed_tokens"] for r in records] == consumed

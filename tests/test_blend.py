@@ -10,10 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from megalite.config import ConfigError, load_config, validate
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
 from megalite.data.loader import DataError, check_data
 from megalite.data.sampler import BlendedSampler, blend_choices
-from megalite.train import checkpoint as ckpt
+from megalite.checkpoint.format import read_meta
 from tests.layouts import assert_equal, from_step, train_layout
 
 
@@ -80,8 +81,8 @@ def test_training_on_a_blend_equals_serial_under_dp_and_resumes(tiny_data, secon
               "train.global_batch_size=8", "train.eval_every=0"]
     (serial,) = train_layout(tmp_path / "s", 1, common + [f"checkpoint.dir={root}"], steps=6,
                              save_at=3)
-    meta = ckpt.read_meta(root / "step_00000003")
-    assert meta["sampler"] == {"consumed_samples": 24, "counts": [18, 6]}
+    meta = read_meta(root / "step_00000003")
+    assert meta["sampler"] == {"consumed_samples": 24, "counts": [18, 6], "order": "permutation-v1"}
     assert meta["data_sources"] == [[str(tiny_data), 0.75], [str(second_data), 0.25]]
     assert_equal(serial, train_layout(tmp_path / "dp", 2, common + ["zero=1"], steps=6))
     resumed = train_layout(tmp_path / "r", 2, common + [

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.config import load_config, validate
+from megalite.config import load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
-from megalite.train import checkpoint as ckpt
+from megalite.checkpoint.format import CheckpointError, meta_crc32, read_global_state, read_meta
+from megalite.checkpoint.load import load_checkpoint
+from megalite.checkpoint.resolve import complete_checkpoints, latest_checkpoint
+from megalite.train.build import build_trainer
 from megalite.train.trainer import NonFiniteError, Trainer
 from tests.conftest import TINY
 from megalite.spawn import RankFailure, run_ranks
@@ -43,7 +47,7 @@ def test_resume_under_any_layout(tiny_data, tmp_path, serial_run):
     (written,) = train_layouts(tmp_path / "w", 8, [writer], steps=STEPS, save_at=SAVE_AT)
     assert_equal(serial_run, written)
     step5 = root / f"step_{SAVE_AT:08d}"
-    meta = ckpt.read_meta(step5)
+    meta = read_meta(step5)
     assert meta["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "sp": False,
                               "virtual_stages": 1, "world_size": 8}
     assert meta["consumed_samples"] == SAVE_AT * 8 and meta["adam_step"] == SAVE_AT
@@ -67,7 +71,7 @@ def test_resume_under_any_layout(tiny_data, tmp_path, serial_run):
 def _trainer(tiny_data, run_dir, *extra) -> Trainer:
     cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, *extra))
     validate(cfg, 1)
-    return Trainer(cfg, init_runtime(cfg), run_dir)
+    return build_trainer(cfg, init_runtime(cfg), run_dir)
 
 
 def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsys):
@@ -77,7 +81,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
     root = tmp_path / "ckpt"
     common = (f"checkpoint.dir={root}", "checkpoint.every=2", "train.max_steps=4")
     _trainer(tiny_data, tmp_path / "a", *common).fit()
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
     step4 = root / "step_00000004"
     pristine = tmp_path / "pristine"
     shutil.copytree(step4, pristine)
@@ -96,10 +100,10 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
         shutil.copytree(pristine, step4)
         (root / "step_00000006.tmp").mkdir()  # half-written checkpoints are never picked
         (root / "step_00000008").mkdir()  # no meta.json: incomplete
-        assert ckpt.latest_checkpoint(root) == step4
+        assert latest_checkpoint(root) == step4
         path = step4 / target.strip()
         path.write_bytes(damage(path.read_bytes()))
-        with pytest.raises(ckpt.CheckpointError, match=rf"step_00000004/{target.strip()}"):
+        with pytest.raises(CheckpointError, match=rf"step_00000004/{target.strip()}"):
             _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={step4}")
         resumed = _trainer(tiny_data, tmp_path / "c", *common, "checkpoint.resume=auto")
         assert resumed.step == 2  # fell back to the previous complete checkpoint
@@ -112,10 +116,10 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
     shutil.copytree(pristine, bad)
     meta = json.loads((bad / "meta.json").read_text())
     meta["pieces"][-1]["offset"] = meta["files"][meta["pieces"][-1]["file"]]["bytes"]
-    meta["meta_crc32"] = ckpt._meta_crc32(meta)
+    meta["meta_crc32"] = meta_crc32(meta)
     (bad / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ckpt.CheckpointError, match="do not cover it or lie outside their file"):
-        ckpt.read_global_state(bad, meta["pieces"][-1]["kind"])
+    with pytest.raises(CheckpointError, match="do not cover it or lie outside their file"):
+        read_global_state(bad, meta["pieces"][-1]["kind"])
     shutil.copytree(pristine, step4)
     assert _trainer(tiny_data, tmp_path / "d", *common, "checkpoint.resume=auto").step == 4
 
@@ -131,8 +135,8 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tiny_data,
                      f"checkpoint.resume={root / 'step_00000002'}")
     assert again.step == 2
     again.fit()
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004"]
-    assert ckpt.read_meta(root / "step_00000004")["consumed_samples"] == 4 * 8
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000004"]
+    assert read_meta(root / "step_00000004")["consumed_samples"] == 4 * 8
     assert sorted(p.name[:13] for p in (root / "superseded").iterdir()) == \
         ["step_00000004", "step_00000006"]
     assert _trainer(tiny_data, tmp_path / "c", f"checkpoint.dir={root}",
@@ -209,12 +213,12 @@ def _start_from(rank, world, tiny_data, run_dir, source):
     checkpoint's; and where it starts."""
     cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, "tp=2", f"init_from={source}"))
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
-    state = ckpt.read_global_state(ckpt.latest_checkpoint(Path(source)))
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
+    state = read_global_state(latest_checkpoint(Path(source)))
     c = trainer.topo.coords
     differ = [name for name, p in trainer.model.named_parameters()
               if not torch.equal(p.detach(), trainer.model.param_specs[name].shard(
-                  state[trainer.model.param_specs[name].name], c.tp, trainer.topo.tp))]
+                  state[trainer.model.param_specs[name].name], c.tp_rank, trainer.topo.tp_size))]
     return {"differ": differ, "step": trainer.step, "adam_step": trainer.engine.adam_step(),
             "consumed": trainer.sampler.consumed_samples}
 
@@ -244,7 +248,7 @@ def test_init_from_a_megalite_checkpoint_takes_the_weights_only(tiny_data, tmp_p
 def _auto_resume(rank, world, tiny_data, root, hide_newest_on):
     """dp=2 zero=1, resume=auto; rank `hide_newest_on` does not see the newest checkpoint in
     its own listing (a node whose view of the shared directory lags)."""
-    from megalite.train import resume
+    from megalite.checkpoint import resolve as resume
 
     if rank == hide_newest_on:
         listed = resume.complete_checkpoints
@@ -253,7 +257,7 @@ def _auto_resume(rank, world, tiny_data, root, hide_newest_on):
                                                        f"checkpoint.dir={root}",
                                                        "checkpoint.resume=auto"))
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), f"{root}/../run")
+    trainer = build_trainer(cfg, init_runtime(cfg), f"{root}/../run")
     return trainer.step, trainer.sampler.consumed_samples, trainer.engine.adam_step()
 
 
@@ -261,11 +265,11 @@ def _load_own_choice(rank, world, tiny_data, root):
     """Each rank loads a checkpoint of its own choosing: rank 0 step 4, rank 1 step 2."""
     cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, "zero=1"))
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), f"{root}/../run")
+    trainer = build_trainer(cfg, init_runtime(cfg), f"{root}/../run")
     try:
-        ckpt.load_checkpoint(Path(root) / f"step_0000000{4 if rank == 0 else 2}", trainer.engine,
+        load_checkpoint(Path(root) / f"step_0000000{4 if rank == 0 else 2}", trainer.engine,
                              cfg, trainer.topo)
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         return str(e)
     return "loaded"
 
@@ -290,11 +294,13 @@ def test_a_failed_cleanup_of_old_checkpoints_keeps_the_run_going(tiny_data, tmp_
     def busy(path):
         raise OSError(16, "Device or resource busy", str(path))
 
-    monkeypatch.setattr(ckpt, "_discard", busy)
+    from megalite.checkpoint import save
+
+    monkeypatch.setattr(save, "discard", busy)
     root = tmp_path / "ckpt"
     _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=1",
              "checkpoint.keep=1", "train.max_steps=3").fit()
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == \
+    assert [p.name for p in complete_checkpoints(root)] == \
         ["step_00000001", "step_00000002", "step_00000003"]
     assert "published step_00000002 but could not delete" in capsys.readouterr().err
 
@@ -304,7 +310,7 @@ def test_resume_is_checked_before_launch(tiny_data, tmp_path):
     model shape (the MLP size, however written) and its blend; a checkpoint.dir means its
     newest checkpoint, a directory holding none is refused."""
     from megalite.config import ConfigError
-    from megalite.train.resume import check_resume
+    from megalite.checkpoint.resolve import check_resume
 
     root = tmp_path / "ckpt"
     _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=2",

@@ -2,7 +2,8 @@
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from megalite.config import Config, ConfigError, load_config, validate
+from megalite.config import Config, ConfigError, load_config
+from megalite.layout import validate
 
 
 def test_defaults_compose_and_validate():

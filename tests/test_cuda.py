@@ -19,6 +19,7 @@ def _engine(compile: bool = False, dtype: torch.dtype = torch.bfloat16):
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology
+    from megalite.layout import PRECISION_DTYPES, Layout
     from megalite.parallel.zero import ZeroEngine
 
     device = torch.device("cuda")
@@ -26,7 +27,8 @@ def _engine(compile: bool = False, dtype: torch.dtype = torch.bfloat16):
     with torch.device(device):
         model = GPT2(CFG, topo.tp_group, compile=compile)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, 0, OptimConfig(lr=1e-3), param_dtype=dtype)
+    precision = {v: k for k, v in PRECISION_DTYPES.items()}[dtype]
+    engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig(lr=1e-3))
     schedule = PipelineSchedule(model.chunks, topo, engine, (64, 4, CFG.n_embd), dtype, device)
     return model, engine, schedule
 
@@ -102,8 +104,9 @@ def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
     background checkpoint holds the state of its step although training went on meanwhile."""
     from megalite.config import load_config
     from megalite.parallel.rng import RNGTracker
-    from megalite.train import checkpoint as ckpt
-    from megalite.train.async_checkpoint import CheckpointSaver
+    from megalite.checkpoint.save import save_checkpoint, written_numel
+    from megalite.checkpoint.state import ProcessRNG, Progress
+    from megalite.checkpoint.async_save import CheckpointSaver
 
     model, engine, schedule = _engine()
     cfg = load_config(["device=cuda"])
@@ -118,13 +121,13 @@ def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
         engine.zero_grad()
 
     step()
-    rng = ckpt.rng_state(RNGTracker(0, 0, 0, 0, torch.device("cuda")))
+    rng = ProcessRNG(RNGTracker(0, 0, 0, 0, torch.device("cuda"))).state_dict()
     saver = CheckpointSaver(tmp_path / "bg", cfg, topo, torch.device("cuda"), background=True,
-                            state_numel=ckpt.written_numel(engine, cfg, topo))
+                            state_numel=written_numel(engine, topo))
     assert saver._staging.is_pinned()
-    progress = ckpt.Progress({"consumed_samples": 4})
+    progress = Progress({"consumed_samples": 4})
     saver.save(1, engine, rng, progress)
-    sync = ckpt.save_checkpoint(tmp_path / "loop", 1, engine, rng, progress, cfg, topo, keep=1)
+    sync = save_checkpoint(tmp_path / "loop", 1, engine, rng, progress, cfg, topo, keep=1)
     step()  # overwrites the live state while the background save may still be writing
     background = saver.close()
     assert (background / "rank00000.bin").read_bytes() == (sync / "rank00000.bin").read_bytes()

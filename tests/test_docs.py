@@ -10,7 +10,8 @@ from typing import List, Optional, Tuple
 
 import pytest
 
-from megalite.config import load_config, validate
+from megalite.config import load_config
+from megalite.layout import validate
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docker/README.md", "scripts/slurm/README.md",

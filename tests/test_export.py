@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from megalite.data.loader import TokenShards, val_batches
 from megalite.model.gpt2 import num_parameters
 from megalite.model.hf import hf_config
-from megalite.train.export import ExportError, export_hf, load_model, model_config
+from megalite.checkpoint.export import ExportError, export_hf, load_model, model_config
 from tests.test_pretrain import REPO, pretrain, read_metrics
 
 STEPS = 4

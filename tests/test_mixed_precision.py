@@ -14,10 +14,12 @@ import math
 import pytest
 import torch
 
-from megalite.config import load_config, validate
+from megalite.config import load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import wandb_row
+from megalite.train.build import build_trainer
 from megalite.train.trainer import NonFiniteError, Trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, master_update_error, train_layouts
@@ -66,7 +68,7 @@ def _trainer(tiny_data, run_dir, *extra) -> Trainer:
     cfg = load_config(TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}", "precision=fp16",
                                                 *LEARNING, *extra])
     validate(cfg, 1)
-    return Trainer(cfg, init_runtime(cfg), run_dir)
+    return build_trainer(cfg, init_runtime(cfg), run_dir)
 
 
 def test_loss_scaler_rules():

@@ -8,8 +8,9 @@ import itertools
 import pytest
 import torch
 
-from megalite.config import ConfigError, load_config, validate
-from megalite.parallel.pipeline import Event, StepTrace, partition_layers, stage_chunks
+from megalite.config import ConfigError, load_config
+from megalite.layout import partition_layers, stage_chunks, validate
+from megalite.parallel.pipeline import Event, StepTrace
 from megalite.parallel.schedule import (Op, expected_bubble, max_in_flight, peak_live_bytes,
                                         plan_rounds, stage_order)
 from megalite.spawn import run_ranks
@@ -272,6 +273,7 @@ def _slow_middle_stage(rank, world, m):
     from megalite.model.stage import build_stage
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology
+    from megalite.layout import Layout
     from megalite.parallel.zero import ZeroEngine
 
     topo = build_topology(1, world, 1)
@@ -289,7 +291,7 @@ def _slow_middle_stage(rank, world, m):
                 return fast(*args)
 
             chunk.forward = slow
-    engine = ZeroEngine(model, topo, 0, OptimConfig())
+    engine = ZeroEngine(model, topo, Layout.of(topo), OptimConfig())
     schedule = PipelineSchedule(model.chunks, topo, engine, (16, 2, 32), torch.float32,
                                 torch.device("cpu"))
     w = torch.randint(0, 64, (m, 2, 17), generator=torch.Generator().manual_seed(0))

@@ -10,6 +10,7 @@ from megalite.bench.tensor import saved_activation_bytes
 from megalite.config import load_config
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
+from megalite.layout import Layout
 from megalite.plan import make_plan
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, train_layouts
@@ -41,7 +42,7 @@ def measured(tiny_data, tmp_path_factory):
 def test_plan_matches_measured_state_and_traffic(measured, index):
     runs, results = measured
     cfg = load_config(TINY + FP32_NO_DROPOUT + runs[index])
-    plan = make_plan(cfg, 8, "cpu")
+    plan = make_plan(cfg, Layout.from_config(cfg, 8, "cpu"))
     for res in results[index]:
         stage = plan.stages[res["coords"][1]]
         assert res["local_numel"] == stage.params
@@ -61,7 +62,7 @@ def test_plan_matches_measured_state_and_traffic(measured, index):
                                        ["train.recompute=true", "train.recompute_layers=1"]])
 def test_activation_estimate_matches_saved_tensors(recompute):
     cfg = load_config(TINY + FP32_NO_DROPOUT + recompute)
-    stage = make_plan(cfg, 1, "cpu").stages[0]
+    stage = make_plan(cfg, Layout.from_config(cfg, 1, "cpu")).stages[0]
     model = GPT2(cfg.model, recompute=cfg.train.recompute,
                  recompute_layers=cfg.train.recompute_layers).train()
     init_parameters(model, seed=0)

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from megalite.config import ConfigError, load_config, validate
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
-from megalite.train.trainer import Trainer
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -19,7 +20,7 @@ def _fit(rank, world, tiny_data, run_dir):
         f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8",
         "pp=2", "train.max_steps=4", "log.profile_steps=[2,3]", "log.every=2"])
     validate(cfg, world)
-    records = Trainer(cfg, init_runtime(cfg), run_dir).fit()
+    records = build_trainer(cfg, init_runtime(cfg), run_dir).fit()
     return [r["loss"] for r in records]
 
 

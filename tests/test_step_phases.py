@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from megalite.config import ConfigError, load_config, validate
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
 from megalite.train.metrics import wandb_row
 from megalite.train.timers import PHASES
-from megalite.train.trainer import Trainer
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -26,7 +27,7 @@ def _slowed(rank, world, tiny_data, run_dir):
         f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8",
         "zero=1", "train.max_steps=4", "log.every=2"])
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     if rank == 1:
         sync = trainer.engine.finish_grad_sync
         trainer.engine.finish_grad_sync = lambda: (time.sleep(DELAY_S), sync())
@@ -58,7 +59,7 @@ def _collections(rank, world, tiny_data, run_dir, every):
         f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8",
         "pp=2", "train.max_steps=6", f"train.gc_every={every}"])
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     seen = []
 
     def on_gc(phase, info):

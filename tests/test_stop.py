@@ -7,11 +7,12 @@ import signal
 
 import pytest
 
-from megalite.config import ConfigError, load_config, validate
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
-from megalite.train import checkpoint as ckpt
-from megalite.train.trainer import Trainer
+from megalite.checkpoint.resolve import complete_checkpoints
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -27,7 +28,7 @@ def _fit(rank, world, tiny_data, run_dir, extra, signal_rank=None, signal_after=
         "pp=2", f"train.max_steps={MAX_STEPS}", f"checkpoint.dir={run_dir}/ckpt",
         "checkpoint.resume=auto", *extra])
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     start = trainer.step
     step = trainer.train_step
 
@@ -45,7 +46,7 @@ def _fit(rank, world, tiny_data, run_dir, extra, signal_rank=None, signal_after=
 
 
 def _complete(run_dir):
-    return [int(p.name[5:]) for p in ckpt.complete_checkpoints(run_dir / "ckpt")]
+    return [int(p.name[5:]) for p in complete_checkpoints(run_dir / "ckpt")]
 
 
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tiny_data, tmp_path):

@@ -16,9 +16,9 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 4), (2, 2, 2), (4, 2, 1), (2,
 def test_rank_formula_round_trips(tp, pp, dp):
     for rank in range(tp * pp * dp):
         c = coords_of(rank, tp, pp)
-        assert rank == c.tp + tp * (c.pp + pp * c.dp)
+        assert rank == c.tp_rank + tp * (c.pp_rank + pp * c.dp_rank)
         assert rank_of(c, tp, pp) == rank
-        assert 0 <= c.dp < dp
+        assert 0 <= c.dp_rank < dp
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
@@ -33,9 +33,9 @@ def test_groups_partition_the_world(tp, pp, dp):
         assert g == list(range(g[0], g[0] + tp))
     for g in groups["dp"]:  # members share (tp, pp) and differ in dp
         cs = [coords_of(r, tp, pp) for r in g]
-        assert len({(c.tp, c.pp) for c in cs}) == 1 and [c.dp for c in cs] == list(range(dp))
+        assert len({(c.tp_rank, c.pp_rank) for c in cs}) == 1 and [c.dp_rank for c in cs] == list(range(dp))
     for g in groups["embedding"]:
-        stages = [coords_of(r, tp, pp).pp for r in g]
+        stages = [coords_of(r, tp, pp).pp_rank for r in g]
         assert stages == sorted({0, pp - 1})
 
 
@@ -45,7 +45,7 @@ def test_example_layout_2_2_2():
     assert g["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert g["mp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert coords_of(5, 2, 2) == Coords(tp=1, pp=0, dp=1)
+    assert coords_of(5, 2, 2) == Coords(tp_rank=1, pp_rank=0, dp_rank=1)
 
 
 def test_world_size_one_needs_no_process_group():

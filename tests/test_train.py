@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
-from megalite.config import OptimConfig, load_config, validate
+from megalite.config import OptimConfig, load_config
+from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.train.optim import lr_at
-from megalite.train.trainer import Trainer
+from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from megalite.spawn import run_ranks
 
@@ -19,7 +20,7 @@ FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0"
 def _train(rank, world, overrides, run_dir):
     cfg = load_config(TINY + FP32_NO_DROPOUT + overrides)
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     records = trainer.fit()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return [(r["loss"], r["grad_norm"], r["val_loss"]) for r in records], params
@@ -89,6 +90,6 @@ def test_a_step_that_evaluates_writes_a_metrics_line(tiny_data, tmp_path):
     cfg = load_config(TINY + FP32_NO_DROPOUT + [
         f"data.dir={tiny_data}", "train.max_steps=6", "log.every=2", "train.eval_every=3"])
     validate(cfg, 1)
-    records = Trainer(cfg, init_runtime(cfg), tmp_path).fit()
+    records = build_trainer(cfg, init_runtime(cfg), tmp_path).fit()
     assert [(r["step"], r["val_loss"] is not None) for r in records] == \
         [(2, False), (3, True), (4, False), (6, True)]

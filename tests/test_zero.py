@@ -134,16 +134,17 @@ def test_overlapped_parameter_gather_equals_serial(tiny_data, tmp_path, serial_r
 
 def _gather_and_forward_order(rank, world, tiny_data, run_dir):
     """One step, then the next step's order of (wait for bucket b) and (forward of unit u)."""
-    from megalite.config import load_config, validate
+    from megalite.config import load_config
+    from megalite.layout import validate
     from megalite.runtime import init_runtime
-    from megalite.train.trainer import Trainer
+    from megalite.train.build import build_trainer
     from tests.conftest import TINY
     from tests.layouts import FP32_NO_DROPOUT
 
     cfg = load_config(TINY + FP32_NO_DROPOUT + _common(tiny_data, [
         "zero=1", "parallel.overlap_param_gather=true", "parallel.bucket_mb=0.05"]))
     validate(cfg, world)
-    trainer = Trainer(cfg, init_runtime(cfg), run_dir)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     gather = trainer.engine.param_gather
     events = []
     units = trainer.model.chunks[0].sharding_units()

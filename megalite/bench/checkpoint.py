@@ -35,6 +35,7 @@ def _build(preset: str, dp: int, zero: int, root: Path):
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.topology import build_topology
+    from megalite.layout import Layout
     from megalite.parallel.zero import ZeroEngine
 
     cfg = load_config([f"model={preset}", f"zero={zero}", "device=cpu",
@@ -42,7 +43,7 @@ def _build(preset: str, dp: int, zero: int, root: Path):
     topo = build_topology(1, 1, dp, checkpoint_group=True)
     model = GPT2(cfg.model, topo.tp_group)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, zero, cfg.optim)
+    engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=zero), cfg.optim)
     return cfg, topo, model, engine
 
 
@@ -50,8 +51,10 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     import torch.distributed as dist
 
     from megalite.parallel.rng import RNGTracker
-    from megalite.train import checkpoint as ckpt
-    from megalite.train.async_checkpoint import CheckpointSaver
+    from megalite.checkpoint.load import load_checkpoint
+    from megalite.checkpoint.save import save_checkpoint, written_numel
+    from megalite.checkpoint.state import ProcessRNG, Progress
+    from megalite.checkpoint.async_save import CheckpointSaver
 
     root = Path(root)
     zero = 1 if world > 1 else 0
@@ -59,27 +62,27 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     for piece, _, _ in engine.main_params:  # an optimizer step, so the moments exist
         piece.grad.normal_()
     engine.clip_and_step(1e-4, 1.0)
-    rng = ckpt.rng_state(RNGTracker(0, 0, 0, rank, torch.device("cpu")))
+    rng = ProcessRNG(RNGTracker(0, 0, 0, rank, torch.device("cpu"))).state_dict()
     dist.barrier()
     t0 = time.perf_counter()
-    path = ckpt.save_checkpoint(root, 1, engine, rng, ckpt.Progress({"consumed_samples": 0}),
+    path = save_checkpoint(root, 1, engine, rng, Progress({"consumed_samples": 0}),
                                 cfg, topo, keep=3)
     save_s = time.perf_counter() - t0
     _, _, _, fresh = _build(preset, world, zero, root)
     dist.barrier()
     t0 = time.perf_counter()
-    ckpt.load_checkpoint(path, fresh, cfg, topo)
+    load_checkpoint(path, fresh, cfg, topo)
     dist.barrier()
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     saver = CheckpointSaver(root, cfg, topo, torch.device("cpu"), background=True,
-                            state_numel=ckpt.written_numel(engine, cfg, topo))
+                            state_numel=written_numel(engine, topo))
     staging_s = time.perf_counter() - t0
     blocked, published = [], []
     for step in (2, 3):
         dist.barrier()
         t0 = time.perf_counter()
-        saver.save(step, engine, rng, ckpt.Progress({"consumed_samples": 0}))
+        saver.save(step, engine, rng, Progress({"consumed_samples": 0}))
         blocked.append(time.perf_counter() - t0)
         saver.wait()
         dist.barrier()
@@ -91,11 +94,11 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
 
 
 def _load_serial(rank: int, world: int, preset: str, root: str, path: str) -> float:
-    from megalite.train import checkpoint as ckpt
+    from megalite.checkpoint.load import load_checkpoint
 
     cfg, topo, _, engine = _build(preset, 1, 0, Path(root))
     t0 = time.perf_counter()
-    ckpt.load_checkpoint(Path(path), engine, cfg, topo)
+    load_checkpoint(Path(path), engine, cfg, topo)
     return time.perf_counter() - t0
 
 

@@ -49,9 +49,11 @@ from megalite.config import ModelConfig, OptimConfig
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
 from megalite.model.stage import PipelineStage as Chunks, build_stage
-from megalite.parallel.pipeline import PipelineSchedule, stage_chunks
+from megalite.parallel.pipeline import PipelineSchedule
+from megalite.layout import stage_chunks
 from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import build_topology
+from megalite.layout import Layout
 from megalite.parallel.zero import ZeroEngine
 from megalite.spawn import run_ranks
 
@@ -67,7 +69,7 @@ def _model_cfg(o: dict) -> ModelConfig:
 
 
 def _stage_model(cfg: ModelConfig, topo, blocks: List[range]) -> Chunks:
-    model = build_stage(cfg, blocks, topo.coords.pp, topo.pp, tp_group=topo.tp_group)
+    model = build_stage(cfg, blocks, topo.coords.pp_rank, topo.pp_size, tp_group=topo.tp_group)
     for chunk in model.chunks:
         init_parameters(chunk, SEED)
     return model.train()
@@ -93,7 +95,7 @@ class TorchStage(nn.Module):
 
 def _megalite(cfg, topo, blocks, o):
     model = _stage_model(cfg, topo, blocks)
-    engine = ZeroEngine(model, topo, 0, OptimConfig(lr=LR))
+    engine = ZeroEngine(model, topo, Layout.of(topo), OptimConfig(lr=LR))
     schedule = PipelineSchedule(model.chunks, topo, engine, (o["seq_len"], o["micro_batch_size"],
                                                       cfg.n_embd), torch.float32,
                                 torch.device("cpu"))
@@ -114,7 +116,7 @@ def _pipelining(cfg, topo, blocks, m):
 
     model = _stage_model(cfg, topo, blocks)
     v, first, last = len(blocks), topo.is_first_stage, topo.is_last_stage
-    stages = [PipelineStage(TorchStage(chunk), c * topo.pp + topo.coords.pp, topo.pp * v,
+    stages = [PipelineStage(TorchStage(chunk), c * topo.pp_size + topo.coords.pp_rank, topo.pp_size * v,
                             torch.device("cpu")) for c, chunk in enumerate(model.chunks)]
     # loss_fn on every stage: without it a stage runs forward-only (`_has_backward` False) and
     # the last stage hangs sending it backward metadata.
@@ -174,7 +176,7 @@ def _worker(rank: int, pp: int, o: dict) -> List[dict]:
 
 
 def _compare(topo, cfg, split, m: int, o: dict, g: torch.Generator) -> dict:
-    pp, v, blocks = topo.pp, len(split[0]), split[topo.coords.pp]
+    pp, v, blocks = topo.pp_size, len(split[0]), split[topo.coords.pp_rank]
     words = torch.randint(0, cfg.vocab_size, (m, o["micro_batch_size"], o["seq_len"] + 1),
                           generator=g)
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in words]

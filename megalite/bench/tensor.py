@@ -40,6 +40,7 @@ from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
+from megalite.layout import Layout
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan import layer_activation_bytes
 from megalite.spawn import run_ranks
@@ -84,7 +85,8 @@ def _measure(rank: int, world: int, cfg: ModelConfig, seq: int, micro_batch: int
         rng = RNGTracker(0, rank, 0, 0, device)
         model = GPT2(cfg, topo.tp_group, sp, rng).train()
         init_parameters(model, seed=0)
-        engine = ZeroEngine(model, topo, 0, OptimConfig())
+        engine = ZeroEngine(model, topo, Layout.of(topo, sequence_parallel=sp and topo.tp_size > 1),
+                            OptimConfig())
         local_seq = seq // world if sp else seq
         schedule = PipelineSchedule(model.chunks, topo, engine, (local_seq, micro_batch, cfg.n_embd),
                                     torch.float32, device)

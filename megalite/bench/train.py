@@ -29,6 +29,7 @@ from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
+from megalite.layout import PRECISION_DTYPES, Layout
 from megalite.parallel.zero import ZeroEngine
 from megalite.train.metrics import peak_tflops
 
@@ -38,14 +39,15 @@ Batches = List[Tuple[torch.Tensor, torch.Tensor]]
 def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool,
                   attention: str = "auto", recompute_layers: Optional[int] = None
                   ) -> Callable[[Batches], None]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    dtype = PRECISION_DTYPES[precision]
     topo = build_topology(1, 1, 1)
     rng = RNGTracker(0, 0, 0, 0, device)
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group, rng=rng, recompute=recompute, compile=compile,
                      attention=attention, recompute_layers=recompute_layers)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, 0, OptimConfig(), param_dtype=dtype)
+    engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig())
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
                                 device)
     model.train()

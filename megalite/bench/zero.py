@@ -80,6 +80,7 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
+    from megalite.layout import Layout
     from megalite.parallel.zero import ZeroEngine
 
     model = GPT2(mcfg, topo.tp_group)
@@ -87,7 +88,8 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
     model.train()
     m = len(batches)
     if name.startswith("megalite"):
-        engine = ZeroEngine(model, topo, 3 if name.endswith("z3") else 1, optim)
+        engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=3 if name.endswith("z3") else 1),
+                            optim)
         mb, seq = batches[0][0].shape
         schedule = PipelineSchedule(model.chunks, topo, engine, (seq, mb, mcfg.n_embd), torch.float32,
                                     torch.device("cpu"))
@@ -110,7 +112,7 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
-        mesh = init_device_mesh("cpu", (topo.dp,))
+        mesh = init_device_mesh("cpu", (topo.dp_size,))
         for block in model.transformer.h.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -20,6 +20,19 @@ import numpy as np
 
 from megalite.data.errors import DataError, too_few_train_samples
 
+# The sample orders a sampler's state may name (`state_dict()["order"]`); a state without the
+# key was written before orders were named and uses the first.
+ORDERS = ("permutation-v1",)
+
+
+def check_order(state: dict) -> None:
+    """A checkpointed data position is in an order this megalite can continue."""
+    order = state.get("order", ORDERS[0])
+    if order not in ORDERS:
+        raise DataError(f"the checkpoint's data position is in sample order {order!r}; this "
+                        f"megalite knows {', '.join(ORDERS)}: resume with the megalite that "
+                        "wrote it, or start a new run (init_from takes its weights)")
+
 
 class SampleOrder:
     """Position p -> window `perm_e[p mod n]`, e = p // n, perm_e a permutation of the n windows
@@ -82,9 +95,10 @@ class ResumableSampler:
         return [(0, int(i)) for i in self.next_global_batch(batch_size)]
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "order": ORDERS[0]}
 
     def load_state_dict(self, state: dict) -> None:
+        check_order(state)
         self.consumed_samples = int(state["consumed_samples"])
 
 
@@ -117,9 +131,11 @@ class BlendedSampler:
         return pairs[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "counts": list(self.counts)}
+        return {"consumed_samples": self.consumed_samples, "counts": list(self.counts),
+                "order": ORDERS[0]}
 
     def load_state_dict(self, state: dict) -> None:
+        check_order(state)
         if len(state.get("counts", [])) != len(self.counts):
             raise DataError(f"the checkpoint's data position is for {len(state.get('counts', []))}"
                             f" blended datasets, this run blends {len(self.counts)}; resume with "

@@ -31,14 +31,13 @@ from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.model.attention import kernel_region
-from megalite.parallel.comm import Group
+from megalite.parallel.comm import Group, single_rank_group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                       VocabParallelEmbedding, column_parallel_linear,
                                       gather_vocab, sequence_chunk,
                                       vocab_parallel_cross_entropy)
-from megalite.parallel.topology import build_topology
 
 RegionFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -140,7 +139,7 @@ class GPT2(nn.Module):
                  recompute_layers: Optional[int] = None):
         super().__init__()
         self.cfg = cfg
-        self.tp_group = tp_group if tp_group is not None else build_topology(1, 1, 1).tp_group
+        self.tp_group = tp_group if tp_group is not None else single_rank_group("tp")
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.rng, self.recompute, self.recompute_layers = rng, recompute, recompute_layers
         self.first, self.last = first, last
@@ -189,7 +188,8 @@ class GPT2(nn.Module):
         cfg, leaf = self.cfg, name.rsplit(".", 1)[-1]
         if name in ("transformer.wte.weight", "lm_head.weight"):
             return ParamSpec("transformer.wte.weight", (cfg.vocab_size, cfg.n_embd), tp_dim=0,
-                             padded_rows=self.padded_vocab, tied_copy=name == "lm_head.weight")
+                             padded_rows=self.padded_vocab, tied=True,
+                             tied_copy=name == "lm_head.weight")
         param = getattr(module, leaf)
         tp = self.tp_group.size
         if isinstance(module, ColumnParallelLinear):

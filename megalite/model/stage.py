@@ -2,7 +2,7 @@
 
 Without an interleaved schedule a stage is one chunk, a contiguous slice of blocks. With
 `parallel.virtual_stages=v` the model is cut into pp·v slices and stage s holds slices s,
-s + pp, s + 2·pp, ... (`megalite.parallel.pipeline.stage_chunks`): the first chunk of stage 0
+s + pp, s + 2·pp, ... (`megalite.layout.stage_chunks`): the first chunk of stage 0
 has the embeddings, the last chunk of the last stage ln_f, the LM head and the loss. Block
 names are global (`transformer.h.<index>`), so checkpoints and initialisation do not depend on
 which chunk holds a block.

@@ -15,6 +15,8 @@ A group of size 1 communicates nothing and records nothing. The counters live in
 """
 from __future__ import annotations
 
+import pickle
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -35,17 +37,22 @@ class CommCounter:
     """Byte counters keyed by (group name, op)."""
 
     stats: Dict[Tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    # a background checkpoint thread records too
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, group: str, op: str, payload: int, wire: float) -> None:
-        s = self.stats[(group, op)]
-        s.calls += 1
-        s.bytes += payload
-        s.wire_bytes += wire
+        with self.lock:
+            s = self.stats[(group, op)]
+            s.calls += 1
+            s.bytes += payload
+            s.wire_bytes += wire
 
     def snapshot(self) -> Dict[str, Dict[str, float]]:
         """{"<group>/<op>": {"calls", "bytes", "wire_bytes"}} — cumulative since creation."""
-        return {f"{g}/{op}": {"calls": s.calls, "bytes": s.bytes, "wire_bytes": s.wire_bytes}
-                for (g, op), s in sorted(self.stats.items())}
+        with self.lock:
+            return {f"{g}/{op}": {"calls": s.calls, "bytes": s.bytes,
+                                  "wire_bytes": s.wire_bytes}
+                    for (g, op), s in sorted(self.stats.items())}
 
     @staticmethod
     def delta(new: Dict[str, Dict[str, float]], old: Dict[str, Dict[str, float]]
@@ -71,6 +78,12 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+def single_rank_group(name: str) -> Group:
+    """A group of this process alone: what a model built outside any layout communicates
+    over (nothing; every collective on it is a no-op)."""
+    return Group(name=name, ranks=[0], rank=0, pg=None, counter=CommCounter())
 
 
 def _ring(n: int) -> float:
@@ -176,6 +189,43 @@ def all_reduce_scalars(values: List[float], group: Group, device: torch.device,
     t = torch.tensor(values, dtype=torch.float64, device=device)
     all_reduce(t, group, op=op)
     return t.tolist()
+
+
+# --- object collectives (checkpoint protocol, run set-up): pickled Python objects, counted
+# under "<group>.objects" so that the tensor traffic of each group keeps its meaning ---------
+
+
+def _record_objects(group: Group, op: str, obj) -> None:
+    size = len(pickle.dumps(obj))
+    group.counter.record(f"{group.name}.objects", op, size, size)
+
+
+def gather_objects(obj, group: Group) -> List:
+    """Every member's `obj`, in group order, on every member."""
+    if group.size == 1:
+        return [obj]
+    _record_objects(group, "all_gather_object", obj)
+    out: List = [None] * group.size
+    _call("all_gather_object", group,
+          lambda: dist.all_gather_object(out, obj, group=group.pg))
+    return out
+
+
+def broadcast_object(obj, group: Group, src_index: int = 0):
+    """The `obj` of the member with index `src_index`, on every member."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    if group.rank == src_index:
+        _record_objects(group, "broadcast_object", obj)
+    _call("broadcast_object", group, lambda: dist.broadcast_object_list(
+        box, src=group.ranks[src_index], group=group.pg))
+    return box[0]
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        _call("barrier", group, lambda: dist.barrier(group=group.pg))
 
 
 class PendingBatch:

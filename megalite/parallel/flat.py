@@ -33,7 +33,7 @@ class Segment:
         return self.flat_hi - self.flat_lo
 
 
-class FlatLayout:
+class FlatShards:
     """Offsets of `params` in a flat buffer of `padded_numel` elements split over `shards`."""
 
     def __init__(self, names: List[str], params: List[nn.Parameter], specs: List[ParamSpec],

@@ -10,6 +10,8 @@ read these specs and need no special cases:
   dim, and TP rank r holds [q_r | k_r | v_r] so that its heads stay whole.
 - `padded_rows=P`: dim 0 is zero-padded from the logical size to P before splitting (the
   vocabulary, padded to a multiple of 128·tp so each TP rank gets an equal, aligned slice).
+- `tied=True`: the token embedding that the LM head shares (both copies when the pipeline puts
+  them on different stages: their gradients are summed over the embedding group).
 - `tied_copy=True`: this parameter is a second copy of another one (the last pipeline stage's
   LM head = the first stage's token embedding); norms and exports count it once.
 """
@@ -28,6 +30,7 @@ class ParamSpec:
     tp_dim: Optional[int] = None
     tp_interleave: int = 1
     padded_rows: Optional[int] = None
+    tied: bool = False
     tied_copy: bool = False
 
     @property

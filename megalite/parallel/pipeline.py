@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage partition, point-to-point links and the executor of the
+"""Pipeline parallelism: point-to-point links and the executor of the
 schedules in `megalite.parallel.schedule` (1F1B, and interleaved 1F1B over several model chunks
 per rank).
 
@@ -27,46 +27,6 @@ from megalite.clock import DeviceClock
 from megalite.parallel import comm
 from megalite.parallel.schedule import plan_rounds
 from megalite.parallel.topology import Topology
-
-
-def partition_layers(n_layer: int, pp: int, edge_stage_layers: Optional[int] = None
-                     ) -> List[range]:
-    """Contiguous block ranges per stage. Balanced by default (the remainder goes to the
-    middle stages first, as the edges also hold the embedding / head); with
-    `edge_stage_layers=k` the first and last stage get k blocks each and the middle stages
-    split the rest evenly."""
-    if pp < 1 or n_layer < pp:
-        raise ValueError(f"pp={pp} needs 1 <= pp <= n_layer={n_layer}")
-    if pp == 1:
-        return [range(n_layer)]
-    if edge_stage_layers is None:
-        counts = [n_layer // pp] * pp
-        order = list(range(1, pp - 1)) + [0, pp - 1]
-        for i in range(n_layer % pp):
-            counts[order[i]] += 1
-    else:
-        middle = pp - 2
-        rest = n_layer - 2 * edge_stage_layers
-        if edge_stage_layers < 1 or rest < 0 or (middle == 0 and rest != 0) or \
-                (middle > 0 and rest < middle):
-            raise ValueError(f"edge_stage_layers={edge_stage_layers} leaves no valid split of "
-                             f"{n_layer} blocks over {pp} stages")
-        counts = [edge_stage_layers] + [rest // max(middle, 1)] * middle + [edge_stage_layers]
-        for i in range(rest % max(middle, 1) if middle else 0):
-            counts[1 + i] += 1
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append(range(start, start + c))
-        start += c
-    return ranges
-
-
-def stage_chunks(n_layer: int, pp: int, v: int = 1, edge_stage_layers: Optional[int] = None
-                 ) -> List[List[range]]:
-    """Per stage, the block ranges of its v model chunks: the model is partitioned into pp·v
-    virtual stages (`partition_layers`) and virtual stage c·pp + s is chunk c of stage s."""
-    parts = partition_layers(n_layer, pp * v, edge_stage_layers)
-    return [[parts[c * pp + s] for c in range(v)] for s in range(pp)]
 
 
 class StageLink:
@@ -165,7 +125,7 @@ class PipelineSchedule:
         self.max_live = 0  # most (chunk, micro-batch) activations alive at once, this step
 
     def _rounds(self, m: int, forward_only: bool):
-        return plan_rounds(self.topo.pp, m, len(self.chunks), forward_only)[self.topo.coords.pp]
+        return plan_rounds(self.topo.pp_size, m, len(self.chunks), forward_only)[self.topo.coords.pp_rank]
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                    loss_scale: float = 1.0) -> float:

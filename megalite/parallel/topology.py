@@ -22,17 +22,19 @@ from megalite.parallel.comm import CommCounter, Group
 
 @dataclass(frozen=True)
 class Coords:
-    tp: int
-    pp: int
-    dp: int
+    """One rank's place in the grid (the sizes are the `Layout`'s / `Topology`'s)."""
+
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
 
 
 def rank_of(coords: Coords, tp: int, pp: int) -> int:
-    return coords.tp + tp * (coords.pp + pp * coords.dp)
+    return coords.tp_rank + tp * (coords.pp_rank + pp * coords.dp_rank)
 
 
 def coords_of(rank: int, tp: int, pp: int) -> Coords:
-    return Coords(tp=rank % tp, pp=(rank // tp) % pp, dp=rank // (tp * pp))
+    return Coords(tp_rank=rank % tp, pp_rank=(rank // tp) % pp, dp_rank=rank // (tp * pp))
 
 
 def group_ranks(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
@@ -59,28 +61,28 @@ def group_ranks(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
 class Topology:
     """Sizes, this rank's coordinates and its process groups (`Group` handles)."""
 
-    tp: int
-    pp: int
-    dp: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
     rank: int
     counter: CommCounter = field(default_factory=CommCounter)
     groups: Dict[str, Group] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp_size * self.pp_size * self.dp_size
 
     @property
     def coords(self) -> Coords:
-        return coords_of(self.rank, self.tp, self.pp)
+        return coords_of(self.rank, self.tp_size, self.pp_size)
 
     @property
     def is_first_stage(self) -> bool:
-        return self.coords.pp == 0
+        return self.coords.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coords.pp == self.pp - 1
+        return self.coords.pp_rank == self.pp_size - 1
 
     @property
     def tp_group(self) -> Group:
@@ -103,6 +105,11 @@ class Topology:
         return self.groups["embedding"]
 
     @property
+    def world_group(self) -> Group:
+        """Every rank, over the default process group (no communicator of its own)."""
+        return self.groups["world"]
+
+    @property
     def checkpoint_group(self) -> Group:
         """All ranks, over gloo: background checkpoint saves (`build_topology(...,
         checkpoint_group=True)`), never used by the training thread."""
@@ -110,8 +117,8 @@ class Topology:
 
     def describe(self) -> str:
         c = self.coords
-        return (f"rank {self.rank}/{self.world_size} tp={c.tp}/{self.tp} pp={c.pp}/{self.pp} "
-                f"dp={c.dp}/{self.dp}")
+        return (f"rank {self.rank}/{self.world_size} tp={c.tp_rank}/{self.tp_size} "
+                f"pp={c.pp_rank}/{self.pp_size} dp={c.dp_rank}/{self.dp_size}")
 
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
@@ -131,7 +138,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
         rank = dist.get_rank() if initialized else 0
     if not initialized and world != 1:
         raise RuntimeError("torch.distributed must be initialized for world size > 1")
-    topo = Topology(tp=tp, pp=pp, dp=dp, rank=rank)
+    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank)
     for kind, rank_lists in group_ranks(tp, pp, dp).items():
         mine: Optional[Tuple[List[int], Optional[dist.ProcessGroup]]] = None
         for ranks in rank_lists:
@@ -144,6 +151,8 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
             ranks, pg = mine
             topo.groups[kind] = Group(name=kind, ranks=ranks, rank=ranks.index(rank), pg=pg,
                                       counter=topo.counter)
+    topo.groups["world"] = Group(name="world", ranks=list(range(world)), rank=rank, pg=None,
+                                 counter=topo.counter)
     if checkpoint_group:
         pg = _new_group(list(range(world)), "checkpoint", timeout_s, backend="gloo") \
             if initialized and world > 1 else None

@@ -32,57 +32,139 @@ After the optimizer step the fp32 master range is copied into the model-dtype pa
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from megalite.config import OptimConfig
+from megalite.layout import Layout
 from megalite.parallel import comm
-from megalite.parallel.flat import FlatLayout, Segment
+from megalite.parallel.flat import FlatShards, Segment
+from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class StatePiece:
+    """One owned range [lo, hi) of one parameter's flattened TP slice and its state by kind."""
+
+    spec: ParamSpec
+    lo: int
+    hi: int
+    tensors: Dict[str, torch.Tensor]
+    index: int  # the engine's own handle
+
+
+class GradReduction:
+    """How a ZeRO stage reduces a bucket's gradient over DP (one strategy per stage, so the
+    bucket and the engine hold no `if stage == ...` branches).
+
+    `keeps_full_grad`: the bucket accumulates the whole gradient over the step's micro-batches
+    (stages 0-1) instead of reduce-scattering each micro-batch into its own range (2-3)."""
+
+    keeps_full_grad = True
+    every_micro_batch = False
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Wait for one launched reduction and put its result into the bucket's `main_grad`;
+        returns the reduced gradient of the owned range it brought."""
+        work.wait()
+        return bucket.main_grad
+
+
+class AllReduceGrad(GradReduction):
+    """Stage 0: every rank keeps the whole gradient; one all-reduce per bucket per step."""
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        bucket.pending.append((comm.all_reduce(grad, bucket.group, async_op=True), None))
+
+
+class ReduceScatterGrad(GradReduction):
+    """Stage 1: the whole gradient accumulates locally; one reduce-scatter per bucket per step
+    leaves each rank the sum of its own range."""
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        out = torch.empty_like(bucket.main_grad)
+        bucket.pending.append((comm.reduce_scatter(out, grad, bucket.group, async_op=True), out))
+
+    def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
+        work.wait()
+        bucket.main_grad.copy_(out)
+        return bucket.main_grad
+
+
+class ShardedGrad(GradReduction):
+    """Stages 2-3: no whole gradient is kept; each micro-batch's gradient is reduce-scattered
+    and added to the rank's range."""
+
+    keeps_full_grad = False
+    every_micro_batch = True
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        out = torch.empty_like(bucket.main_grad)
+        bucket.pending.append((comm.reduce_scatter(out, grad, bucket.group, async_op=True), out))
+
+    def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
+        work.wait()
+        bucket.main_grad.add_(out)
+        return out
+
+
+def grad_reduction(layout: Layout) -> GradReduction:
+    if layout.shards_gradients:
+        return ShardedGrad()
+    return ReduceScatterGrad() if layout.shards_optimizer else AllReduceGrad()
 
 
 class Bucket:
     """One flat buffer of parameters with its gradient and master-weight state."""
 
     def __init__(self, names: List[str], params: List[nn.Parameter], specs, topo: Topology,
-                 zero: int, param_dtype: torch.dtype, tied: bool = False):
+                 layout: Layout, tied: bool = False):
         group = topo.dp_group
-        self.group, self.zero, self.tied = group, zero, tied
-        self.layout = FlatLayout(names, params, specs, shards=group.size)
-        padded = self.layout.padded_numel
-        self.lo, self.hi = (0, padded) if zero == 0 else self.layout.shard_range(group.rank)
-        device = params[0].device
+        self.group, self.tied = group, tied
+        self.reduction = grad_reduction(layout)
+        self.gathers_params = layout.shards_optimizer and not layout.shards_parameters
+        self.flat = FlatShards(names, params, specs, shards=group.size)
+        padded = self.flat.padded_numel
+        self.lo, self.hi = self.flat.shard_range(group.rank) if layout.shards_optimizer \
+            else (0, padded)
+        device, param_dtype = params[0].device, layout.compute_dtype
         values = torch.zeros(padded, dtype=torch.float32, device=device)
-        for view, p in zip(self.layout.views(values), params):
+        for view, p in zip(self.flat.views(values), params):
             view.copy_(p.detach())
         self.param_full = values.to(param_dtype) if param_dtype != torch.float32 else values
-        if zero < 3:
-            self.param_region = self.param_full[self.lo:self.hi]
-        else:
+        if layout.shards_parameters:
             self.param_region = self.param_full[self.lo:self.hi].clone()
-        for view, p in zip(self.layout.views(self.param_full), params):
+        else:
+            self.param_region = self.param_full[self.lo:self.hi]
+        for view, p in zip(self.flat.views(self.param_full), params):
             p.data = view
         self.main = self.param_region if param_dtype == torch.float32 \
             else values[self.lo:self.hi].clone()
         self.grad_full: Optional[torch.Tensor] = None
-        if zero <= 1:
+        if self.reduction.keeps_full_grad:
             self.grad_full = torch.zeros(padded, dtype=torch.float32, device=device)
             self.main_grad = self.grad_full[self.lo:self.hi]
         else:
             self.main_grad = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
-        self.segments: List[Segment] = self.layout.segments(self.lo, self.hi)
+        self.segments: List[Segment] = self.flat.segments(self.lo, self.hi)
         self.reported = 0
         self._temp: Optional[torch.Tensor] = None  # zero 2/3: this backward's full gradient
-        self._work = None
-        self._out: Optional[torch.Tensor] = None
-        self._pending: List[Tuple[object, torch.Tensor]] = []
+        self.pending: List[Tuple[object, Optional[torch.Tensor]]] = []  # launched reductions
         self.launched = False
 
     @property
     def params(self) -> List[nn.Parameter]:
-        return self.layout.params
+        return self.flat.params
 
     def region_view(self, flat: torch.Tensor, seg: Segment) -> torch.Tensor:
         """`seg`'s elements in a tensor that holds this rank's range [lo, hi)."""
@@ -91,54 +173,33 @@ class Bucket:
     # --- gradients ----------------------------------------------------------------------
 
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
-        if self.grad_full is not None:
-            target = self.grad_full
-        else:
-            if self._temp is None:
-                self._temp = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
-                                         device=grad.device)
-            target = self._temp
-        off = self.layout.offsets[index]
+        target = self.grad_full if self.grad_full is not None else self._full_temp()
+        off = self.flat.offsets[index]
         target[off:off + grad.numel()].add_(grad.reshape(-1))
 
-    def launch(self) -> None:
-        """Start this bucket's DP reduction (the gradient of the mean over DP ranks)."""
-        n = self.group.size
-        self.launched = True
-        if n > 1:  # the mean over DP ranks (a single rank's gradient is already the mean)
-            (self.grad_full if self.zero <= 1 else self._temp_or_zeros()).div_(n)
-        if self.zero == 0:
-            self._work = comm.all_reduce(self.grad_full, self.group, async_op=True)
-        elif self.zero == 1:
-            self._out = torch.empty_like(self.main_grad)
-            self._work = comm.reduce_scatter(self._out, self.grad_full, self.group, async_op=True)
-        else:
-            out = torch.empty_like(self.main_grad)
-            self._pending.append(
-                (comm.reduce_scatter(out, self._temp_or_zeros(), self.group, async_op=True), out))
-            self._temp = None
-
-    def _temp_or_zeros(self) -> torch.Tensor:
-        """This backward's full gradient (zero 2/3); zeros if no gradient reached the bucket."""
+    def _full_temp(self) -> torch.Tensor:
+        """This backward's full gradient (zero 2/3); zeros until a gradient reaches it."""
         if self._temp is None:
-            self._temp = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
+            self._temp = torch.zeros(self.flat.padded_numel, dtype=torch.float32,
                                      device=self.main_grad.device)
         return self._temp
 
-    def complete(self) -> None:
-        """Wait for launched reductions and fold their results into `main_grad`."""
-        if self.zero <= 1:
-            if self._work is not None:
-                self._work.wait()
-                if self.zero == 1:
-                    self.grad_full[self.lo:self.hi].copy_(self._out)
-                self._work, self._out = None, None
-        else:
-            for work, out in self._pending:
-                work.wait()
-                self.main_grad.add_(out)
-            self._pending = []
+    def launch(self) -> None:
+        """Start this bucket's DP reduction (the gradient of the mean over DP ranks)."""
+        self.launched = True
+        grad = self.grad_full if self.grad_full is not None else self._full_temp()
+        if self.group.size > 1:  # the mean over DP ranks (one rank's gradient is the mean)
+            grad.div_(self.group.size)
+        self.reduction.launch(self, grad)
+        self._temp = None
+
+    def complete(self) -> List[torch.Tensor]:
+        """Wait for launched reductions and fold their results into `main_grad`; returns the
+        reduced gradients (of the owned range) they brought, oldest first."""
+        pending, self.pending = self.pending, []
+        reduced = [self.reduction.fold(self, work, out) for work, out in pending]
         self.launched = False
+        return reduced
 
     def zero_grad(self) -> None:
         (self.grad_full if self.grad_full is not None else self.main_grad).zero_()
@@ -150,7 +211,7 @@ class Bucket:
         `async_op`, returns the gather's handle to wait on; None when there is none)."""
         if self.main is not self.param_region:
             self.param_region.copy_(self.main)
-        if self.zero in (1, 2):
+        if self.gathers_params:
             return comm.all_gather(self.param_full, self.param_region, self.group,
                                    async_op=async_op)
         return None
@@ -160,40 +221,38 @@ class ZeroEngine:
     """Owns the parameters, gradients and optimizer state of one model stage on one rank
     (`model.chunks`: the stage's model chunks, one without an interleaved schedule)."""
 
-    def __init__(self, model: nn.Module, topo: Topology, zero: int, optim: OptimConfig,
-                 param_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
-                 sequence_parallel: bool = False, reshard_after_forward: bool = True,
+    def __init__(self, model: nn.Module, topo: Topology, layout: Layout, optim: OptimConfig,
+                 bucket_mb: float = 25.0, reshard_after_forward: bool = True,
                  overlap_param_gather: bool = False):
-        self.topo, self.zero, self.model = topo, zero, model
-        self.sequence_parallel = sequence_parallel and topo.tp > 1
+        self.topo, self.layout, self.model = topo, layout, model
+        self.sequence_parallel = layout.sequence_parallel
         from megalite.parallel.zero3 import unit_groups
 
         self.buckets: List[Bucket] = []
         for chunk in model.chunks:  # a bucket never spans chunks: each syncs after its own
             named, specs = list(chunk.named_parameters()), chunk.param_specs  # last backward
-            groups = unit_groups(chunk) if zero == 3 else bucket_groups(
-                named, specs, bucket_mb * 2**20 / 4, tied_alone=topo.pp > 1)
+            groups = unit_groups(chunk) if layout.shards_parameters else bucket_groups(
+                named, specs, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1)
             params = dict(named)
             for names in groups:
-                tied = any(specs[n].name == "transformer.wte.weight" for n in names) \
-                    and topo.pp > 1
+                tied = topo.pp_size > 1 and any(specs[n].tied for n in names)
                 self.buckets.append(Bucket(names, [params[n] for n in names],
-                                           [specs[n] for n in names], topo, zero, param_dtype,
-                                           tied))
+                                           [specs[n] for n in names], topo, layout, tied))
         self._where: Dict[nn.Parameter, Tuple[Bucket, int]] = {}
         hook = _weak_hook(self)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(hook)
+        self.bucket_reduced: List[Callable[[Bucket, torch.Tensor], None]] = []
         self.sync_grads = True  # stages 0-1: is this backward its chunk's last of the step?
         self.zero3 = None
-        if zero == 3:
+        if layout.shards_parameters:
             from megalite.parallel.zero3 import Zero3Gathering
 
             self.zero3 = Zero3Gathering(model.chunks, self, reshard_after_forward)
         self.param_gather = None  # zero 1/2 with overlap_param_gather: see param_gather.py
-        if overlap_param_gather and zero in (1, 2):
+        if overlap_param_gather and layout.shards_optimizer and not layout.shards_parameters:
             from megalite.parallel.param_gather import OverlappedParamGather
 
             self.param_gather = OverlappedParamGather(model.chunks, self.buckets)
@@ -225,7 +284,7 @@ class ZeroEngine:
         """Whether this rank counts `seg` in a global norm: the tied embedding's second copy
         never, TP-replicated tensors on TP rank 0 only."""
         spec = seg.spec
-        return not spec.tied_copy and (self.topo.coords.tp == 0 or not spec.tp_replicated)
+        return not spec.tied_copy and (self.topo.coords.tp_rank == 0 or not spec.tp_replicated)
 
     # --- gradient flow ------------------------------------------------------------------
 
@@ -236,7 +295,7 @@ class ZeroEngine:
         bucket.reported += 1
         if bucket.reported == len(bucket.params):
             bucket.reported = 0
-            if self.zero >= 2 or self.sync_grads:
+            if bucket.reduction.every_micro_batch or self.sync_grads:
                 bucket.launch()
             if self.zero3 is not None:
                 self.zero3.after_backward(bucket)
@@ -249,17 +308,25 @@ class ZeroEngine:
         micro-batch's reductions and their buffers are ever alive (the backend keeps each
         pending reduction's full-size input until it is waited on)."""
         self.sync_grads = final_micro_batch
-        if self.zero >= 2:
-            for b in self.buckets:
-                b.complete()
+        for b in self.buckets:
+            if b.reduction.every_micro_batch:
+                self._complete(b)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Fold in `bucket`'s launched reductions and announce each reduced gradient to the
+        `bucket_reduced` listeners (called per bucket per reduction: once per step for stages
+        0-1, per micro-batch for 2-3), the hook for consumers of reduced gradients."""
+        for reduced in bucket.complete():
+            for listener in self.bucket_reduced:
+                listener(bucket, reduced)
 
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every bucket's gradient reduced over DP (and TP /
         the embedding group where needed) on this rank's range."""
         for b in self.buckets:
-            if self.zero <= 1 and not b.launched:
+            if not b.reduction.every_micro_batch and not b.launched:
                 b.launch()  # a bucket no gradient reached this step (reduces zeros)
-            b.complete()
+            self._complete(b)
         if self.sequence_parallel:
             pieces = [b.region_view(b.main_grad, s) for b in self.buckets for s in b.segments
                       if s.spec.tp_replicated]
@@ -280,7 +347,7 @@ class ZeroEngine:
             sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(pieces)]).sum()
         else:
             sq = torch.zeros((), device=self.buckets[0].main_grad.device)
-        if self.zero >= 1:
+        if self.layout.shards_optimizer:
             comm.all_reduce(sq, self.topo.dp_group)
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
@@ -333,7 +400,7 @@ class ZeroEngine:
         if self.zero3 is not None:
             self.zero3.end_of_step()
 
-    # --- checkpoint restore ---------------------------------------------------------------
+    # --- checkpoint pieces (what `megalite.checkpoint` reads and restores) -----------------
 
     def adam_step(self) -> int:
         """Optimizer steps taken (AdamW's bias-correction count, the same for every piece)."""
@@ -341,16 +408,31 @@ class ZeroEngine:
             return int(state["step"])
         return 0
 
+    def state_pieces(self) -> List[StatePiece]:
+        """This rank's owned state, one piece per owned range of a parameter: the fp32 master
+        weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq", once they exist)."""
+        pieces = []
+        for index, (piece, seg, _) in enumerate(self.main_params):
+            state = self.optimizer.state.get(piece, {})
+            tensors = {"param": piece, **{k: state[k] for k in MOMENTS if k in state}}
+            pieces.append(StatePiece(seg.spec, seg.param_lo, seg.param_hi, tensors, index))
+        return pieces
+
     @torch.no_grad()
-    def set_optimizer_state(self, piece: nn.Parameter, kind: str, values: torch.Tensor,
-                            step: int) -> None:
-        state = self.optimizer.state[piece]
+    def load_state_piece(self, piece: StatePiece, kind: str, values: torch.Tensor,
+                         adam_step: int) -> None:
+        """Restore one kind of one piece (`params_from_master` then updates the model)."""
+        param = self.main_params[piece.index][0]
+        if kind == "param":
+            param.copy_(values)
+            return
+        state = self.optimizer.state[param]
         if "step" not in state:
             fused = bool(self.optimizer.defaults.get("fused"))
-            state["step"] = torch.tensor(float(step), dtype=torch.float32,
-                                         device=piece.device if fused else "cpu")
-            state["exp_avg"] = torch.zeros_like(piece, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(piece, memory_format=torch.preserve_format)
+            state["step"] = torch.tensor(float(adam_step), dtype=torch.float32,
+                                         device=param.device if fused else "cpu")
+            for moment in MOMENTS:
+                state[moment] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state[kind].copy_(values)
 
     @torch.no_grad()
@@ -372,7 +454,7 @@ class ZeroEngine:
 
         params = grads = optim = 0
         for b in self.buckets:
-            params += nbytes(b.param_region if self.zero == 3 else b.param_full)
+            params += nbytes(b.param_region if self.layout.shards_parameters else b.param_full)
             grads += nbytes(b.grad_full if b.grad_full is not None else b.main_grad)
             if b.main is not b.param_region:
                 optim += nbytes(b.main)
@@ -404,7 +486,7 @@ def bucket_groups(named: List[Tuple[str, nn.Parameter]], specs, bucket_numel: fl
     groups: List[List[str]] = []
     size, closed = 0.0, True
     for name, p in reversed(named):
-        if tied_alone and specs[name].name == "transformer.wte.weight":
+        if tied_alone and specs[name].tied:
             groups.append([name])
             closed = True  # nothing joins the tied bucket
             continue

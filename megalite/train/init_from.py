@@ -12,8 +12,9 @@ import torch
 
 from megalite.config import ConfigError, ModelConfig
 from megalite.model import hf
-from megalite.train.checkpoint import (SHAPE_KEYS, CheckpointError, find_checkpoint,
-                                       read_global_state, read_meta, shape_mismatch)
+from megalite.checkpoint.format import (SHAPE_KEYS, CheckpointError, read_global_state,
+                                        read_meta, shape_mismatch)
+from megalite.checkpoint.resolve import find_checkpoint
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:

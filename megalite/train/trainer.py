@@ -15,38 +15,32 @@ import contextlib
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, data_sources, num_micro_batches
-from megalite.data.loader import TokenShards, TrainBatches, check_vocab, val_batches
-from megalite.data.sampler import BlendedSampler, ResumableSampler
-from megalite.model.gpt2 import flops_per_token, num_parameters
-from megalite.model.init import init_parameters, load_global_state
-from megalite.model.stage import build_stage
+from megalite.checkpoint.async_save import CheckpointSaver
+from megalite.checkpoint.state import ProcessRNG, Progress
+from megalite.config import Config, data_sources
+from megalite.data.loader import TokenShards, TrainBatches, val_batches
+from megalite.layout import Layout
+from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
-from megalite.parallel.pipeline import PipelineSchedule, stage_chunks
-from megalite.parallel.schedule import expected_bubble
+from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
+from megalite.parallel.schedule import expected_bubble
+from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZeroEngine
-from megalite.plan import make_plan
 from megalite.runtime import Runtime
-from megalite.train import checkpoint as ckpt
-from megalite.train.async_checkpoint import CheckpointSaver
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
-from megalite.train.init_from import load_init_state
 from megalite.train.loss_scale import LossScaler
-from megalite.train.metrics import (MetricsWriter, Peak, peak_memory_bytes, peak_tflops,
-                                    throughput)
+from megalite.train.metrics import MetricsWriter, Peak, peak_memory_bytes, throughput
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
-from megalite.train.resume import candidates as resume_candidates
-from megalite.train.resume import checkpoint_root
 from megalite.train.stop import StopRequest
 from megalite.train.timers import PHASES, StepTimers
 
@@ -55,173 +49,66 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive steps with a NaN/inf loss or gradient."""
 
 
+@dataclass(eq=False)
 class Trainer:
-    def __init__(self, cfg: Config, runtime: Runtime, run_dir: Path):
-        self.cfg, self.rt, self.run_dir = cfg, runtime, Path(run_dir)
-        topo = self.topo = runtime.topology
-        self.rank = topo.rank
-        self.data_sources = data_sources(cfg.data)
-        self.train_shards = [TokenShards(d, "train") for d, _ in self.data_sources]
-        self.val_shards = [TokenShards(d, "val") for d, _ in self.data_sources]
-        for shards in self.train_shards:
-            check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
+    """The loop over the parts `megalite.train.build.build_trainer` makes for one rank."""
 
-        c = topo.coords
-        self.stages = stage_chunks(cfg.model.n_layer, topo.pp, cfg.parallel.virtual_stages,
-                                   cfg.parallel.edge_stage_layers)
-        self.rng = RNGTracker(cfg.seed, c.tp, c.pp, c.dp, runtime.device)
-        with torch.device(runtime.device):
-            self.model = build_stage(cfg.model, self.stages[c.pp], c.pp, topo.pp,
-                                     tp_group=topo.tp_group, sequence_parallel=cfg.sp,
-                                     rng=self.rng, recompute=cfg.train.recompute,
-                                     compile=cfg.train.compile, attention=cfg.train.attention,
-                                     recompute_layers=cfg.train.recompute_layers)
-        init_state = load_init_state(cfg.init_from, cfg.model) if cfg.init_from else None
-        for chunk in self.model.chunks:
-            init_parameters(chunk, cfg.seed)  # the same global weights in every layout
-            if init_state is not None:
-                load_global_state(chunk, init_state)
-        self.engine = ZeroEngine(
-            self.model, topo, cfg.zero, cfg.optim, param_dtype=runtime.compute_dtype,
-            bucket_mb=cfg.parallel.bucket_mb, sequence_parallel=cfg.sp,
-            reshard_after_forward=cfg.parallel.reshard_after_forward,
-            overlap_param_gather=cfg.parallel.overlap_param_gather)
+    cfg: Config
+    rt: Runtime
+    run_dir: Path
+    layout: Layout
+    topo: Topology
+    data_sources: List[Tuple[Path, float]]
+    val_shards: List[TokenShards]
+    stages: List[List[range]]  # every pipeline stage's block ranges, per chunk
+    rng: RNGTracker
+    model: PipelineStage
+    engine: ZeroEngine
+    schedule: PipelineSchedule
+    sampler: object  # ResumableSampler or BlendedSampler
+    batches: TrainBatches
+    batch_size: BatchSizeSchedule
+    loss_scaler: Optional[LossScaler]
+    ckpt_root: Path
+    flops_per_token: int
+    step: int = 0
+    skipped_steps: int = 0  # non-finite steps skipped so far
+    bad_in_a_row: int = 0
+    last_batch_size: int = 0  # of the last step taken
+    last_lr: float = 0.0
+    stop_request: Optional[StopRequest] = None
+    profiler: Optional[StepProfiler] = None
+    timers: Optional[StepTimers] = None
+    saver: Optional[CheckpointSaver] = None
+    peak: Peak = field(default_factory=lambda: Peak(None, "not measured"))
+    writer: Optional[MetricsWriter] = None
+    _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
-        t = cfg.train
-        self.num_micro = num_micro_batches(cfg, topo.world_size)
-        seq_local = t.seq_len // topo.tp if cfg.sp and topo.tp > 1 else t.seq_len
-        self.schedule = PipelineSchedule(
-            self.model.chunks, topo, self.engine, (seq_local, t.micro_batch_size, cfg.model.n_embd),
-            runtime.compute_dtype, runtime.device)
-        weights = [w for _, w in self.data_sources]
-        sizes = [s.num_samples(t.seq_len) for s in self.train_shards]
-        self.sampler = ResumableSampler(sizes[0], t.global_batch_size, dp_rank=c.dp,
-                                        dp_size=topo.dp, seed=cfg.seed) if len(sizes) == 1 \
-            else BlendedSampler(sizes, weights, t.global_batch_size, dp_rank=c.dp,
-                                dp_size=topo.dp, seed=cfg.seed)
-        self.batches = TrainBatches(self.train_shards, self.sampler, t.micro_batch_size,
-                                    t.seq_len, runtime.device)
-        self.batch_size = BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size)
-        self.last_batch_size = t.global_batch_size  # of the last step taken
-        self._val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
-
-        self.ckpt_root = checkpoint_root(cfg, self.run_dir)
-        self.step = 0
-        self.skipped_steps = 0  # non-finite steps skipped so far (this process)
-        self.bad_in_a_row = 0
-        self.loss_scaler = LossScaler.from_config(cfg.loss_scale) \
-            if runtime.compute_dtype == torch.float16 else None
-        self._resume()
-        self._set_aside_later_checkpoints()
-        self.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, runtime.device)
-        self.profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank,
-                                     runtime.device)
-        self.timers = StepTimers(runtime.device)
-        self.saver = CheckpointSaver(
-            self.ckpt_root, cfg, topo, runtime.device, background=cfg.checkpoint.async_save,
-            state_numel=ckpt.written_numel(self.engine, cfg, topo))
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
-        self.peak = peak_tflops(runtime.device, cfg.log.peak_tflops) if self.rank == 0 \
-            else Peak(None, "reported by rank 0")
-        self.state_bytes = comm_gather_state_bytes(self.engine, topo)
-        self.writer: Optional[MetricsWriter] = None
-        if self.rank == 0:
-            self.writer = MetricsWriter(
-                self.run_dir, self.run_header(), cfg.log.wandb, cfg.log.project,
-                cfg.log.run_name, asdict(cfg), t.max_steps, self.step, cfg.log.progress)
+    @property
+    def rank(self) -> int:
+        return self.topo.rank
 
     # --- checkpoints --------------------------------------------------------------------
-
-    def _resume(self) -> None:
-        setting = self.cfg.checkpoint.resume
-        tried = resume_candidates(setting, self.ckpt_root)
-        if setting == "auto" and not tried and self.rank == 0:
-            print(f"checkpoint.resume=auto: no complete checkpoint in {self.ckpt_root}; "
-                  "starting from scratch")
-        for path in tried:
-            try:
-                meta, rng = ckpt.load_checkpoint(path, self.engine, self.cfg, self.topo)
-            except ckpt.CheckpointError as e:
-                if setting != "auto":
-                    raise
-                if self.rank == 0:
-                    print(f"checkpoint {path} unusable, trying the previous one: {e}")
-                continue
-            self.step = meta["step"]
-            self.skipped_steps = meta["skipped_steps"]
-            if self.loss_scaler is not None:
-                self.loss_scaler.load_state_dict(meta.get("loss_scaler"))
-            self.sampler.load_state_dict(meta["sampler"])
-            if self.rank == 0:
-                for warning in data_position_warnings(meta, self.cfg):
-                    print(f"megalite: warning: {warning}", file=sys.stderr)
-            if rng is not None:
-                ckpt.set_rng_state(self.rng, rng)
-            else:  # another layout: fresh dropout streams, derived from the seed and the step
-                self.rng.reseed(self.cfg.seed + 1_000_003 * self.step)
-            if self.rank == 0:
-                print(f"resumed from {path} at step {self.step}")
-            return
-        if tried:
-            raise ckpt.CheckpointError(f"no usable checkpoint in {self.ckpt_root}")
-
-    def _set_aside_later_checkpoints(self) -> None:
-        """Checkpoints after the step this run starts from belong to an abandoned continuation
-        (or failed to load): out of the way of `keep` and `resume=auto`."""
-        if self.rank == 0:
-            for moved in ckpt.set_aside_later_checkpoints(self.ckpt_root, self.step):
-                print(f"megalite: this run starts at step {self.step}; moved the later "
-                      f"checkpoint to {moved}", file=sys.stderr)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
 
     def save(self) -> Optional[Path]:
         """Checkpoint the current step (collective). Returns the published directory, or None
         with checkpoint.async_save (published in the background; `self.saver.wait()`)."""
         self.engine.wait_for_params()  # the master ranges alias the parameters on CPU
-        return self.saver.save(self.step, self.engine, ckpt.rng_state(self.rng), self.progress())
+        return self.saver.save(self.step, self.engine, ProcessRNG(self.rng).state_dict(),
+                               self.progress())
 
-    def progress(self) -> ckpt.Progress:
+    def progress(self) -> Progress:
         """The run's position besides its tensors, as a checkpoint records it."""
-        return ckpt.Progress(self.sampler.state_dict(), self.skipped_steps,
-                             None if self.loss_scaler is None else self.loss_scaler.state_dict())
+        return Progress(self.sampler.state_dict(), self.skipped_steps,
+                        None if self.loss_scaler is None else self.loss_scaler.state_dict())
 
     # --- reporting ----------------------------------------------------------------------
-
-    def run_header(self) -> dict:
-        cfg, topo, m = self.cfg, self.topo, self.cfg.model
-        return {
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero": cfg.zero,
-                       "sp": cfg.sp, "virtual_stages": cfg.parallel.virtual_stages,
-                       "world_size": topo.world_size},
-            "stages": [[[r.start, r.stop] for r in chunks] for chunks in self.stages],
-            "micro_batches": self.num_micro,
-            "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
-                      "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
-            "vocab_size": m.vocab_size, "padded_vocab_size": self.model.padded_vocab,
-            "tokenizer_vocab_size": self.train_shards[0].meta["vocab_size"],
-            "parameters": num_parameters(m),
-            "flops_per_token": self.flops_per_token,
-            "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
-            "peak_tflops_per_device": self.peak.tflops, "peak_source": self.peak.source,
-            "device": str(self.rt.device), "compute_dtype": str(self.rt.compute_dtype),
-            "seq_len": cfg.train.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
-            "global_batch_size": cfg.train.global_batch_size,
-            "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
-            "model_state_bytes": self.state_bytes,
-            "plan": make_plan(cfg, topo.world_size, self.rt.device.type).as_dict(),
-            "data_dir": str(self.data_sources[0][0]),
-            "data_sources": [[str(d), w] for d, w in self.data_sources],
-            "run_dir": str(self.run_dir),
-            "start_step": self.step,
-        }
 
     def _global_mean(self, value: float) -> float:
         """A value held by the last pipeline stage (0 elsewhere), averaged over DP replicas."""
         topo = self.topo
         value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
-        return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp
+        return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp_size
 
     def _slowest_phases(self, steps: int) -> dict:
         """Seconds per step in each phase of the step (`megalite.train.timers`), of the rank
@@ -242,7 +129,7 @@ class Trainer:
         wall = comm.all_reduce_scalars([trace.wall], group, op=dist.ReduceOp.MAX,
                                        device=self.rt.device)[0]
         idle = 1.0 - trace.busy / wall if wall > 0 else 0.0
-        return comm.all_reduce_scalars([idle], group, device=self.rt.device)[0] / self.topo.pp
+        return comm.all_reduce_scalars([idle], group, device=self.rt.device)[0] / self.topo.pp_size
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -302,8 +189,8 @@ class Trainer:
         if self._val is None:
             t, c = self.cfg.train, self.topo.coords
             self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
-                                    t.eval_steps, t.global_batch_size, dp_rank=c.dp,
-                                    dp_size=self.topo.dp, device=self.rt.device,
+                                    t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
+                                    dp_size=self.topo.dp_size, device=self.rt.device,
                                     weights=[w for _, w in self.data_sources])
         return self._val
 
@@ -400,14 +287,14 @@ class Trainer:
         record["step_phases_s"] = self._slowest_phases(steps)
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
-        if topo.pp > 1:
+        if topo.pp_size > 1:
             record["pipeline_bubble"] = self._measured_bubble()
             record["pipeline_bubble_expected"] = expected_bubble(
-                topo.pp, self.last_batch_size // (t.micro_batch_size * topo.dp),
-                cfg.parallel.virtual_stages)
+                topo.pp_size, self.layout.micro_batches(self.last_batch_size),
+                self.layout.virtual_stages)
         if cfg.log.pipeline_trace:
             self.schedule.trace.dump(self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
-                                     topo.coords.pp, self.rank)
+                                     topo.coords.pp_rank, self.rank)
         return record
 
 
@@ -453,19 +340,3 @@ def _data_label(sources: List[list]):
     if len(sources) == 1:
         return sources[0][0]
     return [x for d, w in sources for x in (w, d)]
-
-
-def comm_gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:
-    """Every rank's model-state bytes (parameters, gradients, optimizer), for the run header."""
-    mine = {"rank": topo.rank, "tp": topo.coords.tp, "pp": topo.coords.pp, "dp": topo.coords.dp,
-            **engine.state_bytes()}
-    if not (dist.is_available() and dist.is_initialized()):
-        return [mine]
-    out = [None] * topo.world_size
-    dist.all_gather_object(out, mine)
-    return out
-
-
-def broadcast_run_dir(run_dir: Path) -> Path:
-    """Rank 0's run directory, on every rank (Hydra's timestamp may differ between ranks)."""
-    return Path(ckpt.broadcast_object(str(run_dir)))

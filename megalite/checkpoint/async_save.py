@@ -6,7 +6,7 @@ snapshot: it copies the rank's pieces (fp32 master weights and AdamW moments, th
 rank writes) into a host staging buffer (pinned memory on CUDA, allocated at start-up and
 reused from save to save),
 and a background thread writes, fsyncs and publishes them while the next steps run. The
-publication protocol is the one of `megalite.train.checkpoint.write_snapshot`: rank 0 renames
+publication protocol is the one of `megalite.checkpoint.save.write_snapshot`: rank 0 renames
 `step_N.tmp/` to `step_N/` only after every rank reported its files written, so a crash
 during a background save leaves an unfinished directory that is never picked.
 
@@ -25,9 +25,10 @@ from typing import Optional
 
 import torch
 
+from megalite.checkpoint import save as ckpt
+from megalite.checkpoint.state import Progress
 from megalite.config import Config
 from megalite.parallel.topology import Topology
-from megalite.train import checkpoint as ckpt
 
 
 def _host_buffer(numel: int, pinned: bool) -> torch.Tensor:
@@ -52,7 +53,7 @@ def _release_host_buffer(buf: torch.Tensor, pinned: bool) -> None:
 class CheckpointSaver:
     """Saves checkpoints of one rank, in the training thread or in the background.
 
-    `state_numel`: the elements the rank writes (`checkpoint.written_numel`); the background
+    `state_numel`: the elements the rank writes (`save.written_numel`); the background
     saver allocates its staging buffer for them up front, so a run that lacks the host memory
     fails at start-up, not at its first save."""
 
@@ -74,20 +75,20 @@ class CheckpointSaver:
             self._staging = _host_buffer(numel, self._pinned)
         return self._staging[:numel]
 
-    def save(self, step: int, engine, rng_state: dict, progress: ckpt.Progress
+    def save(self, step: int, engine, rng_state: dict, progress: Progress
              ) -> Optional[Path]:
         """Collective. In the training thread: returns the published directory. In the
         background: returns None once the snapshot is taken; `wait()` returns the directory."""
         keep = self.cfg.checkpoint.keep
         if self._pool is None:
             snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo)
-            return ckpt.write_snapshot(self.root, snap, self.cfg, self.topo, keep)
+            return ckpt.write_snapshot(self.root, snap, self.cfg, self.topo, keep,
+                                       self.topo.world_group)
         self.wait()  # one save in flight; its staging buffer is about to be overwritten
         snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo,
                                   staging=self._staging_buffer)
-        group = self.topo.checkpoint_group.pg if self.topo.world_size > 1 else None
         self._pending = self._pool.submit(ckpt.write_snapshot, self.root, snap, self.cfg,
-                                          self.topo, keep, group)
+                                          self.topo, keep, self.topo.checkpoint_group)
         return None
 
     def wait(self) -> Optional[Path]:

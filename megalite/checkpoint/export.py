@@ -1,6 +1,6 @@
 """Checkpoints as models: export to `transformers`, load for inference, in one process.
 
-A checkpoint of any layout (tp, pp, dp, zero; see `megalite.train.checkpoint`) holds the fp32
+A checkpoint of any layout (tp, pp, dp, zero; see `megalite.checkpoint.format`) holds the fp32
 master weights in pieces; `read_global_state` rebuilds the global tensors. From there:
 
     export_hf(ckpt, out_dir)   a `transformers` GPT-2 directory (config.json, model.safetensors,
@@ -28,24 +28,12 @@ from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.gpt2 import GPT2
 from megalite.model.hf import save_hf
 from megalite.model.init import load_global_state
-from megalite.train.checkpoint import find_checkpoint, read_global_state, read_meta
+from megalite.checkpoint.format import read_global_state, read_meta
+from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
 
 
-class ExportError(ValueError):
+class ExportError(CheckpointNotFound):
     """A path that cannot be used; the message names it and what is expected instead."""
-
-
-def resolve_checkpoint(path) -> Path:
-    """`path` if it is a complete checkpoint, else the latest complete checkpoint under it."""
-    path = Path(path)
-    found = find_checkpoint(path)
-    if found is not None:
-        return found
-    problem = ("does not exist" if not path.exists() else "is not a directory"
-               if not path.is_dir() else "holds no meta.json and no complete checkpoint")
-    raise ExportError(f"{path}: {problem}; expected a megalite checkpoint directory "
-                      "step_NNNNNNNN holding meta.json (e.g. <run dir>/checkpoints/step_00000300) "
-                      "or a checkpoint.dir containing one")
 
 
 def model_config(ckpt: Path) -> ModelConfig:

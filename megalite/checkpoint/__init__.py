@@ -1,0 +1,1 @@
+"""Sharded, layout-independent checkpoints (see `megalite.checkpoint.format`)."""

@@ -1,0 +1,244 @@
+"""Sharded, layout-independent checkpoints: written in parallel, loadable under any layout.
+
+    <checkpoint.dir>/step_00000100/
+        rank00003.bin       this rank's pieces of global tensors, raw little-endian fp32
+        rng_rank00003.pt    this rank's RNG streams (restored when the layout is unchanged)
+        meta.json           written last by rank 0: step, sampler position, skipped steps, the
+                            fp16 loss scale, layout, model shape, the index of every piece,
+                            every file's size and CRC32, and the CRC32 of meta.json's own
+                            content
+
+A *piece* is a contiguous range [lo, hi) of one TP rank's slice (flattened) of one global tensor
+(HF name, e.g. `transformer.h.3.attn.c_attn.weight`) of one kind (`param` = the fp32 master
+weights, `exp_avg`, `exp_avg_sq` = AdamW's moments). ZeRO ranges cut tensors into such pieces,
+TP slices are recorded with the spec that made them (split dim, [q|k|v] interleave, vocab
+padding), and every element is written by exactly one rank: DP replicas (zero 0), TP replicas
+of replicated tensors and the pipeline's second copy of the tied embedding write nothing.
+
+Loading rebuilds each global tensor from its pieces (checking that they cover it), cuts the
+slice the current rank owns under the *current* (tp, pp, dp, zero), and fills the master
+weights, the moments and the model parameters — so any valid layout resumes any checkpoint.
+
+The package: `format` (this file: the layout on disk, reading and verifying it),
+`save` (snapshots and the publication protocol), `async_save` (saves in the background),
+`load` (restore into any layout, agreed over the ranks), `resolve` (which checkpoint a path or
+`checkpoint.resume` names), `state` (the run's position besides tensors), `export` (to
+`transformers`). The engine hands its state over as pieces (`ZeroEngine.state_pieces`,
+`load_state_piece`), the samplers, loss scaler and RNG through their `state_dict()`.
+
+Format policy: a new key in meta.json that an older reader ignores needs no version bump; a
+change an old reader would misread bumps FORMAT_VERSION, and the reader keeps accepting every
+version it can read (`READABLE_VERSIONS`).
+
+A save is a snapshot (`take_snapshot`: this rank's pieces, RNG and data position at the end of
+a step) and its writing (`write_snapshot`), in the training thread or in a background thread
+(`megalite.checkpoint.async_save`). A checkpoint counts only when complete: written under
+`step_N.tmp/`, published by rank 0 with an atomic rename after every rank has reported its
+files written and meta.json is on disk. A rank that fails to write is reported to all: nothing
+is published and every rank raises the same error. Only `step_N`
+directories holding a meta.json are ever picked; the `keep` most recent are kept. A directory
+being replaced or deleted is first renamed out of the `step_N` namespace, so a crash midway
+never leaves a half-deleted directory that looks complete. When a run starts at step k, the
+checkpoints of steps after k (an abandoned continuation, or ones that failed to load) are moved
+to `superseded/`, so they neither take `keep`'s places nor get picked by `resume=auto` again.
+
+Before anything is loaded, on every rank: meta.json's own CRC32, the index (every piece inside
+its file, every tensor slice covered) and the files' sizes and CRC32s are checked, and the
+verdict is agreed over all ranks, so either every rank loads a checkpoint or none does.
+"""
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from megalite.config import Config, ModelConfig
+from megalite.layout import Layout
+from megalite.parallel.param_spec import ParamSpec
+from megalite.parallel.topology import Topology
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (3,)
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def spec_record(spec: ParamSpec, tp: int) -> dict:
+    return {"shape": list(spec.shape), "tp_dim": spec.tp_dim, "tp_interleave": spec.tp_interleave,
+            "padded_rows": spec.padded_rows, "tp": tp}
+
+
+def writes(spec: ParamSpec, topo: Topology, layout: Layout) -> bool:
+    """Whether this rank is the one that writes its copy of `spec`'s elements."""
+    c = topo.coords
+    if spec.tied_copy or (spec.tp_replicated and c.tp_rank != 0):
+        return False
+    return layout.shards_optimizer or c.dp_rank == 0
+
+
+def meta_crc32(meta: dict) -> int:
+    body = {k: v for k, v in meta.items() if k != "meta_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def read_meta(ckpt: Path) -> dict:
+    path = ckpt / "meta.json"
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no meta.json)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupted ({e})") from e
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path}: format version {meta.get('format_version')} (this "
+                              f"megalite reads versions {', '.join(map(str, READABLE_VERSIONS))})")
+    if meta.get("meta_crc32") != meta_crc32(meta):
+        raise CheckpointError(f"{path}: its content does not match its CRC32 (corrupted)")
+    return meta
+
+
+def verify_file(ckpt: Path, name: str, record: dict) -> None:
+    """Size and CRC32 of one file against meta.json; raises CheckpointError naming it."""
+    path = ckpt / name
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (listed in {ckpt / 'meta.json'})")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, meta.json lists {record['bytes']} "
+                              "(truncated or overwritten)")
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    if crc != record["crc32"]:
+        raise CheckpointError(f"{path}: CRC32 {crc:#010x} != {record['crc32']:#010x} in "
+                              "meta.json (corrupted)")
+
+
+class Reader:
+    """Global tensors rebuilt from a checkpoint's pieces; the index is checked on creation."""
+
+    def __init__(self, ckpt: Path, meta: dict):
+        self.ckpt = ckpt
+        self.index: Dict[Tuple[str, str], List[dict]] = {}
+        for p in meta["pieces"]:
+            self.index.setdefault((p["name"], p["kind"]), []).append(p)
+        self._check_index(meta["files"])
+
+    def _check_index(self, files: dict) -> None:
+        """Every piece lies inside its file, and each TP slice of each tensor is covered by its
+        pieces without a gap, so reading cannot fail halfway (after the ranks agreed)."""
+        for (name, kind), pieces in self.index.items():
+            spec, tp = self.written_spec(name, kind)
+            numel = int(np.prod(spec.local_shape(tp)))
+            for rank in range(tp if spec.tp_dim is not None else 1):
+                end = 0
+                for p in sorted((p for p in pieces if p["tp_rank"] == rank),
+                                key=lambda p: p["lo"]):
+                    size = files.get(p["file"], {}).get("bytes", -1)
+                    if p["lo"] > end or p["offset"] + 4 * (p["hi"] - p["lo"]) > size:
+                        break
+                    end = max(end, p["hi"])
+                if end < numel:
+                    raise CheckpointError(f"{self.ckpt}: the pieces of {name} ({kind}, TP rank "
+                                          f"{rank}) do not cover it or lie outside their file")
+
+    def files_for(self, names: List[str]) -> List[str]:
+        return sorted({p["file"] for (n, _), ps in self.index.items() if n in names for p in ps})
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self.index
+
+    def _pieces(self, name: str, kind: str) -> List[dict]:
+        pieces = self.index.get((name, kind))
+        if not pieces:
+            raise CheckpointError(f"{self.ckpt}: no {kind} of {name}")
+        return pieces
+
+    def written_spec(self, name: str, kind: str) -> Tuple[ParamSpec, int]:
+        """The spec the writer split `name` with, and the writer's TP size."""
+        rec = self._pieces(name, kind)[0]["spec"]
+        return ParamSpec(name, tuple(rec["shape"]), rec["tp_dim"], rec["tp_interleave"],
+                         rec["padded_rows"]), rec["tp"]
+
+    def plan(self, spec: ParamSpec, kind: str, tp: int, tp_rank: int, lo: int, hi: int
+             ) -> Optional[List[dict]]:
+        """The pieces holding elements [lo, hi) of TP rank `tp_rank`'s flattened slice when the
+        writer split `spec` the same way (same TP size, padding, interleave): a rank then
+        reads only its own range. None when the split changed (rebuild the global tensor)."""
+        written, written_tp = self.written_spec(spec.name, kind)
+        same = written.tp_dim == spec.tp_dim and written.tp_interleave == spec.tp_interleave \
+            and written.padded_rows == spec.padded_rows and (spec.tp_dim is None or written_tp == tp)
+        if not same:
+            return None
+        rank = tp_rank if spec.tp_dim is not None else 0
+        return [p for p in self._pieces(spec.name, kind)
+                if p["tp_rank"] == rank and p["lo"] < hi and p["hi"] > lo]
+
+    def read_range(self, pieces: List[dict], lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of one TP slice from the planned pieces (which cover it: the index
+        was checked)."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        for p in pieces:
+            a, b = max(lo, p["lo"]), min(hi, p["hi"])
+            data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=b - a,
+                               offset=p["offset"] + 4 * (a - p["lo"]))
+            out[a - lo:b - lo] = torch.from_numpy(data)
+        return out
+
+    def global_tensor(self, name: str, kind: str) -> torch.Tensor:
+        """The whole tensor: every writer TP rank's slice read in full, then joined."""
+        pieces = self._pieces(name, kind)
+        spec, written_tp = self.written_spec(name, kind)
+        local_shape = spec.local_shape(written_tp)
+        numel = int(np.prod(local_shape))
+        slices = [self.read_range([p for p in pieces if p["tp_rank"] == r], 0,
+                                  numel).view(local_shape)
+                  for r in range(written_tp if spec.tp_dim is not None else 1)]
+        return spec.unshard(slices)
+
+
+def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor]:
+    """Every global tensor of a checkpoint (HF names, nn.Linear layout, fp32, vocabulary
+    unpadded), whatever layout wrote it: for export, generation and inspection. Verifies the
+    files it reads; reads one process's worth (no process group needed)."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    reader = Reader(ckpt, meta)
+    names = sorted({n for (n, k) in reader.index if k == kind})
+    for name in reader.files_for(names):
+        verify_file(ckpt, name, meta["files"][name])
+    return {name: reader.global_tensor(name, kind) for name in names}
+
+
+def shape_mismatch(theirs: dict, cfg: ModelConfig, where: str,
+                   keys: Tuple[str, ...] = SHAPE_KEYS) -> Optional[str]:
+    """What is wrong, if anything, between a checkpoint's model (meta.json's "model", trained
+    by `where`) and `cfg`: the first differing key of `keys`, named with both values. The MLP
+    size counts, not how it was written (n_inner=null is 4 * n_embd)."""
+    for key in keys:
+        ours, recorded = getattr(cfg, key), theirs.get(key)
+        if key == "n_inner":
+            same = cfg.ffn_size == (recorded if recorded is not None else 4 * theirs.get("n_embd"))
+        else:
+            same = recorded == ours
+        if not same:
+            return (f"model.{key}={ours!r}: {where} was trained with {key}={recorded!r}; set "
+                    f"model.{key}={recorded!r}")
+    return None
+
+
+def check_compatible(meta: dict, cfg: Config, ckpt: Path) -> None:
+    problem = shape_mismatch(meta["model"], cfg.model, f"checkpoint {ckpt}")
+    if problem is not None:
+        raise CheckpointError(f"{problem} to resume it")

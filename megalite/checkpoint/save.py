@@ -1,0 +1,196 @@
+"""Writing a checkpoint: a rank's snapshot at the end of a step, and the publication protocol
+(see `megalite.checkpoint.format` for the layout on disk).
+
+Every rank writes its snapshot into `step_N.tmp/`; rank 0 publishes `step_N/` (meta.json
+fsynced, then an atomic rename) only after every rank reported its files written, and deletes
+checkpoints beyond `keep`. Any rank's failure is agreed on: nothing is published and every rank
+raises the same error.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+from megalite.checkpoint.format import (FORMAT_VERSION, KINDS, CheckpointError, meta_crc32,
+                                        spec_record, writes)
+from megalite.checkpoint.resolve import complete_checkpoints, discard
+from megalite.checkpoint.state import Progress
+from megalite.config import Config, data_sources
+from megalite.parallel import comm
+from megalite.parallel.comm import Group
+from megalite.parallel.topology import Topology
+
+
+def written_numel(engine, topo: Topology) -> int:
+    """Elements this rank writes into a checkpoint (once AdamW's moments exist)."""
+    return len(KINDS) * sum(p.hi - p.lo for p in engine.state_pieces()
+                            if writes(p.spec, topo, engine.layout))
+
+
+@dataclass
+class Snapshot:
+    """What one rank writes into a checkpoint, as of the end of one optimizer step.
+
+    `tensors` are the values of `pieces`, in file order: the live master weights and moments
+    for a save in the training thread, or copies in a staging buffer for a save in the
+    background (`take_snapshot(..., staging=...)`), which training may then overwrite."""
+    step: int
+    tensors: List[torch.Tensor]
+    pieces: List[dict]
+    rng_state: dict
+    progress: Progress
+    adam_step: int
+    layout: dict  # the writer's `Layout.as_dict()`
+
+
+def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: Config,
+                  topo: Topology, staging: Optional[Callable[[int], torch.Tensor]] = None
+                  ) -> Snapshot:
+    """This rank's pieces at `step`. With `staging` (numel -> a flat fp32 CPU buffer), their
+    values are copied into it (device-to-host for CUDA tensors) before returning."""
+    data_file = f"rank{topo.rank:05d}.bin"
+    tensors, pieces, offset = [], [], 0
+    for piece in engine.state_pieces():
+        if not writes(piece.spec, topo, engine.layout):
+            continue
+        for kind in KINDS:
+            t = piece.tensors.get(kind)
+            if t is None:
+                continue
+            tensors.append(t.detach().reshape(-1))
+            pieces.append({"name": piece.spec.name, "kind": kind,
+                           "tp_rank": topo.coords.tp_rank, "lo": piece.lo, "hi": piece.hi,
+                           "file": data_file, "offset": offset,
+                           "spec": spec_record(piece.spec, topo.tp_size)})
+            offset += 4 * t.numel()
+    if staging is not None:
+        flat = staging(offset // 4)
+        views, at = [], 0
+        for t in tensors:
+            view = flat[at:at + t.numel()]
+            view.copy_(t, non_blocking=True)
+            views.append(view)
+            at += t.numel()
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        tensors = views
+    return Snapshot(step, tensors, pieces, rng_state, copy.deepcopy(progress),
+                    engine.adam_step(), engine.layout.as_dict())
+
+
+def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
+    """This rank's data file (its pieces, raw little-endian fp32, fsynced) and RNG file;
+    returns their sizes and CRC32s."""
+    data_file, rng_file = f"rank{rank:05d}.bin", f"rng_rank{rank:05d}.pt"
+    size, crc = 0, 0
+    with open(tmp / data_file, "wb") as f:
+        for t in snap.tensors:
+            raw = t.to("cpu", torch.float32).contiguous().numpy().data
+            f.write(raw)
+            crc = zlib.crc32(raw, crc)
+            size += raw.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    with open(tmp / rng_file, "wb") as f:
+        torch.save(snap.rng_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {data_file: {"bytes": size, "crc32": crc},
+            rng_file: {"bytes": (tmp / rng_file).stat().st_size,
+                       "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
+
+
+def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, topo: Topology,
+             keep: int, gathered: List) -> None:
+    """Rank 0: meta.json (fsynced), then the atomic rename, then old checkpoints beyond `keep`
+    deleted."""
+    sources = data_sources(cfg.data)
+    progress = snap.progress
+    meta = {"format_version": FORMAT_VERSION, "step": snap.step,
+            "consumed_samples": progress.sampler["consumed_samples"],
+            "sampler": progress.sampler, "adam_step": snap.adam_step,
+            "skipped_steps": progress.skipped_steps, "loss_scaler": progress.loss_scaler,
+            "layout": snap.layout,
+            "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
+            "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)
+            "data_sources": [[str(d), w] for d, w in sources],
+            "files": {k: v for _, fs, _ in gathered for k, v in fs.items()},
+            "pieces": [p for ps, _, _ in gathered for p in ps]}
+    meta["meta_crc32"] = meta_crc32(meta)
+    with open(tmp / "meta.json", "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        discard(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)  # the rename itself survives a power loss before the old ones go
+    for old in complete_checkpoints(root)[:-keep]:
+        try:
+            discard(old)
+        except OSError as e:  # step_N is published: a stale old one is not worth the run
+            print(f"megalite: warning: published {final.name} but could not delete {old} "
+                  f"(checkpoint.keep={keep}): {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep: int,
+                   group: Group) -> Path:
+    """Collective over `group` (all ranks): every rank writes its snapshot into
+    `step_N.tmp/`, rank 0 publishes `step_N/`. Any rank's failure is agreed on: nothing is
+    published and every rank raises CheckpointError naming the rank and the error (the
+    unfinished `step_N.tmp/` is deleted at the next start)."""
+    rank = topo.rank
+    final, tmp = root / f"step_{snap.step:08d}", root / f"step_{snap.step:08d}.tmp"
+    error: Optional[str] = None
+    if rank == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"rank 0: {type(e).__name__}: {e}"
+    comm.barrier(group)
+    files: dict = {}
+    if error is None:
+        try:
+            files = _write_rank_files(tmp, snap, rank)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, which all raise
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+    gathered = comm.gather_objects((snap.pieces, files, error), group)
+    errors = [e for _, _, e in gathered if e]
+    if not errors and rank == 0:
+        try:
+            _publish(root, tmp, final, snap, cfg, topo, keep, gathered)
+        except OSError as e:
+            errors = [f"rank 0 publishing: {type(e).__name__}: {e}"]
+    errors = comm.broadcast_object(errors, group)
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CheckpointError(f"checkpoint {final} was not published: {errors[0]}{more}")
+    return final
+
+
+def save_checkpoint(root: Path, step: int, engine, rng_state: dict, progress: Progress,
+                    cfg: Config, topo: Topology, keep: int) -> Path:
+    """Collective, in the calling thread: every rank must call it. Returns the published
+    directory. Background saves: `megalite.checkpoint.async_save`."""
+    snap = take_snapshot(step, engine, rng_state, progress, cfg, topo)
+    return write_snapshot(root, snap, cfg, topo, keep, topo.world_group)

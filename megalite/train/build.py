@@ -1,0 +1,192 @@
+"""Making the parts of a run: data, model stage, engine, schedule, sampler, checkpointing,
+metrics — and the run's position restored from a checkpoint. `megalite.train.trainer` runs the
+steps; everything is built here, once, in this order:
+
+    data shards -> model stage (this rank's chunks, initialised in every layout alike)
+        -> ZeRO engine -> pipeline schedule -> sampler and batches -> resume (engine state,
+        sampler, loss scale, RNG, counters) -> stop request, profiler, timers, saver
+        -> metrics header and writer (rank 0)
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import List
+
+import torch
+
+from megalite.checkpoint.async_save import CheckpointSaver
+from megalite.checkpoint.load import resume
+from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpoints
+from megalite.checkpoint.save import written_numel
+from megalite.checkpoint.state import ProcessRNG
+from megalite.config import Config, data_sources
+from megalite.data.loader import TokenShards, TrainBatches, check_vocab
+from megalite.data.sampler import BlendedSampler, ResumableSampler
+from megalite.layout import stage_chunks
+from megalite.model.gpt2 import flops_per_token, num_parameters
+from megalite.model.init import init_parameters, load_global_state
+from megalite.model.stage import PipelineStage, build_stage
+from megalite.parallel import comm
+from megalite.parallel.pipeline import PipelineSchedule
+from megalite.parallel.rng import RNGTracker
+from megalite.parallel.zero import ZeroEngine
+from megalite.plan import make_plan
+from megalite.runtime import Runtime
+from megalite.train.batch_size import BatchSizeSchedule
+from megalite.train.init_from import load_init_state
+from megalite.train.loss_scale import LossScaler
+from megalite.train.metrics import MetricsWriter, Peak, peak_tflops
+from megalite.train.profiling import StepProfiler
+from megalite.train.stop import StopRequest
+from megalite.train.timers import StepTimers
+from megalite.train.trainer import Trainer, data_position_warnings
+
+
+def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
+    """Every part of a run of `cfg` (validated) on this rank, restored from
+    `checkpoint.resume` where set. Collective: every rank calls it."""
+    run_dir = Path(run_dir)
+    topo, layout, t = runtime.topology, runtime.layout, cfg.train
+    sources = data_sources(cfg.data)
+    train_shards = [TokenShards(d, "train") for d, _ in sources]
+    val_shards = [TokenShards(d, "val") for d, _ in sources]
+    for shards in train_shards:
+        check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
+    stages = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
+                          cfg.parallel.edge_stage_layers)
+    c = topo.coords
+    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, runtime.device)
+    model = build_model(cfg, runtime, stages[c.pp_rank], rng)
+    engine = ZeroEngine(model, topo, layout, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
+                        reshard_after_forward=cfg.parallel.reshard_after_forward,
+                        overlap_param_gather=cfg.parallel.overlap_param_gather)
+    schedule = PipelineSchedule(
+        model.chunks, topo, engine,
+        (layout.activation_seq_len(t.seq_len), t.micro_batch_size, cfg.model.n_embd),
+        runtime.compute_dtype, runtime.device)
+    sizes = [s.num_samples(t.seq_len) for s in train_shards]
+    sampler = ResumableSampler(sizes[0], t.global_batch_size, dp_rank=c.dp_rank,
+                               dp_size=topo.dp_size, seed=cfg.seed) if len(sizes) == 1 \
+        else BlendedSampler(sizes, [w for _, w in sources], t.global_batch_size,
+                            dp_rank=c.dp_rank, dp_size=topo.dp_size, seed=cfg.seed)
+    loss_scaler = LossScaler.from_config(cfg.loss_scale) \
+        if runtime.compute_dtype == torch.float16 else None
+    ckpt_root = checkpoint_root(cfg, run_dir)
+    trainer = Trainer(
+        cfg=cfg, rt=runtime, run_dir=run_dir, layout=layout, topo=topo, data_sources=sources,
+        val_shards=val_shards, stages=stages, rng=rng, model=model, engine=engine,
+        schedule=schedule, sampler=sampler,
+        batches=TrainBatches(train_shards, sampler, t.micro_batch_size, t.seq_len,
+                             runtime.device),
+        batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
+        loss_scaler=loss_scaler, ckpt_root=ckpt_root,
+        flops_per_token=flops_per_token(cfg.model, t.seq_len))
+    restore(trainer)
+    if topo.rank == 0:
+        for moved in set_aside_later_checkpoints(ckpt_root, trainer.step):
+            print(f"megalite: this run starts at step {trainer.step}; moved the later "
+                  f"checkpoint to {moved}", file=sys.stderr)
+    comm.barrier(topo.world_group)
+    trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, runtime.device)
+    trainer.profiler = StepProfiler(cfg.log.profile_steps, run_dir / "profile", topo.rank,
+                                    runtime.device)
+    trainer.timers = StepTimers(runtime.device)
+    trainer.saver = CheckpointSaver(ckpt_root, cfg, topo, runtime.device,
+                                    background=cfg.checkpoint.async_save,
+                                    state_numel=written_numel(engine, topo))
+    # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
+    trainer.peak = peak_tflops(runtime.device, cfg.log.peak_tflops) if topo.rank == 0 \
+        else Peak(None, "reported by rank 0")
+    state_bytes = gather_state_bytes(engine, topo)
+    if topo.rank == 0:
+        trainer.writer = MetricsWriter(
+            run_dir, run_header(trainer, train_shards[0].meta, state_bytes), cfg.log.wandb,
+            cfg.log.project, cfg.log.run_name, asdict(cfg), t.max_steps, trainer.step,
+            cfg.log.progress)
+    return trainer
+
+
+def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker
+                ) -> PipelineStage:
+    """This rank's model chunks, initialised to the same global weights in every layout (and
+    loaded from `init_from` where set)."""
+    topo, layout = runtime.topology, runtime.layout
+    with torch.device(runtime.device):
+        model = build_stage(cfg.model, blocks, topo.coords.pp_rank, topo.pp_size,
+                            tp_group=topo.tp_group, sequence_parallel=layout.sequence_parallel,
+                            rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
+                            attention=cfg.train.attention,
+                            recompute_layers=cfg.train.recompute_layers)
+    init_state = load_init_state(cfg.init_from, cfg.model) if cfg.init_from else None
+    for chunk in model.chunks:
+        init_parameters(chunk, cfg.seed)
+        if init_state is not None:
+            load_global_state(chunk, init_state)
+    return model
+
+
+def restore(trainer: Trainer) -> None:
+    """The run's position from `checkpoint.resume` (none: step 0), through the state_dict() of
+    the objects that own it."""
+    cfg, rank = trainer.cfg, trainer.topo.rank
+    found = resume(cfg.checkpoint.resume, trainer.ckpt_root, trainer.engine, cfg, trainer.topo)
+    if found is None:
+        return
+    path, meta, rng_state = found
+    trainer.step = meta["step"]
+    trainer.skipped_steps = meta["skipped_steps"]
+    if trainer.loss_scaler is not None:
+        trainer.loss_scaler.load_state_dict(meta.get("loss_scaler"))
+    trainer.sampler.load_state_dict(meta["sampler"])
+    if rank == 0:
+        for warning in data_position_warnings(meta, cfg):
+            print(f"megalite: warning: {warning}", file=sys.stderr)
+    if rng_state is not None:
+        ProcessRNG(trainer.rng).load_state_dict(rng_state)
+    else:  # another layout: fresh dropout streams, derived from the seed and the step
+        trainer.rng.reseed(cfg.seed + 1_000_003 * trainer.step)
+    if rank == 0:
+        print(f"resumed from {path} at step {trainer.step}")
+
+
+def gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:
+    """Every rank's model-state bytes (parameters, gradients, optimizer), for the run header."""
+    c = topo.coords
+    mine = {"rank": topo.rank, "tp": c.tp_rank, "pp": c.pp_rank, "dp": c.dp_rank,
+            **engine.state_bytes()}
+    return comm.gather_objects(mine, topo.world_group)
+
+
+def run_header(trainer: Trainer, data_meta: dict, state_bytes: List[dict]) -> dict:
+    """The first line of metrics.jsonl: layout, model, batch, plan and model-state bytes."""
+    cfg, m, t = trainer.cfg, trainer.cfg.model, trainer.cfg.train
+    return {
+        "layout": trainer.layout.as_dict(),
+        "stages": [[[r.start, r.stop] for r in chunks] for chunks in trainer.stages],
+        "micro_batches": trainer.layout.micro_batches(t.global_batch_size),
+        "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
+                  "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
+        "vocab_size": m.vocab_size, "padded_vocab_size": trainer.model.padded_vocab,
+        "tokenizer_vocab_size": data_meta["vocab_size"],
+        "parameters": num_parameters(m),
+        "flops_per_token": trainer.flops_per_token,
+        "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
+        "peak_tflops_per_device": trainer.peak.tflops, "peak_source": trainer.peak.source,
+        "device": str(trainer.rt.device), "compute_dtype": str(trainer.rt.compute_dtype),
+        "seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "tokens_per_step": t.global_batch_size * t.seq_len,
+        "model_state_bytes": state_bytes,
+        "plan": make_plan(cfg, trainer.layout).as_dict(),
+        "data_dir": str(trainer.data_sources[0][0]),
+        "data_sources": [[str(d), w] for d, w in trainer.data_sources],
+        "run_dir": str(trainer.run_dir),
+        "start_step": trainer.step,
+    }
+
+
+def broadcast_run_dir(run_dir: Path, topo) -> Path:
+    """Rank 0's run directory, on every rank (Hydra's timestamp may differ between ranks)."""
+    return Path(comm.broadcast_object(str(run_dir), topo.world_group))

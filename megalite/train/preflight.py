@@ -1,0 +1,38 @@
+"""Everything a launch checks before any process group exists, for the scripts and for
+library users alike (`python -c "from megalite.train.preflight import preflight; ..."`).
+
+    layout, warnings = preflight(cfg, world_size, local_gpus, local_ranks)
+
+Validates the configuration for the world size (`megalite.layout.validate`), checks the
+prepared token shards (`megalite.data.loader.check_data`), the model shape of `init_from` and
+of the checkpoint `checkpoint.resume` names, and derives the run's `Layout` once. Raises
+ConfigError or DataError naming the key or file; nothing is written.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+from megalite.config import Config, data_sources
+from megalite.data.loader import check_data
+from megalite.layout import Layout, device_type_for, validate
+from megalite.train.init_from import check_init_from
+from megalite.checkpoint.resolve import check_resume
+
+
+def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
+              local_ranks: int = 1) -> Tuple[Layout, List[str]]:
+    """The run's layout and the warnings to print, or ConfigError / DataError."""
+    warnings = validate(cfg, world_size, local_gpus, local_ranks)
+    check_data([d for d, _ in data_sources(cfg.data)], cfg.train.seq_len,
+               cfg.train.global_batch_size, cfg.model.vocab_size,
+               evaluates=cfg.train.eval_every > 0)
+    if cfg.init_from:
+        check_init_from(cfg.init_from, cfg.model)
+    check_resume(cfg)
+    return Layout.from_config(cfg, world_size, device_type_for(cfg.device, local_gpus)), warnings
+
+
+def local_ranks_from_env() -> int:
+    """Processes the launcher started on this node (torchrun's --nproc_per_node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
