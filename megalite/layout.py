@@ -14,7 +14,7 @@ that join sections or involve the world size, before launch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -100,6 +100,10 @@ class Layout:
         """dtype of the parameters and activations (masters and moments are always fp32)."""
         return PRECISION_DTYPES[self.precision]
 
+    @property
+    def placement(self) -> ChunkPlacement:
+        return ChunkPlacement(self.pp_size, self.virtual_stages)
+
     def micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches per DP rank in a step of `global_batch_size` sequences (with
         `train.rampup_batch_size` the global batch changes from step to step)."""
@@ -118,6 +122,45 @@ class Layout:
 
 
 # --- the pipeline's partition of the blocks ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkPlacement:
+    """Which model slices (virtual stages) each pipeline rank holds, as data: with v chunks
+    per rank the model is cut into pp·v slices and "interleaved" puts slice c·pp + s on rank s
+    as its chunk c (Megatron's virtual pipeline; v = 1 is the plain pipeline). Everything that
+    asks where a slice lives — the partition, the model's first / last chunk, the schedule's
+    transfers, the plan — asks this object, so another placement is one more `kind`."""
+
+    pp_size: int
+    virtual_stages: int = 1
+    kind: str = "interleaved"
+
+    @property
+    def slices(self) -> int:
+        return self.pp_size * self.virtual_stages
+
+    def slice_of(self, stage: int, chunk: int) -> int:
+        """The model slice that is chunk `chunk` of pipeline rank `stage`."""
+        return chunk * self.pp_size + stage
+
+    def owner(self, model_slice: int) -> Tuple[int, int]:
+        """(stage, chunk) holding `model_slice`."""
+        return model_slice % self.pp_size, model_slice // self.pp_size
+
+    def holds_first(self, stage: int, chunk: int) -> bool:
+        """Whether this chunk starts the model (token ids in: the embeddings)."""
+        return self.slice_of(stage, chunk) == 0
+
+    def holds_last(self, stage: int, chunk: int) -> bool:
+        """Whether this chunk ends the model (the LM head and the loss)."""
+        return self.slice_of(stage, chunk) == self.slices - 1
+
+    def neighbour(self, stage: int, chunk: int, step: int) -> Optional[Tuple[int, int]]:
+        """(stage, chunk) of the slice `step` (+1: next, -1: previous) away, None past the
+        ends of the model."""
+        target = self.slice_of(stage, chunk) + step
+        return self.owner(target) if 0 <= target < self.slices else None
 
 
 def edge_split_problem(n_layer: int, slices: int, edge: int) -> Optional[str]:
@@ -165,9 +208,10 @@ def partition_layers(n_layer: int, pp: int, edge_stage_layers: Optional[int] = N
 def stage_chunks(n_layer: int, pp: int, v: int = 1, edge_stage_layers: Optional[int] = None
                  ) -> List[List[range]]:
     """Per stage, the block ranges of its v model chunks: the model is partitioned into pp·v
-    virtual stages (`partition_layers`) and virtual stage c·pp + s is chunk c of stage s."""
-    parts = partition_layers(n_layer, pp * v, edge_stage_layers)
-    return [[parts[c * pp + s] for c in range(v)] for s in range(pp)]
+    virtual stages (`partition_layers`), placed on the ranks by `ChunkPlacement`."""
+    placement = ChunkPlacement(pp, v)
+    parts = partition_layers(n_layer, placement.slices, edge_stage_layers)
+    return [[parts[placement.slice_of(s, c)] for c in range(v)] for s in range(pp)]
 
 
 # --- validation before launch ------------------------------------------------------------

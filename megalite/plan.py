@@ -5,10 +5,8 @@ For every pipeline stage, per rank (Ψ = parameter elements of the rank's TP sli
 vocabulary padded; N = DP size; t = TP size; m = micro-batches per step; e = bytes of the
 compute dtype, 2 for bf16 and fp16, 4 for fp32):
 
-  state       bytes                                     placement
-  P params    e·Ψ   (zero 3: e·Ψ/N)                     replicated | sharded-with-gather (zero 3)
-  G grads     4·Ψ   (zero 2, 3: 4·Ψ/N)                  fp32 accumulation; replicated | sharded
-  O optimizer (8 + 4 if e < 4)·Ψ   (zero >= 1: /N)      AdamW moments (+ fp32 master)
+  P, G, O    `model_state_bytes` (the ZeRO table, `zero_table()`): parameters e·Ψ, fp32
+              gradients 4·Ψ, AdamW moments 8·Ψ + fp32 master 4·Ψ where e < 4; /N where sharded
   A activations   per micro-batch × micro-batches in flight, min(pp − stage, m) under 1F1B;
               interleaved (v chunks): the peak over the stage's order of the alive chunks'
               bytes (`megalite.parallel.schedule.peak_live_bytes`)
@@ -113,6 +111,55 @@ class Plan:
         return "\n".join(lines)
 
 
+# --- the ZeRO table: what each stage shards and sends (Rajbhandari et al. 2019 §5) -------
+# The one home of this table: the plan's bytes, the engine tests and the README's table
+# (tests/test_docs.py checks it equals `zero_table()`) are drawn from it.
+
+ZERO_DP_TRAFFIC = {  # DP ring traffic per step, in parameter elements (Ψ; ×4 bytes on the wire)
+    0: "all-reduce: 2Ψ·(N−1)/N elements",
+    1: "reduce-scatter + all-gather: 2Ψ·(N−1)/N",
+    2: "(m + 1)Ψ·(N−1)/N",
+    3: "3mΨ·(N−1)/N",
+}
+
+
+def model_state_bytes(layout: Layout, psi: float, e: int) -> Dict[str, float]:
+    """Bytes one rank holds for Ψ parameter elements: parameters e·Ψ, gradients 4·Ψ (fp32
+    accumulation), optimizer 8·Ψ (AdamW moments) + 4·Ψ (fp32 master where e < 4); each
+    divided by N where the ZeRO stage shards it (`Layout.shards_*`)."""
+    def shard(sharded: bool) -> int:
+        return layout.dp_size if sharded else 1
+
+    return {"params": e * psi / shard(layout.shards_parameters),
+            "grads": 4 * psi / shard(layout.shards_gradients),
+            "optimizer": (8 + (4 if e < 4 else 0)) * psi / shard(layout.shards_optimizer)}
+
+
+def dp_traffic_elements(layout: Layout, psi: float, m: int) -> float:
+    """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward)."""
+    n = layout.dp_size
+    ring = (n - 1) / n * psi
+    return {0: 2 * ring, 1: 2 * ring, 2: (m + 1) * ring, 3: 3 * m * ring}[layout.zero_stage]
+
+
+def zero_table() -> str:
+    """The README's table, rendered from `model_state_bytes` and `ZERO_DP_TRAFFIC`."""
+    def formula(layout: Layout, e: int) -> str:
+        parts = model_state_bytes(layout, 1, e)
+        return " + ".join(f"{round(v * (layout.dp_size if v < 1 else 1))}Ψ"
+                          + ("/N" if v < 1 else "") for v in parts.values())
+
+    rows = ["| zero | parameters | gradients | optimizer | CUDA bytes | CPU bytes "
+            "| DP traffic per step (ring) |", "|---|---|---|---|---|---|---|"]
+    for zero in range(4):
+        big = Layout(dp_size=1 << 20, zero_stage=zero)  # N large: sharded states show as /N
+        share = ["1/N" if x else "full" for x in (big.shards_parameters, big.shards_gradients,
+                                                  big.shards_optimizer)]
+        rows.append(f"| {zero} | {' | '.join(share)} | {formula(big, 2)} | {formula(big, 4)} "
+                    f"| {ZERO_DP_TRAFFIC[zero]} |")
+    return "\n".join(rows)
+
+
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, e: int,
                            dropout: bool = False) -> float:
     """Bytes one transformer layer keeps for backward per micro-batch (the module docstring's
@@ -146,112 +193,152 @@ def recomputed_layers(cfg: Config, stage_layers: int) -> int:
     return stage_layers if limit is None else min(limit, stage_layers)
 
 
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes every term of a plan is built from."""
+
+    cfg: Config
+    layout: Layout
+    e: int  # bytes of the compute dtype
+    vocab: int  # padded vocabulary
+    s_local: int  # positions of the residual stream per rank (s/t with SP)
+    micro: int  # micro-batches per step
+    layer_act_full: float  # activation bytes one layer keeps (no recompute)
+    layer_params: int  # parameter elements of one block on one TP rank
+    full: float  # bytes of one full activation [s, b, h]
+
+
+def _dims(cfg: Config, layout: Layout) -> _Dims:
+    m, t, tp = cfg.model, cfg.train, layout.tp_size
+    e = 4 if layout.precision == "fp32" else 2
+    h, f = m.n_embd, m.ffn_size
+    return _Dims(
+        cfg=cfg, layout=layout, e=e, vocab=padded_vocab_size(m.vocab_size, tp),
+        s_local=layout.activation_seq_len(t.seq_len),
+        micro=layout.micro_batches(t.global_batch_size),
+        layer_act_full=layer_activation_bytes(t.seq_len, t.micro_batch_size, h, m.n_head, tp,
+                                              layout.sequence_parallel, e, m.resid_pdrop > 0),
+        layer_params=(4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h
+                      + (f * h + f) // tp + h * f // tp + h),
+        full=e * t.seq_len * t.micro_batch_size * h)
+
+
+@dataclass
+class _StageSums:
+    """What a stage's chunks add up to."""
+
+    psi: int = 0  # parameter elements
+    replicated: int = 0  # of which TP-replicated (LayerNorms, row-parallel biases, wpe)
+    largest_unit: int = 0  # ZeRO-3's largest gathered unit
+    kept_units: int = 0  # ZeRO-3 units kept gathered from forward into backward
+    sends: float = 0.0  # point-to-point tensors per micro-batch
+    tp_per_micro: float = 0.0  # TP wire bytes per micro-batch
+    chunk_act: List[float] = field(default_factory=list)  # activation bytes per chunk
+
+
+def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int) -> None:
+    """One chunk of n blocks; `first` / `last`: it holds the embeddings / the head."""
+    m, t, tp, sp = d.cfg.model, d.cfg.train, d.layout.tp_size, d.layout.sequence_parallel
+    h, s, b, e = m.n_embd, t.seq_len, t.micro_batch_size, d.e
+    sums.psi += n * d.layer_params
+    sums.replicated += n * 6 * h  # LayerNorms and the row-parallel biases
+    if first:
+        sums.psi += d.vocab // tp * h + m.n_positions * h
+        sums.replicated += m.n_positions * h
+    if last:
+        sums.psi += 2 * h + (0 if first else d.vocab // tp * h)
+        sums.replicated += 2 * h
+    sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
+                            d.vocab // tp * h if (first or last) else 0)
+    recomputed = recomputed_layers(d.cfg, n)
+    act = (recomputed * e * d.s_local * b * h + (n - recomputed) * d.layer_act_full
+           + (d.layer_act_full if recomputed else 0))
+    if first:
+        act += 8 * s * b + (d.s_local * b * h if m.embd_pdrop > 0 else 0)
+    if last:
+        act += 2 * e * d.s_local * b * h + 8 * d.s_local * b + 8 * s * b + 4 * s * b * (
+            m.vocab_size if tp == 1 else d.vocab // tp) + (s * b if tp > 1 else 0)
+    sums.chunk_act.append(act)
+    if tp > 1:
+        r, full = _ring(tp), d.full
+        # recompute's re-run stops once the saved tensors are rebuilt (torch
+        # checkpoint's early stop): the MLP output's reduction is not repeated
+        per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
+            (4 * 2 * r * full, 2 * r * full)
+        sums.tp_per_micro += n * per_layer + recomputed * rerun
+        if first:
+            sums.tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
+        if last:
+            sums.tp_per_micro += (3 if sp else 2) * r * full + 2 * r * 12 * s * b  # head, loss
+    sums.sends += (0 if last else 1) + (0 if first else 1)
+    # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
+    # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
+    sums.kept_units += d.layer_params if not last else 0 if first else d.vocab // tp * h
+
+
+def _stage_comm(d: _Dims, sums: _StageSums, tied: bool) -> Dict[str, float]:
+    """Wire bytes per step per group of one rank of the stage."""
+    lay, t, e, psi = d.layout, d.cfg.train, d.e, sums.psi
+    tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.dp_size, d.micro
+    r, rd = _ring(tp), _ring(dp)
+    shard = dp if lay.shards_optimizer else 1
+    tp_bytes = micro * sums.tp_per_micro + (
+        2 * r * 4 * sums.replicated / shard if lay.sequence_parallel else 0) \
+        if tp > 1 else 0.0
+    pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
+                     * d.cfg.model.n_embd) if pp > 1 else 0.0
+    dp_bytes = {0: 2 * rd * 4 * psi,
+                1: rd * (4 + e) * psi,
+                2: rd * (micro * 4 + e) * psi,
+                3: rd * micro * (4 * psi + e * (2 * psi - sums.kept_units))
+                if d.cfg.parallel.reshard_after_forward
+                else rd * (micro * 4 + e) * psi}[lay.zero_stage] if dp > 1 else 0.0
+    emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
+    return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes, "embedding": emb_bytes}
+
+
+def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
+    lay, slices = d.layout, d.layout.placement
+    pp, dp, v = lay.pp_size, lay.dp_size, lay.virtual_stages
+    sums = _StageSums()
+    for c, blocks in enumerate(chunk_blocks):
+        _add_chunk(sums, d, slices.holds_first(k, c), slices.holds_last(k, c), len(blocks))
+    state = {**model_state_bytes(lay, sums.psi, d.e),
+             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act)}
+    state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
+        d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)
+        if d.cfg.parallel.reshard_after_forward else d.e * sums.psi * _ring(dp))
+    state["total"] = sum(state.values())
+    tied = pp > 1 and any(slices.holds_first(k, c) or slices.holds_last(k, c)
+                          for c in range(v))
+    return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
+                     max_in_flight(pp, k, d.micro, v), state, _stage_comm(d, sums, tied))
+
+
+def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
+    """Each state's placement over DP (the design's vocabulary)."""
+    t, dp = cfg.train, layout.dp_size
+    return {
+        "P": "sharded-with-gather" if layout.shards_parameters and dp > 1 else "replicated",
+        "G": "sharded" if layout.shards_gradients and dp > 1 else "replicated",
+        "O": "sharded" if layout.shards_optimizer and dp > 1 else "replicated",
+        "A": ("materialized (recomputed)" if t.recompute and t.recompute_layers is None
+              else "partly recomputed" if t.recompute else
+              "sharded over TP (SP)" if layout.sequence_parallel
+              else "replicated over TP" if layout.tp_size > 1 else "kept"),
+    }
+
+
 def make_plan(cfg: Config, layout: Layout) -> Plan:
     """The estimate for `cfg` under `layout` (which need not be this process's: the planner
     makes layouts for world sizes it does not run on)."""
-    m, t_cfg = cfg.model, cfg.train
-    tp, pp, dp = layout.tp_size, layout.pp_size, layout.dp_size
-    zero, sp = layout.zero_stage, layout.sequence_parallel
-    micro = layout.micro_batches(t_cfg.global_batch_size)
-    dtype = layout.precision
-    e = 4 if dtype == "fp32" else 2
-    h, f, a = m.n_embd, m.ffn_size, m.n_head
-    vocab = padded_vocab_size(m.vocab_size, tp)
-    s, b = t_cfg.seq_len, t_cfg.micro_batch_size
-    s_local = s // tp if sp else s
-    sbh = s * b * h
-    dropout = m.resid_pdrop > 0
-
-    layer_act_full = layer_activation_bytes(s, b, h, a, tp, sp, e, dropout)
-    layer_params = (4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h
-                    + (f * h + f) // tp + h * f // tp + h)
-    layer_replicated = 6 * h  # LayerNorms and the row-parallel biases
-
-    v = layout.virtual_stages
-    full = e * sbh  # one full activation [s, b, h]
-    r, rd = _ring(tp), _ring(dp)
-    shard = dp if zero >= 1 else 1
-    stages = []
-    for k, chunk_blocks in enumerate(stage_chunks(m.n_layer, pp, v,
-                                                  cfg.parallel.edge_stage_layers)):
-        psi = replicated = largest_unit = kept_units = 0
-        sends = tp_per_micro = 0.0
-        chunk_act: List[float] = []
-        for c, blocks in enumerate(chunk_blocks):
-            # a chunk holds the embeddings / the head when it is the model's first / last slice
-            first, last, n = k == 0 and c == 0, k == pp - 1 and c == v - 1, len(blocks)
-            psi += n * layer_params
-            replicated += n * layer_replicated
-            if first:
-                psi += vocab // tp * h + m.n_positions * h
-                replicated += m.n_positions * h
-            if last:
-                psi += 2 * h + (0 if first else vocab // tp * h)
-                replicated += 2 * h
-            largest_unit = max(largest_unit, layer_params if n else 0,
-                               vocab // tp * h if (first or last) else 0)
-
-            recomputed = recomputed_layers(cfg, n)
-            act = (recomputed * e * s_local * b * h + (n - recomputed) * layer_act_full
-                   + (layer_act_full if recomputed else 0))
-            if first:
-                act += 8 * s * b + (s_local * b * h if m.embd_pdrop > 0 else 0)
-            if last:
-                act += 2 * e * s_local * b * h + 8 * s_local * b + 8 * s * b + 4 * s * b * (
-                    m.vocab_size if tp == 1 else vocab // tp) + (s * b if tp > 1 else 0)
-            chunk_act.append(act)
-
-            if tp > 1:
-                # recompute's re-run stops once the saved tensors are rebuilt (torch
-                # checkpoint's early stop): the MLP output's reduction is not repeated
-                per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
-                    (4 * 2 * r * full, 2 * r * full)
-                tp_per_micro += n * per_layer + recomputed * rerun
-                if first:
-                    tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
-                if last:
-                    tp_per_micro += (3 if sp else 2) * r * full + 2 * r * 12 * s * b  # head, loss
-            sends += (0 if last else 1) + (0 if first else 1)
-            # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
-            # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
-            kept_units += layer_params if not last else 0 if first else vocab // tp * h
-
-        state = {
-            "params": e * psi / (dp if zero == 3 else 1),
-            "grads": 4 * psi / (dp if zero >= 2 else 1),
-            "optimizer": (8 + (4 if e < 4 else 0)) * psi / shard,
-            "activations": peak_live_bytes(pp, k, micro, v, chunk_act),
-        }
-        state["zero3_gathered"] = 0.0 if zero != 3 or dp == 1 else (
-            e * (2 * largest_unit + (v - 1) * layer_params) if cfg.parallel.reshard_after_forward
-            else e * psi * _ring(dp))
-        state["total"] = sum(state.values())
-
-        tp_bytes = micro * tp_per_micro + (2 * r * 4 * replicated / shard if sp else 0) \
-            if tp > 1 else 0.0
-        pp_bytes = float(micro * sends * e * s_local * b * h) if pp > 1 else 0.0
-        dp_bytes = {0: 2 * rd * 4 * psi,
-                    1: rd * (4 + e) * psi,
-                    2: rd * (micro * 4 + e) * psi,
-                    3: rd * micro * (4 * psi + e * (2 * psi - kept_units))
-                    if cfg.parallel.reshard_after_forward
-                    else rd * (micro * 4 + e) * psi}[zero] if dp > 1 else 0.0
-        tied = pp > 1 and k in (0, pp - 1)
-        emb_bytes = 4 * (vocab // tp * h) / shard if tied else 0.0
-        stages.append(StagePlan(k, sum(len(x) for x in chunk_blocks), psi,
-                                max_in_flight(pp, k, micro, v), state,
-                                {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes,
-                                 "embedding": emb_bytes}))
-
-    placement = {
-        "P": "sharded-with-gather" if zero == 3 and dp > 1 else "replicated",
-        "G": "sharded" if zero >= 2 and dp > 1 else "replicated",
-        "O": "sharded" if zero >= 1 and dp > 1 else "replicated",
-        "A": ("materialized (recomputed)" if t_cfg.recompute and t_cfg.recompute_layers is None
-              else "partly recomputed" if t_cfg.recompute else
-              "sharded over TP (SP)" if sp else "replicated over TP" if tp > 1 else "kept"),
-    }
-    described = {"model": m.name, **layout.as_dict(),
-                 "recompute": t_cfg.recompute, "recompute_layers": t_cfg.recompute_layers,
-                 "dtype": dtype, "micro_batch": b, "seq_len": s, "micro_batches": micro}
-    return Plan(described, placement, stages)
+    d = _dims(cfg, layout)
+    stages = [_stage_plan(d, k, chunk_blocks) for k, chunk_blocks in enumerate(
+        stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
+                     cfg.parallel.edge_stage_layers))]
+    t = cfg.train
+    described = {"model": cfg.model.name, **layout.as_dict(),
+                 "recompute": t.recompute, "recompute_layers": t.recompute_layers,
+                 "dtype": layout.precision, "micro_batch": t.micro_batch_size,
+                 "seq_len": t.seq_len, "micro_batches": d.micro}
+    return Plan(described, _placements(cfg, layout), stages)

@@ -32,14 +32,14 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     zero3 = trainer.engine.zero3
-    losses, norms, params, max_live, param_norms, masters_cast = [], [], [], [], [], []
+    losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
     masters = [_masters(trainer.engine)]
     counter = trainer.topo.counter
     for _ in range(steps):
         before = counter.snapshot()
         loss, norm = trainer.train_step()
         step_comm = counter.delta(counter.snapshot(), before)
-        max_live.append(trainer.schedule.max_live)
+        in_flight.append(trainer.schedule.peak_in_flight)
         if save_at is not None and trainer.step == save_at:
             trainer.save()
         losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
@@ -47,7 +47,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
         param_norms.append(trainer.engine.param_norm().item())
         trainer.engine.wait_for_params()  # overlap_param_gather: the next forward would wait
         masters_cast.append(_parameters_are_masters_cast(trainer.engine))
-        ctx = zero3.gathered_parameters() if zero3 is not None else contextlib.nullcontext()
+        ctx = gathered_parameters(zero3) if zero3 is not None else contextlib.nullcontext()
         with ctx:
             params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     val = trainer.evaluate()
@@ -57,9 +57,20 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
             "params": params, "specs": specs,
             "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
-            "max_live": max_live, "local_numel": local_numel,
+            "in_flight": in_flight, "local_numel": local_numel,
             "bytes": trainer.engine.state_bytes(), "step_comm": step_comm,
             "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)]}
+
+
+@contextlib.contextmanager
+def gathered_parameters(zero3):
+    """Every ZeRO-3 unit gathered while the context lasts (to read full parameters)."""
+    for unit in zero3.state.values():
+        zero3._ensure(unit)
+    try:
+        yield
+    finally:
+        zero3.end_of_step()
 
 
 def _masters(engine) -> List[tuple]:

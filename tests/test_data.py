@@ -251,7 +251,7 @@ def test_sampler_is_deterministic_and_resumes_exactly():
     first = ResumableSampler(50, 8, 0, 1, seed=3)
     head = take(first, 7)
     state = first.state_dict()
-    assert state == {"consumed_samples": 56}
+    assert state == {"consumed_samples": 56, "order": "permutation-v1"}
     resumed = ResumableSampler(50, 8, 0, 1, seed=3)
     resumed.load_state_dict(state)
     assert head + take(resumed, 13) == full
@@ -330,3 +330,13 @@ def test_val_batches_are_fixed_shared_over_dp_and_wrap(tmp_path):
     assert [int(ranks[d][k][0][0, 0]) for k in range(3) for d in range(2)] == starts
     with pytest.raises(DataError, match="train.seq_len=20"):
         val_batches([shards], 1, 20, 1, 1, dp_rank=0, dp_size=1, device=cpu)
+
+
+def test_sampler_state_names_its_order():
+    """A data position says which sample order it counts in; one without the key (written
+    before orders were named) is the first order, an unknown order is refused by name."""
+    sampler = ResumableSampler(50, 8, 0, 1, seed=3)
+    sampler.load_state_dict({"consumed_samples": 16})
+    assert sampler.state_dict() == {"consumed_samples": 16, "order": "permutation-v1"}
+    with pytest.raises(DataError, match="sample order 'bijection-v9'"):
+        sampler.load_state_dict({"consumed_samples": 16, "order": "bijection-v9"})

@@ -115,3 +115,10 @@ def test_every_config_key_is_in_the_readme_reference():
             if f"`{group}.{sub.name}`" not in table and not re.search(rf"\b{sub.name}\b", star):
                 missing.append(f"{group}.{sub.name}")
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+def test_the_readme_zero_table_is_the_plans():
+    """One home for the ZeRO table: the README shows `megalite.plan.zero_table()` verbatim."""
+    from megalite.plan import zero_table
+
+    assert zero_table() in (REPO / "README.md").read_text()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ConfigError, ModelConfig
-from megalite.model.gpt2 import GPT2, count_parameters, flops_per_token, num_parameters
+from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
 from megalite.model.hf import (check_init_from, from_hf_state_dict, hf_config, load_hf_state_dict,
                               save_hf)
 from megalite.model.init import init_parameters, load_global_state
@@ -165,3 +165,9 @@ def test_generation_stops_at_the_end_of_the_document():
 
     assert generate(Counter(), [5], 10, temperature=0, eos_token_id=0) == [5, 6, 7, 0]
     assert generate(Counter(), [5], 5, temperature=0) == [5, 6, 7, 0, 1, 2]
+
+
+def count_parameters(model: GPT2) -> int:
+    """Parameters of the global model held (in part) by this stage, each counted once, without
+    vocabulary padding: for tp = pp = 1, GPT2LMHeadModel's count."""
+    return sum(math.prod(s.shape) for s in model.param_specs.values() if not s.tied_copy)

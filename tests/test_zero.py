@@ -4,23 +4,18 @@ Gradient integrity and state consistency: every run's losses, grad norms and val
 equal the single-process run, and after every step every rank's parameters (gathered from the
 shards for zero 3) are its slice of the serial parameters — hence DP replicas are identical.
 
-Memory and traffic, fp32 on CPU (params 4 bytes, grads 4, AdamW moments 8; the fp32 master is
-the parameter itself), Ψ = elements of this rank's TP x PP shard (with vocabulary padding),
-N = DP size, m = micro-batches per step:
-
-    zero   params   grads    optimizer   DP wire bytes per step (ring)
-    0      4Ψ       4Ψ       8Ψ          all-reduce             2(N-1)/N · 4Ψ
-    1      4Ψ       4Ψ       8Ψ/N        reduce-scatter + all-gather   2(N-1)/N · 4Ψ
-    2      4Ψ       4Ψ/N     8Ψ/N        m reduce-scatters + all-gather   (m+1)(N-1)/N · 4Ψ
-    3      4Ψ/N     4Ψ/N     8Ψ/N        per micro-batch: 2 all-gathers + reduce-scatter   3m(N-1)/N · 4Ψ
-
-For m = 1 these are the ZeRO paper's 2Ψ and 3Ψ. Zero 2 and 3 reduce-scatter every micro-batch
-because they keep no full gradient to accumulate into.
+Memory and traffic, fp32 on CPU: the ZeRO table of `megalite.plan` (`model_state_bytes`,
+`dp_traffic_elements`; the README renders it with `zero_table()`), with Ψ = elements of this
+rank's TP x PP shard (vocabulary padded), N = DP size, m = micro-batches per step. For m = 1
+these are the ZeRO paper's 2Ψ and 3Ψ; zero 2 and 3 reduce-scatter every micro-batch because
+they keep no full gradient to accumulate into.
 """
 from __future__ import annotations
 
 import pytest
 
+from megalite.layout import Layout
+from megalite.plan import dp_traffic_elements, model_state_bytes
 from megalite.spawn import run_ranks
 from tests.layouts import assert_equal, train_layout, train_layouts
 
@@ -40,15 +35,11 @@ def serial_run(tiny_data, tmp_path_factory):
 
 
 def expected_state_bytes(zero: int, psi: int, n: int) -> dict:
-    params = 4 * psi / n if zero == 3 else 4 * psi
-    grads = 4 * psi / n if zero >= 2 else 4 * psi
-    optimizer = 8 * psi / n if zero >= 1 else 8 * psi
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    return model_state_bytes(Layout(dp_size=n, zero_stage=zero), psi, e=4)
 
 
 def expected_dp_wire_bytes(zero: int, psi: int, n: int, m: int) -> float:
-    ring = (n - 1) / n * 4 * psi
-    return {0: 2 * ring, 1: 2 * ring, 2: (m + 1) * ring, 3: 3 * m * ring}[zero]
+    return 4 * dp_traffic_elements(Layout(dp_size=n, zero_stage=zero), psi, m)
 
 
 def dp_wire_bytes(step_comm: dict) -> float:

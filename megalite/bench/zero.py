@@ -79,29 +79,39 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
     """Build one contender on a fresh, identically initialised GPT2."""
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
-    from megalite.parallel.pipeline import PipelineSchedule
-    from megalite.layout import Layout
-    from megalite.parallel.zero import ZeroEngine
 
     model = GPT2(mcfg, topo.tp_group)
     init_parameters(model, seed=0)
     model.train()
-    m = len(batches)
     if name.startswith("megalite"):
-        engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=3 if name.endswith("z3") else 1),
-                            optim)
-        mb, seq = batches[0][0].shape
-        schedule = PipelineSchedule(model.chunks, topo, engine, (seq, mb, mcfg.n_embd), torch.float32,
-                                    torch.device("cpu"))
+        return _megalite_step(name, model, mcfg, topo, batches, optim)
+    return _torch_step(name, model, topo, batches, optim)
 
-        def step(probe: bool) -> Tuple[float, int]:
-            loss = schedule.train_step(batches)
-            engine.finish_grad_sync()
-            engine.clip_and_step(optim.lr, optim.grad_clip)
-            state = sum(engine.state_bytes().values()) if probe else 0
-            engine.zero_grad()
-            return loss, state
-        return step
+
+def _megalite_step(name: str, model, mcfg, topo, batches, optim) -> Step:
+    from megalite.layout import Layout
+    from megalite.parallel.pipeline import PipelineSchedule
+    from megalite.parallel.zero import ZeroEngine
+
+    layout = Layout.of(topo, zero_stage=3 if name.endswith("z3") else 1)
+    engine = ZeroEngine(model, topo, layout, optim)
+    mb, seq = batches[0][0].shape
+    schedule = PipelineSchedule(model.chunks, topo, engine, (seq, mb, mcfg.n_embd),
+                                torch.float32, torch.device("cpu"))
+
+    def step(probe: bool) -> Tuple[float, int]:
+        loss = schedule.train_step(batches)
+        engine.finish_grad_sync()
+        engine.clip_and_step(optim.lr, optim.grad_clip)
+        state = sum(engine.state_bytes().values()) if probe else 0
+        engine.zero_grad()
+        return loss, state
+    return step
+
+
+def _torch_step(name: str, model, topo, batches, optim) -> Step:
+    """FSDP2 (`fully_shard`) or DDP + ZeroRedundancyOptimizer on `model`."""
+    m = len(batches)
 
     def adamw_groups() -> List[dict]:  # as megalite's: decay on matrices only (by ParamSpec)
         named = list(model.named_parameters())

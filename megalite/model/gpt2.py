@@ -293,24 +293,11 @@ def recompute_block(block: nn.Module, x: torch.Tensor, rng: Optional[RNGTracker]
     return checkpoint(run, x, use_reentrant=False)
 
 
-def count_parameters(model: GPT2) -> int:
-    """Parameters of the global model held (in part) by this stage, each counted once, without
-    vocabulary padding: for tp = pp = 1, GPT2LMHeadModel's count."""
-    return sum(_numel(s.shape) for s in model.param_specs.values() if not s.tied_copy)
-
-
 def num_parameters(cfg: ModelConfig) -> int:
     """Parameters of the whole model (tied embedding once, no padding)."""
     h, f = cfg.n_embd, cfg.ffn_size
     block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
     return cfg.n_layer * block + 2 * h + cfg.vocab_size * h + cfg.n_positions * h
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

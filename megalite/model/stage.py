@@ -13,6 +13,7 @@ from typing import Dict, List
 
 import torch.nn as nn
 
+from megalite.layout import ChunkPlacement
 from megalite.model.gpt2 import GPT2
 from megalite.parallel.param_spec import ParamSpec
 
@@ -36,7 +37,7 @@ class PipelineStage(nn.Module):
 def build_stage(cfg, blocks: List[range], stage: int, pp: int, **kwargs) -> PipelineStage:
     """The chunks of pipeline stage `stage` holding `blocks` (one range per chunk); `kwargs`
     go to every `GPT2` (tp group, sequence parallelism, RNG, recompute, compile, attention)."""
-    v = len(blocks)
-    return PipelineStage([GPT2(cfg, blocks=r, first=stage == 0 and c == 0,
-                               last=stage == pp - 1 and c == v - 1, **kwargs)
+    placement = ChunkPlacement(pp, len(blocks))
+    return PipelineStage([GPT2(cfg, blocks=r, first=placement.holds_first(stage, c),
+                               last=placement.holds_last(stage, c), **kwargs)
                           for c, r in enumerate(blocks)])

@@ -25,7 +25,7 @@ from torch.autograd import Variable
 
 from megalite.clock import DeviceClock
 from megalite.parallel import comm
-from megalite.parallel.schedule import plan_rounds
+from megalite.parallel.schedule import F, Op, OpKind, plan_rounds
 from megalite.parallel.topology import Topology
 
 
@@ -55,7 +55,7 @@ class StageLink:
 
 @dataclass
 class Event:
-    kind: str  # "F" or "B"
+    kind: OpKind
     micro_batch: int
     start: float  # seconds since the step began
     end: float
@@ -73,16 +73,10 @@ class StepTrace:
     def busy(self) -> float:
         return sum(e.end - e.start for e in self.events)
 
-    @property
-    def bubble(self) -> float:
-        """Fraction of this stage's own step spent not computing (waiting on neighbours). It
-        ends at the stage's last backward, so it leaves out the wait for the earlier stages'
-        last backwards; the trainer measures against the longest stage instead."""
-        return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
-
     def dump(self, path: Path, stage: int, rank: int) -> None:
         """Chrome trace format (chrome://tracing, ui.perfetto.dev): one row per stage."""
-        events = [{"name": f"{e.kind}{e.micro_batch}" + (f".{e.chunk}" if e.chunk else ""),
+        events = [{"name": f"{OpKind(e.kind).value}{e.micro_batch}"
+                   + (f".{e.chunk}" if e.chunk else ""),
                    "ph": "X", "pid": 0, "tid": stage,
                    "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
                    "args": {"rank": rank, "micro_batch": e.micro_batch, "chunk": e.chunk}}
@@ -106,6 +100,24 @@ def _backward_from(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
 
 
+@dataclass
+class _Pass:
+    """One run of a schedule's rounds (a training step, or a forward-only evaluation): the
+    transfers in flight, the activations kept for backward and what the losses add up to."""
+
+    micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]
+    training: bool
+    loss_scale: float = 1.0
+    loss_sum: object = 0.0  # a device tensor in training (no sync), a float in evaluation
+    received: Dict[Tuple[OpKind, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = \
+        field(default_factory=dict)
+    posted: Deque[comm.PendingBatch] = field(default_factory=deque)
+    live: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = \
+        field(default_factory=dict)
+    marks: list = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
 class PipelineSchedule:
     """Runs one stage's part of a training step or of a forward-only evaluation.
 
@@ -113,6 +125,7 @@ class PipelineSchedule:
     schedule), `chunk(inputs, labels)` the forward; `engine` gets told before each backward
     whether it is its chunk's last of the step (data-parallel gradient sync happens there).
     For pp = 1 this is plain gradient accumulation: forward, backward, for each micro-batch.
+    Training and evaluation run the same round loop (`_run`).
     """
 
     def __init__(self, chunks: Sequence, topo: Topology, engine,
@@ -122,10 +135,13 @@ class PipelineSchedule:
         self.clock = DeviceClock(device)
         self._marks: list = []
         self._step_marks = None
-        self.max_live = 0  # most (chunk, micro-batch) activations alive at once, this step
+        # most (chunk, micro-batch) activations this stage held at once in the last step
+        # (1F1B: at most pp - stage; logged as pipeline_in_flight)
+        self.peak_in_flight = 0
 
     def _rounds(self, m: int, forward_only: bool):
-        return plan_rounds(self.topo.pp_size, m, len(self.chunks), forward_only)[self.topo.coords.pp_rank]
+        stage = self.topo.coords.pp_rank
+        return plan_rounds(self.topo.pp_size, m, len(self.chunks), forward_only)[stage]
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                    loss_scale: float = 1.0) -> float:
@@ -133,49 +149,78 @@ class PipelineSchedule:
         (0.0 elsewhere). Gradients of the mean loss over the micro-batches, times
         `loss_scale` (fp16 loss scaling; the engine unscales), accumulate."""
         m = len(micro_batches)
-        marks, step_start = [], self.clock.mark()
-        received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
-        posted: Deque[comm.PendingBatch] = deque()
-        live: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
-        loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-        self.max_live = 0
-        for rnd in self._rounds(m, forward_only=False):
+        step_start = self.clock.mark()
+        run = _Pass(micro_batches, training=True, loss_scale=loss_scale,
+                    loss_sum=torch.zeros((), device=micro_batches[0][0].device))
+        self._run(self._rounds(m, forward_only=False), run)
+        self.peak_in_flight = run.peak_in_flight
+        self._marks, self._step_marks = run.marks, (step_start, self.clock.mark())
+        return (run.loss_sum / m).item() if self.topo.is_last_stage else 0.0
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward-only pass; the mean loss on the last stage (0.0 elsewhere)."""
+        run = _Pass(micro_batches, training=False)
+        self._run(self._rounds(len(micro_batches), forward_only=True), run)
+        return run.loss_sum / len(micro_batches) if self.topo.is_last_stage else 0.0
+
+    def _run(self, rounds, run: _Pass) -> None:
+        """The round loop: each round's operation, then its exchange; a sent activation keeps
+        only its graph. Every posted batch is done at the end."""
+        for rnd in rounds:
             op, outgoing = rnd.op, []
             if op is not None:
-                model, key = self.chunks[op.chunk], (op.chunk, op.micro_batch)
-                x, y = micro_batches[op.micro_batch]
-                # the received input first (it may still be in flight): waiting is not computing
-                edge = model.first if op.kind == "F" else model.last
-                arrived = None if edge else _take(received, ("act" if op.kind == "F" else "grad",
-                                                             *key))
-                t0 = self.clock.mark()
-                if op.kind == "F":
-                    inp = x if arrived is None else arrived.requires_grad_()
-                    out = model(inp, y if model.last else None)
-                    if model.last:
-                        loss_sum += out.detach()
-                        out = out / m
-                        if loss_scale != 1.0:
-                            out = out * loss_scale
-                    live[key] = (None if model.first else inp, out)
-                    self.max_live = max(self.max_live, len(live))
-                    if not model.last:
-                        outgoing.append(out)
-                else:
-                    inp, out = live.pop(key)
-                    self.engine.set_grad_sync(op.micro_batch == m - 1)  # the chunk's last
-                    _backward_from(out, torch.ones_like(out) if arrived is None else arrived)
-                    if not model.first:
-                        outgoing.append(inp.grad)
-                marks.append((op.kind, op.micro_batch, op.chunk, t0, self.clock.mark()))
-            self._exchange(rnd, outgoing, received, posted)
-            if op is not None and op.kind == "F" and outgoing:
+                outgoing = self._operate(op, run)
+            self._exchange(rnd, outgoing, run.received, run.posted)
+            if run.training and op is not None and op.kind is F and outgoing:
                 out = outgoing[0]  # sent (the batch holds it until done): keep only the graph
                 out.data = torch.empty(1, dtype=out.dtype, device=out.device)
-        for batch in posted:
+        for batch in run.posted:
             batch.wait()
-        self._marks, self._step_marks = marks, (step_start, self.clock.mark())
-        return (loss_sum / m).item() if self.topo.is_last_stage else 0.0
+
+    def _operate(self, op: Op, run: _Pass) -> List[torch.Tensor]:
+        """Run one operation; returns what it sends on (an activation or input gradient)."""
+        model, key = self.chunks[op.chunk], (op.chunk, op.micro_batch)
+        # the received input first (it may still be in flight): waiting is not computing
+        edge = model.first if op.kind is F else model.last
+        arrived = None if edge else _take(run.received, (op.kind, *key))
+        t0 = self.clock.mark()
+        if op.kind is F:
+            outgoing = self._forward(model, key, arrived, run)
+        else:
+            outgoing = self._backward(model, key, arrived, run)
+        if run.training:
+            run.marks.append((op.kind, op.micro_batch, op.chunk, t0, self.clock.mark()))
+        return outgoing
+
+    def _forward(self, model, key: Tuple[int, int], arrived: Optional[torch.Tensor],
+                 run: _Pass) -> List[torch.Tensor]:
+        x, y = run.micro_batches[key[1]]
+        inp = x if arrived is None else arrived
+        if not run.training:
+            out = model(inp, y if model.last else None)
+            if model.last:
+                run.loss_sum += out.float().item()
+                return []
+            return [out]
+        if arrived is not None:
+            inp.requires_grad_()
+        out = model(inp, y if model.last else None)
+        if model.last:
+            run.loss_sum += out.detach()
+            out = out / len(run.micro_batches)
+            if run.loss_scale != 1.0:
+                out = out * run.loss_scale
+        run.live[key] = (None if model.first else inp, out)
+        run.peak_in_flight = max(run.peak_in_flight, len(run.live))
+        return [] if model.last else [out]
+
+    def _backward(self, model, key: Tuple[int, int], arrived: Optional[torch.Tensor],
+                  run: _Pass) -> List[torch.Tensor]:
+        inp, out = run.live.pop(key)
+        self.engine.set_grad_sync(key[1] == len(run.micro_batches) - 1)  # the chunk's last
+        _backward_from(out, torch.ones_like(out) if arrived is None else arrived)
+        return [] if model.first else [inp.grad]
 
     def _exchange(self, rnd, outgoing: List[torch.Tensor], received: dict,
                   posted: Deque[comm.PendingBatch]) -> None:
@@ -202,25 +247,3 @@ class PipelineSchedule:
         start, end = self._step_marks
         return StepTrace([Event(k, i, self.clock.seconds(start, a), self.clock.seconds(start, b), c)
                           for k, i, c, a, b in self._marks], self.clock.seconds(start, end))
-
-    @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Forward-only pass; the mean loss on the last stage (0.0 elsewhere)."""
-        received: Dict[Tuple[str, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = {}
-        posted: Deque[comm.PendingBatch] = deque()
-        total = 0.0
-        for rnd in self._rounds(len(micro_batches), forward_only=True):
-            outgoing = []
-            if rnd.op is not None:
-                model, (x, y) = self.chunks[rnd.op.chunk], micro_batches[rnd.op.micro_batch]
-                inp = x if model.first else _take(received, ("act", rnd.op.chunk,
-                                                             rnd.op.micro_batch))
-                out = model(inp, y if model.last else None)
-                if model.last:
-                    total += out.float().item()
-                else:
-                    outgoing.append(out)
-            self._exchange(rnd, outgoing, received, posted)
-        for batch in posted:
-            batch.wait()
-        return total / len(micro_batches) if self.topo.is_last_stage else 0.0

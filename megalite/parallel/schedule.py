@@ -34,23 +34,44 @@ complete is refused when it is planned, before any rank waits.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
+from megalite.layout import ChunkPlacement
+
+
+class OpKind(str, enum.Enum):
+    """What a pipeline operation computes. A forward consumes the previous slice's activation
+    and sends its own to the next; a backward consumes the next slice's input gradient and
+    sends its own to the previous: the kind of an operation also names what travels into it."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+    @property
+    def step(self) -> int:
+        """Where its input comes from, in model slices (-1: the previous one)."""
+        return -1 if self is OpKind.FORWARD else 1
+
+
+F, B = OpKind.FORWARD, OpKind.BACKWARD
+
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F" or "B"
+    kind: OpKind
     chunk: int  # model chunk on this rank (0 without interleaving)
     micro_batch: int
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """An activation ("act", forward) or its gradient ("grad", backward) between ranks."""
+    """The input of a (kind, chunk, micro_batch) operation between ranks: an activation for a
+    forward, a gradient for a backward."""
 
-    kind: str
+    kind: OpKind  # of the operation that consumes it
     src: int  # pipeline stage (rank in the pipeline group) that sends
     dst: int  # ... and that receives
     chunk: int  # the receiver's chunk that consumes it
@@ -77,32 +98,30 @@ def stage_order(pp: int, stage: int, m: int, v: int = 1) -> List[Op]:
     """The operations of `stage`, in order: 1F1B for v = 1, interleaved 1F1B for v > 1."""
     if v == 1:
         warmup = min(pp - stage - 1, m)
-        order = [Op("F", 0, i) for i in range(warmup)]
+        order = [Op(F, 0, i) for i in range(warmup)]
         for i in range(m - warmup):
-            order += [Op("F", 0, warmup + i), Op("B", 0, i)]
-        return order + [Op("B", 0, i) for i in range(m - warmup, m)]
+            order += [Op(F, 0, warmup + i), Op(B, 0, i)]
+        return order + [Op(B, 0, i) for i in range(m - warmup, m)]
     _check_groups(pp, m)
     total = m * v
 
-    def op(kind: str, k: int) -> Op:
+    def op(kind: OpKind, k: int) -> Op:
         chunk = (k % (pp * v)) // pp
-        return Op(kind, chunk if kind == "F" else v - 1 - chunk, (k // (pp * v)) * pp + k % pp)
+        return Op(kind, chunk if kind is F else v - 1 - chunk, (k // (pp * v)) * pp + k % pp)
 
     warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
-    order = [op("F", k) for k in range(warmup)]
+    order = [op(F, k) for k in range(warmup)]
     for k in range(total - warmup):
-        order += [op("F", warmup + k), op("B", k)]
-    return order + [op("B", k) for k in range(total - warmup, total)]
+        order += [op(F, warmup + k), op(B, k)]
+    return order + [op(B, k) for k in range(total - warmup, total)]
 
 
-def _source(kind: str, stage: int, chunk: int, pp: int, v: int) -> Optional[Tuple[int, int]]:
+def _source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
+            ) -> Optional[Tuple[int, int]]:
     """(stage, chunk) that produces the input of `kind` on (stage, chunk): the previous
-    virtual stage's activation for a forward, the next one's gradient for a backward; None at
+    model slice's activation for a forward, the next one's gradient for a backward; None at
     the ends of the model (token ids in, loss out)."""
-    virtual = chunk * pp + stage + (-1 if kind == "F" else 1)
-    if virtual < 0 or virtual >= pp * v:
-        return None
-    return virtual % pp, virtual // pp
+    return placement.neighbour(stage, chunk, kind.step)
 
 
 def forward_order(pp: int, m: int, v: int = 1) -> List[Op]:
@@ -110,7 +129,7 @@ def forward_order(pp: int, m: int, v: int = 1) -> List[Op]:
     if v > 1:
         _check_groups(pp, m)
     group = pp if v > 1 else m
-    return [Op("F", (k % (group * v)) // group, (k // (group * v)) * group + k % group)
+    return [Op(F, (k % (group * v)) // group, (k // (group * v)) * group + k % group)
             for k in range(m * v)]
 
 
@@ -121,6 +140,7 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False
     Raises ValueError if the stages' orders cannot complete."""
     orders = [forward_order(pp, m, v) if forward_only else stage_order(pp, s, m, v)
               for s in range(pp)]
+    placement = ChunkPlacement(pp, v)
     position = [0] * pp
     arrived = [set() for _ in range(pp)]  # (kind, chunk, micro_batch) inputs received
     rounds: List[List[Round]] = [[] for _ in range(pp)]
@@ -133,22 +153,21 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False
             if position[s] == len(orders[s]):
                 continue
             op = orders[s][position[s]]
-            src = _source(op.kind, s, op.chunk, pp, v)
+            src = _source(op.kind, s, op.chunk, placement)
             if src is not None and (op.kind, op.chunk, op.micro_batch) not in arrived[s]:
                 continue
             step[s].op = op
             position[s] += 1
-            out = _source("B" if op.kind == "F" else "F", s, op.chunk, pp, v)
+            out = placement.neighbour(s, op.chunk, -op.kind.step)
             if out is not None:  # the consumer of what this operation produces
-                transfers.append(Transfer("act" if op.kind == "F" else "grad", s, out[0],
-                                          out[1], op.micro_batch))
+                transfers.append(Transfer(op.kind, s, out[0], out[1], op.micro_batch))
         if not transfers and all(r.op is None for r in step):
             raise ValueError(f"pipeline schedule pp={pp} m={m} v={v} cannot complete: stages "
                              f"wait at {[orders[s][position[s]] for s in range(pp)]}")
         for t in transfers:
             step[t.src].sends.append(t)
             step[t.dst].recvs.append(t)
-            arrived[t.dst].add(("F" if t.kind == "act" else "B", t.chunk, t.micro_batch))
+            arrived[t.dst].add((t.kind, t.chunk, t.micro_batch))
         for s in range(pp):
             if step[s].op is not None or step[s].sends or step[s].recvs:
                 rounds[s].append(step[s])
@@ -159,7 +178,7 @@ def max_in_flight(pp: int, stage: int, m: int, v: int = 1) -> int:
     """Most (chunk, micro-batch) pairs whose activations `stage` holds at once."""
     live = peak = 0
     for op in stage_order(pp, stage, m, v):
-        live += 1 if op.kind == "F" else -1
+        live += 1 if op.kind is F else -1
         peak = max(peak, live)
     return peak
 
@@ -168,7 +187,7 @@ def peak_live_bytes(pp: int, stage: int, m: int, v: int, chunk_bytes: List[float
     """Most activation bytes `stage` holds at once, given each chunk's bytes per micro-batch."""
     live = peak = 0.0
     for op in stage_order(pp, stage, m, v):
-        live += chunk_bytes[op.chunk] * (1 if op.kind == "F" else -1)
+        live += chunk_bytes[op.chunk] * (1 if op.kind is F else -1)
         peak = max(peak, live)
     return peak
 

@@ -148,17 +148,3 @@ class Zero3Gathering:
             unit.in_backward = False
             if unit.gathered or unit.work is not None:
                 self._free(unit)
-
-    def gathered_parameters(self):
-        """Context: every unit gathered (for reading full parameters: export, checks)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
-            for unit in self.state.values():
-                self._ensure(unit)
-            try:
-                yield
-            finally:
-                self.end_of_step()
-        return ctx()

@@ -84,28 +84,35 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
         loss_scaler=loss_scaler, ckpt_root=ckpt_root,
         flops_per_token=flops_per_token(cfg.model, t.seq_len))
     restore(trainer)
+    attach_services(trainer, train_shards[0].meta)
+    return trainer
+
+
+def attach_services(trainer: Trainer, data_meta: dict) -> None:
+    """What runs around the steps: later checkpoints set aside, the stop request, profiler,
+    step timers, checkpoint saver, the peak FLOP/s and (rank 0) the metrics writer."""
+    cfg, topo, rt, t = trainer.cfg, trainer.topo, trainer.rt, trainer.cfg.train
     if topo.rank == 0:
-        for moved in set_aside_later_checkpoints(ckpt_root, trainer.step):
+        for moved in set_aside_later_checkpoints(trainer.ckpt_root, trainer.step):
             print(f"megalite: this run starts at step {trainer.step}; moved the later "
                   f"checkpoint to {moved}", file=sys.stderr)
     comm.barrier(topo.world_group)
-    trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, runtime.device)
-    trainer.profiler = StepProfiler(cfg.log.profile_steps, run_dir / "profile", topo.rank,
-                                    runtime.device)
-    trainer.timers = StepTimers(runtime.device)
-    trainer.saver = CheckpointSaver(ckpt_root, cfg, topo, runtime.device,
+    trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, rt.device)
+    trainer.profiler = StepProfiler(cfg.log.profile_steps, trainer.run_dir / "profile",
+                                    topo.rank, rt.device)
+    trainer.timers = StepTimers(rt.device)
+    trainer.saver = CheckpointSaver(trainer.ckpt_root, cfg, topo, rt.device,
                                     background=cfg.checkpoint.async_save,
-                                    state_numel=written_numel(engine, topo))
+                                    state_numel=written_numel(trainer.engine, topo))
     # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
-    trainer.peak = peak_tflops(runtime.device, cfg.log.peak_tflops) if topo.rank == 0 \
+    trainer.peak = peak_tflops(rt.device, cfg.log.peak_tflops) if topo.rank == 0 \
         else Peak(None, "reported by rank 0")
-    state_bytes = gather_state_bytes(engine, topo)
+    state_bytes = gather_state_bytes(trainer.engine, topo)
     if topo.rank == 0:
         trainer.writer = MetricsWriter(
-            run_dir, run_header(trainer, train_shards[0].meta, state_bytes), cfg.log.wandb,
+            trainer.run_dir, run_header(trainer, data_meta, state_bytes), cfg.log.wandb,
             cfg.log.project, cfg.log.run_name, asdict(cfg), t.max_steps, trainer.step,
             cfg.log.progress)
-    return trainer
 
 
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker

@@ -110,6 +110,7 @@ WANDB_SECTIONS = {
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
     "pipeline_bubble": "perf/pipeline_bubble",
     "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
+    "pipeline_in_flight": "perf/pipeline_in_flight",
     "checkpoint_blocked_s": "perf/checkpoint_blocked_s",
 }
 

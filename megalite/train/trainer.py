@@ -289,6 +289,7 @@ class Trainer:
             record["loss_scale"] = self.loss_scaler.scale
         if topo.pp_size > 1:
             record["pipeline_bubble"] = self._measured_bubble()
+            record["pipeline_in_flight"] = self.schedule.peak_in_flight
             record["pipeline_bubble_expected"] = expected_bubble(
                 topo.pp_size, self.layout.micro_batches(self.last_batch_size),
                 self.layout.virtual_stages)

@@ -1,0 +1,194 @@
+"""A ZeRO bucket: a group of parameters in one flat buffer (`megalite.parallel.flat`) with
+its fp32 gradient, the rank's owned range of master weights, and the DP reduction of the
+gradient — one `GradReduction` strategy per ZeRO stage, so neither the bucket nor the engine
+branches on the stage number:
+
+    stage 0  AllReduceGrad      whole gradient kept, one all-reduce per bucket per step
+    stage 1  ReduceScatterGrad  whole gradient kept, one reduce-scatter per bucket per step
+    stage 2-3 ShardedGrad       no whole gradient: a reduce-scatter every micro-batch into the
+                                owned range
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from megalite.layout import Layout
+from megalite.parallel import comm
+from megalite.parallel.flat import FlatShards, Segment
+from megalite.parallel.param_spec import ParamSpec
+from megalite.parallel.topology import Topology
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class StatePiece:
+    """One owned range [lo, hi) of one parameter's flattened TP slice and its state by kind."""
+
+    spec: ParamSpec
+    lo: int
+    hi: int
+    tensors: Dict[str, torch.Tensor]
+    index: int  # the engine's own handle
+
+
+class GradReduction:
+    """How a ZeRO stage reduces a bucket's gradient over DP (one strategy per stage, so the
+    bucket and the engine hold no `if stage == ...` branches).
+
+    `keeps_full_grad`: the bucket accumulates the whole gradient over the step's micro-batches
+    (stages 0-1) instead of reduce-scattering each micro-batch into its own range (2-3)."""
+
+    keeps_full_grad = True
+    every_micro_batch = False
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Wait for one launched reduction and put its result into the bucket's `main_grad`;
+        returns the reduced gradient of the owned range it brought."""
+        work.wait()
+        return bucket.main_grad
+
+
+class AllReduceGrad(GradReduction):
+    """Stage 0: every rank keeps the whole gradient; one all-reduce per bucket per step."""
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        bucket.pending.append((comm.all_reduce(grad, bucket.group, async_op=True), None))
+
+
+class ReduceScatterGrad(GradReduction):
+    """Stage 1: the whole gradient accumulates locally; one reduce-scatter per bucket per step
+    leaves each rank the sum of its own range."""
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        out = torch.empty_like(bucket.main_grad)
+        bucket.pending.append((comm.reduce_scatter(out, grad, bucket.group, async_op=True), out))
+
+    def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
+        work.wait()
+        bucket.main_grad.copy_(out)
+        return bucket.main_grad
+
+
+class ShardedGrad(GradReduction):
+    """Stages 2-3: no whole gradient is kept; each micro-batch's gradient is reduce-scattered
+    and added to the rank's range."""
+
+    keeps_full_grad = False
+    every_micro_batch = True
+
+    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
+        out = torch.empty_like(bucket.main_grad)
+        bucket.pending.append((comm.reduce_scatter(out, grad, bucket.group, async_op=True), out))
+
+    def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
+        work.wait()
+        bucket.main_grad.add_(out)
+        return out
+
+
+def grad_reduction(layout: Layout) -> GradReduction:
+    if layout.shards_gradients:
+        return ShardedGrad()
+    return ReduceScatterGrad() if layout.shards_optimizer else AllReduceGrad()
+
+
+class Bucket:
+    """One flat buffer of parameters with its gradient and master-weight state."""
+
+    def __init__(self, names: List[str], params: List[nn.Parameter], specs, topo: Topology,
+                 layout: Layout, tied: bool = False):
+        group = topo.dp_group
+        self.group, self.tied = group, tied
+        self.reduction = grad_reduction(layout)
+        self.gathers_params = layout.shards_optimizer and not layout.shards_parameters
+        self.flat = FlatShards(names, params, specs, shards=group.size)
+        padded = self.flat.padded_numel
+        self.lo, self.hi = self.flat.shard_range(group.rank) if layout.shards_optimizer \
+            else (0, padded)
+        device, param_dtype = params[0].device, layout.compute_dtype
+        values = torch.zeros(padded, dtype=torch.float32, device=device)
+        for view, p in zip(self.flat.views(values), params):
+            view.copy_(p.detach())
+        self.param_full = values.to(param_dtype) if param_dtype != torch.float32 else values
+        if layout.shards_parameters:
+            self.param_region = self.param_full[self.lo:self.hi].clone()
+        else:
+            self.param_region = self.param_full[self.lo:self.hi]
+        for view, p in zip(self.flat.views(self.param_full), params):
+            p.data = view
+        self.main = self.param_region if param_dtype == torch.float32 \
+            else values[self.lo:self.hi].clone()
+        self.grad_full: Optional[torch.Tensor] = None
+        if self.reduction.keeps_full_grad:
+            self.grad_full = torch.zeros(padded, dtype=torch.float32, device=device)
+            self.main_grad = self.grad_full[self.lo:self.hi]
+        else:
+            self.main_grad = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
+        self.segments: List[Segment] = self.flat.segments(self.lo, self.hi)
+        self.reported = 0
+        self._temp: Optional[torch.Tensor] = None  # zero 2/3: this backward's full gradient
+        self.pending: List[Tuple[object, Optional[torch.Tensor]]] = []  # launched reductions
+        self.launched = False
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        return self.flat.params
+
+    def region_view(self, flat: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """`seg`'s elements in a tensor that holds this rank's range [lo, hi)."""
+        return flat[seg.flat_lo - self.lo:seg.flat_hi - self.lo]
+
+    # --- gradients ----------------------------------------------------------------------
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        target = self.grad_full if self.grad_full is not None else self._full_temp()
+        off = self.flat.offsets[index]
+        target[off:off + grad.numel()].add_(grad.reshape(-1))
+
+    def _full_temp(self) -> torch.Tensor:
+        """This backward's full gradient (zero 2/3); zeros until a gradient reaches it."""
+        if self._temp is None:
+            self._temp = torch.zeros(self.flat.padded_numel, dtype=torch.float32,
+                                     device=self.main_grad.device)
+        return self._temp
+
+    def launch(self) -> None:
+        """Start this bucket's DP reduction (the gradient of the mean over DP ranks)."""
+        self.launched = True
+        grad = self.grad_full if self.grad_full is not None else self._full_temp()
+        if self.group.size > 1:  # the mean over DP ranks (one rank's gradient is the mean)
+            grad.div_(self.group.size)
+        self.reduction.launch(self, grad)
+        self._temp = None
+
+    def complete(self) -> List[torch.Tensor]:
+        """Wait for launched reductions and fold their results into `main_grad`; returns the
+        reduced gradients (of the owned range) they brought, oldest first."""
+        pending, self.pending = self.pending, []
+        reduced = [self.reduction.fold(self, work, out) for work, out in pending]
+        self.launched = False
+        return reduced
+
+    def zero_grad(self) -> None:
+        (self.grad_full if self.grad_full is not None else self.main_grad).zero_()
+
+    # --- parameters ---------------------------------------------------------------------
+
+    def after_step(self, async_op: bool = False):
+        """Master range -> model-dtype parameters; stages 1-2 gather every rank's range (with
+        `async_op`, returns the gather's handle to wait on; None when there is none)."""
+        if self.main is not self.param_region:
+            self.param_region.copy_(self.main)
+        if self.gathers_params:
+            return comm.all_gather(self.param_full, self.param_region, self.group,
+                                   async_op=async_op)
+        return None
