@@ -293,11 +293,16 @@ class CheckpointConfig:
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = False  # write in a background thread: the loop only waits for a copy of
     #                           the rank's state in host memory (torchtitan's async checkpoint)
+    timeout_s: float = 3600.0  # timeout of the checkpoint protocol's collectives (its own gloo
+    #                            group): how long ranks wait for the slowest writer or reader
 
     def check(self) -> None:
         if self.every < 0 or self.keep < 1:
             _fail("checkpoint.every/keep", (self.every, self.keep),
                   "every must be >= 0 (0 = only at the end), keep >= 1")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            _fail("checkpoint.timeout_s", self.timeout_s, "must be a positive number of "
+                  "seconds (e.g. 3600: the slowest rank's write of its share, with fsync)")
         if self.resume not in ("none", "auto") and not Path(self.resume).exists():
             _fail("checkpoint.resume", self.resume,
                   "use none, auto, or the path of an existing checkpoint directory")

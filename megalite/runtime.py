@@ -72,7 +72,7 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
                                 **kwargs)
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,
                           timeout_s=cfg.parallel.timeout_s,
-                          checkpoint_group=cfg.checkpoint.async_save)
+                          checkpoint_timeout_s=cfg.checkpoint.timeout_s)
     return Runtime(layout=layout, topology=topo, device=device)
 
 

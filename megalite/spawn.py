@@ -19,7 +19,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
 class RankFailure(RuntimeError):
@@ -99,12 +99,14 @@ def _collect(procs, queue, world_size: int, timeout_s: float) -> Dict[int, Any]:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-              timeout_s: float = 300.0) -> List[Any]:
+              timeout_s: float = 300.0, group_timeout_s: Optional[float] = None) -> List[Any]:
+    """`timeout_s`: for the whole run; `group_timeout_s`: the default process group's
+    collective timeout (as `parallel.timeout_s` sets it under torchrun; default timeout_s)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, tuple(args), queue,
-                                              timeout_s), daemon=True)
+                                              group_timeout_s or timeout_s), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

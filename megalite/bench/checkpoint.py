@@ -40,7 +40,7 @@ def _build(preset: str, dp: int, zero: int, root: Path):
 
     cfg = load_config([f"model={preset}", f"zero={zero}", "device=cpu",
                        f"checkpoint.dir={root}"])
-    topo = build_topology(1, 1, dp, checkpoint_group=True)
+    topo = build_topology(1, 1, dp)
     model = GPT2(cfg.model, topo.tp_group)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=zero), cfg.optim)

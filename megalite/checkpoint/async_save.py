@@ -83,7 +83,7 @@ class CheckpointSaver:
         if self._pool is None:
             snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo)
             return ckpt.write_snapshot(self.root, snap, self.cfg, self.topo, keep,
-                                       self.topo.world_group)
+                                       self.topo.checkpoint_group)
         self.wait()  # one save in flight; its staging buffer is about to be overwritten
         snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo,
                                   staging=self._staging_buffer)

@@ -63,8 +63,9 @@ from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (3,)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (3, 4)  # 4: per-block CRC32s of each rank file (3: one CRC32 per file)
+CRC_BLOCK_BYTES = 4 * 2**20  # format 4: a CRC32 per block of this many bytes of a rank file
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
 
@@ -78,12 +79,20 @@ def spec_record(spec: ParamSpec, tp: int) -> dict:
             "padded_rows": spec.padded_rows, "tp": tp}
 
 
-def writes(spec: ParamSpec, topo: Topology, layout: Layout) -> bool:
-    """Whether this rank is the one that writes its copy of `spec`'s elements."""
+def written_range(spec: ParamSpec, lo: int, hi: int, topo: Topology, layout: Layout
+                  ) -> Optional[Tuple[int, int]]:
+    """The part [a, b) of this rank's owned range [lo, hi) of `spec` that it writes, or None.
+    Every element is written once: not by the tied embedding's second copy, not by TP ranks
+    other than 0 for TP-replicated tensors; a range that DP replicas all hold (zero 0) is cut
+    into dp equal parts, DP rank d writing part d, so a save uses every replica's bandwidth."""
     c = topo.coords
     if spec.tied_copy or (spec.tp_replicated and c.tp_rank != 0):
-        return False
-    return layout.shards_optimizer or c.dp_rank == 0
+        return None
+    if layout.shards_optimizer:
+        return lo, hi
+    n = hi - lo
+    a, b = lo + n * c.dp_rank // topo.dp_size, lo + n * (c.dp_rank + 1) // topo.dp_size
+    return (a, b) if a < b else None
 
 
 def meta_crc32(meta: dict) -> int:
@@ -125,11 +134,48 @@ def verify_file(ckpt: Path, name: str, record: dict) -> None:
                               "meta.json (corrupted)")
 
 
+def needed_blocks(record: dict, ranges: List[Tuple[int, int]]) -> List[int]:
+    """The CRC blocks of a format-4 file that byte ranges (offset, nbytes) touch."""
+    size = record["block_bytes"]
+    blocks = set()
+    for offset, nbytes in ranges:
+        if nbytes > 0:
+            blocks.update(range(offset // size, (offset + nbytes - 1) // size + 1))
+    return sorted(blocks)
+
+
+def verify_ranges(ckpt: Path, name: str, record: dict, ranges: List[Tuple[int, int]]) -> int:
+    """Check the parts of one file a rank will read: with per-block CRC32s (format 4) only the
+    blocks that the byte ranges (offset, nbytes) touch, else (format 3) the whole file.
+    Returns the bytes read; raises CheckpointError naming the file and the block."""
+    if "block_crc32" not in record:
+        verify_file(ckpt, name, record)
+        return record["bytes"]
+    path = ckpt / name
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (listed in {ckpt / 'meta.json'})")
+    if path.stat().st_size != record["bytes"]:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, meta.json lists "
+                              f"{record['bytes']} (truncated or overwritten)")
+    size, read = record["block_bytes"], 0
+    with open(path, "rb") as f:
+        for block in needed_blocks(record, ranges):
+            f.seek(block * size)
+            data = f.read(size)
+            read += len(data)
+            if zlib.crc32(data) != record["block_crc32"][block]:
+                raise CheckpointError(f"{path}: block {block} (bytes {block * size}..."
+                                      f"{block * size + len(data)}) does not match its CRC32 "
+                                      "in meta.json (corrupted)")
+    return read
+
+
 class Reader:
     """Global tensors rebuilt from a checkpoint's pieces; the index is checked on creation."""
 
     def __init__(self, ckpt: Path, meta: dict):
         self.ckpt = ckpt
+        self.bytes_read = 0  # tensor data read so far
         self.index: Dict[Tuple[str, str], List[dict]] = {}
         for p in meta["pieces"]:
             self.index.setdefault((p["name"], p["kind"]), []).append(p)
@@ -158,6 +204,10 @@ class Reader:
 
     def has(self, name: str, kind: str) -> bool:
         return (name, kind) in self.index
+
+    def all_pieces(self, name: str, kind: str) -> List[dict]:
+        """Every written piece of `name` (`kind`), of every writer TP rank."""
+        return self._pieces(name, kind)
 
     def _pieces(self, name: str, kind: str) -> List[dict]:
         pieces = self.index.get((name, kind))
@@ -193,6 +243,7 @@ class Reader:
             a, b = max(lo, p["lo"]), min(hi, p["hi"])
             data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=b - a,
                                offset=p["offset"] + 4 * (a - p["lo"]))
+            self.bytes_read += data.nbytes
             out[a - lo:b - lo] = torch.from_numpy(data)
         return out
 
@@ -217,7 +268,7 @@ def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor
     reader = Reader(ckpt, meta)
     names = sorted({n for (n, k) in reader.index if k == kind})
     for name in reader.files_for(names):
-        verify_file(ckpt, name, meta["files"][name])
+        verify_file(ckpt, name, meta["files"][name])  # whole files: every piece is read
     return {name: reader.global_tensor(name, kind) for name in names}
 
 

@@ -8,12 +8,12 @@ split is unchanged; else from the rebuilt global tensor) and hands them to the e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from megalite.checkpoint.format import KINDS, CheckpointError, Reader, check_compatible, \
-    read_meta, verify_file
+from megalite.checkpoint.format import (KINDS, CheckpointError, Reader, check_compatible,
+                                        read_meta, verify_file, verify_ranges)
 from megalite.checkpoint.resolve import candidates
 from megalite.config import Config
 from megalite.parallel import comm
@@ -21,39 +21,68 @@ from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
 
-def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[dict, Optional[dict]]:
+class Loaded(NamedTuple):
+    meta: dict
+    rng: Optional[dict]  # this rank's RNG state; None when the layout differs from the writer's
+    verified_bytes: int  # read to check CRC32s before the ranks agreed to load
+    read_bytes: int  # read to fill this rank's state
+
+
+def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
     """Collective. Verify, then restore master weights, moments and parameters of this rank's
-    part under the current layout. Returns (meta, this rank's RNG state or None when the
-    layout differs from the writer's). Raises CheckpointError (on every rank) if any rank finds
-    the checkpoint incomplete or corrupted; nothing is modified then."""
+    part under the current layout. Each rank checks only what it will read (format 4: the
+    CRC32 blocks its byte ranges touch; format 3: whole files), then the ranks agree. Raises
+    CheckpointError (on every rank) if any rank finds the checkpoint incomplete or corrupted;
+    nothing is modified then."""
     error: Optional[str] = None
     meta: dict = {}
-    plans = []
+    plans: list = []
+    verified = 0
     try:
         meta = read_meta(ckpt)
         check_compatible(meta, cfg, ckpt)
         reader = Reader(ckpt, meta)
-        files = set()
-        for piece in sorted(engine.state_pieces(), key=lambda p: p.spec.name):
-            for kind in KINDS:
-                if kind != "param" and not reader.has(piece.spec.name, kind):
-                    continue
-                plan = reader.plan(piece.spec, kind, topo.tp_size, topo.coords.tp_rank,
-                                   piece.lo, piece.hi)
-                plans.append((piece, kind, plan))
-                files.update(p["file"] for p in plan) if plan is not None \
-                    else files.update(reader.files_for([piece.spec.name]))
-        for name in sorted(files):
-            verify_file(ckpt, name, meta["files"][name])
+        plans, ranges = _plan_reads(reader, engine, topo)
+        for name in sorted(ranges):
+            verified += verify_ranges(ckpt, name, meta["files"][name], ranges[name])
         same_layout = meta["layout"]["world_size"] == topo.world_size and all(
-            meta["layout"][k] == v for k, v in (("tp", topo.tp_size), ("pp", topo.pp_size), ("dp", topo.dp_size)))
+            meta["layout"][k] == v for k, v in (("tp", topo.tp_size), ("pp", topo.pp_size),
+                                                ("dp", topo.dp_size)))
         rng_name = f"rng_rank{topo.rank:05d}.pt"
         if same_layout:
             verify_file(ckpt, rng_name, meta["files"][rng_name])
     except (CheckpointError, KeyError, OSError, TypeError, ValueError) as e:
-        error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-    _agree_to_load(ckpt, error, meta.get("step"), topo.world_group)
+        error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) \
+            else str(e)
+    _agree_to_load(ckpt, error, meta.get("step"), topo.checkpoint_group)
+    _fill(reader, plans, engine, topo, meta["adam_step"])
+    rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
+    return Loaded(meta, rng, verified, reader.bytes_read)
 
+
+def _plan_reads(reader: Reader, engine, topo: Topology
+                ) -> Tuple[list, Dict[str, List[Tuple[int, int]]]]:
+    """For each owned piece and kind, the checkpoint pieces to read (None: the TP split
+    changed, rebuild the global tensor), and per file the byte ranges (offset, bytes) read."""
+    plans, ranges = [], {}
+    for piece in sorted(engine.state_pieces(), key=lambda p: p.spec.name):
+        for kind in KINDS:
+            if kind != "param" and not reader.has(piece.spec.name, kind):
+                continue
+            plan = reader.plan(piece.spec, kind, topo.tp_size, topo.coords.tp_rank,
+                               piece.lo, piece.hi)
+            plans.append((piece, kind, plan))
+            for p in (plan if plan is not None else reader.all_pieces(piece.spec.name, kind)):
+                a, b = (max(piece.lo, p["lo"]), min(piece.hi, p["hi"])) if plan is not None \
+                    else (p["lo"], p["hi"])
+                ranges.setdefault(p["file"], []).append((p["offset"] + 4 * (a - p["lo"]),
+                                                         4 * (b - a)))
+    return plans, ranges
+
+
+@torch.no_grad()
+def _fill(reader: Reader, plans: list, engine, topo: Topology, adam_step: int) -> None:
+    """Read each planned range into the engine, then update the model's parameters."""
     cache: Dict[Tuple[str, str], torch.Tensor] = {}
 
     def resliced(spec: ParamSpec, kind: str) -> torch.Tensor:
@@ -65,32 +94,34 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Tuple[di
             cache[key] = spec.shard(full, topo.coords.tp_rank, topo.tp_size).reshape(-1)
         return cache[key]
 
-    with torch.no_grad():
-        for piece, kind, plan in plans:
-            if plan is not None:
-                values = reader.read_range(plan, piece.lo, piece.hi)
-            else:
-                values = resliced(piece.spec, kind)[piece.lo:piece.hi]
-            engine.load_state_piece(piece, kind, values, meta["adam_step"])
-        engine.params_from_master()
-    rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
-    return meta, rng
+    for piece, kind, plan in plans:
+        if plan is not None:
+            values = reader.read_range(plan, piece.lo, piece.hi)
+        else:
+            values = resliced(piece.spec, kind)[piece.lo:piece.hi]
+        engine.load_state_piece(piece, kind, values, adam_step)
+    engine.params_from_master()
 
 
 def _agree_to_load(ckpt: Path, error: Optional[str], step: Optional[int],
                    group: comm.Group) -> None:
-    """Collective: every rank found its part of the checkpoint sound, and all of them are
-    loading the same step; else CheckpointError on every rank, naming the first problem.
-    (The verdicts travel as objects, which every backend carries: NCCL has no CPU tensors.)"""
-    verdicts = comm.gather_objects((error, step), group)
-    errors = [(rank, e) for rank, (e, _) in enumerate(verdicts) if e]
-    if errors:
-        rank, first = errors[0]
-        raise CheckpointError(first if first == error else f"rank {rank}: {first}")
-    steps = sorted({s for _, s in verdicts})
-    if len(steps) > 1:
-        raise CheckpointError(f"{ckpt}: the ranks are loading different checkpoints (steps "
-                              f"{steps}); every rank must resume from the same step")
+    """Collective over the checkpoint group: every rank found its part of the checkpoint
+    sound, and all of them are loading the same step; else CheckpointError on every rank,
+    naming the first problem. The verdicts go to rank 0, which broadcasts the outcome."""
+    verdicts = comm.gather_objects_to_root((error, step), group)
+    problem: Optional[Tuple[Optional[int], str]] = None  # (the rank that found it, what)
+    if group.rank == 0:
+        errors = [(rank, e) for rank, (e, _) in enumerate(verdicts) if e]
+        steps = sorted({s for _, s in verdicts})
+        if errors:
+            problem = errors[0]
+        elif len(steps) > 1:
+            problem = (None, f"{ckpt}: the ranks are loading different checkpoints (steps "
+                             f"{steps}); every rank must resume from the same step")
+    problem = comm.broadcast_object(problem, group)
+    if problem is not None:
+        rank, what = problem
+        raise CheckpointError(what if rank in (None, group.rank) else f"rank {rank}: {what}")
 
 
 def resume(setting: str, root: Path, engine, cfg: Config, topo: Topology
@@ -100,12 +131,12 @@ def resume(setting: str, root: Path, engine, cfg: Config, topo: Topology
     `root`, newest first, a damaged one skipped for the one before it). Returns (path, meta,
     this rank's RNG state or None), or None when there is nothing to resume (none, or auto
     with no checkpoint yet); raises CheckpointError when nothing named loads."""
-    tried = candidates(setting, root, topo.world_group)
+    tried = candidates(setting, root, topo.checkpoint_group)
     if setting == "auto" and not tried and topo.rank == 0:
         print(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from scratch")
     for path in tried:
         try:
-            meta, rng = load_checkpoint(path, engine, cfg, topo)
+            meta, rng, _, _ = load_checkpoint(path, engine, cfg, topo)
         except CheckpointError as e:
             if setting != "auto":
                 raise

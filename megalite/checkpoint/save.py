@@ -21,8 +21,9 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megalite.checkpoint.format import (FORMAT_VERSION, KINDS, CheckpointError, meta_crc32,
-                                        spec_record, writes)
+from megalite.checkpoint.format import (CRC_BLOCK_BYTES, FORMAT_VERSION, KINDS,
+                                        CheckpointError, meta_crc32, spec_record,
+                                        written_range)
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import Progress
 from megalite.config import Config, data_sources
@@ -33,8 +34,11 @@ from megalite.parallel.topology import Topology
 
 def written_numel(engine, topo: Topology) -> int:
     """Elements this rank writes into a checkpoint (once AdamW's moments exist)."""
-    return len(KINDS) * sum(p.hi - p.lo for p in engine.state_pieces()
-                            if writes(p.spec, topo, engine.layout))
+    total = 0
+    for p in engine.state_pieces():
+        part = written_range(p.spec, p.lo, p.hi, topo, engine.layout)
+        total += 0 if part is None else part[1] - part[0]
+    return len(KINDS) * total
 
 
 @dataclass
@@ -61,18 +65,20 @@ def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: C
     data_file = f"rank{topo.rank:05d}.bin"
     tensors, pieces, offset = [], [], 0
     for piece in engine.state_pieces():
-        if not writes(piece.spec, topo, engine.layout):
+        part = written_range(piece.spec, piece.lo, piece.hi, topo, engine.layout)
+        if part is None:
             continue
+        a, b = part
         for kind in KINDS:
             t = piece.tensors.get(kind)
             if t is None:
                 continue
-            tensors.append(t.detach().reshape(-1))
+            tensors.append(t.detach().reshape(-1)[a - piece.lo:b - piece.lo])
             pieces.append({"name": piece.spec.name, "kind": kind,
-                           "tp_rank": topo.coords.tp_rank, "lo": piece.lo, "hi": piece.hi,
+                           "tp_rank": topo.coords.tp_rank, "lo": a, "hi": b,
                            "file": data_file, "offset": offset,
                            "spec": spec_record(piece.spec, topo.tp_size)})
-            offset += 4 * t.numel()
+            offset += 4 * (b - a)
     if staging is not None:
         flat = staging(offset // 4)
         views, at = [], 0
@@ -88,24 +94,49 @@ def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: C
                     engine.adam_step(), engine.layout.as_dict())
 
 
+class _BlockCRC:
+    """CRC32 of a file written as a stream: the whole file's, and one per block of
+    `CRC_BLOCK_BYTES` (format 4), so a reader can verify just the blocks it reads."""
+
+    def __init__(self, block_bytes: int):
+        self.block_bytes, self.blocks = block_bytes, []
+        self.crc, self.block_crc, self.filled, self.size = 0, 0, 0, 0
+
+    def update(self, raw: memoryview) -> None:
+        self.crc = zlib.crc32(raw, self.crc)
+        self.size += len(raw)
+        while len(raw):
+            take = min(len(raw), self.block_bytes - self.filled)
+            self.block_crc = zlib.crc32(raw[:take], self.block_crc)
+            self.filled += take
+            raw = raw[take:]
+            if self.filled == self.block_bytes:
+                self.blocks.append(self.block_crc)
+                self.block_crc, self.filled = 0, 0
+
+    def record(self) -> dict:
+        blocks = self.blocks + ([self.block_crc] if self.filled else [])
+        return {"bytes": self.size, "crc32": self.crc, "block_bytes": self.block_bytes,
+                "block_crc32": blocks}
+
+
 def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
     """This rank's data file (its pieces, raw little-endian fp32, fsynced) and RNG file;
-    returns their sizes and CRC32s."""
+    returns their sizes and CRC32s (the data file's per block too)."""
     data_file, rng_file = f"rank{rank:05d}.bin", f"rng_rank{rank:05d}.pt"
-    size, crc = 0, 0
+    crc = _BlockCRC(CRC_BLOCK_BYTES)  # read at call time: a test may shrink it
     with open(tmp / data_file, "wb") as f:
         for t in snap.tensors:
             raw = t.to("cpu", torch.float32).contiguous().numpy().data
             f.write(raw)
-            crc = zlib.crc32(raw, crc)
-            size += raw.nbytes
+            crc.update(raw.cast("B"))
         f.flush()
         os.fsync(f.fileno())
     with open(tmp / rng_file, "wb") as f:
         torch.save(snap.rng_state, f)
         f.flush()
         os.fsync(f.fileno())
-    return {data_file: {"bytes": size, "crc32": crc},
+    return {data_file: crc.record(),
             rng_file: {"bytes": (tmp / rng_file).stat().st_size,
                        "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
 
@@ -153,8 +184,9 @@ def _fsync_dir(path: Path) -> None:
 
 def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep: int,
                    group: Group) -> Path:
-    """Collective over `group` (all ranks): every rank writes its snapshot into
-    `step_N.tmp/`, rank 0 publishes `step_N/`. Any rank's failure is agreed on: nothing is
+    """Collective over `group` (all ranks, the checkpoint group): every rank writes its
+    snapshot into `step_N.tmp/`, the piece index goes to rank 0 only, which publishes
+    `step_N/` and broadcasts the verdict. Any rank's failure is agreed on: nothing is
     published and every rank raises CheckpointError naming the rank and the error (the
     unfinished `step_N.tmp/` is deleted at the next start)."""
     rank = topo.rank
@@ -174,13 +206,15 @@ def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep
             files = _write_rank_files(tmp, snap, rank)
         except Exception as e:  # noqa: BLE001 - reported to every rank, which all raise
             error = f"rank {rank}: {type(e).__name__}: {e}"
-    gathered = comm.gather_objects((snap.pieces, files, error), group)
-    errors = [e for _, _, e in gathered if e]
-    if not errors and rank == 0:
-        try:
-            _publish(root, tmp, final, snap, cfg, topo, keep, gathered)
-        except OSError as e:
-            errors = [f"rank 0 publishing: {type(e).__name__}: {e}"]
+    gathered = comm.gather_objects_to_root((snap.pieces, files, error), group)  # the index
+    errors: List[str] = []
+    if rank == 0:
+        errors = [e for _, _, e in gathered if e]
+        if not errors:
+            try:
+                _publish(root, tmp, final, snap, cfg, topo, keep, gathered)
+            except OSError as e:
+                errors = [f"rank 0 publishing: {type(e).__name__}: {e}"]
     errors = comm.broadcast_object(errors, group)
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -193,4 +227,4 @@ def save_checkpoint(root: Path, step: int, engine, rng_state: dict, progress: Pr
     """Collective, in the calling thread: every rank must call it. Returns the published
     directory. Background saves: `megalite.checkpoint.async_save`."""
     snap = take_snapshot(step, engine, rng_state, progress, cfg, topo)
-    return write_snapshot(root, snap, cfg, topo, keep, topo.world_group)
+    return write_snapshot(root, snap, cfg, topo, keep, topo.checkpoint_group)

@@ -30,7 +30,17 @@ class ProcessRNG:
 
     def state_dict(self) -> dict:
         return {"tracker": self.tracker.state_dict(), "torch_cpu": torch.get_rng_state(),
-                "numpy": np.random.get_state(), "python": random.getstate()}
+                "numpy": np.random.get_state(), "python": random.getstate(),
+                "device_type": self.tracker.device.type}
+
+    def accepts(self, state: dict) -> bool:
+        """Whether `state` was saved on this device type: a CUDA generator's state cannot seed
+        a CPU one (nor the reverse). States written before the device type was recorded tell
+        by the size of the replicated stream's state."""
+        if "device_type" in state:
+            return state["device_type"] == self.tracker.device.type
+        return state["tracker"]["replicated"].numel() == \
+            self.tracker.state_dict()["replicated"].numel()
 
     def load_state_dict(self, state: dict) -> None:
         self.tracker.load_state_dict(state["tracker"])

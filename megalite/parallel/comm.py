@@ -211,6 +211,18 @@ def gather_objects(obj, group: Group) -> List:
     return out
 
 
+def gather_objects_to_root(obj, group: Group) -> Optional[List]:
+    """Every member's `obj`, in group order, on the member with index 0 (None elsewhere): the
+    root holds O(group) objects, every other member only its own."""
+    if group.size == 1:
+        return [obj]
+    _record_objects(group, "gather_object", obj)
+    out: Optional[List] = [None] * group.size if group.rank == 0 else None
+    _call("gather_object", group, lambda: dist.gather_object(
+        obj, out, dst=group.ranks[0], group=group.pg))
+    return out
+
+
 def broadcast_object(obj, group: Group, src_index: int = 0):
     """The `obj` of the member with index `src_index`, on every member."""
     if group.size == 1:

@@ -111,8 +111,10 @@ class Topology:
 
     @property
     def checkpoint_group(self) -> Group:
-        """All ranks, over gloo: background checkpoint saves (`build_topology(...,
-        checkpoint_group=True)`), never used by the training thread."""
+        """All ranks, over gloo, with the checkpoint protocol's own timeout
+        (`checkpoint.timeout_s`): every collective of a save (in the training thread or the
+        background) and of a resume runs on it, so slow storage never trips the timeout (or
+        NCCL's watchdog) of the training groups."""
         return self.groups["checkpoint"]
 
     def describe(self) -> str:
@@ -122,13 +124,14 @@ class Topology:
 
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
-                   timeout_s: Optional[float] = None, checkpoint_group: bool = False) -> Topology:
+                   timeout_s: Optional[float] = None,
+                   checkpoint_timeout_s: Optional[float] = None) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
 
     `dist.new_group` is collective over the whole world, so every rank creates every group in
-    the same order and keeps the handles of the groups it belongs to. `checkpoint_group` adds
-    a gloo group of all ranks for a background thread's collectives (a separate communicator,
-    so they cannot interleave with the training thread's).
+    the same order and keeps the handles of the groups it belongs to. The checkpoint group is a
+    gloo group of all ranks with `checkpoint_timeout_s` (a separate communicator, so a
+    background save's collectives cannot interleave with the training thread's).
     """
     world = tp * pp * dp
     initialized = dist.is_available() and dist.is_initialized()
@@ -153,11 +156,10 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                                       counter=topo.counter)
     topo.groups["world"] = Group(name="world", ranks=list(range(world)), rank=rank, pg=None,
                                  counter=topo.counter)
-    if checkpoint_group:
-        pg = _new_group(list(range(world)), "checkpoint", timeout_s, backend="gloo") \
-            if initialized and world > 1 else None
-        topo.groups["checkpoint"] = Group(name="checkpoint", ranks=list(range(world)),
-                                          rank=rank, pg=pg, counter=topo.counter)
+    pg = _new_group(list(range(world)), "checkpoint", checkpoint_timeout_s or timeout_s,
+                    backend="gloo") if initialized and world > 1 else None
+    topo.groups["checkpoint"] = Group(name="checkpoint", ranks=list(range(world)), rank=rank,
+                                      pg=pg, counter=topo.counter)
     return topo
 
 

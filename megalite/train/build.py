@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List
 
 import torch
+import torch.distributed as dist
 
 from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.load import resume
@@ -107,7 +108,7 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
     # MFU is reported by rank 0; the other ranks need not spend a CPU matmul measurement
     trainer.peak = peak_tflops(rt.device, cfg.log.peak_tflops) if topo.rank == 0 \
         else Peak(None, "reported by rank 0")
-    state_bytes = gather_state_bytes(trainer.engine, topo)
+    state_bytes = gather_state_bytes(trainer.engine, topo, rt.device)
     if topo.rank == 0:
         trainer.writer = MetricsWriter(
             trainer.run_dir, run_header(trainer, data_meta, state_bytes), cfg.log.wandb,
@@ -150,20 +151,35 @@ def restore(trainer: Trainer) -> None:
     if rank == 0:
         for warning in data_position_warnings(meta, cfg):
             print(f"megalite: warning: {warning}", file=sys.stderr)
+    process_rng = ProcessRNG(trainer.rng)
+    if rng_state is not None and not process_rng.accepts(rng_state):
+        if rank == 0:
+            print(f"megalite: {path} was written on {rng_state.get('device_type', 'another')} "
+                  f"devices, this run is on {trainer.rt.device.type}: everything is restored "
+                  "but the random streams, which restart from the seed and the step",
+                  file=sys.stderr)
+        rng_state = None
     if rng_state is not None:
-        ProcessRNG(trainer.rng).load_state_dict(rng_state)
-    else:  # another layout: fresh dropout streams, derived from the seed and the step
+        process_rng.load_state_dict(rng_state)
+    else:  # another layout or device type: fresh streams, derived from the seed and the step
         trainer.rng.reseed(cfg.seed + 1_000_003 * trainer.step)
     if rank == 0:
         print(f"resumed from {path} at step {trainer.step}")
 
 
-def gather_state_bytes(engine: ZeroEngine, topo) -> List[dict]:
-    """Every rank's model-state bytes (parameters, gradients, optimizer), for the run header."""
-    c = topo.coords
-    mine = {"rank": topo.rank, "tp": c.tp_rank, "pp": c.pp_rank, "dp": c.dp_rank,
-            **engine.state_bytes()}
-    return comm.gather_objects(mine, topo.world_group)
+def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[dict]:
+    """Model-state bytes (parameters, gradients, optimizer) per pipeline stage, the most any
+    rank of the stage holds, for the run header: a maximum over the stage's TP and DP ranks,
+    then one summary per stage gathered to rank 0 (O(pp) objects there, not O(world))."""
+    mine = engine.state_bytes()
+    kinds = list(mine)
+    values = [float(mine[k]) for k in kinds]
+    for group in (topo.tp_group, topo.dp_group):
+        values = comm.all_reduce_scalars(values, group, device, op=dist.ReduceOp.MAX)
+    summary = {"pp": topo.coords.pp_rank, "ranks": topo.tp_size * topo.dp_size,
+               **{k: int(v) for k, v in zip(kinds, values)}}
+    gathered = comm.gather_objects_to_root(summary, topo.pp_group)
+    return gathered if gathered is not None else []
 
 
 def run_header(trainer: Trainer, data_meta: dict, state_bytes: List[dict]) -> dict:
