@@ -119,7 +119,8 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker
                 ) -> PipelineStage:
     """This rank's model chunks, initialised to the same global weights in every layout (and
-    loaded from `init_from` where set)."""
+    loaded from `init_from` where set). On the meta device (`megalite.verify_rank`) the
+    tensors have shapes and no values: nothing is initialised or loaded."""
     topo, layout = runtime.topology, runtime.layout
     with torch.device(runtime.device):
         model = build_stage(cfg.model, blocks, topo.coords.pp_rank, topo.pp_size,
@@ -127,6 +128,8 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
                             recompute_layers=cfg.train.recompute_layers)
+    if runtime.device.type == "meta":
+        return model
     init_state = load_init_state(cfg.init_from, cfg.model) if cfg.init_from else None
     for chunk in model.chunks:
         init_parameters(chunk, cfg.seed)
