@@ -216,6 +216,7 @@ class LogConfig:
     profile_steps: Optional[List[int]] = None  # [first, last]: run these steps (numbered as in
     #                                             metrics.jsonl) under torch.profiler; per rank
     #                                             a Chrome trace + top-ops table in <run dir>/profile/
+    all_ranks: bool = False  # every rank logs its messages (megalite/log.py); false = rank 0 only
 
     def check(self) -> None:
         if self.wandb not in ("auto", "true", "offline", "false"):

@@ -249,7 +249,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
 def _check_grid(cfg: Config, world_size: int) -> None:
     if world_size < 1:
         _fail("world size", world_size, "needs at least one rank (torchrun --nproc_per_node, "
-              "scripts/plan.py --world-size)")
+              "megalite-plan --world-size)")
     if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
         _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
               f"positive tp, pp; choose tp and pp whose product divides {world_size}")

@@ -178,7 +178,7 @@ def memory_warning(plan: Plan, device_bytes: int) -> Optional[str]:
     return (f"the plan estimates {worst.bytes['total'] / GIB:.1f} GiB per rank on pipeline "
             f"stage {worst.stage}, more than the device's {device_bytes / GIB:.1f} GiB: expect an "
             "out-of-memory error; raise zero, tp or pp, set train.recompute=true or lower "
-            "train.micro_batch_size (python scripts/plan.py shows the parts)")
+            "train.micro_batch_size (megalite-plan shows the parts)")
 
 
 def _ring(n: int) -> float:

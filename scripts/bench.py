@@ -4,39 +4,11 @@ absolute times). One subcommand per benchmark; `--help` on each lists its option
 
     python scripts/bench.py train --presets tiny gpt2 --seq-len 256 --micro-batch 4
     python scripts/bench.py train --presets gpt2-xl --micro-batch 16 12 8 --compile 0 1   # GPU
+
+The `megalite-bench` command of an installed megalite (`pip install -e .`), whose code
+(megalite/cli/bench.py) this file runs.
 """
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megalite.bench import attention, checkpoint, pipeline, tensor, train, zero  # noqa: E402
-
-BENCHMARKS = {
-    "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
-    "attention": (attention, "causal attention fwd+bwd under each SDPA kernel (flash, cuDNN, ...)"),
-    "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
-    "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
-    "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
-    "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
-}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="bench", required=True)
-    for name, (module, help_text) in BENCHMARKS.items():
-        p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(run=module.run)
-    args = parser.parse_args()
-    args.run(args)
-
+from megalite.cli.bench import main
 
 if __name__ == "__main__":
     main()

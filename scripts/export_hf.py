@@ -13,36 +13,11 @@ one is relative to the launch directory, or give --tokenizer DIR). Then
 
 An existing non-empty OUT_DIR is replaced only with --force; the export appears complete or
 not at all.
+
+The `megalite-export` command of an installed megalite (`pip install -e .`), whose code
+(megalite/cli/export.py) this file runs.
 """
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megalite.checkpoint.export import export_hf  # noqa: E402
-from megalite.checkpoint.format import CheckpointError  # noqa: E402
-from megalite.checkpoint.resolve import CheckpointNotFound  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("checkpoint", help="a checkpoint directory step_NNNNNNNN, or a "
-                        "checkpoint.dir (its latest complete checkpoint)")
-    parser.add_argument("out_dir", help="the transformers directory to write")
-    parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's "
-                        "<data.dir>/tokenizer)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
-    args = parser.parse_args()
-    try:
-        ckpt = export_hf(args.checkpoint, args.out_dir, args.tokenizer, args.force)
-    except (CheckpointError, CheckpointNotFound) as e:
-        print(f"megalite: cannot export: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"exported {ckpt} to {args.out_dir}")
-
+from megalite.cli.export import main
 
 if __name__ == "__main__":
     main()

@@ -9,56 +9,11 @@ optimizer step over the TP, PP, DP and embedding groups (megalite/plan.py has th
 
 Arguments after the options are the same overrides pretrain.py takes; the configuration is
 validated as for a run. Exit status 3 when a stage's estimate exceeds --gpu-memory-gib.
+
+The `megalite-plan` command of an installed megalite (`pip install -e .`), whose code
+(megalite/cli/plan.py) this file runs.
 """
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megalite.config import ConfigError, load_config  # noqa: E402
-from megalite.layout import Layout, validate  # noqa: E402
-from megalite.plan import GIB, make_plan  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) in all")
-    parser.add_argument("--gpus-per-node", type=int, default=8,
-                        help="for the check that a TP group fits in a node")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="decides the dtype where precision=auto (bf16 on cuda)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help="flag stages whose estimate exceeds this much memory per device")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model=gpt2 tp=2")
-    args = parser.parse_args()
-    try:
-        cfg = load_config(args.overrides)
-        warnings = validate(cfg, args.world_size,
-                            args.gpus_per_node if args.device == "cuda" else None)
-    except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
-    for w in warnings:
-        print(f"megalite: warning: {w}", file=sys.stderr)
-    plan = make_plan(cfg, Layout.from_config(cfg, args.world_size, args.device))
-    print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
-    if args.gpu_memory_gib is not None:
-        if args.gpu_memory_gib <= 0:
-            parser.error(f"--gpu-memory-gib={args.gpu_memory_gib}: must be > 0 (e.g. 80)")
-        over = [s for s in plan.stages if s.bytes["total"] > args.gpu_memory_gib * GIB]
-        for s in over:
-            print(f"megalite: stage {s.stage} needs about {s.bytes['total'] / GIB:.1f} GiB per "
-                  f"rank > {args.gpu_memory_gib:g} GiB: raise zero, tp or pp, set "
-                  "train.recompute=true or lower train.micro_batch_size", file=sys.stderr)
-        if over:
-            sys.exit(3)
-
+from megalite.cli.plan import main
 
 if __name__ == "__main__":
     main()

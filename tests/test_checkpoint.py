@@ -107,7 +107,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
             _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={step4}")
         resumed = _trainer(tiny_data, tmp_path / "c", *common, "checkpoint.resume=auto")
         assert resumed.step == 2  # fell back to the previous complete checkpoint
-        assert "step_00000004 unusable" in capsys.readouterr().out
+        assert "step_00000004 unusable" in capsys.readouterr().err  # megalite.log: stderr
         assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "superseded"]
     assert sorted(p.name[:13] for p in (root / "superseded").iterdir()) == \
         ["step_00000004"] * 3 + ["step_00000008"] * 3

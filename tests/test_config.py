@@ -152,6 +152,10 @@ def test_an_installed_package_carries_its_configs(tmp_path):
                     "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(repo)],
                    check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "wheel").glob("megalite-*.whl")
+    packaged = set(zipfile.ZipFile(wheel).namelist())
+    configs = {f"megalite/conf/{p.relative_to(repo / 'conf').as_posix()}"
+               for p in (repo / "conf").rglob("*.yaml")}  # hydra/job_logging/ too
+    assert configs <= packaged, f"pyproject.toml's package-data misses {configs - packaged}"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = ("import megalite, megalite.config as c; "

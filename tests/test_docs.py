@@ -43,8 +43,10 @@ def launch(line: str) -> Optional[Tuple[int, int, List[str]]]:
     """(world size, processes per node, overrides) of a training launch; None for other lines
     and for launches with placeholders (`...`, `<overrides>`) or whose size the line does not
     say."""
-    script = re.search(r"\S*scripts/(?:slurm/)?pretrain\.(?:py|sbatch)\b", line)
-    if not script or not any(word in line[:script.start()] for word in LAUNCHERS):
+    script = re.search(r"\S*scripts/(?:slurm/)?pretrain\.(?:py|sbatch)\b|"
+                       r"(?<![\w`/-])megalite-pretrain\b(?!`)", line)
+    if not script or not (any(word in line[:script.start()] for word in LAUNCHERS)
+                          or (script.start() == 0 and script.group() == "megalite-pretrain")):
         return None
     if "sbatch" in line[:script.start()]:
         nodes, per_node = _flag(line, "--nodes"), _flag(line, "--gpus-per-node")
@@ -76,6 +78,10 @@ def test_the_extractor_reads_the_launch_forms():
     assert launch("sbatch --nodes=4 --gpus-per-node=8 scripts/slurm/pretrain.sbatch zero=1") \
         == (32, 8, ["zero=1"])
     assert launch("python scripts/pretrain.py") == (1, 1, [])
+    assert launch("megalite-pretrain model=gpt2 tp=2") == (1, 1, ["model=gpt2", "tp=2"])
+    assert launch("torchrun --nproc_per_node=4 --no-python megalite-pretrain zero=1") == \
+        (4, 4, ["zero=1"])
+    assert launch("`megalite-pretrain` runs scripts/pretrain.py's code") is None
     assert launch("VENV=$PWD/.venv sbatch scripts/slurm/pretrain.sbatch ...") is None
     assert launch("    pretrain=$MEGALITE_DIR/scripts/pretrain.py") is None
     found = documented_launches()

@@ -80,7 +80,11 @@ def test_resume_continues_the_same_loss_curve(tiny_data, tmp_path):
     pretrain(resumed_dir, *common, f"checkpoint.dir={full / 'checkpoints'}", "checkpoint.resume=auto")
     _, resumed = read_metrics(resumed_dir)
     assert [r["step"] for r in resumed] == []  # latest complete checkpoint is step 12: nothing left
-    pretrain(resumed_dir, *common, f"checkpoint.resume={full / 'checkpoints' / 'step_00000006'}")
+    proc = pretrain(resumed_dir, *common,
+                    f"checkpoint.resume={full / 'checkpoints' / 'step_00000006'}")
+    said = "step_00000006 at step 6"  # megalite.log: once on stderr, once in rank 0's log
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    assert (resumed_dir / "pretrain.log").read_text().count(said) == 1
     header, resumed = read_metrics(resumed_dir)
     assert [r["step"] for r in resumed] == list(range(7, 13))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[6:]]  # bit-exact (fp32 CPU)
@@ -91,7 +95,8 @@ def test_two_ranks_under_torchrun_equal_one(tiny_data, tmp_path):
     common = [f"data.dir={tiny_data}", "train.max_steps=5", "train.eval_every=0", "log.every=1",
               "log.wandb=false", "precision=fp32"]
     pretrain(tmp_path / "one", *common)
-    pretrain(tmp_path / "two", *common, nproc=2)
+    two_ranks = pretrain(tmp_path / "two", *common, nproc=2)
+    assert "[rank 0]" in two_ranks.stderr and "[rank 1]" not in two_ranks.stderr  # log.all_ranks
     _, one = read_metrics(tmp_path / "one")
     header, two = read_metrics(tmp_path / "two")
     assert header["layout"]["dp"] == 2

@@ -16,6 +16,7 @@ from megalite.checkpoint.format import (KINDS, CheckpointError, Reader, check_co
                                         read_meta, verify_file, verify_ranges)
 from megalite.checkpoint.resolve import candidates
 from megalite.config import Config
+from megalite.log import get_logger
 from megalite.parallel import comm
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
@@ -132,16 +133,16 @@ def resume(setting: str, root: Path, engine, cfg: Config, topo: Topology
     this rank's RNG state or None), or None when there is nothing to resume (none, or auto
     with no checkpoint yet); raises CheckpointError when nothing named loads."""
     tried = candidates(setting, root, topo.checkpoint_group)
-    if setting == "auto" and not tried and topo.rank == 0:
-        print(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from scratch")
+    if setting == "auto" and not tried:
+        get_logger().info(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting "
+                          "from scratch")
     for path in tried:
         try:
             meta, rng, _, _ = load_checkpoint(path, engine, cfg, topo)
         except CheckpointError as e:
             if setting != "auto":
                 raise
-            if topo.rank == 0:
-                print(f"checkpoint {path} unusable, trying the previous one: {e}")
+            get_logger().warning(f"checkpoint {path} unusable, trying the previous one: {e}")
             continue
         return path, meta, rng
     if tried:

@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import shutil
-import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from megalite.checkpoint.format import (CRC_BLOCK_BYTES, FORMAT_VERSION, KINDS,
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import Progress
 from megalite.config import Config, data_sources
+from megalite.log import get_logger
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.topology import Topology
@@ -170,8 +170,9 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
         try:
             discard(old)
         except OSError as e:  # step_N is published: a stale old one is not worth the run
-            print(f"megalite: warning: published {final.name} but could not delete {old} "
-                  f"(checkpoint.keep={keep}): {type(e).__name__}: {e}", file=sys.stderr)
+            get_logger().warning(f"megalite: warning: published {final.name} but could not "
+                                 f"delete {old} (checkpoint.keep={keep}): "
+                                 f"{type(e).__name__}: {e}")
 
 
 def _fsync_dir(path: Path) -> None:

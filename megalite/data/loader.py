@@ -24,7 +24,7 @@ from megalite.data.sampler import blend_choices
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-PREPARE_HINT = "run `python scripts/prepare_data.py data.dir=<dir>` first"
+PREPARE_HINT = "run `megalite-prepare data.dir=<dir>` (scripts/prepare_data.py) first"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -9,7 +9,6 @@ steps; everything is built here, once, in this order:
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import List
@@ -17,6 +16,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from megalite import log
 from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.load import resume
 from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpoints
@@ -50,6 +50,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
     `checkpoint.resume` where set. Collective: every rank calls it."""
     run_dir = Path(run_dir)
     topo, layout, t = runtime.topology, runtime.layout, cfg.train
+    log.configure(topo.rank, cfg.log.all_ranks)
     sources = data_sources(cfg.data)
     train_shards = [TokenShards(d, "train") for d, _ in sources]
     val_shards = [TokenShards(d, "val") for d, _ in sources]
@@ -95,8 +96,8 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
     cfg, topo, rt, t = trainer.cfg, trainer.topo, trainer.rt, trainer.cfg.train
     if topo.rank == 0:
         for moved in set_aside_later_checkpoints(trainer.ckpt_root, trainer.step):
-            print(f"megalite: this run starts at step {trainer.step}; moved the later "
-                  f"checkpoint to {moved}", file=sys.stderr)
+            log.get_logger().info(f"megalite: this run starts at step {trainer.step}; moved "
+                                  f"the later checkpoint to {moved}")
     comm.barrier(topo.world_group)
     trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, rt.device)
     trainer.profiler = StepProfiler(cfg.log.profile_steps, trainer.run_dir / "profile",
@@ -141,7 +142,7 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
 def restore(trainer: Trainer) -> None:
     """The run's position from `checkpoint.resume` (none: step 0), through the state_dict() of
     the objects that own it."""
-    cfg, rank = trainer.cfg, trainer.topo.rank
+    cfg, logger = trainer.cfg, log.get_logger()
     found = resume(cfg.checkpoint.resume, trainer.ckpt_root, trainer.engine, cfg, trainer.topo)
     if found is None:
         return
@@ -151,23 +152,20 @@ def restore(trainer: Trainer) -> None:
     if trainer.loss_scaler is not None:
         trainer.loss_scaler.load_state_dict(meta.get("loss_scaler"))
     trainer.sampler.load_state_dict(meta["sampler"])
-    if rank == 0:
-        for warning in data_position_warnings(meta, cfg):
-            print(f"megalite: warning: {warning}", file=sys.stderr)
+    for warning in data_position_warnings(meta, cfg):
+        logger.warning(f"megalite: warning: {warning}")
     process_rng = ProcessRNG(trainer.rng)
     if rng_state is not None and not process_rng.accepts(rng_state):
-        if rank == 0:
-            print(f"megalite: {path} was written on {rng_state.get('device_type', 'another')} "
-                  f"devices, this run is on {trainer.rt.device.type}: everything is restored "
-                  "but the random streams, which restart from the seed and the step",
-                  file=sys.stderr)
+        logger.warning(f"megalite: {path} was written on "
+                       f"{rng_state.get('device_type', 'another')} devices, this run is on "
+                       f"{trainer.rt.device.type}: everything is restored but the random "
+                       "streams, which restart from the seed and the step")
         rng_state = None
     if rng_state is not None:
         process_rng.load_state_dict(rng_state)
     else:  # another layout or device type: fresh streams, derived from the seed and the step
         trainer.rng.reseed(cfg.seed + 1_000_003 * trainer.step)
-    if rank == 0:
-        print(f"resumed from {path} at step {trainer.step}")
+    logger.info(f"resumed from {path} at step {trainer.step}")
 
 
 def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[dict]:

@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megalite.log import get_logger
+
 # Dense bf16 peak TFLOP/s per device (no sparsity). Matched against torch.cuda.get_device_name()
 # as whole words (an "L40" is not an "L4", a "GH200" not an "H200"); more specific names first
 # (an "H100 PCIe" must not match plain "H100").
@@ -196,8 +198,8 @@ class MetricsWriter:
         except Exception as e:  # network trouble must never stop training
             if mode == "offline":
                 raise
-            print(f"wandb online init failed ({e}); logging offline into {self.run_dir}",
-                  file=sys.stderr)
+            get_logger().warning(f"wandb online init failed ({e}); logging offline into "
+                                 f"{self.run_dir}")
             return init("offline")
 
     def log(self, record: dict) -> None:

@@ -23,6 +23,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from megalite.log import get_logger
+
 TABLE_ROWS = 30
 
 
@@ -71,7 +73,6 @@ class StepProfiler:
         table = self.out_dir / f"rank{self.rank:05d}.txt"
         table.write_text(prof.key_averages().table(sort_by=key, row_limit=TABLE_ROWS,
                                                    max_name_column_width=70))
-        if self.rank == 0:
-            print(f"megalite: profile of steps {self.window[0]}-{self.window[1]} written to "
-                  f"{self.out_dir}", flush=True)
+        get_logger().info(f"megalite: profile of steps {self.window[0]}-{self.window[1]} "
+                          f"written to {self.out_dir}")
         self._export_s += time.perf_counter() - t0

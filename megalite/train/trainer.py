@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from megalite.checkpoint.state import ProcessRNG, Progress
 from megalite.config import Config, data_sources
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.layout import Layout
+from megalite.log import get_logger
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule
@@ -251,10 +251,9 @@ class Trainer:
                         self.writer.log(records[-1])
                     interval = _Interval()
                 if stopping is not None:
-                    if self.rank == 0:
-                        print(f"megalite: stopped after step {self.step} ({stopping}); the "
-                              "checkpoint of this step continues it with "
-                              "checkpoint.resume=auto", file=sys.stderr)
+                    get_logger().info(f"megalite: stopped after step {self.step} "
+                                      f"({stopping}); the checkpoint of this step continues it "
+                                      "with checkpoint.resume=auto")
                     break
             self.saver.wait()  # the last save published while exit_signal is still handled
         self.profiler.close()

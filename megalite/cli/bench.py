@@ -1,0 +1,41 @@
+"""megalite benchmarks, each side by side with a reference in the same run (ratios, not
+absolute times). One subcommand per benchmark; `--help` on each lists its options.
+
+    megalite-bench train --presets tiny gpt2 --seq-len 256 --micro-batch 4
+    megalite-bench train --presets gpt2-xl --micro-batch 16 12 8 --compile 0 1   # GPU
+
+(`python scripts/bench.py ...` in a checkout is the same command.)
+"""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+from megalite.bench import attention, checkpoint, pipeline, tensor, train, zero
+
+BENCHMARKS = {
+    "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
+    "attention": (attention, "causal attention fwd+bwd under each SDPA kernel (flash, cuDNN, ...)"),
+    "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
+    "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
+    "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
+    "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`megalite-bench`: argv (default: the command line) names a benchmark and its options."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Pretrain GPT-2 with megalite.
+
+    megalite-pretrain                               # tiny preset on the embedded stdlib corpus
+    torchrun --nproc_per_node=8 --no-python megalite-pretrain model=gpt2 train.seq_len=1024
+
+(`python scripts/pretrain.py ...` and `torchrun ... scripts/pretrain.py ...` in a checkout are
+the same command.) Arguments are Hydra overrides of conf/config.yaml. The run directory is
+Hydra's output directory (`hydra.run.dir`); metrics.jsonl, pretrain.log (rank 0's log), the
+wandb run and (by default) checkpoints go there. The configuration is validated, the token
+shards (and the init_from and resume checkpoints' model shape) checked, before any process
+group is created.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+
+from megalite import log
+from megalite.cli import NO_HYDRA_OUTPUT
+from megalite.config import CONF_DIR, ConfigError, register_configs, to_config
+from megalite.data.loader import DataError
+from megalite.plan import make_plan, memory_warning
+from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env
+from megalite.train.build import broadcast_run_dir, build_trainer
+from megalite.train.preflight import local_ranks_from_env, preflight
+
+
+def launch_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def keep_hydra_output_on_rank0() -> None:
+    """Only rank 0 writes Hydra's run directory; the others get rank 0's path later (and
+    megalite's logger writes their lines, if any, to stderr)."""
+    if launch_rank() != 0:
+        sys.argv += NO_HYDRA_OUTPUT
+
+
+# The configs by absolute path: megalite/conf, the checkout's conf/ or an installed package's
+# copy (a `pkg://` path would need an __init__.py in the config directory).
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def pretrain(node) -> None:
+    """One rank of a run (torchrun starts one process per rank)."""
+    cfg = to_config(node)
+    logger = log.configure(launch_rank(), cfg.log.all_ranks)
+    try:
+        layout, warnings = preflight(cfg, world_size_from_env(), local_gpus(),
+                                     local_ranks_from_env())
+    except (ConfigError, DataError) as e:
+        print(f"megalite: bad configuration: {e}", file=sys.stderr)
+        sys.exit(2)
+    if launch_rank() == 0:  # the layout's plan and warnings are the same on every rank
+        plan = make_plan(cfg, layout)
+        logger.info(plan.table())
+        if layout.device_type == "cuda":
+            warnings.append(memory_warning(plan, torch.cuda.get_device_properties(0).total_memory))
+        for w in filter(None, warnings):
+            logger.warning(f"megalite: warning: {w}")
+    runtime = init_runtime(cfg, layout)
+    run_dir = broadcast_run_dir(Path(HydraConfig.get().runtime.output_dir).resolve(),
+                                runtime.topology)
+    logger.info(f"megalite: {runtime.topology.describe()} device={runtime.device} "
+                f"run_dir={run_dir}")
+    build_trainer(cfg, runtime, run_dir).fit()
+    shutdown(runtime)
+
+
+def main() -> None:
+    """`megalite-pretrain [overrides]`: Hydra reads the overrides from the command line."""
+    register_configs()
+    keep_hydra_output_on_rank0()
+    pretrain()
+
+
+if __name__ == "__main__":
+    main()
