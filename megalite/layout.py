@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megalite.config import (ATTENTION_CUDA_ONLY, Config, ConfigError, check_sections)
+from megalite.config import ATTENTION_CUDA_ONLY, Config, ConfigError, check_sections
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

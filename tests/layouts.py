@@ -19,9 +19,9 @@ from megalite.config import load_config
 from megalite.layout import validate
 from megalite.parallel.param_spec import ParamSpec
 from megalite.runtime import init_runtime
+from megalite.spawn import run_ranks
 from megalite.train.build import build_trainer
 from tests.conftest import TINY
-from megalite.spawn import run_ranks
 
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false", "train.eval_every=0"]

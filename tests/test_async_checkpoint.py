@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from megalite.checkpoint import save as ckpt_save
+from megalite.checkpoint.format import CheckpointError, read_meta
+from megalite.checkpoint.resolve import complete_checkpoints
 from megalite.config import load_config
 from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
-from megalite.checkpoint import save as ckpt_save
-from megalite.checkpoint.format import CheckpointError, read_meta
-from megalite.checkpoint.resolve import complete_checkpoints
 from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
@@ -56,6 +56,7 @@ def _run(rank, world, tiny_data, run_dir, async_save, fail_at=None, resume=False
     return {"records": records, "written": written, "error": error, "start": start}
 
 
+@pytest.mark.distributed
 def test_async_saves_equal_sync_saves_and_overlap_training(tiny_data, tmp_path):
     """Same losses, and byte-identical checkpoints at steps 2, 4, 6 (so the background save
     wrote the state of its step although training had moved on: the writes of steps 2 and 4
@@ -87,6 +88,7 @@ def test_async_saves_equal_sync_saves_and_overlap_training(tiny_data, tmp_path):
             assert (d_sync / name).read_bytes() == (d_async / name).read_bytes(), (step, name)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_failed_save_publishes_nothing_and_stops_every_rank(tiny_data, tmp_path, async_save):
     """Rank 1 cannot write step 4: no rank publishes it, every rank's fit raises an error naming

@@ -31,6 +31,7 @@ def test_schedule_follows_megatrons_formula():
     assert [ramp.at(c) for c in (0, 99, 100, 699, 700, 10**6)] == [8, 8, 16, 56, 64, 64]
 
 
+@pytest.mark.distributed
 def test_ramp_in_every_layout_equals_serial_and_resumes_mid_ramp(tiny_data, tmp_path):
     common = [f"data.dir={tiny_data}", *RAMP]
     writer = common + [f"checkpoint.dir={tmp_path / 'ckpt'}"]
@@ -44,6 +45,7 @@ def test_ramp_in_every_layout_equals_serial_and_resumes_mid_ramp(tiny_data, tmp_
     assert_equal(from_step(serial, 3), resumed)
 
 
+@pytest.mark.slow
 def test_logged_batch_sizes_and_tokens(tiny_data, tmp_path):
     cfg = load_config(TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}", *RAMP,
                                                 "train.max_steps=6"])

@@ -1,3 +1,4 @@
+
 """The pipeline benchmark at a toy size: megalite's 1F1B and interleaved schedules and
 torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B train the same stages to
 the same losses, and the bubbles are fractions."""
@@ -5,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from megalite.bench import pipeline
 
 
+@pytest.mark.slow
 def test_bench_pipeline_toy():
     parser = argparse.ArgumentParser()
     pipeline.add_arguments(parser)

@@ -1,10 +1,14 @@
+
 """The ZeRO benchmark end to end at a toy size: megalite zero=3 / zero=1 against FSDP2 and
 DDP + ZeroRedundancyOptimizer in one 2-rank gloo world (about 10 s on 2 cores)."""
 import argparse
 
+import pytest
+
 from megalite.bench import zero
 
 
+@pytest.mark.slow
 def test_bench_zero_toy():
     parser = argparse.ArgumentParser()
     zero.add_arguments(parser)

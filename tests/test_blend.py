@@ -10,11 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
+from megalite.checkpoint.format import read_meta
 from megalite.config import ConfigError, load_config
-from megalite.layout import validate
 from megalite.data.loader import DataError, check_data
 from megalite.data.sampler import BlendedSampler, blend_choices
-from megalite.checkpoint.format import read_meta
+from megalite.layout import validate
 from tests.layouts import assert_equal, from_step, train_layout
 
 
@@ -74,6 +74,7 @@ def test_blend_is_checked_before_launch(tiny_data, second_data, tmp_path):
         validate(load_config([f"data.blend=[1,{tiny_data},2]"]), 1)
 
 
+@pytest.mark.distributed
 def test_training_on_a_blend_equals_serial_under_dp_and_resumes(tiny_data, second_data,
                                                                  tmp_path):
     root = tmp_path / "ckpt"

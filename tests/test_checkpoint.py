@@ -11,18 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.config import load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
 from megalite.checkpoint.format import CheckpointError, meta_crc32, read_global_state, read_meta
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.resolve import complete_checkpoints, latest_checkpoint
+from megalite.config import load_config
+from megalite.layout import validate
+from megalite.runtime import init_runtime
+from megalite.spawn import RankFailure, run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.trainer import NonFiniteError, Trainer
 from tests.conftest import TINY
-from megalite.spawn import RankFailure, run_ranks
-from tests.layouts import (FP32_NO_DROPOUT, assert_equal, from_step, train_layout,
-                           train_layouts)
+from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layout, train_layouts
 
 STEPS, SAVE_AT = 10, 5
 
@@ -38,6 +37,7 @@ def serial_run(tiny_data, tmp_path_factory):
     return result
 
 
+@pytest.mark.distributed
 def test_resume_under_any_layout(tiny_data, tmp_path, serial_run):
     """Written under (tp2, pp2, dp2, zero1) at step 5, resumed under the same layout (bit-exact
     continuation) and under (1,1,1,0), (2,1,2,3), (1,2,2,3): steps 6-10 equal the uninterrupted
@@ -74,6 +74,7 @@ def _trainer(tiny_data, run_dir, *extra) -> Trainer:
     return build_trainer(cfg, init_runtime(cfg), run_dir)
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsys):
     """A damaged data file or a tampered index is refused by name; resume=auto falls back to
     the previous checkpoint and moves the damaged one (and anything after it) to superseded/;
@@ -124,6 +125,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
     assert _trainer(tiny_data, tmp_path / "d", *common, "checkpoint.resume=auto").step == 4
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tiny_data, tmp_path):
     """Resumed at step 2 while steps 4 and 6 of an abandoned continuation exist: those move to
     superseded/, so keep=1 keeps the resumed run's newest checkpoint and resume=auto picks it."""
@@ -143,6 +145,7 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tiny_data,
                     "checkpoint.resume=auto").step == 4
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_counted_and_bounded(tiny_data, tmp_path):
     trainer = _trainer(tiny_data, tmp_path / "a", "train.max_steps=6", "train.eval_every=0")
     (model,) = trainer.model.chunks
@@ -189,11 +192,13 @@ def _stuck_peer(rank, world):
     comm.all_reduce(torch.ones(4), topo.tp_group)
 
 
+@pytest.mark.distributed
 def test_a_stuck_peer_gives_an_error_naming_the_group():
     with pytest.raises(RankFailure, match=r"all_reduce on the tp group \(global ranks \[0, 1\]\)"):
         run_ranks(_stuck_peer, 2, timeout_s=60)
 
 
+@pytest.mark.slow
 def test_resume_under_another_data_order_is_said(tiny_data, tmp_path, capsys):
     """The sampler's position counts windows of seq_len + 1 tokens in a seed's permutation of
     data.dir: resuming under another seq_len or seed is allowed but warned about."""
@@ -223,6 +228,7 @@ def _start_from(rank, world, tiny_data, run_dir, source):
             "consumed": trainer.sampler.consumed_samples}
 
 
+@pytest.mark.distributed
 def test_init_from_a_megalite_checkpoint_takes_the_weights_only(tiny_data, tmp_path):
     """init_from=<checkpoint.dir> (Megatron's --finetune): the latest checkpoint's weights, cut
     for tp=2, and a fresh start (step 0, no AdamW moments, data from the beginning); a model
@@ -274,6 +280,7 @@ def _load_own_choice(rank, world, tiny_data, root):
     return "loaded"
 
 
+@pytest.mark.distributed
 def test_every_rank_resumes_from_the_same_checkpoint(tiny_data, tmp_path):
     """resume=auto takes rank 0's listing on every rank, so a rank that does not yet see the
     newest checkpoint still resumes from it; ranks asked to load different steps refuse
@@ -287,6 +294,7 @@ def test_every_rank_resumes_from_the_same_checkpoint(tiny_data, tmp_path):
         assert "loading different checkpoints (steps [2, 4])" in message, message
 
 
+@pytest.mark.slow
 def test_a_failed_cleanup_of_old_checkpoints_keeps_the_run_going(tiny_data, tmp_path,
                                                                   monkeypatch, capsys):
     """Deleting checkpoints beyond `keep` happens after the new one is published: failing
@@ -305,12 +313,13 @@ def test_a_failed_cleanup_of_old_checkpoints_keeps_the_run_going(tiny_data, tmp_
     assert "published step_00000002 but could not delete" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_is_checked_before_launch(tiny_data, tmp_path):
     """The checkpoint a run would resume is checked before any process group exists: its
     model shape (the MLP size, however written) and its blend; a checkpoint.dir means its
     newest checkpoint, a directory holding none is refused."""
-    from megalite.config import ConfigError
     from megalite.checkpoint.resolve import check_resume
+    from megalite.config import ConfigError
 
     root = tmp_path / "ckpt"
     _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=2",

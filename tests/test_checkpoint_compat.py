@@ -42,6 +42,7 @@ def resume(tmp_path: Path, layout: list) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,expected_layout", [
     (["tp=2"], {"tp": 2, "dp": 1, "zero": 0}),
     (["zero=1"], {"tp": 1, "dp": 2, "zero": 1}),

@@ -1,3 +1,4 @@
+
 """Checkpoints at scale, shown on a few gloo ranks: the protocol's collectives run on their own
 gloo group with `checkpoint.timeout_s` (a writer slower than `parallel.timeout_s` still
 publishes), replicated state is written by every DP replica (zero 0: each rank's file is 1/dp),
@@ -7,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.checkpoint import save as ckpt_save
@@ -50,6 +52,7 @@ def _throttled(rank, world, tiny_data, run_dir, delay_s):
     return [p.name for p in (Path(run_dir) / "ckpt").iterdir()]
 
 
+@pytest.mark.distributed
 def test_a_writer_slower_than_the_training_timeout_still_publishes(tiny_data, tmp_path):
     """parallel.timeout_s=5 (every training group, the default one included, as under
     torchrun) with a writer 7 s late: the other rank waits on the checkpoint group
@@ -71,6 +74,7 @@ def _spread_then_reshard(rank, world, tiny_data, run_dir):
             "files": len({p["file"] for p in loaded.meta["pieces"]}), "path": str(path)}
 
 
+@pytest.mark.distributed
 def test_zero0_writes_are_spread_and_a_resharded_resume_reads_its_share(tiny_data, tmp_path):
     results = run_ranks(_spread_then_reshard, 4, args=(tiny_data, str(tmp_path)),
                         timeout_s=300)

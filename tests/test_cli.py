@@ -16,7 +16,8 @@ from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
-            "export": "export_hf", "generate": "generate", "bench": "bench"}  # module: script
+            "export": "export_hf", "generate": "generate", "bench": "bench",
+            "verify_rank": "verify_rank"}  # module: script (command: megalite-<module, - for _>)
 
 
 def declared_scripts() -> dict:
@@ -27,7 +28,8 @@ def declared_scripts() -> dict:
 def test_every_command_is_an_entry_point_with_an_importable_main():
     import importlib
 
-    assert declared_scripts() == {f"megalite-{m}": f"megalite.cli.{m}:main" for m in COMMANDS}
+    assert declared_scripts() == {f"megalite-{m.replace('_', '-')}": f"megalite.cli.{m}:main"
+                                  for m in COMMANDS}
     for module in COMMANDS:
         mod = importlib.import_module(f"megalite.cli.{module}")
         assert callable(mod.main), module
@@ -39,13 +41,15 @@ def test_scripts_are_documented_wrappers_of_the_commands(module, script):
     source = (REPO / "scripts" / f"{script}.py").read_text()
     tree = ast.parse(source)
     doc = ast.get_docstring(tree)
-    assert doc and f"scripts/{script}.py" in doc and f"megalite-{module}" in doc, doc
+    assert doc and f"scripts/{script}.py" in doc, doc
+    assert f"megalite-{module.replace('_', '-')}" in doc, doc
     assert "sys.path" not in source, "the package is installed (pip install -e .)"
     imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert [(n.module, [a.name for a in n.names]) for n in imports] == \
         [(f"megalite.cli.{module}", ["main"])]
 
 
+@pytest.mark.slow
 def test_a_command_runs_as_a_module_and_with_argv():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "megalite.cli.plan", "--help"],
@@ -89,6 +93,7 @@ def run_installed(venv: Path, command: str, *args, cwd: Path) -> subprocess.Comp
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.distributed
 def test_the_installed_commands_run_without_a_checkout(venv, tiny_data, tmp_path):
     """`megalite-pretrain` from the wheel: the package's configs, the run directory where
     hydra.run.dir says, rank 0's messages once on stderr and once in <run dir>/pretrain.log."""

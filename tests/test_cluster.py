@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from tests.conftest import TINY
 from megalite.spawn import free_port
+from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,7 +215,8 @@ def last_logged_step(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    steps = [json.loads(l).get("step", 0) for l in path.read_text().splitlines() if l.strip()]
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+             if line.strip()]
     return max(steps, default=0)
 
 
@@ -271,6 +272,7 @@ def reference(two_node_run) -> Dict[int, dict]:
 # Two agents, one job
 
 
+@pytest.mark.slow
 def test_two_agents_form_one_job_and_train(two_node_run):
     run_dir, rcs, logs = two_node_run
     assert rcs == {"a": 0, "b": 0}, logs
@@ -289,6 +291,7 @@ def test_two_agents_form_one_job_and_train(two_node_run):
         [f"rng_rank{r:05d}.pt" for r in range(WORLD)]
 
 
+@pytest.mark.distributed
 def test_killed_worker_restarts_the_job_which_resumes_and_finishes(reference, tiny_data,
                                                                    tmp_path):
     """A worker of agent "b" is SIGKILLed mid-run, after the first checkpoint is published.
@@ -329,6 +332,7 @@ def test_killed_worker_restarts_the_job_which_resumes_and_finishes(reference, ti
     assert_resumed_and_finished(run_dir, ckpt, reference, killed_at, logs)
 
 
+@pytest.mark.distributed
 def test_lost_node_is_replaced_and_the_job_resumes(reference, tiny_data, tmp_path):
     """Node "b" dies: its agent and both its workers are SIGKILLed at once (power loss).
 
@@ -338,7 +342,8 @@ def test_lost_node_is_replaced_and_the_job_resumes(reference, tiny_data, tmp_pat
     the test starts a replacement agent "b2" with the same rendezvous id and endpoint, as a
     scheduler would on a spare node. Once the dead agent's heartbeats have lapsed
     (keep_alive_interval x keep_alive_max_attempt, 5 s x 3 by default, shortened here) the
-    round completes, all four workers resume from the latest checkpoint and finish. (Under Slurm a lost node usually ends the job step instead;
+    round completes, all four workers resume from the latest checkpoint and finish. (Under
+    Slurm a lost node usually ends the job step instead;
     `#SBATCH --requeue` reruns the job with the same id and run directory, which resumes in
     the same way.) Killing the agent that hosts the rendezvous store ends the job: the store
     lives in that agent.
@@ -419,7 +424,8 @@ def test_sbatch_script_parses_and_passes_shellcheck():
     proc = subprocess.run([exe, "--shell=bash", "--severity=style", str(SBATCH)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    directives = [l for l in SBATCH.read_text().splitlines() if l.startswith("#SBATCH")]
+    directives = [line for line in SBATCH.read_text().splitlines()
+                  if line.startswith("#SBATCH")]
     assert "#SBATCH --ntasks-per-node=1" in directives  # one torchrun agent per node
 
 
@@ -471,6 +477,7 @@ def test_sbatch_refuses_bad_parameters(tmp_path, env, needle):
     assert "srun" not in proc.stdout
 
 
+@pytest.mark.distributed
 def test_sbatch_script_runs_a_two_node_job_through_a_fake_srun(reference, tiny_data, tmp_path):
     """The real (non-dry) path of pretrain.sbatch: `srun` here starts the script's torchrun
     command twice on this machine, as two "nodes". Its defaults (c10d rendezvous, stable run

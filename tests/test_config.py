@@ -138,6 +138,7 @@ def test_values_that_used_to_fail_after_launch_are_refused(overrides, expect):
     assert expect in bad(overrides)
 
 
+@pytest.mark.distributed
 def test_an_installed_package_carries_its_configs(tmp_path):
     """A wheel of megalite (what `pip install .` and the Docker image install) holds the Hydra
     configs, so `load_config` works from site-packages, outside the checkout."""

@@ -15,11 +15,11 @@ CFG = ModelConfig(n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=1
 
 
 def _engine(compile: bool = False, dtype: torch.dtype = torch.bfloat16):
+    from megalite.layout import PRECISION_DTYPES, Layout
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology
-    from megalite.layout import PRECISION_DTYPES, Layout
     from megalite.parallel.zero import ZeroEngine
 
     device = torch.device("cuda")
@@ -102,11 +102,11 @@ def test_attention_kernels_agree_with_math_in_bf16(choice):
 def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
     """checkpoint.async_save on CUDA: the snapshot goes through pinned host memory, and the
     background checkpoint holds the state of its step although training went on meanwhile."""
-    from megalite.config import load_config
-    from megalite.parallel.rng import RNGTracker
+    from megalite.checkpoint.async_save import CheckpointSaver
     from megalite.checkpoint.save import save_checkpoint, written_numel
     from megalite.checkpoint.state import ProcessRNG, Progress
-    from megalite.checkpoint.async_save import CheckpointSaver
+    from megalite.config import load_config
+    from megalite.parallel.rng import RNGTracker
 
     model, engine, schedule = _engine()
     cfg = load_config(["device=cuda"])

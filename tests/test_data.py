@@ -14,11 +14,18 @@ import torch
 from transformers import AutoTokenizer
 
 from megalite.config import DataConfig
-from megalite.data.loader import (META_FILE, DataError, TokenShards, TrainBatches, check_data,
-                                  check_vocab, token_dtype, val_batches)
+from megalite.data.loader import (
+    META_FILE,
+    DataError,
+    TokenShards,
+    TrainBatches,
+    check_data,
+    check_vocab,
+    token_dtype,
+    val_batches,
+)
+from megalite.data.prepare import EOS_TOKEN, ShardWriter, prepare, split_documents, stdlib_files
 from megalite.data.sampler import ResumableSampler
-from megalite.data.prepare import (EOS_TOKEN, ShardWriter, prepare, split_documents,
-                                   stdlib_files)
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_DOCS = 60
@@ -62,6 +69,7 @@ def assert_round_trip(data_dir: Path, docs_per_split: Dict[str, List[str]]) -> N
 # --- prepare --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stdlib_prepare_meta_and_round_trip(stdlib_data):
     meta = json.loads((stdlib_data / META_FILE).read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(stdlib_data / "tokenizer"))
@@ -151,6 +159,7 @@ def test_dtype_fits_the_vocabulary():
     assert token_dtype(128256) == np.uint32
 
 
+@pytest.mark.distributed
 def test_prepare_script_writes_no_hydra_outputs(tmp_path):
     out = tmp_path / "d"
     cmd = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), f"data.dir={out}",

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megalite.checkpoint.export import ExportError, export_hf, load_model, model_config
 from megalite.data.loader import TokenShards, val_batches
 from megalite.model.gpt2 import num_parameters
 from megalite.model.hf import hf_config
-from megalite.checkpoint.export import ExportError, export_hf, load_model, model_config
 from tests.test_pretrain import REPO, pretrain, read_metrics
 
 STEPS = 4
@@ -62,6 +62,7 @@ def run_script(name, *args):
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.distributed
 def test_export_loads_in_transformers_with_the_runs_validation_loss(runs, exported, tiny_data):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
@@ -94,6 +95,7 @@ def test_export_loads_in_transformers_with_the_runs_validation_loss(runs, export
     assert len(long) == cfg.n_positions
 
 
+@pytest.mark.distributed
 def test_exports_of_different_layouts_agree(exported):
     parallel = load_file(exported["tp2pp2"] / "model.safetensors")
     serial = load_file(exported["serial"] / "model.safetensors")
@@ -153,6 +155,7 @@ def test_generate_is_seeded_and_greedy_equals_transformers_argmax(runs, exported
     assert greedy == tok.decode(ids) + "\n"
 
 
+@pytest.mark.distributed
 def test_generate_bad_checkpoint_path_exits_naming_it(tmp_path):
     bad = tmp_path / "not_a_checkpoint"
     bad.mkdir()

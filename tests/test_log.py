@@ -62,6 +62,7 @@ logging.getLogger("somelib").warning("from another library")
 """
 
 
+@pytest.mark.distributed
 def test_under_hydra_job_logging_each_line_is_written_once_per_sink(tmp_path):
     job_logging = REPO / "conf" / "hydra" / "job_logging" / "megalite.yaml"
     file = tmp_path / "pretrain.log"

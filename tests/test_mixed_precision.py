@@ -17,9 +17,9 @@ import torch
 from megalite.config import load_config
 from megalite.layout import validate
 from megalite.runtime import init_runtime
+from megalite.train.build import build_trainer
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import wandb_row
-from megalite.train.build import build_trainer
 from megalite.train.trainer import NonFiniteError, Trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, master_update_error, train_layouts
@@ -34,6 +34,7 @@ TOLERANCE = {"bf16": {"loss": 3e-3, "norm": 5e-2, "master": 0.25},
              "fp16": {"loss": 3e-3, "norm": 2e-2, "master": 0.2}}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_reduced_precision_layouts_track_the_serial_run(tiny_data, tmp_path, precision):
     common = [f"data.dir={tiny_data}", f"precision={precision}", *LEARNING]
@@ -93,6 +94,7 @@ def test_loss_scaler_rules():
     assert fixed.scale == 128.0
 
 
+@pytest.mark.slow
 def test_overflowing_scale_is_lowered_skipping_steps_and_then_grows(tiny_data, tmp_path):
     """A scale too large for fp16 (2^24 here: some scaled gradient is inf) skips steps,
     leaving the weights untouched, halving each time, without counting towards
@@ -140,6 +142,7 @@ def test_overflow_at_a_scale_that_cannot_drop_stops_the_run(tiny_data, tmp_path,
     assert trainer.step == 3
 
 
+@pytest.mark.slow
 def test_resume_continues_the_loss_scale_exactly(tiny_data, tmp_path):
     """The dynamic scale's state is in the checkpoint: a run resumed at step 4 continues with
     the same scales, losses and weights, bit for bit, as the run that went on."""

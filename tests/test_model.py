@@ -7,8 +7,13 @@ import torch.nn.functional as F
 
 from megalite.config import ConfigError, ModelConfig
 from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
-from megalite.model.hf import (check_init_from, from_hf_state_dict, hf_config, load_hf_state_dict,
-                              save_hf)
+from megalite.model.hf import (
+    check_init_from,
+    from_hf_state_dict,
+    hf_config,
+    load_hf_state_dict,
+    save_hf,
+)
 from megalite.model.init import init_parameters, load_global_state
 from tests.conftest import random_hf_gpt2
 
@@ -20,6 +25,7 @@ def hf_model(cfg, seed=0):
     return random_hf_gpt2(cfg, seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [SMALL, ModelConfig(name="v", n_layer=2, n_embd=48, n_head=3,
                                                      n_positions=32, vocab_size=50257, n_inner=80,
                                                      resid_pdrop=0.0, embd_pdrop=0.0,
@@ -48,6 +54,7 @@ def test_parameter_count_matches_hf_and_embedding_is_tied():
     assert ours.transformer.wte.weight.shape == (256, SMALL.n_embd)  # vocab 211 padded to 128
 
 
+@pytest.mark.slow
 def test_gpt2_presets_have_hf_parameter_counts():
     # Published sizes: 124M, 355M, 774M, 1558M (unique parameters, tied embedding once).
     from megalite.config import load_config
@@ -61,11 +68,13 @@ def test_gpt2_presets_have_hf_parameter_counts():
             assert count_parameters(GPT2(m)) == n, name
 
 
+@pytest.mark.slow
 def test_init_statistics():
     cfg = ModelConfig(n_layer=8, n_embd=256, n_head=4, vocab_size=1000)
     m = GPT2(cfg)
     init_parameters(m, seed=0)
-    std = lambda t: t.float().std().item()
+    def std(t):
+        return t.float().std().item()
     h0 = m.transformer.h["0"]
     assert std(h0.attn.c_attn.weight) == pytest.approx(0.02, rel=0.05)
     assert std(h0.mlp.c_proj.weight) == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
@@ -91,6 +100,7 @@ def test_flops_per_token_formula():
     assert flops_per_token(cfg, 32) == 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * 32
 
 
+@pytest.mark.slow
 def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
     from transformers import GPT2LMHeadModel
 

@@ -11,8 +11,15 @@ import torch
 from megalite.config import ConfigError, load_config
 from megalite.layout import partition_layers, stage_chunks, validate
 from megalite.parallel.pipeline import Event, StepTrace
-from megalite.parallel.schedule import (Op, OpKind, expected_bubble, max_in_flight, peak_live_bytes,
-                                        plan_rounds, stage_order)
+from megalite.parallel.schedule import (
+    Op,
+    OpKind,
+    expected_bubble,
+    max_in_flight,
+    peak_live_bytes,
+    plan_rounds,
+    stage_order,
+)
 from megalite.spawn import run_ranks
 from tests.layouts import assert_equal, from_step, train_layout, train_layouts
 
@@ -185,6 +192,7 @@ def _check(serial, ranks, pp, v=1):
         assert max(res["in_flight"]) <= limit, (stage, res["in_flight"])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pp,tp,ms", [
     (2, 1, (1, 6)),  # m < pp, m > pp
     (2, 2, (2,)),  # m = pp
@@ -200,6 +208,7 @@ def test_training_equals_pp1(tiny_data, tmp_path, serial_runs, pp, tp, ms):
         _check(serial_runs[m], ranks, pp)
 
 
+@pytest.mark.distributed
 def test_tied_embedding_copies_stay_identical(tiny_data, tmp_path, serial_runs):
     """The first stage's token embedding and the last stage's LM-head copy start equal, get
     the same (summed) gradient and stay equal, step after step; with sequence parallelism and
@@ -214,6 +223,7 @@ def test_tied_embedding_copies_stay_identical(tiny_data, tmp_path, serial_runs):
                                last["params"][step]["models.0.lm_head.weight"])
 
 
+@pytest.mark.distributed
 def test_edge_stages_with_fewer_blocks(tiny_data, tmp_path, serial_runs):
     ranks = train_layout(tmp_path, 3, _layout(tiny_data, 3, 1, 4,
                                               ["parallel.edge_stage_layers=1"]))
@@ -223,6 +233,7 @@ def test_edge_stages_with_fewer_blocks(tiny_data, tmp_path, serial_runs):
     assert blocks == {0: ["0"], 1: ["1", "2"], 2: ["3"]}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("pp,tp,m,extra", [
     (2, 1, 2, []),  # m = pp: every forward of both chunks is warmup on stage 0
     (2, 2, 4, ["sp=true"]),  # with TP + SP
@@ -241,6 +252,7 @@ def test_interleaved_training_equals_pp1(tiny_data, tmp_path, serial_runs, pp, t
     _check(serial, train_layout(tmp_path, pp * tp, overrides), pp, v=2)
 
 
+@pytest.mark.distributed
 def test_interleaved_with_zero_and_resharded_resume(tiny_data, tmp_path, serial_runs):
     """pp2 x dp2 with virtual_stages=2 under zero 3 equals the pp=1 run; its step-5 checkpoint
     resumes under (pp2, v2, zero 1), (pp2, v2, zero 2) and (pp4, v1): steps 6-10 equal the
@@ -269,11 +281,11 @@ def _slow_middle_stage(rank, world, m):
     import time
 
     from megalite.config import ModelConfig, OptimConfig
+    from megalite.layout import Layout
     from megalite.model.init import init_parameters
     from megalite.model.stage import build_stage
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology
-    from megalite.layout import Layout
     from megalite.parallel.zero import ZeroEngine
 
     topo = build_topology(1, world, 1)
@@ -303,6 +315,7 @@ def _slow_middle_stage(rank, world, m):
     return [(e.kind, e.micro_batch, e.start, e.end) for e in schedule.trace.events]
 
 
+@pytest.mark.distributed
 def test_a_stage_does_not_wait_for_its_sends():
     """Stage 0 of pp=3 runs F0 F1 F2 before its first backward (1F1B warmup) and F2 needs
     nothing from the other stages. Stage 1 receives F1's activation only after its own slow

@@ -8,9 +8,9 @@ import torch
 
 from megalite.bench.tensor import saved_activation_bytes
 from megalite.config import load_config
+from megalite.layout import Layout
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
-from megalite.layout import Layout
 from megalite.plan import make_plan
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, train_layouts
@@ -38,6 +38,7 @@ def measured(tiny_data, tmp_path_factory):
     return runs, train_layouts(tmp_path_factory.mktemp("plan"), 8, runs, steps=2)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
 def test_plan_matches_measured_state_and_traffic(measured, index):
     runs, results = measured
@@ -86,6 +87,7 @@ def run_plan(*args):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_plan_script_reports_checks_and_flags_memory():
     ok = run_plan("--world-size", "16", "model=gpt2-large", "tp=4", "pp=2", "zero=1", "sp=true",
                   "train.seq_len=1024", "train.micro_batch_size=4", "train.global_batch_size=256")

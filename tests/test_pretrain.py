@@ -33,11 +33,12 @@ def pretrain(run_dir, *overrides, nproc=1, expect_ok=True, timeout=300):
 
 def read_metrics(run_dir):
     """(header, records) of the latest run segment: a resumed run appends a new header line."""
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = max(i for i, line in enumerate(lines) if "run" in line)
     return lines[last]["run"], lines[last + 1:]
 
 
+@pytest.mark.distributed
 def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_path):
     run = tmp_path / "run"
     pretrain(run, f"data.dir={tiny_data}", "train.max_steps=60", "train.eval_every=30",
@@ -69,6 +70,7 @@ def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_p
     assert (run / "checkpoints" / "step_00000060" / "meta.json").is_file()
 
 
+@pytest.mark.distributed
 def test_resume_continues_the_same_loss_curve(tiny_data, tmp_path):
     common = [f"data.dir={tiny_data}", "train.max_steps=12", "train.eval_every=0", "log.every=1",
               "log.wandb=false", "model.resid_pdrop=0.1", "model.attn_pdrop=0.1",
@@ -91,6 +93,7 @@ def test_resume_continues_the_same_loss_curve(tiny_data, tmp_path):
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight[6:]]
 
 
+@pytest.mark.distributed
 def test_two_ranks_under_torchrun_equal_one(tiny_data, tmp_path):
     common = [f"data.dir={tiny_data}", "train.max_steps=5", "train.eval_every=0", "log.every=1",
               "log.wandb=false", "precision=fp32"]
@@ -110,6 +113,7 @@ def test_two_ranks_under_torchrun_equal_one(tiny_data, tmp_path):
     assert "dp/all_reduce" not in one[0]["comm"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("overrides,needle", [
     (["model=gpt5"], "Could not find 'model/gpt5'"),
     (["train.seq_len=100"], "train.seq_len=100"),
@@ -130,6 +134,7 @@ def test_bad_input_fails_before_anything_is_written(tiny_data, tmp_path, overrid
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
 
 
+@pytest.mark.distributed
 def test_pipeline_run_reports_its_bubble_and_dumps_the_schedule(tiny_data, tmp_path):
     run = tmp_path / "run"
     pretrain(run, f"data.dir={tiny_data}", "pp=2", "train.micro_batch_size=4",

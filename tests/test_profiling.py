@@ -24,6 +24,7 @@ def _fit(rank, world, tiny_data, run_dir):
     return [r["loss"] for r in records]
 
 
+@pytest.mark.distributed
 def test_profiled_window_writes_a_trace_and_a_table_per_rank(tiny_data, tmp_path):
     """Steps 2 and 3, and only they, are in every rank's Chrome trace (with the operators run
     inside them and the pipeline's point-to-point traffic); the table lists operators."""

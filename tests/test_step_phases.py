@@ -11,9 +11,9 @@ from megalite.config import ConfigError, load_config
 from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
+from megalite.train.build import build_trainer
 from megalite.train.metrics import wandb_row
 from megalite.train.timers import PHASES
-from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -37,6 +37,7 @@ def _slowed(rank, world, tiny_data, run_dir):
     return trainer.fit()
 
 
+@pytest.mark.distributed
 def test_each_phase_is_reported_for_its_slowest_rank(tiny_data, tmp_path):
     """Rank 1's slow gradient sync and rank 0's slow data reading both show, on every rank's
     record, in their own phase; no phase is longer than the step. (The two delays overlap in
@@ -81,6 +82,7 @@ def _collections(rank, world, tiny_data, run_dir, every):
     return {"collected_after": seen, "enabled_after": gc.isenabled()}
 
 
+@pytest.mark.distributed
 def test_scheduled_gc_collects_after_the_same_steps_on_every_rank(tiny_data, tmp_path):
     out = run_ranks(_collections, 2, args=(tiny_data, str(tmp_path), 2), timeout_s=300)
     for res in out:  # once at the start, then after steps 2, 4 and 6

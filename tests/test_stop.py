@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
+from megalite.checkpoint.resolve import complete_checkpoints
 from megalite.config import ConfigError, load_config
 from megalite.layout import validate
 from megalite.runtime import init_runtime
 from megalite.spawn import run_ranks
-from megalite.checkpoint.resolve import complete_checkpoints
 from megalite.train.build import build_trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
@@ -49,6 +49,7 @@ def _complete(run_dir):
     return [int(p.name[5:]) for p in complete_checkpoints(run_dir / "ckpt")]
 
 
+@pytest.mark.distributed
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tiny_data, tmp_path):
     """Only rank 1 gets SIGUSR1, after step 2: both ranks finish step 2, save it, log it and
     return; the resumed run trains steps 3-5."""
@@ -63,6 +64,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tiny_data, tm
     assert _complete(tmp_path) == [2, 5]
 
 
+@pytest.mark.distributed
 def test_the_time_budget_stops_the_run_with_a_checkpoint(tiny_data, tmp_path):
     """train.max_minutes far below one step: every rank stops after step 1 with its
     checkpoint; without the budget the run resumes there and finishes."""

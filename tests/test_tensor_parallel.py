@@ -27,8 +27,12 @@ def _layers(rank, world):
 
 def _layer_errors(rank, world, sp):
     """Every layer's outputs and gradients against the reference's, on this rank's slice."""
-    from megalite.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
-                                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
+    from megalite.parallel.tensor import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        vocab_parallel_cross_entropy,
+    )
 
     topo = build_topology(world, 1, 1)
     g, tp = topo.tp_group, world
@@ -116,6 +120,7 @@ def _layer_errors(rank, world, sp):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layers_equal_their_serial_reference(tp):
     """With and without sequence parallelism; errors relative to the reference's magnitude."""
@@ -138,6 +143,7 @@ def _logits_vs_hf(rank, world, cfg, sp, state, ids, ref_logits, ref_loss):
     return (logits - ref_logits).abs().max().item(), abs(loss.item() - ref_loss)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
 def test_gpt2_logits_equal_transformers_with_the_gpt2_vocabulary(tp, sp):
     """vocab 50257 is not divisible by tp: padded to 50432 / 50688, padding never shows."""
@@ -166,6 +172,7 @@ def _common(tiny_data):
     return [f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_training_equals_tp1(tiny_data, tmp_path, serial_run, tp):
     """10 optimizer steps (fp32, dropout 0), sequence parallelism off and on, and on with the
@@ -199,6 +206,7 @@ def _rng_regions(rank, world):
     return outside, inside, again, hidden.detach()
 
 
+@pytest.mark.distributed
 def test_dropout_masks_differ_inside_and_agree_outside_tp_regions():
     (o0, i0, a0, h0), (o1, i1, a1, h1) = run_ranks(_rng_regions, 2)
     assert torch.equal(o0, o1) and torch.equal(a0, a1)
@@ -207,6 +215,7 @@ def test_dropout_masks_differ_inside_and_agree_outside_tp_regions():
     assert torch.equal(h0, h1)  # replicated residual stream: same masks, same values
 
 
+@pytest.mark.distributed
 def test_dropout_run_is_reproducible_from_its_seed(tiny_data, tmp_path):
     """Same seed, same losses; another seed, other losses. With activation recomputation the
     re-run forward in backward draws the same masks as the first (replicated and TP streams
@@ -244,6 +253,7 @@ def _activation_bytes(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_activation_memory_per_layer_matches_the_formula():
     """What autograd keeps per layer: e·sbh(4 + 12/t) with TP, e·sbh·16/t with TP + SP (plus
     LayerNorm statistics and the attention log-sum-exp); megalite/bench/tensor.py derives it."""
@@ -280,6 +290,7 @@ def _regions(rank, world):
     return out, full, grads
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_five_regions_forward_and_backward(world):
     """copy_to_tp: identity / all-reduce; reduce_from_tp: all-reduce / identity;
@@ -289,7 +300,8 @@ def test_the_five_regions_forward_and_backward(world):
     _, full, grads = results[0]
     total = sum(range(1, world + 1))
     for rank, (out, _, _) in enumerate(results):
-        chunk = lambda t: t.chunk(world)[rank]
+        def chunk(t):
+            return t.chunk(world)[rank]
         y, dx = out["copy_to_tp"]
         assert torch.equal(y, full) and torch.allclose(dx, grads.sum(0))
         y, dx = out["reduce_from_tp"]

@@ -67,6 +67,7 @@ def _groups_on_ranks(rank, world, tp, pp, dp):
     return out, topo.counter.snapshot()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 2, 2)])
 def test_real_groups_reduce_over_their_members(tp, pp, dp):
     results = run_ranks(_groups_on_ranks, tp * pp * dp, args=(tp, pp, dp))
@@ -90,6 +91,7 @@ def _fails_on_rank_one(rank, world):
     dist.barrier()
 
 
+@pytest.mark.distributed
 def test_launcher_surfaces_a_rank_failure():
     with pytest.raises(RankFailure, match="planted failure"):
         run_ranks(_fails_on_rank_one, 2, timeout_s=30)

@@ -8,10 +8,10 @@ import torch
 from megalite.config import OptimConfig, load_config
 from megalite.layout import validate
 from megalite.runtime import init_runtime
-from megalite.train.optim import lr_at
-from megalite.train.build import build_trainer
-from tests.conftest import TINY
 from megalite.spawn import run_ranks
+from megalite.train.build import build_trainer
+from megalite.train.optim import lr_at
+from tests.conftest import TINY
 
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false"]
@@ -30,6 +30,7 @@ def _close(a, b, rel=1e-5):
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("dp", [2, 4])
 def test_data_parallel_equals_serial(tiny_data, tmp_path, dp):
     common = [f"data.dir={tiny_data}", "train.max_steps=10", "train.eval_every=5",
@@ -46,6 +47,7 @@ def test_data_parallel_equals_serial(tiny_data, tmp_path, dp):
     assert serial[-1][0] < serial[0][0]
 
 
+@pytest.mark.distributed
 def test_gradient_accumulation_equals_one_big_micro_batch(tiny_data, tmp_path):
     common = [f"data.dir={tiny_data}", "train.max_steps=4", "train.eval_every=0"]
     (big, _), = run_ranks(_train, 1, args=(common + ["train.micro_batch_size=16"], str(tmp_path)))
@@ -84,6 +86,7 @@ def test_other_lr_schedules(schedule, at_60, at_100):
         assert lr_at(29, short, 110) == 1.0 and lr_at(40, short, 110) == pytest.approx(0.55)
 
 
+@pytest.mark.slow
 def test_a_step_that_evaluates_writes_a_metrics_line(tiny_data, tmp_path):
     """Validation every 3 steps, metrics every 2: the evaluations at steps 3 and 6 are logged
     (with their own lines where the metrics schedule has none)."""

@@ -56,6 +56,7 @@ def _check_accounting(ranks, zero: int, dp: int, m: int) -> None:
             (zero, res["step_comm"])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("dp", [2, 4])
 def test_every_stage_equals_serial(tiny_data, tmp_path, serial_run, dp):
     """zero 0-3 at this DP size, 10 steps each; and the bytes held and sent per rank."""
@@ -66,6 +67,7 @@ def test_every_stage_equals_serial(tiny_data, tmp_path, serial_run, dp):
         _check_accounting(ranks, zero, dp, m)
 
 
+@pytest.mark.distributed
 def test_composed_with_tensor_and_pipeline_parallelism(tiny_data, tmp_path, serial_run):
     """tp=2 pp=2 dp=2 (8 ranks) with zero 1 and zero 3 (sequence parallel on for the latter):
     TP-local slices sharded over DP, each stage over its own DP group, the tied embedding's
@@ -84,6 +86,7 @@ def test_composed_with_tensor_and_pipeline_parallelism(tiny_data, tmp_path, seri
         assert dp_wire_bytes(recomputed["step_comm"]) == dp_wire_bytes(plain["step_comm"])
 
 
+@pytest.mark.distributed
 def test_zero3_keeping_gathered_blocks_for_the_step(tiny_data, tmp_path, serial_run):
     """reshard_after_forward=false under PP: the same numbers, one all-gather per unit per step
     instead of two per micro-batch (Ψ + mΨ reduce-scatters)."""
@@ -96,6 +99,7 @@ def test_zero3_keeping_gathered_blocks_for_the_step(tiny_data, tmp_path, serial_
         assert dp_wire_bytes(res["step_comm"]) == pytest.approx(want, rel=0.05)
 
 
+@pytest.mark.distributed
 def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
     """Tiny buckets (one per parameter: many reductions in flight during backward) over 3 DP
     ranks: most buckets do not divide by 3 and are padded, not refused; still the serial run."""
@@ -108,6 +112,7 @@ def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
             assert res["bytes"]["params"] > 4 * res["local_numel"]
 
 
+@pytest.mark.distributed
 def test_overlapped_parameter_gather_equals_serial(tiny_data, tmp_path, serial_run):
     """parallel.overlap_param_gather: zero 1 and zero 2 (many small buckets) at dp 2, and zero 1
     under pp 2: the gathers run during the next forward, and still every step equals the
@@ -160,6 +165,7 @@ def _gather_and_forward_order(rank, world, tiny_data, run_dir):
     return events, needs, len(gather.order)
 
 
+@pytest.mark.distributed
 def test_each_block_waits_for_its_own_buckets_only(tiny_data, tmp_path):
     """Each unit's forward comes after the waits for every bucket holding its parameters, and
     the first unit runs before the last bucket has been waited for (the gathers overlap the

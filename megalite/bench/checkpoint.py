@@ -32,10 +32,10 @@ def _directory_bytes(path: Path) -> int:
 
 
 def _build(preset: str, dp: int, zero: int, root: Path):
+    from megalite.layout import Layout
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.topology import build_topology
-    from megalite.layout import Layout
     from megalite.parallel.zero import ZeroEngine
 
     cfg = load_config([f"model={preset}", f"zero={zero}", "device=cpu",
@@ -50,11 +50,11 @@ def _build(preset: str, dp: int, zero: int, root: Path):
 def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     import torch.distributed as dist
 
-    from megalite.parallel.rng import RNGTracker
+    from megalite.checkpoint.async_save import CheckpointSaver
     from megalite.checkpoint.load import load_checkpoint
     from megalite.checkpoint.save import save_checkpoint, written_numel
     from megalite.checkpoint.state import ProcessRNG, Progress
-    from megalite.checkpoint.async_save import CheckpointSaver
+    from megalite.parallel.rng import RNGTracker
 
     root = Path(root)
     zero = 1 if world > 1 else 0

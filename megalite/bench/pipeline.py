@@ -46,14 +46,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.config import ModelConfig, OptimConfig
+from megalite.layout import Layout, stage_chunks
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
-from megalite.model.stage import PipelineStage as Chunks, build_stage
+from megalite.model.stage import PipelineStage as Chunks
+from megalite.model.stage import build_stage
 from megalite.parallel.pipeline import PipelineSchedule
-from megalite.layout import stage_chunks
 from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import build_topology
-from megalite.layout import Layout
 from megalite.parallel.zero import ZeroEngine
 from megalite.spawn import run_ranks
 
@@ -111,8 +111,7 @@ def _megalite(cfg, topo, blocks, o):
 
 
 def _pipelining(cfg, topo, blocks, m):
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     model = _stage_model(cfg, topo, blocks)
     v, first, last = len(blocks), topo.is_first_stage, topo.is_last_stage

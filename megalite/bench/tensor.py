@@ -35,12 +35,12 @@ from typing import Dict, List
 import torch
 
 from megalite.config import ModelConfig, OptimConfig
+from megalite.layout import Layout
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
-from megalite.layout import Layout
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan import layer_activation_bytes
 from megalite.spawn import run_ranks

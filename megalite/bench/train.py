@@ -24,12 +24,12 @@ import torch
 
 from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 from megalite.config import ATTENTION_CHOICES, OptimConfig, load_config
+from megalite.layout import PRECISION_DTYPES, Layout
 from megalite.model.gpt2 import GPT2, flops_per_token
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
-from megalite.layout import PRECISION_DTYPES, Layout
 from megalite.parallel.zero import ZeroEngine
 from megalite.train.metrics import peak_tflops
 

@@ -12,8 +12,15 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from megalite.checkpoint.format import (KINDS, CheckpointError, Reader, check_compatible,
-                                        read_meta, verify_file, verify_ranges)
+from megalite.checkpoint.format import (
+    KINDS,
+    CheckpointError,
+    Reader,
+    check_compatible,
+    read_meta,
+    verify_file,
+    verify_ranges,
+)
 from megalite.checkpoint.resolve import candidates
 from megalite.config import Config
 from megalite.log import get_logger

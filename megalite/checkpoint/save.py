@@ -20,9 +20,15 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megalite.checkpoint.format import (CRC_BLOCK_BYTES, FORMAT_VERSION, KINDS,
-                                        CheckpointError, meta_crc32, spec_record,
-                                        written_range)
+from megalite.checkpoint.format import (
+    CRC_BLOCK_BYTES,
+    FORMAT_VERSION,
+    KINDS,
+    CheckpointError,
+    meta_crc32,
+    spec_record,
+    written_range,
+)
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import Progress
 from megalite.config import Config, data_sources

@@ -34,10 +34,15 @@ from megalite.model.attention import kernel_region
 from megalite.parallel.comm import Group, single_rank_group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.rng import RNGTracker
-from megalite.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
-                                      VocabParallelEmbedding, column_parallel_linear,
-                                      gather_vocab, sequence_chunk,
-                                      vocab_parallel_cross_entropy)
+from megalite.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    gather_vocab,
+    sequence_chunk,
+    vocab_parallel_cross_entropy,
+)
 
 RegionFactory = Callable[[], contextlib.AbstractContextManager]
 

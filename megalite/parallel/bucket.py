@@ -22,7 +22,6 @@ from megalite.parallel.flat import FlatShards, Segment
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
-
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 

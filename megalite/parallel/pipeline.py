@@ -10,7 +10,8 @@ end of the step (Megatron's overlap_p2p_comm), so a stage that is ahead never wa
 slower neighbour's operation of the same round. Once sent, a stage's output keeps only its
 autograd graph (Megatron's "deallocate_output_tensor"); its memory goes once its batch and the
 batches posted before it are done (NCCL reports that as it happens; gloo only when waited for,
-so on CPU at the end of the step). A backward is started with the received gradient directly on the autograd engine.
+so on CPU at the end of the step). A backward is started with the received gradient directly
+on the autograd engine.
 """
 from __future__ import annotations
 

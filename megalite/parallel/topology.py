@@ -173,7 +173,7 @@ def _names_groups() -> bool:
 
 def _host_backend() -> str:
     """The checkpoint group's backend: gloo (CPU tensors beside NCCL's), except under PyTorch's
-    fake backend (`megalite.verify_rank`), which simulates every group and has no store that
+    fake backend (`megalite.cli.verify_rank`), which simulates every group and has no store that
     a real gloo group could rendezvous on."""
     return "fake" if dist.get_backend() == "fake" else "gloo"
 

@@ -120,7 +120,7 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker
                 ) -> PipelineStage:
     """This rank's model chunks, initialised to the same global weights in every layout (and
-    loaded from `init_from` where set). On the meta device (`megalite.verify_rank`) the
+    loaded from `init_from` where set). On the meta device (`megalite.cli.verify_rank`) the
     tensors have shapes and no values: nothing is initialised or loaded."""
     topo, layout = runtime.topology, runtime.layout
     with torch.device(runtime.device):

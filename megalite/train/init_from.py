@@ -10,11 +10,16 @@ from typing import Dict
 
 import torch
 
+from megalite.checkpoint.format import (
+    SHAPE_KEYS,
+    CheckpointError,
+    read_global_state,
+    read_meta,
+    shape_mismatch,
+)
+from megalite.checkpoint.resolve import find_checkpoint
 from megalite.config import ConfigError, ModelConfig
 from megalite.model import hf
-from megalite.checkpoint.format import (SHAPE_KEYS, CheckpointError, read_global_state,
-                                        read_meta, shape_mismatch)
-from megalite.checkpoint.resolve import find_checkpoint
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Tuple
 
+from megalite.checkpoint.resolve import check_resume
 from megalite.config import Config, data_sources
 from megalite.data.loader import check_data
 from megalite.layout import Layout, device_type_for, validate
 from megalite.train.init_from import check_init_from
-from megalite.checkpoint.resolve import check_resume
 
 
 def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,

@@ -97,7 +97,7 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     start = clock()
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,
                           timeout_s=cfg.parallel.timeout_s,
-                          checkpoint_group=cfg.checkpoint.async_save)
+                          checkpoint_timeout_s=cfg.checkpoint.timeout_s)
     built_topology = clock()
     c = topo.coords
     blocks = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
@@ -254,3 +254,7 @@ def main(argv=None) -> None:
         print(f"megalite: {e}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(result.as_dict(), indent=1) if args.json else result.table())
+
+
+if __name__ == "__main__":
+    main()
