@@ -33,11 +33,19 @@ def device_type_for(setting: str, local_gpus: Optional[int]) -> str:
     return "cuda" if setting in ("auto", "cuda") and local_gpus else "cpu"
 
 
-def resolved_precision(precision: str, device_type: str) -> str:
+@dataclass(frozen=True)
+class GpuInfo:
+    """What a node's GPUs can do, as far as the configuration cares (`runtime.local_gpu`)."""
+
+    name: str
+    bf16: bool  # compute capability >= 8.0 (Ampere on); V100, T4 have none
+
+
+def resolved_precision(precision: str, device_type: str, bf16: bool = True) -> str:
     """What `precision` computes in on `device_type`: bf16, fp16 or fp32 (auto = bf16 on
-    CUDA, fp32 elsewhere)."""
+    CUDA, fp16 with loss scaling on GPUs without bf16, fp32 elsewhere)."""
     if precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
+        return ("bf16" if bf16 else "fp16") if device_type == "cuda" else "fp32"
     return precision
 
 
@@ -63,13 +71,15 @@ class Layout:
         return cls(tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size, **fields)
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu") -> "Layout":
-        """The layout of `cfg` (already validated) on `world_size` ranks of `device_type`."""
+    def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu",
+                    bf16: bool = True) -> "Layout":
+        """The layout of `cfg` (already validated) on `world_size` ranks of `device_type`
+        (`bf16`: whether its GPUs compute in bf16)."""
         return cls(tp_size=cfg.tp, pp_size=cfg.pp, dp_size=world_size // (cfg.tp * cfg.pp),
                    zero_stage=cfg.zero, sequence_parallel=cfg.sp and cfg.tp > 1,
                    virtual_stages=cfg.parallel.virtual_stages,
                    micro_batch_size=cfg.train.micro_batch_size,
-                   precision=resolved_precision(cfg.precision, device_type),
+                   precision=resolved_precision(cfg.precision, device_type, bf16),
                    device_type=device_type)
 
     @property
@@ -218,24 +228,26 @@ def stage_chunks(n_layer: int, pp: int, v: int = 1, edge_stage_layers: Optional[
 
 
 def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
-             local_ranks: int = 1) -> List[str]:
+             local_ranks: int = 1, gpu: Optional[GpuInfo] = None) -> List[str]:
     """Check the configuration for `world_size` ranks; raise ConfigError (naming the key, the
     value and what would work) on the first violation, return the warnings (legal but
     probably unintended settings) for the caller to print.
 
     Runs before any process group is created or any file is written. `local_gpus` is the
     number of GPUs of one node (None on CPU); `local_ranks` the processes started on this node
-    (torchrun's --nproc_per_node), one GPU each on CUDA."""
+    (torchrun's --nproc_per_node), one GPU each on CUDA; `gpu` what they can do (None: a GPU
+    with bf16)."""
     check_sections(cfg)
-    return check_cross_section(cfg, world_size, local_gpus, local_ranks)
+    return check_cross_section(cfg, world_size, local_gpus, local_ranks, gpu)
 
 
 def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
-                        local_ranks: int = 1) -> List[str]:
+                        local_ranks: int = 1, gpu: Optional[GpuInfo] = None) -> List[str]:
     """The rules that join sections or involve the world size and the node's GPUs."""
     warnings: List[str] = []
     _check_grid(cfg, world_size)
     _check_device(cfg, local_gpus, local_ranks)
+    warnings += _check_precision(cfg, device_type_for(cfg.device, local_gpus), gpu)
     _check_model_split(cfg)
     if local_gpus is not None and cfg.tp > local_gpus:
         warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
@@ -347,16 +359,38 @@ def _check_rampup_units(cfg: Config, dp: int) -> None:
               f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
 
 
+def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> List[str]:
+    """Precision x device x attention kernel: what cannot run is refused before launch."""
+    bf16 = gpu is None or gpu.bf16
+    name = gpu.name if gpu is not None else "this GPU"
+    if device_type == "cuda" and cfg.precision == "bf16" and not bf16:
+        _fail("precision", "bf16", f"{name} does not compute in bf16 (compute capability below "
+              "8.0: V100, T4, ...); use precision=fp16 (with loss scaling) or auto")
+    precision = resolved_precision(cfg.precision, device_type, bf16)
+    if cfg.loss_scale.static is not None and precision != "fp16":
+        _fail("loss_scale.static", cfg.loss_scale.static, f"only precision=fp16 scales the loss "
+              f"(precision={cfg.precision!r}: bf16 and fp32 share fp32's exponent range and "
+              "need no scaling); remove it or set precision=fp16")
+    attention = cfg.train.attention
+    if device_type == "cuda" and attention in ("flash", "cudnn"):
+        if precision == "fp32":
+            _fail("train.attention", attention, "this kernel computes in fp16/bf16 only; with "
+                  "precision=fp32 use auto, efficient or math")
+        if not bf16:
+            _fail("train.attention", attention, f"this kernel needs an Ampere or newer GPU "
+                  f"({name} is older); use auto, efficient or math")
+    if device_type == "cuda" and cfg.precision == "auto" and not bf16:
+        return [f"{name} does not compute in bf16: precision=auto trains in fp16 with dynamic "
+                "loss scaling (loss_scale.*); set precision=fp32 for full precision"]
+    return []
+
+
 def _check_other_pairs(cfg: Config) -> None:
     if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
         _fail("parallel.overlap_param_gather", True,
               f"needs zero=1 or zero=2 (zero={cfg.zero}: "
               + ("no parameter gather to overlap" if cfg.zero == 0 else
                  "ZeRO-3 gathers each block before use and prefetches the next already") + ")")
-    if cfg.loss_scale.static is not None and cfg.precision != "fp16":
-        _fail("loss_scale.static", cfg.loss_scale.static, f"only precision=fp16 scales the loss "
-              f"(precision={cfg.precision!r}: bf16 and fp32 share fp32's exponent range and "
-              "need no scaling); remove it or set precision=fp16")
     steps = cfg.log.profile_steps
     if steps is not None and steps[0] > cfg.train.max_steps:
         _fail("log.profile_steps", list(steps),

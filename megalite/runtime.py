@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import Config
-from megalite.layout import Layout, device_type_for
+from megalite.layout import GpuInfo, Layout, device_type_for
 from megalite.parallel.topology import Topology, build_topology
 
 
@@ -24,6 +24,7 @@ class Runtime:
     layout: Layout
     topology: Topology
     device: torch.device
+    local_rank: int = 0  # this process's index on its node
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -45,10 +46,21 @@ def local_gpus() -> Optional[int]:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
+def local_gpu() -> Optional[GpuInfo]:
+    """What this node's GPUs can do (the first one's name and bf16 support), None without
+    CUDA. bf16 by compute capability >= 8.0: `is_bf16_supported()` also answers True where
+    bf16 is only emulated."""
+    if not torch.cuda.is_available():
+        return None
+    return GpuInfo(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)[0] >= 8)
+
+
 def run_layout(cfg: Config) -> Layout:
     """The layout of this launch: `cfg` (validated) on the launcher's world size, on the
     device kind this node offers for `cfg.device`."""
-    return Layout.from_config(cfg, world_size_from_env(), device_type_for(cfg.device, local_gpus()))
+    gpu = local_gpu()
+    return Layout.from_config(cfg, world_size_from_env(), device_type_for(cfg.device, local_gpus()),
+                              bf16=gpu is None or gpu.bf16)
 
 
 def local_device(layout: Layout, local_rank: int) -> torch.device:
@@ -73,7 +85,7 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,
                           timeout_s=cfg.parallel.timeout_s,
                           checkpoint_timeout_s=cfg.checkpoint.timeout_s)
-    return Runtime(layout=layout, topology=topo, device=device)
+    return Runtime(layout=layout, topology=topo, device=device, local_rank=local_rank)
 
 
 def shutdown(runtime: Optional[Runtime] = None) -> None:

@@ -166,3 +166,27 @@ def test_an_installed_package_carries_its_configs(tmp_path):
                          text=True, env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "48"
+
+
+def test_precision_and_attention_follow_what_the_gpu_can_do():
+    """A GPU without bf16 (V100, T4): auto trains in fp16 with loss scaling and says so, an
+    explicit bf16 is refused naming the GPU; flash / cuDNN attention need half precision and
+    an Ampere or newer GPU. All before launch."""
+    from megalite.layout import GpuInfo, Layout
+
+    v100 = GpuInfo("Tesla V100-SXM2-32GB", bf16=False)
+    cfg = load_config(["device=cuda"])
+    (warning,) = validate(cfg, 1, local_gpus=1, gpu=v100)
+    assert "fp16 with dynamic loss scaling" in warning and "V100" in warning
+    assert Layout.from_config(cfg, 1, "cuda", bf16=False).precision == "fp16"
+    assert Layout.from_config(cfg, 1, "cuda").precision == "bf16"
+    with pytest.raises(ConfigError, match="precision='bf16': Tesla V100.* does not compute"):
+        validate(load_config(["device=cuda", "precision=bf16"]), 1, local_gpus=1, gpu=v100)
+    with pytest.raises(ConfigError, match="train.attention='flash': .*fp16/bf16 only"):
+        validate(load_config(["device=cuda", "precision=fp32", "train.attention=flash"]), 1,
+                 local_gpus=1)
+    with pytest.raises(ConfigError, match="train.attention='cudnn': .*Ampere or newer"):
+        validate(load_config(["device=cuda", "train.attention=cudnn"]), 1, local_gpus=1,
+                 gpu=v100)
+    validate(load_config(["device=cuda", "loss_scale.static=1024"]), 1, local_gpus=1, gpu=v100)
+    validate(load_config(["train.attention=flash", "precision=fp32"]), 1)  # CPU: fine

@@ -46,7 +46,7 @@ def test_reduced_precision_training_with_fp32_master_weights(compile, dtype, sca
     batch = [(w[:, :-1], w[:, 1:])]
     losses = []
     for _ in range(20):
-        losses.append(schedule.train_step(batch, loss_scale=scale))
+        losses.append(schedule.train_step(batch, loss_scale=scale).item())
         engine.finish_grad_sync()
         engine.clip_and_step(1e-3, 1.0, grad_scale=scale)
         engine.zero_grad()

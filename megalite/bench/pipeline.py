@@ -106,7 +106,7 @@ def _megalite(cfg, topo, blocks, o):
         engine.clip_and_step(LR, CLIP)
         engine.zero_grad()
         trace = schedule.trace
-        return loss, trace.busy, trace.wall
+        return loss.item(), trace.busy, trace.wall
     return step
 
 

@@ -105,7 +105,7 @@ def _megalite_step(name: str, model, mcfg, topo, batches, optim) -> Step:
         engine.clip_and_step(optim.lr, optim.grad_clip)
         state = sum(engine.state_bytes().values()) if probe else 0
         engine.zero_grad()
-        return loss, state
+        return loss.item(), state
     return step
 
 

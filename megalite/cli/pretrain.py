@@ -24,8 +24,9 @@ from megalite import log
 from megalite.cli import NO_HYDRA_OUTPUT
 from megalite.config import CONF_DIR, ConfigError, register_configs, to_config
 from megalite.data.loader import DataError
+from megalite.launch_env import export_launch_env, launch_env
 from megalite.plan import make_plan, memory_warning
-from megalite.runtime import init_runtime, local_gpus, shutdown, world_size_from_env
+from megalite.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.build import broadcast_run_dir, build_trainer
 from megalite.train.preflight import local_ranks_from_env, preflight
 
@@ -51,7 +52,7 @@ def pretrain(node) -> None:
     logger = log.configure(launch_rank(), cfg.log.all_ranks)
     try:
         layout, warnings = preflight(cfg, world_size_from_env(), local_gpus(),
-                                     local_ranks_from_env())
+                                     local_ranks_from_env(), local_gpu())
     except (ConfigError, DataError) as e:
         print(f"megalite: bad configuration: {e}", file=sys.stderr)
         sys.exit(2)
@@ -72,7 +73,13 @@ def pretrain(node) -> None:
 
 
 def main() -> None:
-    """`megalite-pretrain [overrides]`: Hydra reads the overrides from the command line."""
+    """`megalite-pretrain [overrides]`: Hydra reads the overrides from the command line. A
+    Slurm launch without torchrun gets torchrun's variables first (`megalite.launch_env`)."""
+    try:
+        export_launch_env(launch_env(gpus=local_gpus()))
+    except ConfigError as e:
+        print(f"megalite: bad launch: {e}", file=sys.stderr)
+        sys.exit(2)
     register_configs()
     keep_hydra_output_on_rank0()
     pretrain()

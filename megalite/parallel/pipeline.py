@@ -109,7 +109,7 @@ class _Pass:
     micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]
     training: bool
     loss_scale: float = 1.0
-    loss_sum: object = 0.0  # a device tensor in training (no sync), a float in evaluation
+    loss_sum: torch.Tensor = None  # on the device: no sync until the caller reads it
     received: Dict[Tuple[OpKind, int, int], Tuple[torch.Tensor, comm.PendingBatch]] = \
         field(default_factory=dict)
     posted: Deque[comm.PendingBatch] = field(default_factory=deque)
@@ -145,10 +145,12 @@ class PipelineSchedule:
         return plan_rounds(self.topo.pp_size, m, len(self.chunks), forward_only)[stage]
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                   loss_scale: float = 1.0) -> float:
+                   loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss on the last stage
-        (0.0 elsewhere). Gradients of the mean loss over the micro-batches, times
-        `loss_scale` (fp16 loss scaling; the engine unscales), accumulate."""
+        (0 elsewhere) as a device scalar: reading it waits for the device, which the caller
+        does after the step's gradient sync is enqueued. Gradients of the mean loss over the
+        micro-batches, times `loss_scale` (fp16 loss scaling; the engine unscales),
+        accumulate."""
         m = len(micro_batches)
         step_start = self.clock.mark()
         run = _Pass(micro_batches, training=True, loss_scale=loss_scale,
@@ -156,14 +158,16 @@ class PipelineSchedule:
         self._run(self._rounds(m, forward_only=False), run)
         self.peak_in_flight = run.peak_in_flight
         self._marks, self._step_marks = run.marks, (step_start, self.clock.mark())
-        return (run.loss_sum / m).item() if self.topo.is_last_stage else 0.0
+        return run.loss_sum / m if self.topo.is_last_stage else torch.zeros_like(run.loss_sum)
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Forward-only pass; the mean loss on the last stage (0.0 elsewhere)."""
-        run = _Pass(micro_batches, training=False)
+        """Forward-only pass; the mean loss on the last stage (0.0 elsewhere). The losses
+        add up on the device in fp64 (as Python floats would): one sync per evaluation."""
+        run = _Pass(micro_batches, training=False, loss_sum=torch.zeros(
+            (), dtype=torch.float64, device=micro_batches[0][0].device))
         self._run(self._rounds(len(micro_batches), forward_only=True), run)
-        return run.loss_sum / len(micro_batches) if self.topo.is_last_stage else 0.0
+        return run.loss_sum.item() / len(micro_batches) if self.topo.is_last_stage else 0.0
 
     def _run(self, rounds, run: _Pass) -> None:
         """The round loop: each round's operation, then its exchange; a sent activation keeps
@@ -201,7 +205,7 @@ class PipelineSchedule:
         if not run.training:
             out = model(inp, y if model.last else None)
             if model.last:
-                run.loss_sum += out.float().item()
+                run.loss_sum += out.double()
                 return []
             return [out]
         if arrived is not None:

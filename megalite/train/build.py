@@ -36,7 +36,7 @@ from megalite.parallel.zero import ZeroEngine
 from megalite.plan import make_plan
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
-from megalite.train.init_from import load_init_state
+from megalite.train.init_from import is_hub_id, load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import MetricsWriter, Peak, peak_tflops
 from megalite.train.profiling import StepProfiler
@@ -131,12 +131,24 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             recompute_layers=cfg.train.recompute_layers)
     if runtime.device.type == "meta":
         return model
-    init_state = load_init_state(cfg.init_from, cfg.model) if cfg.init_from else None
+    init_state = _init_state(cfg, runtime) if cfg.init_from else None
     for chunk in model.chunks:
         init_parameters(chunk, cfg.seed)
         if init_state is not None:
             load_global_state(chunk, init_state)
     return model
+
+
+def _init_state(cfg: Config, runtime: Runtime):
+    """The `init_from` weights. From the hub, the first rank of each node loads first (the
+    download lands in the node's Hugging Face cache) and the node's other ranks then read that
+    cache: one download per node, not one per rank at once."""
+    if not is_hub_id(cfg.init_from):
+        return load_init_state(cfg.init_from, cfg.model)
+    first = runtime.local_rank == 0
+    state = load_init_state(cfg.init_from, cfg.model) if first else None
+    comm.barrier(runtime.topology.world_group)
+    return state if first else load_init_state(cfg.init_from, cfg.model)
 
 
 def restore(trainer: Trainer) -> None:

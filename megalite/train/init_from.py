@@ -44,6 +44,12 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
         raise ConfigError(problem)
 
 
+def is_hub_id(source: str) -> bool:
+    """Whether `source` names a model on the Hugging Face hub (not a local directory or a
+    megalite checkpoint)."""
+    return find_checkpoint(source) is None and not Path(source).exists()
+
+
 def load_init_state(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """The global weights (HF names, nn.Linear layout, fp32, vocabulary unpadded) to start
     from; a megalite checkpoint's files are verified (size, CRC32) as they are read."""

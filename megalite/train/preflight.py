@@ -16,21 +16,24 @@ from typing import List, Optional, Tuple
 from megalite.checkpoint.resolve import check_resume
 from megalite.config import Config, data_sources
 from megalite.data.loader import check_data
-from megalite.layout import Layout, device_type_for, validate
+from megalite.layout import GpuInfo, Layout, device_type_for, validate
 from megalite.train.init_from import check_init_from
 
 
 def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
-              local_ranks: int = 1) -> Tuple[Layout, List[str]]:
+              local_ranks: int = 1, gpu: Optional[GpuInfo] = None
+              ) -> Tuple[Layout, List[str]]:
     """The run's layout and the warnings to print, or ConfigError / DataError."""
-    warnings = validate(cfg, world_size, local_gpus, local_ranks)
+    warnings = validate(cfg, world_size, local_gpus, local_ranks, gpu)
     check_data([d for d, _ in data_sources(cfg.data)], cfg.train.seq_len,
                cfg.train.global_batch_size, cfg.model.vocab_size,
                evaluates=cfg.train.eval_every > 0)
     if cfg.init_from:
         check_init_from(cfg.init_from, cfg.model)
     check_resume(cfg)
-    return Layout.from_config(cfg, world_size, device_type_for(cfg.device, local_gpus)), warnings
+    layout = Layout.from_config(cfg, world_size, device_type_for(cfg.device, local_gpus),
+                                bf16=gpu is None or gpu.bf16)
+    return layout, warnings
 
 
 def local_ranks_from_env() -> int:

@@ -162,7 +162,7 @@ class Trainer:
         self.last_lr = lr
         self.step += 1
         self._count_non_finite(finite)
-        return (loss if finite else None), norm.item()
+        return (loss.item() if finite else None), norm.item()
 
     def _count_non_finite(self, finite: bool) -> None:
         """Skipped steps, the loss scale's response, and the stop after too many in a row."""
