@@ -36,7 +36,9 @@ a full activation:
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
        TP-replicated gradients per step
   pp   per micro-batch and chunk: the activation forward and its gradient backward, e·s'bh
-       each (a chunk that starts / ends the model receives / sends none)
+       each (a chunk that starts / ends the model receives / sends none); with TP and no SP
+       1/t of it, the receiver all-gathering the rest over TP (+ (t−1)/t·e·sbh per received
+       tensor on the tp group; Narayanan et al. 2021 §4.1)
   dp   zero 0: all-reduce 4Ψ; zero 1: reduce-scatter 4Ψ + all-gather e·Ψ; zero 2: m
        reduce-scatters + all-gather; zero 3: per micro-batch all-gathers of e·(2Ψ − each chunk's
        last unit, which stays gathered from forward into backward) + reduce-scatter 4Ψ
@@ -282,11 +284,13 @@ def _stage_comm(d: _Dims, sums: _StageSums, tied: bool) -> Dict[str, float]:
     tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.dp_size, d.micro
     r, rd = _ring(tp), _ring(dp)
     shard = dp if lay.shards_optimizer else 1
+    # with TP and no SP each TP rank sends 1/tp of a transfer and the receiver all-gathers
+    scatter = tp if tp > 1 and not lay.sequence_parallel and pp > 1 else 1
     tp_bytes = micro * sums.tp_per_micro + (
-        2 * r * 4 * sums.replicated / shard if lay.sequence_parallel else 0) \
-        if tp > 1 else 0.0
+        2 * r * 4 * sums.replicated / shard if lay.sequence_parallel else 0) + (
+        micro * sums.sends * r * d.full if scatter > 1 else 0) if tp > 1 else 0.0
     pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
-                     * d.cfg.model.n_embd) if pp > 1 else 0.0
+                     * d.cfg.model.n_embd) / scatter if pp > 1 else 0.0
     dp_bytes = {0: 2 * rd * 4 * psi,
                 1: rd * (4 + e) * psi,
                 2: rd * (micro * 4 + e) * psi,

@@ -57,6 +57,14 @@ def test_plan_matches_measured_state_and_traffic(measured, index):
             got = sum(group_wire_bytes(r["step_comm"], group) for r in ranks) / len(ranks)
             assert got == pytest.approx(stage.comm[group], rel=0.02, abs=64), \
                 (runs[index], stage.stage, group, [r["step_comm"] for r in ranks])
+    if cfg.tp == 2 and cfg.pp == 2 and not cfg.sp:  # scatter/gather: 1/tp of each transfer
+        t = cfg.train
+        activation = 4 * t.seq_len * t.micro_batch_size * cfg.model.n_embd  # fp32 [s, b, h]
+        transfers = cfg.parallel.virtual_stages * 2 - 1  # per micro-batch: F out + B out
+        m = t.global_batch_size // (t.micro_batch_size * 2)
+        for res in results[index]:
+            sent = group_wire_bytes(res["step_comm"], "pp")
+            assert sent == m * transfers * activation / cfg.tp, (runs[index], sent)
 
 
 @pytest.mark.parametrize("recompute", [[], ["train.recompute=true"],

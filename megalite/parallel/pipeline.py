@@ -16,6 +16,7 @@ on the autograd engine.
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +32,24 @@ from megalite.parallel.topology import Topology
 
 
 class StageLink:
-    """Point-to-point traffic of one stage with the other stages of its pipeline group."""
+    """Point-to-point traffic of one stage with the other stages of its pipeline group: the
+    shapes of what travels, and how.
+
+    With TP and without SP every TP rank of a stage holds the same activation (and the same
+    input gradient): `scatter_group` (the TP group) makes each TP rank send only its 1/tp of
+    the flattened tensor to its peer (the same TP rank of the next / previous stage), and the
+    receiver all-gathers the pieces within its TP group (Narayanan et al. 2021, §4.1, the
+    scatter/gather optimization): the pipeline's bytes drop by tp, for an all-gather over the
+    fast intra-node TP links."""
 
     def __init__(self, topo: Topology, shape: Tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, scatter_group: Optional[comm.Group] = None):
         self.group = topo.pp_group
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.scatter = scatter_group if scatter_group is not None and \
+            scatter_group.size > 1 else None
+        numel = math.prod(shape)
+        self.wire_shape = shape if self.scatter is None else (numel // self.scatter.size,)
         # With NCCL, every member of a group must take part in its first call (the note of
         # torch.distributed.batch_isend_irecv), and a schedule's first transfers involve
         # only some stages: one collective over the pipeline group first.
@@ -46,12 +59,26 @@ class StageLink:
                  ) -> Tuple[List[torch.Tensor], comm.PendingBatch]:
         """Post one batch: send each (tensor, stage), receive one tensor from each source stage
         (in this order). Returns the receive buffers and the batch, which must be waited for
-        before they are read."""
-        received = [torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        before they are read (then `arrived` makes a buffer the tensor that was sent)."""
+        received = [torch.empty(self.wire_shape, dtype=self.dtype, device=self.device)
                     for _ in sources]
-        batch = comm.send_recv([(t.contiguous(), peer) for t, peer in sends],
+        batch = comm.send_recv([(self._outgoing(t), peer) for t, peer in sends],
                                list(zip(received, sources)), self.group, async_op=True)
         return received, batch
+
+    def _outgoing(self, t: torch.Tensor) -> torch.Tensor:
+        if self.scatter is None:
+            return t.contiguous()
+        return t.reshape(-1).chunk(self.scatter.size)[self.scatter.rank].contiguous()
+
+    def arrived(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The sent tensor from a received buffer (with scatter: gathered over TP; every TP
+        rank of the stage consumes its transfers in the same order, so the gathers match)."""
+        if self.scatter is None:
+            return buffer
+        full = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        comm.all_gather(full.view(-1), buffer, self.scatter)
+        return full
 
 
 @dataclass
@@ -86,11 +113,11 @@ class StepTrace:
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def _take(received: dict, key: Tuple[str, int, int]) -> torch.Tensor:
+def _take(received: dict, key: Tuple[OpKind, int, int], link: StageLink) -> torch.Tensor:
     """A received tensor, once the batch that brought it is done."""
     tensor, batch = received.pop(key)
     batch.wait()
-    return tensor
+    return link.arrived(tensor)
 
 
 def _backward_from(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
@@ -130,9 +157,10 @@ class PipelineSchedule:
     """
 
     def __init__(self, chunks: Sequence, topo: Topology, engine,
-                 activation_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device):
+                 activation_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 scatter_group: Optional[comm.Group] = None):
         self.chunks, self.topo, self.engine = list(chunks), topo, engine
-        self.link = StageLink(topo, activation_shape, dtype, device)
+        self.link = StageLink(topo, activation_shape, dtype, device, scatter_group)
         self.clock = DeviceClock(device)
         self._marks: list = []
         self._step_marks = None
@@ -188,7 +216,7 @@ class PipelineSchedule:
         model, key = self.chunks[op.chunk], (op.chunk, op.micro_batch)
         # the received input first (it may still be in flight): waiting is not computing
         edge = model.first if op.kind is F else model.last
-        arrived = None if edge else _take(run.received, (op.kind, *key))
+        arrived = None if edge else _take(run.received, (op.kind, *key), self.link)
         t0 = self.clock.mark()
         if op.kind is F:
             outgoing = self._forward(model, key, arrived, run)
