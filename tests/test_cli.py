@@ -97,7 +97,7 @@ def run_installed(venv: Path, command: str, *args, cwd: Path) -> subprocess.Comp
 def test_the_installed_commands_run_without_a_checkout(venv, tiny_data, tmp_path):
     """`megalite-pretrain` from the wheel: the package's configs, the run directory where
     hydra.run.dir says, rank 0's messages once on stderr and once in <run dir>/pretrain.log."""
-    assert {f"megalite-{m}" for m in COMMANDS} <= {p.name for p in (venv / "bin").iterdir()}
+    assert {f"megalite-{m.replace('_', '-')}" for m in COMMANDS} <= {p.name for p in (venv / "bin").iterdir()}
     where = run_installed(venv, "python", "-c", "import megalite; print(megalite.__file__)",
                           cwd=tmp_path)
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr

@@ -93,6 +93,36 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
             "async_published_s": published[1]}
 
 
+def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> dict:
+    """zero 0 on dp=world saves (each replica writes 1/dp); zero 1 on dp=world loads it (each
+    rank owns 1/dp of every tensor, cut differently): the bytes this rank verifies and reads
+    (format 4: the CRC blocks its ranges touch), next to what the whole files it touches
+    would cost (format 3 verified whole files)."""
+    from megalite.checkpoint.format import KINDS
+    from megalite.checkpoint.load import load_checkpoint
+    from megalite.checkpoint.save import save_checkpoint
+    from megalite.checkpoint.state import ProcessRNG, Progress
+    from megalite.parallel.rng import RNGTracker
+
+    cfg, topo, _, engine = _build(preset, world, 0, Path(root))
+    for piece, _, _ in engine.main_params:
+        piece.grad.normal_()
+    engine.clip_and_step(1e-4, 1.0)
+    rng = ProcessRNG(RNGTracker(0, 0, 0, rank, torch.device("cpu"))).state_dict()
+    path = save_checkpoint(Path(root), 1, engine, rng, Progress({"consumed_samples": 0}),
+                           cfg, topo, keep=1)
+    del engine
+    cfg1, topo1, _, fresh = _build(preset, world, 1, Path(root))
+    share = 4 * len(KINDS) * sum(p.hi - p.lo for p in fresh.state_pieces())
+    loaded = load_checkpoint(path, fresh, cfg1, topo1)
+    owned = {(p.spec.name, p.lo, p.hi) for p in fresh.state_pieces()}
+    names = {name for name, _, _ in owned}
+    touched = {p["file"] for p in loaded.meta["pieces"] if p["name"] in names}
+    whole = sum(loaded.meta["files"][f]["bytes"] for f in touched)
+    return {"share": share, "verified": loaded.verified_bytes, "read": loaded.read_bytes,
+            "whole_files": whole}
+
+
 def _load_serial(rank: int, world: int, preset: str, root: str, path: str) -> float:
     from megalite.checkpoint.load import load_checkpoint
 
@@ -128,6 +158,14 @@ def run(args) -> List[dict]:
             n_params = num_parameters(load_config([f"model={args.preset}"]).model)
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+    dp = max(args.dp)
+    if dp > 1:
+        root = base / "reshard"
+        shutil.rmtree(root, ignore_errors=True)
+        per_rank = run_ranks(_resharded_resume_bytes, dp, args=(args.preset, str(root)),
+                             timeout_s=3600)
+        shutil.rmtree(root, ignore_errors=True)
+        _print_resharded(per_rank, dp)
     print(f"\ncheckpoint of model={args.preset} ({n_params / 1e6:.0f}M parameters, fp32 master "
           f"+ 2 AdamW moments = {12 * n_params / 2**30:.2f} GiB of state), gloo, 1 thread "
           f"per rank, {base}")
@@ -140,6 +178,16 @@ def run(args) -> List[dict]:
               f"{'/'.join(f'{b:.3f}' for b in r['async_blocked_s']):>11} "
               f"{r['async_published_s']:>11.2f}")
     return rows
+
+
+def _print_resharded(per_rank: List[dict], dp: int) -> None:
+    mib = 2**20
+    print(f"\nresume of a zero=0 dp={dp} checkpoint under zero=1 dp={dp}, per rank (MiB): "
+          "share = the state it owns; format 3 verified every file it touches in full")
+    print(f"{'rank':>4} {'share':>8} {'read':>8} {'verified (4)':>13} {'whole files (3)':>16}")
+    for r, res in enumerate(per_rank):
+        print(f"{r:>4} {res['share'] / mib:>8.1f} {res['read'] / mib:>8.1f} "
+              f"{res['verified'] / mib:>13.1f} {res['whole_files'] / mib:>16.1f}")
 
 
 def add_arguments(parser) -> None:
