@@ -55,18 +55,18 @@ class ModelConfig:
     def check(self) -> None:
         for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
             if getattr(self, key) < 1:
-                _fail(f"model.{key}", getattr(self, key), "must be a positive integer")
+                fail(f"model.{key}", getattr(self, key), "must be a positive integer")
         for key in ("layer_norm_epsilon", "initializer_range"):
             if not getattr(self, key) > 0:
-                _fail(f"model.{key}", getattr(self, key), "must be > 0 (GPT-2 uses "
+                fail(f"model.{key}", getattr(self, key), "must be > 0 (GPT-2 uses "
                       f"{getattr(ModelConfig, key)})")
         if self.n_inner is not None and self.n_inner < 1:
-            _fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
+            fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
         if self.n_embd % self.n_head != 0:
-            _fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
+            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
         for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, key) < 1.0:
-                _fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
+                fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
 
 @dataclass
 class DataConfig:
@@ -118,39 +118,39 @@ class TrainConfig:
 
     def check(self) -> None:
         if self.seq_len < 1:
-            _fail("train.seq_len", self.seq_len, "must be a positive integer (and at most "
+            fail("train.seq_len", self.seq_len, "must be a positive integer (and at most "
                   "model.n_positions)")
         if self.micro_batch_size < 1:
-            _fail("train.micro_batch_size", self.micro_batch_size, "must be a positive integer")
+            fail("train.micro_batch_size", self.micro_batch_size, "must be a positive integer")
         if self.global_batch_size < 1:
-            _fail("train.global_batch_size", self.global_batch_size, "must be a positive "
+            fail("train.global_batch_size", self.global_batch_size, "must be a positive "
                   "multiple of micro_batch_size*dp (m = global_batch_size / (micro_batch_size*dp)"
                   " micro-batches per step must be >= 1)")
         self._check_rampup()
         if self.attention not in ATTENTION_CHOICES:
-            _fail("train.attention", self.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
+            fail("train.attention", self.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
         if self.recompute_layers is not None and (self.recompute_layers < 1 or not self.recompute):
-            _fail("train.recompute_layers", self.recompute_layers,
+            fail("train.recompute_layers", self.recompute_layers,
                   "needs train.recompute=true and a value >= 1 (the blocks recomputed at the "
                   "start of each pipeline stage), or null for every block")
         self._check_stopping()
         if self.eval_every < 0 or self.eval_steps < 1:
-            _fail("train.eval_every/eval_steps", (self.eval_every, self.eval_steps),
+            fail("train.eval_every/eval_steps", (self.eval_every, self.eval_steps),
                   "eval_every must be >= 0 (0 = never) and eval_steps >= 1")
 
     def _check_stopping(self) -> None:
         if self.max_steps < 1:
-            _fail("train.max_steps", self.max_steps, "must be a positive integer")
+            fail("train.max_steps", self.max_steps, "must be a positive integer")
         if self.max_minutes is not None and self.max_minutes <= 0:
-            _fail("train.max_minutes", self.max_minutes, "must be > 0 minutes, or null (no limit)")
+            fail("train.max_minutes", self.max_minutes, "must be > 0 minutes, or null (no limit)")
         if self.exit_signal is not None and self.exit_signal not in EXIT_SIGNALS:
-            _fail("train.exit_signal", self.exit_signal,
+            fail("train.exit_signal", self.exit_signal,
                   f"use one of {', '.join(EXIT_SIGNALS)}, or null (no handler)")
         if self.gc_every is not None and self.gc_every < 1:
-            _fail("train.gc_every", self.gc_every, "must be >= 1 (steps between collections, e.g. "
+            fail("train.gc_every", self.gc_every, "must be >= 1 (steps between collections, e.g. "
                   "50), or null for Python's automatic collection")
         if self.max_bad_steps < 1:
-            _fail("train.max_bad_steps", self.max_bad_steps, "must be >= 1 (1 = stop at the "
+            fail("train.max_bad_steps", self.max_bad_steps, "must be >= 1 (1 = stop at the "
                   "first non-finite step)")
 
     def _check_rampup(self) -> None:
@@ -160,11 +160,11 @@ class TrainConfig:
         ramp = list(self.rampup_batch_size)
         example = "e.g. train.rampup_batch_size=[32,32,100000]"
         if len(ramp) != 3 or min(ramp) < 1:
-            _fail("train.rampup_batch_size", ramp, f"three positive integers [start, "
+            fail("train.rampup_batch_size", ramp, f"three positive integers [start, "
                   f"increment, samples], {example}")
         start, increment, _ = ramp
         if start >= self.global_batch_size or (self.global_batch_size - start) % increment:
-            _fail("train.rampup_batch_size", ramp, f"start must be below "
+            fail("train.rampup_batch_size", ramp, f"start must be below "
                   f"train.global_batch_size={self.global_batch_size} and reach it in whole "
                   f"increments (global_batch_size - start a multiple of increment); {example}")
 
@@ -183,24 +183,24 @@ class OptimConfig:
 
     def check(self) -> None:
         if not self.lr > 0:
-            _fail("optim.lr", self.lr, "must be > 0 (e.g. 6e-4)")
+            fail("optim.lr", self.lr, "must be > 0 (e.g. 6e-4)")
         if not 0 <= self.min_lr <= self.lr:
-            _fail("optim.min_lr", self.min_lr, f"need 0 <= min_lr <= optim.lr={self.lr}")
+            fail("optim.min_lr", self.min_lr, f"need 0 <= min_lr <= optim.lr={self.lr}")
         if not self.eps > 0:
-            _fail("optim.eps", self.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
+            fail("optim.eps", self.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
         if self.schedule not in LR_SCHEDULES:
-            _fail("optim.schedule", self.schedule, f"use one of {', '.join(LR_SCHEDULES)}")
+            fail("optim.schedule", self.schedule, f"use one of {', '.join(LR_SCHEDULES)}")
         if not 0.0 < self.wsd_decay_fraction <= 1.0:
-            _fail("optim.wsd_decay_fraction", self.wsd_decay_fraction,
+            fail("optim.wsd_decay_fraction", self.wsd_decay_fraction,
                   "must be in (0, 1], e.g. 0.2 (the last 20% of the steps after warmup decay)")
         if self.warmup_steps < 0:
-            _fail("optim.warmup_steps", self.warmup_steps, "must be >= 0")
+            fail("optim.warmup_steps", self.warmup_steps, "must be >= 0")
         if self.decay_steps is not None and self.decay_steps < 1:
-            _fail("optim.decay_steps", self.decay_steps, "must be >= 1 or null (= train.max_steps)")
+            fail("optim.decay_steps", self.decay_steps, "must be >= 1 or null (= train.max_steps)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            _fail("optim.betas", list(self.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
+            fail("optim.betas", list(self.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
         if self.grad_clip < 0 or self.weight_decay < 0:
-            _fail("optim.grad_clip/weight_decay", (self.grad_clip, self.weight_decay),
+            fail("optim.grad_clip/weight_decay", (self.grad_clip, self.weight_decay),
                   "must be >= 0")
 
 @dataclass
@@ -220,16 +220,16 @@ class LogConfig:
 
     def check(self) -> None:
         if self.wandb not in ("auto", "true", "offline", "false"):
-            _fail("log.wandb", self.wandb, "use auto, true, offline or false")
+            fail("log.wandb", self.wandb, "use auto, true, offline or false")
         if self.every < 1:
-            _fail("log.every", self.every, "must be >= 1")
+            fail("log.every", self.every, "must be >= 1")
         steps = self.profile_steps
         if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-            _fail("log.profile_steps", list(steps),
+            fail("log.profile_steps", list(steps),
                   "two step numbers [first, last] with 1 <= first <= last (and first <= "
                   "train.max_steps), e.g. [10, 12]; null = no profiling")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
-            _fail("log.peak_tflops", self.peak_tflops, "must be > 0 or null (= device table)")
+            fail("log.peak_tflops", self.peak_tflops, "must be > 0 or null (= device table)")
 
 @dataclass
 class ParallelConfig:
@@ -250,13 +250,13 @@ class ParallelConfig:
     def check(self) -> None:
         v = self.virtual_stages
         if not isinstance(v, int) or v < 1:
-            _fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
+            fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
                   "(the interleaved schedule runs several model chunks per pipeline stage)")
         if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
-            _fail("parallel.bucket_mb", self.bucket_mb, "must be a positive number of MiB "
+            fail("parallel.bucket_mb", self.bucket_mb, "must be a positive number of MiB "
                   "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
         if self.timeout_s <= 0:
-            _fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
+            fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
 
 @dataclass
 class LossScaleConfig:
@@ -272,18 +272,18 @@ class LossScaleConfig:
 
     def check(self) -> None:
         if self.static is not None and not (self.static > 0 and math.isfinite(self.static)):
-            _fail("loss_scale.static", self.static, "must be a positive number (e.g. 1024), or "
+            fail("loss_scale.static", self.static, "must be a positive number (e.g. 1024), or "
                   "null for dynamic scaling")
         for key in ("initial", "min"):
             value = getattr(self, key)
             if not (value > 0 and math.isfinite(value)):
-                _fail(f"loss_scale.{key}", value, f"must be a positive number (default "
+                fail(f"loss_scale.{key}", value, f"must be a positive number (default "
                       f"{getattr(LossScaleConfig, key)})")
         if self.min > self.initial:
-            _fail("loss_scale.min", self.min, f"must be <= loss_scale.initial={self.initial}")
+            fail("loss_scale.min", self.min, f"must be <= loss_scale.initial={self.initial}")
         for key in ("window", "hysteresis"):
             if getattr(self, key) < 1:
-                _fail(f"loss_scale.{key}", getattr(self, key), f"must be >= 1 (default "
+                fail(f"loss_scale.{key}", getattr(self, key), f"must be >= 1 (default "
                       f"{getattr(LossScaleConfig, key)})")
 
 @dataclass
@@ -299,13 +299,13 @@ class CheckpointConfig:
 
     def check(self) -> None:
         if self.every < 0 or self.keep < 1:
-            _fail("checkpoint.every/keep", (self.every, self.keep),
+            fail("checkpoint.every/keep", (self.every, self.keep),
                   "every must be >= 0 (0 = only at the end), keep >= 1")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            _fail("checkpoint.timeout_s", self.timeout_s, "must be a positive number of "
+            fail("checkpoint.timeout_s", self.timeout_s, "must be a positive number of "
                   "seconds (e.g. 3600: the slowest rank's write of its share, with fsync)")
         if self.resume not in ("none", "auto") and not Path(self.resume).exists():
-            _fail("checkpoint.resume", self.resume,
+            fail("checkpoint.resume", self.resume,
                   "use none, auto, or the path of an existing checkpoint directory")
 
 @dataclass
@@ -339,7 +339,8 @@ EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
-def _fail(key: str, value, remedy: str) -> None:
+def fail(key: str, value, remedy: str) -> None:
+    """Raise the ConfigError of `key` set to `value`, saying what would work."""
     raise ConfigError(f"{key}={value!r}: {remedy}")
 
 
@@ -351,7 +352,7 @@ def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
     items = list(data.blend)
     example = "e.g. data.blend=[0.7,data/owt,0.3,data/wiki]"
     if len(items) < 2 or len(items) % 2:
-        _fail("data.blend", items, f"alternate weights and prepared data directories, {example}")
+        fail("data.blend", items, f"alternate weights and prepared data directories, {example}")
     sources = []
     for weight, directory in zip(items[0::2], items[1::2]):
         try:
@@ -359,24 +360,24 @@ def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
         except ValueError:
             w = -1.0
         if not (w > 0 and math.isfinite(w)):
-            _fail("data.blend", items, f"weight {weight!r} (before {directory!r}) must be a "
+            fail("data.blend", items, f"weight {weight!r} (before {directory!r}) must be a "
                   f"positive number; {example}")
         sources.append((resolve_path(directory), w))
     if len({d for d, _ in sources}) != len(sources):
-        _fail("data.blend", items, "names a directory twice; give each dataset once")
+        fail("data.blend", items, "names a directory twice; give each dataset once")
     return sources
 
 
 def check_sections(cfg: Config) -> None:
     """Every section's own rules, and the top-level keys'."""
     if cfg.seed < 0:
-        _fail("seed", cfg.seed, "must be a non-negative integer (e.g. 1234)")
+        fail("seed", cfg.seed, "must be a non-negative integer (e.g. 1234)")
     if cfg.zero not in (0, 1, 2, 3):
-        _fail("zero", cfg.zero, "ZeRO stage must be one of 0, 1, 2, 3")
+        fail("zero", cfg.zero, "ZeRO stage must be one of 0, 1, 2, 3")
     if cfg.precision not in PRECISIONS:
-        _fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
+        fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
-        _fail("device", cfg.device, "use auto, cpu or cuda")
+        fail("device", cfg.device, "use auto, cpu or cuda")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
                     cfg.checkpoint):
         section.check()

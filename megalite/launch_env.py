@@ -8,7 +8,9 @@ would be an independent world of one — N separate trainings sharing one checkp
 node, MASTER_PORT = 29500 + the job id mod 10000 unless set), refuses what cannot work before any
 work (RANK without LOCAL_RANK when a process would see several GPUs: every rank of a node would
 take cuda:0; Slurm variables that disagree with RANK / LOCAL_RANK), and `export_launch_env()`
-writes them for `init_process_group`'s env:// rendezvous.
+writes them for `init_process_group`'s env:// rendezvous. A task bound to one GPU of its own
+(`--gpus-per-task=1`) sees it as cuda:0: it is then local rank 0 of 1. Only srun's tasks are
+translated: the batch script of an sbatch job is not one of the job's ranks.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Dict, Mapping, Optional
 from megalite.config import ConfigError
 
 TORCHRUN = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")  # set by torchrun's agent for its workers
+BATCH_STEPS = ("batch", "extern", "4294967294", "4294967295")  # Slurm's batch/extern step ids
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,17 @@ def launch_env(env: Mapping[str, str] = os.environ, gpus: Optional[int] = None) 
     """The launch this process belongs to (`gpus`: the GPUs it sees; None without CUDA)."""
     if "RANK" in env:
         return _from_rank(env, gpus)
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS") > 1:
-        return _from_slurm(env)
+    if _srun_task(env) and _int(env, "SLURM_NTASKS") > 1:
+        return _from_slurm(env, gpus)
     return LaunchEnv()
+
+
+def _srun_task(env: Mapping[str, str]) -> bool:
+    """A task that srun started: a job step, not the batch script itself (an sbatch script
+    with --ntasks > 1 also sees SLURM_PROCID=0 and SLURM_NTASKS; run there directly, megalite
+    is a world of one, as before)."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return "SLURM_PROCID" in env and step is not None and step not in BATCH_STEPS
 
 
 def _from_rank(env: Mapping[str, str], gpus: Optional[int]) -> LaunchEnv:
@@ -80,7 +91,7 @@ def _from_rank(env: Mapping[str, str], gpus: Optional[int]) -> LaunchEnv:
                      _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None, "torchrun")
 
 
-def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
+def _from_slurm(env: Mapping[str, str], gpus: Optional[int]) -> LaunchEnv:
     missing = [k for k in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST")
                if k not in env]
     if missing:
@@ -89,8 +100,11 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
     per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else \
         29500 + int(env.get("SLURM_JOB_ID", "0")) % 10000
-    return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
-                     _int(env, "SLURM_LOCALID"), int(re.match(r"\d+", per_node).group()),
+    local, per_node_tasks = _int(env, "SLURM_LOCALID"), int(re.match(r"\d+", per_node).group())
+    if gpus == 1:  # each task bound to its own GPU (--gpus-per-task=1): it is cuda:0 there
+        local, per_node_tasks = 0, 1
+    return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local,
+                     per_node_tasks,
                      env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"]), port,
                      "slurm")
 

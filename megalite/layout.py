@@ -18,13 +18,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megalite.config import ATTENTION_CUDA_ONLY, Config, ConfigError, check_sections
+from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _fail(key: str, value, remedy: str) -> None:
-    raise ConfigError(f"{key}={value!r}: {remedy}")
 
 
 def device_type_for(setting: str, local_gpus: Optional[int]) -> str:
@@ -102,10 +98,6 @@ class Layout:
         return self.zero_stage == 3
 
     @property
-    def interleaved(self) -> bool:
-        return self.virtual_stages > 1
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         """dtype of the parameters and activations (masters and moments are always fp32)."""
         return PRECISION_DTYPES[self.precision]
@@ -140,11 +132,11 @@ class ChunkPlacement:
     per rank the model is cut into pp·v slices and "interleaved" puts slice c·pp + s on rank s
     as its chunk c (Megatron's virtual pipeline; v = 1 is the plain pipeline). Everything that
     asks where a slice lives — the partition, the model's first / last chunk, the schedule's
-    transfers, the plan — asks this object, so another placement is one more `kind`."""
+    transfers, the plan — asks this object, so another placement (zero-bubble's V) is a change
+    here only."""
 
     pp_size: int
     virtual_stages: int = 1
-    kind: str = "interleaved"
 
     @property
     def slices(self) -> int:
@@ -260,25 +252,25 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
 
 def _check_grid(cfg: Config, world_size: int) -> None:
     if world_size < 1:
-        _fail("world size", world_size, "needs at least one rank (torchrun --nproc_per_node, "
+        fail("world size", world_size, "needs at least one rank (torchrun --nproc_per_node, "
               "megalite-plan --world-size)")
     if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
-        _fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
+        fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
               f"positive tp, pp; choose tp and pp whose product divides {world_size}")
     if cfg.sp and cfg.tp == 1:
-        _fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
+        fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
 
 
 def _check_device(cfg: Config, local_gpus: Optional[int], local_ranks: int) -> None:
     if cfg.device == "cuda" and not local_gpus:
-        _fail("device", cfg.device, "no CUDA GPU is visible on this machine; use device=auto "
+        fail("device", cfg.device, "no CUDA GPU is visible on this machine; use device=auto "
               "(CPU when there is no GPU) or device=cpu")
     if cfg.device in ("auto", "cuda") and local_gpus and local_ranks > local_gpus:
-        _fail("torchrun --nproc_per_node", local_ranks, f"this node has {local_gpus} GPUs and "
+        fail("torchrun --nproc_per_node", local_ranks, f"this node has {local_gpus} GPUs and "
               f"every rank needs its own; use --nproc_per_node<={local_gpus}, or device=cpu")
     attention = cfg.train.attention
     if attention in ATTENTION_CUDA_ONLY and device_type_for(cfg.device, local_gpus) == "cpu":
-        _fail("train.attention", attention, "this kernel runs on CUDA GPUs only; on CPU use "
+        fail("train.attention", attention, "this kernel runs on CUDA GPUs only; on CPU use "
               "auto, flash or math")
 
 
@@ -286,33 +278,33 @@ def _check_model_split(cfg: Config) -> None:
     """TP splits heads, the embedding and the MLP; PP (and its virtual stages) the blocks."""
     m, t = cfg.model, cfg.train
     if m.n_head % cfg.tp:
-        _fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
+        fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
     if m.n_embd % cfg.tp:
-        _fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
+        fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
     if m.ffn_size % cfg.tp:
-        _fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
+        fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
     if t.seq_len > m.n_positions:
-        _fail("train.seq_len", t.seq_len,
+        fail("train.seq_len", t.seq_len,
               f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise n_positions")
     if cfg.sp and t.seq_len % cfg.tp:
-        _fail("train.seq_len", t.seq_len, f"with sp=true must be divisible by tp={cfg.tp} "
+        fail("train.seq_len", t.seq_len, f"with sp=true must be divisible by tp={cfg.tp} "
               f"(each TP rank holds seq_len/tp positions); e.g. {t.seq_len - t.seq_len % cfg.tp}")
     if cfg.pp > m.n_layer:
-        _fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
+        fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
               f"leave a stage with no block; use pp <= {m.n_layer}")
     v = cfg.parallel.virtual_stages
     if v > 1 and cfg.pp < 2:
-        _fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
+        fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
               "(the interleaved schedule runs several model chunks per pipeline stage)")
     if cfg.pp * v > m.n_layer:
-        _fail("parallel.virtual_stages", v, f"pp*virtual_stages = {cfg.pp * v} model chunks "
+        fail("parallel.virtual_stages", v, f"pp*virtual_stages = {cfg.pp * v} model chunks "
               f"need at least as many blocks (model.n_layer={m.n_layer}); use virtual_stages <= "
               f"{m.n_layer // cfg.pp}")
     edge = cfg.parallel.edge_stage_layers
     if edge is not None:
         problem = edge_split_problem(m.n_layer, cfg.pp * v, edge)
         if problem is not None:
-            _fail("parallel.edge_stage_layers", edge, problem)
+            fail("parallel.edge_stage_layers", edge, problem)
 
 
 def _check_batch(cfg: Config, dp: int) -> List[str]:
@@ -320,7 +312,7 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
     t, v, warnings = cfg.train, cfg.parallel.virtual_stages, []
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         good = t.micro_batch_size * dp
-        _fail("train.global_batch_size", t.global_batch_size,
+        fail("train.global_batch_size", t.global_batch_size,
               f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp} = {good} "
               f"(e.g. {good * max(1, round(t.global_batch_size / good))}); the number of "
               "micro-batches per step m = global_batch_size / (micro_batch_size*dp) must be >= 1")
@@ -328,7 +320,7 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
     _check_rampup_units(cfg, dp)
     if v > 1 and num_micro % cfg.pp:
         good = cfg.pp * t.micro_batch_size * dp
-        _fail("train.global_batch_size", t.global_batch_size,
+        fail("train.global_batch_size", t.global_batch_size,
               f"with parallel.virtual_stages={v} the micro-batches per step m = "
               f"global_batch_size/(micro_batch_size*dp) = {num_micro} must be a multiple of "
               f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
@@ -355,7 +347,7 @@ def _check_rampup_units(cfg: Config, dp: int) -> None:
     if start % unit or increment % unit:
         what = "micro_batch_size*dp" + ("*pp (interleaved schedule)"
                                         if cfg.parallel.virtual_stages > 1 else "")
-        _fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
+        fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
               f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
 
 
@@ -364,20 +356,20 @@ def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> L
     bf16 = gpu is None or gpu.bf16
     name = gpu.name if gpu is not None else "this GPU"
     if device_type == "cuda" and cfg.precision == "bf16" and not bf16:
-        _fail("precision", "bf16", f"{name} does not compute in bf16 (compute capability below "
+        fail("precision", "bf16", f"{name} does not compute in bf16 (compute capability below "
               "8.0: V100, T4, ...); use precision=fp16 (with loss scaling) or auto")
     precision = resolved_precision(cfg.precision, device_type, bf16)
     if cfg.loss_scale.static is not None and precision != "fp16":
-        _fail("loss_scale.static", cfg.loss_scale.static, f"only precision=fp16 scales the loss "
+        fail("loss_scale.static", cfg.loss_scale.static, f"only precision=fp16 scales the loss "
               f"(precision={cfg.precision!r}: bf16 and fp32 share fp32's exponent range and "
               "need no scaling); remove it or set precision=fp16")
     attention = cfg.train.attention
     if device_type == "cuda" and attention in ("flash", "cudnn"):
         if precision == "fp32":
-            _fail("train.attention", attention, "this kernel computes in fp16/bf16 only; with "
+            fail("train.attention", attention, "this kernel computes in fp16/bf16 only; with "
                   "precision=fp32 use auto, efficient or math")
         if not bf16:
-            _fail("train.attention", attention, f"this kernel needs an Ampere or newer GPU "
+            fail("train.attention", attention, f"this kernel needs an Ampere or newer GPU "
                   f"({name} is older); use auto, efficient or math")
     if device_type == "cuda" and cfg.precision == "auto" and not bf16:
         return [f"{name} does not compute in bf16: precision=auto trains in fp16 with dynamic "
@@ -387,12 +379,12 @@ def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> L
 
 def _check_other_pairs(cfg: Config) -> None:
     if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
-        _fail("parallel.overlap_param_gather", True,
+        fail("parallel.overlap_param_gather", True,
               f"needs zero=1 or zero=2 (zero={cfg.zero}: "
               + ("no parameter gather to overlap" if cfg.zero == 0 else
                  "ZeRO-3 gathers each block before use and prefetches the next already") + ")")
     steps = cfg.log.profile_steps
     if steps is not None and steps[0] > cfg.train.max_steps:
-        _fail("log.profile_steps", list(steps),
+        fail("log.profile_steps", list(steps),
               f"two step numbers [first, last] with 1 <= first <= last and first <= "
               f"train.max_steps={cfg.train.max_steps}, e.g. [10, 12]; null = no profiling")

@@ -8,7 +8,7 @@ import pytest
 from megalite.config import ConfigError
 from megalite.launch_env import LaunchEnv, exported, first_host, launch_env
 
-SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+SLURM = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
          "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
 
 
@@ -20,6 +20,11 @@ def test_a_slurm_launch_without_torchrun_becomes_one_world():
                                 "MASTER_PORT": "33742"}
     assert launch_env({**SLURM, "MASTER_PORT": "6000"}).master_port == 6000
     assert launch_env({**SLURM, "SLURM_NTASKS": "1"}) == LaunchEnv()  # one task: a world of one
+    batch_script = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    assert launch_env(batch_script) == LaunchEnv()  # sbatch's script itself is no rank
+    assert launch_env({**SLURM, "SLURM_STEP_ID": "4294967294"}) == LaunchEnv()
+    bound = launch_env(SLURM, gpus=1)  # --gpus-per-task=1: the task's one GPU is cuda:0
+    assert (bound.rank, bound.local_rank, bound.local_world_size) == (5, 0, 1)
 
 
 def test_torchrun_variables_win_and_disagreement_is_refused():
@@ -39,7 +44,8 @@ def test_rank_without_local_rank_needs_one_gpu_per_process():
     with pytest.raises(ConfigError, match="WORLD_SIZE is not"):
         launch_env({"RANK": "1"})
     with pytest.raises(ConfigError, match="SLURM_LOCALID"):
-        launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a1"})
+        launch_env({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                    "SLURM_JOB_NODELIST": "a1"})
 
 
 @pytest.mark.parametrize("nodes,first", [("gpu[07-08]", "gpu07"), ("n1,n2", "n1"),

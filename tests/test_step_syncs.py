@@ -17,13 +17,14 @@ from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine, squares_fp64
 
 
-def _serial_parts():
+def _serial_parts(zero: int = 0):
     topo = build_topology(1, 1, 1)
     cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = build_stage(cfg, [range(2)], 0, 1, tp_group=topo.tp_group)
     init_parameters(model.chunks[0], seed=0)
-    engine = ZeroEngine(model, topo, Layout.of(topo), OptimConfig())
+    engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=zero), OptimConfig(),
+                        bucket_mb=0.05)
     schedule = PipelineSchedule(model.chunks, topo, engine, (16, 2, 32), torch.float32,
                                 torch.device("cpu"))
     w = torch.randint(0, 64, (4, 2, 17), generator=torch.Generator().manual_seed(0))
@@ -64,3 +65,20 @@ def test_engine_norms_are_fp64(kind):
     engine.finish_grad_sync()
     norm = engine.grad_norm() if kind == "grad" else engine.param_norm()
     assert norm.dtype == torch.float64 and torch.isfinite(norm)
+
+
+@pytest.mark.parametrize("zero,per_step", [(0, 1), (1, 1), (2, 4), (3, 4)])
+def test_bucket_reduced_fires_per_bucket_per_reduction(zero, per_step):
+    """The extension point later work hooks on (offload's device-to-host stream, replica
+    fingerprints): each bucket's reduced gradient, once per step for zero 0-1, after every
+    micro-batch (4 here) for zero 2-3, carrying the owned range's elements."""
+    engine, schedule, batches = _serial_parts(zero)
+    seen = []
+    engine.bucket_reduced.append(lambda bucket, reduced: seen.append((id(bucket),
+                                                                       reduced.numel())))
+    schedule.train_step(batches)
+    engine.finish_grad_sync()
+    assert len(engine.buckets) > 1
+    for b in engine.buckets:
+        mine = [n for i, n in seen if i == id(b)]
+        assert mine == [b.hi - b.lo] * per_step, (zero, mine)

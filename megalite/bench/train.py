@@ -134,9 +134,8 @@ def run(args) -> List[dict]:
           f"peak={peak.tflops} TFLOP/s ({peak.source})", flush=True)
     results = []
     for preset in args.presets:
-        mcfg = load_config([f"model={preset}"]).model
-        mcfg = replace(mcfg, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
-                       attn_pdrop=args.dropout)
+        mcfg = replace(load_config([f"model={preset}"]).model, resid_pdrop=args.dropout,
+                       embd_pdrop=args.dropout, attn_pdrop=args.dropout)
         seq = min(args.seq_len, mcfg.n_positions)
         fpt = flops_per_token(mcfg, seq)
         variants = [(f"megalite{_recompute_name(r)}{'+compile' if c else ''}"

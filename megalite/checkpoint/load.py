@@ -59,12 +59,16 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
         rng_name = f"rng_rank{topo.rank:05d}.pt"
         if same_layout:
             verify_file(ckpt, rng_name, meta["files"][rng_name])
-    except (CheckpointError, KeyError, OSError, TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - every rank must reach the verdict, whatever it is
         error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) \
             else str(e)
     _agree_to_load(ckpt, error, meta.get("step"), topo.checkpoint_group)
     _fill(reader, plans, engine, topo, meta["adam_step"])
     rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
+    # the slowest reader is waited for here, on the checkpoint group's timeout, not in the
+    # first collective of a training group (the ZeRO parameter gather below)
+    comm.barrier(topo.checkpoint_group)
+    engine.params_from_master()
     return Loaded(meta, rng, verified, reader.bytes_read)
 
 
@@ -90,7 +94,7 @@ def _plan_reads(reader: Reader, engine, topo: Topology
 
 @torch.no_grad()
 def _fill(reader: Reader, plans: list, engine, topo: Topology, adam_step: int) -> None:
-    """Read each planned range into the engine, then update the model's parameters."""
+    """Read each planned range into the engine's master weights and moments."""
     cache: Dict[Tuple[str, str], torch.Tensor] = {}
 
     def resliced(spec: ParamSpec, kind: str) -> torch.Tensor:
@@ -108,7 +112,6 @@ def _fill(reader: Reader, plans: list, engine, topo: Topology, adam_step: int) -
         else:
             values = resliced(piece.spec, kind)[piece.lo:piece.hi]
         engine.load_state_piece(piece, kind, values, adam_step)
-    engine.params_from_master()
 
 
 def _agree_to_load(ckpt: Path, error: Optional[str], step: Optional[int],

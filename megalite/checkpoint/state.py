@@ -42,8 +42,11 @@ class ProcessRNG:
         return state["tracker"]["replicated"].numel() == \
             self.tracker.state_dict()["replicated"].numel()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.tracker.load_state_dict(state["tracker"])
+    def load_state_dict(self, state: dict, device_streams: bool = True) -> None:
+        """`device_streams=False`: all but the tracker's (a state from another device type:
+        the host generators are the same kind everywhere)."""
+        if device_streams:
+            self.tracker.load_state_dict(state["tracker"])
         torch.set_rng_state(state["torch_cpu"])
         np.random.set_state(state["numpy"])
         random.setstate(state["python"])

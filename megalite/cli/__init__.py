@@ -7,6 +7,7 @@ wrappers in scripts/ call them.
     megalite-export     export.py     checkpoint -> transformers dir   (scripts/export_hf.py)
     megalite-generate   generate.py   sample text from a checkpoint    (scripts/generate.py)
     megalite-bench      bench.py      benchmarks against references    (scripts/bench.py)
+    megalite-verify-rank verify_rank.py  rank R of an N-rank layout, built (scripts/verify_rank.py)
 
 Under torchrun: `torchrun --nproc_per_node=8 --no-python megalite-pretrain <overrides>`.
 """

@@ -200,17 +200,6 @@ def _record_objects(group: Group, op: str, obj) -> None:
     group.counter.record(f"{group.name}.objects", op, size, size)
 
 
-def gather_objects(obj, group: Group) -> List:
-    """Every member's `obj`, in group order, on every member."""
-    if group.size == 1:
-        return [obj]
-    _record_objects(group, "all_gather_object", obj)
-    out: List = [None] * group.size
-    _call("all_gather_object", group,
-          lambda: dist.all_gather_object(out, obj, group=group.pg))
-    return out
-
-
 def gather_objects_to_root(obj, group: Group) -> Optional[List]:
     """Every member's `obj`, in group order, on the member with index 0 (None elsewhere): the
     root holds O(group) objects, every other member only its own."""

@@ -159,8 +159,9 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                                  counter=topo.counter)
     pg = _new_group(list(range(world)), "checkpoint", checkpoint_timeout_s or timeout_s,
                     backend=_host_backend(), named=named) if initialized and world > 1 else None
+    # its own counter: a background save's traffic is not the training steps' (metrics)
     topo.groups["checkpoint"] = Group(name="checkpoint", ranks=list(range(world)), rank=rank,
-                                      pg=pg, counter=topo.counter)
+                                      pg=pg, counter=CommCounter())
     return topo
 
 

@@ -99,7 +99,7 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
         for moved in set_aside_later_checkpoints(trainer.ckpt_root, trainer.step):
             log.get_logger().info(f"megalite: this run starts at step {trainer.step}; moved "
                                   f"the later checkpoint to {moved}")
-    comm.barrier(topo.world_group)
+    comm.barrier(topo.checkpoint_group)  # rank 0's clean-up of the checkpoint directory
     trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, rt.device)
     trainer.profiler = StepProfiler(cfg.log.profile_steps, trainer.run_dir / "profile",
                                     topo.rank, rt.device)
@@ -148,7 +148,7 @@ def _init_state(cfg: Config, runtime: Runtime):
         return load_init_state(cfg.init_from, cfg.model)
     first = runtime.local_rank == 0
     state = load_init_state(cfg.init_from, cfg.model) if first else None
-    comm.barrier(runtime.topology.world_group)
+    comm.barrier(runtime.topology.checkpoint_group)  # gloo, checkpoint.timeout_s: a download
     return state if first else load_init_state(cfg.init_from, cfg.model)
 
 
@@ -168,15 +168,15 @@ def restore(trainer: Trainer) -> None:
     for warning in data_position_warnings(meta, cfg):
         logger.warning(f"megalite: warning: {warning}")
     process_rng = ProcessRNG(trainer.rng)
-    if rng_state is not None and not process_rng.accepts(rng_state):
+    same_device = rng_state is not None and process_rng.accepts(rng_state)
+    if rng_state is not None and not same_device:
         logger.warning(f"megalite: {path} was written on "
                        f"{rng_state.get('device_type', 'another')} devices, this run is on "
-                       f"{trainer.rt.device.type}: everything is restored but the random "
-                       "streams, which restart from the seed and the step")
-        rng_state = None
+                       f"{trainer.rt.device.type}: everything is restored but the device's "
+                       "dropout streams, which restart from the seed and the step")
     if rng_state is not None:
-        process_rng.load_state_dict(rng_state)
-    else:  # another layout or device type: fresh streams, derived from the seed and the step
+        process_rng.load_state_dict(rng_state, device_streams=same_device)
+    if not same_device:  # another layout or device: fresh streams from the seed and the step
         trainer.rng.reseed(cfg.seed + 1_000_003 * trainer.step)
     logger.info(f"resumed from {path} at step {trainer.step}")
 
