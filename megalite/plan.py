@@ -6,7 +6,8 @@ vocabulary padded; N = DP size; t = TP size; m = micro-batches per step; e = byt
 compute dtype, 2 for bf16 and fp16, 4 for fp32):
 
   P, G, O    `model_state_bytes` (the ZeRO table, `zero_table()`): parameters e·Ψ, fp32
-              gradients 4·Ψ, AdamW moments 8·Ψ + fp32 master 4·Ψ where e < 4; /N where sharded
+              gradients 4·Ψ, AdamW moments 8·Ψ + fp32 master 4·Ψ where e < 4; /N where sharded;
+              zero 2/3 also stage (REDUCTIONS_IN_FLIGHT + 1) full fp32 buckets (the largest)
   A activations   per micro-batch × micro-batches in flight, min(pp − stage, m) under 1F1B;
               interleaved (v chunks): the peak over the stage's order of the alive chunks'
               bytes (`megalite.parallel.schedule.peak_live_bytes`)
@@ -48,12 +49,14 @@ a full activation:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megalite.config import Config
 from megalite.layout import Layout, stage_chunks
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
+from megalite.parallel.zero import bucket_groups
 
 GIB = 2**30
 
@@ -104,7 +107,8 @@ class Plan:
             b, c = s.bytes, s.comm
             lines.append(
                 f"{s.stage:>5} {s.layers:>6} {s.params:>12,} {b['params'] / scale:>7.2f} "
-                f"{b['grads'] / scale:>7.2f} {b['optimizer'] / scale:>7.2f} "
+                f"{(b['grads'] + b['grad_staging']) / scale:>7.2f} "
+                f"{b['optimizer'] / scale:>7.2f} "
                 f"{b['activations'] / scale:>7.2f} {s.in_flight:>11} "
                 f"{b['zero3_gathered'] / scale:>7.2f} "
                 f"{b['total'] / scale:>9.2f} {c['tp'] / 1e9:>8.3f} {c['pp'] / 1e9:>7.3f} "
@@ -301,6 +305,46 @@ def _stage_comm(d: _Dims, sums: _StageSums, tied: bool) -> Dict[str, float]:
     return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes, "embedding": emb_bytes}
 
 
+def chunk_param_sizes(d: _Dims, first: bool, last: bool, n: int
+                      ) -> List[Tuple[str, int, bool]]:
+    """(name, elements on one TP rank, tied) of a chunk's parameters in GPT2's registration
+    order (what the engine buckets; a test holds it to the model)."""
+    m, tp = d.cfg.model, d.layout.tp_size
+    h, f, v = m.n_embd, m.ffn_size, d.vocab // tp
+    sizes = [("wte", v * h, True), ("wpe", m.n_positions * h, False)] if first else []
+    block = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp,
+             h * f // tp, h]
+    sizes += [(f"h{i}.{j}", size, False) for i in range(n) for j, size in enumerate(block)]
+    if last:
+        sizes += [("ln_f.w", h, False), ("ln_f.b", h, False)]
+        sizes += [] if first else [("lm_head", v * h, True)]
+    return sizes
+
+
+def _grad_staging(d: _Dims, chunks: List[Tuple[bool, bool, int]]) -> float:
+    """Zero 2/3's full-size fp32 gradient staging (`ZeroEngine.grad_staging_bytes`): the
+    largest bucket (zero 3: unit) padded to N, REDUCTIONS_IN_FLIGHT + 1 of them."""
+    lay = d.layout
+    if not lay.shards_gradients:
+        return 0.0
+    largest = 0
+    for first, last, n in chunks:
+        sizes = chunk_param_sizes(d, first, last, n)
+        if lay.shards_parameters:  # units: wte, wpe, each block, ln_f, the LM head
+            h, vocab = d.cfg.model.n_embd, d.vocab // lay.tp_size * d.cfg.model.n_embd
+            numels = ([vocab, d.cfg.model.n_positions * h] if first else []) \
+                + ([d.layer_params] if n else []) + ([2 * h] if last else []) \
+                + ([vocab] if last and not first else [])
+        else:
+            by_name = dict((name, s) for name, s, _ in sizes)
+            groups = bucket_groups(sizes, d.cfg.parallel.bucket_mb * 2**20 / 4,
+                                   tied_alone=lay.pp_size > 1)
+            numels = [sum(by_name[name] for name in g) for g in groups]
+        largest = max(largest, max(numels))
+    dp = lay.dp_size
+    return (REDUCTIONS_IN_FLIGHT + 1) * 4 * max(dp, -(-largest // dp) * dp)
+
+
 def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
     pp, dp, v = lay.pp_size, lay.dp_size, lay.virtual_stages
@@ -308,6 +352,9 @@ def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     for c, blocks in enumerate(chunk_blocks):
         _add_chunk(sums, d, slices.holds_first(k, c), slices.holds_last(k, c), len(blocks))
     state = {**model_state_bytes(lay, sums.psi, d.e),
+             "grad_staging": _grad_staging(d, [(slices.holds_first(k, c),
+                                                slices.holds_last(k, c), len(blocks))
+                                               for c, blocks in enumerate(chunk_blocks)]),
              "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act)}
     state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
         d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)

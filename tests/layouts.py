@@ -59,6 +59,8 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
             "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "in_flight": in_flight, "local_numel": local_numel,
             "bytes": trainer.engine.state_bytes(), "step_comm": step_comm,
+            "grad_staging": trainer.engine.grad_staging_bytes(),
+            "reductions_in_flight": trainer.engine.peak_in_flight,
             "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)]}
 
 

@@ -49,6 +49,8 @@ def test_plan_matches_measured_state_and_traffic(measured, index):
         assert res["local_numel"] == stage.params
         for kind, got in res["bytes"].items():  # flat buffers pad each bucket to N elements
             assert got == pytest.approx(stage.bytes[kind], rel=0.01), (runs[index], kind)
+        # G = the resident gradient + zero 2/3's declared staging, bucket for bucket
+        assert res["grad_staging"] == stage.bytes["grad_staging"], runs[index]
     # Traffic: the mean over a stage's ranks (with SP, how many TP-replicated gradient elements
     # fall into a rank's ZeRO range differs between DP ranks; the plan counts R/N for each).
     for stage in plan.stages:
@@ -112,3 +114,27 @@ def test_plan_script_reports_checks_and_flags_memory():
     assert over.returncode == 3 and "stage 0 needs about" in over.stderr
     fits = run_plan(*big, "train.micro_batch_size=16", "train.global_batch_size=64")
     assert fits.returncode == 0, fits.stderr
+
+
+@pytest.mark.parametrize("overrides", [["pp=2"], ["tp=2", "pp=2", "parallel.virtual_stages=2",
+                                                  "model.n_layer=4"],
+                                       []])
+def test_the_plans_parameter_list_is_the_models(overrides):
+    """The plan buckets gradients as the engine does, from its own list of each chunk's
+    parameter sizes in registration order: that list is the model's."""
+    from megalite.layout import stage_chunks
+    from megalite.model.stage import build_stage
+    from megalite.parallel.comm import single_rank_group
+    from megalite.plan import _dims, chunk_param_sizes
+
+    cfg = load_config(TINY + overrides)
+    layout = Layout.from_config(cfg, cfg.tp * cfg.pp, "cpu")
+    tp_group = single_rank_group("tp")
+    tp_group.ranks = list(range(cfg.tp))  # the sizes of TP rank 0's slices
+    for k, blocks in enumerate(stage_chunks(cfg.model.n_layer, cfg.pp, layout.virtual_stages)):
+        stage = build_stage(cfg.model, blocks, k, cfg.pp, tp_group=tp_group)
+        for c, chunk in enumerate(stage.chunks):
+            first, last = layout.placement.holds_first(k, c), layout.placement.holds_last(k, c)
+            want = [(p.numel(), chunk.param_specs[n].tied) for n, p in chunk.named_parameters()]
+            got = chunk_param_sizes(_dims(cfg, layout), first, last, len(blocks[c]))
+            assert [(size, tied) for _, size, tied in got] == want, (overrides, k, c)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from megalite.layout import Layout
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.plan import dp_traffic_elements, model_state_bytes
 from megalite.spawn import run_ranks
 from tests.layouts import assert_equal, train_layout, train_layouts
@@ -101,8 +102,10 @@ def test_zero3_keeping_gathered_blocks_for_the_step(tiny_data, tmp_path, serial_
 
 @pytest.mark.distributed
 def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
-    """Tiny buckets (one per parameter: many reductions in flight during backward) over 3 DP
-    ranks: most buckets do not divide by 3 and are padded, not refused; still the serial run."""
+    """Tiny buckets (one per parameter: many reductions during backward) over 3 DP ranks: most
+    buckets do not divide by 3 and are padded, not refused; still the serial run. Zero 2 keeps
+    at most REDUCTIONS_IN_FLIGHT reduce-scatter inputs alive (under NCCL each pending one holds
+    its full-size input), and uses that many."""
     common = _common(tiny_data, ["train.global_batch_size=6", "parallel.bucket_mb=0.01"])
     (serial,) = train_layout(tmp_path / "serial", 1, common, steps=4)
     runs = train_layouts(tmp_path / "dp3", 3, [common + [f"zero={z}"] for z in (1, 2)], steps=4)
@@ -110,6 +113,8 @@ def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
         assert_equal(serial, ranks)
         for res in ranks:  # every bucket padded up to a multiple of 3 elements
             assert res["bytes"]["params"] > 4 * res["local_numel"]
+    for res in runs[1]:
+        assert res["reductions_in_flight"] == REDUCTIONS_IN_FLIGHT, res["reductions_in_flight"]
 
 
 @pytest.mark.distributed
@@ -195,8 +200,8 @@ def test_the_tied_embedding_is_a_bucket_of_its_own_on_both_pipeline_ends(bucket_
     cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=100)
     for stage in (GPT2(cfg, blocks=range(1), last=False), GPT2(cfg, blocks=range(1, 2),
                                                               first=False)):
-        groups = bucket_groups(list(stage.named_parameters()), stage.param_specs,
-                               bucket_numel, tied_alone=True)
+        sizes = [(n, p.numel(), stage.param_specs[n].tied) for n, p in stage.named_parameters()]
+        groups = bucket_groups(sizes, bucket_numel, tied_alone=True)
         tied = [g for g in groups if any(stage.param_specs[n].name == "transformer.wte.weight"
                                          for n in g)]
         assert len(tied) == 1 and len(tied[0]) == 1, groups

@@ -23,6 +23,7 @@ from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+REDUCTIONS_IN_FLIGHT = 2  # zero 2/3: reduce-scatter inputs alive at once (ZeroEngine bounds it)
 
 
 @dataclass

@@ -30,7 +30,8 @@ After the optimizer step the fp32 master range is copied into the model-dtype pa
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,7 +39,7 @@ import torch.nn as nn
 from megalite.config import OptimConfig
 from megalite.layout import Layout
 from megalite.parallel import comm
-from megalite.parallel.bucket import MOMENTS, Bucket, StatePiece
+from megalite.parallel.bucket import MOMENTS, REDUCTIONS_IN_FLIGHT, Bucket, StatePiece
 from megalite.parallel.flat import Segment
 from megalite.parallel.topology import Topology
 
@@ -57,8 +58,9 @@ class ZeroEngine:
         self.buckets: List[Bucket] = []
         for chunk in model.chunks:  # a bucket never spans chunks: each syncs after its own
             named, specs = list(chunk.named_parameters()), chunk.param_specs  # last backward
+            sizes = [(n, p.numel(), specs[n].tied) for n, p in named]
             groups = unit_groups(chunk) if layout.shards_parameters else bucket_groups(
-                named, specs, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1)
+                sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1)
             params = dict(named)
             for names in groups:
                 tied = topo.pp_size > 1 and any(specs[n].tied for n in names)
@@ -71,6 +73,8 @@ class ZeroEngine:
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(hook)
         self.bucket_reduced: List[Callable[[Bucket, torch.Tensor], None]] = []
+        self._in_flight: Deque[Bucket] = deque()  # zero 2/3: buckets whose reduce-scatter runs
+        self.peak_in_flight = 0  # the most reduce-scatter inputs alive at once, so far
         self.sync_grads = True  # stages 0-1: is this backward its chunk's last of the step?
         self.zero3 = None
         if layout.shards_parameters:
@@ -121,7 +125,9 @@ class ZeroEngine:
         bucket.reported += 1
         if bucket.reported == len(bucket.params):
             bucket.reported = 0
-            if bucket.reduction.every_micro_batch or self.sync_grads:
+            if bucket.reduction.every_micro_batch:
+                self._launch_bounded(bucket)
+            elif self.sync_grads:
                 bucket.launch()
             if self.zero3 is not None:
                 self.zero3.after_backward(bucket)
@@ -134,9 +140,31 @@ class ZeroEngine:
         micro-batch's reductions and their buffers are ever alive (the backend keeps each
         pending reduction's full-size input until it is waited on)."""
         self.sync_grads = final_micro_batch
+        self._in_flight.clear()
         for b in self.buckets:
             if b.reduction.every_micro_batch:
                 self._complete(b)
+
+    def _launch_bounded(self, bucket: Bucket) -> None:
+        """Zero 2/3: launch `bucket`'s reduce-scatter with at most REDUCTIONS_IN_FLIGHT inputs
+        alive: NCCL keeps an asynchronous collective's input until it is waited for (its
+        tensor stashing, pytorch#148590), so without a bound every bucket's full fp32
+        gradient of a micro-batch could be alive at once (4Ψ of the stage, where the plan
+        says 4Ψ/N); the oldest is folded in first."""
+        while len(self._in_flight) >= REDUCTIONS_IN_FLIGHT:
+            self._complete(self._in_flight.popleft())
+        bucket.launch()
+        self._in_flight.append(bucket)
+        self.peak_in_flight = max(self.peak_in_flight,
+                                  sum(len(b.pending) for b in self.buckets))
+
+    def grad_staging_bytes(self) -> int:
+        """Zero 2/3's declared staging: the full-size fp32 gradients of the buckets being
+        filled or reduced — REDUCTIONS_IN_FLIGHT in flight plus one filling — of the largest
+        bucket each (the plan counts the same)."""
+        if not self.buckets[0].reduction.every_micro_batch:
+            return 0
+        return (REDUCTIONS_IN_FLIGHT + 1) * 4 * max(b.flat.padded_numel for b in self.buckets)
 
     def _complete(self, bucket: Bucket) -> None:
         """Fold in `bucket`'s launched reductions and announce each reduced gradient to the
@@ -149,6 +177,7 @@ class ZeroEngine:
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every bucket's gradient reduced over DP (and TP /
         the embedding group where needed) on this rank's range."""
+        self._in_flight.clear()
         for b in self.buckets:
             if not b.reduction.every_micro_batch and not b.launched:
                 b.launch()  # a bucket no gradient reached this step (reduces zeros)
@@ -317,20 +346,21 @@ def _weak_hook(engine: "ZeroEngine"):
     return hook
 
 
-def bucket_groups(named: List[Tuple[str, nn.Parameter]], specs, bucket_numel: float,
+def bucket_groups(sizes: List[Tuple[str, int, bool]], bucket_numel: float,
                   tied_alone: bool) -> List[List[str]]:
-    """Parameter names per bucket: reverse registration order (the order backward produces
-    gradients), closed at `bucket_numel` elements; the tied embedding alone when pipelined."""
+    """Parameter names per bucket from (name, elements, tied) in registration order: reverse
+    order (the order backward produces gradients), closed at `bucket_numel` elements; the tied
+    embedding alone when pipelined. Pure, so the plan buckets the same way without a model."""
     groups: List[List[str]] = []
     size, closed = 0.0, True
-    for name, p in reversed(named):
-        if tied_alone and specs[name].tied:
+    for name, numel, tied in reversed(sizes):
+        if tied_alone and tied:
             groups.append([name])
             closed = True  # nothing joins the tied bucket
             continue
-        if closed or size + p.numel() > bucket_numel:
+        if closed or size + numel > bucket_numel:
             groups.append([])
             size, closed = 0.0, False
         groups[-1].append(name)
-        size += p.numel()
+        size += numel
     return groups
