@@ -74,6 +74,7 @@ def bad(overrides, world_size=1):
     (["log.wandb=maybe"], 1, "log.wandb='maybe'"),
     (["checkpoint.resume=/no/such/ckpt"], 1, "checkpoint.resume='/no/such/ckpt'"),
     (["model.attn_pdrop=1.5"], 1, "model.attn_pdrop=1.5"),
+    (["checkpoint.timeout_s=0"], 1, "checkpoint.timeout_s=0.0: must be a positive number"),
     (["train.attention=fa3"], 1, "train.attention='fa3': use one of auto, flash, cudnn"),
     (["train.attention=cudnn", "device=cpu"], 1, "train.attention='cudnn': this kernel runs on CUDA"),
 ])
