@@ -17,8 +17,8 @@ import json
 import sys
 from typing import List, Optional
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import Layout, validate
+from megalite.cli import config_for_world
+from megalite.layout import Layout
 from megalite.plan import GIB, make_plan
 
 
@@ -41,15 +41,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-plan --world-size N [overrides]`; argv defaults to the command line."""
     cli = parser()
     args = cli.parse_args(argv)
-    try:
-        cfg = load_config(args.overrides)
-        warnings = validate(cfg, args.world_size,
-                            args.gpus_per_node if args.device == "cuda" else None)
-    except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
-    for w in warnings:
-        print(f"megalite: warning: {w}", file=sys.stderr)
+    cfg = config_for_world(args.overrides, args.world_size, args.gpus_per_node, args.device)
     plan = make_plan(cfg, Layout.from_config(cfg, args.world_size, args.device))
     print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
     if args.gpu_memory_gib is not None:

@@ -39,8 +39,9 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.config import Config, ConfigError, load_config
-from megalite.layout import Layout, stage_chunks, validate
+from megalite.cli import config_for_world
+from megalite.config import Config
+from megalite.layout import Layout, stage_chunks
 from megalite.model.stage import PipelineStage
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import Topology, build_topology, group_ranks
@@ -234,19 +235,11 @@ def main(argv=None) -> None:
     configuration, 1 without the fake backend."""
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.overrides)
-        warnings = validate(cfg, args.world_size,
-                            args.gpus_per_node if args.device == "cuda" else None)
-    except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
+    cfg = config_for_world(args.overrides, args.world_size, args.gpus_per_node, args.device)
     if not 0 <= args.verify_rank < args.world_size:
         parser.error(f"--verify-rank={args.verify_rank}: must be a rank of the layout, in "
                      f"[0, --world-size={args.world_size}), e.g. 0 (first pipeline stage) or "
                      f"{args.world_size - 1} (last)")
-    for w in warnings:
-        print(f"megalite: warning: {w}", file=sys.stderr)
     layout = Layout.from_config(cfg, args.world_size, args.device)
     try:
         result = verify_rank(cfg, layout, args.verify_rank)

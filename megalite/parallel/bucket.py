@@ -78,16 +78,12 @@ class ReduceScatterGrad(GradReduction):
         return bucket.main_grad
 
 
-class ShardedGrad(GradReduction):
+class ShardedGrad(ReduceScatterGrad):
     """Stages 2-3: no whole gradient is kept; each micro-batch's gradient is reduce-scattered
-    and added to the rank's range."""
+    (as stage 1's once per step) and added to the rank's range."""
 
     keeps_full_grad = False
     every_micro_batch = True
-
-    def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
-        out = torch.empty_like(bucket.main_grad)
-        bucket.pending.append((comm.reduce_scatter(out, grad, bucket.group, async_op=True), out))
 
     def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
         work.wait()
