@@ -80,7 +80,7 @@ def test_async_saves_equal_sync_saves_and_overlap_training(tiny_data, tmp_path):
         d_sync = tmp_path / "sync" / "ckpt" / f"step_{step:08d}"
         d_async = tmp_path / "async" / "ckpt" / f"step_{step:08d}"
         m_sync, m_async = read_meta(d_sync), read_meta(d_async)
-        for key in ("step", "consumed_samples", "sampler", "adam_step", "pieces", "layout"):
+        for key in ("step", "consumed_samples", "sampler", "adam_step", "tensors", "layout"):
             assert m_sync[key] == m_async[key], (step, key)
         assert {k: v["crc32"] for k, v in m_sync["files"].items() if k.endswith(".bin")} \
             == {k: v["crc32"] for k, v in m_async["files"].items() if k.endswith(".bin")}

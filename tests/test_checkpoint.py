@@ -4,6 +4,7 @@ HF export and generation: tests/test_export.py."""
 from __future__ import annotations
 
 import json
+import zlib
 import shutil
 import time
 from pathlib import Path
@@ -87,14 +88,16 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
     pristine = tmp_path / "pristine"
     shutil.copytree(step4, pristine)
 
-    def tampered_index(meta: dict) -> dict:  # still valid JSON, one offset off
-        meta["pieces"][3]["offset"] += 4
-        return meta
+    def tampered_index(record: dict) -> dict:  # still valid JSON, one offset off
+        record["pieces"]["param"][0][4] += 4
+        return record
 
+    index = read_meta(step4)["tensors"]["transformer.h.0.attn.c_attn.weight"]["index"]
     damages = {
         "rank00000.bin": lambda b: b[:-100],
         "rank00000.bin ": lambda b: b[:50] + bytes([b[50] ^ 0xFF]) + b[51:],
-        "meta.json": lambda b: json.dumps(tampered_index(json.loads(b))).encode(),
+        "meta.json": lambda b: b[:-10],
+        index: lambda b: json.dumps(tampered_index(json.loads(b))).encode(),
     }
     for target, damage in damages.items():
         shutil.rmtree(step4, ignore_errors=True)
@@ -111,16 +114,21 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
         assert "step_00000004 unusable" in capsys.readouterr().err  # megalite.log: stderr
         assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "superseded"]
     assert sorted(p.name[:13] for p in (root / "superseded").iterdir()) == \
-        ["step_00000004"] * 3 + ["step_00000008"] * 3
+        ["step_00000004"] * len(damages) + ["step_00000008"] * len(damages)
     # an index whose own CRC32 was recomputed is still checked: every piece inside its file
     bad = tmp_path / "bad_index"
     shutil.copytree(pristine, bad)
     meta = json.loads((bad / "meta.json").read_text())
-    meta["pieces"][-1]["offset"] = meta["files"][meta["pieces"][-1]["file"]]["bytes"]
+    entry = meta["tensors"]["transformer.h.0.attn.c_attn.weight"]
+    record = json.loads((bad / entry["index"]).read_text())
+    record["pieces"]["exp_avg"][-1][4] = meta["files"][record["pieces"]["exp_avg"][-1][3]]["bytes"]
+    raw = json.dumps(record).encode()
+    (bad / entry["index"]).write_bytes(raw)
+    entry.update(bytes=len(raw), crc32=zlib.crc32(raw))
     meta["meta_crc32"] = meta_crc32(meta)
     (bad / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="do not cover it or lie outside their file"):
-        read_global_state(bad, meta["pieces"][-1]["kind"])
+        read_global_state(bad, "exp_avg")
     shutil.copytree(pristine, step4)
     assert _trainer(tiny_data, tmp_path / "d", *common, "checkpoint.resume=auto").step == 4
 

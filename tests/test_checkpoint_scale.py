@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import save as ckpt_save
-from megalite.checkpoint.format import KINDS, read_meta
+from megalite.checkpoint.format import KINDS, read_global_state, read_meta
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.resolve import latest_checkpoint
 from megalite.checkpoint.state import ProcessRNG
@@ -70,8 +70,26 @@ def _spread_then_reshard(rank, world, tiny_data, run_dir):
     trainer = _trainer(tiny_data, f"{run_dir}/b", world, "zero=1", "train.max_steps=1")
     share = 4 * len(KINDS) * sum(p.hi - p.lo for p in trainer.engine.state_pieces())
     loaded = load_checkpoint(path, trainer.engine, trainer.cfg, trainer.topo)
-    return {"share": share, "verified": loaded.verified_bytes, "read": loaded.read_bytes,
-            "files": len({p["file"] for p in loaded.meta["pieces"]}), "path": str(path)}
+    out = {"share": share, "verified": loaded.verified_bytes, "read": loaded.read_bytes,
+           "files": len([f for f in loaded.meta["files"] if f.endswith(".bin")]),
+           "path": str(path)}
+    # a changed TP split (tp 1 -> 2): the rank reads the runs of its own elements, and they
+    # are the right ones (its slice of each global tensor)
+    trainer = _trainer(tiny_data, f"{run_dir}/c", world, "tp=2", "zero=1", "train.max_steps=1")
+    loaded = load_checkpoint(path, trainer.engine, trainer.cfg, trainer.topo)
+    full = read_global_state(path)
+    c = trainer.topo.coords
+    padding = 0
+    for piece in trainer.engine.state_pieces():
+        want = piece.spec.shard(full[piece.spec.name], c.tp_rank, trainer.topo.tp_size)
+        want = want.reshape(-1)[piece.lo:piece.hi]
+        assert torch.equal(piece.tensors["param"], want), piece.spec.name
+        padding += int((want == 0).sum()) if piece.spec.padded_rows else 0
+    out["tp2"] = {"share": 4 * len(KINDS) * sum(p.hi - p.lo for p in
+                                                trainer.engine.state_pieces()),
+                  "padding": 4 * len(KINDS) * padding, "read": loaded.read_bytes,
+                  "verified": loaded.verified_bytes}
+    return out
 
 
 @pytest.mark.distributed
@@ -79,7 +97,7 @@ def test_zero0_writes_are_spread_and_a_resharded_resume_reads_its_share(tiny_dat
     results = run_ranks(_spread_then_reshard, 4, args=(tiny_data, str(tmp_path)),
                         timeout_s=300)
     meta = read_meta(Path(results[0]["path"]))
-    assert meta["format_version"] == 4
+    assert meta["format_version"] == 5
     sizes = [meta["files"][f"rank{r:05d}.bin"]["bytes"] for r in range(4)]
     assert max(sizes) - min(sizes) <= 4 * len(KINDS) * 64, sizes  # 1/4 each, to a few rows
     for res in results:
@@ -87,6 +105,12 @@ def test_zero0_writes_are_spread_and_a_resharded_resume_reads_its_share(tiny_dat
         # the CRC pass reads the blocks the ranges touch: the share and at most 2 blocks a file
         assert res["share"] <= res["verified"] <= res["share"] + 2 * BLOCK * res["files"], res
         assert res["verified"] < 0.5 * sum(sizes), res
+        tp2 = res["tp2"]  # all but the vocabulary padding rows, which nobody wrote
+        assert tp2["read"] == tp2["share"] - tp2["padding"], res
+        # the CRC pass of a column-split (dim 1) matrix reads whole blocks, which interleave
+        # both new TP ranks' halves of each row: at most tp_new / tp_old = 2 x the share
+        assert tp2["read"] <= tp2["verified"] <= 2 * tp2["share"] + 2 * BLOCK * res["files"], \
+            res
 
 
 def test_rng_state_of_another_device_type_is_not_restored():

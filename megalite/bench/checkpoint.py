@@ -99,6 +99,7 @@ def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> di
     (format 4: the CRC blocks its ranges touch), next to what the whole files it touches
     would cost (format 3 verified whole files)."""
     from megalite.checkpoint.format import KINDS
+    from megalite.checkpoint.index import Index
     from megalite.checkpoint.load import load_checkpoint
     from megalite.checkpoint.save import save_checkpoint
     from megalite.checkpoint.state import ProcessRNG, Progress
@@ -117,7 +118,8 @@ def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> di
     loaded = load_checkpoint(path, fresh, cfg1, topo1)
     owned = {(p.spec.name, p.lo, p.hi) for p in fresh.state_pieces()}
     names = {name for name, _, _ in owned}
-    touched = {p["file"] for p in loaded.meta["pieces"] if p["name"] in names}
+    index = Index(Path(path), loaded.meta)
+    touched = {p.file for n in names for ps in index.tensor(n).pieces.values() for p in ps}
     whole = sum(loaded.meta["files"][f]["bytes"] for f in touched)
     return {"share": share, "verified": loaded.verified_bytes, "read": loaded.read_bytes,
             "whole_files": whole}

@@ -3,10 +3,11 @@
     <checkpoint.dir>/step_00000100/
         rank00003.bin       this rank's pieces of global tensors, raw little-endian fp32
         rng_rank00003.pt    this rank's RNG streams (restored when the layout is unchanged)
+        index/<tensor>.json where each piece of one global tensor lies (`checkpoint.index`)
         meta.json           written last by rank 0: step, sampler position, skipped steps, the
-                            fp16 loss scale, layout, model shape, the index of every piece,
-                            every file's size and CRC32, and the CRC32 of meta.json's own
-                            content
+                            fp16 loss scale, layout, model shape, every file's size and CRC32
+                            (per 4 MiB block for rank files), each index file's, and the CRC32
+                            of meta.json's own content
 
 A *piece* is a contiguous range [lo, hi) of one TP rank's slice (flattened) of one global tensor
 (HF name, e.g. `transformer.h.3.attn.c_attn.weight`) of one kind (`param` = the fp32 master
@@ -15,11 +16,13 @@ TP slices are recorded with the spec that made them (split dim, [q|k|v] interlea
 padding), and every element is written by exactly one rank: DP replicas (zero 0), TP replicas
 of replicated tensors and the pipeline's second copy of the tied embedding write nothing.
 
-Loading rebuilds each global tensor from its pieces (checking that they cover it), cuts the
-slice the current rank owns under the *current* (tp, pp, dp, zero), and fills the master
-weights, the moments and the model parameters — so any valid layout resumes any checkpoint.
+Loading maps the range each rank owns under the *current* (tp, pp, dp, zero) onto the pieces
+that hold it (`checkpoint.reslice`: exact runs of the writers' TP slices, so a rank reads its
+share even when the TP size changed), checks that they cover it, and fills the master weights,
+the moments and the model parameters — so any valid layout resumes any checkpoint.
 
-The package: `format` (this file: the layout on disk, reading and verifying it),
+The package: `format` (this file: the layout on disk, reading and verifying it), `index`
+(the piece index, per tensor), `reslice` (a range of one TP split in runs of another),
 `save` (snapshots and the publication protocol), `async_save` (saves in the background),
 `load` (restore into any layout, agreed over the ranks), `resolve` (which checkpoint a path or
 `checkpoint.resume` names), `state` (the run's position besides tensors), `export` (to
@@ -42,13 +45,16 @@ never leaves a half-deleted directory that looks complete. When a run starts at 
 checkpoints of steps after k (an abandoned continuation, or ones that failed to load) are moved
 to `superseded/`, so they neither take `keep`'s places nor get picked by `resume=auto` again.
 
-Before anything is loaded, on every rank: meta.json's own CRC32, the index (every piece inside
-its file, every tensor slice covered) and the files' sizes and CRC32s are checked, and the
+Before anything is loaded, on every rank: meta.json's own CRC32, the index of each tensor it
+reads (its CRC32, every piece inside its file, every slice covered) and the sizes and CRC32s of
+the blocks it reads are checked, and the
 verdict is agreed over all ranks, so either every rank loads a checkpoint or none does.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import os
 import re
 import zlib
 from pathlib import Path
@@ -57,26 +63,21 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.index import Index
+from megalite.checkpoint.reslice import runs, same_split_axis
 from megalite.config import Config, ModelConfig
 from megalite.layout import Layout
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (3, 4)  # 4: per-block CRC32s of each rank file (3: one CRC32 per file)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (3, 4, 5)  # 4: per-block CRC32s of each rank file (3: one CRC32 per
+#                                file); 5: the piece index in one file per tensor (index/)
 CRC_BLOCK_BYTES = 4 * 2**20  # format 4: a CRC32 per block of this many bytes of a rank file
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def spec_record(spec: ParamSpec, tp: int) -> dict:
-    return {"shape": list(spec.shape), "tp_dim": spec.tp_dim, "tp_interleave": spec.tp_interleave,
-            "padded_rows": spec.padded_rows, "tp": tp}
 
 
 def written_range(spec: ParamSpec, lo: int, hi: int, topo: Topology, layout: Layout
@@ -171,92 +172,67 @@ def verify_ranges(ckpt: Path, name: str, record: dict, ranges: List[Tuple[int, i
 
 
 class Reader:
-    """Global tensors rebuilt from a checkpoint's pieces; the index is checked on creation."""
+    """Reads a checkpoint's tensors through its index (checked per tensor on first use), each
+    rank only its own elements: the same TP split reads the rank's range of its own slice, a
+    changed one the runs of the writers' slices that hold it (`checkpoint.reslice`)."""
 
     def __init__(self, ckpt: Path, meta: dict):
         self.ckpt = ckpt
+        self.index = Index(ckpt, meta)
         self.bytes_read = 0  # tensor data read so far
-        self.index: Dict[Tuple[str, str], List[dict]] = {}
-        for p in meta["pieces"]:
-            self.index.setdefault((p["name"], p["kind"]), []).append(p)
-        self._check_index(meta["files"])
-
-    def _check_index(self, files: dict) -> None:
-        """Every piece lies inside its file, and each TP slice of each tensor is covered by its
-        pieces without a gap, so reading cannot fail halfway (after the ranks agreed)."""
-        for (name, kind), pieces in self.index.items():
-            spec, tp = self.written_spec(name, kind)
-            numel = int(np.prod(spec.local_shape(tp)))
-            for rank in range(tp if spec.tp_dim is not None else 1):
-                end = 0
-                for p in sorted((p for p in pieces if p["tp_rank"] == rank),
-                                key=lambda p: p["lo"]):
-                    size = files.get(p["file"], {}).get("bytes", -1)
-                    if p["lo"] > end or p["offset"] + 4 * (p["hi"] - p["lo"]) > size:
-                        break
-                    end = max(end, p["hi"])
-                if end < numel:
-                    raise CheckpointError(f"{self.ckpt}: the pieces of {name} ({kind}, TP rank "
-                                          f"{rank}) do not cover it or lie outside their file")
-
-    def files_for(self, names: List[str]) -> List[str]:
-        return sorted({p["file"] for (n, _), ps in self.index.items() if n in names for p in ps})
 
     def has(self, name: str, kind: str) -> bool:
-        return (name, kind) in self.index
+        return name in self.index and kind in self.index.tensor(name).pieces
 
-    def all_pieces(self, name: str, kind: str) -> List[dict]:
-        """Every written piece of `name` (`kind`), of every writer TP rank."""
-        return self._pieces(name, kind)
-
-    def _pieces(self, name: str, kind: str) -> List[dict]:
-        pieces = self.index.get((name, kind))
-        if not pieces:
-            raise CheckpointError(f"{self.ckpt}: no {kind} of {name}")
-        return pieces
-
-    def written_spec(self, name: str, kind: str) -> Tuple[ParamSpec, int]:
-        """The spec the writer split `name` with, and the writer's TP size."""
-        rec = self._pieces(name, kind)[0]["spec"]
-        return ParamSpec(name, tuple(rec["shape"]), rec["tp_dim"], rec["tp_interleave"],
-                         rec["padded_rows"]), rec["tp"]
-
-    def plan(self, spec: ParamSpec, kind: str, tp: int, tp_rank: int, lo: int, hi: int
-             ) -> Optional[List[dict]]:
-        """The pieces holding elements [lo, hi) of TP rank `tp_rank`'s flattened slice when the
-        writer split `spec` the same way (same TP size, padding, interleave): a rank then
-        reads only its own range. None when the split changed (rebuild the global tensor)."""
-        written, written_tp = self.written_spec(spec.name, kind)
-        same = written.tp_dim == spec.tp_dim and written.tp_interleave == spec.tp_interleave \
-            and written.padded_rows == spec.padded_rows and (spec.tp_dim is None or written_tp == tp)
-        if not same:
-            return None
-        rank = tp_rank if spec.tp_dim is not None else 0
-        return [p for p in self._pieces(spec.name, kind)
-                if p["tp_rank"] == rank and p["lo"] < hi and p["hi"] > lo]
-
-    def read_range(self, pieces: List[dict], lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of one TP slice from the planned pieces (which cover it: the index
-        was checked)."""
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        for p in pieces:
-            a, b = max(lo, p["lo"]), min(hi, p["hi"])
-            data = np.fromfile(self.ckpt / p["file"], dtype=np.float32, count=b - a,
-                               offset=p["offset"] + 4 * (a - p["lo"]))
-            self.bytes_read += data.nbytes
-            out[a - lo:b - lo] = torch.from_numpy(data)
+    def reads(self, spec: ParamSpec, kind: str, tp: int, tp_rank: int, lo: int, hi: int
+              ) -> List[Tuple[str, int, int, int]]:
+        """(file, byte offset, elements, destination) of each read that fills elements [lo, hi)
+        of TP rank `tp_rank`'s flattened slice of `spec` (destinations relative to lo); the
+        elements no read covers are vocabulary padding (zero)."""
+        tensor = self.index.tensor(spec.name)
+        if not same_split_axis(spec, tensor.spec):
+            raise CheckpointError(f"{self.ckpt}: {spec.name} was split along dim "
+                                  f"{tensor.spec.tp_dim} in blocks of {tensor.spec.tp_interleave}"
+                                  f" with shape {tensor.spec.shape}; this model splits it along "
+                                  f"{spec.tp_dim} in {spec.tp_interleave} with {spec.shape}")
+        pieces = {w: tensor.of_rank(kind, w) for w in range(tensor.tp)}
+        starts = {w: [p.lo for p in ps] for w, ps in pieces.items()}
+        out = []
+        for run in runs(spec, tp, tp_rank, tensor.spec, tensor.tp, lo, hi):
+            src, dst, n = run.src, run.dst, run.length
+            ps = pieces[run.writer]
+            for p in ps[max(0, bisect.bisect_right(starts[run.writer], src) - 1):]:
+                if p.lo >= src + n:
+                    break
+                a, b = max(src, p.lo), min(src + n, p.hi)
+                if a < b:
+                    out.append((p.file, p.offset + 4 * (a - p.lo), b - a, dst + a - src))
         return out
 
+    def read(self, reads: List[Tuple[str, int, int, int]], numel: int) -> torch.Tensor:
+        """The planned reads into a zero-filled flat fp32 tensor of `numel` elements."""
+        out = np.zeros(numel, dtype=np.float32)
+        handles: Dict[str, int] = {}
+        try:
+            for file, offset, n, dst in reads:
+                if file not in handles:
+                    handles[file] = os.open(self.ckpt / file, os.O_RDONLY)
+                view = memoryview(out[dst:dst + n]).cast("B")
+                got = os.preadv(handles[file], [view], offset)
+                if got != 4 * n:
+                    raise CheckpointError(f"{self.ckpt / file}: short read at {offset}")
+                self.bytes_read += got
+        finally:
+            for fd in handles.values():
+                os.close(fd)
+        return torch.from_numpy(out)
+
     def global_tensor(self, name: str, kind: str) -> torch.Tensor:
-        """The whole tensor: every writer TP rank's slice read in full, then joined."""
-        pieces = self._pieces(name, kind)
-        spec, written_tp = self.written_spec(name, kind)
-        local_shape = spec.local_shape(written_tp)
-        numel = int(np.prod(local_shape))
-        slices = [self.read_range([p for p in pieces if p["tp_rank"] == r], 0,
-                                  numel).view(local_shape)
-                  for r in range(written_tp if spec.tp_dim is not None else 1)]
-        return spec.unshard(slices)
+        """The whole tensor (logical shape, unpadded) from every writer TP rank's slice."""
+        spec = self.index.tensor(name).spec
+        whole = ParamSpec(name, spec.shape, spec.tp_dim, spec.tp_interleave)
+        numel = int(np.prod(spec.shape))
+        return self.read(self.reads(whole, kind, 1, 0, 0, numel), numel).view(spec.shape)
 
 
 def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor]:
@@ -266,8 +242,9 @@ def read_global_state(ckpt: Path, kind: str = "param") -> Dict[str, torch.Tensor
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
     reader = Reader(ckpt, meta)
-    names = sorted({n for (n, k) in reader.index if k == kind})
-    for name in reader.files_for(names):
+    names = [n for n in reader.index.names() if reader.has(n, kind)]
+    files = sorted({p.file for n in names for p in reader.index.tensor(n).pieces[kind]})
+    for name in files:
         verify_file(ckpt, name, meta["files"][name])  # whole files: every piece is read
     return {name: reader.global_tensor(name, kind) for name in names}
 

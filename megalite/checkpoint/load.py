@@ -2,8 +2,8 @@
 
 Before anything is loaded, every rank checks meta.json's own CRC32, the index and the sizes and
 CRC32s of the files it will read; the verdict is agreed over all ranks, so either every rank
-loads a checkpoint or none does. Then each rank reads its owned ranges (directly when the TP
-split is unchanged; else from the rebuilt global tensor) and hands them to the engine.
+loads a checkpoint or none does. Then each rank reads its owned ranges — only those elements,
+whatever TP split wrote them (`checkpoint.reslice`) — and hands them to the engine.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from megalite.checkpoint.resolve import candidates
 from megalite.config import Config
 from megalite.log import get_logger
 from megalite.parallel import comm
-from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
 
@@ -63,7 +62,7 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
         error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) \
             else str(e)
     _agree_to_load(ckpt, error, meta.get("step"), topo.checkpoint_group)
-    _fill(reader, plans, engine, topo, meta["adam_step"])
+    _fill(reader, plans, engine, meta["adam_step"])
     rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
     # the slowest reader is waited for here, on the checkpoint group's timeout, not in the
     # first collective of a training group (the ZeRO parameter gather below)
@@ -74,44 +73,27 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
 
 def _plan_reads(reader: Reader, engine, topo: Topology
                 ) -> Tuple[list, Dict[str, List[Tuple[int, int]]]]:
-    """For each owned piece and kind, the checkpoint pieces to read (None: the TP split
-    changed, rebuild the global tensor), and per file the byte ranges (offset, bytes) read."""
+    """For each owned piece and kind, the reads that fill it (`Reader.reads`: only its own
+    elements, whatever TP split wrote them), and per file the byte ranges (offset, bytes)
+    they touch, for the CRC pass."""
     plans, ranges = [], {}
     for piece in sorted(engine.state_pieces(), key=lambda p: p.spec.name):
         for kind in KINDS:
             if kind != "param" and not reader.has(piece.spec.name, kind):
                 continue
-            plan = reader.plan(piece.spec, kind, topo.tp_size, topo.coords.tp_rank,
-                               piece.lo, piece.hi)
-            plans.append((piece, kind, plan))
-            for p in (plan if plan is not None else reader.all_pieces(piece.spec.name, kind)):
-                a, b = (max(piece.lo, p["lo"]), min(piece.hi, p["hi"])) if plan is not None \
-                    else (p["lo"], p["hi"])
-                ranges.setdefault(p["file"], []).append((p["offset"] + 4 * (a - p["lo"]),
-                                                         4 * (b - a)))
+            reads = reader.reads(piece.spec, kind, topo.tp_size, topo.coords.tp_rank,
+                                 piece.lo, piece.hi)
+            plans.append((piece, kind, reads))
+            for file, offset, n, _ in reads:
+                ranges.setdefault(file, []).append((offset, 4 * n))
     return plans, ranges
 
 
 @torch.no_grad()
-def _fill(reader: Reader, plans: list, engine, topo: Topology, adam_step: int) -> None:
-    """Read each planned range into the engine's master weights and moments."""
-    cache: Dict[Tuple[str, str], torch.Tensor] = {}
-
-    def resliced(spec: ParamSpec, kind: str) -> torch.Tensor:
-        """This rank's flattened slice, cut from the rebuilt global tensor (TP split changed)."""
-        key = (spec.name, kind)
-        if key not in cache:
-            cache.clear()  # one global tensor at a time
-            full = reader.global_tensor(spec.name, kind)
-            cache[key] = spec.shard(full, topo.coords.tp_rank, topo.tp_size).reshape(-1)
-        return cache[key]
-
-    for piece, kind, plan in plans:
-        if plan is not None:
-            values = reader.read_range(plan, piece.lo, piece.hi)
-        else:
-            values = resliced(piece.spec, kind)[piece.lo:piece.hi]
-        engine.load_state_piece(piece, kind, values, adam_step)
+def _fill(reader: Reader, plans: list, engine, adam_step: int) -> None:
+    """Read each planned piece into the engine's master weights and moments."""
+    for piece, kind, reads in plans:
+        engine.load_state_piece(piece, kind, reader.read(reads, piece.hi - piece.lo), adam_step)
 
 
 def _agree_to_load(ckpt: Path, error: Optional[str], step: Optional[int],

@@ -26,9 +26,9 @@ from megalite.checkpoint.format import (
     KINDS,
     CheckpointError,
     meta_crc32,
-    spec_record,
     written_range,
 )
+from megalite.checkpoint.index import spec_record, write_index
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import Progress
 from megalite.config import Config, data_sources
@@ -162,7 +162,7 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
             "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)
             "data_sources": [[str(d), w] for d, w in sources],
             "files": {k: v for _, fs, _ in gathered for k, v in fs.items()},
-            "pieces": [p for ps, _, _ in gathered for p in ps]}
+            "tensors": write_index(tmp, [p for ps, _, _ in gathered for p in ps])}
     meta["meta_crc32"] = meta_crc32(meta)
     with open(tmp / "meta.json", "w") as f:
         json.dump(meta, f)
