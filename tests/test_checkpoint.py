@@ -4,9 +4,9 @@ HF export and generation: tests/test_export.py."""
 from __future__ import annotations
 
 import json
-import zlib
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import pytest

@@ -31,16 +31,16 @@ def _directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _build(preset: str, dp: int, zero: int, root: Path):
+def _build(preset: str, dp: int, zero: int, root: Path, tp: int = 1):
     from megalite.layout import Layout
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.topology import build_topology
     from megalite.parallel.zero import ZeroEngine
 
-    cfg = load_config([f"model={preset}", f"zero={zero}", "device=cpu",
+    cfg = load_config([f"model={preset}", f"zero={zero}", f"tp={tp}", "device=cpu",
                        f"checkpoint.dir={root}"])
-    topo = build_topology(1, 1, dp)
+    topo = build_topology(tp, 1, dp)
     model = GPT2(cfg.model, topo.tp_group)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=zero), cfg.optim)
@@ -94,12 +94,12 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
 
 
 def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> dict:
-    """zero 0 on dp=world saves (each replica writes 1/dp); zero 1 on dp=world loads it (each
-    rank owns 1/dp of every tensor, cut differently): the bytes this rank verifies and reads
-    (format 4: the CRC blocks its ranges touch), next to what the whole files it touches
-    would cost (format 3 verified whole files)."""
+    """zero 0 on dp=world saves (each replica writes what zero 1 would give it); it is loaded
+    under zero 1 on dp=world (the same ranges: each rank reads its own file) and under tp=2
+    zero 1 on dp=world/2 (a changed TP split: each rank reads the runs of its own elements).
+    Per layout, the bytes this rank reads and verifies (the CRC blocks its ranges touch),
+    next to what the whole files it touches would cost (format 3 verified whole files)."""
     from megalite.checkpoint.format import KINDS
-    from megalite.checkpoint.index import Index
     from megalite.checkpoint.load import load_checkpoint
     from megalite.checkpoint.save import save_checkpoint
     from megalite.checkpoint.state import ProcessRNG, Progress
@@ -113,16 +113,27 @@ def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> di
     path = save_checkpoint(Path(root), 1, engine, rng, Progress({"consumed_samples": 0}),
                            cfg, topo, keep=1)
     del engine
-    cfg1, topo1, _, fresh = _build(preset, world, 1, Path(root))
-    share = 4 * len(KINDS) * sum(p.hi - p.lo for p in fresh.state_pieces())
-    loaded = load_checkpoint(path, fresh, cfg1, topo1)
-    owned = {(p.spec.name, p.lo, p.hi) for p in fresh.state_pieces()}
-    names = {name for name, _, _ in owned}
-    index = Index(Path(path), loaded.meta)
-    touched = {p.file for n in names for ps in index.tensor(n).pieces.values() for p in ps}
-    whole = sum(loaded.meta["files"][f]["bytes"] for f in touched)
-    return {"share": share, "verified": loaded.verified_bytes, "read": loaded.read_bytes,
-            "whole_files": whole}
+    out = {}
+    for name, tp in (("zero1", 1), ("tp2_zero1", 2)):
+        cfg1, topo1, _, fresh = _build(preset, world // tp, 1, Path(root), tp=tp)
+        share = 4 * len(KINDS) * sum(p.hi - p.lo for p in fresh.state_pieces())
+        t0 = time.perf_counter()
+        loaded = load_checkpoint(path, fresh, cfg1, topo1)
+        load_s = time.perf_counter() - t0
+        touched = {f for f, _ in _touched_ranges(path, fresh, topo1)}
+        whole = sum(loaded.meta["files"][f]["bytes"] for f in touched)
+        out[name] = {"share": share, "verified": loaded.verified_bytes,
+                     "read": loaded.read_bytes, "whole_files": whole, "load_s": load_s}
+        del fresh
+    return out
+
+
+def _touched_ranges(path: Path, engine, topo) -> list:
+    from megalite.checkpoint.format import Reader, read_meta
+    from megalite.checkpoint.load import _plan_reads
+
+    _, ranges = _plan_reads(Reader(path, read_meta(path)), engine, topo)
+    return [(f, r) for f, rs in ranges.items() for r in rs]
 
 
 def _load_serial(rank: int, world: int, preset: str, root: str, path: str) -> float:
@@ -184,12 +195,16 @@ def run(args) -> List[dict]:
 
 def _print_resharded(per_rank: List[dict], dp: int) -> None:
     mib = 2**20
-    print(f"\nresume of a zero=0 dp={dp} checkpoint under zero=1 dp={dp}, per rank (MiB): "
-          "share = the state it owns; format 3 verified every file it touches in full")
-    print(f"{'rank':>4} {'share':>8} {'read':>8} {'verified (4)':>13} {'whole files (3)':>16}")
-    for r, res in enumerate(per_rank):
-        print(f"{r:>4} {res['share'] / mib:>8.1f} {res['read'] / mib:>8.1f} "
-              f"{res['verified'] / mib:>13.1f} {res['whole_files'] / mib:>16.1f}")
+    print(f"\nresume of a zero=0 dp={dp} checkpoint, per rank (MiB): share = the state it owns; "
+          "format 3 verified every file it touches in full")
+    print(f"{'layout':>22} {'rank':>4} {'share':>8} {'read':>8} {'verified (4-5)':>15} "
+          f"{'whole files (3)':>16} {'load s':>7}")
+    for name, label in (("zero1", f"zero=1 dp={dp}"), ("tp2_zero1", f"tp=2 zero=1 dp={dp // 2}")):
+        for r, res in enumerate(per_rank):
+            x = res[name]
+            print(f"{label:>22} {r:>4} {x['share'] / mib:>8.1f} {x['read'] / mib:>8.1f} "
+                  f"{x['verified'] / mib:>15.1f} {x['whole_files'] / mib:>16.1f} "
+                  f"{x['load_s']:>7.2f}")
 
 
 def add_arguments(parser) -> None:

@@ -6,7 +6,7 @@
         index/<tensor>.json where each piece of one global tensor lies (`checkpoint.index`)
         meta.json           written last by rank 0: step, sampler position, skipped steps, the
                             fp16 loss scale, layout, model shape, every file's size and CRC32
-                            (per 4 MiB block for rank files), each index file's, and the CRC32
+                            (per 1 MiB block for rank files), each index file's, and the CRC32
                             of meta.json's own content
 
 A *piece* is a contiguous range [lo, hi) of one TP rank's slice (flattened) of one global tensor
@@ -67,7 +67,7 @@ from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.index import Index
 from megalite.checkpoint.reslice import runs, same_split_axis
 from megalite.config import Config, ModelConfig
-from megalite.layout import Layout
+from megalite.parallel.bucket import StatePiece
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
 
@@ -75,24 +75,23 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 5
 READABLE_VERSIONS = (3, 4, 5)  # 4: per-block CRC32s of each rank file (3: one CRC32 per
 #                                file); 5: the piece index in one file per tensor (index/)
-CRC_BLOCK_BYTES = 4 * 2**20  # format 4: a CRC32 per block of this many bytes of a rank file
+CRC_BLOCK_BYTES = 2**20  # format 4: a CRC32 per block of this many bytes of a rank file (a
+#                          resume verifies the blocks its reads touch: smaller blocks waste less
+#                          where its ranges end mid-block; meta.json lists ~1 per MiB of state)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
 
 
-def written_range(spec: ParamSpec, lo: int, hi: int, topo: Topology, layout: Layout
-                  ) -> Optional[Tuple[int, int]]:
-    """The part [a, b) of this rank's owned range [lo, hi) of `spec` that it writes, or None.
-    Every element is written once: not by the tied embedding's second copy, not by TP ranks
-    other than 0 for TP-replicated tensors; a range that DP replicas all hold (zero 0) is cut
-    into dp equal parts, DP rank d writing part d, so a save uses every replica's bandwidth."""
-    c = topo.coords
-    if spec.tied_copy or (spec.tp_replicated and c.tp_rank != 0):
+def written_range(piece: StatePiece, topo: Topology) -> Optional[Tuple[int, int]]:
+    """The part [a, b) of this rank's owned range of a piece that it writes, or None. Every
+    element is written once: not by the tied embedding's second copy, not by TP ranks other
+    than 0 for TP-replicated tensors; a range that DP replicas all hold (zero 0) is written by
+    the replica that zero >= 1 would give it (`StatePiece.dp_share`), so a save uses every
+    replica's bandwidth and a resume under zero >= 1 on the same dp reads its own file."""
+    spec = piece.spec
+    if spec.tied_copy or (spec.tp_replicated and topo.coords.tp_rank != 0):
         return None
-    if layout.shards_optimizer:
-        return lo, hi
-    n = hi - lo
-    a, b = lo + n * c.dp_rank // topo.dp_size, lo + n * (c.dp_rank + 1) // topo.dp_size
+    a, b = piece.dp_share
     return (a, b) if a < b else None
 
 

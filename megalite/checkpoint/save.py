@@ -42,7 +42,7 @@ def written_numel(engine, topo: Topology) -> int:
     """Elements this rank writes into a checkpoint (once AdamW's moments exist)."""
     total = 0
     for p in engine.state_pieces():
-        part = written_range(p.spec, p.lo, p.hi, topo, engine.layout)
+        part = written_range(p, topo)
         total += 0 if part is None else part[1] - part[0]
     return len(KINDS) * total
 
@@ -71,7 +71,7 @@ def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: C
     data_file = f"rank{topo.rank:05d}.bin"
     tensors, pieces, offset = [], [], 0
     for piece in engine.state_pieces():
-        part = written_range(piece.spec, piece.lo, piece.hi, topo, engine.layout)
+        part = written_range(piece, topo)
         if part is None:
             continue
         a, b = part

@@ -35,6 +35,9 @@ class StatePiece:
     hi: int
     tensors: Dict[str, torch.Tensor]
     index: int  # the engine's own handle
+    dp_share: Tuple[int, int]  # the part of [lo, hi) in this DP rank's shard of its bucket:
+    #                            all of it when the optimizer is sharded; under zero 0 the part
+    #                            zero >= 1 would give this rank (empty: lo == hi)
 
 
 class GradReduction:
@@ -130,6 +133,7 @@ class Bucket:
         else:
             self.main_grad = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self.segments: List[Segment] = self.flat.segments(self.lo, self.hi)
+        self.dp_share = self.flat.shard_range(group.rank)  # what zero >= 1 would give it
         self.reported = 0
         self._temp: Optional[torch.Tensor] = None  # zero 2/3: this backward's full gradient
         self.pending: List[Tuple[object, Optional[torch.Tensor]]] = []  # launched reductions

@@ -269,10 +269,14 @@ class ZeroEngine:
         """This rank's owned state, one piece per owned range of a parameter: the fp32 master
         weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq", once they exist)."""
         pieces = []
-        for index, (piece, seg, _) in enumerate(self.main_params):
+        for index, (piece, seg, bucket) in enumerate(self.main_params):
             state = self.optimizer.state.get(piece, {})
             tensors = {"param": piece, **{k: state[k] for k in MOMENTS if k in state}}
-            pieces.append(StatePiece(seg.spec, seg.param_lo, seg.param_hi, tensors, index))
+            s_lo, s_hi = bucket.dp_share
+            a, b = max(seg.flat_lo, s_lo), min(seg.flat_hi, s_hi)
+            share = (seg.param_lo + a - seg.flat_lo, seg.param_lo + max(a, b) - seg.flat_lo)
+            pieces.append(StatePiece(seg.spec, seg.param_lo, seg.param_hi, tensors, index,
+                                     share))
         return pieces
 
     @torch.no_grad()
