@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megalite.bench import attention, checkpoint, pipeline, tensor, train, zero
+from megalite.bench import attention, checkpoint, checkpoint_index, pipeline, tensor, train, zero
 
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
     "attention": (attention, "causal attention fwd+bwd under each SDPA kernel (flash, cuDNN, ...)"),
     "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
+    "checkpoint-index": (checkpoint_index, "the checkpoint index a resuming rank reads, at N "
+                         "simulated ranks"),
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
