@@ -83,19 +83,19 @@ def check_end_of_run_summary(stderr, run, records):
     ckpt = run / "checkpoints" / "step_00000060"
     assert summary[0] == (f"megalite: run finished: 60 of train.max_steps=60 steps, "
                           f"{records[-1]['consumed_tokens']:,} tokens")
-    figures = dict(line.strip().split(maxsplit=1) for line in summary[1:] if
-                   line.startswith("  ") and not line.startswith("  megalite-"))
+    figures = dict(line.strip().split(maxsplit=1) for line in summary[1:summary.index("next:")])
     assert figures["train"] == f"loss   {records[-1]['loss']:.4f} (step 60)"
     assert figures["val"] == f"loss     {records[-1]['val_loss']:.4f} (step 60)"
     assert figures["mean"] == f"MFU     {sum(mfus) / len(mfus):.2%} (mean of 6 metrics lines)"
     assert figures["metrics"] == str(run / "metrics.jsonl")
     assert figures["checkpoint"] == str(ckpt)
-    wandb_dir = Path(figures["wandb"].split()[0])
+    wandb_dir = Path(figures["wandb"].removesuffix(" (offline)"))
     assert wandb_dir.parent == run / "wandb" and wandb_dir.is_dir(), figures["wandb"]
-    commands = {c.split()[0]: shlex.split(c.split("#")[0]) for c in summary if
-                c.startswith("  megalite-")}
+    commands = {c.split()[0]: shlex.split(c.split("#")[0]) for c in
+                summary[summary.index("next:") + 1:]}
     assert set(commands) == {"megalite-generate", "megalite-export", "megalite-plot",
-                             "megalite-evaluate"}
+                             "megalite-evaluate", "wandb"}
+    assert commands["wandb"] == ["wandb", "sync", str(wandb_dir)]
     assert commands["megalite-export"] == ["megalite-export", str(ckpt), str(run / "hf")]
     export.main(commands["megalite-export"][1:])
     assert (run / "hf" / "model.safetensors").is_file()

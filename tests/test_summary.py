@@ -45,9 +45,19 @@ def test_what_a_run_did_not_measure_is_said_so():
     records = [{k: v for k, v in r.items() if "hellaswag" not in k} for r in RECORDS]
     for r in records:
         r.update(val_loss=None, mfu=None)
-    text = summary_text(records, steps=20, wandb=None)
+    text = summary_text(records, steps=20, wandb=None, checkpoint=None)
     assert "stopped early; continue with checkpoint.resume=auto" in text.splitlines()[0]
     assert "val loss     not evaluated (train.eval_every=0)" in text
     assert "HellaSwag" not in text
     assert "mean MFU     not measured" in text
     assert "wandb        off (log.wandb=false)" in text
+    assert "checkpoint   none written" in text
+    assert [c.split()[0] for c in text.split("next:\n")[1].splitlines()] == ["megalite-plot"]
+
+
+def test_an_offline_wandb_run_comes_with_its_upload_command():
+    text = summary_text(RECORDS, wandb="/runs/my run/wandb/offline-run-1 (offline)",
+                        wandb_sync="wandb sync '/runs/my run/wandb/offline-run-1'")
+    assert "  wandb        /runs/my run/wandb/offline-run-1 (offline)" in text.splitlines()
+    last = text.splitlines()[-1]
+    assert shlex.split(last.split("#")[0]) == ["wandb", "sync", "/runs/my run/wandb/offline-run-1"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megalite.train.metrics_file import METRICS_FILE, metric
 
@@ -36,9 +36,10 @@ class RunSummary:
     hellaswag_acc_norm: Optional[float]
     mean_mfu: Optional[float]
     mfu_lines: int  # metrics lines the mean MFU is taken over
-    checkpoint: Optional[Path]
-    wandb: Optional[str]  # where the wandb run is (and how to upload it), None without wandb
     last_step: dict  # metric -> the step of its last value
+    checkpoint: Optional[Path]
+    wandb: Optional[str]  # where the wandb run is: its URL or directory; None without wandb
+    wandb_sync: Optional[str] = None  # the command that uploads an offline wandb run
 
 
 def last_value(records: List[dict], name: str):
@@ -51,9 +52,10 @@ def last_value(records: List[dict], name: str):
 
 
 def summarize(records: List[dict], *, steps: int, max_steps: int, tokens: int, run_dir,
-              checkpoint: Optional[Path], wandb: Optional[str]) -> RunSummary:
+              checkpoint: Optional[Path], wandb: Optional[str],
+              wandb_sync: Optional[str] = None) -> RunSummary:
     """The summary of a run whose launch wrote `records` and ended at step `steps` with
-    `tokens` tokens consumed."""
+    `tokens` tokens consumed; `wandb`, `wandb_sync` as `wandb_location` gives them."""
     values, last_step = {}, {}
     for name in ("loss", "val_loss", "hellaswag_acc", "hellaswag_acc_norm"):
         values[name], last_step[name] = last_value(records, name)
@@ -63,18 +65,18 @@ def summarize(records: List[dict], *, steps: int, max_steps: int, tokens: int, r
         train_loss=values["loss"], val_loss=values["val_loss"],
         hellaswag_acc=values["hellaswag_acc"], hellaswag_acc_norm=values["hellaswag_acc_norm"],
         mean_mfu=sum(mfus) / len(mfus) if mfus else None, mfu_lines=len(mfus),
-        checkpoint=checkpoint, wandb=wandb, last_step=last_step)
+        checkpoint=checkpoint, wandb=wandb, wandb_sync=wandb_sync, last_step=last_step)
 
 
-def wandb_location(run) -> Optional[str]:
-    """Where a (finished) wandb run is: its URL online; offline its directory and the command
-    that uploads it."""
+def wandb_location(run) -> Tuple[Optional[str], Optional[str]]:
+    """(where a finished wandb run is, the command that uploads it): online its URL and
+    nothing to upload; offline its directory and `wandb sync DIR`; (None, None) without one."""
     if run is None:
-        return None
+        return None, None
     if not run.offline:
-        return run.url
+        return run.url, None
     sync_dir = Path(run.settings.sync_dir).resolve()
-    return f"{sync_dir} (offline; upload with: wandb sync {shlex.quote(str(sync_dir))})"
+    return f"{sync_dir} (offline)", f"wandb sync {shlex.quote(str(sync_dir))}"
 
 
 def _figure(label: str, value: Optional[float], step: Optional[int], missing: str) -> str:
@@ -110,14 +112,15 @@ def next_commands(s: RunSummary) -> List[str]:
     """Generate from, export, plot and evaluate the run, with its paths filled in."""
     run = shlex.quote(str(s.run_dir))
     plot = f"megalite-plot {run} --out {shlex.quote(str(s.run_dir / 'metrics.png'))}"
+    sync = [f"{s.wandb_sync}   # upload the offline wandb run"] if s.wandb_sync else []
     if s.checkpoint is None:
-        return [plot]
+        return [plot] + sync
     ckpt = shlex.quote(str(s.checkpoint))
     return [f"megalite-generate {ckpt} --prompt \"The\" --max-new-tokens 64",
             f"megalite-export {ckpt} {shlex.quote(str(s.run_dir / 'hf'))}",
             plot,
             f"megalite-evaluate {ckpt} --tasks hellaswag   "
-            "# pip install \"megalite[eval]\"; lm-eval downloads the task's data"]
+            "# pip install \"megalite[eval]\"; lm-eval downloads the task's data"] + sync
 
 
 def trainer_summary(trainer, records: List[dict]) -> str:
@@ -126,8 +129,9 @@ def trainer_summary(trainer, records: List[dict]) -> str:
     from megalite.checkpoint.resolve import latest_checkpoint
 
     writer = trainer.writer
+    wandb, sync = wandb_location(writer.wandb_run if writer is not None else None)
     s = summarize(records, steps=trainer.step, max_steps=trainer.cfg.train.max_steps,
                   tokens=trainer.sampler.consumed_samples * trainer.cfg.train.seq_len,
                   run_dir=trainer.run_dir, checkpoint=latest_checkpoint(trainer.ckpt_root),
-                  wandb=wandb_location(writer.wandb_run if writer is not None else None))
+                  wandb=wandb, wandb_sync=sync)
     return render(s)
