@@ -249,6 +249,12 @@ def test_evaluate_refuses_unknown_tasks_and_paths_before_exporting(runs, tmp_pat
 
     code, _, err = run_script("evaluate.py", tmp_path / "nowhere", "--tasks", "hellaswag")
     assert code == 2 and f"{tmp_path / 'nowhere'}: neither a transformers directory" in err, err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    code, _, err = run_script("evaluate.py", checkpoint(runs / "serial"), "--tasks", "hellaswag",
+                              "--export-dir", busy)
+    assert code == 2 and f"--export-dir {busy}: exists and is not an empty" in err, err
     pytest.importorskip("lm_eval", reason="lm-eval comes with the eval extra "
                         "(pip install -e '.[dev,eval]'; the README's test command installs it)")
     tasks = tmp_path / "tasks"

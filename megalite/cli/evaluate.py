@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> dict:
         raise EvaluateError(f"--tasks {args.tasks!r}: no task names (e.g. --tasks hellaswag)")
     batch_size = args.batch_size if args.batch_size == "auto" else _positive(args.batch_size)
     path = check_model_path(args.model)
+    export_dir = Path(args.export_dir) if args.export_dir else None
+    if export_dir is not None and export_dir.exists() and (
+            not export_dir.is_dir() or any(export_dir.iterdir())):
+        raise EvaluateError(f"--export-dir {export_dir}: exists and is not an empty directory; "
+                            "name a new one (or leave it out for a temporary export)")
     require_lm_eval()
     manager = task_manager(tasks, args.include_path)
     import torch
