@@ -17,7 +17,8 @@ from tests.conftest import TINY
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
             "export": "export_hf", "generate": "generate", "bench": "bench",
-            "verify_rank": "verify_rank"}  # module: script (command: megalite-<module, - for _>)
+            "verify_rank": "verify_rank", "evaluate": "evaluate",
+            "plot": "plot"}  # module: script (command: megalite-<module, - for _>)
 
 
 def declared_scripts() -> dict:

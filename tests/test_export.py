@@ -2,10 +2,12 @@
 same steps trained serially and with tp=2 pp=2 (4 gloo ranks under torchrun)."""
 import contextlib
 import io
+import json
 import re
 import runpy
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -163,3 +165,108 @@ def test_generate_bad_checkpoint_path_exits_naming_it(tmp_path):
                            "--prompt", "x"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert f"{bad}: holds no meta.json" in proc.stderr, proc.stderr
+
+
+# A multiple-choice task of four made-up examples in lm-eval's yaml, on a local jsonl file
+# (no network): lm-eval scores each ending by its log-likelihood after the context.
+MC_EXAMPLES = [
+    {"context": "def main(", "endings": ["self):", "args):", "x, y):", "):"], "label": 1},
+    {"context": "import os\nimport", "endings": ["sys", "re", "the", "12"], "label": 0},
+    {"context": "for i in", "endings": ["range(10):", "foo", "bar baz", "("], "label": 0},
+    {"context": "return", "endings": ["None", "True", "self.", "x"], "label": 2},
+]
+MC_TASK = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{endings}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def ending_logliks(hf, tok, example):
+    """Summed log-probabilities of " " + each ending after the context (lm-eval's target
+    delimiter; the ending's tokens are those of context + ending past the context's)."""
+    context = tok.encode(example["context"])
+    out = []
+    for ending in example["endings"]:
+        whole = tok.encode(example["context"] + " " + ending)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([whole])).logits[0].double(), dim=-1)
+        out.append(sum(logp[i - 1, whole[i]].item() for i in range(len(context), len(whole))))
+    return out
+
+
+@pytest.mark.distributed
+def test_evaluate_runs_lm_eval_on_a_checkpoint_with_a_local_task(runs, exported, tmp_path,
+                                                                 monkeypatch, capsys):
+    pytest.importorskip("lm_eval", reason="lm-eval comes with the eval extra "
+                        "(pip install -e '.[dev,eval]'; the README's test command installs it)")
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from megalite.cli import evaluate
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tasks / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in MC_EXAMPLES))
+    (tasks / "tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the export's temporary
+    (tmp_path / "tmp").mkdir()
+    evaluate.main([str(runs / "serial" / "checkpoints"), "--tasks", "tiny_mc", "--include-path",
+                   str(tasks), "--device", "cpu", "--batch-size", "4", "--log-samples",
+                   "--output", str(tmp_path / "results.json")])
+    assert "tiny_mc" in capsys.readouterr().out
+    assert list((tmp_path / "tmp").iterdir()) == []  # the temporary export is gone
+    results = json.loads((tmp_path / "results.json").read_text())
+
+    hf = GPT2LMHeadModel.from_pretrained(exported["serial"]).eval()  # the same checkpoint
+    tok = AutoTokenizer.from_pretrained(exported["serial"])
+    samples = sorted(results["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(MC_EXAMPLES)
+    acc = acc_norm = 0
+    for example, sample in zip(MC_EXAMPLES, samples):
+        direct = ending_logliks(hf, tok, example)
+        assert [r[0] for r in sample["filtered_resps"]] == pytest.approx(direct, abs=1e-4)
+        per_char = [ll / len(e) for ll, e in zip(direct, example["endings"])]
+        acc += direct.index(max(direct)) == example["label"]
+        acc_norm += per_char.index(max(per_char)) == example["label"]
+    scores = results["results"]["tiny_mc"]
+    assert scores["acc,none"] == acc / len(MC_EXAMPLES)
+    assert scores["acc_norm,none"] == acc_norm / len(MC_EXAMPLES)
+
+
+@pytest.mark.distributed  # the runs fixture; lm-eval indexes its ~14,000 task files (~10 s)
+def test_evaluate_refuses_unknown_tasks_and_paths_before_exporting(runs, tmp_path, capsys):
+    from megalite.cli import evaluate
+
+    code, _, err = run_script("evaluate.py", tmp_path / "nowhere", "--tasks", "hellaswag")
+    assert code == 2 and f"{tmp_path / 'nowhere'}: neither a transformers directory" in err, err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    code, _, err = run_script("evaluate.py", checkpoint(runs / "serial"), "--tasks", "hellaswag",
+                              "--export-dir", busy)
+    assert code == 2 and f"--export-dir {busy}: exists and is not an empty" in err, err
+    pytest.importorskip("lm_eval", reason="lm-eval comes with the eval extra "
+                        "(pip install -e '.[dev,eval]'; the README's test command installs it)")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_mc.yaml").write_text(MC_TASK.format(data=tmp_path / "data.jsonl"))
+    out = tmp_path / "hf"
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main([str(checkpoint(runs / "serial")), "--tasks", "tiny_mcq,arc_easy,hellaswg",
+                       "--include-path", str(tasks), "--export-dir", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tasks 'tiny_mcq': no such lm-eval task" in err and "(closest: tiny_mc" in err, err
+    assert "--tasks 'hellaswg': no such lm-eval task" in err and "(closest: hellaswag" in err
+    assert "arc_easy" not in err  # a task lm-eval has
+    assert not out.exists()  # refused before the checkpoint was exported or a model loaded

@@ -1,12 +1,14 @@
 """End to end: scripts/pretrain.py in a subprocess, as a user runs it."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megalite.cli import export
 from tests.conftest import TINY
 from tests.wandb_log import history
 
@@ -41,9 +43,10 @@ def read_metrics(run_dir):
 @pytest.mark.distributed
 def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_path):
     run = tmp_path / "run"
-    pretrain(run, f"data.dir={tiny_data}", "train.max_steps=60", "train.eval_every=30",
-             "log.every=10", "log.wandb=offline", "optim.lr=3e-3", "optim.warmup_steps=5")
+    proc = pretrain(run, f"data.dir={tiny_data}", "train.max_steps=60", "train.eval_every=30",
+                    "log.every=10", "log.wandb=offline", "optim.lr=3e-3", "optim.warmup_steps=5")
     header, records = read_metrics(run)
+    check_end_of_run_summary(proc.stderr, run, records)
     assert HEADER_KEYS <= set(header)
     assert header["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "sp": False,
                                 "virtual_stages": 1, "world_size": 1}
@@ -68,6 +71,34 @@ def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_p
         if r["val_loss"] is not None:
             assert row["val/loss"] == pytest.approx(r["val_loss"], rel=1e-12)
     assert (run / "checkpoints" / "step_00000060" / "meta.json").is_file()
+
+
+def check_end_of_run_summary(stderr, run, records):
+    """Rank 0's last message (megalite.train.summary): the run's figures as metrics.jsonl has
+    them, where its files are, and next commands that work (the export one is run)."""
+    start = stderr.index("megalite: run finished:")
+    summary = stderr[start:].splitlines()
+    assert (run / "pretrain.log").read_text().count("megalite: run finished:") == 1
+    mfus = [r["mfu"] for r in records]
+    ckpt = run / "checkpoints" / "step_00000060"
+    assert summary[0] == (f"megalite: run finished: 60 of train.max_steps=60 steps, "
+                          f"{records[-1]['consumed_tokens']:,} tokens")
+    figures = dict(line.strip().split(maxsplit=1) for line in summary[1:summary.index("next:")])
+    assert figures["train"] == f"loss   {records[-1]['loss']:.4f} (step 60)"
+    assert figures["val"] == f"loss     {records[-1]['val_loss']:.4f} (step 60)"
+    assert figures["mean"] == f"MFU     {sum(mfus) / len(mfus):.2%} (mean of 6 metrics lines)"
+    assert figures["metrics"] == str(run / "metrics.jsonl")
+    assert figures["checkpoint"] == str(ckpt)
+    wandb_dir = Path(figures["wandb"].removesuffix(" (offline)"))
+    assert wandb_dir.parent == run / "wandb" and wandb_dir.is_dir(), figures["wandb"]
+    commands = {c.split()[0]: shlex.split(c.split("#")[0]) for c in
+                summary[summary.index("next:") + 1:]}
+    assert set(commands) == {"megalite-generate", "megalite-export", "megalite-plot",
+                             "megalite-evaluate", "wandb"}
+    assert commands["wandb"] == ["wandb", "sync", str(wandb_dir)]
+    assert commands["megalite-export"] == ["megalite-export", str(ckpt), str(run / "hf")]
+    export.main(commands["megalite-export"][1:])
+    assert (run / "hf" / "model.safetensors").is_file()
 
 
 @pytest.mark.distributed

@@ -8,7 +8,9 @@ the same command.) Arguments are Hydra overrides of conf/config.yaml. The run di
 Hydra's output directory (`hydra.run.dir`); metrics.jsonl, pretrain.log (rank 0's log), the
 wandb run and (by default) checkpoints go there. The configuration is validated, the token
 shards (and the init_from and resume checkpoints' model shape) checked, before any process
-group is created.
+group is created. At the end rank 0 logs a summary: steps, tokens, final losses, mean MFU,
+where the metrics, wandb run and last checkpoint are, and the commands that generate from,
+export, plot and evaluate the run.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from megalite.plan import make_plan, memory_warning
 from megalite.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.build import broadcast_run_dir, build_trainer
 from megalite.train.preflight import local_ranks_from_env, preflight
+from megalite.train.summary import trainer_summary
 
 
 def launch_rank() -> int:
@@ -68,7 +71,10 @@ def pretrain(node) -> None:
                                 runtime.topology)
     logger.info(f"megalite: {runtime.topology.describe()} device={runtime.device} "
                 f"run_dir={run_dir}")
-    build_trainer(cfg, runtime, run_dir).fit()
+    trainer = build_trainer(cfg, runtime, run_dir)
+    records = trainer.fit()
+    if runtime.topology.rank == 0:  # what happened and what next (megalite.train.summary)
+        logger.info(trainer_summary(trainer, records))
     shutdown(runtime)
 
 
