@@ -191,7 +191,8 @@ class Trainer:
             self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
                                     dp_size=self.topo.dp_size, device=self.rt.device,
-                                    weights=[w for _, w in self.data_sources])
+                                    weights=[w for _, w in self.data_sources],
+                                    reads=self.batches.reads)
         return self._val
 
     @torch.no_grad()
