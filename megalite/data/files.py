@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import resource
 from collections import OrderedDict
-from pathlib import Path
 from typing import Tuple
 
 import numpy as np
@@ -62,7 +61,7 @@ class ShardFiles:
         if capacity < 1:
             raise ValueError(f"ShardFiles capacity={capacity}: must be at least 1")
         self.capacity = capacity
-        self._open: "OrderedDict[Path, int]" = OrderedDict()
+        self._open: "OrderedDict[str, int]" = OrderedDict()
         self.opened = 0  # descriptors opened so far (a miss of the cache)
         self.bytes_read = 0
 
@@ -70,7 +69,7 @@ class ShardFiles:
     def open_count(self) -> int:
         return len(self._open)
 
-    def _descriptor(self, path: Path) -> int:
+    def _descriptor(self, path: str) -> int:
         fd = self._open.get(path)
         if fd is not None:
             self._open.move_to_end(path)
@@ -83,8 +82,8 @@ class ShardFiles:
         self.opened += 1
         return fd
 
-    def read_into(self, path: Path, offset: int, out: np.ndarray) -> None:
-        """Fill `out` (contiguous) with the bytes of `path` from byte `offset`."""
+    def read_into(self, path: str, offset: int, out: np.ndarray) -> None:
+        """Fill `out` (contiguous) with the bytes of file `path` from byte `offset`."""
         view = memoryview(out).cast("B")
         got = os.preadv(self._descriptor(path), [view], offset)
         if got != len(view):

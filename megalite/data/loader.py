@@ -88,6 +88,7 @@ class TokenShards:
             self.paths.append(path)
             tokens.append(entry["tokens"])
         self.shard_tokens = np.array(tokens, dtype=np.int64)
+        self._names = [str(p) for p in self.paths]  # the descriptor cache's keys (cheap hash)
         self.files = files if files is not None else ShardFiles()
         self._ends: Dict[int, np.ndarray] = {}
 
@@ -110,7 +111,7 @@ class TokenShards:
     def read_shard(self, shard: int) -> np.ndarray:
         """Every token of shard `shard` (its dtype)."""
         out = np.empty(int(self.shard_tokens[shard]), dtype=self.dtype)
-        self.files.read_into(self.paths[shard], 0, out)
+        self.files.read_into(self._names[shard], 0, out)
         return out
 
     def samples(self, indices: Sequence[int], seq_len: int) -> np.ndarray:
@@ -125,9 +126,9 @@ class TokenShards:
         shards = np.searchsorted(ends, indices, side="right")
         starts = (indices - (ends[shards] - np.diff(ends, prepend=0)[shards])) * seq_len
         raw = np.empty((len(indices), seq_len + 1), dtype=self.dtype)
-        itemsize = self.dtype.itemsize
+        shards, offsets = shards.tolist(), (starts * self.dtype.itemsize).tolist()
         for row in np.argsort(indices, kind="stable").tolist():
-            self.files.read_into(self.paths[shards[row]], int(starts[row]) * itemsize, raw[row])
+            self.files.read_into(self._names[shards[row]], offsets[row], raw[row])
         return raw.astype(np.int64)
 
     def sample(self, index: int, seq_len: int) -> np.ndarray:
