@@ -7,7 +7,8 @@ Corpora are synthetic: per size, a data directory of sparse shard files (`--shar
 tokens each, no disk blocks: reads return zeros) and its meta.json, so the loader runs as in
 training — meta.json read, every shard's size checked, the sampler built, this rank's slice of
 the first global batch drawn and its windows read. Reported per order: that start-up's wall time
-and the peak of memory allocated meanwhile (tracemalloc: numpy's arrays included), then the
+(and its parts: the shards checked; the sampler built and the first slice drawn) and the peak of
+memory allocated meanwhile (tracemalloc: numpy's arrays included), then the
 median time of drawing and reading one later global batch slice (`--global-batch` / `--dp`
 windows). The old order builds its permutation again at every epoch start: its start-up time
 is also the stall at each epoch boundary. `--old-max` caps the sizes the old order runs at (it
@@ -81,32 +82,38 @@ def _draw(shards: TokenShards, sampler: ResumableSampler, seq_len: int) -> np.nd
 
 
 def _one_case(data: Path, order: str, args) -> dict:
-    """Start-up (shards checked, sampler built, first slice drawn and read) and later batches."""
+    """Start-up — shards checked against meta.json, the sampler built and this rank's slice of
+    the first batch drawn, its windows read — then later batches (drawn and read)."""
     tracemalloc.start()
     t0 = time.perf_counter()
     shards = TokenShards(data, "train", ShardFiles(64))
-    sampler = ResumableSampler(shards.num_samples(args.seq_len), args.global_batch,
-                               dp_rank=args.dp - 1, dp_size=args.dp, seed=1234, order=order)
-    _draw(shards, sampler, args.seq_len)
-    startup = time.perf_counter() - t0
+    n = shards.num_samples(args.seq_len)
+    t1 = time.perf_counter()
+    sampler = ResumableSampler(n, args.global_batch, dp_rank=args.dp - 1, dp_size=args.dp,
+                               seed=1234, order=order)
+    datasets, windows = sampler.next_windows()
+    t2 = time.perf_counter()
+    read_windows([shards], datasets, windows, args.seq_len)
+    t3 = time.perf_counter()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     times = []
     for _ in range(args.batches):
-        t0 = time.perf_counter()
+        t = time.perf_counter()
         _draw(shards, sampler, args.seq_len)
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t)
     shards.files.close()
-    return {"startup_s": startup, "peak_bytes": peak,
-            "batch_ms": 1e3 * statistics.median(times)}
+    return {"startup_s": t3 - t0, "shards_s": t1 - t0, "sampler_s": t2 - t1,
+            "peak_bytes": peak, "batch_ms": 1e3 * statistics.median(times)}
 
 
 def _open_files_case(args, root: Path) -> List[dict]:
     """Open descriptors while reading batches of a `--shards`-shard corpus: main's loader (a
     memmap per shard, as before issue 19) against ShardFiles under the machine's limit and
     under a soft limit of `--fd-limit` (2 x `--batches` batches; the second half timed)."""
-    data = write_sparse_corpus(root / "fds", args.shards * 4, args.seq_len,
-                               4 * args.seq_len + 1)
+    per_shard = max(4, -(-args.global_batch // args.shards))  # a global batch at least
+    data = write_sparse_corpus(root / "fds", args.shards * per_shard, args.seq_len,
+                               per_shard * args.seq_len + 1)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     rows = []
     base = open_descriptors()
@@ -143,8 +150,8 @@ def run(args) -> dict:
     print(f"seq_len={args.seq_len}, {args.shard_tokens:,} tokens per shard, global batch "
           f"{args.global_batch} over dp {args.dp} ({per_rank} windows per rank), pid "
           f"{os.getpid()}", flush=True)
-    print(f"{'windows':>8} {'shards':>7} {'order':>15} {'start-up s':>11} {'peak MiB':>9} "
-          f"{'batch ms':>9}", flush=True)
+    print(f"{'windows':>8} {'shards':>7} {'order':>15} {'start-up s':>11} {'(shards s':>10} "
+          f"{'sampler s)':>11} {'peak MiB':>9} {'batch ms':>9}", flush=True)
     results = {"sizes": [], "open_files": []}
     try:
         for size in args.sizes:
@@ -158,6 +165,7 @@ def run(args) -> dict:
                 r = {"windows": n, "shards": shards, "order": order, **_one_case(data, order, args)}
                 results["sizes"].append(r)
                 print(f"{n:>8.0e} {shards:>7} {order:>15} {r['startup_s']:>11.3f} "
+                      f"{r['shards_s']:>10.3f} {r['sampler_s']:>11.4f} "
                       f"{r['peak_bytes'] / 2**20:>9.2f} {r['batch_ms']:>9.3f}", flush=True)
             shutil.rmtree(data)
         results["open_files"] = _open_files_case(args, root)
