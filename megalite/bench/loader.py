@@ -6,13 +6,14 @@ open files at 2,000 shards against megalite's loader before issue 19 (a memmap p
 Corpora are synthetic: per size, a data directory of sparse shard files (`--shard-tokens`
 tokens each, no disk blocks: reads return zeros) and its meta.json, so the loader runs as in
 training — meta.json read, every shard's size checked, the sampler built, this rank's slice of
-the first global batch drawn and its windows read. Reported per order: that start-up's wall time
-(and its parts: the shards checked; the sampler built and the first slice drawn) and the peak of
-memory allocated meanwhile (tracemalloc: numpy's arrays included), then the
-median time of drawing and reading one later global batch slice (`--global-batch` / `--dp`
-windows). The old order builds its permutation again at every epoch start: its start-up time
-is also the stall at each epoch boundary. `--old-max` caps the sizes the old order runs at (it
-holds 8 bytes per window: 8 GB at 1e9).
+the first global batch drawn and its windows read. Reported per order: that start-up's wall
+time (and its parts: the shards checked; the sampler built and the first slice drawn) and the
+peak of memory allocated meanwhile (tracemalloc: numpy's arrays included); then the median time
+of drawing and reading one later global batch slice (`--global-batch` / `--dp` windows), and of
+the order's lookup alone for a whole global batch of positions ("order us"). The old order
+builds its permutation again at every epoch start: its start-up time is also the stall at each
+epoch boundary. `--old-max` caps the sizes the old order runs at (it holds 8 bytes per window:
+8 GB at 1e9).
 """
 from __future__ import annotations
 
@@ -97,14 +98,20 @@ def _one_case(data: Path, order: str, args) -> dict:
     t3 = time.perf_counter()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    times = []
+    times, lookups = [], []
     for _ in range(args.batches):
         t = time.perf_counter()
         _draw(shards, sampler, args.seq_len)
         times.append(time.perf_counter() - t)
+        positions = np.arange(sampler.consumed_samples, sampler.consumed_samples
+                              + args.global_batch)  # a whole global batch's windows
+        t = time.perf_counter()
+        sampler.order.windows(positions)
+        lookups.append(time.perf_counter() - t)
     shards.files.close()
     return {"startup_s": t3 - t0, "shards_s": t1 - t0, "sampler_s": t2 - t1,
-            "peak_bytes": peak, "batch_ms": 1e3 * statistics.median(times)}
+            "peak_bytes": peak, "batch_ms": 1e3 * statistics.median(times),
+            "order_us": 1e6 * statistics.median(lookups)}
 
 
 def _open_files_case(args, root: Path) -> List[dict]:
@@ -151,7 +158,7 @@ def run(args) -> dict:
           f"{args.global_batch} over dp {args.dp} ({per_rank} windows per rank), pid "
           f"{os.getpid()}", flush=True)
     print(f"{'windows':>8} {'shards':>7} {'order':>15} {'start-up s':>11} {'(shards s':>10} "
-          f"{'sampler s)':>11} {'peak MiB':>9} {'batch ms':>9}", flush=True)
+          f"{'sampler s)':>11} {'peak MiB':>9} {'batch ms':>9} {'order us':>9}", flush=True)
     results = {"sizes": [], "open_files": []}
     try:
         for size in args.sizes:
@@ -166,7 +173,8 @@ def run(args) -> dict:
                 results["sizes"].append(r)
                 print(f"{n:>8.0e} {shards:>7} {order:>15} {r['startup_s']:>11.3f} "
                       f"{r['shards_s']:>10.3f} {r['sampler_s']:>11.4f} "
-                      f"{r['peak_bytes'] / 2**20:>9.2f} {r['batch_ms']:>9.3f}", flush=True)
+                      f"{r['peak_bytes'] / 2**20:>9.2f} {r['batch_ms']:>9.3f} "
+                      f"{r['order_us']:>9.1f}", flush=True)
             shutil.rmtree(data)
         results["open_files"] = _open_files_case(args, root)
         print(f"\nopen descriptors while reading {2 * args.batches} batches of {args.global_batch} "
