@@ -3,6 +3,7 @@ the old order ("permutation-v1") kept for checkpoints that count in it, and the 
 open files and per-stage reads."""
 from __future__ import annotations
 
+import json
 import resource
 import tracemalloc
 from pathlib import Path
@@ -12,10 +13,9 @@ import pytest
 import torch
 
 from megalite.data.files import ShardFiles, open_descriptors, raise_open_file_limit
-from megalite.data.loader import TokenShards, TrainBatches
+from megalite.data.loader import META_FILE, TokenShards, TrainBatches
 from megalite.data.order import BijectionOrder, PermutationOrder
 from megalite.data.sampler import BlendedSampler, ResumableSampler
-from tests.test_data import make_data_dir
 
 SMALL_SIZES = [1, 2, 3, 5, 8, 13, 100, 1000, 1023, 1024, 1025, 4099]  # powers of two and not
 
@@ -138,9 +138,17 @@ def test_blends_keep_their_proportions_in_the_new_order():
 @pytest.fixture
 def many_shards(tmp_path) -> Path:
     """300 shards of 21 tokens (5 windows of 4 + 1 each): token value = stream position."""
-    stream = np.arange(300 * 21) % 60000
-    return make_data_dir(tmp_path / "d", {"train": stream, "val": stream[:100]}, 21,
-                         vocab_size=60001)
+    path = tmp_path / "d"
+    path.mkdir()
+    entries = []
+    for k in range(300):
+        (np.arange(k * 21, (k + 1) * 21) % 60000).astype(np.uint16).tofile(path / f"t{k}.bin")
+        entries.append({"file": f"t{k}.bin", "tokens": 21})
+    split = {"shards": entries, "tokens": 300 * 21, "documents": 1}
+    (path / META_FILE).write_text(json.dumps({
+        "format_version": 1, "vocab_size": 60001, "eos_token_id": 0, "dtype": "uint16",
+        "splits": {"train": split, "val": split}}))
+    return path
 
 
 def test_shards_are_read_with_a_bounded_number_of_open_files(many_shards):
