@@ -83,7 +83,7 @@ def test_training_on_a_blend_equals_serial_under_dp_and_resumes(tiny_data, secon
     (serial,) = train_layout(tmp_path / "s", 1, common + [f"checkpoint.dir={root}"], steps=6,
                              save_at=3)
     meta = read_meta(root / "step_00000003")
-    assert meta["sampler"] == {"consumed_samples": 24, "counts": [18, 6], "order": "permutation-v1"}
+    assert meta["sampler"] == {"consumed_samples": 24, "counts": [18, 6], "order": "bijection-v1"}
     assert meta["data_sources"] == [[str(tiny_data), 0.75], [str(second_data), 0.25]]
     assert_equal(serial, train_layout(tmp_path / "dp", 2, common + ["zero=1"], steps=6))
     resumed = train_layout(tmp_path / "r", 2, common + [

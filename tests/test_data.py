@@ -252,19 +252,21 @@ def take(sampler: ResumableSampler, steps: int) -> List[List[int]]:
     return [sampler.next_global_batch().tolist() for _ in range(steps)]
 
 
-def test_sampler_is_deterministic_and_resumes_exactly():
-    full = take(ResumableSampler(50, 8, 0, 1, seed=3), 20)
-    assert full == take(ResumableSampler(50, 8, 0, 1, seed=3), 20)
-    assert full != take(ResumableSampler(50, 8, 0, 1, seed=4), 20)
+@pytest.mark.parametrize("order", ["bijection-v1", "permutation-v1"])
+def test_sampler_is_deterministic_and_resumes_exactly(order):
+    full = take(ResumableSampler(50, 8, 0, 1, seed=3, order=order), 20)
+    assert full == take(ResumableSampler(50, 8, 0, 1, seed=3, order=order), 20)
+    assert full != take(ResumableSampler(50, 8, 0, 1, seed=4, order=order), 20)
 
-    first = ResumableSampler(50, 8, 0, 1, seed=3)
+    first = ResumableSampler(50, 8, 0, 1, seed=3, order=order)
     head = take(first, 7)
     state = first.state_dict()
-    assert state == {"consumed_samples": 56, "order": "permutation-v1"}
-    resumed = ResumableSampler(50, 8, 0, 1, seed=3)
+    assert state == {"consumed_samples": 56, "order": order}
+    resumed = ResumableSampler(50, 8, 0, 1, seed=3)  # a new run's order: the state's wins
     resumed.load_state_dict(state)
     assert head + take(resumed, 13) == full
-    assert take(ResumableSampler(50, 8, 0, 1, seed=3, consumed_samples=56), 13) == full[7:]
+    assert take(ResumableSampler(50, 8, 0, 1, seed=3, consumed_samples=56, order=order),
+                13) == full[7:]
 
 
 def test_sampler_dp_slices_concatenate_to_the_serial_batch():
@@ -276,7 +278,8 @@ def test_sampler_dp_slices_concatenate_to_the_serial_batch():
 
 
 def test_sampler_epochs_wrap_into_fresh_permutations():
-    batches = take(ResumableSampler(10, 4, 0, 1, seed=7), 5)  # 20 positions = 2 epochs
+    """The order of runs from before "bijection-v1" (tests/test_sample_order.py: the new one)."""
+    batches = take(ResumableSampler(10, 4, 0, 1, seed=7, order="permutation-v1"), 5)  # 2 epochs
     order = sum(batches, [])
     assert order[:10] == np.random.default_rng(7).permutation(10).tolist()
     assert order[10:] == np.random.default_rng(8).permutation(10).tolist()

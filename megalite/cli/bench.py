@@ -11,7 +11,16 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megalite.bench import attention, checkpoint, checkpoint_index, pipeline, tensor, train, zero
+from megalite.bench import (
+    attention,
+    checkpoint,
+    checkpoint_index,
+    loader,
+    pipeline,
+    tensor,
+    train,
+    zero,
+)
 
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
@@ -22,6 +31,8 @@ BENCHMARKS = {
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
+    "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
+                       "order), open files at 2,000 shards"),
 }
 
 

@@ -2,7 +2,9 @@
 
 A data directory (written by `scripts/prepare_data.py`) holds `meta.json` and, per split, flat
 binary shards `<split>_00000.bin, ...` of uint16 (vocab <= 65536) or uint32 token ids, documents
-separated by EOS. A *sample* is a window of seq_len + 1 consecutive tokens inside one shard
+separated by EOS. Shards are not opened up front: windows are read with `pread` through a bounded
+set of open descriptors (`megalite.data.files`), so the number of shards is not limited by the
+open-file limit. A *sample* is a window of seq_len + 1 consecutive tokens inside one shard
 (windows start every seq_len tokens, so input x = w[:-1] and target y = w[1:] cover the stream
 once); windows never cross a shard boundary.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from megalite.data.errors import DataError, too_few_train_samples
+from megalite.data.files import ShardFiles
 from megalite.data.sampler import blend_choices
 
 META_FILE = "meta.json"
@@ -59,15 +63,18 @@ def read_meta(data_dir: Path) -> dict:
 
 
 class TokenShards:
-    """One split of a data directory: its shards as read-only memmaps, checked against meta."""
+    """One split of a data directory, checked against meta.json (each shard's size) without
+    opening a shard; windows are read on demand through `files` (bounded open descriptors,
+    shared by the process's TokenShards; a private one by default)."""
 
-    def __init__(self, data_dir: Path, split: str):
+    def __init__(self, data_dir: Path, split: str, files: Optional[ShardFiles] = None):
         self.dir = Path(data_dir)
         self.meta = read_meta(self.dir)
         self.dtype = np.dtype(DTYPES[self.meta["dtype"]])
         if split not in self.meta.get("splits", {}):
             raise DataError(f"{self.dir / META_FILE}: no split {split!r}; {PREPARE_HINT}")
-        self.shards: List[np.memmap] = []
+        self.paths: List[Path] = []
+        tokens = []
         for entry in self.meta["splits"][split]["shards"]:
             path = self.dir / entry["file"]
             if not path.is_file():
@@ -78,54 +85,120 @@ class TokenShards:
                 raise DataError(f"{path}: {actual} bytes, but {META_FILE} lists {entry['tokens']} "
                                 f"tokens x {self.dtype.itemsize} bytes = {expected} (truncated "
                                 f"or from another preparation); {PREPARE_HINT}")
-            self.shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
-        self._counts: Dict[int, np.ndarray] = {}
+            self.paths.append(path)
+            tokens.append(entry["tokens"])
+        self.shard_tokens = np.array(tokens, dtype=np.int64)
+        self._names = [str(p) for p in self.paths]  # the descriptor cache's keys (cheap hash)
+        self.files = files if files is not None else ShardFiles()
+        self._ends: Dict[int, np.ndarray] = {}
 
-    def _windows_per_shard(self, seq_len: int) -> np.ndarray:
-        if seq_len not in self._counts:
-            self._counts[seq_len] = np.array(
-                [max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
-        return self._counts[seq_len]
+    def _window_ends(self, seq_len: int) -> np.ndarray:
+        """Per shard, the cumulative number of windows up to and including it."""
+        if seq_len not in self._ends:
+            self._ends[seq_len] = np.cumsum(np.maximum(0, (self.shard_tokens - 1) // seq_len))
+        return self._ends[seq_len]
 
     def num_samples(self, seq_len: int) -> int:
-        return int(self._windows_per_shard(seq_len).sum())
+        ends = self._window_ends(seq_len)
+        return int(ends[-1]) if len(ends) else 0
+
+    @property
+    def shards(self) -> "ShardMaps":
+        """The shards as memmaps, each opened when indexed (tools and tests; training reads
+        windows through `samples`)."""
+        return ShardMaps(self.paths, self.dtype)
+
+    def read_shard(self, shard: int) -> np.ndarray:
+        """Every token of shard `shard` (its dtype)."""
+        out = np.empty(int(self.shard_tokens[shard]), dtype=self.dtype)
+        self.files.read_into(self._names[shard], 0, out)
+        return out
+
+    def samples(self, indices: Sequence[int], seq_len: int) -> np.ndarray:
+        """Windows `indices` (seq_len + 1 tokens each), as a (len(indices), seq_len + 1) int64
+        array; read shard by shard in file order."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        total = self.num_samples(seq_len)
+        if indices.size and not (0 <= indices.min() and indices.max() < total):
+            bad = indices[(indices < 0) | (indices >= total)][0]
+            raise IndexError(f"sample {bad} out of range [0, {total})")
+        ends = self._window_ends(seq_len)
+        shards = np.searchsorted(ends, indices, side="right")
+        starts = (indices - (ends[shards] - np.diff(ends, prepend=0)[shards])) * seq_len
+        raw = np.empty((len(indices), seq_len + 1), dtype=self.dtype)
+        shards, offsets = shards.tolist(), (starts * self.dtype.itemsize).tolist()
+        for row in np.argsort(indices, kind="stable").tolist():
+            self.files.read_into(self._names[shards[row]], offsets[row], raw[row])
+        return raw.astype(np.int64)
 
     def sample(self, index: int, seq_len: int) -> np.ndarray:
         """Window `index` (seq_len + 1 tokens) as int64."""
-        counts = self._windows_per_shard(seq_len)
-        if not 0 <= index < counts.sum():
-            raise IndexError(f"sample {index} out of range [0, {counts.sum()})")
-        ends = np.cumsum(counts)
-        shard = int(np.searchsorted(ends, index, side="right"))
-        start = (index - (ends[shard] - counts[shard])) * seq_len
-        return np.asarray(self.shards[shard][start:start + seq_len + 1], dtype=np.int64)
+        return self.samples([index], seq_len)[0]
 
 
-def _to_batch(windows: List[np.ndarray], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    w = torch.from_numpy(np.stack(windows))
+class ShardMaps(SequenceABC):
+    """Shard k as a read-only memmap opened on access: it holds a file descriptor while alive."""
+
+    def __init__(self, paths: List[Path], dtype: np.dtype):
+        self.paths, self.dtype = paths, dtype
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        if self.paths[k].stat().st_size == 0:  # mmap refuses an empty file
+            return np.empty(0, dtype=self.dtype)
+        return np.memmap(self.paths[k], dtype=self.dtype, mode="r")
+
+
+def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool]
+              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read."""
+    w = torch.from_numpy(windows)
     if device.type == "cuda":
         w = w.pin_memory().to(device, non_blocking=True)
-    return w[:, :-1], w[:, 1:]
+    return (w[:, :-1] if reads[0] else None), (w[:, 1:] if reads[1] else None)
 
 
 class TrainBatches:
     """Micro-batches (x, y) of one optimizer step for this DP rank, from the sampler's
-    (dataset, window) pairs over `sources` (one TokenShards per blended dataset)."""
+    (dataset, window) pairs over `sources` (one TokenShards per blended dataset).
+
+    `reads` = (inputs, targets): what this rank's model stage consumes — the first pipeline
+    stage the inputs, the last the targets, a middle stage neither. What is not consumed is
+    None and, where neither is, no token is read; the sampler advances on every rank alike."""
 
     def __init__(self, sources: Sequence[TokenShards], sampler, micro_batch_size: int,
-                 seq_len: int, device: torch.device):
+                 seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True)):
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
+        self.reads = tuple(reads)
 
     def next_step(self, global_batch_size: Optional[int] = None
-                  ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+                  ) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
         """This rank's micro-batches of the next global batch (of the sampler's size unless
         given: a batch-size ramp)."""
-        pairs = self.sampler.next_samples(global_batch_size)
+        datasets, windows = self.sampler.next_windows(global_batch_size)
         mb = self.micro_batch_size
-        return [_to_batch([self.sources[d].sample(i, self.seq_len) for d, i in pairs[j:j + mb]],
-                          self.device)
-                for j in range(0, len(pairs), mb)]
+        if not any(self.reads):
+            return [(None, None)] * (len(windows) // mb)
+        tokens = read_windows(self.sources, datasets, windows, self.seq_len)
+        return [_to_batch(tokens[j:j + mb], self.device, self.reads)
+                for j in range(0, len(windows), mb)]
+
+
+def read_windows(sources: Sequence[TokenShards], datasets: np.ndarray, windows: np.ndarray,
+                 seq_len: int) -> np.ndarray:
+    """The (len(windows), seq_len + 1) int64 tokens of window windows[i] of dataset
+    datasets[i]."""
+    if len(sources) == 1:
+        return sources[0].samples(windows, seq_len)
+    out = np.empty((len(windows), seq_len + 1), dtype=np.int64)
+    for d, source in enumerate(sources):
+        sel = datasets == d
+        if sel.any():
+            out[sel] = source.samples(windows[sel], seq_len)
+    return out
 
 
 def check_data(data_dirs: Sequence[Path], seq_len: int, global_batch_size: int,
@@ -172,14 +245,16 @@ def _no_val_window(seq_len: int) -> str:
 
 def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: int,
                 eval_steps: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                device: torch.device, weights: Optional[Sequence[float]] = None
-                ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+                device: torch.device, weights: Optional[Sequence[float]] = None,
+                reads: Tuple[bool, bool] = (True, True)
+                ) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
     global batch, in micro-batches. The mean loss over all ranks is the serial run's.
 
     `sources` holds one TokenShards per dataset; for a blend, with their `weights`, position p
-    takes its dataset from the greedy blend and that dataset's next window in order."""
+    takes its dataset from the greedy blend and that dataset's next window in order. `reads`:
+    as for `TrainBatches` (a middle pipeline stage reads no token)."""
     sizes = [s.num_samples(seq_len) for s in sources]
     if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
@@ -193,6 +268,10 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
     per_rank = global_batch_size // dp_size
     positions = [k * global_batch_size + dp_rank * per_rank + j
                  for k in range(eval_steps) for j in range(per_rank)]
-    windows = [sources[pairs[p][0]].sample(pairs[p][1], seq_len) for p in positions]
-    return [_to_batch(windows[j:j + micro_batch_size], device)
+    if not any(reads):
+        return [(None, None)] * (len(positions) // micro_batch_size)
+    datasets = np.array([pairs[p][0] for p in positions], dtype=np.int64)
+    windows = read_windows(sources, datasets, np.array([pairs[p][1] for p in positions],
+                                                        dtype=np.int64), seq_len)
+    return [_to_batch(windows[j:j + micro_batch_size], device, reads)
             for j in range(0, len(windows), micro_batch_size)]

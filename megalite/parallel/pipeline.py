@@ -149,6 +149,9 @@ class _Pass:
 class PipelineSchedule:
     """Runs one stage's part of a training step or of a forward-only evaluation.
 
+    A micro-batch is (inputs, targets); a stage reads only its part — the inputs where it holds
+    the first chunk, the targets where it holds the last — and the other may be None.
+
     `chunks` are this rank's model chunks (one GPT2 stage each; several with the interleaved
     schedule), `chunk(inputs, labels)` the forward; `engine` gets told before each backward
     whether it is its chunk's last of the step (data-parallel gradient sync happens there).
@@ -182,7 +185,7 @@ class PipelineSchedule:
         m = len(micro_batches)
         step_start = self.clock.mark()
         run = _Pass(micro_batches, training=True, loss_scale=loss_scale,
-                    loss_sum=torch.zeros((), device=micro_batches[0][0].device))
+                    loss_sum=torch.zeros((), device=self.link.device))
         self._run(self._rounds(m, forward_only=False), run)
         self.peak_in_flight = run.peak_in_flight
         self._marks, self._step_marks = run.marks, (step_start, self.clock.mark())
@@ -193,7 +196,7 @@ class PipelineSchedule:
         """Forward-only pass; the mean loss on the last stage (0.0 elsewhere). The losses
         add up on the device in fp64 (as Python floats would): one sync per evaluation."""
         run = _Pass(micro_batches, training=False, loss_sum=torch.zeros(
-            (), dtype=torch.float64, device=micro_batches[0][0].device))
+            (), dtype=torch.float64, device=self.link.device))
         self._run(self._rounds(len(micro_batches), forward_only=True), run)
         return run.loss_sum.item() / len(micro_batches) if self.topo.is_last_stage else 0.0
 

@@ -2,7 +2,7 @@
 metrics — and the run's position restored from a checkpoint. `megalite.train.trainer` runs the
 steps; everything is built here, once, in this order:
 
-    data shards -> model stage (this rank's chunks, initialised in every layout alike)
+    data shards (bounded open files) -> model stage (this rank's chunks, initialised in every layout alike)
         -> ZeRO engine -> pipeline schedule -> sampler and batches -> resume (engine state,
         sampler, loss scale, RNG, counters) -> stop request, profiler, timers, saver
         -> metrics header and writer (rank 0)
@@ -23,6 +23,7 @@ from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpo
 from megalite.checkpoint.save import written_numel
 from megalite.checkpoint.state import ProcessRNG
 from megalite.config import Config, data_sources
+from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
 from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.layout import stage_chunks
@@ -52,8 +53,9 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
     topo, layout, t = runtime.topology, runtime.layout, cfg.train
     log.configure(topo.rank, cfg.log.all_ranks)
     sources = data_sources(cfg.data)
-    train_shards = [TokenShards(d, "train") for d, _ in sources]
-    val_shards = [TokenShards(d, "val") for d, _ in sources]
+    files = shard_files()
+    train_shards = [TokenShards(d, "train", files) for d, _ in sources]
+    val_shards = [TokenShards(d, "val", files) for d, _ in sources]
     for shards in train_shards:
         check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
     stages = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
@@ -82,13 +84,30 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
         val_shards=val_shards, stages=stages, rng=rng, model=model, engine=engine,
         schedule=schedule, sampler=sampler,
         batches=TrainBatches(train_shards, sampler, t.micro_batch_size, t.seq_len,
-                             runtime.device),
+                             runtime.device, reads=stage_reads(model)),
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         loss_scaler=loss_scaler, ckpt_root=ckpt_root,
         flops_per_token=flops_per_token(cfg.model, t.seq_len))
     restore(trainer)
     attach_services(trainer, train_shards[0].meta)
     return trainer
+
+
+def shard_files() -> ShardFiles:
+    """The open-file limit raised to the hard limit where allowed (logged), and the bounded set
+    of shard descriptors this process reads every dataset through."""
+    before, after = raise_open_file_limit()
+    budget = open_file_budget()
+    change = f"raised from {before} to {after}" if after != before else f"{after}"
+    log.get_logger().info(f"megalite: open-file limit (soft) {change}; at most {budget} "
+                          "token shards open at once")
+    return ShardFiles(budget)
+
+
+def stage_reads(model: PipelineStage) -> tuple:
+    """(inputs, targets): what this rank's chunks consume of a batch — the inputs where it
+    holds the first chunk (embeddings), the targets where it holds the last (the loss)."""
+    return any(c.first for c in model.chunks), any(c.last for c in model.chunks)
 
 
 def attach_services(trainer: Trainer, data_meta: dict) -> None:

@@ -191,7 +191,8 @@ class Trainer:
             self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
                                     dp_size=self.topo.dp_size, device=self.rt.device,
-                                    weights=[w for _, w in self.data_sources])
+                                    weights=[w for _, w in self.data_sources],
+                                    reads=self.batches.reads)
         return self._val
 
     @torch.no_grad()
@@ -321,8 +322,8 @@ class _Interval:
 
 
 def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
-    """The sampler's position is a count of samples (windows of train.seq_len + 1 tokens from a
-    permutation seeded by `seed`, over `data.dir` or the `data.blend`): resumed under another
+    """The sampler's position is a count of samples (windows of train.seq_len + 1 tokens in a
+    sample order seeded by `seed`, over `data.dir` or the `data.blend`): resumed under another
     seq_len, seed or data it points elsewhere in the data. Legal (e.g. a longer context late in
     training), but worth saying."""
     then = {"train.seq_len": meta["config"]["train"]["seq_len"], "seed": meta["config"]["seed"],
