@@ -8,8 +8,9 @@ tokens. The model's answer is
     acc:       argmin_k L_k          (the ending with the lowest summed loss)
     acc_norm:  argmin_k L_k / n_k    (the lowest mean loss per ending token)
 
-lm-evaluation-harness's `acc_norm` divides by the ending's length in bytes instead of tokens,
-so its figures differ from these.
+lm-evaluation-harness's `acc_norm` divides by the ending's length in characters instead of
+tokens (its `acc_bytes` by UTF-8 bytes), and its HellaSwag task renders the text differently
+(activity label prefixed, WikiHow brackets removed), so its figures differ from these.
 
 The pipeline moves fixed activation shapes (seq, micro_batch, h): every ending is one sequence,
 padded on the right to one length (the longest of the set, at most train.seq_len; causal
