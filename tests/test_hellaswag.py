@@ -190,6 +190,20 @@ def test_bad_hellaswag_settings_are_refused_before_launch(tiny_data, tmp_path):
          ["eval.hellaswag_examples=9", "only 8"]),
         ([f"eval.hellaswag={good}", "eval.hellaswag_examples=0"], ["eval.hellaswag_examples=0"]),
     ]
+    as_array = tmp_path / "array.json"  # a .json file may hold one array of examples
+    as_array.write_text(json.dumps([json.loads(line) for line in good.open()][:3]))
+    _check(tiny_data, f"eval.hellaswag={as_array}", "eval.hellaswag_examples=3")
+    cases.append(([f"eval.hellaswag={tmp_path}"], ["is a directory"]))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"ctx": c, "endings": e, "label": str(label)}  # the hub's parquet: label a string
+            for c, e, label in zip(CONTEXTS, ENDINGS, LABELS)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ok.parquet")
+    _check(tiny_data, f"eval.hellaswag={tmp_path / 'ok.parquet'}")
+    rows[3]["label"] = "7"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    cases.append(([f"eval.hellaswag={tmp_path / 'bad.parquet'}"], ["row 3", "'label'", "'7'"]))
     (tmp_path / "notjson.jsonl").write_text('{"ctx": "a"\n')
     cases.append(([f"eval.hellaswag={tmp_path / 'notjson.jsonl'}"], ["line 1", "not JSON"]))
     for overrides, expected in cases:

@@ -3,8 +3,9 @@
 An example is a context, four endings and the index of the right one. The official files
 (https://github.com/rowanz/hellaswag, `data/hellaswag_val.jsonl`, 10,042 examples) hold one JSON
 object per line with the fields `ctx`, `endings` and `label`; the hub's copies (parquet) have
-the same fields, the label as a string. `eval.hellaswag` names a local `.jsonl`/`.json`/`.parquet`
-file, or a hub dataset id whose `validation` split is read with `datasets`.
+the same fields, the label as a string. `eval.hellaswag` names a local file (`.jsonl`; `.json`:
+JSON lines or one array; `.parquet`), or a hub dataset id whose `validation` split is read
+with `datasets`.
 
 Rendered as llm.c and build-nanogpt render it: the context's tokens, then the tokens of
 " " + ending, each ending as its own sequence (`megalite.eval.choice` scores them).
@@ -50,7 +51,8 @@ def _records(source: str) -> Iterator[Tuple[str, object]]:
         yield from _hub_records(source)
         return
     if not path.is_file():
-        raise ConfigError(f"{_where(source)}: no such file ({path}); download the official "
+        what = "is a directory, not a file" if path.is_dir() else "no such file"
+        raise ConfigError(f"{_where(source)}: {what} ({path}); download the official "
                           f"validation set, e.g. `curl -LO {OFFICIAL_URL}`, and name it here")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -62,6 +64,9 @@ def _records(source: str) -> Iterator[Tuple[str, object]]:
                               ) from e
         yield from ((f"{path} row {i}", row) for i, row in enumerate(rows))
         return
+    if path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("["):
+        yield from _json_array(source, path)
+        return
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -71,6 +76,15 @@ def _records(source: str) -> Iterator[Tuple[str, object]]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{_where(source)}: {path} line {number} is not JSON ({e}); "
                                   "expected one HellaSwag example per line") from e
+
+
+def _json_array(source: str, path: Path) -> Iterator[Tuple[str, object]]:
+    """A .json file holding one array of examples (JSON lines otherwise)."""
+    try:
+        items = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{_where(source)}: {path} is not JSON ({e})") from e
+    yield from ((f"{path} item {i}", item) for i, item in enumerate(items))
 
 
 def _hub_records(source: str) -> Iterator[Tuple[str, object]]:
