@@ -309,6 +309,26 @@ class CheckpointConfig:
                   "use none, auto, or the path of an existing checkpoint directory")
 
 @dataclass
+class EvalConfig:
+    """Downstream evaluation at every `train.eval_every` steps, next to the validation loss
+    (`megalite.eval`)."""
+
+    hellaswag: Optional[str] = None  # HellaSwag examples: a local .jsonl / .json / .parquet
+    #                                  file (fields ctx, endings, label) or a hub dataset id
+    #                                  (its validation split); null = no HellaSwag evaluation
+    hellaswag_examples: Optional[int] = None  # the first N examples in file order; null = all
+
+    def check(self) -> None:
+        if self.hellaswag is not None and not str(self.hellaswag).strip():
+            fail("eval.hellaswag", self.hellaswag, "name a HellaSwag .jsonl/.parquet file (e.g. "
+                  "hellaswag_val.jsonl) or a hub dataset id, or null (off)")
+        n = self.hellaswag_examples
+        if n is not None and (isinstance(n, bool) or n < 1):
+            fail("eval.hellaswag_examples", n, "must be a positive number of examples (the "
+                  "first N of the file), or null for all of them")
+
+
+@dataclass
 class Config:
     tp: int = 1  # tensor-parallel size (GPUs of one node)
     pp: int = 1  # pipeline-parallel size (stages)
@@ -328,6 +348,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:
@@ -379,7 +400,7 @@ def check_sections(cfg: Config) -> None:
     if cfg.device not in ("auto", "cpu", "cuda"):
         fail("device", cfg.device, "use auto, cpu or cuda")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
-                    cfg.checkpoint):
+                    cfg.checkpoint, cfg.eval):
         section.check()
     data_sources(cfg.data)  # raises on a malformed data.blend
 

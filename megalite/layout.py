@@ -378,6 +378,11 @@ def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> L
 
 
 def _check_other_pairs(cfg: Config) -> None:
+    if cfg.eval.hellaswag is not None and cfg.train.eval_every == 0:
+        fail("eval.hellaswag", cfg.eval.hellaswag,
+              "runs with the validation loss every train.eval_every steps, and "
+              "train.eval_every=0 never evaluates: set train.eval_every (e.g. 250), or "
+              "eval.hellaswag=null")
     if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
         fail("parallel.overlap_param_gather", True,
               f"needs zero=1 or zero=2 (zero={cfg.zero}: "

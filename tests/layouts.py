@@ -2,7 +2,8 @@
 
 `train_layout(...)` runs `steps` optimizer steps on real gloo ranks (fp32, dropout 0) and
 returns, per rank: the step losses, grad norms, the validation loss, and after every step this
-rank's slice of every parameter (for zero 3, gathered from the shards first). `assert_equal`
+rank's slice of every parameter (for zero 3, gathered from the shards first); with
+eval.hellaswag, the scores of the initial weights. `assert_equal`
 checks gradient integrity (losses and norms equal the serial run's within `rel`) and state
 consistency (every rank's parameters, at every step, are its slice of the serial parameters; so
 DP replicas are identical to each other).
@@ -36,6 +37,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     cfg = load_config(TINY + FP32_NO_DROPOUT + overrides)
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
+    hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
     zero3 = trainer.engine.zero3
     losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
     masters = [_masters(trainer.engine)]
@@ -60,6 +62,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     c = trainer.topo.coords
     local_numel = sum(p.numel() for p in trainer.model.parameters())
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
+            "hellaswag": hellaswag,
             "params": params, "specs": specs,
             "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "in_flight": in_flight, "local_numel": local_numel,

@@ -1,6 +1,7 @@
 """The placement planner (megalite/plan.py) against what runs measure: parameters per rank,
 model-state bytes and every group's wire bytes per step from real gloo runs, activation bytes
-from the tensors autograd saves."""
+from the tensors autograd saves. Three of the 8-rank runs also score HellaSwag, against the
+serial run (tests/test_hellaswag.py)."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ from megalite.model.init import init_parameters
 from megalite.plan import make_plan
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, train_layouts
+from tests.test_hellaswag import hellaswag_overrides, serial_trainer
 
 LAYOUTS = [
     ["tp=2", "pp=2", "zero=1", "sp=true"],
@@ -31,10 +33,18 @@ def group_wire_bytes(step_comm: dict, group: str) -> float:
     return sum(v["wire_bytes"] for k, v in step_comm.items() if k.startswith(group + "/"))
 
 
+# Runs that also score HellaSwag (random weights of their n_layer, before their steps):
+# tp2 pp2 dp2 zero3; with virtual stages; with SP and virtual stages (test_hellaswag_*).
+HELLASWAG_RUNS = {1: 2, 6: 4, 7: 4}
+
+
 @pytest.fixture(scope="module")
 def measured(tiny_data, tmp_path_factory):
     common = [f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8"]
-    runs = [common + layout for layout in LAYOUTS]
+    scores = tmp_path_factory.mktemp("hellaswag")
+    runs = [common + layout + (hellaswag_overrides(scores, tiny_data, HELLASWAG_RUNS[i])
+                               if i in HELLASWAG_RUNS else [])
+            for i, layout in enumerate(LAYOUTS)]
     return runs, train_layouts(tmp_path_factory.mktemp("plan"), 8, runs, steps=2)
 
 
@@ -67,6 +77,23 @@ def test_plan_matches_measured_state_and_traffic(measured, index):
         for res in results[index]:
             sent = group_wire_bytes(res["step_comm"], "pp")
             assert sent == m * transfers * activation / cfg.tp, (runs[index], sent)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", sorted(HELLASWAG_RUNS))
+def test_hellaswag_scores_equal_the_serial_run(measured, index, tiny_data, tmp_path):
+    """Every rank of the 8-rank run holds every ending's loss as the serial run computes it on
+    the same weights (fp32 tolerance; the serial scoring is transformers', test_hellaswag.py),
+    and the same acc and acc_norm."""
+    runs, results = measured
+    scoring = [o for o in runs[index] if o.startswith(("init_from=", "eval.", "train.eval_"))]
+    serial = serial_trainer(tiny_data, tmp_path, *scoring,
+                            f"model.n_layer={HELLASWAG_RUNS[index]}").evaluate_hellaswag()
+    for rank in results[index]:
+        scores = rank["hellaswag"]
+        assert torch.equal(scores.counts, serial.counts)
+        torch.testing.assert_close(scores.losses, serial.losses, rtol=1e-5, atol=1e-5)
+        assert (scores.acc, scores.acc_norm) == (serial.acc, serial.acc_norm), runs[index]
 
 
 @pytest.mark.parametrize("recompute", [[], ["train.recompute=true"],

@@ -128,8 +128,10 @@ class GPT2(nn.Module):
     forward(inputs, labels=None):
       inputs: token ids [b, s] on the first stage, else the previous stage's hidden states.
       Not the last stage: returns hidden states [s, b, h] ([s/tp, b, h] with SP).
-      Last stage: the mean token cross-entropy with `labels` [b, s]; without labels, the
-      logits [b, s, vocab_size] (gathered over TP, padding removed).
+      Last stage: the mean token cross-entropy with `labels` [b, s]; with labels and
+      `per_sequence=True` each sequence's summed cross-entropy [b] over its labels >= 0
+      (`sequence_losses`: scoring, e.g. HellaSwag); without labels, the logits
+      [b, s, vocab_size] (gathered over TP, padding removed).
 
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
     `recompute` re-runs blocks in backward instead of keeping their activations: every block of
@@ -259,14 +261,36 @@ class GPT2(nn.Module):
             logits, targets, self.tp_group, self.tp_group.rank * logits.shape[-1],
             self.cfg.vocab_size).mean()
 
-    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def sequence_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of each sequence [b] (fp64) over the positions whose label
+        is >= 0; a negative label (-100) marks a position that does not count (padding, or a
+        token that is only context). logits [s, b, V/tp], labels [b, s]. Per token the same
+        cross-entropy as `loss` (with TP the vocab-parallel one: logits stay split)."""
+        s, b = logits.shape[:2]
+        logits = logits.reshape(-1, logits.shape[-1])
+        targets = labels.t().reshape(-1)
+        counted = targets >= 0
+        targets = targets.clamp(min=0)
+        if self.tp_group.size == 1:
+            per_token = F.cross_entropy(logits[:, :self.cfg.vocab_size].float(), targets,
+                                        reduction="none")
+        else:
+            per_token = vocab_parallel_cross_entropy(
+                logits, targets, self.tp_group, self.tp_group.rank * logits.shape[-1],
+                self.cfg.vocab_size)
+        per_token = torch.where(counted, per_token, torch.zeros_like(per_token))
+        return per_token.view(s, b).double().sum(dim=0)
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                per_sequence: bool = False) -> torch.Tensor:
         x = self.embed(inputs) if self.first else inputs
         for index, block in enumerate(self.transformer.h.values()):
             x = self._run_block(index, block, x)
         if not self.last:
             return x
         logits = self.logits_local(x)
+        if labels is not None and per_sequence:
+            return self.sequence_losses(logits, labels)
         if labels is not None:
             return self.loss(logits, labels)
         return gather_vocab(logits, self.tp_group, self.cfg.vocab_size).transpose(0, 1)

@@ -144,6 +144,7 @@ class _Pass:
         field(default_factory=dict)
     marks: list = field(default_factory=list)
     peak_in_flight: int = 0
+    per_sequence: Optional[Dict[int, torch.Tensor]] = None  # scoring: micro-batch -> losses [b]
 
 
 class PipelineSchedule:
@@ -200,6 +201,20 @@ class PipelineSchedule:
         self._run(self._rounds(len(micro_batches), forward_only=True), run)
         return run.loss_sum.item() / len(micro_batches) if self.topo.is_last_stage else 0.0
 
+    @torch.no_grad()
+    def sequence_losses(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                        device: torch.device) -> Optional[torch.Tensor]:
+        """Forward-only pass scoring each sequence: on the last stage the summed cross-entropy
+        of every sequence over its labels >= 0 (`GPT2.sequence_losses`), micro-batch after
+        micro-batch [m * b] in fp64; None on the other stages. `micro_batches` may build
+        each (inputs, labels) pair when it is indexed."""
+        run = _Pass(micro_batches, training=False, per_sequence={},
+                    loss_sum=torch.zeros((), dtype=torch.float64, device=device))
+        self._run(self._rounds(len(micro_batches), forward_only=True), run)
+        if not self.topo.is_last_stage:
+            return None
+        return torch.cat([run.per_sequence[i] for i in range(len(micro_batches))])
+
     def _run(self, rounds, run: _Pass) -> None:
         """The round loop: each round's operation, then its exchange; a sent activation keeps
         only its graph. Every posted batch is done at the end."""
@@ -234,6 +249,9 @@ class PipelineSchedule:
         x, y = run.micro_batches[key[1]]
         inp = x if arrived is None else arrived
         if not run.training:
+            if model.last and run.per_sequence is not None:
+                run.per_sequence[key[1]] = model(inp, y, per_sequence=True)
+                return []
             out = model(inp, y if model.last else None)
             if model.last:
                 run.loss_sum += out.double()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from megalite.config import Config, data_sources
 from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
 from megalite.data.sampler import BlendedSampler, ResumableSampler
+from megalite.eval.choice import ChoiceEval
+from megalite.eval.hellaswag import load_choices
 from megalite.layout import stage_chunks
 from megalite.model.gpt2 import flops_per_token, num_parameters
 from megalite.model.init import init_parameters, load_global_state
@@ -88,6 +90,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         loss_scaler=loss_scaler, ckpt_root=ckpt_root,
         flops_per_token=flops_per_token(cfg.model, t.seq_len))
+    trainer.hellaswag = build_hellaswag(cfg, runtime, model, engine)
     restore(trainer)
     attach_services(trainer, train_shards[0].meta)
     return trainer
@@ -108,6 +111,30 @@ def stage_reads(model: PipelineStage) -> tuple:
     """(inputs, targets): what this rank's chunks consume of a batch — the inputs where it
     holds the first chunk (embeddings), the targets where it holds the last (the loss)."""
     return any(c.first for c in model.chunks), any(c.last for c in model.chunks)
+
+
+def build_hellaswag(cfg: Config, runtime: Runtime, model: PipelineStage, engine: ZeroEngine
+                    ) -> Optional[ChoiceEval]:
+    """`eval.hellaswag`'s examples, rendered with the data's tokenizer, and a forward-only
+    pipeline schedule for their padded length (collective: its links say hello)."""
+    if cfg.eval.hellaswag is None:
+        return None
+    topo, layout, t = runtime.topology, runtime.layout, cfg.train
+    choices = load_choices(cfg)
+    unit = 8 * (topo.tp_size if layout.sequence_parallel else 1)  # SP splits the sequence
+    length = choices.length(t.seq_len, unit)
+    schedule = PipelineSchedule(
+        model.chunks, topo, engine,
+        (layout.activation_seq_len(length), t.micro_batch_size, cfg.model.n_embd),
+        runtime.compute_dtype, runtime.device,
+        scatter_group=None if layout.sequence_parallel else topo.tp_group)
+    endings = sum(len(ex) for ex in choices.endings)
+    log.get_logger().info(
+        f"megalite: eval.hellaswag: {len(choices.labels)} examples ({endings} endings) from "
+        f"{cfg.eval.hellaswag}, read at length {length}; {choices.truncated} endings longer "
+        f"than train.seq_len + 1 = {t.seq_len + 1} tokens left-truncated")
+    return ChoiceEval(choices, schedule, topo, t.micro_batch_size, length,
+                      layout.virtual_stages, runtime.device)
 
 
 def attach_services(trainer: Trainer, data_meta: dict) -> None:
@@ -240,6 +267,10 @@ def run_header(trainer: Trainer, data_meta: dict, state_bytes: List[dict]) -> di
         "data_sources": [[str(d), w] for d, w in trainer.data_sources],
         "run_dir": str(trainer.run_dir),
         "start_step": trainer.step,
+        "hellaswag": None if trainer.hellaswag is None else {
+            "source": cfg.eval.hellaswag, "examples": len(trainer.hellaswag.choices.labels),
+            "length": trainer.hellaswag.length,
+            "truncated_endings": trainer.hellaswag.choices.truncated},
     }
 
 

@@ -107,7 +107,8 @@ def throughput(tokens: int, seconds: float, flops_per_token: int, world_size: in
 WANDB_SECTIONS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
     "param_norm": "train/param_norm",
-    "val_loss": "val/loss", "tokens_per_s": "perf/tokens_per_s",
+    "val_loss": "val/loss", "hellaswag_acc": "val/hellaswag_acc",
+    "hellaswag_acc_norm": "val/hellaswag_acc_norm", "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
     "pipeline_bubble": "perf/pipeline_bubble",

@@ -5,7 +5,8 @@ library users alike (`python -c "from megalite.train.preflight import preflight;
 
 Validates the configuration for the world size (`megalite.layout.validate`), checks the
 prepared token shards (`megalite.data.loader.check_data`), the model shape of `init_from` and
-of the checkpoint `checkpoint.resume` names, and derives the run's `Layout` once. Raises
+of the checkpoint `checkpoint.resume` names, the HellaSwag examples of `eval.hellaswag` (and the
+data's tokenizer that renders them), and derives the run's `Layout` once. Raises
 ConfigError or DataError naming the key or file; nothing is written.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import List, Optional, Tuple
 from megalite.checkpoint.resolve import check_resume
 from megalite.config import Config, data_sources
 from megalite.data.loader import check_data
+from megalite.eval.hellaswag import check_hellaswag
 from megalite.layout import GpuInfo, Layout, device_type_for, validate
 from megalite.train.init_from import check_init_from
 
@@ -31,6 +33,7 @@ def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if cfg.init_from:
         check_init_from(cfg.init_from, cfg.model)
     check_resume(cfg)
+    check_hellaswag(cfg)
     layout = Layout.from_config(cfg, world_size, device_type_for(cfg.device, local_gpus),
                                 bf16=gpu is None or gpu.bf16)
     return layout, warnings

@@ -25,6 +25,7 @@ from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.state import ProcessRNG, Progress
 from megalite.config import Config, data_sources
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
+from megalite.eval.choice import ChoiceEval, ChoiceScores
 from megalite.layout import Layout
 from megalite.log import get_logger
 from megalite.model.stage import PipelineStage
@@ -82,6 +83,7 @@ class Trainer:
     saver: Optional[CheckpointSaver] = None
     peak: Peak = field(default_factory=lambda: Peak(None, "not measured"))
     writer: Optional[MetricsWriter] = None
+    hellaswag: Optional[ChoiceEval] = None  # eval.hellaswag's scoring, None when off
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
@@ -202,6 +204,17 @@ class Trainer:
         self.engine.release_params()
         return self._global_mean(loss)
 
+    def evaluate_hellaswag(self) -> ChoiceScores:
+        """eval.hellaswag's examples scored (collective; every rank gets every score)."""
+        return self.hellaswag.evaluate(self.model, self.engine)
+
+    def _downstream(self) -> dict:
+        """The metrics of the evaluations beyond the validation loss (none when off)."""
+        if self.hellaswag is None:
+            return {}
+        scores = self.evaluate_hellaswag()
+        return {"hellaswag_acc": scores.acc, "hellaswag_acc_norm": scores.acc_norm}
+
     def fit(self) -> List[dict]:
         """Train to train.max_steps: evaluate, checkpoint and log on their schedules (a step
         that evaluates also writes a metrics line). Returns the metric records. A background
@@ -237,17 +250,19 @@ class Trainer:
                 stopping = stop.reason()
                 end = self.step == t.max_steps
                 last = end or stopping is not None
-                val_loss = None
+                val_loss, downstream = None, {}
                 if t.eval_every and (self.step % t.eval_every == 0 or end):
                     e0 = time.perf_counter()
                     val_loss = self.evaluate()
+                    downstream = self._downstream()
                     interval.excluded_s += time.perf_counter() - e0
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                     c0 = time.perf_counter()
                     self.save()
                     interval.checkpoint_s += time.perf_counter() - c0
                 if self.step % cfg.log.every == 0 or last or val_loss is not None:
-                    records.append(self._record(interval, val_loss, grad_norm))
+                    records.append({**self._record(interval, val_loss, grad_norm),
+                                    **downstream})
                     if self.writer is not None:
                         self.writer.log(records[-1])
                     interval = _Interval()
