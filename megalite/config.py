@@ -76,11 +76,16 @@ class DataConfig:
     dir: str = "data/stdlib"  # token shards + meta.json; relative paths are relative to the launch dir
     source: str = "stdlib"  # "stdlib" (Python's own .py sources) or a `datasets.load_dataset` path
     config_name: Optional[str] = None  # dataset config (e.g. "wikitext-103-raw-v1")
+    revision: Optional[str] = None  # hub branch, tag or commit of the dataset (None = main)
     split: str = "train"
+    streaming: bool = False  # read a hub dataset as a stream (datasets' IterableDataset)
+    #                          instead of downloading it whole first; the same shards
     data_files: Optional[List[str]] = None  # local files for source=text/json/parquet
     text_field: str = "text"
     tokenizer: str = "train"  # HF tokenizer name/dir, or "train" = byte-level BPE trained on the corpus
     tokenizer_vocab_size: int = 8192  # vocabulary of a trained tokenizer
+    tokenizer_train_documents: Optional[int] = None  # tokenizer=train: train on the training
+    #   documents among the first N documents (None = all; a stream needs a number)
     val_fraction: float = 0.005  # share of documents held out for validation
     num_proc: int = 2  # tokenizer processes
     shard_tokens: int = 100_000_000  # tokens per shard file
