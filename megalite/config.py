@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -399,6 +399,23 @@ def to_config(node) -> Config:
     return obj
 
 
+PRESET_GROUPS = ("model", "data")
+
+
+def check_presets(overrides: Sequence[str]) -> None:
+    """`model=<name>` and `data=<name>` name a yaml file of megalite/conf/<group>/ (checked
+    before Hydra composes, whose own message lists its search path and exits 1)."""
+    for override in overrides:
+        group, sep, name = str(override).partition("=")
+        group = group.lstrip("+~")
+        if not sep or group not in PRESET_GROUPS:
+            continue
+        available = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        if name not in available:
+            fail(group, name, f"no such preset; use one of {', '.join(available)} (the files "
+                 f"in {CONF_DIR / group})")
+
+
 def load_config(overrides: Optional[List[str]] = None) -> Config:
     """Compose `conf/config.yaml` with command-line-style overrides, outside a Hydra app.
 
@@ -407,6 +424,7 @@ def load_config(overrides: Optional[List[str]] = None) -> Config:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_presets(overrides or [])
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

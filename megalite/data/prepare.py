@@ -208,7 +208,7 @@ def _tokenize_all(cfg: DataConfig, source: DocumentSource, tokenizer, tmp: Path,
         commit()  # the tokenizer is saved: from here on the preparation resumes
     tokenize = BatchTokenizer(tokenizer.backend_tokenizer.to_str(), eos, dtype.name,
                               cfg.val_fraction)
-    meter = TokenMeter(progress, total_documents=len(source), done_documents=read)
+    meter = TokenMeter(progress, total_documents=source.known_length(), done_documents=read)
     for size, result in tokenized_batches(source.batches(read, DOCS_PER_BATCH), tokenize,
                                           cfg.num_proc):
         for split, (ids, docs) in result.items():

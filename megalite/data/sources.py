@@ -112,7 +112,7 @@ class DocumentSource:
                                 "text")
             self._ds = self._ds.select_columns([cfg.text_field])
 
-    def __len__(self) -> Optional[int]:
+    def known_length(self) -> Optional[int]:
         """Documents that will be read (None for a stream of unknown length)."""
         n = len(self._files) if self._files is not None else (
             None if self.cfg.streaming else len(self._ds))
