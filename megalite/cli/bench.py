@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megalite.bench import attention, checkpoint, pipeline, tensor, train, zero
+from megalite.bench import attention, checkpoint, pipeline, prepare, tensor, train, zero
 
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
@@ -20,6 +20,7 @@ BENCHMARKS = {
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
+    "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
 }
 
 

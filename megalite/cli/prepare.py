@@ -1,12 +1,14 @@
 """Prepare token shards for pretraining (the `data` section of conf/config.yaml).
 
     megalite-prepare                                  # stdlib corpus, offline
-    megalite-prepare data=openwebtext data.num_proc=32
+    megalite-prepare data=fineweb_edu data.num_proc=32   # streamed from the hub
     megalite-prepare data=local data.source=json data.data_files=[/data/a.jsonl]
 
 (`python scripts/prepare_data.py ...` in a checkout is the same command.) Writes `data.dir`
 (relative to the launch directory). A directory that already holds a complete meta.json is
-left alone ("already prepared"); delete it to rebuild. Creates no Hydra output directory.
+left alone ("already prepared"); delete it to rebuild. An interrupted preparation (its
+`<dir>.tmp`) resumes from its last complete shard when run again with the same settings.
+Creates no Hydra output directory.
 """
 from __future__ import annotations
 
