@@ -16,9 +16,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Deque, Dict, Iterable, Iterator, List, Tuple
 
 import numpy as np
+
+from megalite.data.errors import DataError
 
 SPLIT_SEED = 0x6D65676174  # fixed: part of the data format (meta.json records it)
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -86,19 +90,27 @@ class BatchTokenizer:
 def tokenized_batches(batches: Iterable[Batch], tokenize: BatchTokenizer, num_proc: int
                       ) -> Iterator[Tuple[int, Tokenized]]:
     """(number of documents in the batch, its tokens) for each batch, in order; num_proc > 1
-    tokenizes in a pool of that many processes, with at most 2 * num_proc batches in flight
-    (`Pool.imap` would read the whole source ahead into memory)."""
+    tokenizes in that many forked processes, with at most 2 * num_proc batches in flight
+    (`Pool.imap` would read the whole source ahead into memory). Forked, not spawned: a child
+    needs no importable `__main__` (a notebook, `python -`), and a child that dies (killed for
+    memory) fails the preparation, which then resumes, instead of hanging a Pool."""
     if num_proc <= 1:
         for batch in batches:
             yield len(batch[1]), tokenize(batch)
         return
     in_flight: Deque = deque()
-    with multiprocessing.get_context("spawn").Pool(num_proc) as pool:
-        for batch in batches:
-            in_flight.append((len(batch[1]), pool.apply_async(tokenize, (batch,))))
-            if len(in_flight) >= 2 * num_proc:
+    context = multiprocessing.get_context("fork")
+    try:
+        with ProcessPoolExecutor(num_proc, mp_context=context) as pool:
+            for batch in batches:
+                in_flight.append((len(batch[1]), pool.submit(tokenize, batch)))
+                if len(in_flight) >= 2 * num_proc:
+                    size, result = in_flight.popleft()
+                    yield size, result.result()
+            while in_flight:
                 size, result = in_flight.popleft()
-                yield size, result.get()
-        while in_flight:
-            size, result = in_flight.popleft()
-            yield size, result.get()
+                yield size, result.result()
+    except BrokenProcessPool as e:
+        raise DataError(f"data.num_proc={num_proc}: a tokenizer process died ({e}; out of "
+                        "memory?); run the preparation again to resume it, with fewer "
+                        "processes if memory is short") from e
