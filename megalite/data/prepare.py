@@ -220,6 +220,10 @@ def _tokenize_all(cfg: DataConfig, source: DocumentSource, tokenizer, tmp: Path,
         if any(w.shards_completed for w in writers.values()):
             commit()
     meter.close()
+    if counts["val"]["documents"] == 0 and cfg.val_fraction > 0:
+        log.warning("no document of the %d read fell in the validation split "
+                    "(data.val_fraction=%s); raise data.val_fraction, or train with "
+                    "train.eval_every=0", read, cfg.val_fraction)
     if counts["train"]["documents"] == 0:
         raise DataError(f"data.source={cfg.source!r}: no non-empty training document among the "
                         f"{read} read; check data.text_field and data.max_documents")
