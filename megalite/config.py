@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -76,11 +76,16 @@ class DataConfig:
     dir: str = "data/stdlib"  # token shards + meta.json; relative paths are relative to the launch dir
     source: str = "stdlib"  # "stdlib" (Python's own .py sources) or a `datasets.load_dataset` path
     config_name: Optional[str] = None  # dataset config (e.g. "wikitext-103-raw-v1")
+    revision: Optional[str] = None  # hub branch, tag or commit of the dataset (None = main)
     split: str = "train"
+    streaming: bool = False  # read a hub dataset as a stream (datasets' IterableDataset)
+    #                          instead of downloading it whole first; the same shards
     data_files: Optional[List[str]] = None  # local files for source=text/json/parquet
     text_field: str = "text"
     tokenizer: str = "train"  # HF tokenizer name/dir, or "train" = byte-level BPE trained on the corpus
     tokenizer_vocab_size: int = 8192  # vocabulary of a trained tokenizer
+    tokenizer_train_documents: Optional[int] = None  # tokenizer=train: train on the training
+    #   documents among the first N documents (None = all; a stream needs a number)
     val_fraction: float = 0.005  # share of documents held out for validation
     num_proc: int = 2  # tokenizer processes
     shard_tokens: int = 100_000_000  # tokens per shard file
@@ -415,6 +420,23 @@ def to_config(node) -> Config:
     return obj
 
 
+PRESET_GROUPS = ("model", "data")
+
+
+def check_presets(overrides: Sequence[str]) -> None:
+    """`model=<name>` and `data=<name>` name a yaml file of megalite/conf/<group>/ (checked
+    before Hydra composes, whose own message lists its search path and exits 1)."""
+    for override in overrides:
+        group, sep, name = str(override).partition("=")
+        group = group.lstrip("+~")
+        if not sep or group not in PRESET_GROUPS:
+            continue
+        available = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        if name not in available:
+            fail(group, name, f"no such preset; use one of {', '.join(available)} (the files "
+                 f"in {CONF_DIR / group})")
+
+
 def load_config(overrides: Optional[List[str]] = None) -> Config:
     """Compose `conf/config.yaml` with command-line-style overrides, outside a Hydra app.
 
@@ -423,6 +445,7 @@ def load_config(overrides: Optional[List[str]] = None) -> Config:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_presets(overrides or [])
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

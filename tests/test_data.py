@@ -50,7 +50,7 @@ def stdlib_data(tmp_path_factory) -> Path:
 
 def read_tokens(data_dir: Path, split: str) -> np.ndarray:
     shards = TokenShards(data_dir, split)
-    return np.concatenate([np.asarray(s) for s in shards.shards])
+    return np.concatenate([np.asarray(s) for s in shards.shards] or [np.zeros(0, np.int64)])
 
 
 def assert_round_trip(data_dir: Path, docs_per_split: Dict[str, List[str]]) -> None:
@@ -73,13 +73,15 @@ def assert_round_trip(data_dir: Path, docs_per_split: Dict[str, List[str]]) -> N
 def test_stdlib_prepare_meta_and_round_trip(stdlib_data):
     meta = json.loads((stdlib_data / META_FILE).read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(stdlib_data / "tokenizer"))
-    assert meta["format_version"] == 1 and meta["dtype"] == "uint16"
+    assert meta["format_version"] == 2 and meta["dtype"] == "uint16"
+    assert meta["split"]["method"] == "hash-v1" and meta["split"]["documents_read"] == NUM_DOCS
     assert meta["vocab_size"] == len(tokenizer) == 512
     assert meta["eos_token_id"] == tokenizer.eos_token_id
     assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     assert meta["tokenizer"] == {"name": "trained byte-level BPE", "dir": "tokenizer"}
-    assert meta["source"] == {"source": "stdlib", "config_name": None, "split": "train",
-                              "data_files": None, "text_field": "text", "max_documents": NUM_DOCS}
+    assert meta["source"] == {"source": "stdlib", "config_name": None, "revision": None,
+                              "split": "train", "data_files": None, "text_field": "text",
+                              "max_documents": NUM_DOCS}
     assert sum(meta["splits"][s]["documents"] for s in ("train", "val")) == NUM_DOCS
     for split in ("train", "val"):
         shards = meta["splits"][split]["shards"]
@@ -87,20 +89,25 @@ def test_stdlib_prepare_meta_and_round_trip(stdlib_data):
         assert all(0 < s["tokens"] <= 100_000 for s in shards)
         assert sum(s["tokens"] for s in shards) == meta["splits"][split]["tokens"]
     assert len(meta["splits"]["train"]["shards"]) > 1
-    assert not list(stdlib_data.glob("*.tmp"))
+    assert not list(stdlib_data.parent.glob("*.tmp")) and not list(stdlib_data.glob("*.partial"))
+    assert not (stdlib_data / "progress.json").exists()
 
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files()[:NUM_DOCS]]
     splits = split_documents(NUM_DOCS, VAL_FRACTION)
-    assert len(splits["val"]) == 6
+    assert 0 < len(splits["val"]) < NUM_DOCS // 2
     assert sorted(np.concatenate(list(splits.values()))) == list(range(NUM_DOCS))
     assert_round_trip(stdlib_data, {s: [texts[i] for i in idx] for s, idx in splits.items()})
 
 
-def test_split_is_deterministic_and_keeps_one_val_document():
-    assert all(np.array_equal(a, b) for a, b in zip(split_documents(100, 0.05).values(),
-                                                    split_documents(100, 0.05).values()))
-    assert len(split_documents(2, 0.0)["val"]) == 1
-    assert len(split_documents(1, 0.5)["val"]) == 0
+def test_split_is_a_function_of_the_document_index():
+    """Format 2: a document's split depends on its index alone, so any prefix of a corpus is
+    split as the whole is; the validation share follows val_fraction."""
+    big = split_documents(200_000, 0.01)
+    small = split_documents(1000, 0.01)
+    assert np.array_equal(small["val"], big["val"][big["val"] < 1000])
+    assert abs(len(big["val"]) / 200_000 - 0.01) < 0.001
+    assert sorted(np.concatenate([big["train"], big["val"]])) == list(range(200_000))
+    assert len(split_documents(100, 0.0)["val"]) == 0
 
 
 def test_json_source_with_a_saved_tokenizer_directory(stdlib_data, tmp_path):
@@ -129,7 +136,7 @@ def test_text_source_one_document_per_line_with_two_processes(stdlib_data, tmp_p
     files[1].write_text("\n".join(lines[25:]) + "\n")
     out = tmp_path / "text_data"
     cfg = DataConfig(source="text", data_files=[str(f) for f in files], max_documents=35,
-                     tokenizer=str(stdlib_data / "tokenizer"), num_proc=2)
+                     tokenizer=str(stdlib_data / "tokenizer"), num_proc=2, val_fraction=0.2)
     meta = prepare(cfg, out, progress=False)
     assert sum(meta["splits"][s]["documents"] for s in ("train", "val")) == 35
     splits = split_documents(35, cfg.val_fraction)

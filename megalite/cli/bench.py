@@ -17,6 +17,7 @@ from megalite.bench import (
     checkpoint_index,
     loader,
     pipeline,
+    prepare,
     tensor,
     train,
     zero,
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
+    "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
 }
 
 

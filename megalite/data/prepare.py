@@ -1,100 +1,65 @@
-"""Preparing token shards: HF dataset -> tokenizer -> EOS-separated, packed memmap shards.
+"""Preparing token shards: documents -> tokenizer -> EOS-separated, packed memmap shards.
 
-    documents --(drop empty, cap at max_documents)--> train/val split (by document)
-              --tokenize (datasets.map, num_proc processes)--> ids + [EOS] per document
-              --ShardWriter--> <split>_00000.bin ... (uint16 / uint32) + meta.json
+    source documents (megalite.data.sources: downloaded or streamed, in a fixed order)
+      --batches of DOCS_PER_BATCH, tokenized in num_proc processes (megalite.data.tokenize)-->
+      per document: ids + [EOS], to the split its index hashes to
+      --ShardWriter (megalite.data.writer: temp file, fsync, rename; progress.json)-->
+      <split>_00000.bin ... (uint16 / uint32) + meta.json
 
-Sources: `stdlib` (this Python's own standard-library .py files: present on every machine, so the
-default needs no network), or anything `datasets.load_dataset` reads — a hub dataset with a
-config and split on a cluster, or local `text` / `json` / `parquet` / `csv` files via
-`data.data_files`. Tokenizer: any HF tokenizer (a hub id such as `gpt2`, or a local directory),
-or `train` = a byte-level BPE of `tokenizer_vocab_size` tokens trained on the training split
-with HF `tokenizers` and saved as an HF tokenizer directory.
+Tokenizer: any HF fast tokenizer (a hub id such as `gpt2`, or a local directory), or `train` =
+a byte-level BPE of `tokenizer_vocab_size` tokens trained on the training documents among the
+first `tokenizer_train_documents` documents (all of them when that is null; a stream needs it).
 
 Everything is built in a sibling `<dir>.tmp` directory and renamed into place only when
-meta.json is written, so an interrupted preparation never looks complete.
+meta.json is written, so an interrupted preparation never looks complete; run again with the
+same settings, it resumes from its last complete shard (see megalite.data.writer).
+
+Data format 2 (meta.json `format_version`): the split is a function of each document's index
+(`split.method` = "hash-v1"). Format 1 directories (a seeded permutation of the document count)
+read the same way: the loader only reads the shard lists.
 """
 from __future__ import annotations
 
-import glob
-import json
-import os
+import logging
 import shutil
-import sysconfig
+import time
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Iterator, Optional
 
 import numpy as np
 
 from megalite.config import DataConfig
 from megalite.data.loader import META_FILE, SPLITS, DataError, token_dtype
+from megalite.data.sources import DocumentSource, stdlib_files  # noqa: F401 (re-exported)
+from megalite.data.tokenize import SPLIT_SEED, BatchTokenizer, is_validation, tokenized_batches
+from megalite.data.writer import MANIFEST, ShardWriter, read_manifest, write_json
 
 EOS_TOKEN = "<|endoftext|>"  # GPT-2's document separator
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+SPLIT_METHOD = "hash-v1"
 TOKENIZER_DIR = "tokenizer"
-LOCAL_BUILDERS = ("text", "json", "parquet", "csv")
 MIN_TRAINED_VOCAB = 256 + 2  # byte alphabet + EOS + at least one merge
+DOCS_PER_BATCH = 256
+LOG_EVERY_S = 30.0
+# The settings a resumed preparation must share with the interrupted one (not streaming or
+# num_proc: they do not change the shards).
+RESUME_KEYS = ("source", "config_name", "revision", "split", "data_files", "text_field",
+               "tokenizer", "tokenizer_vocab_size", "tokenizer_train_documents", "val_fraction",
+               "shard_tokens", "max_documents")
+log = logging.getLogger("megalite")
+
+__all__ = ["EOS_TOKEN", "FORMAT_VERSION", "ShardWriter", "prepare", "split_documents",
+           "stdlib_files"]
 
 
-def stdlib_files() -> List[Path]:
-    """Non-empty .py files of this interpreter's standard library, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
-             and p.is_file() and p.stat().st_size > 0]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+def split_documents(num_documents: int, val_fraction: float) -> dict:
+    """Document indices of each split among the first `num_documents` (format 2's rule)."""
+    val = is_validation(np.arange(num_documents), val_fraction)
+    return {"train": np.flatnonzero(~val), "val": np.flatnonzero(val)}
 
 
-def split_documents(num_documents: int, val_fraction: float) -> Dict[str, np.ndarray]:
-    """Document indices of each split: a fixed-seed draw of round(n * val_fraction) documents
-    (at least one, while one is left for training) for validation, in corpus order."""
-    n_val = min(max(1, round(num_documents * val_fraction)), max(0, num_documents - 1))
-    val = np.sort(np.random.default_rng(0).permutation(num_documents)[:n_val])
-    train = np.setdiff1d(np.arange(num_documents), val)
-    return {"train": train, "val": val}
-
-
-class ShardWriter:
-    """Appends token ids to `<split>_00000.bin, ...`, at most `shard_tokens` per file."""
-
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
-        self.out_dir, self.split, self.dtype = Path(out_dir), split, np.dtype(dtype)
-        self.shard_tokens = shard_tokens
-        self.entries: List[dict] = []
-        self._file = None
-
-    def _open_next(self) -> None:
-        self._close_current()
-        name = f"{self.split}_{len(self.entries):05d}.bin"
-        self._file = open(self.out_dir / name, "wb")
-        self.entries.append({"file": name, "tokens": 0})
-
-    def _close_current(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
-
-    def write(self, tokens: np.ndarray) -> None:
-        tokens = np.asarray(tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(self.dtype).max):
-            raise DataError(f"token id out of range for {self.dtype.name} shards")
-        tokens = tokens.astype(self.dtype, copy=False)
-        while tokens.size:
-            if self._file is None or self.entries[-1]["tokens"] == self.shard_tokens:
-                self._open_next()
-            room = self.shard_tokens - self.entries[-1]["tokens"]
-            chunk, tokens = tokens[:room], tokens[room:]
-            self._file.write(chunk.tobytes())
-            self.entries[-1]["tokens"] += int(chunk.size)
-
-    def close(self) -> List[dict]:
-        self._close_current()
-        return self.entries
-
-
-def _check_settings(cfg: DataConfig) -> None:
+def check_settings(cfg: DataConfig) -> None:
+    """The data section's preparation keys, before any work."""
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise DataError(f"data.val_fraction={cfg.val_fraction}: must be in [0, 1), e.g. 0.005")
     if cfg.tokenizer == "train" and cfg.tokenizer_vocab_size < MIN_TRAINED_VOCAB:
@@ -107,42 +72,17 @@ def _check_settings(cfg: DataConfig) -> None:
     if cfg.max_documents is not None and cfg.max_documents < 2:
         raise DataError(f"data.max_documents={cfg.max_documents}: need at least 2 documents "
                         "(one for each split), or null for all")
-    if cfg.source in LOCAL_BUILDERS:
-        if not cfg.data_files:
-            raise DataError(f"data.data_files={cfg.data_files!r}: data.source={cfg.source!r} "
-                            "reads local files; list them, e.g. data.data_files=[/data/a.jsonl]")
-        for pattern in cfg.data_files:
-            if not glob.glob(os.path.expanduser(pattern)):
-                raise DataError(f"data.data_files: {pattern!r} matches no file")
-
-
-def _load_documents(cfg: DataConfig):
-    """The corpus as a `datasets.Dataset` with one string column `text`."""
-    import datasets
-
-    if cfg.source == "stdlib":
-        files = stdlib_files()[:cfg.max_documents]
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
-        return datasets.Dataset.from_dict({"text": texts})
-    kwargs = {"data_files": [os.path.expanduser(f) for f in cfg.data_files]} \
-        if cfg.data_files else {}
-    try:
-        ds = datasets.load_dataset(cfg.source, cfg.config_name, split=cfg.split, **kwargs)
-    except Exception as e:
-        raise DataError(f"data.source={cfg.source!r} (config {cfg.config_name!r}, split "
-                        f"{cfg.split!r}): datasets.load_dataset failed: {e}") from e
-    if cfg.text_field not in ds.column_names:
-        raise DataError(f"data.text_field={cfg.text_field!r}: the dataset has columns "
-                        f"{ds.column_names}; set data.text_field to the one holding the text")
-    ds = ds.select_columns([cfg.text_field])
-    if cfg.text_field != "text":
-        ds = ds.rename_column(cfg.text_field, "text")
-    ds = ds.filter(lambda batch: [bool(t) for t in batch["text"]], batched=True,
-                   num_proc=cfg.num_proc if len(ds) > 10_000 else None,
-                   desc="drop empty documents")
-    if cfg.max_documents is not None:
-        ds = ds.select(range(min(cfg.max_documents, len(ds))))
-    return ds
+    if cfg.tokenizer_train_documents is not None and cfg.tokenizer_train_documents < 1:
+        raise DataError(f"data.tokenizer_train_documents={cfg.tokenizer_train_documents}: must "
+                        "be >= 1 (e.g. 100000), or null for every training document")
+    if cfg.streaming and cfg.tokenizer == "train" and cfg.tokenizer_train_documents is None:
+        raise DataError("data.tokenizer=train with data.streaming=true: a stream cannot be read "
+                        "twice whole, so say how many of its first documents train the "
+                        "tokenizer, e.g. data.tokenizer_train_documents=100000; or give a "
+                        "tokenizer (data.tokenizer=gpt2 or a directory), or data.streaming=false")
+    if cfg.streaming and cfg.source == "stdlib":
+        raise DataError("data.streaming=true: data.source=stdlib reads local files, there is "
+                        "nothing to stream; set data.streaming=false")
 
 
 def _train_tokenizer(texts: Iterator[str], vocab_size: int):
@@ -162,93 +102,179 @@ def _train_tokenizer(texts: Iterator[str], vocab_size: int):
                                    clean_up_tokenization_spaces=False)
 
 
-def _load_tokenizer(name: str):
+def load_tokenizer(name: str, key: str = "data.tokenizer"):
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(name)
     except Exception as e:
-        raise DataError(f"data.tokenizer={name!r}: cannot load it ({e}); give an HF tokenizer "
+        raise DataError(f"{key}={name!r}: cannot load it ({e}); give an HF tokenizer "
                         "directory, a hub id such as gpt2 (needs the hub or its cache), or "
                         "`train` to train a byte-level BPE on the corpus") from e
     if tok.eos_token_id is None:
-        raise DataError(f"data.tokenizer={name!r}: has no EOS token to separate documents")
+        raise DataError(f"{key}={name!r}: has no EOS token to separate documents")
+    if not getattr(tok, "is_fast", False):
+        raise DataError(f"{key}={name!r}: only a slow (Python) tokenizer exists; the "
+                        "preparation needs a fast one (a tokenizer.json)")
     return tok
 
 
-def _tokenize(batch: Dict[str, list], tokenizer, eos: int) -> Dict[str, list]:
-    ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True
-                    )["input_ids"]
-    return {"ids": [x + [eos] for x in ids]}
+def _training_texts(source: DocumentSource, cfg: DataConfig) -> Iterator[str]:
+    """The non-empty training documents among the first tokenizer_train_documents."""
+    limit = cfg.tokenizer_train_documents
+    for start, texts in source.batches(0, DOCS_PER_BATCH):
+        if limit is not None and start >= limit:
+            return
+        texts = texts[:None if limit is None else limit - start]
+        val = is_validation(np.arange(start, start + len(texts)), cfg.val_fraction)
+        yield from (t for t, v in zip(texts, val) if t and not v)
 
 
-def _write_split(ds, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int,
-                 progress: bool) -> dict:
-    import pyarrow.compute as pc
-    from tqdm.auto import tqdm
+def _settings(cfg: DataConfig) -> dict:
+    values = {k: getattr(cfg, k) for k in RESUME_KEYS}
+    return {k: v if v is None or isinstance(v, (str, int, float, bool)) else list(v)
+            for k, v in values.items()}
 
-    writer = ShardWriter(out_dir, split, dtype, shard_tokens)
-    total = 0
-    with tqdm(total=len(ds), desc=f"write {split}", unit="doc", disable=not progress) as bar:
-        for batch in ds.with_format("arrow").iter(batch_size=10_000):
-            # the documents' token lists, concatenated by Arrow (no Python loop per token)
-            stream = pc.list_flatten(batch.column("ids")).to_numpy().astype(np.int64, copy=False)
-            writer.write(stream)
-            total += stream.size
-            bar.update(batch.num_rows)
-    return {"shards": writer.close(), "tokens": total, "documents": len(ds)}
+
+def _resume_state(cfg: DataConfig, tmp: Path) -> Optional[dict]:
+    """The manifest of an interrupted preparation with these settings (None: start over)."""
+    manifest = read_manifest(tmp) if tmp.is_dir() else None
+    if manifest is None:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # interrupted before its first manifest: nothing to keep
+        return None
+    for key, value in _settings(cfg).items():
+        if manifest["settings"].get(key) != value:
+            raise DataError(f"data.{key}={value!r}: {tmp} holds an interrupted preparation "
+                            f"made with data.{key}={manifest['settings'].get(key)!r}; rerun with "
+                            f"its settings to resume it, or delete {tmp} to start over")
+    return manifest
 
 
 def prepare(cfg: DataConfig, out_dir: Path, progress: bool = True) -> dict:
-    """Build a complete data directory at `out_dir`; returns its meta.json contents."""
-    import datasets
-
+    """Build a complete data directory at `out_dir` (resuming an interrupted one);
+    returns its meta.json contents."""
     out_dir = Path(out_dir)
-    _check_settings(cfg)
+    check_settings(cfg)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise DataError(f"data.dir={str(out_dir)!r}: exists and is not a complete preparation "
                         "(no valid meta.json); delete it or pick another data.dir")
-    tokenizer = None if cfg.tokenizer == "train" else _load_tokenizer(cfg.tokenizer)
-    if not progress:
-        datasets.disable_progress_bars()
-    docs = _load_documents(cfg)
-    if len(docs) < 2:
-        raise DataError(f"data.source={cfg.source!r}: found {len(docs)} non-empty document(s); "
-                        "need at least 2 (one per split)")
-    split_idx = split_documents(len(docs), cfg.val_fraction)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    if tokenizer is None:
-        train_docs = docs.select(split_idx["train"])
-        tokenizer = _train_tokenizer(
-            (t for b in train_docs.iter(batch_size=1000) for t in b["text"]),
-            cfg.tokenizer_vocab_size)
-        tokenizer_name = "trained byte-level BPE"
+    manifest = _resume_state(cfg, tmp)
+    tokenizer = None
+    if manifest is None and cfg.tokenizer != "train":
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    source = DocumentSource(cfg)
+    if manifest is None:
+        tmp.mkdir(parents=True)
+        if tokenizer is None:
+            tokenizer = _train_tokenizer(_training_texts(source, cfg), cfg.tokenizer_vocab_size)
+        tokenizer.model_max_length = int(1e30)  # documents are packed, never truncated
+        tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
     else:
-        tokenizer_name = cfg.tokenizer
-    tokenizer.model_max_length = int(1e30)  # documents are packed, never truncated
-    tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        tokenizer = load_tokenizer(str(tmp / TOKENIZER_DIR), key=f"{tmp}/{TOKENIZER_DIR}")
+        log.info("resuming the preparation in %s from document %d (%s)", tmp,
+                 manifest["documents_read"], ", ".join(
+                     f"{s}: {len(manifest['splits'][s]['shards'])} complete shard(s)"
+                     for s in SPLITS))
+    meta = _tokenize_all(cfg, source, tokenizer, tmp, manifest, progress)
+    _publish(tmp, out_dir, meta)
+    return meta
+
+
+def _tokenizer_name(cfg: DataConfig) -> str:
+    return "trained byte-level BPE" if cfg.tokenizer == "train" else cfg.tokenizer
+
+
+def _tokenize_all(cfg: DataConfig, source: DocumentSource, tokenizer, tmp: Path,
+                  manifest: Optional[dict], progress: bool) -> dict:
     vocab_size, eos = len(tokenizer), tokenizer.eos_token_id
     dtype = token_dtype(vocab_size)
-    tokenized = docs.map(_tokenize, batched=True, remove_columns=["text"],
-                         fn_kwargs={"tokenizer": tokenizer, "eos": eos},
-                         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-                         desc="tokenize")
-    splits = {split: _write_split(tokenized.select(split_idx[split]), tmp, split, dtype,
-                                  cfg.shard_tokens, progress) for split in SPLITS}
-    meta = {"format_version": FORMAT_VERSION, "vocab_size": vocab_size, "eos_token_id": eos,
-            "dtype": dtype.name, "tokenizer": {"name": tokenizer_name, "dir": TOKENIZER_DIR},
-            "source": {"source": cfg.source, "config_name": cfg.config_name, "split": cfg.split,
-                       "data_files": list(cfg.data_files) if cfg.data_files else None,
-                       "text_field": cfg.text_field, "max_documents": cfg.max_documents},
-            "splits": splits}
-    with open(tmp / META_FILE, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    state = manifest or {"settings": _settings(cfg), "documents_read": 0,
+                         "splits": {s: {"shards": [], "partial": None, "documents": 0,
+                                        "tokens": 0} for s in SPLITS}}
+    writers = {s: ShardWriter.resume(tmp, s, dtype, cfg.shard_tokens, state["splits"][s])
+               for s in SPLITS}
+    counts = {s: {k: state["splits"][s][k] for k in ("documents", "tokens")} for s in SPLITS}
+    read = state["documents_read"]
+
+    def commit() -> None:
+        for w in writers.values():
+            w.sync()
+        splits = {s: {**writers[s].state(), **counts[s]} for s in SPLITS}
+        write_json(tmp / MANIFEST, {**state, "documents_read": read, "splits": splits})
+
+    if manifest is None:
+        commit()  # the tokenizer is saved: from here on the preparation resumes
+    tokenize = BatchTokenizer(tokenizer.backend_tokenizer.to_str(), eos, dtype.name,
+                              cfg.val_fraction)
+    meter = TokenMeter(progress, total_documents=source.known_length(), done_documents=read)
+    for size, result in tokenized_batches(source.batches(read, DOCS_PER_BATCH), tokenize,
+                                          cfg.num_proc):
+        for split, (ids, docs) in result.items():
+            writers[split].write(ids)
+            counts[split]["documents"] += docs
+            counts[split]["tokens"] += int(ids.size)
+        read += size
+        meter.update(size, sum(int(ids.size) for ids, _ in result.values()))
+        if any(w.shards_completed for w in writers.values()):
+            commit()
+    meter.close()
+    if counts["val"]["documents"] == 0 and cfg.val_fraction > 0:
+        log.warning("no document of the %d read fell in the validation split "
+                    "(data.val_fraction=%s); raise data.val_fraction, or train with "
+                    "train.eval_every=0", read, cfg.val_fraction)
+    if counts["train"]["documents"] == 0:
+        raise DataError(f"data.source={cfg.source!r}: no non-empty training document among the "
+                        f"{read} read; check data.text_field and data.max_documents")
+    return {"format_version": FORMAT_VERSION, "vocab_size": vocab_size, "eos_token_id": eos,
+            "dtype": dtype.name, "tokenizer": {"name": _tokenizer_name(cfg), "dir": TOKENIZER_DIR},
+            "source": {k: state["settings"][k] for k in
+                       ("source", "config_name", "revision", "split", "data_files",
+                        "text_field", "max_documents")},
+            "split": {"method": SPLIT_METHOD, "seed": SPLIT_SEED,
+                      "val_fraction": cfg.val_fraction, "documents_read": read},
+            "splits": {s: {"shards": writers[s].close(), **counts[s]} for s in SPLITS}}
+
+
+def _publish(tmp: Path, out_dir: Path, meta: dict) -> None:
+    """meta.json written (fsynced), the manifest dropped, the directory renamed into place."""
+    write_json(tmp / META_FILE, meta)
+    (tmp / MANIFEST).unlink()
     if out_dir.exists():
-        out_dir.rmdir()  # empty (checked above)
-    os.replace(tmp, out_dir)
-    return meta
+        out_dir.rmdir()  # empty (checked before)
+    tmp.replace(out_dir)
+
+
+class TokenMeter:
+    """Progress in tokens and tokens/s: a tqdm bar when tqdm is installed and `progress`, else
+    a log line every LOG_EVERY_S seconds."""
+
+    def __init__(self, progress: bool, total_documents: Optional[int], done_documents: int):
+        self.start, self.last_log = time.perf_counter(), time.perf_counter()
+        self.tokens, self.documents, self.total = 0, done_documents, total_documents
+        self.bar = None
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(desc="tokenize", unit="tok", unit_scale=True)
+            except ImportError:
+                pass
+        self.progress = progress
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.documents += documents
+        of = f"/{self.total:,}" if self.total else ""
+        if self.bar is not None:
+            self.bar.update(tokens)
+            self.bar.set_postfix_str(f"{self.documents:,}{of} documents", refresh=False)
+        elif self.progress and time.perf_counter() - self.last_log >= LOG_EVERY_S:
+            self.last_log = time.perf_counter()
+            log.info("prepare: %s documents%s, %s tokens, %.0f tokens/s", f"{self.documents:,}",
+                     of, f"{self.tokens:,}", self.tokens / (self.last_log - self.start))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
