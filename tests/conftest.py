@@ -38,3 +38,11 @@ def random_hf_gpt2(model_cfg, seed: int = 0):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def shard_arrays(shards) -> list:
+    """Every shard of a `TokenShards` as a read-only array (training reads windows through
+    `TokenShards.samples` instead)."""
+    import numpy as np
+
+    return [np.fromfile(p, dtype=shards.dtype) for p in shards.paths]

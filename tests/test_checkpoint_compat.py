@@ -17,18 +17,28 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
+
+from megalite.checkpoint.format import meta_crc32
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "ckpt_v3"
 TOLERANCE = 1e-5  # absolute, on the loss (about 5.4 here: 2e-6 relative)
 
 
-def resume(tmp_path: Path, layout: list) -> subprocess.CompletedProcess:
+def resume(tmp_path: Path, layout: list, order: Optional[str]) -> subprocess.CompletedProcess:
+    """Resume the fixture's checkpoint on 2 ranks; `order`: the sample order its sampler state
+    names (None: as written, without the key, as before orders were named)."""
     expected = json.loads((FIXTURE / "expected.json").read_text())
     ckpt = tmp_path / expected["checkpoint"]  # a copy: the fixture is never written to
     shutil.copytree(FIXTURE / expected["checkpoint"], ckpt)
+    if order is not None:  # as main wrote them once the order was named (before issue 19)
+        meta = json.loads((ckpt / "meta.json").read_text())
+        meta["sampler"]["order"] = order
+        meta["meta_crc32"] = meta_crc32(meta)
+        (ckpt / "meta.json").write_text(json.dumps(meta))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -43,14 +53,17 @@ def resume(tmp_path: Path, layout: list) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,expected_layout", [
-    (["tp=2"], {"tp": 2, "dp": 1, "zero": 0}),
-    (["zero=1"], {"tp": 1, "dp": 2, "zero": 1}),
-], ids=["tp2", "dp2_zero1"])
-def test_format_v3_checkpoint_resumes_under_another_layout(tmp_path, layout, expected_layout):
+@pytest.mark.parametrize("layout,expected_layout,order", [
+    (["tp=2"], {"tp": 2, "dp": 1, "zero": 0}, None),
+    (["zero=1"], {"tp": 1, "dp": 2, "zero": 1}, "permutation-v1"),
+], ids=["tp2_no_order_name", "dp2_zero1_permutation_v1"])
+def test_format_v3_checkpoint_resumes_under_another_layout(tmp_path, layout, expected_layout,
+                                                           order):
+    """Both kinds of data position written before the bijection order continue in the old
+    permutation: without an order name, and naming "permutation-v1"."""
     expected = json.loads((FIXTURE / "expected.json").read_text())
     losses = {int(step): loss for step, loss in expected["losses"].items()}
-    proc = resume(tmp_path, layout)
+    proc = resume(tmp_path, layout, order)
     lines = [json.loads(line)
              for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     header, records = lines[0]["run"], lines[1:]

@@ -26,6 +26,7 @@ from megalite.data.loader import (
 )
 from megalite.data.prepare import EOS_TOKEN, ShardWriter, prepare, split_documents, stdlib_files
 from megalite.data.sampler import ResumableSampler
+from tests.conftest import shard_arrays
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_DOCS = 60
@@ -50,7 +51,7 @@ def stdlib_data(tmp_path_factory) -> Path:
 
 def read_tokens(data_dir: Path, split: str) -> np.ndarray:
     shards = TokenShards(data_dir, split)
-    return np.concatenate([np.asarray(s) for s in shards.shards] or [np.zeros(0, np.int64)])
+    return np.concatenate([np.asarray(s) for s in shard_arrays(shards)] or [np.zeros(0, np.int64)])
 
 
 def assert_round_trip(data_dir: Path, docs_per_split: Dict[str, List[str]]) -> None:
@@ -203,7 +204,7 @@ def make_data_dir(path: Path, tokens: Dict[str, np.ndarray], shard_tokens: int,
 def test_windows_never_cross_shard_boundaries(tmp_path):
     data = make_data_dir(tmp_path / "d", {"train": np.arange(25), "val": np.arange(7)}, 10)
     shards = TokenShards(data, "train")
-    assert [len(s) for s in shards.shards] == [10, 10, 5]
+    assert [len(s) for s in shard_arrays(shards)] == [10, 10, 5]
     assert shards.num_samples(3) == 3 + 3 + 1
     assert shards.sample(0, 3).tolist() == [0, 1, 2, 3]
     assert shards.sample(2, 3).tolist() == [6, 7, 8, 9]
@@ -220,7 +221,7 @@ def test_uint32_shards_keep_large_ids(tmp_path):
     data = make_data_dir(tmp_path / "d", {"train": stream, "val": stream}, 3, vocab_size=128256)
     shards = TokenShards(data, "train")
     assert shards.dtype == np.uint32 and shards.meta["dtype"] == "uint32"
-    assert np.concatenate([np.asarray(s) for s in shards.shards]).tolist() == stream.tolist()
+    assert np.concatenate([np.asarray(s) for s in shard_arrays(shards)]).tolist() == stream.tolist()
 
 
 def test_shard_errors_name_the_file(tmp_path):

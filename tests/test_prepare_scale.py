@@ -18,6 +18,7 @@ from megalite.data import prepare as prepare_module
 from megalite.data.loader import META_FILE, DataError, TokenShards, check_data
 from megalite.data.prepare import prepare
 from megalite.data.writer import MANIFEST, ShardWriter
+from tests.conftest import shard_arrays
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD_TOKENS = 600
@@ -155,6 +156,16 @@ def test_resume_checks_what_it_resumes_from(corpus, tokenizer_dir, tmp_path, mon
                                         r"preparation made with data.val_fraction=0.1"):
         prepare(json_config(corpus, str(tokenizer_dir), val_fraction=0.2), tmp_path / "d",
                 progress=False)
+    tok = partial_dir / "tokenizer" / "tokenizer.json"
+    original = tok.read_text()
+    swapped = json.loads(original)  # the same vocabulary, two tokens' ids exchanged
+    vocab = swapped["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tok.write_text(json.dumps(swapped))
+    with pytest.raises(DataError, match=r"tokenizer: differs from the tokenizer"):
+        prepare(cfg, tmp_path / "d", progress=False)
+    tok.write_text(original)
     shard = partial_dir / "train_00001.bin"
     data = bytearray(shard.read_bytes())
     data[7] ^= 1
@@ -199,7 +210,7 @@ def test_a_format_1_directory_still_loads():
     check_data([data], seq_len=16, global_batch_size=4, model_vocab=300, evaluates=True)
     for split in ("train", "val"):
         shards = TokenShards(data, split)
-        tokens = np.concatenate([np.asarray(s) for s in shards.shards])
+        tokens = np.concatenate([np.asarray(s) for s in shard_arrays(shards)])
         assert len(tokens) == meta["splits"][split]["tokens"]
         assert (tokens == meta["eos_token_id"]).sum() == meta["splits"][split]["documents"]
     assert TokenShards(data, "train").sample(3, 16).shape == (17,)
@@ -217,6 +228,17 @@ def test_unknown_preset_names_the_group_and_the_presets():
         "HuggingFaceFW/fineweb-edu", "sample-10BT", "gpt2", True)
     assert load_config(["data=fineweb"]).data.source == "HuggingFaceFW/fineweb"
     assert load_config(["data=openwebtext"]).data.revision == "main"
+
+
+def test_pretrain_refuses_an_unknown_preset_before_hydra(monkeypatch, capsys):
+    from megalite.cli import pretrain
+
+    monkeypatch.setattr("sys.argv", ["megalite-pretrain", "tp=1", "data=fineweb_edux"])
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.main()
+    assert exit_info.value.code == 2
+    assert "data='fineweb_edux': no such preset; use one of fineweb, fineweb_edu" in \
+        capsys.readouterr().err
 
 
 def test_sources_that_cannot_load_are_named_with_a_remedy(tmp_path, corpus, monkeypatch):

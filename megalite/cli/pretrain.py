@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from megalite import log
 from megalite.cli import NO_HYDRA_OUTPUT
-from megalite.config import CONF_DIR, ConfigError, register_configs, to_config
+from megalite.config import CONF_DIR, ConfigError, check_presets, register_configs, to_config
 from megalite.data.loader import DataError
 from megalite.launch_env import export_launch_env, launch_env
 from megalite.plan import make_plan, memory_warning
@@ -81,6 +81,11 @@ def pretrain(node) -> None:
 def main() -> None:
     """`megalite-pretrain [overrides]`: Hydra reads the overrides from the command line. A
     Slurm launch without torchrun gets torchrun's variables first (`megalite.launch_env`)."""
+    try:
+        check_presets(sys.argv[1:])
+    except ConfigError as e:
+        print(f"megalite: bad configuration: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         export_launch_env(launch_env(gpus=local_gpus()))
     except ConfigError as e:

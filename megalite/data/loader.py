@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -102,18 +101,6 @@ class TokenShards:
         ends = self._window_ends(seq_len)
         return int(ends[-1]) if len(ends) else 0
 
-    @property
-    def shards(self) -> "ShardMaps":
-        """The shards as memmaps, each opened when indexed (tools and tests; training reads
-        windows through `samples`)."""
-        return ShardMaps(self.paths, self.dtype)
-
-    def read_shard(self, shard: int) -> np.ndarray:
-        """Every token of shard `shard` (its dtype)."""
-        out = np.empty(int(self.shard_tokens[shard]), dtype=self.dtype)
-        self.files.read_into(self._names[shard], 0, out)
-        return out
-
     def samples(self, indices: Sequence[int], seq_len: int) -> np.ndarray:
         """Windows `indices` (seq_len + 1 tokens each), as a (len(indices), seq_len + 1) int64
         array; read shard by shard in file order."""
@@ -134,21 +121,6 @@ class TokenShards:
     def sample(self, index: int, seq_len: int) -> np.ndarray:
         """Window `index` (seq_len + 1 tokens) as int64."""
         return self.samples([index], seq_len)[0]
-
-
-class ShardMaps(SequenceABC):
-    """Shard k as a read-only memmap opened on access: it holds a file descriptor while alive."""
-
-    def __init__(self, paths: List[Path], dtype: np.dtype):
-        self.paths, self.dtype = paths, dtype
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, k: int) -> np.ndarray:
-        if self.paths[k].stat().st_size == 0:  # mmap refuses an empty file
-            return np.empty(0, dtype=self.dtype)
-        return np.memmap(self.paths[k], dtype=self.dtype, mode="r")
 
 
 def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool]
@@ -173,6 +145,11 @@ class TrainBatches:
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
         self.reads = tuple(reads)
+
+    def close(self) -> None:
+        """Close the shard descriptors (a later read opens them again)."""
+        for shards in self.sources:
+            shards.files.close()
 
     def next_step(self, global_batch_size: Optional[int] = None
                   ) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:

@@ -13,8 +13,8 @@ Two orders, named in the sampler's checkpointed state (`ORDERS`):
   keys are drawn from numpy's SeedSequence of (seed, e). Walking from x < n stays on x's cycle
   of F, which returns to x, so it stops, and restricted to [0, n) it is again a bijection; as
   2^b < 2n, a step lands in [0, n) more than half the time (expected < 2 steps).
-* ``"permutation-v1"`` (runs started before the bijection, and their checkpoints, which carry
-  no order name): window = perm_e[p mod n], perm_e = numpy `default_rng(seed + e).permutation(n)`
+* ``"permutation-v1"`` (runs started before the bijection: their checkpoints name it, or,
+  older, carry no order name): window = perm_e[p mod n], perm_e = numpy `default_rng(seed + e).permutation(n)`
   — the whole permutation (8 bytes per window) is built when a position of epoch e is first read.
 """
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -190,7 +191,13 @@ def _tokenize_all(cfg: DataConfig, source: DocumentSource, tokenizer, tmp: Path,
                   manifest: Optional[dict], progress: bool) -> dict:
     vocab_size, eos = len(tokenizer), tokenizer.eos_token_id
     dtype = token_dtype(vocab_size)
+    tokenizer_crc = zlib.crc32(tokenizer.backend_tokenizer.to_str().encode())
+    if manifest is not None and manifest.get("tokenizer_crc32", tokenizer_crc) != tokenizer_crc:
+        raise DataError(f"{tmp / TOKENIZER_DIR}: differs from the tokenizer the interrupted "
+                        f"preparation in {tmp} started with (its CRC32 in {tmp / MANIFEST}); "
+                        f"delete {tmp} to start over")
     state = manifest or {"settings": _settings(cfg), "documents_read": 0,
+                         "tokenizer_crc32": tokenizer_crc,
                          "splits": {s: {"shards": [], "partial": None, "documents": 0,
                                         "tokens": 0} for s in SPLITS}}
     writers = {s: ShardWriter.resume(tmp, s, dtype, cfg.shard_tokens, state["splits"][s])
@@ -238,12 +245,14 @@ def _tokenize_all(cfg: DataConfig, source: DocumentSource, tokenizer, tmp: Path,
 
 
 def _publish(tmp: Path, out_dir: Path, meta: dict) -> None:
-    """meta.json written (fsynced), the manifest dropped, the directory renamed into place."""
+    """meta.json written (fsynced), the directory renamed into place, then the manifest
+    dropped: a crash between the two leaves a complete directory with a stale manifest (which
+    nothing reads), never a finished preparation that the next run would start over."""
     write_json(tmp / META_FILE, meta)
-    (tmp / MANIFEST).unlink()
     if out_dir.exists():
         out_dir.rmdir()  # empty (checked before)
     tmp.replace(out_dir)
+    (out_dir / MANIFEST).unlink()
 
 
 class TokenMeter:

@@ -6,7 +6,8 @@ per epoch of n positions, a fresh order each epoch, from the seed). A global bat
 `global_batch_size` positions; DP rank d takes the d-th contiguous slice, so concatenating the
 ranks' slices gives the serial batch, and every TP/PP rank of one replica (same d) reads the
 identical batch. New runs count in "bijection-v1" (O(1) memory); a position checkpointed in
-"permutation-v1" (or with no order name: every checkpoint from before the bijection) continues
+"permutation-v1" (every checkpoint since orders were named, before the bijection; older ones
+have no order name, read as the same) continues
 in that order, where it stopped.
 
 A *blend* of several data directories (`data.blend`, Megatron's weighted `--data-path`) fills

@@ -54,7 +54,6 @@ class Ending:
         return len(self.tokens) - self.scored_from
 
 
-
 @dataclass
 class ChoiceSet:
     """Examples rendered into sequences: endings[e][k] is ending k of example e."""

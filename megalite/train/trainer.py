@@ -226,6 +226,8 @@ class Trainer:
             with contextlib.suppress(Exception):  # the training error is the one to report
                 self.saver.close()
             raise
+        finally:
+            self.batches.close()  # the token shards' descriptors (reopened if read again)
         self.saver.close()
         if self.writer is not None:
             self.writer.close()
