@@ -411,7 +411,8 @@ def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
                   else "partly recomputed" if t.recompute else "")
     limit = cfg.offload.activations_layers
     if cfg.offload.activations and recomputed != "materialized (recomputed)":
-        which = (f" ({'the next' if t.recompute else 'the first'} {limit} blocks per stage)"
+        blocks = "block" if limit == 1 else "blocks"
+        which = (f" ({'the next' if t.recompute else 'the first'} {limit} {blocks} per stage)"
                  if limit is not None else " (the other blocks)" if t.recompute else "")
         activations = (f"{recomputed}, " if recomputed else "") + \
             f"offloaded{which} to host memory"

@@ -217,7 +217,7 @@ def test_plan_moves_the_offloaded_layers_to_host():
     layer = layer_activation_bytes(32, 1, 64, 4, 1, False, 4)
     assert on.host["total"] == 2 * layer  # 1 layer x 2 micro-batches in flight
     assert on.bytes["activations"] + on.host["total"] == off.bytes["activations"] + 2 * layer
-    assert plans[1].placement["A"] == "offloaded (the first 1 blocks per stage) to host memory"
+    assert plans[1].placement["A"] == "offloaded (the first 1 block per stage) to host memory"
     assert "host MiB" in plans[1].table() and "host" not in plans[0].table().splitlines()[2]
 
 
