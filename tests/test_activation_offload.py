@@ -134,6 +134,27 @@ def test_backward_prefetches_the_block_before():
         assert ("unpack", b + 1) in events[copied:first_use], (b, events)
 
 
+def test_metrics_report_each_intervals_peak_host_bytes():
+    from types import SimpleNamespace
+
+    from megalite.parallel.comm import single_rank_group
+    from megalite.train.trainer import Trainer
+
+    offload = ActivationOffload(torch.device("cpu"))
+    model = GPT2(CFG, offload=offload).train()
+    init_parameters(model, seed=0)
+    trainer = SimpleNamespace(model=SimpleNamespace(activation_offload=offload),
+                              topo=SimpleNamespace(world_group=single_rank_group("world")),
+                              rt=SimpleNamespace(device=torch.device("cpu")))
+    model(*_batch()).backward()
+    layer = layer_activation_bytes(S, B, CFG.n_embd, CFG.n_head, 1, False, 4)
+    key = "activation_offload_host_peak_bytes"
+    assert Trainer._offload_memory(trainer) == {key: CFG.n_layer * layer}
+    assert Trainer._offload_memory(trainer) == {key: 0}  # nothing held since
+    trainer.model.activation_offload = None
+    assert Trainer._offload_memory(trainer) == {}
+
+
 class _SavesAWeightView(nn.Module):
     """Saves `w.t()` (a view sharing the parameter's storage, not a Parameter) and
     activations; its storage is freed after forward and refilled before backward, as ZeRO-3
