@@ -103,12 +103,11 @@ class Plan:
             if lay["recompute"] and lay["recompute_layers"] is not None else ""
         virtual = f" virtual_stages={lay['virtual_stages']}" if lay["virtual_stages"] > 1 else ""
         offload = any(s.host["total"] for s in self.stages)
-        if lay["offload_activations"]:
-            limit = lay["offload_activations_layers"]
-            partial += " offload.activations" + (f" (first {limit} per stage)"
-                                                 if limit is not None else "")
+        limit = lay.get("offload_activations_layers")
+        offloaded = "" if not lay.get("offload_activations") else \
+            " offload.activations" + (f" (first {limit} per stage)" if limit is not None else "")
         lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']}{virtual} dp={lay['dp']} "
-                 f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}, "
+                 f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}{offloaded}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
                  f"m={lay['micro_batches']}",
                  "placement over DP: " + ", ".join(f"{k} {v}" for k, v in self.placement.items()),
