@@ -334,6 +334,26 @@ class EvalConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Training state kept in host memory instead of the device's (README: Activation
+    offload); the copies overlap compute on CUDA and save nothing on CPU."""
+
+    activations: bool = False  # what the transformer blocks save for backward goes to host
+    #                            memory in forward and comes back in backward (parameters stay)
+    activations_layers: Optional[int] = None  # with activations: only the first N blocks of
+    #   each pipeline stage (each model chunk with virtual stages) that are not recomputed
+    #   (train.recompute_layers come first); None = every block not recomputed
+
+    def check(self) -> None:
+        n = self.activations_layers
+        if n is not None and (isinstance(n, bool) or n < 1 or not self.activations):
+            fail("offload.activations_layers", n,
+                 "needs offload.activations=true and a value >= 1 (the blocks offloaded at the "
+                 "start of each pipeline stage, after the recomputed ones), or null for every "
+                 "block")
+
+
+@dataclass
 class Config:
     tp: int = 1  # tensor-parallel size (GPUs of one node)
     pp: int = 1  # pipeline-parallel size (stages)
@@ -354,6 +374,7 @@ class Config:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 def register_configs() -> None:
@@ -405,7 +426,7 @@ def check_sections(cfg: Config) -> None:
     if cfg.device not in ("auto", "cpu", "cuda"):
         fail("device", cfg.device, "use auto, cpu or cuda")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
-                    cfg.checkpoint, cfg.eval):
+                    cfg.checkpoint, cfg.eval, cfg.offload):
         section.check()
     data_sources(cfg.data)  # raises on a malformed data.blend
 

@@ -247,6 +247,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
     _check_other_pairs(cfg)
+    warnings += _check_offload(cfg, device_type_for(cfg.device, local_gpus))
     return warnings
 
 
@@ -374,6 +375,21 @@ def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> L
     if device_type == "cuda" and cfg.precision == "auto" and not bf16:
         return [f"{name} does not compute in bf16: precision=auto trains in fp16 with dynamic "
                 "loss scaling (loss_scale.*); set precision=fp32 for full precision"]
+    return []
+
+
+def _check_offload(cfg: Config, device_type: str) -> List[str]:
+    """Offload that cannot save anything is allowed (the path runs), with a message."""
+    if not cfg.offload.activations:
+        return []
+    if cfg.train.recompute and cfg.train.recompute_layers is None:
+        return ["offload.activations=true with train.recompute=true recomputing every block "
+                "offloads nothing (a recomputed block keeps only its input); offload the "
+                "blocks after the recomputed ones with train.recompute_layers=N"]
+    if device_type != "cuda":
+        return ["offload.activations=true on CPU: the saved activations are copied from host "
+                "memory to host memory, which saves nothing (the offload path runs, for "
+                "testing); on CUDA they move to pinned host memory and free device memory"]
     return []
 
 

@@ -20,6 +20,11 @@ compute dtype, 2 for bf16 and fp16, 4 for fp32):
               recomputed, the others keep their full set
               first stage: token ids 8·sb (+ embedding dropout mask); last stage: ln_f input and
               output e·s'bh each, the targets 8·sb, the loss's fp32 probabilities 4·sb·V/t
+              offload.activations: the offloaded layers' full sets (`offloaded_layers` per
+              chunk) move to host memory (`StagePlan.host`, weighted by the micro-batches in
+              flight alike); the device keeps the received input of a chunk whose first layer
+              is offloaded (the schedule holds it for its gradient, e·s'bh) and 2 layers' full
+              sets in transit (a block being copied out, or restored plus the prefetched one)
   ZeRO-3 working set: the gathered units, ≈ 2 of the largest (current + prefetch) × e (+ one
               block per further chunk, whose last unit stays gathered), or the whole stage e·Ψ
               with parallel.reshard_after_forward=false
@@ -53,6 +58,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megalite.config import Config
 from megalite.layout import Layout, stage_chunks
+from megalite.model.activation_offload import offloaded_blocks
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
@@ -69,6 +75,7 @@ class StagePlan:
     in_flight: int  # micro-batches whose activations are held at once
     bytes: Dict[str, float] = field(default_factory=dict)  # P G O A zero3 total
     comm: Dict[str, float] = field(default_factory=dict)  # wire bytes per step per group
+    host: Dict[str, float] = field(default_factory=dict)  # host memory: activations total
 
 
 @dataclass
@@ -85,7 +92,8 @@ class Plan:
     def as_dict(self) -> dict:
         return {"layout": self.layout, "placement": self.placement,
                 "stages": [{"stage": s.stage, "layers": s.layers, "params": s.params,
-                            "in_flight": s.in_flight, "bytes": s.bytes, "comm": s.comm}
+                            "in_flight": s.in_flight, "bytes": s.bytes, "host": s.host,
+                            "comm": s.comm}
                            for s in self.stages]}
 
     def table(self) -> str:
@@ -94,15 +102,20 @@ class Plan:
         partial = f" (first {lay['recompute_layers']} per stage)" \
             if lay["recompute"] and lay["recompute_layers"] is not None else ""
         virtual = f" virtual_stages={lay['virtual_stages']}" if lay["virtual_stages"] > 1 else ""
+        offload = any(s.host["total"] for s in self.stages)
+        limit = lay.get("offload_activations_layers")
+        offloaded = "" if not lay.get("offload_activations") else \
+            " offload.activations" + (f" (first {limit} per stage)" if limit is not None else "")
         lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']}{virtual} dp={lay['dp']} "
-                 f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}, "
+                 f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}{offloaded}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
                  f"m={lay['micro_batches']}",
                  "placement over DP: " + ", ".join(f"{k} {v}" for k, v in self.placement.items()),
                  f"{'stage':>5} {'layers':>6} {'params/rank':>12} {'P ' + unit:>7} "
                  f"{'G ' + unit:>7} {'O ' + unit:>7} {'A ' + unit:>7} {'(in flight)':>11} "
                  f"{'Z3 ' + unit:>7} {'total ' + unit:>9} "
-                 f"{'tp GB':>8} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"]
+                 f"{'tp GB':>8} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"
+                 + (f" {'host ' + unit:>8}" if offload else "")]
         for s in self.stages:
             b, c = s.bytes, s.comm
             lines.append(
@@ -112,8 +125,11 @@ class Plan:
                 f"{b['activations'] / scale:>7.2f} {s.in_flight:>11} "
                 f"{b['zero3_gathered'] / scale:>7.2f} "
                 f"{b['total'] / scale:>9.2f} {c['tp'] / 1e9:>8.3f} {c['pp'] / 1e9:>7.3f} "
-                f"{c['dp'] / 1e9:>7.3f} {c['embedding'] / 1e9:>7.3f}")
-        lines.append("GB = 1e9 bytes sent per rank per optimizer step (ring wire bytes)")
+                f"{c['dp'] / 1e9:>7.3f} {c['embedding'] / 1e9:>7.3f}"
+                + (f" {s.host['total'] / scale:>8.2f}" if offload else ""))
+        lines.append("GB = 1e9 bytes sent per rank per optimizer step (ring wire bytes)"
+                     + ("; host = offloaded activations per rank (host memory)"
+                        if offload else ""))
         return "\n".join(lines)
 
 
@@ -199,6 +215,14 @@ def recomputed_layers(cfg: Config, stage_layers: int) -> int:
     return stage_layers if limit is None else min(limit, stage_layers)
 
 
+def offloaded_layers(cfg: Config, stage_layers: int) -> int:
+    """How many of a chunk's blocks keep their saved tensors in host memory."""
+    if not cfg.offload.activations:
+        return 0
+    return len(offloaded_blocks(stage_layers, recomputed_layers(cfg, stage_layers),
+                                cfg.offload.activations_layers))
+
+
 @dataclass(frozen=True)
 class _Dims:
     """The sizes every term of a plan is built from."""
@@ -240,6 +264,7 @@ class _StageSums:
     sends: float = 0.0  # point-to-point tensors per micro-batch
     tp_per_micro: float = 0.0  # TP wire bytes per micro-batch
     chunk_act: List[float] = field(default_factory=list)  # activation bytes per chunk
+    chunk_host: List[float] = field(default_factory=list)  # of which offloaded to host
 
 
 def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int) -> None:
@@ -264,7 +289,14 @@ def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int) -> N
     if last:
         act += 2 * e * d.s_local * b * h + 8 * d.s_local * b + 8 * s * b + 4 * s * b * (
             m.vocab_size if tp == 1 else d.vocab // tp) + (s * b if tp > 1 else 0)
-    sums.chunk_act.append(act)
+    offloaded = offloaded_layers(d.cfg, n)
+    host = offloaded * d.layer_act_full
+    if offloaded and not recomputed and not first:
+        # the first block's input, copied to host, stays on the device too: the schedule
+        # holds the received activation for its gradient
+        act += e * d.s_local * b * h
+    sums.chunk_act.append(act - host)
+    sums.chunk_host.append(host)
     if tp > 1:
         r, full = _ring(tp), d.full
         # recompute's re-run stops once the saved tensors are rebuilt (torch
@@ -355,28 +387,41 @@ def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
              "grad_staging": _grad_staging(d, [(slices.holds_first(k, c),
                                                 slices.holds_last(k, c), len(blocks))
                                                for c, blocks in enumerate(chunk_blocks)]),
-             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act)}
+             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act)
+             + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)}
     state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
         d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)
         if d.cfg.parallel.reshard_after_forward else d.e * sums.psi * _ring(dp))
     state["total"] = sum(state.values())
     tied = pp > 1 and any(slices.holds_first(k, c) or slices.holds_last(k, c)
                           for c in range(v))
+    host = peak_live_bytes(pp, k, d.micro, v, sums.chunk_host)
     return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
-                     max_in_flight(pp, k, d.micro, v), state, _stage_comm(d, sums, tied))
+                     max_in_flight(pp, k, d.micro, v), state, _stage_comm(d, sums, tied),
+                     {"activations": host, "total": host})
 
 
 def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
     """Each state's placement over DP (the design's vocabulary)."""
     t, dp = cfg.train, layout.dp_size
+    kept = ("sharded over TP (SP)" if layout.sequence_parallel
+            else "replicated over TP" if layout.tp_size > 1 else "kept")
+    recomputed = ("materialized (recomputed)" if t.recompute and t.recompute_layers is None
+                  else "partly recomputed" if t.recompute else "")
+    limit = cfg.offload.activations_layers
+    if cfg.offload.activations and recomputed != "materialized (recomputed)":
+        blocks = "block" if limit == 1 else "blocks"
+        which = (f" ({'the next' if t.recompute else 'the first'} {limit} {blocks} per stage)"
+                 if limit is not None else " (the other blocks)" if t.recompute else "")
+        activations = (f"{recomputed}, " if recomputed else "") + \
+            f"offloaded{which} to host memory"
+    else:
+        activations = recomputed or kept
     return {
         "P": "sharded-with-gather" if layout.shards_parameters and dp > 1 else "replicated",
         "G": "sharded" if layout.shards_gradients and dp > 1 else "replicated",
         "O": "sharded" if layout.shards_optimizer and dp > 1 else "replicated",
-        "A": ("materialized (recomputed)" if t.recompute and t.recompute_layers is None
-              else "partly recomputed" if t.recompute else
-              "sharded over TP (SP)" if layout.sequence_parallel
-              else "replicated over TP" if layout.tp_size > 1 else "kept"),
+        "A": activations,
     }
 
 
@@ -390,6 +435,8 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     t = cfg.train
     described = {"model": cfg.model.name, **layout.as_dict(),
                  "recompute": t.recompute, "recompute_layers": t.recompute_layers,
+                 "offload_activations": cfg.offload.activations,
+                 "offload_activations_layers": cfg.offload.activations_layers,
                  "dtype": layout.precision, "micro_batch": t.micro_batch_size,
                  "seq_len": t.seq_len, "micro_batches": d.micro}
     return Plan(described, _placements(cfg, layout), stages)

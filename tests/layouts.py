@@ -2,8 +2,9 @@
 
 `train_layout(...)` runs `steps` optimizer steps on real gloo ranks (fp32, dropout 0) and
 returns, per rank: the step losses, grad norms, the validation loss, and after every step this
-rank's slice of every parameter (for zero 3, gathered from the shards first); with
-eval.hellaswag, the scores of the initial weights. `assert_equal`
+rank's slice of every parameter (for zero 3, gathered from the shards first) and the most host
+bytes offloaded activations held (offload.activations); with eval.hellaswag, the scores of the
+initial weights. `assert_equal`
 checks gradient integrity (losses and norms equal the serial run's within `rel`) and state
 consistency (every rank's parameters, at every step, are its slice of the serial parameters; so
 DP replicas are identical to each other).
@@ -42,10 +43,12 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
     losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
     masters = [_masters(trainer.engine)]
     counter = trainer.topo.counter
+    offload, offload_peaks = trainer.model.activation_offload, []
     for _ in range(steps):
         before = counter.snapshot()
         loss, norm = trainer.train_step()
         step_comm = counter.delta(counter.snapshot(), before)
+        offload_peaks.append(None if offload is None else offload.take_peak())
         in_flight.append(trainer.schedule.peak_in_flight)
         if save_at is not None and trainer.step == save_at:
             trainer.save()
@@ -69,7 +72,8 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
             "bytes": trainer.engine.state_bytes(), "step_comm": step_comm,
             "grad_staging": trainer.engine.grad_staging_bytes(),
             "reductions_in_flight": trainer.engine.peak_in_flight,
-            "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)]}
+            "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)],
+            "offload_peaks": offload_peaks}
 
 
 @contextlib.contextmanager

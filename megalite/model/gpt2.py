@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.attention import kernel_region
 from megalite.parallel.comm import Group, single_rank_group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
@@ -136,19 +137,23 @@ class GPT2(nn.Module):
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
     `recompute` re-runs blocks in backward instead of keeping their activations: every block of
     the stage, or its first `recompute_layers` (Megatron's "block" method: a stage that nearly
-    fits recomputes only as many blocks as it must).
+    fits recomputes only as many blocks as it must). `offload` (`megalite.model.activation_offload`,
+    shared by a stage's chunks) moves what the blocks after the recomputed ones save to host
+    memory until their backward: all of them, or the first `offload.layers`.
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: Optional[Group] = None,
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
                  blocks: Optional[range] = None, first: bool = True, last: bool = True,
                  recompute: bool = False, compile: bool = False, attention: str = "auto",
-                 recompute_layers: Optional[int] = None):
+                 recompute_layers: Optional[int] = None,
+                 offload: Optional[ActivationOffload] = None):
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group if tp_group is not None else single_rank_group("tp")
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.rng, self.recompute, self.recompute_layers = rng, recompute, recompute_layers
+        self.offload = offload
         self.first, self.last = first, last
         self.blocks = blocks if blocks is not None else range(cfg.n_layer)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.tp_group.size)
@@ -236,14 +241,27 @@ class GPT2(nn.Module):
         x = x + t.wpe(pos).unsqueeze(1)
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)
 
-    def _run_block(self, index: int, block: Block, x: torch.Tensor) -> torch.Tensor:
+    def recomputed_blocks(self) -> int:
+        """How many of the chunk's first blocks re-run their forward in backward."""
+        if not self.recompute:
+            return 0
+        n = len(self.blocks)
+        return n if self.recompute_layers is None else min(self.recompute_layers, n)
+
+    def _run_block(self, index: int, block: Block, x: torch.Tensor,
+                   chain: Optional[BlockChain]) -> torch.Tensor:
         """Block `index` of this stage; recomputed in backward when recompute is on and the
-        block is among the stage's first `recompute_layers` (all of them when None)."""
-        recomputed = self.recompute and (self.recompute_layers is None
-                                         or index < self.recompute_layers)
-        if not (recomputed and self.training and torch.is_grad_enabled()):
-            return block(x)
-        return recompute_block(block, x, self.rng)
+        block is among the stage's first `recompute_layers` (all of them when None); with
+        `chain` (activation offload, training) its saved tensors go to host memory when it is
+        among the offloaded blocks (`offloaded_blocks`)."""
+        recomputed = self.recomputed_blocks()
+        if index < recomputed and self.training and torch.is_grad_enabled():
+            return recompute_block(block, x, self.rng)
+        if chain is not None and index in offloaded_blocks(len(self.blocks), recomputed,
+                                                           chain.offload.layers):
+            with chain.block(block):
+                return block(x)
+        return block(x)
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
         """Last stage: ln_f and the LM head -> this rank's vocabulary slice [s, b, V/tp]."""
@@ -284,8 +302,10 @@ class GPT2(nn.Module):
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 per_sequence: bool = False) -> torch.Tensor:
         x = self.embed(inputs) if self.first else inputs
+        offloading = self.offload is not None and self.training and torch.is_grad_enabled()
+        chain = self.offload.chain() if offloading else None
         for index, block in enumerate(self.transformer.h.values()):
-            x = self._run_block(index, block, x)
+            x = self._run_block(index, block, x, chain)
         if not self.last:
             return x
         logits = self.logits_local(x)

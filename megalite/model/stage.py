@@ -28,6 +28,7 @@ class PipelineStage(nn.Module):
             f"models.{i}.{name}": spec for i, chunk in enumerate(chunks)
             for name, spec in chunk.param_specs.items()}
         self.padded_vocab = chunks[0].padded_vocab
+        self.activation_offload = chunks[0].offload  # one for all chunks, or None
 
     @property
     def chunks(self) -> List[GPT2]:
@@ -36,7 +37,8 @@ class PipelineStage(nn.Module):
 
 def build_stage(cfg, blocks: List[range], stage: int, pp: int, **kwargs) -> PipelineStage:
     """The chunks of pipeline stage `stage` holding `blocks` (one range per chunk); `kwargs`
-    go to every `GPT2` (tp group, sequence parallelism, RNG, recompute, compile, attention)."""
+    go to every `GPT2` (tp group, sequence parallelism, RNG, recompute, compile, attention,
+    activation offload)."""
     placement = ChunkPlacement(pp, len(blocks))
     return PipelineStage([GPT2(cfg, blocks=r, first=placement.holds_first(stage, c),
                                last=placement.holds_last(stage, c), **kwargs)

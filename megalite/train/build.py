@@ -29,6 +29,7 @@ from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.eval.choice import ChoiceEval
 from megalite.eval.hellaswag import load_choices
 from megalite.layout import stage_chunks
+from megalite.model.activation_offload import ActivationOffload
 from megalite.model.gpt2 import flops_per_token, num_parameters
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
@@ -167,15 +168,18 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker
                 ) -> PipelineStage:
     """This rank's model chunks, initialised to the same global weights in every layout (and
-    loaded from `init_from` where set). On the meta device (`megalite.cli.verify_rank`) the
+    loaded from `init_from` where set), sharing one `ActivationOffload` with
+    offload.activations. On the meta device (`megalite.cli.verify_rank`) the
     tensors have shapes and no values: nothing is initialised or loaded."""
     topo, layout = runtime.topology, runtime.layout
+    offload = ActivationOffload(runtime.device, cfg.offload.activations_layers) \
+        if cfg.offload.activations and runtime.device.type != "meta" else None
     with torch.device(runtime.device):
         model = build_stage(cfg.model, blocks, topo.coords.pp_rank, topo.pp_size,
                             tp_group=topo.tp_group, sequence_parallel=layout.sequence_parallel,
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
-                            recompute_layers=cfg.train.recompute_layers)
+                            recompute_layers=cfg.train.recompute_layers, offload=offload)
     if runtime.device.type == "meta":
         return model
     init_state = _init_state(cfg, runtime) if cfg.init_from else None

@@ -19,6 +19,7 @@ from megalite.config import Config, data_sources
 from megalite.data.loader import check_data
 from megalite.eval.hellaswag import check_hellaswag
 from megalite.layout import GpuInfo, Layout, device_type_for, validate
+from megalite.train.host_memory import check_host_memory
 from megalite.train.init_from import check_init_from
 
 
@@ -36,6 +37,7 @@ def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     check_hellaswag(cfg)
     layout = Layout.from_config(cfg, world_size, device_type_for(cfg.device, local_gpus),
                                 bf16=gpu is None or gpu.bf16)
+    check_host_memory(cfg, layout, local_ranks)
     return layout, warnings
 
 

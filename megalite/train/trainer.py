@@ -90,6 +90,16 @@ class Trainer:
     def rank(self) -> int:
         return self.topo.rank
 
+    def _offload_memory(self) -> dict:
+        """With offload.activations: the most host bytes offloaded activations held on any
+        rank during the interval's steps (collective)."""
+        offload = self.model.activation_offload
+        if offload is None:
+            return {}
+        peak = comm.all_reduce_scalars([float(offload.take_peak())], self.topo.world_group,
+                                       self.rt.device, op=dist.ReduceOp.MAX)[0]
+        return {"activation_offload_host_peak_bytes": int(peak)}
+
     # --- checkpoints --------------------------------------------------------------------
 
     def save(self) -> Optional[Path]:
@@ -297,7 +307,8 @@ class Trainer:
                   "step_time_s": elapsed / steps,
                   "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
                   "global_batch_size": self.last_batch_size,
-                  "memory": peak_memory_bytes(self.rt.device), "comm": per_step,
+                  "memory": {**peak_memory_bytes(self.rt.device), **self._offload_memory()},
+                  "comm": per_step,
                   "checkpoint_blocked_s": interval.checkpoint_s,
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
