@@ -18,6 +18,15 @@ from typing import List, Optional, Sequence, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from megalite.config_errors import ConfigError, fail  # noqa: F401  (ConfigError: re-exported)
+from megalite.config_sections import (
+    CheckpointConfig,
+    EvalConfig,
+    LogConfig,
+    LossScaleConfig,
+    OffloadConfig,
+)
+
 # the package's Hydra configs: in a checkout a link to `conf/`, in an installed package a copy
 CONF_DIR = Path(__file__).parent / "conf"
 # SDPA kernels `train.attention` may name (megalite.model.attention); the last two need CUDA.
@@ -25,10 +34,6 @@ ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
 
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names key, value and remedy."""
 
 
 @dataclass
@@ -209,34 +214,6 @@ class OptimConfig:
                   "must be >= 0")
 
 @dataclass
-class LogConfig:
-    every: int = 10  # steps between metric lines
-    wandb: str = "auto"  # auto (online with credentials, else offline) | true | offline | false
-    project: str = "megalite"
-    run_name: Optional[str] = None
-    peak_tflops: Optional[float] = None  # per-device peak FLOP/s override (TFLOP/s) for MFU
-    progress: bool = True  # console progress bar
-    pipeline_trace: bool = False  # write each rank's F/B schedule trace (Chrome trace format)
-    #                              to <run dir>/pipeline_trace/ at every log step
-    profile_steps: Optional[List[int]] = None  # [first, last]: run these steps (numbered as in
-    #                                             metrics.jsonl) under torch.profiler; per rank
-    #                                             a Chrome trace + top-ops table in <run dir>/profile/
-    all_ranks: bool = False  # every rank logs its messages (megalite/log.py); false = rank 0 only
-
-    def check(self) -> None:
-        if self.wandb not in ("auto", "true", "offline", "false"):
-            fail("log.wandb", self.wandb, "use auto, true, offline or false")
-        if self.every < 1:
-            fail("log.every", self.every, "must be >= 1")
-        steps = self.profile_steps
-        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-            fail("log.profile_steps", list(steps),
-                  "two step numbers [first, last] with 1 <= first <= last (and first <= "
-                  "train.max_steps), e.g. [10, 12]; null = no profiling")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            fail("log.peak_tflops", self.peak_tflops, "must be > 0 or null (= device table)")
-
-@dataclass
 class ParallelConfig:
     """Knobs of the parallel engines (the layout itself is the top-level tp, pp, zero, sp)."""
 
@@ -262,96 +239,6 @@ class ParallelConfig:
                   "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
         if self.timeout_s <= 0:
             fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
-
-@dataclass
-class LossScaleConfig:
-    """Loss scaling for precision=fp16 (megalite.train.loss_scale; Megatron's --loss-scale,
-    --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis)."""
-
-    static: Optional[float] = None  # a fixed scale; None = dynamic scaling with the keys below
-    initial: float = 65536.0  # dynamic: the first scale (2^16)
-    min: float = 1.0  # dynamic: the scale never drops below this; overflows there count as
-    #                   non-finite steps (train.max_bad_steps)
-    window: int = 1000  # dynamic: the scale doubles after this many steps without overflow
-    hysteresis: int = 2  # dynamic: overflows tolerated (skipped) before the scale halves
-
-    def check(self) -> None:
-        if self.static is not None and not (self.static > 0 and math.isfinite(self.static)):
-            fail("loss_scale.static", self.static, "must be a positive number (e.g. 1024), or "
-                  "null for dynamic scaling")
-        for key in ("initial", "min"):
-            value = getattr(self, key)
-            if not (value > 0 and math.isfinite(value)):
-                fail(f"loss_scale.{key}", value, f"must be a positive number (default "
-                      f"{getattr(LossScaleConfig, key)})")
-        if self.min > self.initial:
-            fail("loss_scale.min", self.min, f"must be <= loss_scale.initial={self.initial}")
-        for key in ("window", "hysteresis"):
-            if getattr(self, key) < 1:
-                fail(f"loss_scale.{key}", getattr(self, key), f"must be >= 1 (default "
-                      f"{getattr(LossScaleConfig, key)})")
-
-@dataclass
-class CheckpointConfig:
-    dir: Optional[str] = None  # None = <run dir>/checkpoints
-    every: int = 0  # steps between checkpoints (0 = only at the end)
-    resume: str = "none"  # none | auto (latest complete checkpoint in dir) | path to a checkpoint
-    keep: int = 3  # most recent checkpoints kept
-    async_save: bool = False  # write in a background thread: the loop only waits for a copy of
-    #                           the rank's state in host memory (torchtitan's async checkpoint)
-    timeout_s: float = 3600.0  # timeout of the checkpoint protocol's collectives (its own gloo
-    #                            group): how long ranks wait for the slowest writer or reader
-
-    def check(self) -> None:
-        if self.every < 0 or self.keep < 1:
-            fail("checkpoint.every/keep", (self.every, self.keep),
-                  "every must be >= 0 (0 = only at the end), keep >= 1")
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            fail("checkpoint.timeout_s", self.timeout_s, "must be a positive number of "
-                  "seconds (e.g. 3600: the slowest rank's write of its share, with fsync)")
-        if self.resume not in ("none", "auto") and not Path(self.resume).exists():
-            fail("checkpoint.resume", self.resume,
-                  "use none, auto, or the path of an existing checkpoint directory")
-
-@dataclass
-class EvalConfig:
-    """Downstream evaluation at every `train.eval_every` steps, next to the validation loss
-    (`megalite.eval`)."""
-
-    hellaswag: Optional[str] = None  # HellaSwag examples: a local .jsonl / .json / .parquet
-    #                                  file (fields ctx, endings, label) or a hub dataset id
-    #                                  (its validation split); null = no HellaSwag evaluation
-    hellaswag_examples: Optional[int] = None  # the first N examples in file order; null = all
-
-    def check(self) -> None:
-        if self.hellaswag is not None and not str(self.hellaswag).strip():
-            fail("eval.hellaswag", self.hellaswag, "name a HellaSwag .jsonl/.parquet file (e.g. "
-                  "hellaswag_val.jsonl) or a hub dataset id, or null (off)")
-        n = self.hellaswag_examples
-        if n is not None and (isinstance(n, bool) or n < 1):
-            fail("eval.hellaswag_examples", n, "must be a positive number of examples (the "
-                  "first N of the file), or null for all of them")
-
-
-@dataclass
-class OffloadConfig:
-    """Training state kept in host memory instead of the device's (README: Activation
-    offload); the copies overlap compute on CUDA and save nothing on CPU."""
-
-    activations: bool = False  # what the transformer blocks save for backward goes to host
-    #                            memory in forward and comes back in backward (parameters stay)
-    activations_layers: Optional[int] = None  # with activations: only the first N blocks of
-    #   each pipeline stage (each model chunk with virtual stages) that are not recomputed
-    #   (train.recompute_layers come first); None = every block not recomputed
-
-    def check(self) -> None:
-        n = self.activations_layers
-        if n is not None and (isinstance(n, bool) or n < 1 or not self.activations):
-            fail("offload.activations_layers", n,
-                 "needs offload.activations=true and a value >= 1 (the blocks offloaded at the "
-                 "start of each pipeline stage, after the recomputed ones), or null for every "
-                 "block")
-
 
 @dataclass
 class Config:
@@ -384,11 +271,6 @@ def register_configs() -> None:
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-
-
-def fail(key: str, value, remedy: str) -> None:
-    """Raise the ConfigError of `key` set to `value`, saying what would work."""
-    raise ConfigError(f"{key}={value!r}: {remedy}")
 
 
 def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
