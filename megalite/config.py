@@ -334,6 +334,35 @@ class EvalConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """Faults that do not crash (`megalite.resilience`): replicas that silently diverge, and
+    ranks that silently slow the others down."""
+
+    check_every: int = 100  # steps between replica-consistency checks (0 = off): the ranks
+    #   that must hold identical values compare checksums after the optimizer step, and a
+    #   mismatch stops the run naming ranks, tensors and step; when > 0 every checkpoint step
+    #   is checked too, before the checkpoint is taken
+    straggler_report_every: int = 100  # steps per straggler window (0 = off): each rank's
+    #   compute time per step phase, without the time it waited in collectives, gathered
+    #   every N steps; a slow rank is named in the log and metrics.jsonl
+    straggler_factor: float = 1.5  # slower than the median of its pipeline stage's ranks by
+    #   this factor ...
+    straggler_min_s: float = 0.1  # ... and by at least this many seconds per step
+
+    def check(self) -> None:
+        for key in ("check_every", "straggler_report_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or value < 0:
+                fail(f"resilience.{key}", value, "must be >= 0 steps (0 = off; e.g. 100)")
+        if not (self.straggler_factor > 1 and math.isfinite(self.straggler_factor)):
+            fail("resilience.straggler_factor", self.straggler_factor,
+                 "must be a number > 1 (e.g. 1.5: a rank 50% slower than the median)")
+        if not (self.straggler_min_s >= 0 and math.isfinite(self.straggler_min_s)):
+            fail("resilience.straggler_min_s", self.straggler_min_s,
+                 "must be >= 0 seconds per step (e.g. 0.1; 0 = the factor alone decides)")
+
+
+@dataclass
 class Config:
     tp: int = 1  # tensor-parallel size (GPUs of one node)
     pp: int = 1  # pipeline-parallel size (stages)
@@ -354,6 +383,7 @@ class Config:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
 
 def register_configs() -> None:
@@ -405,7 +435,7 @@ def check_sections(cfg: Config) -> None:
     if cfg.device not in ("auto", "cpu", "cuda"):
         fail("device", cfg.device, "use auto, cpu or cuda")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
-                    cfg.checkpoint, cfg.eval):
+                    cfg.checkpoint, cfg.eval, cfg.resilience):
         section.check()
     data_sources(cfg.data)  # raises on a malformed data.blend
 
