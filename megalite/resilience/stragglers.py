@@ -5,11 +5,12 @@ forward_backward, grad_sync, optimizer, and their sum, "step"; the trainer hands
 that is the phase's time less the time the rank spent inside collectives during it
 (`megalite.parallel.comm.CollectiveWaits`). A slow rank makes every peer of its TP, PP and
 DP groups wait in their collectives, so their phases grow as much as its own; their compute
-does not. Every N steps the per-step means over the window are gathered (one all_gather of a few fp64 per rank) and
-each rank is compared with its peers, the ranks doing the same work: those of its pipeline
-stage (its TP and DP ranks). Stages differ in work (the first holds the embeddings, the last
-the LM head and the loss), so they are not compared with each other: with tp = dp = 1 a
-rank has no peer, and the report gives the compute times but can name nobody.
+does not. Every N steps the per-step means over the window are gathered (one all_gather of a
+few fp64 per rank) and each rank is compared with its peers, the ranks doing the same work:
+those of its pipeline stage (its TP and DP ranks). Stages differ in work (the first holds
+the embeddings, the last the LM head and the loss), so they are not compared with each
+other: with tp = dp = 1 a rank has no peer, and the report gives the compute times but can
+name nobody.
 
 A rank is named when, in a phase, its compute per step is at least `straggler_factor` times
 the lower median of its peers *and* exceeds it by at least `straggler_min_s` seconds (a
