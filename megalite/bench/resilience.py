@@ -3,14 +3,18 @@ reports (`resilience.straggler_report_every`, which also times every wait in a c
 against the same steps without them, side by side in one run.
 
 One trainer per layout (a gloo world of `--world` ranks, the real training path of
-`megalite.train`: pipeline schedule, ZeRO engine, then `Trainer.check_after_step`) runs blocks
-of `--block` steps, alternately with the checks on and off (off, on, on, off, ...: noise hits
-both alike). With `--block` equal to the intervals every block with the checks holds exactly
-one replica check and one straggler report. Reported per layout: seconds per step off and on
-(median over the blocks, of the slowest rank), their ratio, and the parts of the difference
-measured directly: one replica check, one straggler report, and from them the overhead at
-these intervals (check + report amortised over their interval) — on two shared cores the
-block ratio moves by more than the 1% it is meant to show, the parts do not.
+`megalite.train`: pipeline schedule, ZeRO engine, then `Trainer.check_after_step`) runs
+`--steps` steps with the checks on and off in turn (on, off, off, on, ...: drift of a shared
+machine hits both alike; with intervals that are multiples of 4, every check and report falls
+on a step with them on). Reported per layout, from rank 0's clock: the median seconds per
+step off and on (a step that ran the replica check or the straggler report counted without
+them), their ratio (the per-step cost: timing the waits in collectives), the median time of
+one check + report and that time amortised over its interval, relative to a step; the cost
+of timing the waits computed exactly (collective calls per step × the measured cost of
+timing one call around an empty one); and the overhead, ratio and amortised checks together.
+`--control` runs both arms without the checks: its on/off is the noise of the comparison.
+Every step ends with the host reading the gradient norm, so a step's time on CUDA is the
+device's.
 
 The data: `--data` (a prepared directory), or a small corpus of Python's standard library
 prepared into a temporary directory first (150 files, a 1,024-token BPE).
@@ -22,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import List
-
-import torch
 
 from megalite.spawn import run_ranks
 
@@ -50,7 +52,8 @@ def _overrides(args, layout: List[str], data: str, run_dir: str) -> List[str]:
 
 
 class _Switch:
-    """Turns a trainer's resilience checks (and the timing of collective waits) on and off."""
+    """Turns a trainer's resilience checks (and the timing of collective waits) on and off
+    between two steps."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -61,30 +64,38 @@ class _Switch:
         waits, replicas, stragglers = self.parts if on else (None, None, None)
         t.topo.counter.waits = t.timers.waits = waits
         t.replicas, t.stragglers = replicas, stragglers
-        t.timers.reset()
-        if stragglers is not None:
-            stragglers.start(t.step)
 
 
-def _block(trainer, steps: int, checks: List[float]) -> float:
-    """Seconds of `steps` training steps with their checks, of the slowest rank; the seconds
-    of each step's checks that did something (a replica check, a report) go to `checks`."""
-    from megalite.parallel import comm
-
-    topo, device = trainer.topo, trainer.rt.device
-    comm.barrier(topo.world_group)
+def _timed_step(trainer) -> tuple:
+    """(seconds of one training step, seconds of the checks after it, collective calls
+    timed in the step) on this rank."""
+    waits = trainer.topo.counter.waits
+    before = 0 if waits is None else len(waits.marks)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-        c0 = time.perf_counter()
-        checked = trainer.replicas is not None and trainer.replicas.due(trainer.step, False)
-        if trainer.check_after_step(saving=False) is not None or checked:
-            trainer.rt.synchronize()
-            checks.append(time.perf_counter() - c0)
+    trainer.train_step()  # ends with a host read of the gradient norm
+    t1 = time.perf_counter()
+    calls = 0 if waits is None else len(waits.marks) - before
+    trainer.check_after_step(saving=False)
     trainer.rt.synchronize()
-    seconds = time.perf_counter() - t0
-    return comm.all_reduce_scalars([seconds], topo.world_group, device,
-                                   op=torch.distributed.ReduceOp.MAX)[0]
+    return t1 - t0, time.perf_counter() - t1, calls
+
+
+def _seconds_per_timed_call(waits, calls: int = 20000) -> float:
+    """What timing one collective call adds (two marks and the bookkeeping), measured
+    around an empty call."""
+    def nothing():
+        return None
+
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        nothing()
+    bare = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        waits.timed(nothing)
+    timed = time.perf_counter() - t0
+    waits.marks.clear()
+    return (timed - bare) / calls
 
 
 def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, root: str):
@@ -99,29 +110,50 @@ def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, r
         validate(cfg, world)
         trainer = build_trainer(cfg, init_runtime(cfg), Path(root) / str(i))
         switch = _Switch(trainer)
-        checks: List[float] = []
-        per_step = {True: [], False: []}
-        switch.set(False)
-        _block(trainer, args.warmup, [])
-        for b in range(2 * args.pairs):
-            on = (b % 4) in (1, 2)  # off, on, on, off, ...
+        trainer.timers.reset()
+        if trainer.stragglers is not None:
+            trainer.stragglers.start(trainer.step)
+        steps = {True: [], False: []}
+        checks: List[float] = []  # the checks of the steps that ran one (a check, a report)
+        calls: List[int] = []  # collective calls timed per step
+        for n in range(args.warmup + args.steps):
+            on = n % 4 in (0, 3) and not args.control  # on, off, off, on, ...
             switch.set(on)
-            per_step[on].append(_block(trainer, args.block, checks) / args.block)
-        results.append({"layout": " ".join(layout), "off": per_step[False],
-                        "on": per_step[True], "checks": checks,
-                        "passed": trainer.replicas.checks if trainer.replicas else 0})
+            step_s, check_s, timed_calls = _timed_step(trainer)
+            calls.append(timed_calls) if on else None
+            if n < args.warmup:
+                continue
+            due = on and (trainer.step % args.check_every == 0
+                          or trainer.step % args.report_every == 0)
+            if due:  # timed on its own: it runs once per interval
+                checks.append(check_s)
+                steps[on].append(step_s)
+            else:
+                steps[on].append(step_s + check_s)
+        if args.control:  # A/A: the second arm's steps were off too
+            steps[True], steps[False] = steps[False][0::2], steps[False][1::2]
+        waits = switch.parts[0]
+        per_call = _seconds_per_timed_call(waits) if waits is not None else 0.0
+        results.append({"layout": " ".join(layout), "off": steps[False], "on": steps[True],
+                        "checks": checks, "calls": statistics.median(calls) if calls else 0,
+                        "per_call": per_call})
     return results
 
 
 def _row(res: dict, args) -> str:
-    """ms per step off and on, their ratio, the checks' own time (median of the steps that
-    ran one, and amortised over all the steps with the checks on, relative to a step)."""
+    """ms per step off and on (median; the steps that ran a check or report left out), their
+    ratio, a check's time (median) and the checks amortised over their interval."""
     off, on = statistics.median(res["off"]), statistics.median(res["on"])
     checks = res["checks"]
     each = statistics.median(checks) if checks else 0.0
-    amortised = sum(checks) / (args.pairs * args.block)
-    return (f"| {res['layout']} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.3f} | "
-            f"{each * 1e3:.1f} ms ({len(checks)} steps) | {100 * amortised / off:.2f}% |")
+    interval = min(args.check_every, args.report_every)
+    amortised = each / interval
+    total = on / off - 1 + amortised / off
+    timing = res["calls"] * res["per_call"]
+    return (f"| {res['layout']} | {off * 1e3:.2f} | {on * 1e3:.2f} | {on / off:.3f} | "
+            f"{each * 1e3:.1f} ms ({len(checks)}) | {100 * amortised / off:.2f}% | "
+            f"{res['calls']:.0f} × {res['per_call'] * 1e6:.2f} µs = "
+            f"{100 * timing / off:.3f}% | {100 * total:+.2f}% |")
 
 
 def add_arguments(parser) -> None:
@@ -138,9 +170,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--report-every", type=int, default=100)
-    parser.add_argument("--block", type=int, default=100, help="steps per timed block")
-    parser.add_argument("--pairs", type=int, default=2, help="blocks on (and off) per layout")
+    parser.add_argument("--steps", type=int, default=400, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--control", action="store_true",
+                        help="A/A: both arms without the checks (the noise of on/off)")
     parser.add_argument("--data", default=None, help="a prepared data directory")
 
 
@@ -153,9 +186,9 @@ def run(args) -> None:
     print(f"preset {args.preset} {' '.join(args.model)}, seq {args.seq_len}, micro-batch "
           f"{args.micro_batch}, global batch {args.global_batch}, {args.world} ranks on "
           f"{args.device}; check_every={args.check_every}, straggler_report_every="
-          f"{args.report_every}; {args.pairs} blocks of {args.block} steps each way")
-    print("| layout | ms/step off | ms/step on | on/off | a step's checks (median) | "
-          "checks amortised / step |")
-    print("|---|---|---|---|---|---|")
+          f"{args.report_every}; {args.steps} steps, alternately on and off")
+    print("| layout | ms/step off | ms/step on | on/off | a check + report (steps) | "
+          "amortised | wait timing: calls × cost | overhead (on/off + amortised) |")
+    print("|---|---|---|---|---|---|---|---|")
     for res in results:
         print(_row(res, args))
