@@ -35,23 +35,45 @@ class OpStats:
 
 
 class CollectiveWaits:
-    """Marks on the device's timeline (`megalite.clock`) around every call of the training
-    thread that can wait for peers: the time a rank spends there is not its own compute
-    (a slow peer makes it long). On CUDA the marks are events in the current stream, which
-    waits for the collective there, so a pair measures the stream's stall; on CPU (gloo) the
-    host blocks in the call. Launching an asynchronous collective is timed too (it returns at
-    once). `StepTimers` reads and clears `marks`."""
+    """Time spent in every call of the training thread that can wait for peers: the time a
+    rank spends there is not its own compute (a slow peer makes it long). Taken on the
+    device's timeline (`megalite.clock`): on CUDA a pair of events in the current stream,
+    which waits for the collective there, so a pair measures the stream's stall — kept in
+    `marks` until `StepTimers` resolves them; on CPU (gloo) the host blocks in the call, and
+    the seconds add up at once (no object kept per call). Launching an asynchronous
+    collective is timed too (it returns at once)."""
 
     def __init__(self, clock):
         self.clock = clock
-        self.marks: List[Tuple[object, object]] = []
+        self.marks: List[Tuple[object, object]] = []  # CUDA: events not yet resolved
+        self.seconds = 0.0  # CPU: the total so far
+        self.calls = 0
 
     def timed(self, fn):
         start = self.clock.mark()
         try:
             return fn()
         finally:
-            self.marks.append((start, self.clock.mark()))
+            end = self.clock.mark()
+            self.calls += 1
+            if self.clock.cuda:
+                self.marks.append((start, end))
+            else:
+                self.seconds += end - start
+
+    def position(self):
+        """Where the record stands now (for `between`)."""
+        return len(self.marks) if self.clock.cuda else self.seconds
+
+    def between(self, first, last) -> float:
+        """Seconds waited between two positions (on CUDA: waits for the events)."""
+        if not self.clock.cuda:
+            return last - first
+        return sum(self.clock.seconds(a, b) for a, b in self.marks[first:last])
+
+    def clear(self) -> None:
+        """Forget the marks (positions taken before are void on CUDA)."""
+        self.marks.clear()
 
 
 @dataclass

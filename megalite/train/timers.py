@@ -37,13 +37,13 @@ class StepTimers:
     def __init__(self, device: torch.device, waits: Optional[CollectiveWaits] = None):
         self.clock = DeviceClock(device)
         self.waits = waits
-        # (phase, start, end, the phase's first and past-last index in waits.marks)
-        self._marks: List[Tuple[str, object, object, int, int]] = []
+        # (phase, start, end, the waits' positions at its start and end)
+        self._marks: List[Tuple[str, object, object, object, object]] = []
         self._spent = dict.fromkeys(PHASES, 0.0)
         self._compute = dict.fromkeys(PHASES, 0.0)
 
-    def _waits_so_far(self) -> int:
-        return 0 if self.waits is None else len(self.waits.marks)
+    def _waits_so_far(self):
+        return None if self.waits is None else self.waits.position()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -56,15 +56,15 @@ class StepTimers:
     def _resolve(self) -> None:
         """Fold the marks into seconds (on CUDA: waits for them). Collectives outside the
         phases (evaluation, metrics, checkpoints) are dropped with the rest of the marks."""
-        waits = [] if self.waits is None else self.waits.marks
-        for name, start, end, lo, hi in self._marks:
+        for name, start, end, first, last in self._marks:
             seconds = self.clock.seconds(start, end)
-            waited = sum(self.clock.seconds(a, b) for a, b in waits[lo:hi])
+            waited = 0.0 if first is None or last is None or self.waits is None \
+                else self.waits.between(first, last)
             self._spent[name] += seconds
             self._compute[name] += max(0.0, seconds - waited)
         self._marks = []
         if self.waits is not None:
-            self.waits.marks.clear()
+            self.waits.clear()
 
     def take(self) -> Dict[str, float]:
         """Seconds spent in each phase since the last call."""
