@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -148,6 +148,7 @@ class ReplicaCheck:
         self.engine, self.topo, self.device = engine, topo, device
         self.check_every, self.sequence_parallel = check_every, sequence_parallel
         self.checks = 0  # passed so far
+        self.passed_step: Optional[int] = None  # the step of the last check passed
 
     def due(self, step: int, saving: bool) -> bool:
         """Every `check_every` steps, and before every checkpoint."""
@@ -172,6 +173,7 @@ class ReplicaCheck:
         if found:
             raise ReplicaMismatchError(self._message(step, self._everyones(problems)))
         self.checks += 1
+        self.passed_step = step
 
     def _everyones(self, problems: List[str]) -> List[str]:
         """Every rank's problem lines, on every rank (each group's members report alike)."""

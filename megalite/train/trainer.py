@@ -98,7 +98,11 @@ class Trainer:
 
     def save(self) -> Optional[Path]:
         """Checkpoint the current step (collective). Returns the published directory, or None
-        with checkpoint.async_save (published in the background; `self.saver.wait()`)."""
+        with checkpoint.async_save (published in the background; `self.saver.wait()`). With
+        resilience.check_every the step's replica check runs first unless it has passed
+        (ReplicaMismatchError: nothing is saved)."""
+        if self.replicas is not None and self.replicas.passed_step != self.step:
+            self.replicas.check(self.step)
         self.engine.wait_for_params()  # the master ranges alias the parameters on CPU
         return self.saver.save(self.step, self.engine, ProcessRNG(self.rng).state_dict(),
                                self.progress())
