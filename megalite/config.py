@@ -25,6 +25,7 @@ from megalite.config_sections import (
     LogConfig,
     LossScaleConfig,
     OffloadConfig,
+    ResilienceConfig,
 )
 
 # the package's Hydra configs: in a checkout a link to `conf/`, in an installed package a copy
@@ -262,6 +263,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
 
 def register_configs() -> None:
@@ -308,7 +310,7 @@ def check_sections(cfg: Config) -> None:
     if cfg.device not in ("auto", "cpu", "cuda"):
         fail("device", cfg.device, "use auto, cpu or cuda")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
-                    cfg.checkpoint, cfg.eval, cfg.offload):
+                    cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience):
         section.check()
     data_sources(cfg.data)  # raises on a malformed data.blend
 

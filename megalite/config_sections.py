@@ -1,5 +1,5 @@
 """The configuration sections of a run's services — logging, fp16 loss scaling, checkpoints,
-downstream evaluation, offload — each checking its own fields (`megalite.config` composes them
+downstream evaluation, offload, resilience — each checking its own fields (`megalite.config` composes them
 into `Config`, with the model, data, training, optimizer and parallel sections)."""
 from __future__ import annotations
 
@@ -130,3 +130,32 @@ class OffloadConfig:
                  "needs offload.activations=true and a value >= 1 (the blocks offloaded at the "
                  "start of each pipeline stage, after the recomputed ones), or null for every "
                  "block")
+
+
+@dataclass
+class ResilienceConfig:
+    """Faults that do not crash (`megalite.resilience`): replicas that silently diverge, and
+    ranks that silently slow the others down."""
+
+    check_every: int = 100  # steps between replica-consistency checks (0 = off): the ranks
+    #   that must hold identical values compare checksums after the optimizer step, and a
+    #   mismatch stops the run naming ranks, tensors and step; when > 0 every checkpoint step
+    #   is checked too, before the checkpoint is taken
+    straggler_report_every: int = 100  # steps per straggler window (0 = off): each rank's
+    #   compute time per step phase, without the time it waited in collectives, gathered
+    #   every N steps; a slow rank is named in the log and metrics.jsonl
+    straggler_factor: float = 1.5  # slower than the median of its pipeline stage's ranks by
+    #   this factor ...
+    straggler_min_s: float = 0.1  # ... and by at least this many seconds per step
+
+    def check(self) -> None:
+        for key in ("check_every", "straggler_report_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or value < 0:
+                fail(f"resilience.{key}", value, "must be >= 0 steps (0 = off; e.g. 100)")
+        if not (self.straggler_factor > 1 and math.isfinite(self.straggler_factor)):
+            fail("resilience.straggler_factor", self.straggler_factor,
+                 "must be a number > 1 (e.g. 1.5: a rank 50% slower than the median)")
+        if not (self.straggler_min_s >= 0 and math.isfinite(self.straggler_min_s)):
+            fail("resilience.straggler_min_s", self.straggler_min_s,
+                 "must be >= 0 seconds per step (e.g. 0.1; 0 = the factor alone decides)")

@@ -18,6 +18,7 @@ from megalite.bench import (
     loader,
     pipeline,
     prepare,
+    resilience,
     tensor,
     train,
     zero,
@@ -35,6 +36,8 @@ BENCHMARKS = {
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
+    "resilience": (resilience, "step time with the replica check and straggler reports vs "
+                               "without"),
 }
 
 

@@ -11,7 +11,9 @@ it, using the standard ring costs (Patarasuk & Yuan 2009; as in NCCL's busbw):
     send              S                      (pipeline point-to-point)
 
 A group of size 1 communicates nothing and records nothing. The counters live in the
-`CommCounter` owned by the `Topology`; no module state.
+`CommCounter` owned by the `Topology`; no module state. With `CommCounter.waits` set (straggler
+reports, `megalite.resilience.stragglers`), every call that can block on peers — a blocking
+collective, the wait for an asynchronous one or for point-to-point transfers — is also timed.
 """
 from __future__ import annotations
 
@@ -32,13 +34,57 @@ class OpStats:
     wire_bytes: float = 0.0  # ring bytes sent by this rank
 
 
+class CollectiveWaits:
+    """Time spent in every call of the training thread that can wait for peers: the time a
+    rank spends there is not its own compute (a slow peer makes it long). Taken on the
+    device's timeline (`megalite.clock`): on CUDA a pair of events in the current stream,
+    which waits for the collective there, so a pair measures the stream's stall — kept in
+    `marks` until `StepTimers` resolves them; on CPU (gloo) the host blocks in the call, and
+    the seconds add up at once (no object kept per call). Launching an asynchronous
+    collective is timed too (it returns at once)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.marks: List[Tuple[object, object]] = []  # CUDA: events not yet resolved
+        self.seconds = 0.0  # CPU: the total so far
+        self.calls = 0
+
+    def timed(self, fn):
+        start = self.clock.mark()
+        try:
+            return fn()
+        finally:
+            end = self.clock.mark()
+            self.calls += 1
+            if self.clock.cuda:
+                self.marks.append((start, end))
+            else:
+                self.seconds += end - start
+
+    def position(self):
+        """Where the record stands now (for `between`)."""
+        return len(self.marks) if self.clock.cuda else self.seconds
+
+    def between(self, first, last) -> float:
+        """Seconds waited between two positions (on CUDA: waits for the events)."""
+        if not self.clock.cuda:
+            return last - first
+        return sum(self.clock.seconds(a, b) for a, b in self.marks[first:last])
+
+    def clear(self) -> None:
+        """Forget the marks (positions taken before are void on CUDA)."""
+        self.marks.clear()
+
+
 @dataclass
 class CommCounter:
-    """Byte counters keyed by (group name, op)."""
+    """Byte counters keyed by (group name, op); with `waits`, the time spent in the calls."""
 
     stats: Dict[Tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
-    # a background checkpoint thread records too
+    # a background checkpoint thread records too (on the checkpoint group's own counter,
+    # which never times waits)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    waits: Optional[CollectiveWaits] = field(default=None, repr=False, compare=False)
 
     def record(self, group: str, op: str, payload: int, wire: float) -> None:
         with self.lock:
@@ -106,9 +152,11 @@ def _describe(op: str, group: Group) -> str:
 
 def _call(op: str, group: Group, fn):
     """Run a collective; a failure or timeout (parallel.timeout_s) becomes a CommError that
-    says which group was waiting, instead of an anonymous backend error."""
+    says which group was waiting, instead of an anonymous backend error. Timed when the
+    group's counter collects `waits`."""
+    waits = group.counter.waits
     try:
-        return fn()
+        return fn() if waits is None else waits.timed(fn)
     except RuntimeError as e:
         raise CommError(f"{_describe(op, group)} failed: {e}. A peer in this group crashed, "
                         "was killed or is stuck; see its log") from e

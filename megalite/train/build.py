@@ -22,6 +22,7 @@ from megalite.checkpoint.load import resume
 from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpoints
 from megalite.checkpoint.save import written_numel
 from megalite.checkpoint.state import ProcessRNG
+from megalite.clock import DeviceClock
 from megalite.config import Config, data_sources
 from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
@@ -34,10 +35,13 @@ from megalite.model.gpt2 import flops_per_token, num_parameters
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
+from megalite.parallel.comm import CollectiveWaits
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan import make_plan
+from megalite.resilience.replicas import ReplicaCheck
+from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.init_from import is_hub_id, load_init_state
@@ -140,7 +144,8 @@ def build_hellaswag(cfg: Config, runtime: Runtime, model: PipelineStage, engine:
 
 def attach_services(trainer: Trainer, data_meta: dict) -> None:
     """What runs around the steps: later checkpoints set aside, the stop request, profiler,
-    step timers, checkpoint saver, the peak FLOP/s and (rank 0) the metrics writer."""
+    step timers and the resilience checks, checkpoint saver, the peak FLOP/s and (rank 0) the
+    metrics writer."""
     cfg, topo, rt, t = trainer.cfg, trainer.topo, trainer.rt, trainer.cfg.train
     if topo.rank == 0:
         for moved in set_aside_later_checkpoints(trainer.ckpt_root, trainer.step):
@@ -150,7 +155,7 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
     trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, rt.device)
     trainer.profiler = StepProfiler(cfg.log.profile_steps, trainer.run_dir / "profile",
                                     topo.rank, rt.device)
-    trainer.timers = StepTimers(rt.device)
+    attach_resilience(trainer)
     trainer.saver = CheckpointSaver(trainer.ckpt_root, cfg, topo, rt.device,
                                     background=cfg.checkpoint.async_save,
                                     state_numel=written_numel(trainer.engine, topo))
@@ -163,6 +168,21 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
             trainer.run_dir, run_header(trainer, data_meta, state_bytes), cfg.log.wandb,
             cfg.log.project, cfg.log.run_name, asdict(cfg), t.max_steps, trainer.step,
             cfg.log.progress)
+
+
+def attach_resilience(trainer: Trainer) -> None:
+    """The step timers, timing the waits in collectives when straggler reports are on, the
+    replica check and the straggler report (`resilience.*`; None when off). Collective."""
+    res, topo, rt = trainer.cfg.resilience, trainer.topo, trainer.rt
+    waits = CollectiveWaits(DeviceClock(rt.device)) if res.straggler_report_every else None
+    topo.counter.waits = waits
+    trainer.timers = StepTimers(rt.device, waits)
+    if res.check_every:
+        trainer.replicas = ReplicaCheck(trainer.engine, topo, rt.device, res.check_every,
+                                        trainer.layout.sequence_parallel)
+    if res.straggler_report_every:
+        trainer.stragglers = StragglerReport(topo, rt.device, res.straggler_report_every,
+                                             res.straggler_factor, res.straggler_min_s)
 
 
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker

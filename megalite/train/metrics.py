@@ -132,7 +132,8 @@ def strict_json(value):
 
 def wandb_row(record: dict) -> dict:
     """Flatten one metrics.jsonl record into wandb keys: train/*, val/*, perf/*,
-    perf/phase/<phase>_s, memory/*, comm/<group>/<op>_bytes."""
+    perf/phase/<phase>_s, memory/*, comm/<group>/<op>_bytes, perf/stragglers (how many a
+    straggler report named) and perf/compute_median/<phase>_s."""
     row = {}
     for key, value in record.items():
         if key == "step" or value is None:
@@ -141,6 +142,10 @@ def wandb_row(record: dict) -> dict:
             row.update({f"memory/{k}": v for k, v in value.items()})
         elif key == "step_phases_s":
             row.update({f"perf/phase/{k}_s": v for k, v in value.items()})
+        elif key == "straggler_report":
+            row["perf/stragglers"] = len(value["stragglers"])
+            row.update({f"perf/compute_median/{k}_s": v
+                        for k, v in value["median_compute_s"].items()})
         elif key == "comm":
             for name, counts in value.items():
                 row[f"comm/{name}_bytes"] = counts["bytes"]

@@ -13,36 +13,73 @@ Marks are taken on the device's timeline (`megalite.clock`), so timing costs the
 they are resolved when the metrics line is written. The trainer reports each phase's seconds
 per step of the slowest rank (MAX over the world): on a dashboard the phase that grows is the
 one that holds every rank back.
+
+With `waits` (`megalite.parallel.comm.CollectiveWaits`, on while straggler reports are on) the
+timers also keep each phase's *compute* time: the phase's time less the time this rank spent
+inside collectives during it (waiting for peers or the network). A slow rank makes its peers
+wait in their collectives, so their phases grow but their compute does not; `take_compute`
+gives it to the straggler report (`megalite.resilience.stragglers`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from megalite.clock import DeviceClock
+from megalite.parallel.comm import CollectiveWaits
 
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
 
 
 class StepTimers:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, waits: Optional[CollectiveWaits] = None):
         self.clock = DeviceClock(device)
-        self._marks: List[Tuple[str, object, object]] = []
+        self.waits = waits
+        # (phase, start, end, the waits' positions at its start and end)
+        self._marks: List[Tuple[str, object, object, object, object]] = []
+        self._spent = dict.fromkeys(PHASES, 0.0)
+        self._compute = dict.fromkeys(PHASES, 0.0)
+
+    def _waits_so_far(self):
+        return None if self.waits is None else self.waits.position()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         if name not in PHASES:
             raise ValueError(f"unknown step phase {name!r}; one of {PHASES}")
-        start = self.clock.mark()
+        start, first_wait = self.clock.mark(), self._waits_so_far()
         yield
-        self._marks.append((name, start, self.clock.mark()))
+        self._marks.append((name, start, self.clock.mark(), first_wait, self._waits_so_far()))
+
+    def _resolve(self) -> None:
+        """Fold the marks into seconds (on CUDA: waits for them). Collectives outside the
+        phases (evaluation, metrics, checkpoints) are dropped with the rest of the marks."""
+        for name, start, end, first, last in self._marks:
+            seconds = self.clock.seconds(start, end)
+            waited = 0.0 if first is None or last is None or self.waits is None \
+                else self.waits.between(first, last)
+            self._spent[name] += seconds
+            self._compute[name] += max(0.0, seconds - waited)
+        self._marks = []
+        if self.waits is not None:
+            self.waits.clear()
 
     def take(self) -> Dict[str, float]:
-        """Seconds spent in each phase since the last call (on CUDA: waits for the marks)."""
-        spent = dict.fromkeys(PHASES, 0.0)
-        for name, start, end in self._marks:
-            spent[name] += self.clock.seconds(start, end)
-        self._marks = []
+        """Seconds spent in each phase since the last call."""
+        self._resolve()
+        spent, self._spent = self._spent, dict.fromkeys(PHASES, 0.0)
         return spent
+
+    def take_compute(self) -> Dict[str, float]:
+        """Seconds each phase computed (its time less the time inside collectives; all of
+        its time without `waits`) since the last call."""
+        self._resolve()
+        compute, self._compute = self._compute, dict.fromkeys(PHASES, 0.0)
+        return compute
+
+    def reset(self) -> None:
+        """Forget everything measured so far (steps run outside the training loop)."""
+        self.take()
+        self.take_compute()

@@ -35,6 +35,8 @@ from megalite.parallel.rng import RNGTracker
 from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZeroEngine
+from megalite.resilience.replicas import ReplicaCheck
+from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
@@ -84,6 +86,8 @@ class Trainer:
     peak: Peak = field(default_factory=lambda: Peak(None, "not measured"))
     writer: Optional[MetricsWriter] = None
     hellaswag: Optional[ChoiceEval] = None  # eval.hellaswag's scoring, None when off
+    replicas: Optional[ReplicaCheck] = None  # resilience.check_every, None when off
+    stragglers: Optional[StragglerReport] = None  # resilience.straggler_report_every
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
@@ -104,7 +108,11 @@ class Trainer:
 
     def save(self) -> Optional[Path]:
         """Checkpoint the current step (collective). Returns the published directory, or None
-        with checkpoint.async_save (published in the background; `self.saver.wait()`)."""
+        with checkpoint.async_save (published in the background; `self.saver.wait()`). With
+        resilience.check_every the step's replica check runs first unless it has passed
+        (ReplicaMismatchError: nothing is saved)."""
+        if self.replicas is not None and self.replicas.passed_step != self.step:
+            self.replicas.check(self.step)
         self.engine.wait_for_params()  # the master ranges alias the parameters on CPU
         return self.saver.save(self.step, self.engine, ProcessRNG(self.rng).state_dict(),
                                self.progress())
@@ -226,10 +234,11 @@ class Trainer:
         return {"hellaswag_acc": scores.acc, "hellaswag_acc_norm": scores.acc_norm}
 
     def fit(self) -> List[dict]:
-        """Train to train.max_steps: evaluate, checkpoint and log on their schedules (a step
-        that evaluates also writes a metrics line). Returns the metric records. A background
-        save still in flight is waited for at the end (also when training fails, so the last
-        checkpoint taken gets published)."""
+        """Train to train.max_steps: evaluate, check replicas, report stragglers, checkpoint
+        and log on their schedules (a step that evaluates or reports stragglers also writes a
+        metrics line; a checkpointed step is replica-checked first). Returns the metric
+        records. A background save still in flight is waited for at the end (also when
+        training fails, so the last checkpoint taken gets published)."""
         try:
             records = self._fit()
         except BaseException:
@@ -243,13 +252,27 @@ class Trainer:
             self.writer.close()
         return records
 
+    def check_after_step(self, saving: bool) -> Optional[dict]:
+        """The resilience checks after an optimizer step (collective): the replica check when
+        due or when this step is about to be checkpointed (`saving`; it raises
+        ReplicaMismatchError before anything is saved), and the straggler report when due.
+        Returns the report ({} on ranks other than 0), None when none was due."""
+        if self.replicas is not None and self.replicas.due(self.step, saving):
+            self.replicas.check(self.step)
+        if self.stragglers is None or not self.stragglers.due(self.step):
+            return None
+        report = self.stragglers.report(self.step, self.timers.take_compute())
+        return {} if report is None else report
+
     def _fit(self) -> List[dict]:
         cfg, t = self.cfg, self.cfg.train
         counter = self.topo.counter
         records: List[dict] = []
         self.rt.synchronize()
         interval = _Interval()
-        self.timers.take()  # phases of steps run outside fit are not this interval's
+        self.timers.reset()  # phases of steps run outside fit are not this interval's
+        if self.stragglers is not None:
+            self.stragglers.start(self.step)
         with self.stop_request as stop, ScheduledGC(t.gc_every) as collector:
             while self.step < t.max_steps:
                 before = counter.snapshot()
@@ -262,19 +285,25 @@ class Trainer:
                 stopping = stop.reason()
                 end = self.step == t.max_steps
                 last = end or stopping is not None
+                saving = bool(cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) \
+                    or last
+                stragglers = self.check_after_step(saving)
                 val_loss, downstream = None, {}
                 if t.eval_every and (self.step % t.eval_every == 0 or end):
                     e0 = time.perf_counter()
                     val_loss = self.evaluate()
                     downstream = self._downstream()
                     interval.excluded_s += time.perf_counter() - e0
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
+                if saving:
                     c0 = time.perf_counter()
                     self.save()
                     interval.checkpoint_s += time.perf_counter() - c0
-                if self.step % cfg.log.every == 0 or last or val_loss is not None:
+                if (self.step % cfg.log.every == 0 or last or val_loss is not None
+                        or stragglers is not None):
                     records.append({**self._record(interval, val_loss, grad_norm),
                                     **downstream})
+                    if stragglers:
+                        records[-1]["straggler_report"] = stragglers
                     if self.writer is not None:
                         self.writer.log(records[-1])
                     interval = _Interval()
