@@ -32,6 +32,7 @@ from megalite.checkpoint.index import spec_record, write_index
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import Progress
 from megalite.config import Config, data_sources
+from megalite.durable import fsync_dir
 from megalite.log import get_logger
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
@@ -171,7 +172,7 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
     if final.exists():
         discard(final)
     os.replace(tmp, final)
-    _fsync_dir(root)  # the rename itself survives a power loss before the old ones go
+    fsync_dir(root)  # the rename itself survives a power loss before the old ones go
     for old in complete_checkpoints(root)[:-keep]:
         try:
             discard(old)
@@ -179,14 +180,6 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
             get_logger().warning(f"megalite: warning: published {final.name} but could not "
                                  f"delete {old} (checkpoint.keep={keep}): "
                                  f"{type(e).__name__}: {e}")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep: int,

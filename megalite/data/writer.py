@@ -23,17 +23,10 @@ from typing import List, Optional
 import numpy as np
 
 from megalite.data.errors import DataError
+from megalite.durable import fsync_dir
 
 MANIFEST = "progress.json"
 PARTIAL = ".partial"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def file_crc32(path: Path, nbytes: int) -> int:
