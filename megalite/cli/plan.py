@@ -17,6 +17,7 @@ import json
 import sys
 from typing import List, Optional
 
+from megalite.calibrate import calibrate_command
 from megalite.cli import config_for_world
 from megalite.layout import Layout
 from megalite.plan import GIB, make_plan
@@ -25,7 +26,7 @@ from megalite.plan import GIB, make_plan
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) in all")
+    p.add_argument("--world-size", type=int, help="ranks (GPUs) in all (not with --calibrate)")
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="for the check that a TP group fits in a node")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -33,6 +34,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="flag stages whose estimate exceeds this much memory per device")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine instead (matmul rate at the model's shapes; under "
+                        "torchrun, collective bandwidth) and save a device profile "
+                        "(megalite/calibrate.py)")
+    p.add_argument("--output", default="device-profile.json",
+                   help="with --calibrate: the profile file to write")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model=gpt2 tp=2")
     return p
 
@@ -41,6 +48,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-plan --world-size N [overrides]`; argv defaults to the command line."""
     cli = parser()
     args = cli.parse_args(argv)
+    if args.calibrate:
+        sys.exit(calibrate_command(args.overrides, args.output))
+    if args.world_size is None:
+        cli.error("the following arguments are required: --world-size")
     cfg = config_for_world(args.overrides, args.world_size, args.gpus_per_node, args.device)
     plan = make_plan(cfg, Layout.from_config(cfg, args.world_size, args.device))
     print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
