@@ -255,12 +255,13 @@ def calibrate_command(overrides: Sequence[str], output: str,
     writes the file and prints what it measured. Returns the exit status (2: bad input)."""
     import sys
 
-    from megalite.config import ConfigError, load_config
+    from megalite.config import ConfigError, check_sections, load_config
     from megalite.launch_env import export_launch_env, launch_env
     from megalite.profile_file import save_profile
 
     try:
         cfg = load_config(list(overrides))
+        check_sections(cfg)  # the model's and batch's sizes (the layout is not calibrated)
         export_launch_env(launch_env(gpus=torch.cuda.device_count()
                                      if torch.cuda.is_available() else None))
     except ConfigError as e:

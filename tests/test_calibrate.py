@@ -34,6 +34,10 @@ def synthetic_profile() -> dict:
 
 
 def _calibrate_rank(rank: int, world_size: int, path: str):
+    """The command on this rank, then the link sweep as if each rank were a node of its own."""
+    import torch
+
+    from megalite.calibrate import measure_links
     from megalite.cli.plan import main
 
     out = io.StringIO()
@@ -43,14 +47,14 @@ def _calibrate_rank(rank: int, world_size: int, path: str):
             code = 0
         except SystemExit as e:
             code = e.code
-    return code, out.getvalue()
+    return code, out.getvalue(), measure_links(1, torch.device("cpu"))
 
 
 @pytest.mark.distributed
 def test_calibrate_two_gloo_ranks_writes_a_profile_that_loads(tmp_path):
     path = tmp_path / "cpu.json"
     results = run_ranks(_calibrate_rank, 2, args=(str(path),), timeout_s=120)
-    assert [code for code, _ in results] == [0, 0], results
+    assert [r[0] for r in results] == [0, 0], results
     assert str(path) in results[0][1] and results[1][1] == ""  # rank 0 writes and prints
     assert os.listdir(tmp_path) == ["cpu.json"]  # no temporary file left behind
     profile = load_profile(path)
@@ -70,6 +74,14 @@ def test_calibrate_two_gloo_ranks_writes_a_profile_that_loads(tmp_path):
     assert profile["links"]["intra_node"] == pytest.approx(fit_link(sweep))
     assert profile["links"]["inter_node"] == profile["links"]["intra_node"]
     assert any("inter_node: not measured" in n for n in profile["notes"])
+    # two nodes of one rank: the inter-node groups are measured, intra_node copied, and said so
+    links, sweep, notes = results[0][2]
+    assert results[1][2][:2] == (links, sweep)  # every rank returns the same
+    assert {(e["link"], e["op"], e["group_size"]) for e in sweep} == \
+        {("inter_node", op, 2) for op in OPS}
+    assert links["inter_node"] == pytest.approx(fit_link(sweep))
+    assert links["intra_node"] == links["inter_node"]
+    assert any("intra_node: not measured (one rank a node)" in n for n in notes)
 
 
 def test_single_process_takes_links_from_the_table_or_stops(monkeypatch, tmp_path):
@@ -182,3 +194,12 @@ def test_plan_still_requires_world_size_without_calibrate(capsys):
     with pytest.raises(SystemExit) as e:
         main(["model=gpt2"])
     assert e.value.code == 2 and "--world-size" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_bad_sizes_before_measuring(capsys, tmp_path):
+    from megalite.cli.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--calibrate", "--output", str(tmp_path / "p.json"), "train.seq_len=0"])
+    assert e.value.code == 2 and "train.seq_len=0" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
