@@ -33,6 +33,8 @@ from megalite.calibrate_links import fit_link, group_sizes, sweep_link
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CPU_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per collective: 64 KiB, 1 MiB, 8 MiB
 CUDA_SIZES = (1 << 20, 1 << 23, 1 << 26, 1 << 28)  # 1 MiB .. 256 MiB
+# The device table's answer for a device name: (links as in the profile file, where they come
+# from), or None for a device it does not know.
 TableLinks = Callable[[str], Optional[Tuple[Dict[str, Dict[str, float]], str]]]
 
 
@@ -61,13 +63,15 @@ def time_matmul(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
                 budget_s: float = 0.2, max_timings: int = 8) -> float:
     """Best seconds per product over up to `max_timings` timings within about `budget_s`; a
     timing spans enough products (at least one) to last a millisecond, so that launch overhead
-    on a GPU does not count as compute."""
+    on a GPU does not count as compute. fp32 on CUDA runs as torch is set (TF32 off by
+    default, as in megalite's runs)."""
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, generator=g, device=device).to(dtype)
     b = torch.randn(k, n, generator=g, device=device).to(dtype)
+    a @ b  # warm-up (kernel choice, BLAS threads, cuBLAS handle)
     _sync(device)
     t0 = time.perf_counter()
-    a @ b  # warm-up (kernel choice, BLAS threads)
+    a @ b
     _sync(device)
     calls = max(1, min(100, int(1e-3 / max(time.perf_counter() - t0, 1e-9))))
     best, start = math.inf, time.perf_counter()
