@@ -9,18 +9,15 @@ that did not arrive are the ones waited for that wait for nobody (they are compu
 stuck outside any collective — their stack says where — or gone). When every rank waited for
 waits itself (a cycle: ranks entered different collectives), all of them are named.
 
-    megalite-hang-report RUN_DIR     (scripts/hang_report.py in a checkout)
-
-prints the summary of the dumps in RUN_DIR/hang/ after the fact (the rank that noticed the
-hang writes the same summary to hang/summary.txt, from the states the ranks put in the store).
-Of a collective failure's dumps it reads those written for the failure; otherwise those of
-the latest request (a live dump on `resilience.hang_signal`).
+`megalite-hang-report RUN_DIR` (megalite/cli/hang_report.py) prints the summary of the dumps
+in RUN_DIR/hang/ after the fact (the rank that noticed the hang writes the same summary to
+hang/summary.txt, from the states the ranks put in the store). Of a collective failure's
+dumps it reads those written for the failure; otherwise those of the latest request (a live
+dump on `resilience.hang_signal`).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -105,9 +102,13 @@ def _text(s: dict, states: Dict[int, dict]) -> str:
     req = s["request"] or {}
     lines = [f"hang summary ({req.get('kind', 'dump')} on rank {req.get('rank')}: "
              f"{req.get('what', '')})",
-             f"dumps from {len(s['dumps'])} of {s['world_size']} ranks; no dump from "
-             + (f"ranks {s['no_dump']} (gone, wedged, or no answer within "
-                "resilience.hang_wait_s)" if s["no_dump"] else "none")]
+             f"dumps from {len(s['dumps'])} of {s['world_size']} ranks; "
+             + (f"no dump from ranks {s['no_dump']} (gone, wedged, or no answer within "
+                "resilience.hang_wait_s)" if s["no_dump"] else "every rank dumped")]
+    times = [st["time"] for st in states.values()]
+    if req.get("kind") != "failure" and len(times) > 1:
+        lines.append(f"a live dump: the ranks dumped within {max(times) - min(times):.1f} s "
+                     "of each other, so a rank behind may only have been dumped earlier")
     if not s["did_not_arrive"]:
         lines.append("every rank waited for has arrived (no rank is missing)")
     else:
@@ -147,24 +148,3 @@ def load_dumps(hang_dir: Path) -> Tuple[Dict[int, dict], int, Optional[dict]]:
         dumps = [d for d in dumps if (d["request"].get("n") or 0) == latest]
     first = min(dumps, key=lambda d: d["request"]["time"])
     return {d["rank"]: d for d in dumps}, dumps[0]["world_size"], first["request"]
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    """`megalite-hang-report RUN_DIR`: print the summary of RUN_DIR/hang/'s dumps."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="the run directory (or its hang/)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = parser.parse_args(argv)
-    hang_dir = args.run_dir if args.run_dir.name == "hang" else args.run_dir / "hang"
-    try:
-        states, world_size, request = load_dumps(hang_dir)
-    except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
-        print(f"megalite: no hang report: {e}", file=sys.stderr)
-        sys.exit(2)
-    text, summary = summarize(states, world_size, request)
-    print(json.dumps(summary, indent=1) if args.json else text)
-
-
-if __name__ == "__main__":
-    main()
