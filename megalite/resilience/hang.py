@@ -49,6 +49,7 @@ from megalite.resilience.hang_report import compact, summarize
 
 PREFIX = "megalite/hang/"
 WHAT_CHARS = 600  # of an error message put in a request
+STORE_GRACE_S = 5.0  # beyond hang_wait_s, for the store calls of a failing rank's request
 
 
 def dump_name(rank: int) -> str:
@@ -158,9 +159,9 @@ class HangWatch:
             ready, _, _ = select.select([self._wake_r], [], [], self.poll_s)
             if self._stop.is_set():
                 return
-            if ready and self.signum is not None:
+            if ready:
                 received = self._wake_r.recv(4096)
-                if self.signum in received:
+                if self.signum is not None and self.signum in received:
                     self._signalled.set()
             try:
                 if self._signalled.is_set():
@@ -180,9 +181,16 @@ class HangWatch:
             if self.failure_dumped:
                 return
             self.failure_dumped = True
+        what = f"{description} failed: {error}"[:WHAT_CHARS]
+        # in a thread joined with a bound: a store on a lost node may not answer at all
+        helper = threading.Thread(target=self._request_logged, args=("failure", what),
+                                  name="megalite-hang-request", daemon=True)
+        helper.start()
+        helper.join(timeout=self.wait_s + STORE_GRACE_S)
+
+    def _request_logged(self, kind: str, what: str) -> None:
         try:
-            self.request("failure", f"{description} failed: {error}"[:WHAT_CHARS],
-                         failure=True)
+            self.request(kind, what, failure=kind == "failure")
         except Exception as e:  # the error being raised is the one to report
             get_logger().warning(f"megalite: hang dump on rank {self.rank} failed: {e!r}")
 
@@ -190,12 +198,17 @@ class HangWatch:
         """Dump this rank, ask the others (through the store), wait for their answers up to
         `wait_s` and write the summary. Returns the summary's path."""
         req = {"kind": kind, "rank": self.rank, "what": what, "time": time.time(), "n": None}
+        state = None
+        if failure:  # first this rank's own dump, which needs no store
+            with self._lock:
+                state = self._dump(req, failure=True)
         if self.store is not None:
-            req["n"] = self.store.add("requests", 1)
+            req["n"] = self.store.add("requests", 1)  # (`state` holds `req`: numbered too)
             self.own.add(req["n"])
             self.store.set(f"request/{req['n']}", json.dumps(req))
-        with self._lock:
-            state = self._dump(req, failure=failure)
+        if state is None:
+            with self._lock:
+                state = self._dump(req, failure=False)
         states = {self.rank: state}
         if self.store is not None:
             self._publish(state, [req["n"]])
