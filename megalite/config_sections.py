@@ -137,8 +137,8 @@ HANG_SIGNALS = ("SIGUSR1", "SIGUSR2", None)
 
 @dataclass
 class ResilienceConfig:
-    """Faults that do not crash (`megalite.resilience`): replicas that silently diverge, and
-    ranks that silently slow the others down."""
+    """Faults that do not crash (`megalite.resilience`): replicas that silently diverge,
+    ranks that silently slow the others down, and ranks that hang the others."""
 
     check_every: int = 100  # steps between replica-consistency checks (0 = off): the ranks
     #   that must hold identical values compare checksums after the optimizer step, and a

@@ -206,6 +206,21 @@ def test_a_signal_dumps_a_single_rank_while_it_runs(tmp_path):
     assert states[0]["groups"][0]["started"] == 1
 
 
+def test_outside_the_watch_a_failure_dumps_the_failing_rank_alone(tmp_path):
+    """Set-up and resume run outside `fit`'s watch: no request, no summary, one dump."""
+    rec = FlightRecorder(rank=3, history=4)
+    HangWatch(rec, tmp_path, 3, 4, wait_s=1.0, signal_name=None, store=None)
+    entry = rec.started("barrier", _group("checkpoint", [0, 1, 2, 3], 3), 0)
+    rec.waiting(entry)
+    rec.failed(entry, "barrier on the checkpoint group", RuntimeError("timed out"))
+    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["rank00003.json"]
+    states, world, req = load_dumps(tmp_path / "hang")
+    assert req["what"] == "barrier on the checkpoint group failed: timed out" and world == 4
+    assert states[3]["groups"][0]["last"][0]["failed"]
+    _, summary = summarize(states, world, req)
+    assert summary["no_dump"] == [0, 1, 2] and summary["did_not_arrive"] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["resilience.hang_history=0"], "resilience.hang_history"),
     (["resilience.hang_wait_s=0"], "resilience.hang_wait_s"),

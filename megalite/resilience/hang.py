@@ -8,14 +8,16 @@ naming the ranks that did not arrive and the group (`megalite.resilience.hang_re
 How the ranks learn of it: through the store every rank already shares (the default process
 group's c10d store; on torchrun the agent's). The rank whose collective failed dumps at once,
 adds a request to the store, and waits up to `resilience.hang_wait_s` for every rank's
-answer before its error (`CommError`) goes on. Every rank runs a watch thread while `fit`
+answer before its error (`CommError`) goes on (the store calls run in a thread given at most
+hang_wait_s + 5 s: a store on a lost node may never answer). Every rank runs a watch thread while `fit`
 trains, which looks for a new request every `poll_s` = min(2, hang_wait_s / 4) seconds: it
 does not need the training thread, which may be stuck in compute or blocked in a collective
 (the wait releases the GIL), so a rank that stopped participating still dumps, and its stack
 shows where it is. It answers with its dump and its compact state (the groups' counters and
 the collectives it waits for) in the store, from which the summary is made: no shared file
 system is needed for it. A rank whose process is gone or whose interpreter is wedged writes
-nothing; the summary names it as a rank without a dump.
+nothing; the summary names it as a rank without a dump. Outside `fit` (set-up, resume) no
+rank watches: a failing rank writes its own dump only.
 
 A live run can be dumped on demand: `resilience.hang_signal` (SIGUSR2 by default) sent to any
 rank makes every rank dump and that rank write the summary; training goes on. The signal is
@@ -111,11 +113,13 @@ class HangWatch:
         self._signalled = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._restore: list = []
+        self._active = False  # inside the context (`fit`): the other ranks watch too
+        recorder.on_failure = self.on_failure
 
     # --- the watch ---------------------------------------------------------------------
 
     def __enter__(self) -> "HangWatch":
-        self.recorder.on_failure = self.on_failure
+        self._active = True
         self._stop.clear()
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
@@ -131,7 +135,7 @@ class HangWatch:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.recorder.on_failure = None
+        self._active = False
         self._stop.set()
         self._wake_w.send(b"\0")
         self._thread.join(timeout=self.poll_s + 5)
@@ -176,12 +180,19 @@ class HangWatch:
 
     def on_failure(self, description: str, error: BaseException) -> None:
         """A collective of this rank failed (called before its CommError is raised): dump,
-        ask every rank to, and write the summary; once per process."""
+        ask every rank to, and write the summary; once per process. Outside the context
+        (set-up, resume: the others do not watch) only this rank's dump."""
         with self._lock:
             if self.failure_dumped:
                 return
             self.failure_dumped = True
         what = f"{description} failed: {error}"[:WHAT_CHARS]
+        if not self._active:
+            req = {"kind": "failure", "rank": self.rank, "what": what, "time": time.time(),
+                   "n": None}
+            with self._lock:
+                self._dump(req, failure=True)
+            return
         # in a thread joined with a bound: a store on a lost node may not answer at all
         helper = threading.Thread(target=self._request_logged, args=("failure", what),
                                   name="megalite-hang-request", daemon=True)
