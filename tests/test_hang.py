@@ -70,9 +70,10 @@ def _hung_run(rank, world, tiny_data, run_dir):
         result = step()
         if rank == 0 and trainer.step == SIGNAL_AFTER:
             os.kill(os.getpid(), signal.SIGUSR2)
-        if rank == 0 and trainer.step == SIGNAL_AFTER + 1:  # keep the live dumps
+        if trainer.step == SIGNAL_AFTER + 1:  # both, outside collectives: no rank times out
             _wait_for((hang_dir / "summary.json").exists, "no summary of the live dump")
-            shutil.copytree(hang_dir, Path(run_dir) / "live")
+            if rank == 0:  # keep the live dumps
+                shutil.copytree(hang_dir, Path(run_dir) / "live")
         return result
 
     trainer.train_step = train_step
@@ -99,10 +100,12 @@ def test_a_rank_that_stops_participating_is_named_with_its_group(tmp_path, tiny_
     for dump in live.values():
         assert dump["request"]["kind"] == "signal" and not dump["failure"], dump["request"]
         assert dump["request"]["what"] == "SIGUSR2 received by rank 0"
+        assert dump["request"]["n"] == 1  # one signal, one request
 
     hang = run_dir / "hang"
     dumps = {r: json.loads((hang / f"rank{r:05d}.json").read_text()) for r in (0, 1)}
     assert all(d["failure"] and d["request"]["kind"] == "failure" for d in dumps.values())
+    assert dumps[1]["request"]["n"] == 2  # rank 0's, numbered after its own dump
     assert "timed out" in dumps[0]["request"]["what"] or "failed" in dumps[0]["request"]["what"]
     main_stack = {r: next(v for k, v in d["stacks"].items() if k.startswith("MainThread"))
                   for r, d in dumps.items()}

@@ -146,15 +146,18 @@ class HangWatch:
         self._wake_w.close()
 
     def _install_signal(self) -> None:
-        """A Python handler (it runs in the main thread once that returns to Python) and the
-        wakeup fd (written at once, from the C handler); unless another wakeup fd is set."""
-        previous = signal.signal(self.signum, lambda *_: self._signalled.set())
-        self._restore.append(lambda: signal.signal(self.signum, previous))
+        """The wakeup fd (written at once, from the C handler), and a Python handler, which
+        must exist for it; the Python handler (run by the main thread once it returns to
+        Python) raises the request only where another wakeup fd is set (an event loop's)."""
         old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
-        if old_fd != -1:  # someone else's (an event loop): leave it theirs
-            signal.set_wakeup_fd(old_fd)
-        else:
+        woken = old_fd == -1
+        if woken:
             self._restore.append(lambda: signal.set_wakeup_fd(-1))
+        else:  # someone else's: leave it theirs
+            signal.set_wakeup_fd(old_fd)
+        previous = signal.signal(self.signum,
+                                 lambda *_: None if woken else self._signalled.set())
+        self._restore.append(lambda: signal.signal(self.signum, previous))
 
     def _watch(self) -> None:
         import select
