@@ -114,6 +114,7 @@ class HangWatch:
         self._thread: Optional[threading.Thread] = None
         self._restore: list = []
         self._active = False  # inside the context (`fit`): the other ranks watch too
+        self._warned = False
         recorder.on_failure = self.on_failure
 
     # --- the watch ---------------------------------------------------------------------
@@ -177,7 +178,9 @@ class HangWatch:
                     self.request("signal", f"{name} received by rank {self.rank}")
                 self._answer()
             except Exception as e:  # the watch must not die of a broken store
-                get_logger().warning(f"megalite: hang watch on rank {self.rank}: {e!r}")
+                if not self._warned:  # (once: a store that is gone fails every look)
+                    self._warned = True
+                    get_logger().warning(f"megalite: hang watch on rank {self.rank}: {e!r}")
 
     # --- requests and answers ----------------------------------------------------------
 
