@@ -15,6 +15,7 @@ from megalite.bench import (
     attention,
     checkpoint,
     checkpoint_index,
+    flight,
     loader,
     pipeline,
     prepare,
@@ -38,6 +39,7 @@ BENCHMARKS = {
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
                                "without"),
+    "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
 }
 
 

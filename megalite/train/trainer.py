@@ -88,6 +88,7 @@ class Trainer:
     hellaswag: Optional[ChoiceEval] = None  # eval.hellaswag's scoring, None when off
     replicas: Optional[ReplicaCheck] = None  # resilience.check_every, None when off
     stragglers: Optional[StragglerReport] = None  # resilience.straggler_report_every
+    hang_watch: Optional[contextlib.AbstractContextManager] = None  # resilience.hang_dump
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
@@ -273,7 +274,8 @@ class Trainer:
         self.timers.reset()  # phases of steps run outside fit are not this interval's
         if self.stragglers is not None:
             self.stragglers.start(self.step)
-        with self.stop_request as stop, ScheduledGC(t.gc_every) as collector:
+        with self.stop_request as stop, ScheduledGC(t.gc_every) as collector, \
+                self.hang_watch or contextlib.nullcontext():
             while self.step < t.max_steps:
                 before = counter.snapshot()
                 with self.profiler.step(self.step + 1):
