@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
+from megalite.parallel.offload import offload_messages
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -247,7 +248,8 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
     _check_other_pairs(cfg)
-    warnings += _check_offload(cfg, device_type_for(cfg.device, local_gpus))
+    device_type = device_type_for(cfg.device, local_gpus)
+    warnings += _check_offload(cfg, device_type) + offload_messages(cfg.offload, device_type)
     return warnings
 
 

@@ -8,6 +8,8 @@
                       backward, and the TP / embedding-group sums (the exposed DP communication)
     optimizer         global gradient norm, clipping, AdamW, the parameter update (and zero 1/2's
                       all-gather unless it overlaps the next forward)
+    offload_wait      offload.optimizer: blocked on the copies of gradients to the host and of
+                      parameters back (part of grad_sync and optimizer, counted in both)
 
 Marks are taken on the device's timeline (`megalite.clock`), so timing costs the GPU nothing;
 they are resolved when the metrics line is written. The trainer reports each phase's seconds
@@ -30,7 +32,7 @@ import torch
 from megalite.clock import DeviceClock
 from megalite.parallel.comm import CollectiveWaits
 
-PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
+PHASES = ("data", "forward_backward", "grad_sync", "optimizer", "offload_wait")
 
 
 class StepTimers:

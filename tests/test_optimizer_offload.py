@@ -1,0 +1,167 @@
+"""Optimizer offload (offload.optimizer = f): the fp32 master weights and AdamW moments of the
+fraction f of each rank's owned range live in host memory and are stepped by the CPU AdamW;
+training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16
+tracks the serial bf16 run; a skipped step changes nothing; checkpoints move between offloaded
+and plain runs. On CPU host = device: the copies are real copies between separate buffers
+(tests/test_cuda_offload.py covers pinned memory, the side stream and the overlap order)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
+from megalite.runtime import init_runtime
+from megalite.train.build import build_trainer
+from tests.conftest import TINY
+from tests.layouts import (
+    FP32_NO_DROPOUT,
+    _parameters_are_masters_cast,
+    assert_equal,
+    train_layouts,
+)
+
+
+def _run(tiny_data, *extra):
+    return [f"data.dir={tiny_data}", "model.n_layer=4", "train.micro_batch_size=1",
+            "train.global_batch_size=8", *extra]
+
+
+def _trainer(tiny_data, run_dir, *extra):
+    cfg = load_config(TINY + FP32_NO_DROPOUT + _run(tiny_data, *extra))
+    validate(cfg, 1)
+    return build_trainer(cfg, init_runtime(cfg), run_dir)
+
+
+# --- configuration ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["-0.1", "1.5"])
+def test_fraction_outside_0_1_is_refused_naming_the_key(value):
+    with pytest.raises(ConfigError, match=r"offload\.optimizer="):
+        validate(load_config(TINY + [f"offload.optimizer={value}"]), 1)
+
+
+def test_cpu_offload_says_it_saves_nothing():
+    warnings = validate(load_config(TINY + ["offload.optimizer=0.5"]), 1)
+    assert any("offload.optimizer=0.5 on CPU" in w and "saves nothing" in w for w in warnings)
+
+
+# --- one rank: the split, the buffers, a skipped step, checkpoints both ways ----------
+
+def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_data, tmp_path):
+    """Each bucket's last half is offloaded into tensors of its own (the copies are real, also
+    on CPU); a non-finite gradient (patched into one host piece's gradient after the copies)
+    skips the step: the host masters and moments, the device masters and the parameters
+    stay as they were."""
+    trainer = _trainer(tiny_data, tmp_path / "a", "offload.optimizer=0.5",
+                       "train.max_bad_steps=3")
+    engine = trainer.engine
+    offload = engine.offload
+    assert engine.optimizer is not None and len(engine.optimizers) > 1
+    for b in engine.buckets:
+        r = offload.range_of(b)
+        assert r.main.numel() == round(0.5 * (b.hi - b.lo)) == b.hi - r.cut
+        assert r.main.untyped_storage().data_ptr() != b.param_region.untyped_storage().data_ptr()
+        torch.testing.assert_close(r.main, b.param_region[r.offset:], rtol=0, atol=0)
+    host = sum(r.main.numel() for r in offload.ranges.values())
+    assert engine.host_state_bytes() == 16 * host  # master, 2 moments, gradient (fp32)
+    assert trainer.train_step()[0] is not None  # the moments exist
+    r = offload.order[0]
+
+    def snapshot():
+        return [t.clone() for p, _, _ in engine.main_params
+                for t in [p.detach(), *engine.adam_state(p).values()]] + \
+            [p.detach().clone() for p in trainer.model.parameters()]
+
+    before = snapshot()
+    drain = offload.drain
+
+    def poisoned_drain():
+        drain()
+        r.grad[0] = float("nan")
+
+    offload.drain = poisoned_drain
+    loss, norm = trainer.train_step()
+    assert loss is None and math.isnan(norm) and trainer.skipped_steps == 1
+    for a, b in zip(before, snapshot()):
+        assert torch.equal(a, b)
+
+
+def _steps(trainer, steps):
+    out = []
+    for _ in range(steps):
+        loss, norm = trainer.train_step()
+        out.append((loss, norm, [p.detach().clone() for p in trainer.model.parameters()]))
+    return out
+
+
+def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path):
+    """An offloaded run (0.5) saves at step 2, a plain run resumes it and saves at step 3, a
+    fully offloaded run resumes that: steps 3 and 4 equal the plain run's without checkpoints
+    (the format is the same: only where the state lived differs)."""
+    reference = _steps(_trainer(tiny_data, tmp_path / "ref"), 4)
+    chain, ckpt = [], tmp_path / "ckpt"
+    for i, (extra, steps) in enumerate([(["offload.optimizer=0.5"], 2), ([], 1),
+                                        (["offload.optimizer=1"], 1)]):
+        resume = [] if i == 0 else ["checkpoint.resume=auto"]
+        trainer = _trainer(tiny_data, tmp_path / str(i), f"checkpoint.dir={ckpt}",
+                           *resume, *extra)
+        assert trainer.step == [0, 2, 3][i]
+        chain += _steps(trainer, steps)
+        trainer.save()
+    for (loss, norm, params), (loss_r, norm_r, params_r) in zip(chain, reference):
+        assert math.isclose(loss, loss_r, rel_tol=1e-5) and math.isclose(norm, norm_r,
+                                                                         rel_tol=1e-5)
+        for p, q in zip(params, params_r):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# --- training under parallel layouts (real gloo ranks) ---------------------------------
+
+def test_bf16_with_offload_tracks_the_serial_bf16_run(tiny_data, tmp_path):
+    """bf16 parameters, fp32 masters and moments on the host (cast to bf16 there before the
+    copy back): 6 steps track the plain bf16 run within tests/test_mixed_precision.py's
+    tolerances, and every parameter is its fp32 master cast down."""
+    bf16 = ["precision=bf16", "optim.lr=1e-2", "optim.warmup_steps=0"]
+    runs = []
+    for extra in ([], ["offload.optimizer=1"]):
+        trainer = _trainer(tiny_data, tmp_path / str(len(runs)), *bf16, *extra)
+        runs.append(_steps(trainer, 6))
+        assert _parameters_are_masters_cast(trainer.engine)
+        assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    plain, offloaded = runs
+    assert plain[-1][0] < plain[0][0] - 0.5  # it learns
+    for (loss, norm, params), (loss_p, norm_p, params_p) in zip(offloaded, plain):
+        assert math.isclose(loss, loss_p, rel_tol=3e-3) and math.isclose(norm, norm_p,
+                                                                         rel_tol=5e-2)
+    moved = sum(float((q.float() - p.float()).square().sum())
+                for p, q in zip(plain[0][2], plain[-1][2]))
+    err = sum(float((q.float() - p.float()).square().sum())
+              for p, q in zip(offloaded[-1][2], plain[-1][2]))
+    assert math.sqrt(err / moved) < 0.25  # a lost or doubled update is of order 1
+
+
+# --- training under parallel layouts (real gloo ranks) ---------------------------------
+
+# (fraction, zero stage) pairs across layouts: 0.5 and 1 under zero 1, 2 and 3; pp2's tied
+# embedding gradient is summed through the host
+LAYOUTS = [["zero=1", "offload.optimizer=0.5"], ["zero=3", "offload.optimizer=1"],
+           ["zero=2", "offload.optimizer=1"], ["tp=2", "sp=true", "zero=1", "offload.optimizer=1"],
+           ["pp=2", "zero=2", "offload.optimizer=0.5"]]
+
+
+@pytest.mark.distributed
+def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
+    """2 steps (fp32, dropout 0, 2-4 micro-batches per step: zero 2/3 copy every
+    micro-batch's reduced gradient) under each of LAYOUTS on 4 ranks: losses, grad norms and
+    every parameter after every step equal the serial run without offload, and every rank
+    holds host state."""
+    steps = 2
+    (serial,), = train_layouts(tmp_path / "serial", 1, [_run(tiny_data)], steps=steps)
+    runs = train_layouts(tmp_path / "par", 4, [_run(tiny_data, *lo) for lo in LAYOUTS],
+                         steps=steps)
+    for layout, ranks in zip(LAYOUTS, runs):
+        assert_equal(serial, ranks)
+        assert all(res["host_bytes"] > 0 for res in ranks), layout
