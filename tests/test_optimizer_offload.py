@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from megalite.config import ConfigError, load_config
-from megalite.layout import validate
+from megalite.layout import Layout, validate
+from megalite.placement_fit import FitCosts, cheapest_fit
+from megalite.plan import make_plan
 from megalite.runtime import init_runtime
 from megalite.train.build import build_trainer
+from megalite.train.host_memory import check_host_memory
 from tests.conftest import TINY
 from tests.layouts import (
     FP32_NO_DROPOUT,
@@ -30,7 +33,10 @@ def _run(tiny_data, *extra):
 
 
 def _trainer(tiny_data, run_dir, *extra):
-    cfg = load_config(TINY + FP32_NO_DROPOUT + _run(tiny_data, *extra))
+    """One rank, 2 blocks, 2 micro-batches per step."""
+    cfg = load_config(TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}",
+                                                "train.micro_batch_size=2",
+                                                "train.global_batch_size=4", *extra])
     validate(cfg, 1)
     return build_trainer(cfg, init_runtime(cfg), run_dir)
 
@@ -46,6 +52,63 @@ def test_fraction_outside_0_1_is_refused_naming_the_key(value):
 def test_cpu_offload_says_it_saves_nothing():
     warnings = validate(load_config(TINY + ["offload.optimizer=0.5"]), 1)
     assert any("offload.optimizer=0.5 on CPU" in w and "saves nothing" in w for w in warnings)
+
+
+def test_plan_places_the_fraction_on_the_host():
+    """zero 2, bf16, dp 8: O and G shrink by the fraction, the host holds master + moments
+    + gradient + copy staging + the bf16 cast buffer; PCIe per step: m gradient copies in,
+    the bf16 parameters out."""
+    base = ["model=gpt2-xl", "zero=2", "train.seq_len=1024", "train.micro_batch_size=4",
+            "train.global_batch_size=128"]
+    plans = [make_plan(c, Layout.from_config(c, 8, "cuda")) for c in (
+        load_config(base), load_config(base + ["offload.optimizer=0.5"]))]
+    off, on = plans[0].stages[0], plans[1].stages[0]
+    owned = off.params / 8
+    assert on.bytes["optimizer"] == pytest.approx(off.bytes["optimizer"] / 2)
+    assert on.bytes["grads"] == pytest.approx(off.bytes["grads"] / 2)
+    assert on.host["optimizer"] == pytest.approx((16 + 4 + 2) * owned / 2)
+    m = 4
+    assert on.pcie["d2h"] == pytest.approx(4 * owned / 2 * m)
+    assert on.pcie["h2d"] == pytest.approx(2 * owned / 2)
+    assert "offloaded (50% of the owned range: fp32 master weights and moments) to host " \
+        "memory" in plans[1].placement["O"]
+    assert "PCIe GB" in plans[1].table() and "PCIe" not in plans[0].table()
+
+
+def test_cheapest_fit_names_the_cheapest_placement_that_fits():
+    """gpt2-xl on one 12 GiB device: only offloading all of the optimizer state fits (one
+    rank: no ZeRO; recompute frees activations, not the 18 GiB of state); at 20 GiB the
+    cheapest mix depends on the rates (free PCIe and host AdamW: offload alone); at 80 GiB it
+    fits as it is; at 6 GiB nothing does."""
+    cfg = load_config(["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=1",
+                       "train.global_batch_size=8"])
+    layout = Layout.from_config(cfg, 1, "cuda")
+    gib = 2**30
+    assert cheapest_fit(cfg, layout, 80 * gib).overrides == ()
+    assert cheapest_fit(cfg, layout, 6 * gib) is None
+    fit = cheapest_fit(cfg, layout, 12 * gib)
+    assert fit.overrides == ("offload.optimizer=1",) and fit.device_bytes <= 12 * gib
+    changed = load_config(["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=1",
+                           "train.global_batch_size=8", *fit.overrides])
+    assert make_plan(changed, layout).peak.bytes["total"] == fit.device_bytes
+    free = FitCosts(pcie_bytes_per_s=1e18, host_adam_per_s=1e18)
+    assert cheapest_fit(cfg, layout, 20 * gib, free).overrides[0].startswith("offload.")
+    mixed = cheapest_fit(cfg, layout, 20 * gib)
+    assert mixed.device_bytes <= 20 * gib and mixed.added_s > 0
+
+
+def test_not_enough_host_memory_counts_every_local_rank_and_the_staging():
+    cfg = load_config(["model=gpt2-xl", "zero=1", "offload.optimizer=1", "train.seq_len=1024",
+                       "train.micro_batch_size=4", "train.global_batch_size=64",
+                       "checkpoint.async_save=true"])
+    layout = Layout.from_config(cfg, 8, "cuda")
+    stage = make_plan(cfg, layout).stages[0]
+    per_rank = stage.host["total"] + 12 * stage.params / 8
+    check_host_memory(cfg, layout, 8, available=int(8 * per_rank) + 1)  # fits
+    with pytest.raises(ConfigError, match=r"offload\.optimizer=1") as e:
+        check_host_memory(cfg, layout, 8, available=int(8 * per_rank) - 2**30)
+    need, have = f"{8 * per_rank / 2**30:.2f} GiB", f"{(8 * per_rank - 2**30) / 2**30:.2f} GiB"
+    assert need in str(e.value) and have in str(e.value) and "staging" in str(e.value)
 
 
 # --- one rank: the split, the buffers, a skipped step, checkpoints both ways ----------
@@ -164,4 +227,10 @@ def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
                          steps=steps)
     for layout, ranks in zip(LAYOUTS, runs):
         assert_equal(serial, ranks)
-        assert all(res["host_bytes"] > 0 for res in ranks), layout
+        cfg = load_config(TINY + FP32_NO_DROPOUT + _run(tiny_data, *layout))
+        plan = make_plan(cfg, Layout.from_config(cfg, 4, "cpu"))
+        for res in ranks:  # the plan's device and host bytes are what the rank holds
+            stage = plan.stages[res["coords"][1]]
+            for kind, got in res["bytes"].items():
+                assert got == pytest.approx(stage.bytes[kind], rel=0.01), (layout, kind)
+            assert res["host_bytes"] == pytest.approx(stage.host["optimizer"], rel=0.01)
