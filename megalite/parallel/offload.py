@@ -155,14 +155,12 @@ class OptimizerOffload:
     def range_of(self, bucket) -> Optional[HostRange]:
         return self.ranges.get(id(bucket))
 
-    def build_optimizers(self, cfg) -> None:
+    def build_optimizers(self, cfg) -> List[torch.optim.AdamW]:
+        """The host AdamW of every range with pieces (after `HostRange.piece` made them)."""
         kind = host_adamw_kind()
         for r in self.ranges.values():
             if r.pieces:
                 r.optimizer = build_adamw(r.pieces, r.decays, cfg, kind)
-
-    @property
-    def optimizers(self) -> List[torch.optim.AdamW]:
         return [r.optimizer for r in self.ranges.values() if r.optimizer is not None]
 
     def _waiting(self):

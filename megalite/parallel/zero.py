@@ -41,6 +41,7 @@ from megalite.layout import Layout
 from megalite.parallel import comm
 from megalite.parallel.bucket import MOMENTS, REDUCTIONS_IN_FLIGHT, Bucket, StatePiece
 from megalite.parallel.flat import Segment
+from megalite.parallel.norms import by_device, squares_fp64
 from megalite.parallel.offload import OptimizerOffload, build_adamw
 from megalite.parallel.topology import Topology
 
@@ -117,15 +118,11 @@ class ZeroEngine:
         kind = "fused" if self.buckets[0].main_grad.device.type == "cuda" else "foreach"
         self.optimizer = build_adamw(pieces, decays, cfg, kind) if pieces else None
         self.optimizers = ([self.optimizer] if pieces else []) + (
-            [] if self.offload is None else self._host_optimizers(cfg))
+            [] if self.offload is None else self.offload.build_optimizers(cfg))
         self._optimizer_of = {id(p): o for o in self.optimizers
                               for g in o.param_groups for p in g["params"]}
         self._norm_grads = [p.grad for p, seg, _ in self.main_params if self._counted(seg)]
         self._all_grads = [p.grad for p, _, _ in self.main_params]
-
-    def _host_optimizers(self, cfg: OptimConfig) -> List[torch.optim.AdamW]:
-        self.offload.build_optimizers(cfg)
-        return self.offload.optimizers
 
     def adam_state(self, piece: nn.Parameter) -> dict:
         """AdamW's state of one master piece (empty before the first step)."""
@@ -257,7 +254,7 @@ class ZeroEngine:
         if coef is not None:
             if isinstance(coef, torch.Tensor):
                 coef = coef.to(torch.float32)  # the gradients' dtype
-            for grads in _by_device(self._all_grads).values():
+            for grads in by_device(self._all_grads).values():
                 torch._foreach_mul_(grads, coef.to(grads[0].device)
                                     if isinstance(coef, torch.Tensor) else coef)
         for optimizer in self.optimizers:
@@ -357,11 +354,9 @@ class ZeroEngine:
             grads += nbytes(b.grad_full if b.grad_full is not None else b.main_grad)
             if b.main is not b.param_region:
                 optim += nbytes(b.main)
-        host = set() if self.offload is None else {id(p) for r in self.offload.ranges.values()
-                                                    for p in r.pieces}
         for piece, _, _ in self.main_params:
-            if id(piece) in host:
-                continue  # `host_state_bytes`
+            if self._optimizer_of[id(piece)] is not self.optimizer:
+                continue  # offloaded: `host_state_bytes`
             state = self.adam_state(piece)
             moments = [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
             # AdamW creates its moments at the first step: count them before that too
@@ -371,24 +366,6 @@ class ZeroEngine:
     def host_state_bytes(self) -> int:
         """Host bytes of the offloaded optimizer state (0 without offload.optimizer)."""
         return 0 if self.offload is None else self.offload.host_bytes()
-
-
-def squares_fp64(pieces: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of every element of `pieces`, accumulated in fp64 (each piece's norm
-    computed in fp64 by `_foreach_norm(..., dtype=float64)`, then squared and summed in fp64):
-    an fp32 accumulation is already off by ~1e-3 relative on one 38M-element piece."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group in _by_device(pieces).values():  # offloaded pieces: on the host
-        norms = torch._foreach_norm(group, 2, dtype=torch.float64)
-        total = total + torch.stack(norms).square().sum().to(device)
-    return total
-
-
-def _by_device(tensors: List[torch.Tensor]) -> Dict[torch.device, List[torch.Tensor]]:
-    groups: Dict[torch.device, List[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return groups
 
 
 def _weak_hook(engine: "ZeroEngine"):
