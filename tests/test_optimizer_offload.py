@@ -29,14 +29,14 @@ from tests.layouts import (
 
 def _run(tiny_data, *extra):
     return [f"data.dir={tiny_data}", "model.n_layer=4", "train.micro_batch_size=1",
-            "train.global_batch_size=8", *extra]
+            "train.global_batch_size=4", *extra]
 
 
 def _trainer(tiny_data, run_dir, *extra):
-    """One rank, 2 blocks, 2 micro-batches per step."""
+    """One rank, 2 blocks, 1 micro-batch per step (zero 0 copies the gradient once a step)."""
     cfg = load_config(TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}",
                                                 "train.micro_batch_size=2",
-                                                "train.global_batch_size=4", *extra])
+                                                "train.global_batch_size=2", *extra])
     validate(cfg, 1)
     return build_trainer(cfg, init_runtime(cfg), run_dir)
 
@@ -131,6 +131,9 @@ def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_d
     host = sum(r.main.numel() for r in offload.ranges.values())
     assert engine.host_state_bytes() == 16 * host  # master, 2 moments, gradient (fp32)
     assert trainer.train_step()[0] is not None  # the moments exist
+    # metrics: host bytes; PCIe per step: zero 0 copies the gradient in once, fp32 params out
+    assert trainer._offload_memory(steps=1) == {
+        "optimizer_offload_host_bytes": 16 * host, "optimizer_offload_pcie_bytes": 8 * host}
     r = offload.order[0]
 
     def snapshot():
@@ -208,17 +211,17 @@ def test_bf16_with_offload_tracks_the_serial_bf16_run(tiny_data, tmp_path):
 
 # --- training under parallel layouts (real gloo ranks) ---------------------------------
 
-# (fraction, zero stage) pairs across layouts: 0.5 and 1 under zero 1, 2 and 3; pp2's tied
-# embedding gradient is summed through the host
+# (fraction, zero stage) pairs across layouts: 0.5 and 1 under zero 1, 2 and 3; pp2
+# (interleaved, 2 chunks per stage): the tied embedding's gradient is summed through the host
 LAYOUTS = [["zero=1", "offload.optimizer=0.5"], ["zero=3", "offload.optimizer=1"],
            ["zero=2", "offload.optimizer=1"], ["tp=2", "sp=true", "zero=1", "offload.optimizer=1"],
-           ["pp=2", "zero=2", "offload.optimizer=0.5"]]
+           ["pp=2", "parallel.virtual_stages=2", "zero=2", "offload.optimizer=0.5"]]
 
 
 @pytest.mark.distributed
 def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
-    """2 steps (fp32, dropout 0, 2-4 micro-batches per step: zero 2/3 copy every
-    micro-batch's reduced gradient) under each of LAYOUTS on 4 ranks: losses, grad norms and
+    """2 steps (fp32, dropout 0; 1 micro-batch per step on dp4, 2 on dp2: zero 2/3 copy
+    every micro-batch's reduced gradient) under each of LAYOUTS on 4 ranks: losses, grad norms and
     every parameter after every step equal the serial run without offload, and every rank
     holds host state."""
     steps = 2
