@@ -71,24 +71,25 @@ def build_adamw(pieces: List[nn.Parameter], decays: List[bool], cfg, kind: str
                              **{kind: True})
 
 
-def _host_zeros(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, pin_memory=pinned)
+def _host_zeros(numel: int, dtype: torch.dtype, pinned: bool, host: torch.device
+                ) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=host, pin_memory=pinned)
 
 
 class HostRange:
     """The offloaded part [cut, hi) of one bucket's owned range [lo, hi) in host memory."""
 
-    def __init__(self, bucket, cut: int, pinned: bool):
+    def __init__(self, bucket, cut: int, pinned: bool, host: torch.device):
         self.bucket, self.cut, self.offset = bucket, cut, cut - bucket.lo
         numel = bucket.hi - cut
         self.accumulate = bucket.reduction.every_micro_batch  # zero 2/3: a sum of copies
-        self.main = _host_zeros(numel, torch.float32, pinned)  # fp32 master weights
+        self.main = _host_zeros(numel, torch.float32, pinned, host)  # fp32 master weights
         self.main.copy_(bucket.main[self.offset:])
-        self.grad = _host_zeros(numel, torch.float32, pinned)
-        self.staging = _host_zeros(numel, torch.float32, pinned) if self.accumulate \
+        self.grad = _host_zeros(numel, torch.float32, pinned, host)
+        self.staging = _host_zeros(numel, torch.float32, pinned, host) if self.accumulate \
             else self.grad  # zero 0/1: the step's one copy lands in the gradient itself
         dtype = bucket.param_region.dtype
-        self.cast = None if dtype == torch.float32 else _host_zeros(numel, dtype, pinned)
+        self.cast = None if dtype == torch.float32 else _host_zeros(numel, dtype, pinned, host)
         self.pieces: List[nn.Parameter] = []
         self.decays: List[bool] = []
         self.optimizer: Optional[torch.optim.AdamW] = None
@@ -143,7 +144,8 @@ class OptimizerOffload:
         self.h2d_bytes = 0
 
     def _split(self, bucket, cut: int) -> HostRange:
-        host = HostRange(bucket, cut, pinned=self.cuda)
+        host = HostRange(bucket, cut, pinned=self.cuda,  # meta: megalite-verify-rank's shapes
+                         host=self.device if self.device.type == "meta" else torch.device("cpu"))
         bucket.segments = bucket.flat.segments(bucket.lo, cut) + \
             bucket.flat.segments(cut, bucket.hi)
         if bucket.main is not bucket.param_region:  # the device master keeps [lo, cut)
