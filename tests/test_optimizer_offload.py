@@ -164,17 +164,17 @@ def _steps(trainer, steps):
 
 
 def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path):
-    """An offloaded run (0.5) saves at step 2, a plain run resumes it and saves at step 3, a
-    fully offloaded run resumes that: steps 3 and 4 equal the plain run's without checkpoints
+    """An offloaded run (0.5) saves at step 1, a plain run resumes it and saves at step 2, a
+    fully offloaded run resumes that: steps 2 and 3 equal the plain run's without checkpoints
     (the format is the same: only where the state lived differs)."""
-    reference = _steps(_trainer(tiny_data, tmp_path / "ref"), 4)
+    reference = _steps(_trainer(tiny_data, tmp_path / "ref"), 3)
     chain, ckpt = [], tmp_path / "ckpt"
-    for i, (extra, steps) in enumerate([(["offload.optimizer=0.5"], 2), ([], 1),
+    for i, (extra, steps) in enumerate([(["offload.optimizer=0.5"], 1), ([], 1),
                                         (["offload.optimizer=1"], 1)]):
         resume = [] if i == 0 else ["checkpoint.resume=auto"]
         trainer = _trainer(tiny_data, tmp_path / str(i), f"checkpoint.dir={ckpt}",
                            *resume, *extra)
-        assert trainer.step == [0, 2, 3][i]
+        assert trainer.step == i
         chain += _steps(trainer, steps)
         trainer.save()
     for (loss, norm, params), (loss_r, norm_r, params_r) in zip(chain, reference):
@@ -214,7 +214,7 @@ def test_bf16_with_offload_tracks_the_serial_bf16_run(tiny_data, tmp_path):
 # (fraction, zero stage) pairs across layouts: 0.5 and 1 under zero 1, 2 and 3; pp2
 # (interleaved, 2 chunks per stage): the tied embedding's gradient is summed through the host
 LAYOUTS = [["zero=1", "offload.optimizer=0.5"], ["zero=3", "offload.optimizer=1"],
-           ["zero=2", "offload.optimizer=1"], ["tp=2", "sp=true", "zero=1", "offload.optimizer=1"],
+           ["tp=2", "sp=true", "zero=1", "offload.optimizer=1"],
            ["pp=2", "parallel.virtual_stages=2", "zero=2", "offload.optimizer=0.5"]]
 
 
