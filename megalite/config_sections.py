@@ -126,6 +126,14 @@ class OffloadConfig:
     #   fp32 master weights and AdamW moments live in host memory, stepped by the CPU AdamW
     #   (0 = off, 1 = all; README: Optimizer offload)
 
+    def messages(self, device_type: str) -> List[str]:
+        """What a run should know about offload.optimizer before it starts."""
+        if self.optimizer > 0 and device_type != "cuda":
+            return [f"offload.optimizer={self.optimizer:g} on CPU: the optimizer state is "
+                    "copied from host memory to host memory, which saves nothing (the offload "
+                    "path runs, for testing); on CUDA it lives in pinned host memory"]
+        return []
+
     def check(self) -> None:
         f = self.optimizer
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:

@@ -19,7 +19,6 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
-from megalite.parallel.offload import offload_messages
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -249,7 +248,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
     _check_other_pairs(cfg)
     device_type = device_type_for(cfg.device, local_gpus)
-    warnings += _check_offload(cfg, device_type) + offload_messages(cfg.offload, device_type)
+    warnings += _check_offload(cfg, device_type) + cfg.offload.messages(device_type)
     return warnings
 
 

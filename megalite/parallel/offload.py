@@ -41,15 +41,6 @@ import torch.nn as nn
 from megalite.parallel.flat import Segment
 
 
-def offload_messages(offload, device_type: str) -> List[str]:
-    """What a run should know about `offload.optimizer` before it starts (layout checks)."""
-    if offload.optimizer > 0 and device_type != "cuda":
-        return [f"offload.optimizer={offload.optimizer:g} on CPU: the optimizer state is "
-                "copied from host memory to host memory, which saves nothing (the offload "
-                "path runs, for testing); on CUDA it lives in pinned host memory"]
-    return []
-
-
 def host_adamw_kind() -> str:
     """'fused' where this PyTorch has the fused CPU AdamW kernel (2.4+), else 'foreach'."""
     try:
