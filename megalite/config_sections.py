@@ -122,8 +122,23 @@ class OffloadConfig:
     activations_layers: Optional[int] = None  # with activations: only the first N blocks of
     #   each pipeline stage (each model chunk with virtual stages) that are not recomputed
     #   (train.recompute_layers come first); None = every block not recomputed
+    optimizer: float = 0.0  # the fraction (0..1) of this rank's owned optimizer range whose
+    #   fp32 master weights and AdamW moments live in host memory, stepped by the CPU AdamW
+    #   (0 = off, 1 = all; README: Optimizer offload)
+
+    def messages(self, device_type: str) -> List[str]:
+        """What a run should know about offload.optimizer before it starts."""
+        if self.optimizer > 0 and device_type != "cuda":
+            return [f"offload.optimizer={self.optimizer:g} on CPU: the optimizer state is "
+                    "copied from host memory to host memory, which saves nothing (the offload "
+                    "path runs, for testing); on CUDA it lives in pinned host memory"]
+        return []
 
     def check(self) -> None:
+        f = self.optimizer
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            fail("offload.optimizer", f, "must be a fraction between 0 and 1 (0 = off, 0.5 = "
+                 "half of each rank's optimizer state in host memory, 1 = all of it)")
         n = self.activations_layers
         if n is not None and (isinstance(n, bool) or n < 1 or not self.activations):
             fail("offload.activations_layers", n,

@@ -17,6 +17,7 @@ from megalite.bench import (
     checkpoint_index,
     flight,
     loader,
+    offload,
     pipeline,
     prepare,
     resilience,
@@ -37,6 +38,8 @@ BENCHMARKS = {
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
+    "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "
+                         "time with and without, torchao's CPUOffloadOptimizer on CUDA"),
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
                                "without"),
     "flight": (flight, "step time with the hang dumps' flight recorder vs without"),

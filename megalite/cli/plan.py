@@ -20,6 +20,7 @@ from typing import List, Optional
 from megalite.calibrate import calibrate_command
 from megalite.cli import config_for_world
 from megalite.layout import Layout
+from megalite.placement_fit import cheapest_fit
 from megalite.plan import GIB, make_plan
 
 
@@ -53,16 +54,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.world_size is None:
         cli.error("the following arguments are required: --world-size")
     cfg = config_for_world(args.overrides, args.world_size, args.gpus_per_node, args.device)
-    plan = make_plan(cfg, Layout.from_config(cfg, args.world_size, args.device))
+    layout = Layout.from_config(cfg, args.world_size, args.device)
+    plan = make_plan(cfg, layout)
     print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             cli.error(f"--gpu-memory-gib={args.gpu_memory_gib}: must be > 0 (e.g. 80)")
         over = [s for s in plan.stages if s.bytes["total"] > args.gpu_memory_gib * GIB]
+        fit = cheapest_fit(cfg, layout, args.gpu_memory_gib * GIB) if over else None
+        advice = f"the cheapest placement that fits: {fit.describe()}" if fit is not None \
+            else "no placement change fits alone"
         for s in over:
             print(f"megalite: stage {s.stage} needs about {s.bytes['total'] / GIB:.1f} GiB per "
-                  f"rank > {args.gpu_memory_gib:g} GiB: raise zero, tp or pp, set "
-                  "train.recompute=true or lower train.micro_batch_size", file=sys.stderr)
+                  f"rank > {args.gpu_memory_gib:g} GiB; {advice}; or raise tp or pp, or lower "
+                  "train.micro_batch_size", file=sys.stderr)
         if over:
             sys.exit(3)
 

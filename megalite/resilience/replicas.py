@@ -85,7 +85,7 @@ def fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
     sums = [t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
-            for t in tensors]
+            .to(device) for t in tensors]  # offload.optimizer: some are on the host
     return torch.stack(sums)
 
 
@@ -169,7 +169,7 @@ def replica_sets(engine, topo: Topology, tp_rtol: float = 0.0) -> List[ReplicaSe
         for piece, seg, b in engine.main_params:
             if b.main is not b.param_region:
                 _add(dp, f"{seg.spec.name} (fp32 master)", piece)
-            state = engine.optimizer.state.get(piece, {})
+            state = engine.adam_state(piece)
             for kind in MOMENTS:
                 if kind in state:
                     _add(dp, f"{seg.spec.name} (AdamW {kind})", state[kind])

@@ -74,7 +74,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
     model = build_model(cfg, runtime, stages[c.pp_rank], rng)
     engine = ZeroEngine(model, topo, layout, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
                         reshard_after_forward=cfg.parallel.reshard_after_forward,
-                        overlap_param_gather=cfg.parallel.overlap_param_gather)
+                        overlap_param_gather=cfg.parallel.overlap_param_gather,
+                        offload_optimizer=cfg.offload.optimizer)
     schedule = PipelineSchedule(
         model.chunks, topo, engine,
         (layout.activation_seq_len(t.seq_len), t.micro_batch_size, cfg.model.n_embd),
@@ -182,6 +183,8 @@ def attach_resilience(trainer: Trainer) -> None:
     waits = CollectiveWaits(DeviceClock(rt.device)) if res.straggler_report_every else None
     topo.counter.waits = waits
     trainer.timers = StepTimers(rt.device, waits)
+    if trainer.engine.offload is not None:  # its waits on copies: the offload_wait phase
+        trainer.engine.offload.timers = trainer.timers
     if res.check_every:
         trainer.replicas = ReplicaCheck(trainer.engine, topo, rt.device, res.check_every,
                                         trainer.layout.sequence_parallel, res.tp_rtol)
