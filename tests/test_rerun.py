@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +266,43 @@ def test_a_drill_the_run_cannot_reach_is_refused_before_launch(inject, what):
                        "train.max_steps=300", "resilience.rerun=on_spike",
                        "resilience.spike_warmup=10"])
     validate(cfg, 2)  # the last step is a step the run reaches
+
+
+# --- scripts/slurm/pretrain.sbatch on a fault ----------------------------------------------
+
+SBATCH = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "pretrain.sbatch"
+
+
+def _sbatch(tmp_path: Path, srun_body: str, nodes: str = "gpu07\ngpu08"):
+    """The script with a fake srun (`srun_body`) and scontrol (`nodes`) first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("srun", srun_body), ("scontrol", f"printf '{nodes}\\n'")):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+           "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
+           "RUN_DIR": str(tmp_path / "run"), "MEGALITE_DIR": str(tmp_path),
+           "FAULT_POLL_S": "0.1", "HEAD_NODE": "gpu07"}
+    return subprocess.run(["/bin/bash", str(SBATCH), "model=tiny"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_sbatch_stops_the_job_step_on_a_fault_and_exits_with_the_hardware_code(tmp_path):
+    """The workers' fault.json appears while the step runs: the script stops the step (the
+    fake srun would run 60 s more, as torchrun restarting would) and exits 75, naming the
+    node to exclude. A later job on an allocation with that node refuses to start; one
+    without it moves the file aside and runs."""
+    fault = tmp_path / "run" / "resilience" / "fault.json"
+    t0 = time.monotonic()
+    proc = _sbatch(tmp_path, f"mkdir -p {fault.parent}\n"
+                   f"echo '{{\"rank\": 3, \"node\": \"gpu08\"}}' > {fault}\nexec sleep 60")
+    assert proc.returncode == HARDWARE_FAULT_EXIT, proc.stderr
+    assert time.monotonic() - t0 < 20
+    assert "sbatch --exclude=gpu08" in proc.stderr, proc.stderr
+    again = _sbatch(tmp_path, "exit 0")
+    assert again.returncode == HARDWARE_FAULT_EXIT and "node gpu08" in again.stderr
+    assert fault.exists()
+    elsewhere = _sbatch(tmp_path, "exit 0", nodes="gpu01\ngpu02")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert not fault.exists() and len(list(fault.parent.glob("fault-*.json"))) == 1
