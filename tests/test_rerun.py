@@ -57,21 +57,23 @@ def _drill(rank, world, tiny_data, run_dir, overrides):
             "published": sorted(p.name for p in (Path(run_dir) / "ckpt").glob("step_*"))}
 
 
-def _poisoned(rank, world, tiny_data, run_dir, overrides):
+def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
     """Every rank's embedding turns a micro-batch with a sequence of POISON tokens only into
     NaN (the data's fault, wherever it is computed); DP replica 1's step POISONED_STEP gets
     such a sequence."""
     trainer = _trainer(tiny_data, run_dir, world, "log.every=1", *overrides)
     chunk = trainer.model.chunks[0]
-    chunk.transformer.wte.register_forward_hook(
-        lambda module, args, out: out * math.nan if (args[0] == POISON).all(0).any() else out)
+    if chunk.first:
+        chunk.transformer.wte.register_forward_hook(
+            lambda module, args, out: out * math.nan if (args[0] == POISON).all(0).any()
+            else out)
     next_step, seen = trainer.batches.next_step, {}
 
     def poisoned_next_step(*args):
         micro_batches = next_step(*args)
         if trainer.step + 1 == POISONED_STEP:
             seen["samples"] = trainer.batches.last_samples
-            if trainer.topo.coords.dp_rank == 1:
+            if trainer.topo.coords.dp_rank == replica and micro_batches[1][0] is not None:
                 micro_batches[1][0][0, :] = POISON
         return micro_batches
 
@@ -79,12 +81,21 @@ def _poisoned(rank, world, tiny_data, run_dir, overrides):
     records = trainer.fit()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     skips = Path(run_dir) / "resilience" / "data_skips.jsonl"
+    unresolved = Path(run_dir) / "resilience" / "unresolved.jsonl"
+    resumed = None
+    if trainer.rerun is not None:  # the last step's checkpoint carries the rerun statistics
+        again = _trainer(tiny_data, run_dir, world, "checkpoint.resume=auto", *overrides)
+        resumed = again.rerun.state_dict() == trainer.rerun.state_dict()
     return {"losses": [r["loss"] for r in records], "skipped": trainer.skipped_steps,
+            "rerun_state": None if trainer.rerun is None else trainer.rerun.state_dict(),
+            "resumed_state_equal": resumed,
             "data_skips": None if trainer.rerun is None else trainer.rerun.data_skips,
             "fingerprint": fingerprint(list(params.values()), torch.device("cpu")).tolist(),
             "samples": seen["samples"], "dp_rank": trainer.topo.coords.dp_rank,
             "log": [json.loads(line) for line in skips.read_text().splitlines()]
-            if skips.exists() else []}
+            if skips.exists() else [],
+            "unresolved": [json.loads(line) for line in unresolved.read_text().splitlines()]
+            if unresolved.exists() else []}
 
 
 def _all_runs(rank, world, tiny_data, run_dir):
@@ -100,6 +111,8 @@ def _all_runs(rank, world, tiny_data, run_dir):
         "data": _poisoned(rank, world, tiny_data, f"{run_dir}/data",
                           ["zero=1", "resilience.rerun=on_nan"]),
         "skipping": _poisoned(rank, world, tiny_data, f"{run_dir}/skip", ["zero=1"]),
+        "dp1": _poisoned(rank, world, tiny_data, f"{run_dir}/dp1",
+                         ["pp=2", "resilience.rerun=on_nan"], replica=0),
     }
 
 
@@ -150,11 +163,31 @@ def test_bad_data_is_logged_skipped_and_the_run_equals_one_that_skips_the_batch(
         assert all(x is not None for i, x in enumerate(data["losses"]) if i != 1)
         assert data["fingerprint"] == skipping["fingerprint"]
         assert skipping["skipped"] == 1 and skipping["data_skips"] is None
+        state = data["rerun_state"]  # 3 applied steps recorded; the bad batch was not
+        assert state["detector"]["recorded"] == STEPS - 1 and state["data_skips"] == 1, state
+        assert len(state["detector"]["history"]["grad_norm"]) == STEPS - 1, state
+        assert data["resumed_state_equal"] is True  # through the checkpoint's state_dict()
     replica1 = next(r["data"] for r in runs if r["data"]["dp_rank"] == 1)
     log = runs[0]["data"]["log"]
     assert len(log) == 1 and log[0]["step"] == POISONED_STEP and log[0]["replicas"] == [1], log
     assert log[0]["samples"] == {"1": [list(s) for s in replica1["samples"]]}, log
     assert len(log[0]["samples"]["1"]) == 4  # replica 1's half of the global batch of 8
+
+
+@pytest.mark.distributed
+def test_with_one_replica_a_reproduced_step_is_skipped_as_unresolved(runs):
+    """pp 2, dp 1: the re-execution reproduces the poisoned step and no other replica can
+    recompute it, so it is neither blamed on the data nor on a device: logged as unresolved
+    (a restart excluding the node would tell), skipped and counted; the run goes on."""
+    for res in runs:
+        run = res["dp1"]
+        assert run["skipped"] == 1 and run["data_skips"] == 0 and run["log"] == [], run
+        assert run["rerun_state"]["unresolved"] == 1, run
+        assert run["losses"][POISONED_STEP - 1] is None, run["losses"]
+        assert sum(x is not None for x in run["losses"]) == STEPS - 1
+    entry = runs[0]["dp1"]["unresolved"]
+    assert len(entry) == 1 and entry[0]["step"] == POISONED_STEP
+    assert [list(s) for s in runs[0]["dp1"]["samples"]] == entry[0]["samples"]
 
 
 # --- pure logic, no ranks --------------------------------------------------------------
