@@ -30,7 +30,7 @@ from tests.layouts import FP32_NO_DROPOUT
 
 POISON = 7  # a sequence of this token only: the data test makes its embedding NaN
 POISONED_STEP = 2
-STEPS = 4
+STEPS = 3
 
 
 def _trainer(tiny_data, run_dir, world, *extra):
@@ -79,7 +79,7 @@ def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
 
     trainer.batches.next_step = poisoned_next_step
     records = trainer.fit()
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    masters = [piece.detach() for piece, _, _ in trainer.engine.main_params]  # any zero stage
     skips = Path(run_dir) / "resilience" / "data_skips.jsonl"
     unresolved = Path(run_dir) / "resilience" / "unresolved.jsonl"
     resumed = None
@@ -90,7 +90,7 @@ def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
             "rerun_state": None if trainer.rerun is None else trainer.rerun.state_dict(),
             "resumed_state_equal": resumed,
             "data_skips": None if trainer.rerun is None else trainer.rerun.data_skips,
-            "fingerprint": fingerprint(list(params.values()), torch.device("cpu")).tolist(),
+            "fingerprint": fingerprint(masters, torch.device("cpu")).tolist(),
             "samples": seen["samples"], "dp_rank": trainer.topo.coords.dp_rank,
             "log": [json.loads(line) for line in skips.read_text().splitlines()]
             if skips.exists() else [],

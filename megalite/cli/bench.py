@@ -18,6 +18,7 @@ from megalite.bench import (
     loader,
     pipeline,
     prepare,
+    rerun,
     resilience,
     tensor,
     train,
@@ -38,6 +39,7 @@ BENCHMARKS = {
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
                                "without"),
+    "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
 }
 
 
