@@ -339,3 +339,28 @@ def test_sbatch_stops_the_job_step_on_a_fault_and_exits_with_the_hardware_code(t
     elsewhere = _sbatch(tmp_path, "exit 0", nodes="gpu01\ngpu02")
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert not fault.exists() and len(list(fault.parent.glob("fault-*.json"))) == 1
+
+
+def test_an_overflow_the_loss_scale_absorbs_is_not_suspicious():
+    """fp16: a non-finite norm while the dynamic scale can still shrink is the scale's to
+    absorb (no rerun); at the scale's floor it is suspicious."""
+    from types import SimpleNamespace
+
+    from megalite.config_sections import ResilienceConfig
+    from megalite.resilience.rerun import RerunAttribution
+    from megalite.train.loss_scale import LossScaler
+
+    scaler = LossScaler(scale=1024.0, min_scale=1.0)
+    engine = SimpleNamespace(grad_launching=[])
+    rerun = RerunAttribution(ResilienceConfig(rerun="on_nan"), topo=None,
+                             device=torch.device("cpu"), engine=engine, rng=None,
+                             run_dir=Path("."), loss_scaler=scaler)
+    assert engine.grad_launching == [rerun._add_local_grad]
+    called = []
+    rerun._rerun = lambda *args: called.append(args) or True
+    inf, loss = torch.tensor(math.inf), torch.tensor(2.0)
+    assert rerun.judge(3, loss, inf, [], [], None) is False and not called
+    assert rerun.judge(3, loss, torch.tensor(1.0), [], [], None) is False and not called
+    scaler.scale = scaler.min_scale  # at the floor: the run itself is non-finite
+    assert rerun.judge(3, loss, inf, [], [], None) is True and len(called) == 1
+    assert rerun.detector.recorded == 1  # only the finite step entered the statistics

@@ -11,7 +11,8 @@ replica's micro-batches, ending in a data verdict (the batch skipped), or with d
 unresolved. Reported per layout from rank 0's clock: the median seconds per step off and on,
 their ratio (the cost of a step that is not suspicious: the saved random streams and one pass
 over the local gradient), and the median suspicious step relative to a step off (a transient
-fault's step costs the first two executions of it before the run stops).
+fault's step costs the first two executions of it before the run stops). `--control` runs
+the 'on' steps without the rerun too: its on/off is the noise of the comparison.
 
 The data: `--data` (a prepared directory), or the standard library corpus of
 `megalite.bench.resilience` prepared into a temporary directory first.
@@ -64,10 +65,10 @@ def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, r
         for n in range(args.warmup + args.steps):
             suspicious = n % args.suspicious_every == args.suspicious_every - 1
             on = suspicious or n % 4 in (0, 3)
-            trainer.rerun = rerun if on else None
-            if on and tap not in listeners:
+            trainer.rerun = rerun if on and not (args.control and not suspicious) else None
+            if trainer.rerun is not None and tap not in listeners:
                 listeners.append(tap)
-            elif not on and tap in listeners:
+            elif trainer.rerun is None and tap in listeners:
                 listeners.remove(tap)
             rerun.detector.suspicious = (lambda values: ["made suspicious by the benchmark"]) \
                 if suspicious else judge
@@ -101,6 +102,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per layout")
     parser.add_argument("--suspicious-every", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--control", action="store_true",
+                        help="A/A: the 'on' steps without the rerun too (the noise of on/off)")
     parser.add_argument("--data", default=None, help="a prepared data directory")
 
 
@@ -113,7 +116,7 @@ def run(args) -> None:
     print(f"preset {args.preset} {' '.join(args.model)}, seq {args.seq_len}, micro-batch "
           f"{args.micro_batch}, global batch {args.global_batch}, {args.world} ranks on "
           f"{args.device}; resilience.rerun=on_nan, every {args.suspicious_every}th step made "
-          f"suspicious; {args.steps} steps")
+          f"suspicious; {args.steps} steps" + (" (A/A control)" if args.control else ""))
     print("| layout | ms/step off | ms/step on | on/off | suspicious step ms (n) | "
           "suspicious/off | executions |")
     print("|---|---|---|---|---|---|---|")

@@ -21,8 +21,8 @@ says whether a device or the data is to blame.
     A fault verdict writes <run dir>/resilience/fault.json and raises HardwareFaultError on
     every rank (the CLI exits with HARDWARE_FAULT_EXIT; `megalite.resilience.faults`).
 
-Cost: a step that is not suspicious costs the saved random-stream states and one pass over
-the local gradient (its sum of squares as the reduction starts), plus with on_spike one
+Cost: a step that is not suspicious costs the saved random-stream states and one fp32 pass
+over the local gradient (its norm as the reduction starts), plus with on_spike one
 all-reduce of the loss. A suspicious step costs one more execution, with dp >= 2 two more
 (and an all-gather of the micro-batches' tokens over DP).
 """
@@ -74,7 +74,11 @@ class RerunAttribution:
         engine.grad_launching.append(self._add_local_grad)
 
     def _add_local_grad(self, bucket, grad: torch.Tensor) -> None:
-        self._grad_sq += squares_fp64([grad], self.device)
+        """The engine's grad_launching listener: the squared norm of the bucket's local
+        gradient, added up in fp64. The norm itself is an fp32 reduction: a deterministic
+        fingerprint is all it has to be, and on a CPU an fp64 pass costs ~25x more (0.95 s
+        against 0.036 s for 124M elements)."""
+        self._grad_sq += torch._foreach_norm([grad], 2)[0].double().square()
 
     def before_step(self) -> None:
         """Remember the random streams the step starts from (before its first execution)."""

@@ -5,8 +5,8 @@ A rank's *local results* of one execution of a step are three numbers, each comp
 what the rank itself computed:
 
     loss         its mean loss over its micro-batches (the last pipeline stage; 0 elsewhere)
-    grad_local   the sum of squares of its local gradient *before* the data-parallel
-                 reduction (what its own backward produced)
+    grad_local   the squared norm of its local gradient *before* the data-parallel
+                 reduction (what its own backward produced; an fp32 norm per bucket)
     grad_reduced the sum of squares of its owned range of the reduced gradient
 
 A faulty rank's forward changes its loss (and its gradient); a faulty backward changes its
