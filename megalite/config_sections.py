@@ -156,7 +156,7 @@ class ResilienceConfig:
     rerun_tolerance: float = 0.0  # relative difference under which two executions agree
     #   (0 = bitwise; raise it where the backward has nondeterministic kernels, e.g. atomics)
     inject: Optional[str] = None  # fault drill (megalite.resilience.inject_spec), e.g.
-    #   "rank=1,step=3,target=param,kind=transient"; refused unless allow_inject=true
+    #   rank:1/step:3/target:param/kind:transient; refused unless allow_inject=true
     allow_inject: bool = False  # the explicit switch that lets resilience.inject run
 
     def check(self) -> None:

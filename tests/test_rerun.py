@@ -99,7 +99,7 @@ def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
 
 
 def _all_runs(rank, world, tiny_data, run_dir):
-    inject = "resilience.inject='rank={},step=2,target={},kind={}'"
+    inject = "resilience.inject=rank:{}/step:2/target:{}/kind:{}"  # the unquoted form
     return {
         "transient param": _drill(rank, world, tiny_data, f"{run_dir}/tp", [
             "zero=1", "resilience.rerun=on_nan", inject.format(1, "param", "transient")]),
@@ -263,6 +263,7 @@ def test_flip_bit_flips_one_bit_and_back():
 
 def test_the_drill_spec_parses_with_defaults():
     assert parse_inject("rank=1, step=3") == InjectSpec(rank=1, step=3)
+    assert parse_inject("rank:1/step:3") == InjectSpec(rank=1, step=3)
     spec = parse_inject("rank=0,step=2,target=grad,kind=persistent,tensor=x,index=5,bit=3")
     assert (spec.target, spec.kind, spec.tensor, spec.index, spec.bit) == \
         ("grad", "persistent", "x", 5, 3)

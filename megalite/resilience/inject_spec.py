@@ -3,7 +3,11 @@ which step, and whether the fault is transient or persistent (`megalite.resilien
 applies it). Real API for drills, as Megatron's fault-injection flags are: it is refused unless
 `resilience.allow_inject=true`, and at a step the run never reaches.
 
-    resilience.inject="rank=1,step=3,target=param,kind=transient,tensor=transformer.h.0.ln_1.weight,index=0,bit=30"
+    resilience.inject=rank:1/step:3/target:param/kind:transient
+    'resilience.inject="rank=1,step=3,target=param,kind=transient,index=0,bit=30"'
+
+(items separated by `/` or `,`, keys from values by `:` or `=`; the first form needs no
+quoting on a command line, the second is a quoted Hydra string.)
 
     rank    global rank whose device misbehaves (required)
     step    the optimizer step (1-based, as in metrics.jsonl) at which it does (required)
@@ -22,12 +26,13 @@ it found it: what it exercises is the attribution of the step (`resilience.rerun
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megalite.config_errors import fail
 
 KEY = "resilience.inject"
-EXAMPLE = "e.g. rank=1,step=3,target=param,kind=transient"
+EXAMPLE = "e.g. rank:1/step:3/target:param/kind:transient"
 TARGETS = ("param", "grad")
 KINDS = ("transient", "persistent")
 
@@ -46,10 +51,11 @@ class InjectSpec:
 def parse_inject(spec: str) -> InjectSpec:
     """The drill `spec` names (ConfigError naming resilience.inject when malformed)."""
     fields = {}
-    for item in str(spec).split(","):
-        key, sep, value = item.strip().partition("=")
-        if not sep or key not in InjectSpec.__dataclass_fields__:
-            fail(KEY, spec, f"{item.strip()!r} is not key=value with a key among "
+    for item in re.split(r"[,/]", str(spec)):
+        parts = re.split(r"[=:]", item, maxsplit=1)
+        key, value = parts[0].strip(), parts[-1]
+        if len(parts) < 2 or key not in InjectSpec.__dataclass_fields__:
+            fail(KEY, spec, f"{item.strip()!r} is not key:value (or key=value) with a key among "
                  f"{', '.join(InjectSpec.__dataclass_fields__)}; {EXAMPLE}")
         fields[key] = value.strip()
     for key in ("rank", "step"):
