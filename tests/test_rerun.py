@@ -365,3 +365,12 @@ def test_an_overflow_the_loss_scale_absorbs_is_not_suspicious():
     scaler.scale = scaler.min_scale  # at the floor: the run itself is non-finite
     assert rerun.judge(3, loss, inf, [], [], None) is True and len(called) == 1
     assert rerun.detector.recorded == 1  # only the finite step entered the statistics
+
+
+def test_a_parameter_drill_under_zero3_is_refused_before_launch():
+    cfg = load_config(["resilience.inject=rank:0/step:1", "resilience.allow_inject=true",
+                       "zero=3"])
+    with pytest.raises(ConfigError, match=r"^resilience\.inject=.*zero=3"):
+        validate(cfg, 2)
+    validate(load_config(["resilience.inject=rank:0/step:1/target:grad",
+                          "resilience.allow_inject=true", "zero=3"]), 2)
