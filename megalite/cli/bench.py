@@ -20,6 +20,7 @@ from megalite.bench import (
     offload,
     pipeline,
     prepare,
+    rerun,
     resilience,
     tensor,
     train,
@@ -43,6 +44,7 @@ BENCHMARKS = {
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
                                "without"),
     "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
+    "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
 }
 
 
