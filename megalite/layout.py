@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
+from megalite.schedule_rules import check_schedule
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -241,6 +242,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     _check_device(cfg, local_gpus, local_ranks)
     warnings += _check_precision(cfg, device_type_for(cfg.device, local_gpus), gpu)
     _check_model_split(cfg)
+    check_schedule(cfg)
     if local_gpus is not None and cfg.tp > local_gpus:
         warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
                         "group's all-reduces in every layer will cross the inter-node network "
