@@ -68,12 +68,13 @@ def run_weight_grads(weight_grads: Sequence[WeightGrad]) -> None:
     layers use gets the sum, as in one backward)."""
     params: Dict[int, nn.Parameter] = {}
     grads: Dict[int, torch.Tensor] = {}
-    for weight_grad in weight_grads:
-        for p, g in weight_grad():
-            if id(p) in grads:
-                grads[id(p)] = grads[id(p)] + g
-            else:
-                params[id(p)], grads[id(p)] = p, g
+    with torch.no_grad():  # as inside a backward: the gradients build no graph
+        pairs = [pair for weight_grad in weight_grads for pair in weight_grad()]
+    for p, g in pairs:
+        if id(p) in grads:
+            grads[id(p)] = grads[id(p)] + g
+        else:
+            params[id(p)], grads[id(p)] = p, g
     if params:
         torch.autograd.backward(tuple(params.values()), tuple(grads[k] for k in params))
 
