@@ -329,11 +329,13 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
               f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
               f"of {good}, e.g. {good * max(1, round(t.global_batch_size / good))}")
     if cfg.pp > 1 and num_micro < cfg.pp:
-        bubble = (cfg.pp - 1) / (v * num_micro + cfg.pp - 1)
+        from megalite.parallel.schedule import expected_bubble  # (it imports this module)
+
+        bubble = expected_bubble(cfg.pp, num_micro, v, cfg.parallel.schedule)
         warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
                         f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
-                        f"((p-1)/(m+p-1)); raise train.global_batch_size or lower "
-                        "train.micro_batch_size")
+                        f"({cfg.parallel.schedule} schedule); raise train.global_batch_size or "
+                        "lower train.micro_batch_size")
     if cfg.zero > 0 and dp == 1:
         warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
                         "changes no memory and only adds copies); use zero=0 or more ranks")

@@ -271,3 +271,13 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     expected = from_step(serial[4], 5)
     for res in resumed:  # the first 5 steps after the resume (val: after 10 of them)
         assert_equal({**expected, "val": res["val"]}, [_first_steps(res, 5)])
+
+
+def test_few_micro_batches_warn_with_the_schedules_bubble():
+    """m < pp runs (the pipeline cannot fill); the warning gives the schedule's own idle share:
+    ZB-H1 at pp=4, m=2: 1 - 6/(2·2 + 2·4 - 1) = 45%, 1F1B: 3/5 = 60%."""
+    for schedule, share in (("zb-h1", "45%"), ("1f1b", "60%")):
+        cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
+                           "train.global_batch_size=8", "pp=4", f"parallel.schedule={schedule}"])
+        (warning,) = [w for w in validate(cfg, 4) if "micro-batches" in w]
+        assert share in warning and schedule in warning
