@@ -173,7 +173,8 @@ class PipelineSchedule:
 
     `chunks` are this rank's model chunks (one GPT2 stage each; several with the interleaved
     schedule), `chunk(inputs, labels)` the forward; `engine` gets told before each backward
-    whether it is its chunk's last of the step (data-parallel gradient sync happens there).
+    (each B and each W under a zero-bubble schedule) which of the step's micro-batches the
+    gradients that follow belong to (its buckets complete, and sync over DP, per micro-batch).
     For pp = 1 this is plain gradient accumulation: forward, backward, for each micro-batch.
     Training and evaluation run the same round loop (`_run`). `schedule` is
     `parallel.schedule` (auto: interleaved with several chunks, else 1F1B).
