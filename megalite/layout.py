@@ -138,6 +138,7 @@ class ChunkPlacement:
 
     pp_size: int
     virtual_stages: int = 1
+    v_shape: bool = False  # zero-bubble ZB-V: 2 chunks, rank s holds slices s and 2p - 1 - s
 
     @property
     def slices(self) -> int:
@@ -145,10 +146,15 @@ class ChunkPlacement:
 
     def slice_of(self, stage: int, chunk: int) -> int:
         """The model slice that is chunk `chunk` of pipeline rank `stage`."""
+        if self.v_shape:
+            return stage if chunk == 0 else 2 * self.pp_size - 1 - stage
         return chunk * self.pp_size + stage
 
     def owner(self, model_slice: int) -> Tuple[int, int]:
         """(stage, chunk) holding `model_slice`."""
+        if self.v_shape:
+            p = self.pp_size
+            return (model_slice, 0) if model_slice < p else (2 * p - 1 - model_slice, 1)
         return model_slice % self.pp_size, model_slice // self.pp_size
 
     def holds_first(self, stage: int, chunk: int) -> bool:

@@ -18,9 +18,10 @@ def check_schedule(cfg: Config) -> None:
               f"parallel.virtual_stages=1 (now {v}), or use interleaved / auto with "
               f"virtual_stages={v}")
     if name == "zb-v":
-        fail("parallel.schedule", name, "the zb-v schedule (V placement, two chunks per rank) "
-              "is not built yet; use zb-h1 (zero bubble, one chunk per stage), 1f1b or "
-              "interleaved")
+        fail("parallel.schedule", name, "running the zb-v schedule (V placement, two chunks "
+              "per rank, the tied embedding as one parameter on rank 0) is not built yet (its "
+              "order is, in megalite.parallel.schedule); use zb-h1 (zero bubble, one chunk per "
+              "stage), 1f1b or interleaved")
     if name not in ZERO_BUBBLE:
         return
     if pp < 2:

@@ -126,6 +126,56 @@ def test_zb_h1_rounds(pp, m):
     assert Op(OpKind.WEIGHT, 0, 0) in stage_order(pp, 0, m, 1, "zb-h1")
 
 
+def _simulate_v(pp: int, m: int) -> int:
+    """Independent reference for ZB-V: rank s holds model slices s (chunk 0) and 2p - 1 - s
+    (chunk 1); an F of slice k needs slice k - 1's F of that micro-batch, a B slice k + 1's B, a
+    W its own B; one time unit per operation. Returns the makespan."""
+    orders = [[(op.kind.value, op.chunk, op.micro_batch)
+               for op in stage_order(pp, s, m, 2, "zb-v")] for s in range(pp)]
+    slice_of = {(s, c): s if c == 0 else 2 * pp - 1 - s for s in range(pp) for c in (0, 1)}
+    done, position, t = {}, [0] * pp, 0
+    while any(position[s] < len(orders[s]) for s in range(pp)):
+        ready = []
+        for s in range(pp):
+            if position[s] == len(orders[s]):
+                continue
+            kind, c, i = orders[s][position[s]]
+            k = slice_of[(s, c)]
+            need = {F: (F, k - 1, i) if k > 0 else None,
+                    B: (B, k + 1, i) if k < 2 * pp - 1 else None, W: (B, k, i)}[kind]
+            if need is None or done.get(need, t + 1) <= t:
+                ready.append((kind, k, i, s))
+        assert ready, f"deadlock at {position}"
+        for kind, k, i, s in ready:
+            done[(kind, k, i)] = t + 1
+            position[s] += 1
+        t += 1
+    return t
+
+
+@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 6], [1, 2, 4, 5, 8, 12])))
+def test_zb_v_order(pp, m):
+    """ZB-V (order only; running it is refused): every chunk's F, B, W once per micro-batch, W
+    after its B; at most 2p chunk activations in flight (p micro-batches of a whole stage,
+    1F1B's peak); transfers follow the V (the turn from slice p - 1 to slice p stays on rank
+    p - 1); the rounds take as long as the independent simulation, which gives the formula."""
+    for s in range(pp):
+        order = [(op.kind.value, op.chunk, op.micro_batch) for op in stage_order(pp, s, m, 2, "zb-v")]
+        assert sorted(order) == sorted((k, c, i) for k in (F, B, W) for c in (0, 1)
+                                       for i in range(m))
+        assert all(order.index((B, c, i)) < order.index((W, c, i))
+                   for c in (0, 1) for i in range(m))
+        assert max_in_flight(pp, s, m, 2, "zb-v") <= 2 * pp
+    rounds = plan_rounds(pp, m, 2, False, "zb-v")
+    length = max(r[-1].index for r in rounds) + 1
+    assert length == _simulate_v(pp, m)
+    assert 1 - 6 * m / length == pytest.approx(expected_bubble(pp, m, 2, "zb-v"))
+    turn = [t for r in rounds[pp - 1] for t in r.sends if t.kind == F and t.dst == pp - 1]
+    assert len(turn) == m and all(t.chunk == 1 for t in turn)  # slice p-1 -> p on one rank
+    if m >= 2 * pp:  # idle (p - 1) chunk units = half of ZB-H1's p - 1 stage units
+        assert expected_bubble(pp, m, 2, "zb-v") < expected_bubble(pp, m, 1, "zb-h1")
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["parallel.schedule=zb-h2"], "parallel.schedule"),
     (["parallel.schedule=interleaved"], "virtual_stages >= 2"),

@@ -32,6 +32,15 @@ p). With unit times F = B = W (1F1B's backward = B + W = 2), m >= p: a step take
 units, the bubble is (p - 1) / (3m + p - 1), a third of 1F1B's (p - 1)(F + B + W) idle units per
 stage; with m < p the pipeline cannot fill and a step takes 2m + 2p - 1.
 
+ZB-V (Qi et al. 2024 §6; `zb_v_order`, the construction of torch's ScheduleZBVZeroBubble): two
+chunks per rank in a V — rank s holds model slices s and 2p - 1 - s (`ChunkPlacement(v_shape=
+True)`), so rank 0 holds both the embedding and the LM head. With unit times per chunk
+operation a step takes 6m + p - 1 units for m >= (3p - 1) / 2 (bubble (p - 1) / (6m + p - 1),
+half of ZB-H1's in stage time), with at most 2p chunk activations (p micro-batches of a whole
+stage: 1F1B's peak) in flight. Only the order and its rounds are built: running it (the tied
+embedding as one parameter on rank 0, the V partition, its checkpoint) is not, and
+`parallel.schedule=zb-v` is refused before launch.
+
 Transfers go in rounds. All stages' orders are simulated together with one time unit per
 forward or backward: in round r each stage runs its next operation if its input arrived in an
 earlier round, and what it produces is sent in round r's exchange, where the receiver posts the
@@ -137,6 +146,49 @@ def zb_h1_order(pp: int, stage: int, m: int) -> List[Op]:
     return order + [Op(W, 0, i) for i in range(weights, m)]
 
 
+def zb_v_order(pp: int, stage: int, m: int) -> List[Op]:
+    """ZB-V's operations of `stage` (Qi et al. 2024 §6; the construction of
+    torch.distributed.pipelining's ScheduleZBVZeroBubble): chunk 0 is model slice s, chunk 1
+    slice 2p - 1 - s (the V placement). Built for max(m, 2p - 1) micro-batches, keeping those
+    below m (the pipeline needs 2p - 1 to fill)."""
+    n = max(2 * pp - 1, m)
+    order: List[Op] = []
+    count = {(k, c): 0 for k in (F, B, W) for c in (0, 1)}
+
+    def run(kind: OpKind, chunk: int, micro_batch: Optional[int] = None) -> None:
+        i = count[(kind, chunk)] if micro_batch is None else micro_batch
+        count[(kind, chunk)] += micro_batch is None
+        order.append(Op(kind, chunk, i))
+
+    for _ in range(2 * (pp - stage) - 1):
+        run(F, 0)
+    for _ in range(stage):
+        run(F, 1)
+        run(F, 0)
+    for _ in range(pp - stage):
+        run(F, 1)
+        run(B, 1)
+        run(W, 1)
+    while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < n:
+        if count[(F, 0)] < n:
+            run(F, 0)
+        run(B, 0)
+        run(W, 0)
+        run(F, 1)
+        run(B, 1)
+        run(W, 1)
+    for _ in range(stage):
+        run(B, 0)
+        run(B, 1)
+    for _ in range(pp - stage):
+        run(B, 0)
+        run(W, 0)
+    for chunk in (1, 0):
+        while count[(W, chunk)] < count[(B, chunk)]:
+            run(W, chunk)
+    return [op for op in order if op.micro_batch < m]
+
+
 def stage_order(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto") -> List[Op]:
     """The operations of `stage`, in order: 1F1B for v = 1, interleaved 1F1B for v > 1 (auto),
     or the named schedule."""
@@ -146,7 +198,9 @@ def stage_order(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto")
             raise ValueError(f"zb-h1 runs one chunk per stage, not virtual_stages={v}")
         return zb_h1_order(pp, stage, m)
     if schedule == "zb-v":
-        raise ValueError("the zb-v schedule is not built yet")
+        if v != 2:
+            raise ValueError(f"zb-v runs two chunks per stage, not virtual_stages={v}")
+        return zb_v_order(pp, stage, m)
     if (schedule == "interleaved") != (v > 1):
         raise ValueError(f"schedule {schedule} cannot run virtual_stages={v}")
     if v == 1:
@@ -193,7 +247,7 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False,
     Raises ValueError if the stages' orders cannot complete."""
     orders = [forward_order(pp, m, v) if forward_only else stage_order(pp, s, m, v, schedule)
               for s in range(pp)]
-    placement = ChunkPlacement(pp, v)
+    placement = ChunkPlacement(pp, v, v_shape=schedule == "zb-v")
     position = [0] * pp
     arrived = [set() for _ in range(pp)]  # (kind, chunk, micro_batch) inputs received
     rounds: List[List[Round]] = [[] for _ in range(pp)]
@@ -260,10 +314,12 @@ def expected_bubble(pp: int, m: int, v: int = 1, schedule: str = "auto") -> floa
     """Idle fraction of a step of `schedule` when a forward, an input gradient (B) and a
     weight gradient (W) take equal time per virtual stage (unsplit, a backward = B + W):
     1F1B and interleaved (p - 1) / (v·m + p - 1); ZB-H1 (p - 1) / (3m + p - 1) for m >= p,
-    1 - 3m / (2m + 2p - 1) for m < p (see the module docstring)."""
+    1 - 3m / (2m + 2p - 1) for m < p; ZB-V, whose chunks are half a stage,
+    (p - 1) / (6m + p - 1) for m >= (3p - 1) / 2, else 1 - 6m / (4m + 4p - 2) (see the module
+    docstring)."""
     schedule = resolve_schedule(schedule, v)
     if schedule == "zb-h1":
         return 1 - 3 * m / (3 * m + pp - 1 + max(0, pp - m))
-    if schedule == "zb-v":
-        raise ValueError("the zb-v schedule is not built yet")
+    if schedule == "zb-v":  # in units of one chunk's F, B or W (half a stage's)
+        return 1 - 6 * m / (6 * m + max(pp - 1, 4 * pp - 2 * m - 2))
     return (pp - 1) / (v * m + pp - 1)
