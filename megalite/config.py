@@ -214,6 +214,9 @@ class OptimConfig:
             fail("optim.grad_clip/weight_decay", (self.grad_clip, self.weight_decay),
                   "must be >= 0")
 
+PIPELINE_SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "zb-v")  # parallel.schedule
+
+
 @dataclass
 class ParallelConfig:
     """Knobs of the parallel engines (the layout itself is the top-level tp, pp, zero, sp)."""
@@ -227,6 +230,8 @@ class ParallelConfig:
     #                                          also hold embedding / head); null = balanced
     virtual_stages: int = 1  # model chunks per pipeline stage: > 1 runs the interleaved 1F1B
     #                          schedule (Megatron's virtual pipeline): bubble (p-1)/(v·m+p-1)
+    schedule: str = "auto"  # auto (interleaved if virtual_stages > 1, else 1f1b) | 1f1b |
+    #                         interleaved | zb-h1 (zero bubble, B/W split) | zb-v (not built)
     timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
     #                           group (gloo); NCCL's watchdog ends the process, naming the group
 
@@ -235,6 +240,9 @@ class ParallelConfig:
         if not isinstance(v, int) or v < 1:
             fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
                   "(the interleaved schedule runs several model chunks per pipeline stage)")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            fail("parallel.schedule", self.schedule, f"one of {', '.join(PIPELINE_SCHEDULES)} "
+                  "(auto: interleaved with virtual_stages > 1, else 1f1b)")
         if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
             fail("parallel.bucket_mb", self.bucket_mb, "must be a positive number of MiB "
                   "(e.g. 25; a value above the model's size gives one bucket per model chunk)")

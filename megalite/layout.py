@@ -20,6 +20,7 @@ import torch
 
 from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
 from megalite.resilience.inject_spec import check_inject_against_run
+from megalite.schedule_rules import check_schedule
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -138,6 +139,7 @@ class ChunkPlacement:
 
     pp_size: int
     virtual_stages: int = 1
+    v_shape: bool = False  # zero-bubble ZB-V: 2 chunks, rank s holds slices s and 2p - 1 - s
 
     @property
     def slices(self) -> int:
@@ -145,10 +147,15 @@ class ChunkPlacement:
 
     def slice_of(self, stage: int, chunk: int) -> int:
         """The model slice that is chunk `chunk` of pipeline rank `stage`."""
+        if self.v_shape:
+            return stage if chunk == 0 else 2 * self.pp_size - 1 - stage
         return chunk * self.pp_size + stage
 
     def owner(self, model_slice: int) -> Tuple[int, int]:
         """(stage, chunk) holding `model_slice`."""
+        if self.v_shape:
+            p = self.pp_size
+            return (model_slice, 0) if model_slice < p else (2 * p - 1 - model_slice, 1)
         return model_slice % self.pp_size, model_slice // self.pp_size
 
     def holds_first(self, stage: int, chunk: int) -> bool:
@@ -242,6 +249,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     _check_device(cfg, local_gpus, local_ranks)
     warnings += _check_precision(cfg, device_type_for(cfg.device, local_gpus), gpu)
     _check_model_split(cfg)
+    check_schedule(cfg)
     if local_gpus is not None and cfg.tp > local_gpus:
         warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
                         "group's all-reduces in every layer will cross the inter-node network "
@@ -332,11 +340,13 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
               f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
               f"of {good}, e.g. {good * max(1, round(t.global_batch_size / good))}")
     if cfg.pp > 1 and num_micro < cfg.pp:
-        bubble = (cfg.pp - 1) / (v * num_micro + cfg.pp - 1)
+        from megalite.parallel.schedule import expected_bubble  # (it imports this module)
+
+        bubble = expected_bubble(cfg.pp, num_micro, v, cfg.parallel.schedule)
         warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
                         f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
-                        f"((p-1)/(m+p-1)); raise train.global_batch_size or lower "
-                        "train.micro_batch_size")
+                        f"({cfg.parallel.schedule} schedule); raise train.global_batch_size or "
+                        "lower train.micro_batch_size")
     if cfg.zero > 0 and dp == 1:
         warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
                         "changes no memory and only adds copies); use zero=0 or more ranks")

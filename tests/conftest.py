@@ -17,6 +17,29 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
+PIPELINE_SERIAL_M = (1, 2, 4, 6, 8)  # micro-batches of the pipeline tests' pp=1 references
+FP16_LEARNING = ["precision=fp16", "optim.lr=1e-2", "optim.warmup_steps=0"]
+
+
+def pipeline_layout(tiny_data, pp: int, tp: int, m: int, extra=()) -> list:
+    """The pipeline tests' runs: 4 blocks, pp stages x tp ranks, one DP replica unless the
+    world is larger, m micro-batches of one sequence."""
+    return [f"data.dir={tiny_data}", "model.n_layer=4", "train.micro_batch_size=1",
+            f"train.global_batch_size={m}", f"pp={pp}", f"tp={tp}", *extra]
+
+
+@pytest.fixture(scope="session")
+def pipeline_serial(tiny_data, tmp_path_factory) -> dict:
+    """pp=1 references of the pipeline tests (test_pipeline, test_zero_bubble), in one
+    launch: 10 fp32 steps for every m of PIPELINE_SERIAL_M, and "fp16" (m = 2)."""
+    from tests.layouts import train_layouts
+
+    runs = [pipeline_layout(tiny_data, 1, 1, m) for m in PIPELINE_SERIAL_M] + \
+        [pipeline_layout(tiny_data, 1, 1, 2, FP16_LEARNING)]
+    out = train_layouts(tmp_path_factory.mktemp("pipeline-serial"), 1, runs)
+    return {key: r[0] for key, r in zip((*PIPELINE_SERIAL_M, "fp16"), out)}
+
+
 # A model and batch small enough that 2-4 ranks train a few steps per second on 2 cores.
 TINY = ["device=cpu", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
         "model.vocab_size=1024", "train.seq_len=32", "train.micro_batch_size=4",

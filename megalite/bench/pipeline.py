@@ -1,7 +1,8 @@
 """Pipeline step time against m: megalite's PipelineSchedule next to
 `torch.distributed.pipelining.Schedule1F1B` (and, with `--virtual-stages v`, megalite's
-interleaved schedule next to `ScheduleInterleaved1F1B`), on real gloo ranks (tp = dp = 1,
-world = pp).
+interleaved schedule next to `ScheduleInterleaved1F1B`; with `--schedule zb-h1`, megalite's
+zero-bubble ZB-H1 next to `ScheduleInterleavedZeroBubble` over one stage per rank, torch's
+ZB1P), on real gloo ranks (tp = dp = 1, world = pp).
 
 For each pp in `--pp` a world of pp processes is spawned; for each v in `--virtual-stages` and
 m in `--micro-batches` both contenders are built afresh from the same GPT-2 split
@@ -25,7 +26,11 @@ the two losses at the first step (same weights, same batches, same math: ~0; on 
 out bitwise equal) and at the last one. Dropout is off so that both compute the same function.
 The untimed warmup steps absorb Schedule1F1B's shape inference on its first step.
 
-The bubble is the trainer's `pipeline_bubble`: each stage's time not spent in F or B,
+Peak saved-activation bytes: the most bytes of floating-point tensors that autograd saved for
+backward (parameters excluded; counted with saved-tensor hooks, each tensor until it is freed)
+alive at once during a step, the largest over the ranks, for both contenders.
+
+The bubble is the trainer's `pipeline_bubble`: each stage's time not spent in F, B or W,
 against the step's common length (the longest stage's, as the stages start together),
 averaged over stages and timed steps.
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from typing import List
 
 import torch
@@ -52,14 +58,14 @@ from megalite.model.init import init_parameters
 from megalite.model.stage import PipelineStage as Chunks
 from megalite.model.stage import build_stage
 from megalite.parallel.pipeline import PipelineSchedule
-from megalite.parallel.schedule import expected_bubble
+from megalite.parallel.schedule import expected_bubble, resolve_schedule
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.spawn import run_ranks
 
 LR, CLIP, SEED = 1e-3, 1.0, 1234
-OPTIONS = ("micro_batches", "virtual_stages", "steps", "warmup", "n_layer", "n_embd", "n_head", "seq_len",
-           "micro_batch_size", "vocab_size")
+OPTIONS = ("micro_batches", "virtual_stages", "schedule", "steps", "warmup", "n_layer", "n_embd",
+           "n_head", "seq_len", "micro_batch_size", "vocab_size")
 
 
 def _model_cfg(o: dict) -> ModelConfig:
@@ -93,12 +99,47 @@ class TorchStage(nn.Module):
         return g.logits_local(x)
 
 
-def _megalite(cfg, topo, blocks, o):
+class SavedActivationBytes:
+    """Peak bytes of the tensors autograd saves for backward (floating point, parameters
+    excluded) alive at once: saved-tensor hooks count each when packed, a finalizer when it is
+    freed. `with counter:` around a step; `take_peak()` reads and resets the peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self._ids: set = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not isinstance(t, nn.Parameter) and id(t) not in self._ids:
+            nbytes = t.numel() * t.element_size()
+            self._ids.add(id(t))
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._freed, id(t), nbytes)
+        return t
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._ids.discard(key)
+        self.live -= nbytes
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def take_peak(self) -> int:
+        peak, self.peak = self.peak, self.live
+        return peak
+
+
+def _megalite(cfg, topo, blocks, o, schedule_name="auto"):
     model = _stage_model(cfg, topo, blocks)
     engine = ZeroEngine(model, topo, Layout.of(topo), OptimConfig(lr=LR))
     schedule = PipelineSchedule(model.chunks, topo, engine, (o["seq_len"], o["micro_batch_size"],
                                                       cfg.n_embd), torch.float32,
-                                torch.device("cpu"))
+                                torch.device("cpu"), schedule=schedule_name)
 
     def step(batches):
         loss = schedule.train_step(batches)
@@ -110,8 +151,13 @@ def _megalite(cfg, topo, blocks, o):
     return step
 
 
-def _pipelining(cfg, topo, blocks, m):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+def _pipelining(cfg, topo, blocks, m, schedule_name="auto"):
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     model = _stage_model(cfg, topo, blocks)
     v, first, last = len(blocks), topo.is_first_stage, topo.is_last_stage
@@ -120,8 +166,12 @@ def _pipelining(cfg, topo, blocks, m):
     # loss_fn on every stage: without it a stage runs forward-only (`_has_backward` False) and
     # the last stage hangs sending it backward metadata.
     loss_fn = model.chunks[-1].loss
-    schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn) if v == 1 else \
-        ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    if schedule_name == "zb-h1":  # torch's ZB1P over one stage per rank
+        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
+    elif v == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
     named = list(model.named_parameters())
     oc = OptimConfig(lr=LR)
     groups = [{"params": [p for n, p in named if model.param_specs[n].weight_decay == d],
@@ -149,10 +199,11 @@ def _pipelining(cfg, topo, blocks, m):
     return step
 
 
-def _timed(step, batches):
+def _timed(step, batches, saved: SavedActivationBytes):
     dist.barrier()
     t0 = time.perf_counter()
-    loss, busy, wall = step(batches)
+    with saved:
+        loss, busy, wall = step(batches)
     return time.perf_counter() - t0, loss, busy, wall
 
 
@@ -162,49 +213,59 @@ def _worker(rank: int, pp: int, o: dict) -> List[dict]:
     cfg = _model_cfg(o)
     g = torch.Generator().manual_seed(SEED)
     rows = []
-    for v in o["virtual_stages"]:
+    for v, name in [(v, n) for v in o["virtual_stages"] for n in o["schedule"]]:
+        if (v > 1) != (resolve_schedule(name, v) == "interleaved"):
+            continue  # one chunk per rank (1f1b, zb-h1) or several (interleaved)
         split = stage_chunks(cfg.n_layer, pp, v)
         for m in o["micro_batches"]:
             if v > 1 and m % pp:
                 continue  # the interleaved schedules run micro-batches in groups of pp
-            rows.append(_compare(topo, cfg, split, m, o, g))
+            rows.append(_compare(topo, cfg, split, m, o, g, name))
             if rank == 0:
-                print(f"pp={pp} v={v} m={m} done: megalite {rows[-1]['megalite_s']:.3f} s",
-                      flush=True)
+                print(f"pp={pp} v={v} {name} m={m} done: megalite "
+                      f"{rows[-1]['megalite_s']:.3f} s", flush=True)
     return rows
 
 
-def _compare(topo, cfg, split, m: int, o: dict, g: torch.Generator) -> dict:
+def _compare(topo, cfg, split, m: int, o: dict, g: torch.Generator, name: str = "auto"
+             ) -> dict:
     pp, v, blocks = topo.pp_size, len(split[0]), split[topo.coords.pp_rank]
     words = torch.randint(0, cfg.vocab_size, (m, o["micro_batch_size"], o["seq_len"] + 1),
                           generator=g)
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in words]
-    fns = {"megalite": _megalite(cfg, topo, blocks, o)}
+    fns = {"megalite": _megalite(cfg, topo, blocks, o, name)}
     if m >= pp:  # Schedule1F1B raises "Number of microbatches must be >= stages" otherwise
-        fns["torch"] = _pipelining(cfg, topo, blocks, m)
+        fns["torch"] = _pipelining(cfg, topo, blocks, m, name)
+    saved = {n: SavedActivationBytes() for n in fns}
+    peaks = {n: 0 for n in fns}
     times = {n: [] for n in fns}
     losses = {n: [] for n in fns}
     bubbles = []
     for i in range(o["warmup"] + o["steps"]):
-        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
-            dt, loss, busy, wall = _timed(fns[name], batches)
+        for contender in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            dt, loss, busy, wall = _timed(fns[contender], batches, saved[contender])
+            peaks[contender] = max(peaks[contender], saved[contender].take_peak())
             t = torch.tensor([dt, wall])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
             s = torch.tensor([loss, busy / pp])
             dist.all_reduce(s)  # loss from the last stage; mean busy time over the stages
-            losses[name].append(s[0].item())
+            losses[contender].append(s[0].item())
             if i >= o["warmup"]:
-                times[name].append(t[0].item())
-                if name == "megalite":
+                times[contender].append(t[0].item())
+                if contender == "megalite":
                     bubbles.append(1 - s[1].item() / t[1].item())
-    row = {"pp": pp, "v": v, "m": m, "blocks": [[len(r) for r in c] for c in split],
+    peak = torch.tensor([float(peaks[n]) for n in fns])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest over the ranks
+    row = {"pp": pp, "v": v, "m": m, "schedule": resolve_schedule(name, v),
+           "blocks": [[len(r) for r in c] for c in split],
            "megalite_s": statistics.median(times["megalite"]),
            "bubble": statistics.mean(bubbles),
-           "bubble_expected": expected_bubble(pp, m, v),
+           "bubble_expected": expected_bubble(pp, m, v, name),
+           "saved_mib": peak[0].item() / 2**20,
            "loss_first": losses["megalite"][0], "loss_last": losses["megalite"][-1]}
     if "torch" in fns:
         lm, lt = losses["megalite"], losses["torch"]
-        row.update(torch_s=statistics.median(times["torch"]),
+        row.update(torch_s=statistics.median(times["torch"]), torch_saved_mib=peak[1].item() / 2**20,
                    rel_diff_first=abs(lm[0] - lt[0]) / abs(lt[0]),
                    rel_diff_last=abs(lm[-1] - lt[-1]) / abs(lt[-1]))
     return row
@@ -225,18 +286,22 @@ def run(args) -> List[dict]:
 
 def _print_table(rows: List[dict]) -> None:
     print("\nstep time: median over timed steps (slowest rank); torch/megalite > 1: megalite "
-          "faster. bubble: megalite's, mean over stages and steps.")
-    print(f"{'pp':>3} {'v':>2} {'m':>3} {'megalite s':>11} {'torch s':>9} {'torch/megalite':>15} "
-          f"{'bubble':>7} {'(p-1)/(vm+p-1)':>15} "
+          "faster. bubble: megalite's, mean over stages and steps; expected: the schedule's "
+          "formula. saved MiB: peak saved-activation bytes (largest rank), megalite / torch.")
+    print(f"{'pp':>3} {'v':>2} {'schedule':>11} {'m':>3} {'megalite s':>11} {'torch s':>9} "
+          f"{'torch/megalite':>15} {'bubble':>7} {'expected':>9} {'saved MiB':>13} "
           f"{'loss rel diff 1st/last':>23}")
     for r in rows:
         if "torch_s" in r:
             torch_s, ratio = f"{r['torch_s']:.3f}", f"{r['torch_s'] / r['megalite_s']:.3f}"
             diff = f"{r['rel_diff_first']:.1e} / {r['rel_diff_last']:.1e}"
+            saved = f"{r['saved_mib']:.1f} / {r['torch_saved_mib']:.1f}"
         else:
             torch_s = ratio = diff = "n/a (m<p)"
-        print(f"{r['pp']:>3} {r['v']:>2} {r['m']:>3} {r['megalite_s']:>11.3f} {torch_s:>9} "
-              f"{ratio:>15} {r['bubble']:>7.3f} {r['bubble_expected']:>15.3f} {diff:>23}")
+            saved = f"{r['saved_mib']:.1f} / -"
+        print(f"{r['pp']:>3} {r['v']:>2} {r['schedule']:>11} {r['m']:>3} {r['megalite_s']:>11.3f} "
+              f"{torch_s:>9} {ratio:>15} {r['bubble']:>7.3f} {r['bubble_expected']:>9.3f} "
+              f"{saved:>13} {diff:>23}")
 
 
 def add_arguments(parser) -> None:
@@ -244,6 +309,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1],
                         help="model chunks per rank (> 1: the interleaved schedules)")
+    parser.add_argument("--schedule", nargs="+", default=["auto"],
+                        choices=["auto", "1f1b", "interleaved", "zb-h1"],
+                        help="megalite's parallel.schedule (torch: Schedule1F1B, "
+                             "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--n-layer", type=int, default=8)

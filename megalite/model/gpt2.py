@@ -117,10 +117,11 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = weight
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight_grad_queue = None  # zero-bubble schedules: W deferred (parallel.tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, None, self.tp_group,
-                                      self.sequence_parallel)
+                                      self.sequence_parallel, self.weight_grad_queue)
 
 
 class GPT2(nn.Module):

@@ -134,7 +134,8 @@ class Bucket:
             self.main_grad = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self.segments: List[Segment] = self.flat.segments(self.lo, self.hi)
         self.dp_share = self.flat.shard_range(group.rank)  # what zero >= 1 would give it
-        self.reported = 0
+        self.reported: Dict[int, int] = {}  # micro-batch -> its parameters reported so far
+        self.completed = 0  # micro-batches whose every gradient is in, this step
         self._temp: Optional[torch.Tensor] = None  # zero 2/3: this backward's full gradient
         self.pending: List[Tuple[object, Optional[torch.Tensor]]] = []  # launched reductions
         self.launched = False

@@ -1,6 +1,8 @@
 """Pipeline parallelism: point-to-point links and the executor of the
-schedules in `megalite.parallel.schedule` (1F1B, and interleaved 1F1B over several model chunks
-per rank).
+schedules in `megalite.parallel.schedule` (1F1B, interleaved 1F1B over several model chunks
+per rank, and zero-bubble ZB-H1, whose backward runs as B and a later W: each chunk's layers
+defer their weight gradients to the chunk's `WeightGradQueue` while a B runs, and the W of the
+same (chunk, micro-batch) computes them; see `megalite.parallel.weight_grad`).
 
 Activations travel forward and their gradients backward through batched isend/irecv with shapes
 known from the configuration (no shape handshake), grouped in the schedule's rounds so that no
@@ -27,8 +29,22 @@ from torch.autograd import Variable
 
 from megalite.clock import DeviceClock
 from megalite.parallel import comm
-from megalite.parallel.schedule import F, Op, OpKind, plan_rounds
+from megalite.parallel.schedule import (
+    SPLIT_BACKWARD,
+    F,
+    Op,
+    OpKind,
+    W,
+    plan_rounds,
+    resolve_schedule,
+)
 from megalite.parallel.topology import Topology
+from megalite.parallel.weight_grad import (
+    WeightGrad,
+    WeightGradQueue,
+    attach_weight_grad_queue,
+    run_weight_grads,
+)
 
 
 class StageLink:
@@ -92,7 +108,7 @@ class Event:
 
 @dataclass
 class StepTrace:
-    """F/B compute events of one stage in one step, and the step's wall time."""
+    """F/B/W compute events of one stage in one step, and the step's wall time."""
 
     events: List[Event] = field(default_factory=list)
     wall: float = 0.0
@@ -142,6 +158,8 @@ class _Pass:
     posted: Deque[comm.PendingBatch] = field(default_factory=deque)
     live: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = \
         field(default_factory=dict)
+    deferred: Dict[Tuple[int, int], List[WeightGrad]] = field(default_factory=dict)  # B done,
+    #                                                          W to come (zero-bubble schedules)
     marks: list = field(default_factory=list)
     peak_in_flight: int = 0
     per_sequence: Optional[Dict[int, torch.Tensor]] = None  # scoring: micro-batch -> losses [b]
@@ -155,26 +173,36 @@ class PipelineSchedule:
 
     `chunks` are this rank's model chunks (one GPT2 stage each; several with the interleaved
     schedule), `chunk(inputs, labels)` the forward; `engine` gets told before each backward
-    whether it is its chunk's last of the step (data-parallel gradient sync happens there).
+    (each B and each W under a zero-bubble schedule) which of the step's micro-batches the
+    gradients that follow belong to (its buckets complete, and sync over DP, per micro-batch).
     For pp = 1 this is plain gradient accumulation: forward, backward, for each micro-batch.
-    Training and evaluation run the same round loop (`_run`).
+    Training and evaluation run the same round loop (`_run`). `schedule` is
+    `parallel.schedule` (auto: interleaved with several chunks, else 1F1B).
     """
 
     def __init__(self, chunks: Sequence, topo: Topology, engine,
                  activation_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scatter_group: Optional[comm.Group] = None):
+                 scatter_group: Optional[comm.Group] = None, schedule: str = "auto"):
         self.chunks, self.topo, self.engine = list(chunks), topo, engine
+        self.schedule = resolve_schedule(schedule, len(self.chunks))
+        self.weight_queues: Optional[List[WeightGradQueue]] = None
+        if self.schedule in SPLIT_BACKWARD:
+            self.weight_queues = [WeightGradQueue() for _ in self.chunks]
+            for chunk, queue in zip(self.chunks, self.weight_queues):
+                attach_weight_grad_queue(chunk, queue)
         self.link = StageLink(topo, activation_shape, dtype, device, scatter_group)
         self.clock = DeviceClock(device)
         self._marks: list = []
         self._step_marks = None
-        # most (chunk, micro-batch) activations this stage held at once in the last step
-        # (1F1B: at most pp - stage; logged as pipeline_in_flight)
+        # most (chunk, micro-batch) activations this stage held at once in the last step, from
+        # F to the last backward operation (1F1B: at most pp - stage; ZB-H1: at most pp;
+        # logged as pipeline_in_flight)
         self.peak_in_flight = 0
 
     def _rounds(self, m: int, forward_only: bool):
         stage = self.topo.coords.pp_rank
-        return plan_rounds(self.topo.pp_size, m, len(self.chunks), forward_only)[stage]
+        return plan_rounds(self.topo.pp_size, m, len(self.chunks), forward_only,
+                           self.schedule)[stage]
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                    loss_scale: float = 1.0) -> torch.Tensor:
@@ -233,11 +261,15 @@ class PipelineSchedule:
         """Run one operation; returns what it sends on (an activation or input gradient)."""
         model, key = self.chunks[op.chunk], (op.chunk, op.micro_batch)
         # the received input first (it may still be in flight): waiting is not computing
-        edge = model.first if op.kind is F else model.last
+        edge = op.kind is W or (model.first if op.kind is F else model.last)
         arrived = None if edge else _take(run.received, (op.kind, *key), self.link)
         t0 = self.clock.mark()
         if op.kind is F:
             outgoing = self._forward(model, key, arrived, run)
+        elif op.kind is W:
+            self.engine.before_backward(key[1], len(run.micro_batches))
+            run_weight_grads(run.deferred.pop(key))
+            outgoing = []
         else:
             outgoing = self._backward(model, key, arrived, run)
         if run.training:
@@ -266,14 +298,20 @@ class PipelineSchedule:
             if run.loss_scale != 1.0:
                 out = out * run.loss_scale
         run.live[key] = (None if model.first else inp, out)
-        run.peak_in_flight = max(run.peak_in_flight, len(run.live))
+        run.peak_in_flight = max(run.peak_in_flight, len(run.live) + len(run.deferred))
         return [] if model.last else [out]
 
     def _backward(self, model, key: Tuple[int, int], arrived: Optional[torch.Tensor],
                   run: _Pass) -> List[torch.Tensor]:
         inp, out = run.live.pop(key)
-        self.engine.set_grad_sync(key[1] == len(run.micro_batches) - 1)  # the chunk's last
-        _backward_from(out, torch.ones_like(out) if arrived is None else arrived)
+        self.engine.before_backward(key[1], len(run.micro_batches))
+        grad = torch.ones_like(out) if arrived is None else arrived
+        if self.weight_queues is None:
+            _backward_from(out, grad)
+        else:  # B: the input gradients only; the weight gradients wait for this key's W
+            with self.weight_queues[key[0]].collecting() as weight_grads:
+                _backward_from(out, grad)
+            run.deferred[key] = weight_grads
         return [] if model.first else [inp.grad]
 
     def _exchange(self, rnd, outgoing: List[torch.Tensor], received: dict,
@@ -295,7 +333,7 @@ class PipelineSchedule:
 
     @property
     def trace(self) -> StepTrace:
-        """The last step's F/B events (on CUDA this waits for that step to finish)."""
+        """The last step's F/B/W events (on CUDA this waits for that step to finish)."""
         if self._step_marks is None:
             return StepTrace()
         start, end = self._step_marks

@@ -20,6 +20,27 @@ Each pipeline fill and drain now costs 1/v of a full-model pass, so the bubble s
 (p - 1) / (v·m + p - 1), for v times the point-to-point traffic and more activations in flight
 during warmup. Needs m to be a multiple of p.
 
+ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1, the handcrafted schedule of
+Figure 3, top). Each backward is split into B, the input gradient (what the previous stage waits
+for), and W, the weight gradient (what only the optimizer needs; `megalite.parallel.weight_grad`).
+Stage s runs 1F1B's forwards and B's in 1F1B's order — removing the W's gives 1F1B exactly, so
+it holds full activations of at most p - s micro-batches — and runs W(i) right after B(i + s)
+in the steady phase and after each cooldown B, the rest at the end: later stages postpone up to
+s W's into the slots where 1F1B's cooldown idles. A micro-batch holds activations (those W
+needs, after B) from its F to its W, on at most p stages' worth at once: 1F1B's peak (stage 0's
+p). With unit times F = B = W (1F1B's backward = B + W = 2), m >= p: a step takes 3m + p - 1
+units, the bubble is (p - 1) / (3m + p - 1), a third of 1F1B's (p - 1)(F + B + W) idle units per
+stage; with m < p the pipeline cannot fill and a step takes 2m + 2p - 1.
+
+ZB-V (Qi et al. 2024 §6; `zb_v_order`, the construction of torch's ScheduleZBVZeroBubble): two
+chunks per rank in a V — rank s holds model slices s and 2p - 1 - s (`ChunkPlacement(v_shape=
+True)`), so rank 0 holds both the embedding and the LM head. With unit times per chunk
+operation a step takes 6m + p - 1 units for m >= (3p - 1) / 2 (bubble (p - 1) / (6m + p - 1),
+half of ZB-H1's in stage time), with at most 2p chunk activations (p micro-batches of a whole
+stage: 1F1B's peak) in flight. Only the order and its rounds are built: running it (the tied
+embedding as one parameter on rank 0, the V partition, its checkpoint) is not, and
+`parallel.schedule=zb-v` is refused before launch.
+
 Transfers go in rounds. All stages' orders are simulated together with one time unit per
 forward or backward: in round r each stage runs its next operation if its input arrived in an
 earlier round, and what it produces is sent in round r's exchange, where the receiver posts the
@@ -39,6 +60,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
+from megalite.config import PIPELINE_SCHEDULES
 from megalite.layout import ChunkPlacement
 
 
@@ -48,15 +70,29 @@ class OpKind(str, enum.Enum):
     sends its own to the previous: the kind of an operation also names what travels into it."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward, or under a zero-bubble schedule its input gradient
+    WEIGHT = "W"  # zero-bubble schedules: the weight gradient, deferred (no transfer)
 
     @property
-    def step(self) -> int:
-        """Where its input comes from, in model slices (-1: the previous one)."""
-        return -1 if self is OpKind.FORWARD else 1
+    def step(self) -> Optional[int]:
+        """Where its input comes from, in model slices (-1: the previous one); None: from this
+        stage itself (W reads what its B kept)."""
+        return {"F": -1, "B": 1}.get(self.value)
 
 
-F, B = OpKind.FORWARD, OpKind.BACKWARD
+F, B, W = OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT
+
+SCHEDULES = PIPELINE_SCHEDULES  # parallel.schedule's values
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules that run B and W apart
+
+
+def resolve_schedule(schedule: str, v: int) -> str:
+    """The schedule `parallel.schedule=auto` means: interleaved with virtual stages, else 1F1B."""
+    if schedule == "auto":
+        return "interleaved" if v > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
+    return schedule
 
 
 @dataclass(frozen=True)
@@ -94,8 +130,79 @@ def _check_groups(pp: int, m: int) -> None:
                          f"of pp={pp}")
 
 
-def stage_order(pp: int, stage: int, m: int, v: int = 1) -> List[Op]:
-    """The operations of `stage`, in order: 1F1B for v = 1, interleaved 1F1B for v > 1."""
+def zb_h1_order(pp: int, stage: int, m: int) -> List[Op]:
+    """ZB-H1's operations of `stage` (see the module docstring)."""
+    warmup = min(pp - stage - 1, m)
+    order = [Op(F, 0, i) for i in range(warmup)]
+    weights = 0  # W's run so far (oldest micro-batch first)
+    for i in range(m - warmup):
+        order += [Op(F, 0, warmup + i), Op(B, 0, i)]
+        if i >= stage:  # stage s postpones s W's
+            order.append(Op(W, 0, weights))
+            weights += 1
+    for i in range(m - warmup, m):
+        order += [Op(B, 0, i), Op(W, 0, weights)]
+        weights += 1
+    return order + [Op(W, 0, i) for i in range(weights, m)]
+
+
+def zb_v_order(pp: int, stage: int, m: int) -> List[Op]:
+    """ZB-V's operations of `stage` (Qi et al. 2024 §6; the construction of
+    torch.distributed.pipelining's ScheduleZBVZeroBubble): chunk 0 is model slice s, chunk 1
+    slice 2p - 1 - s (the V placement). Built for max(m, 2p - 1) micro-batches, keeping those
+    below m (the pipeline needs 2p - 1 to fill)."""
+    n = max(2 * pp - 1, m)
+    order: List[Op] = []
+    count = {(k, c): 0 for k in (F, B, W) for c in (0, 1)}
+
+    def run(kind: OpKind, chunk: int, micro_batch: Optional[int] = None) -> None:
+        i = count[(kind, chunk)] if micro_batch is None else micro_batch
+        count[(kind, chunk)] += micro_batch is None
+        order.append(Op(kind, chunk, i))
+
+    for _ in range(2 * (pp - stage) - 1):
+        run(F, 0)
+    for _ in range(stage):
+        run(F, 1)
+        run(F, 0)
+    for _ in range(pp - stage):
+        run(F, 1)
+        run(B, 1)
+        run(W, 1)
+    while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < n:
+        if count[(F, 0)] < n:
+            run(F, 0)
+        run(B, 0)
+        run(W, 0)
+        run(F, 1)
+        run(B, 1)
+        run(W, 1)
+    for _ in range(stage):
+        run(B, 0)
+        run(B, 1)
+    for _ in range(pp - stage):
+        run(B, 0)
+        run(W, 0)
+    for chunk in (1, 0):
+        while count[(W, chunk)] < count[(B, chunk)]:
+            run(W, chunk)
+    return [op for op in order if op.micro_batch < m]
+
+
+def stage_order(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto") -> List[Op]:
+    """The operations of `stage`, in order: 1F1B for v = 1, interleaved 1F1B for v > 1 (auto),
+    or the named schedule."""
+    schedule = resolve_schedule(schedule, v)
+    if schedule == "zb-h1":
+        if v != 1:
+            raise ValueError(f"zb-h1 runs one chunk per stage, not virtual_stages={v}")
+        return zb_h1_order(pp, stage, m)
+    if schedule == "zb-v":
+        if v != 2:
+            raise ValueError(f"zb-v runs two chunks per stage, not virtual_stages={v}")
+        return zb_v_order(pp, stage, m)
+    if (schedule == "interleaved") != (v > 1):
+        raise ValueError(f"schedule {schedule} cannot run virtual_stages={v}")
     if v == 1:
         warmup = min(pp - stage - 1, m)
         order = [Op(F, 0, i) for i in range(warmup)]
@@ -120,8 +227,8 @@ def _source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
             ) -> Optional[Tuple[int, int]]:
     """(stage, chunk) that produces the input of `kind` on (stage, chunk): the previous
     model slice's activation for a forward, the next one's gradient for a backward; None at
-    the ends of the model (token ids in, loss out)."""
-    return placement.neighbour(stage, chunk, kind.step)
+    the ends of the model (token ids in, loss out) and for a W (its B ran on this stage)."""
+    return None if kind.step is None else placement.neighbour(stage, chunk, kind.step)
 
 
 def forward_order(pp: int, m: int, v: int = 1) -> List[Op]:
@@ -134,13 +241,13 @@ def forward_order(pp: int, m: int, v: int = 1) -> List[Op]:
 
 
 @lru_cache(maxsize=64)
-def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False
-                ) -> Tuple[Tuple[Round, ...], ...]:
+def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False,
+                schedule: str = "auto") -> Tuple[Tuple[Round, ...], ...]:
     """Per stage, the rounds in which it computes or communicates (see the module docstring).
     Raises ValueError if the stages' orders cannot complete."""
-    orders = [forward_order(pp, m, v) if forward_only else stage_order(pp, s, m, v)
+    orders = [forward_order(pp, m, v) if forward_only else stage_order(pp, s, m, v, schedule)
               for s in range(pp)]
-    placement = ChunkPlacement(pp, v)
+    placement = ChunkPlacement(pp, v, v_shape=schedule == "zb-v")
     position = [0] * pp
     arrived = [set() for _ in range(pp)]  # (kind, chunk, micro_batch) inputs received
     rounds: List[List[Round]] = [[] for _ in range(pp)]
@@ -158,7 +265,7 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False
                 continue
             step[s].op = op
             position[s] += 1
-            out = placement.neighbour(s, op.chunk, -op.kind.step)
+            out = None if op.kind is W else placement.neighbour(s, op.chunk, -op.kind.step)
             if out is not None:  # the consumer of what this operation produces
                 transfers.append(Transfer(op.kind, s, out[0], out[1], op.micro_batch))
         if not transfers and all(r.op is None for r in step):
@@ -174,26 +281,45 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False
     return tuple(tuple(r) for r in rounds)
 
 
-def max_in_flight(pp: int, stage: int, m: int, v: int = 1) -> int:
-    """Most (chunk, micro-batch) pairs whose activations `stage` holds at once."""
+def _live_changes(order: List[Op]):
+    """(op, +1 / -1 / 0): a forward makes a (chunk, micro-batch) hold activations, its last
+    backward operation (W where the order has them, else B) frees what is left of them."""
+    release = W if any(op.kind is W for op in order) else B
+    for op in order:
+        yield op, 1 if op.kind is F else (-1 if op.kind is release else 0)
+
+
+def max_in_flight(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto") -> int:
+    """Most (chunk, micro-batch) pairs whose activations `stage` holds at once (from their F
+    to their last backward operation)."""
     live = peak = 0
-    for op in stage_order(pp, stage, m, v):
-        live += 1 if op.kind is F else -1
+    for _, change in _live_changes(stage_order(pp, stage, m, v, schedule)):
+        live += change
         peak = max(peak, live)
     return peak
 
 
-def peak_live_bytes(pp: int, stage: int, m: int, v: int, chunk_bytes: List[float]) -> float:
-    """Most activation bytes `stage` holds at once, given each chunk's bytes per micro-batch."""
+def peak_live_bytes(pp: int, stage: int, m: int, v: int, chunk_bytes: List[float],
+                    schedule: str = "auto") -> float:
+    """Most activation bytes `stage` holds at once, given each chunk's bytes per micro-batch
+    (under a split backward counted until W: an upper bound, as B frees part of them)."""
     live = peak = 0.0
-    for op in stage_order(pp, stage, m, v):
-        live += chunk_bytes[op.chunk] * (1 if op.kind is F else -1)
+    for op, change in _live_changes(stage_order(pp, stage, m, v, schedule)):
+        live += chunk_bytes[op.chunk] * change
         peak = max(peak, live)
     return peak
 
 
-def expected_bubble(pp: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a step with equal forward and backward times per virtual stage:
-    (p - 1) / (v·m + p - 1)."""
+def expected_bubble(pp: int, m: int, v: int = 1, schedule: str = "auto") -> float:
+    """Idle fraction of a step of `schedule` when a forward, an input gradient (B) and a
+    weight gradient (W) take equal time per virtual stage (unsplit, a backward = B + W):
+    1F1B and interleaved (p - 1) / (v·m + p - 1); ZB-H1 (p - 1) / (3m + p - 1) for m >= p,
+    1 - 3m / (2m + 2p - 1) for m < p; ZB-V, whose chunks are half a stage,
+    (p - 1) / (6m + p - 1) for m >= (3p - 1) / 2, else 1 - 6m / (4m + 4p - 2) (see the module
+    docstring)."""
+    schedule = resolve_schedule(schedule, v)
+    if schedule == "zb-h1":
+        return 1 - 3 * m / (3 * m + pp - 1 + max(0, pp - m))
+    if schedule == "zb-v":  # in units of one chunk's F, B or W (half a stage's)
+        return 1 - 6 * m / (6 * m + max(pp - 1, 4 * pp - 2 * m - 2))
     return (pp - 1) / (v * m + pp - 1)
-

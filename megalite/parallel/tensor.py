@@ -12,6 +12,10 @@ All TP/SP communication goes through the five autograd regions of `megalite.para
                                    and sum of exponentials are reduced across TP, never the
                                    logits themselves.
 
+Zero-bubble schedules split each backward into B (input gradient) and W (weight gradient, run
+later): the layers here take a `weight_grad_queue` (`megalite.parallel.weight_grad`); without
+one they compute both at once, as plain autograd does.
+
 Weights are stored as nn.Linear does, [out, in]; the `ParamSpec` of each parameter says how it
 relates to the global tensor (see `megalite.parallel.param_spec`).
 """
@@ -26,6 +30,13 @@ import torch.nn.functional as F
 
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
+from megalite.parallel.weight_grad import (
+    WeightGradQueue,
+    defer_or_run,
+    linear_weight_grads,
+    split_embedding,
+    split_linear,
+)
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -36,23 +47,44 @@ class _SequenceParallelLinear(torch.autograd.Function):
         forward : X = all-gather(x) along the sequence; y = X W^T + b
         backward: X = all-gather(x) again; dW = dy^T X, db = sum dy;
                   dx = reduce-scatter(dy W) along the sequence
+
+    Split for zero-bubble schedules (`queue` collecting, `megalite.parallel.weight_grad`): B
+    computes dx only (dy W needs no X, so B gathers nothing) and W re-gathers X from the kept
+    shard. The deferred W keeps the shard x [s/tp, b, in] and dy [s, b, out/tp] until it runs
+    — 1/tp of the gathered input, the same as the unsplit backward keeps — and the layer still
+    gathers X once per backward, in W instead of B: no more traffic than unsplit.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group: Group):
+    def forward(ctx, x, weight, bias, group: Group, params=None, queue=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.params, ctx.queue = group, bias is not None, params, queue
         return F.linear(comm._gather_seq(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = comm._gather_seq(x, ctx.group)
-        grad_x = comm._reduce_scatter_seq(grad.matmul(weight), ctx.group)
+        group = ctx.group
+        if ctx.queue is not None:  # split: the parameters came in detached
+            (w, b), sequence_shard = ctx.params, x
+            defer_or_run(ctx.queue, lambda: linear_weight_grads(
+                grad, comm._gather_seq(sequence_shard, group), w, b))
+            grad_x = comm._reduce_scatter_seq(grad.matmul(weight), group)
+            return grad_x, None, None, None, None, None
+        total = comm._gather_seq(x, group)
+        grad_x = comm._reduce_scatter_seq(grad.matmul(weight), group)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _sequence_parallel_linear(x, weight, bias, group: Group,
+                              queue: Optional[WeightGradQueue]) -> torch.Tensor:
+    if queue is None:
+        return _SequenceParallelLinear.apply(x, weight, bias, group)
+    return _SequenceParallelLinear.apply(x, weight.detach(), None if bias is None else
+                                         bias.detach(), group, (weight, bias), queue)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -73,18 +105,23 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
+        self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
-                                      self.sequence_parallel)
+                                      self.sequence_parallel, self.weight_grad_queue)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           group: Group, sequence_parallel: bool) -> torch.Tensor:
+                           group: Group, sequence_parallel: bool,
+                           queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
     """The column-parallel product (the linear above; also the LM head, whose weight is the
-    vocab-parallel embedding)."""
+    vocab-parallel embedding). With `queue` (a zero-bubble schedule) the weight gradient can
+    be deferred to the schedule's W (`megalite.parallel.weight_grad`)."""
     if sequence_parallel and group.size > 1:
-        return _SequenceParallelLinear.apply(x, weight, bias, group)
+        return _sequence_parallel_linear(x, weight, bias, group, queue)
+    if queue is not None:
+        return split_linear(comm.copy_to_tp(x, group), weight, bias, queue)
     return F.linear(comm.copy_to_tp(x, group), weight, bias)
 
 
@@ -104,9 +141,12 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        queue = self.weight_grad_queue
+        y = F.linear(x, self.weight) if queue is None else \
+            split_linear(x, self.weight, None, queue)
         y = comm.reduce_scatter_to_seq(y, self.tp_group) if self.sequence_parallel \
             else comm.reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
@@ -126,14 +166,20 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = padded_vocab // tp
         self.start = tp_group.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))
+        self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_queue is None:
+            return F.embedding(ids, self.weight)
+        return split_embedding(ids, self.weight, self.weight_grad_queue)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            out = F.embedding(ids, self.weight)
+            out = self._lookup(ids)
         else:
             local = ids - self.start
             outside = (local < 0) | (local >= self.rows)
-            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            out = self._lookup(local.masked_fill(outside, 0))
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return comm.reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel \
             else comm.reduce_from_tp(out, self.tp_group)

@@ -12,9 +12,11 @@ parameters sharded too, gathered per block on demand); the engine reads the stag
 
 Gradients reach the engine through post-accumulate-grad hooks: each parameter's gradient is
 added (in fp32) into its bucket's flat gradient and released; when the last parameter of a
-bucket has reported, the bucket's collective is launched asynchronously, so communication
-overlaps the rest of the backward pass. Stages 0 and 1 accumulate micro-batches locally and
-communicate once per optimizer step, during the last micro-batch's backward; stages 2 and 3 keep
+bucket has reported for a micro-batch (counted per micro-batch: zero-bubble schedules interleave
+micro-batches' deferred weight gradients), the bucket's collective is launched asynchronously,
+so communication overlaps the rest of the backward pass. Stages 0 and 1 accumulate micro-batches
+locally and communicate once per optimizer step, once a bucket has all the step's micro-batches
+(during the last backward, or under a zero-bubble schedule the last W); stages 2 and 3 keep
 no full gradient and reduce-scatter after every micro-batch.
 
 After the reductions, on the owned range only: gradients of TP-replicated parameters are summed
@@ -80,7 +82,7 @@ class ZeroEngine:
         self.grad_launching: List[Callable[[Bucket, torch.Tensor], None]] = []
         self._in_flight: Deque[Bucket] = deque()  # zero 2/3: buckets whose reduce-scatter runs
         self.peak_in_flight = 0  # the most reduce-scatter inputs alive at once, so far
-        self.sync_grads = True  # stages 0-1: is this backward its chunk's last of the step?
+        self._micro_batch, self._micro_batches = 0, 1  # whose gradients arrive (before_backward)
         self.zero3 = None
         if layout.shards_parameters:
             from megalite.parallel.zero3 import Zero3Gathering
@@ -140,27 +142,38 @@ class ZeroEngine:
     # --- gradient flow ------------------------------------------------------------------
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        """A parameter's gradient of the current micro-batch is in. A bucket is complete for
+        a micro-batch when all its parameters reported for that micro-batch: counted per
+        micro-batch, since under a zero-bubble schedule the deferred weight gradients (W) of
+        several micro-batches interleave with other micro-batches' B (whose LayerNorm and bias
+        gradients come at once), and one running count would call a bucket complete while a
+        micro-batch's gradients are still missing."""
         bucket, index = self._where[p]
         bucket.add_grad(index, p.grad)
         p.grad = None
-        bucket.reported += 1
-        if bucket.reported == len(bucket.params):
-            bucket.reported = 0
-            if bucket.reduction.every_micro_batch:
-                self._launch_bounded(bucket)
-            elif self.sync_grads:
-                self._launch(bucket)
-            if self.zero3 is not None:
-                self.zero3.after_backward(bucket)
+        mb = self._micro_batch
+        reported = bucket.reported.get(mb, 0) + 1
+        if reported < len(bucket.params):
+            bucket.reported[mb] = reported
+            return
+        bucket.reported.pop(mb, None)
+        bucket.completed += 1
+        if bucket.reduction.every_micro_batch:
+            self._launch_bounded(bucket)
+        elif bucket.completed == self._micro_batches:  # the step's last: its one reduction
+            self._launch(bucket)
+        if self.zero3 is not None:
+            self.zero3.after_backward(bucket)
 
-    def set_grad_sync(self, final_micro_batch: bool) -> None:
-        """Called before each backward. Stages 0-1: whether it is the step's last micro-batch
-        of the chunk it runs (their only reduction; a backward only reaches its own chunk's
-        buckets). Stages 2-3: first fold in the previous micro-batch's
-        reduce-scatters — by now long finished behind a forward — so that at most one
-        micro-batch's reductions and their buffers are ever alive (the backend keeps each
-        pending reduction's full-size input until it is waited on)."""
-        self.sync_grads = final_micro_batch
+    def before_backward(self, micro_batch: int, micro_batches: int) -> None:
+        """Called before each backward (or each of its B and W halves) of `micro_batch`, one
+        of the step's `micro_batches`: the gradients that arrive next belong to it. Stages
+        0-1 reduce a bucket once it is complete for all `micro_batches` (after the step's
+        last W under a zero-bubble schedule, not its last B). Stages 2-3: first fold in the
+        previous micro-batch's reduce-scatters — by now long finished behind a forward — so
+        that at most one micro-batch's reductions and their buffers are ever alive (the
+        backend keeps each pending reduction's full-size input until it is waited on)."""
+        self._micro_batch, self._micro_batches = micro_batch, micro_batches
         self._in_flight.clear()
         for b in self.buckets:
             if b.reduction.every_micro_batch:
@@ -208,6 +221,10 @@ class ZeroEngine:
         the embedding group where needed) on this rank's range."""
         self._in_flight.clear()
         for b in self.buckets:
+            if b.reported:
+                raise RuntimeError(f"a gradient bucket is missing gradients of micro-batches "
+                                   f"{sorted(b.reported)} at the end of the step")
+            b.completed = 0
             if not b.reduction.every_micro_batch and not b.launched:
                 self._launch(b)  # a bucket no gradient reached this step (reduces zeros)
             self._complete(b)

@@ -84,7 +84,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
         model.chunks, topo, engine,
         (layout.activation_seq_len(t.seq_len), t.micro_batch_size, cfg.model.n_embd),
         runtime.compute_dtype, runtime.device,
-        scatter_group=None if layout.sequence_parallel else topo.tp_group)
+        scatter_group=None if layout.sequence_parallel else topo.tp_group,
+        schedule=cfg.parallel.schedule)
     sizes = [s.num_samples(t.seq_len) for s in train_shards]
     sampler = ResumableSampler(sizes[0], t.global_batch_size, dp_rank=c.dp_rank,
                                dp_size=topo.dp_size, seed=cfg.seed) if len(sizes) == 1 \

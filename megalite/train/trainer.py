@@ -376,7 +376,7 @@ class Trainer:
             record["pipeline_in_flight"] = self.schedule.peak_in_flight
             record["pipeline_bubble_expected"] = expected_bubble(
                 topo.pp_size, self.layout.micro_batches(self.last_batch_size),
-                self.layout.virtual_stages)
+                self.layout.virtual_stages, schedule=self.schedule.schedule)
         if cfg.log.pipeline_trace:
             self.schedule.trace.dump(self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
                                      topo.coords.pp_rank, self.rank)

@@ -1,0 +1,333 @@
+"""Zero-bubble pipeline schedules (ZB-H1, Qi et al. 2024): the order against an independent
+simulation with unit F, B and W, the rounds, validation before launch, and training equal to
+pp=1 on real gloo ranks (with TP + SP, ZeRO 1 and 3, full and partial recompute, fp16, and a
+resume from a 1F1B checkpoint under another layout), counting saved activations in flight."""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import pytest
+import torch
+
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
+from megalite.parallel.schedule import (
+    Op,
+    OpKind,
+    expected_bubble,
+    max_in_flight,
+    plan_rounds,
+    stage_order,
+)
+from megalite.spawn import run_ranks
+from tests.conftest import FP16_LEARNING, pipeline_layout
+from tests.layouts import (
+    PER_STEP,
+    _many,
+    assert_equal,
+    from_step,
+    master_update_error,
+)
+
+F, B, W = "F", "B", "W"
+
+
+def _simulate(orders, pp: int, unsplit: bool = False) -> int:
+    """Independent reference: every stage runs its next operation as soon as its input is
+    there (F: the previous stage's F of that micro-batch done; B: the next stage's B, or with
+    `unsplit` its W — an unsplit backward sends its gradient after both halves; W: its own B,
+    earlier in the order), one time unit each. Returns the makespan."""
+    done, position, t = {}, [0] * pp, 0
+    while any(position[s] < len(orders[s]) for s in range(pp)):
+        ready = []
+        for s in range(pp):
+            if position[s] == len(orders[s]):
+                continue
+            kind, i = orders[s][position[s]]
+            need = {F: (F, s - 1, i) if s > 0 else None,
+                    B: (W if unsplit else B, s + 1, i) if s < pp - 1 else None,
+                    W: (B, s, i)}[kind]
+            if need is None or done.get(need, t + 1) <= t:
+                ready.append((kind, s, i))
+        assert ready, f"deadlock at {position}"
+        for kind, s, i in ready:
+            done[(kind, s, i)] = t + 1
+            position[s] += 1
+        t += 1
+    return t
+
+
+def _orders(pp, m, schedule):
+    return [[(op.kind.value, op.micro_batch) for op in stage_order(pp, s, m, 1, schedule)]
+            for s in range(pp)]
+
+
+def _split(order):
+    """1F1B's unsplit backward as B then W at once (the same work in unit steps)."""
+    return [x for kind, i in order for x in ([(B, i), (W, i)] if kind == B else [(kind, i)])]
+
+
+@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 6], [1, 2, 3, 4, 5, 8, 12])))
+def test_zb_h1_order(pp, m):
+    """Each stage runs every F, B, W once, W after its B; without the W's it is 1F1B; at most
+    min(p, m) micro-batches hold activations (1F1B's peak, stage 0's p) and F..B at most
+    p - s as in 1F1B; the simulated makespan gives the schedule's formula."""
+    zb = _orders(pp, m, "zb-h1")
+    for s, order in enumerate(zb):
+        assert sorted(order) == sorted((k, i) for k in (F, B, W) for i in range(m))
+        assert all(order.index((B, i)) < order.index((W, i)) for i in range(m))
+        assert [x for x in order if x[0] != W] == _orders(pp, m, "1f1b")[s]
+        assert max_in_flight(pp, s, m, schedule="zb-h1") <= min(pp, m)
+        full = peak = 0
+        for kind, _ in order:
+            full += {F: 1, B: -1, W: 0}[kind]
+            peak = max(peak, full)
+        assert peak == min(pp - s, m)
+    idle = 1 - 3 * m / _simulate(zb, pp)
+    assert idle == pytest.approx(expected_bubble(pp, m, 1, "zb-h1"))
+
+
+def test_zb_h1_bubble_is_below_1f1b():
+    """Unit costs F = B = W (1F1B's backward = B + W) at pp=4, m=8: 1F1B idles
+    (p-1)/(m+p-1) = 3/11 of the step, ZB-H1 (p-1)/(3m+p-1) = 3/27."""
+    pp, m = 4, 8
+    zb = 1 - 3 * m / _simulate(_orders(pp, m, "zb-h1"), pp)
+    one = 1 - 3 * m / _simulate([_split(o) for o in _orders(pp, m, "1f1b")], pp, unsplit=True)
+    assert one == pytest.approx(expected_bubble(pp, m)) == pytest.approx(3 / 11)
+    assert zb == pytest.approx(expected_bubble(pp, m, schedule="zb-h1")) == pytest.approx(3 / 27)
+    assert zb < one
+    assert expected_bubble(pp, m, 1) == expected_bubble(pp, m, 1, "1f1b")  # positional API
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 5), (4, 4), (4, 8), (4, 2)])
+def test_zb_h1_rounds(pp, m):
+    """The rounds run each stage's order; every input arrives in an earlier round; W ops
+    neither send nor receive; the round count is the simulated makespan."""
+    rounds = plan_rounds(pp, m, 1, False, "zb-h1")
+    arrived = [set() for _ in range(pp)]
+    for index in range(max(r[-1].index for r in rounds) + 1):
+        step = [next((r for r in rounds[s] if r.index == index), None) for s in range(pp)]
+        for s, rnd in enumerate(step):
+            if rnd is None or rnd.op is None:
+                continue
+            op = rnd.op
+            needs = (op.kind == F and s > 0) or (op.kind == B and s < pp - 1)
+            if needs:
+                assert (op.kind, 0, op.micro_batch) in arrived[s], (s, op)
+            if op.kind == W:
+                assert all(t.kind != W for t in rnd.sends + rnd.recvs)
+        for rnd in step:
+            for t in [] if rnd is None else rnd.recvs:
+                arrived[t.dst].add((t.kind, t.chunk, t.micro_batch))
+    for s in range(pp):
+        assert [r.op for r in rounds[s] if r.op is not None] == stage_order(pp, s, m, 1, "zb-h1")
+    assert max(r[-1].index for r in rounds) + 1 == _simulate(_orders(pp, m, "zb-h1"), pp)
+    assert Op(OpKind.WEIGHT, 0, 0) in stage_order(pp, 0, m, 1, "zb-h1")
+
+
+def _simulate_v(pp: int, m: int) -> int:
+    """Independent reference for ZB-V: rank s holds model slices s (chunk 0) and 2p - 1 - s
+    (chunk 1); an F of slice k needs slice k - 1's F of that micro-batch, a B slice k + 1's B, a
+    W its own B; one time unit per operation. Returns the makespan."""
+    orders = [[(op.kind.value, op.chunk, op.micro_batch)
+               for op in stage_order(pp, s, m, 2, "zb-v")] for s in range(pp)]
+    slice_of = {(s, c): s if c == 0 else 2 * pp - 1 - s for s in range(pp) for c in (0, 1)}
+    done, position, t = {}, [0] * pp, 0
+    while any(position[s] < len(orders[s]) for s in range(pp)):
+        ready = []
+        for s in range(pp):
+            if position[s] == len(orders[s]):
+                continue
+            kind, c, i = orders[s][position[s]]
+            k = slice_of[(s, c)]
+            need = {F: (F, k - 1, i) if k > 0 else None,
+                    B: (B, k + 1, i) if k < 2 * pp - 1 else None, W: (B, k, i)}[kind]
+            if need is None or done.get(need, t + 1) <= t:
+                ready.append((kind, k, i, s))
+        assert ready, f"deadlock at {position}"
+        for kind, k, i, s in ready:
+            done[(kind, k, i)] = t + 1
+            position[s] += 1
+        t += 1
+    return t
+
+
+@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 6], [1, 2, 4, 5, 8, 12])))
+def test_zb_v_order(pp, m):
+    """ZB-V (order only; running it is refused): every chunk's F, B, W once per micro-batch, W
+    after its B; at most 2p chunk activations in flight (p micro-batches of a whole stage,
+    1F1B's peak); transfers follow the V (the turn from slice p - 1 to slice p stays on rank
+    p - 1); the rounds take as long as the independent simulation, which gives the formula."""
+    for s in range(pp):
+        order = [(op.kind.value, op.chunk, op.micro_batch) for op in stage_order(pp, s, m, 2, "zb-v")]
+        assert sorted(order) == sorted((k, c, i) for k in (F, B, W) for c in (0, 1)
+                                       for i in range(m))
+        assert all(order.index((B, c, i)) < order.index((W, c, i))
+                   for c in (0, 1) for i in range(m))
+        assert max_in_flight(pp, s, m, 2, "zb-v") <= 2 * pp
+    rounds = plan_rounds(pp, m, 2, False, "zb-v")
+    length = max(r[-1].index for r in rounds) + 1
+    assert length == _simulate_v(pp, m)
+    assert 1 - 6 * m / length == pytest.approx(expected_bubble(pp, m, 2, "zb-v"))
+    turn = [t for r in rounds[pp - 1] for t in r.sends if t.kind == F and t.dst == pp - 1]
+    assert len(turn) == m and all(t.chunk == 1 for t in turn)  # slice p-1 -> p on one rank
+    if m >= 2 * pp:  # idle (p - 1) chunk units = half of ZB-H1's p - 1 stage units
+        assert expected_bubble(pp, m, 2, "zb-v") < expected_bubble(pp, m, 1, "zb-h1")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["parallel.schedule=zb-h2"], "parallel.schedule"),
+    (["parallel.schedule=interleaved"], "virtual_stages >= 2"),
+    (["parallel.schedule=1f1b", "parallel.virtual_stages=2"], "virtual_stages=1"),
+    (["parallel.schedule=zb-h1", "parallel.virtual_stages=2"], "virtual_stages=1"),
+    (["parallel.schedule=zb-v"], "not built yet"),
+    (["parallel.schedule=zb-h1", "train.compile=true"], "train.compile=false"),
+    (["parallel.schedule=zb-h1", "offload.activations=true"], "offload.activations=false"),
+    (["parallel.schedule=zb-h1", "pp=1"], "pp >= 2"),
+])
+def test_schedule_refused_before_launch(overrides, match):
+    cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
+                       "train.global_batch_size=16", "pp=2", *overrides])
+    with pytest.raises(ConfigError, match=r"parallel\.schedule|" + match) as err:
+        validate(cfg, cfg.pp)
+    assert match in str(err.value)
+
+
+def test_schedules_accepted():
+    for overrides in (["parallel.schedule=zb-h1"], ["parallel.schedule=1f1b"],
+                      ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+                      ["parallel.virtual_stages=2"]):
+        cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
+                           "train.global_batch_size=16", "pp=2", *overrides])
+        validate(cfg, 2)
+
+
+# --- training on real ranks ----------------------------------------------------------------
+
+ZB = "parallel.schedule=zb-h1"
+
+
+def _layout(tiny_data, pp, m, extra=()):
+    return pipeline_layout(tiny_data, pp, 1, m, extra)
+
+
+def _count_saved_activations(peaks: list) -> None:
+    """Patch the executor (in this rank's process) to count, after each operation, the
+    (chunk, micro-batch) pairs whose forward saved a floating-point activation that is still
+    alive (weak references to what autograd's saved-tensor hooks pack; parameters excluded),
+    appending each step's (peak, the kinds of operation its trace shows) to `peaks`."""
+    from megalite.parallel import pipeline
+
+    operate, train_step = pipeline.PipelineSchedule._operate, pipeline.PipelineSchedule.train_step
+    saved: dict = {}
+    peak = [0]
+
+    def counted(self, op, run):
+        key = (op.chunk, op.micro_batch)
+        if op.kind is not OpKind.FORWARD or not run.training:
+            out = operate(self, op, run)
+        else:
+            def pack(t):
+                if t.is_floating_point() and not isinstance(t, torch.nn.Parameter):
+                    saved.setdefault(key, []).append(weakref.ref(t))
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = operate(self, op, run)
+        live = sum(any(r() is not None for r in refs) for refs in saved.values())
+        peak[0] = max(peak[0], live)
+        return out
+
+    def step(self, *args, **kwargs):
+        saved.clear()
+        peak[0] = 0
+        loss = train_step(self, *args, **kwargs)
+        peaks.append((peak[0], "".join(sorted({e.kind.value for e in self.trace.events}))))
+        return loss
+
+    pipeline.PipelineSchedule._operate = counted
+    pipeline.PipelineSchedule.train_step = step
+
+
+def _ranks_counting(rank, world, runs, run_dir, steps, save_at):
+    peaks: list = []
+    _count_saved_activations(peaks)
+    results = _many(rank, world, runs, run_dir, steps, save_at)
+    per_run = len(peaks) // len(runs)
+    for i, res in enumerate(results):
+        steps_of_run = peaks[i * per_run:(i + 1) * per_run]
+        res["saved_in_flight"] = [p for p, _ in steps_of_run]
+        res["traced"] = {kinds for _, kinds in steps_of_run}
+    return results
+
+
+def _train(tmp_path, world, runs, steps=10, save_at=None):
+    per_rank = run_ranks(_ranks_counting, world, args=(runs, str(tmp_path), steps, save_at),
+                         timeout_s=900)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
+
+
+def _check(ref, ranks, pp, m, counted=True):
+    """Equal to the serial run; saved activations of at most min(pp, m) micro-batches alive
+    (1F1B's peak), as many as the schedule says on each stage."""
+    assert_equal(ref, ranks)
+    for res in ranks:
+        stage = res["coords"][1]
+        bound = max_in_flight(pp, stage, m, schedule="zb-h1")
+        assert bound <= min(pp, m)
+        assert max(res["in_flight"]) == bound, (stage, res["in_flight"])
+        assert res["traced"] == {"BFW"}  # the pipeline trace shows F, B and W
+        if counted:
+            assert max(res["saved_in_flight"]) == bound, (stage, res["saved_in_flight"])
+
+
+def _first_steps(result: dict, steps: int) -> dict:
+    return {**result, **{key: result[key][:steps] for key in PER_STEP}}
+
+
+@pytest.mark.distributed
+def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
+    """10 steps (fp32, dropout 0) equal to the pp=1 run — losses, grad norms, validation loss,
+    every parameter slice after every step — for zb-h1 at pp=2 and 4 with m = pp and 2·pp
+    (pp=2 with full, then partial recompute), tp2 + SP, zero 3 (dp2); fp16 within the
+    mixed-precision tolerances of the fp16 serial run. A 1F1B (pp=2, dp1) checkpoint of step 5
+    resumed under zb-h1 with pp=2, dp2, zero 1 and overlap_param_gather gives the serial steps
+    6-10. The pipeline trace shows F, B and W."""
+    serial, ckpt = pipeline_serial, tmp_path / "ckpt"
+    two = [_layout(tiny_data, 2, 2, [ZB, "train.recompute=true"]),
+           _layout(tiny_data, 2, 4, [ZB, "train.recompute=true", "train.recompute_layers=1"]),
+           _layout(tiny_data, 2, 2, [ZB, *FP16_LEARNING]),
+           _layout(tiny_data, 2, 4, ["parallel.schedule=1f1b", f"checkpoint.dir={ckpt}"])]
+    full, partial, fp16, writer = _train(tmp_path / "two", 2, two, save_at=5)
+    _check(serial[2], full, 2, 2, counted=False)  # recompute: checkpoint's own saved hooks
+    _check(serial[4], partial, 2, 4, counted=False)
+    assert_equal(serial[4], writer)
+    for res in fp16:
+        assert all(p.dtype == torch.float16 for p in res["params"][0].values())
+        for s in range(10):
+            assert abs(res["losses"][s] / serial["fp16"]["losses"][s] - 1) < 3e-3, s
+        assert master_update_error(serial["fp16"], res) < 0.2
+    resume = f"checkpoint.resume={ckpt / 'step_00000005'}"
+    four = [_layout(tiny_data, 4, 4, [ZB]), _layout(tiny_data, 4, 8, [ZB]),
+            pipeline_layout(tiny_data, 2, 2, 4, [ZB, "sp=true"]),
+            _layout(tiny_data, 2, 4, [ZB, "zero=3"]),
+            _layout(tiny_data, 2, 4, [ZB, "zero=1", "parallel.overlap_param_gather=true",
+                                      resume])]
+    pp4, pp4_m8, tp_sp, zero3, resumed = _train(tmp_path / "four", 4, four)
+    _check(serial[4], pp4, 4, 4)
+    _check(serial[8], pp4_m8, 4, 8)
+    for ranks in (tp_sp, zero3):
+        assert_equal(serial[4], ranks)
+    expected = from_step(serial[4], 5)
+    for res in resumed:  # the first 5 steps after the resume (val: after 10 of them)
+        assert_equal({**expected, "val": res["val"]}, [_first_steps(res, 5)])
+
+
+def test_few_micro_batches_warn_with_the_schedules_bubble():
+    """m < pp runs (the pipeline cannot fill); the warning gives the schedule's own idle share:
+    ZB-H1 at pp=4, m=2: 1 - 6/(2·2 + 2·4 - 1) = 45%, 1F1B: 3/5 = 60%."""
+    for schedule, share in (("zb-h1", "45%"), ("1f1b", "60%")):
+        cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
+                           "train.global_batch_size=8", "pp=4", f"parallel.schedule={schedule}"])
+        (warning,) = [w for w in validate(cfg, 4) if "micro-batches" in w]
+        assert share in warning and schedule in warning
