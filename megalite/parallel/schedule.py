@@ -176,20 +176,27 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False
 
 def max_in_flight(pp: int, stage: int, m: int, v: int = 1) -> int:
     """Most (chunk, micro-batch) pairs whose activations `stage` holds at once."""
-    live = peak = 0
-    for op in stage_order(pp, stage, m, v):
-        live += 1 if op.kind is F else -1
-        peak = max(peak, live)
-    return peak
+    return max(sum(counts) for counts in _live_peaks(pp, stage, m, v))
 
 
 def peak_live_bytes(pp: int, stage: int, m: int, v: int, chunk_bytes: List[float]) -> float:
     """Most activation bytes `stage` holds at once, given each chunk's bytes per micro-batch."""
-    live = peak = 0.0
-    for op in stage_order(pp, stage, m, v):
-        live += chunk_bytes[op.chunk] * (1 if op.kind is F else -1)
-        peak = max(peak, live)
-    return peak
+    return max(sum(n * b for n, b in zip(counts, chunk_bytes))
+               for counts in _live_peaks(pp, stage, m, v))
+
+
+@lru_cache(maxsize=4096)
+def _live_peaks(pp: int, stage: int, m: int, v: int) -> Tuple[Tuple[int, ...], ...]:
+    """The live (chunk, micro-batch) counts per chunk wherever `stage`'s order stops running
+    forwards (a backward or the end follows): every peak of the live bytes is at one of them,
+    whatever each chunk's bytes (cached: the planner's search asks for thousands of plans)."""
+    live, peaks = [0] * v, set()
+    order = stage_order(pp, stage, m, v)
+    for i, op in enumerate(order):
+        live[op.chunk] += 1 if op.kind is F else -1
+        if op.kind is F and (i + 1 == len(order) or order[i + 1].kind is B):
+            peaks.add(tuple(live))
+    return tuple(sorted(peaks)) or ((0,) * v,)
 
 
 def expected_bubble(pp: int, m: int, v: int = 1) -> float:
