@@ -162,3 +162,36 @@ def device_profile(name: str) -> DeviceProfile:
         raise ValueError(f"unknown device profile {name!r}; known: {', '.join(BY_NAME)} "
                          "(or --profile FILE from --calibrate)")
     return BY_NAME[name]
+
+
+def _read_profile_json(path) -> dict:
+    """A profile file's dict, with its format and version checked (the full checks are
+    `megalite.profile_file`'s, where present)."""
+    import json
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--profile {path}: cannot read a device profile ({e})") from e
+    if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT \
+            or d.get("version") != PROFILE_VERSION:
+        raise ValueError(f"--profile {path}: not a {PROFILE_FORMAT} version {PROFILE_VERSION} "
+                         "file (write one with scripts/plan.py --calibrate)")
+    return d
+
+
+def load_profile_file(path) -> DeviceProfile:
+    """The calibrated profile in `path` (`scripts/plan.py --profile FILE`); ValueError naming
+    the file when it is damaged or foreign."""
+    try:
+        from megalite.profile_file import load_profile
+    except ImportError:
+        load_profile = _read_profile_json
+    d = load_profile(path)
+    if isinstance(d, DeviceProfile):
+        return d
+    try:
+        return DeviceProfile.from_dict(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"--profile {path}: missing or malformed field ({e!r})") from e

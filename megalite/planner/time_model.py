@@ -61,6 +61,7 @@ class Prediction:
     hardware_tflops_per_device: float  # + recompute's extra forward
     mfu: Optional[float]  # model TFLOP/s / data-sheet peak (None without one)
     device: str
+    stage_terms: List[Dict[str, float]]  # every stage's terms (the critical one's are `terms`)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -210,4 +211,5 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
                       tokens_per_s=tokens / step, model_tflops_per_device=model_tflops,
                       hardware_tflops_per_device=hardware,
                       mfu=model_tflops / profile.peak_tflops_bf16
-                      if profile.peak_tflops_bf16 else None, device=profile.name)
+                      if profile.peak_tflops_bf16 else None, device=profile.name,
+                      stage_terms=stages)
