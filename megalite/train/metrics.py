@@ -91,6 +91,7 @@ WANDB_SECTIONS = {
     "hellaswag_acc_norm": "val/hellaswag_acc_norm", "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
+    "predicted_step_time_s": "perf/predicted_step_time_s",
     "pipeline_bubble": "perf/pipeline_bubble",
     "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
     "pipeline_in_flight": "perf/pipeline_in_flight",
