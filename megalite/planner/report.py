@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 from megalite.config import Config
 from megalite.plan import GIB
@@ -59,6 +59,9 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
             f"{p.hardware_tflops_per_device:>6.1f} {mfu:>5}  {split} ({p.critical_term})")
     if result.best:
         lines.append("run the first with: " + " ".join(result.best[0].choice.overrides()))
+    lines.append(f"not planned: {result.valid - result.costed} whose time lower bound (compute "
+                 "+ recompute + bubble) is above the top's predictions; "
+                 f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower")
     if result.too_big:
         lines.append("do not fit (least memory per rank a layout of the family needs; "
                      "bounds unless planned): " + "; ".join(
@@ -77,15 +80,15 @@ def plot_search(result: SearchResult, profile: DeviceProfile, path: Path) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def xy(points: List) -> tuple:
-        pts = [(b / GIB, s) for b, s, _ in points if math.isfinite(s)]
+    def xy(kind: str) -> tuple:
+        pts = [(b / GIB, s) for b, s, k in result.points if k == kind and math.isfinite(s)]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    bounds = [p for p in result.points if not p[2]]
-    exact = [p for p in result.points if p[2]]
-    ax.scatter(*xy(bounds), s=6, c="0.75", label="lower bounds (not planned)")
-    ax.scatter(*xy(exact), s=12, c="tab:blue", label="planned and predicted")
+    ax.scatter(*xy("bound"), s=5, c="0.75", label="not costed: memory and time lower bounds")
+    ax.scatter(*xy("predicted"), s=8, c="tab:cyan",
+               label="predicted, memory lower bound (slower than the top)")
+    ax.scatter(*xy("planned"), s=14, c="tab:blue", label="planned and predicted")
     if result.best:
         best = result.best[0]
         ax.scatter([best.peak_bytes / GIB], [best.prediction.step_s], s=120, marker="*",

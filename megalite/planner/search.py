@@ -84,7 +84,9 @@ class SearchResult:
     costed: int  # predicted (the rest were pruned by a bound)
     too_big: Dict[str, float] = field(default_factory=dict)  # family -> least bytes needed
     invalid: Dict[str, int] = field(default_factory=dict)  # validation message -> count
-    points: List[Tuple[float, float, bool]] = field(default_factory=list)  # (bytes, s, exact)
+    # (peak bytes per rank, step s, kind): "planned" (both exact), "predicted" (memory a
+    # lower bound), "bound" (both lower bounds)
+    points: List[Tuple[float, float, str]] = field(default_factory=list)
 
 
 def apply_choice(cfg: Config, c: Choice, keep_offload: bool = False) -> Config:
@@ -221,7 +223,7 @@ class _Search:
                 ) -> Optional[Ranked]:
         """The memory plan of a predicted candidate; None when some stage does not fit."""
         plan = make_plan(cfg, layout)
-        self.result.points.append((plan.peak.bytes["total"], pred.step_s, True))
+        self.result.points.append((plan.peak.bytes["total"], pred.step_s, "planned"))
         if plan.peak.bytes["total"] > self.profile.memory_bytes:
             self.too_big(c.family, plan.peak.bytes["total"])
             return None
@@ -249,6 +251,7 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
         need = memory_lower_bound(cfg, c, e)
         if need > profile.memory_bytes:
             s.too_big(c.family, need)
+            s.result.points.append((need, time_lower_bound(cfg, c, rate, cache), "bound"))
             if need < smallest.get(c.family, (float("inf"),))[0]:
                 smallest[c.family] = (need, c)
             continue
@@ -265,8 +268,9 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
         ranked = s.planned(c, *predicted)
         if ranked is not None:
             s.result.best.append(ranked)
-    for key, c, predicted in queue:  # not costed: their bounds
-        s.result.points.append((memory_lower_bound(cfg, c, e), key, predicted is not None))
+    for key, c, predicted in queue:  # not planned: their bounds
+        s.result.points.append((memory_lower_bound(cfg, c, e), key,
+                                "bound" if predicted is None else "predicted"))
     if not s.result.best:
         for family, (_, c) in smallest.items():  # the plan's figure for the least-need one
             predicted = s.predicted(c)
