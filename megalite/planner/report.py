@@ -63,9 +63,10 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
                  "+ recompute + bubble) is above the top's predictions; "
                  f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower")
     if result.too_big:
-        lines.append("do not fit (least memory per rank a layout of the family needs; "
-                     "bounds unless planned): " + "; ".join(
-                         f"{f}: {b / GIB:.1f} GiB" for f, b in sorted(result.too_big.items())))
+        lines.append("over the device memory, per family: how many, and the least memory per "
+                     "rank one of them needs (a lower bound unless planned): " + "; ".join(
+                         f"{f}: {result.too_big_count[f]}, {b / GIB:.1f} GiB"
+                         for f, b in sorted(result.too_big.items())))
     for message, count in result.invalid.items():
         lines.append(f"refused by the launch validation ({count}): {message}")
     return "\n".join(lines)

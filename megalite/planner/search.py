@@ -82,7 +82,9 @@ class SearchResult:
     best: List[Ranked]  # fastest first
     valid: int  # candidates that pass the launch validation rules the search enumerates
     costed: int  # predicted (the rest were pruned by a bound)
-    too_big: Dict[str, float] = field(default_factory=dict)  # family -> least bytes needed
+    too_big: Dict[str, float] = field(default_factory=dict)  # family -> least bytes a
+    #                                                           non-fitting layout needs
+    too_big_count: Dict[str, int] = field(default_factory=dict)  # family -> how many
     invalid: Dict[str, int] = field(default_factory=dict)  # validation message -> count
     # (peak bytes per rank, step s, kind): "planned" (both exact), "predicted" (memory a
     # lower bound), "bound" (both lower bounds)
@@ -231,6 +233,7 @@ class _Search:
 
     def too_big(self, family: str, need: float) -> None:
         self.result.too_big[family] = min(need, self.result.too_big.get(family, need))
+        self.result.too_big_count[family] = self.result.too_big_count.get(family, 0) + 1
 
 
 def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
