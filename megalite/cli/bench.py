@@ -17,6 +17,7 @@ from megalite.bench import (
     checkpoint_index,
     loader,
     pipeline,
+    plan,
     plan_table1,
     prepare,
     resilience,
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
+    "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
