@@ -3,9 +3,9 @@ the median seconds per training step of the real training path (gloo ranks, pipe
 ZeRO engine) next to `megalite.planner.time_model.predict` for it, their ratio, and the rank
 correlation (Spearman) of the two orders — all layouts measured in the same run.
 
-The device profile: `--profile FILE`, else the profile file `megalite.profile_file` loads by
-default where that module exists, else the built-in `cpu` table entry (a rough one-core guess:
-expect its absolute times to be off; the order is the test). Layouts with `--world` ranks run
+The device profile: `--profile FILE` (`scripts/plan.py --calibrate` on the same machine and
+model shapes), else the built-in `cpu` table entry (a rough one-core guess: expect its absolute
+times to be off). Layouts with `--world` ranks run
 in one gloo world, the single-rank ones in another. The data: `--data`, or a small corpus of
 Python's standard library prepared into a temporary directory first.
 """
@@ -61,14 +61,8 @@ def _profile(args):
 
     if args.profile:
         return load_profile_file(args.profile), f"--profile {args.profile}"
-    try:
-        from megalite.profile_file import default_profile_path  # the calibration's own file
-    except ImportError:
-        return device_profile("cpu"), "built-in cpu entry (no megalite.profile_file here)"
-    path = default_profile_path()
-    if Path(path).exists():
-        return load_profile_file(path), f"calibrated {path}"
-    return device_profile("cpu"), f"built-in cpu entry ({path} not written yet)"
+    return device_profile("cpu"), "built-in cpu entry (calibrate with scripts/plan.py " \
+        "--calibrate and pass --profile FILE)"
 
 
 def _predicted(args, res: dict, data: str, profile) -> float:

@@ -8,8 +8,8 @@ Per entry (vendors' data sheets; dense, no sparsity):
                      assumes `TABLE_MATMUL_EFFICIENCY` of the data-sheet peak (large cuBLAS
                      GEMMs); `scripts/plan.py --calibrate` measures it on the machine instead
   memory_bytes       device memory; hbm_gbps its bandwidth (GB/s: the optimizer step)
-  intra_node         collective bus bandwidth (nccl-tests "busbw", GB/s) and per-hop latency
-                     inside a node (NVLink / PCIe)
+  intra_node         collective bus bandwidth (nccl-tests "busbw", GB/s) and latency per
+                     collective inside a node (NVLink / PCIe)
   inter_node         the same across nodes with one rank per node: one GPU's own NIC rail. A
                      group with k ranks on each node gets k rails (rail-optimized nodes, one NIC
                      per GPU), at most the intra-node bus bandwidth
@@ -35,7 +35,7 @@ PROFILE_VERSION = 1
 @dataclass(frozen=True)
 class Link:
     bus_gbps: float  # GB/s of nccl-tests' bus bandwidth: wire bytes / time of a ring
-    latency_s: float  # per ring hop (a ring all-reduce over n ranks has 2(n-1) hops)
+    latency_s: float  # per collective: the small-message time (nccl-tests), fitted
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ def _gpu(name: str, match: str, peak: float, fp32: float, mem: float, hbm: float
         source=f"table ({match}, {eff:.0%} of the data-sheet peak)")
 
 
-NVLINK3, NVLINK4, NVLINK5 = (230.0, 2e-6), (360.0, 2e-6), (720.0, 2e-6)
-PCIE4, PCIE5 = (20.0, 5e-6), (40.0, 5e-6)
-HDR, NDR = (23.0, 5e-6), (45.0, 5e-6)
+NVLINK3, NVLINK4, NVLINK5 = (230.0, 1.5e-5), (360.0, 1.5e-5), (720.0, 1.5e-5)
+PCIE4, PCIE5 = (20.0, 2e-5), (40.0, 2e-5)
+HDR, NDR = (23.0, 3e-5), (45.0, 3e-5)
 
 # Order matters for device-name matching: more specific names first (an "H100 PCIe" must not
 # match plain "H100"; "L40S" before "L40" before "L4").
@@ -109,19 +109,19 @@ DEVICES: Tuple[DeviceProfile, ...] = (
     _gpu("b200", "B200", 2250.0, 80.0, 180, 8000, NVLINK5, NDR, 50),
     _gpu("a100-80gb", "A100", 312.0, 19.5, 80, 2039, NVLINK3, HDR, 25),
     _gpu("a100-40gb", "A100", 312.0, 19.5, 40, 1555, NVLINK3, HDR, 25),
-    _gpu("a800", "A800", 312.0, 19.5, 80, 2039, (155.0, 2e-6), HDR, 25),
+    _gpu("a800", "A800", 312.0, 19.5, 80, 2039, (155.0, 1.5e-5), HDR, 25),
     _gpu("l40s", "L40S", 362.0, 91.6, 48, 864, PCIE4, HDR, 25),
     _gpu("l40", "L40", 181.0, 90.5, 48, 864, PCIE4, HDR, 25),
     _gpu("l4", "L4", 121.0, 30.3, 24, 300, PCIE4, HDR, 25),
     _gpu("a10g", "A10G", 70.0, 31.2, 24, 600, PCIE4, HDR, 25),
     _gpu("a10", "A10", 125.0, 31.2, 24, 600, PCIE4, HDR, 25),
-    _gpu("v100", "V100", 125.0, 15.7, 32, 900, (130.0, 3e-6), (11.0, 5e-6), 12),  # fp16
-    _gpu("mi300x", "MI300X", 1307.0, 163.4, 192, 5300, (300.0, 3e-6), NDR, 50),
-    _gpu("mi250x", "MI250X", 383.0, 47.9, 128, 3200, (150.0, 3e-6), HDR, 25),
+    _gpu("v100", "V100", 125.0, 15.7, 32, 900, (130.0, 1.5e-5), (11.0, 3e-5), 12),  # fp16
+    _gpu("mi300x", "MI300X", 1307.0, 163.4, 192, 5300, (300.0, 1.5e-5), NDR, 50),
+    _gpu("mi250x", "MI250X", 383.0, 47.9, 128, 3200, (150.0, 1.5e-5), HDR, 25),
     # one CPU core (fp32, AVX2-class), gloo over loopback: rough; calibrate for figures
     DeviceProfile(name="cpu", device="cpu", memory_bytes=16 * GIB,
-                  matmul_tflops={"fp32": 0.05}, intra_node=Link(2.0, 3e-5),
-                  inter_node=Link(1.0, 5e-5), gpus_per_node=1, hbm_gbps=10.0,
+                  matmul_tflops={"fp32": 0.05}, intra_node=Link(2.0, 1e-4),
+                  inter_node=Link(1.0, 2e-4), gpus_per_node=1, hbm_gbps=10.0,
                   host_link_gbps=10.0, source="table (cpu: one core, gloo on loopback)"),
 )
 DEVICES = tuple(replace(d, matmul_tflops={k: v for k, v in d.matmul_tflops.items()

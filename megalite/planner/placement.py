@@ -5,7 +5,7 @@ ranks; ARCHITECTURE.md §3).
 A group whose ranks share a node runs at the intra-node bus bandwidth. A group that spans
 nodes with k of its ranks on each node uses k NIC rails at once (one NIC per GPU), so its bus
 bandwidth is k × the one-rank-per-node inter-node figure, at most the intra-node one, and each
-ring hop pays the inter-node latency. A pipeline transfer is one send over one rail: inter-node
+collective pays the inter-node latency. A pipeline transfer is one send over one rail: inter-node
 when any neighbouring pair of stages sits on different nodes. The worst group of each kind
 decides (collectives of a kind run in step on every group).
 """
@@ -21,7 +21,7 @@ from megalite.planner.devices import DeviceProfile, Link
 
 @dataclass(frozen=True)
 class GroupLink:
-    link: Link  # effective bus bandwidth and per-hop latency
+    link: Link  # effective bus bandwidth and latency per collective
     crosses_nodes: bool
 
 

@@ -9,7 +9,7 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               accounting (`flops_per_token`). Backward = 2 forwards.
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks
-  tp          the plan's TP wire bytes / bus bandwidth + hops × latency: blocking, in the
+  tp          the plan's TP wire bytes / bus bandwidth + collectives × latency: blocking, in the
               layer's critical path (megalite does not overlap TP collectives)
   offload     activation offload's copies (offloaded blocks' saved bytes, out in forward, back
               in backward) over the host link, on a side stream: only what exceeds the
@@ -100,38 +100,44 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     return out
 
 
-def _ring_time(wire_bytes: float, hops: float, link: GroupLink) -> float:
-    return wire_bytes / (link.link.bus_gbps * 1e9) + hops * link.link.latency_s
+def _ring_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int) -> float:
+    """Seconds of `collectives` collectives over `ranks` ranks moving `wire_bytes` in all:
+    wire bytes at the bus bandwidth + the latency of each: a ring takes ranks − 1 steps, each
+    the profile's latency (that of a 2-rank collective, its smallest group)."""
+    return wire_bytes / (link.link.bus_gbps * 1e9) \
+        + collectives * (ranks - 1) * link.link.latency_s
 
 
-def _tp_hops(cfg: Config, layout: Layout, chunks: List[range], first: bool, last: bool
-             ) -> float:
-    """Ring hops of a stage's TP collectives per micro-batch (latency)."""
-    t = layout.tp_size
-    if t == 1:
+def _tp_collectives(cfg: Config, layout: Layout, chunks: List[range], first: bool,
+                    last: bool) -> float:
+    """A stage's TP collectives per micro-batch (the plan's count: 4 all-reduces a layer, with
+    SP 6 all-gathers + 4 reduce-scatters; a recomputed layer's re-run 1, with SP 3; the
+    embedding and the head + loss a few more)."""
+    if layout.tp_size == 1:
         return 0.0
     layers = sum(len(b) for b in chunks)
     rec = sum(recomputed_layers(cfg, len(b)) for b in chunks)
-    per_layer, rerun = ((10, 3) if layout.sequence_parallel else (8, 2))
-    return (t - 1) * (layers * per_layer + rec * rerun + 4 * (first + last))
+    per_layer, rerun = ((10, 3) if layout.sequence_parallel else (4, 1))
+    return layers * per_layer + rec * rerun + 2 * first + 4 * last
 
 
 def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, m: int,
-                t_f: float, t_b: float, link: GroupLink) -> float:
+                t_f: float, t_b: float, link: GroupLink, units: int) -> float:
     """Exposed DP time per step (module docstring)."""
     n = layout.dp_size
     if n == 1 or dp_bytes == 0:
         return 0.0
     ring = (n - 1) / n
-    buckets = max(1.0, 4 * psi / (cfg.parallel.bucket_mb * 2**20))
+    buckets = units if layout.zero_stage == 3 else \
+        max(1.0, 4 * psi / (cfg.parallel.bucket_mb * 2**20))  # collectives per pass
     zero = layout.zero_stage
     if zero == 0:
-        return max(0.0, _ring_time(dp_bytes, 2 * (n - 1) * buckets, link) - t_b)
+        return max(0.0, _ring_time(dp_bytes, buckets, link, n) - t_b)
     per_micro = zero >= 2
     reduce_bytes = ring * 4 * psi * (m if per_micro else 1)
     gather_bytes = dp_bytes - reduce_bytes
-    reduce = _ring_time(reduce_bytes, (n - 1) * buckets * (m if per_micro else 1), link)
-    gather = _ring_time(gather_bytes, (n - 1) * buckets * (2 * m if zero == 3 else 1), link)
+    reduce = _ring_time(reduce_bytes, buckets * (m if per_micro else 1), link, n)
+    gather = _ring_time(gather_bytes, buckets * (2 * m if zero == 3 else 1), link, n)
     if zero in (1, 2):
         exposed = max(0.0, reduce - t_b) if zero == 1 else m * max(0.0, reduce / m - t_b)
         window = t_f if cfg.parallel.overlap_param_gather else 0.0
@@ -157,8 +163,8 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     last = any(place.holds_last(k, c) for c in range(v))
     terms = dict.fromkeys(TERMS, 0.0)
     terms["compute"], terms["recompute"] = m * 3 * f_model, m * f_re
-    terms["tp"] = _ring_time(stage.comm["tp"], m * _tp_hops(cfg, lay, chunks, first, last),
-                             links["tp"]) if tp > 1 else 0.0
+    terms["tp"] = _ring_time(stage.comm["tp"], m * _tp_collectives(
+        cfg, lay, chunks, first, last), links["tp"], tp) if tp > 1 else 0.0
     if cfg.offload.activations and profile.host_link_gbps:
         act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
                                      cfg.model.n_head, tp, lay.sequence_parallel, e,
@@ -169,13 +175,13 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     if lay.pp_size > 1:
         scatter = tp if tp > 1 and not lay.sequence_parallel else 1
         x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
-                       * cfg.model.n_embd / scatter, 1, links["pp"])
+                       * cfg.model.n_embd / scatter, 1, links["pp"], 2)
         terms["pp"] = 2 * (lay.pp_size * v - 1) * x + 2 * m * v * max(0.0, x - t_f / v)
+    units = sum(len(b) for b in chunks) + 2 * first + 2 * last  # ZeRO-3's gathered units
     terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], stage.params, e, m, t_f, t_b,
-                              links["dp"])
+                              links["dp"], units)
     if stage.comm["embedding"]:
-        terms["embedding"] = _ring_time(stage.comm["embedding"], 2 * (lay.pp_size > 1),
-                                        links["embedding"])
+        terms["embedding"] = _ring_time(stage.comm["embedding"], 1, links["embedding"], 2)
     if profile.hbm_gbps:
         owned = stage.params / (lay.dp_size if lay.shards_optimizer else 1)
         terms["optimizer"] = (28 + (e if e < 4 else 0)) * owned / (profile.hbm_gbps * 1e9)
