@@ -18,7 +18,8 @@ from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, close
 
 AUTO = ["layout=auto", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.max_steps=2", "checkpoint.every=0"]
+        "train.max_steps=2", "checkpoint.every=0", "resilience.check_every=0",
+        "resilience.straggler_report_every=0"]
 
 
 def test_choice_is_pure_and_holds_explicit_keys():
