@@ -319,6 +319,7 @@ def check_sections(cfg: Config) -> None:
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
                     cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience, cfg.planner):
         section.check()
+    cfg.resilience.check_with_exit_signal(cfg.train.exit_signal)
     data_sources(cfg.data)  # raises on a malformed data.blend
 
 

@@ -122,8 +122,23 @@ class OffloadConfig:
     activations_layers: Optional[int] = None  # with activations: only the first N blocks of
     #   each pipeline stage (each model chunk with virtual stages) that are not recomputed
     #   (train.recompute_layers come first); None = every block not recomputed
+    optimizer: float = 0.0  # the fraction (0..1) of this rank's owned optimizer range whose
+    #   fp32 master weights and AdamW moments live in host memory, stepped by the CPU AdamW
+    #   (0 = off, 1 = all; README: Optimizer offload)
+
+    def messages(self, device_type: str) -> List[str]:
+        """What a run should know about offload.optimizer before it starts."""
+        if self.optimizer > 0 and device_type != "cuda":
+            return [f"offload.optimizer={self.optimizer:g} on CPU: the optimizer state is "
+                    "copied from host memory to host memory, which saves nothing (the offload "
+                    "path runs, for testing); on CUDA it lives in pinned host memory"]
+        return []
 
     def check(self) -> None:
+        f = self.optimizer
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            fail("offload.optimizer", f, "must be a fraction between 0 and 1 (0 = off, 0.5 = "
+                 "half of each rank's optimizer state in host memory, 1 = all of it)")
         n = self.activations_layers
         if n is not None and (isinstance(n, bool) or n < 1 or not self.activations):
             fail("offload.activations_layers", n,
@@ -132,21 +147,34 @@ class OffloadConfig:
                  "block")
 
 
+HANG_SIGNALS = ("SIGUSR1", "SIGUSR2", None)
+
+
 @dataclass
 class ResilienceConfig:
-    """Faults that do not crash (`megalite.resilience`): replicas that silently diverge, and
-    ranks that silently slow the others down."""
+    """Faults that do not crash (`megalite.resilience`): replicas that silently diverge,
+    ranks that silently slow the others down, and ranks that hang the others."""
 
     check_every: int = 100  # steps between replica-consistency checks (0 = off): the ranks
     #   that must hold identical values compare checksums after the optimizer step, and a
     #   mismatch stops the run naming ranks, tensors and step; when > 0 every checkpoint step
     #   is checked too, before the checkpoint is taken
+    tp_rtol: float = 1e-3  # TP replicas without sp (each TP rank computes their gradients
+    #   itself; GPU kernels need not be deterministic) are compared within this tolerance:
+    #   per tensor, the sums of the replicas may differ by tp_rtol x its L1 norm (0 = bitwise)
     straggler_report_every: int = 100  # steps per straggler window (0 = off): each rank's
     #   compute time per step phase, without the time it waited in collectives, gathered
     #   every N steps; a slow rank is named in the log and metrics.jsonl
     straggler_factor: float = 1.5  # slower than the median of its pipeline stage's ranks by
     #   this factor ...
     straggler_min_s: float = 0.1  # ... and by at least this many seconds per step
+    hang_dump: bool = True  # record each rank's last collectives per group; when one fails
+    #   or times out, every rank writes its thread stacks and those to <run dir>/hang/ and
+    #   the rank that noticed names the ranks that did not arrive (hang/summary.txt)
+    hang_history: int = 32  # collectives remembered per group and rank
+    hang_wait_s: float = 10.0  # how long the rank that noticed waits for the others' dumps
+    hang_signal: Optional[str] = "SIGUSR2"  # SIGUSR1 | SIGUSR2 | null: sent to any rank of a
+    #   live run, every rank dumps and training goes on
 
     def check(self) -> None:
         for key in ("check_every", "straggler_report_every"):
@@ -159,6 +187,27 @@ class ResilienceConfig:
         if not (self.straggler_min_s >= 0 and math.isfinite(self.straggler_min_s)):
             fail("resilience.straggler_min_s", self.straggler_min_s,
                  "must be >= 0 seconds per step (e.g. 0.1; 0 = the factor alone decides)")
+        if not (0 <= self.tp_rtol < 1 and math.isfinite(self.tp_rtol)):
+            fail("resilience.tp_rtol", self.tp_rtol,
+                 "must be >= 0 and < 1 (e.g. 1e-3; 0 = TP replicas compared bitwise)")
+        self._check_hang()
+
+    def _check_hang(self) -> None:
+        if isinstance(self.hang_history, bool) or self.hang_history < 1:
+            fail("resilience.hang_history", self.hang_history,
+                 "must be >= 1 collective per group (e.g. 32)")
+        if not (self.hang_wait_s > 0 and math.isfinite(self.hang_wait_s)):
+            fail("resilience.hang_wait_s", self.hang_wait_s,
+                 "must be a positive number of seconds (e.g. 10)")
+        if self.hang_signal not in HANG_SIGNALS:
+            fail("resilience.hang_signal", self.hang_signal,
+                 "use SIGUSR1 or SIGUSR2, or null (no dump on a signal)")
+
+    def check_with_exit_signal(self, exit_signal: Optional[str]) -> None:
+        """The dump signal must not be the one that stops the run (`train.exit_signal`)."""
+        if self.hang_signal is not None and self.hang_signal == exit_signal:
+            fail("resilience.hang_signal", self.hang_signal,
+                 "is train.exit_signal too; use the other of SIGUSR1/SIGUSR2, or null")
 
 
 @dataclass

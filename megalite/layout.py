@@ -247,7 +247,8 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
     _check_other_pairs(cfg)
-    warnings += _check_offload(cfg, device_type_for(cfg.device, local_gpus))
+    device_type = device_type_for(cfg.device, local_gpus)
+    warnings += _check_offload(cfg, device_type) + cfg.offload.messages(device_type)
     return warnings
 
 

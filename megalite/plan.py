@@ -63,6 +63,7 @@ from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
 from megalite.parallel.zero import bucket_groups
+from megalite.plan_offload import apply_offload, optimizer_placement
 
 GIB = 2**30
 
@@ -75,7 +76,9 @@ class StagePlan:
     in_flight: int  # micro-batches whose activations are held at once
     bytes: Dict[str, float] = field(default_factory=dict)  # P G O A zero3 total
     comm: Dict[str, float] = field(default_factory=dict)  # wire bytes per step per group
-    host: Dict[str, float] = field(default_factory=dict)  # host memory: activations total
+    host: Dict[str, float] = field(default_factory=dict)  # host memory: activations
+    #                                                       optimizer total (plan_offload.py)
+    pcie: Dict[str, float] = field(default_factory=dict)  # offload copies per step: d2h h2d
 
 
 @dataclass
@@ -93,7 +96,7 @@ class Plan:
         return {"layout": self.layout, "placement": self.placement,
                 "stages": [{"stage": s.stage, "layers": s.layers, "params": s.params,
                             "in_flight": s.in_flight, "bytes": s.bytes, "host": s.host,
-                            "comm": s.comm}
+                            "pcie": s.pcie, "comm": s.comm}
                            for s in self.stages]}
 
     def table(self) -> str:
@@ -106,6 +109,8 @@ class Plan:
         limit = lay.get("offload_activations_layers")
         offloaded = "" if not lay.get("offload_activations") else \
             " offload.activations" + (f" (first {limit} per stage)" if limit is not None else "")
+        if lay.get("offload_optimizer"):
+            offloaded += f" offload.optimizer={lay['offload_optimizer']:g}"
         lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']}{virtual} dp={lay['dp']} "
                  f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}{offloaded}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
@@ -115,7 +120,7 @@ class Plan:
                  f"{'G ' + unit:>7} {'O ' + unit:>7} {'A ' + unit:>7} {'(in flight)':>11} "
                  f"{'Z3 ' + unit:>7} {'total ' + unit:>9} "
                  f"{'tp GB':>8} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"
-                 + (f" {'host ' + unit:>8}" if offload else "")]
+                 + (f" {'host ' + unit:>8} {'PCIe GB':>8}" if offload else "")]
         for s in self.stages:
             b, c = s.bytes, s.comm
             lines.append(
@@ -126,10 +131,11 @@ class Plan:
                 f"{b['zero3_gathered'] / scale:>7.2f} "
                 f"{b['total'] / scale:>9.2f} {c['tp'] / 1e9:>8.3f} {c['pp'] / 1e9:>7.3f} "
                 f"{c['dp'] / 1e9:>7.3f} {c['embedding'] / 1e9:>7.3f}"
-                + (f" {s.host['total'] / scale:>8.2f}" if offload else ""))
+                + (f" {s.host['total'] / scale:>8.2f} "
+                   f"{(s.pcie['d2h'] + s.pcie['h2d']) / 1e9:>8.3f}" if offload else ""))
         lines.append("GB = 1e9 bytes sent per rank per optimizer step (ring wire bytes)"
-                     + ("; host = offloaded activations per rank (host memory)"
-                        if offload else ""))
+                     + ("; host = offloaded optimizer state and activations per rank (host "
+                        "memory), PCIe = their copies both ways per step" if offload else ""))
         return "\n".join(lines)
 
 
@@ -392,13 +398,15 @@ def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
         d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)
         if d.cfg.parallel.reshard_after_forward else d.e * sums.psi * _ring(dp))
+    host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host)}
+    pcie = apply_offload(d.cfg, lay, sums.psi, d.e, d.micro, state, host, sum(sums.chunk_host))
     state["total"] = sum(state.values())
+    host["total"] = sum(host.values())
     tied = pp > 1 and any(slices.holds_first(k, c) or slices.holds_last(k, c)
                           for c in range(v))
-    host = peak_live_bytes(pp, k, d.micro, v, sums.chunk_host)
     return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
                      max_in_flight(pp, k, d.micro, v), state, _stage_comm(d, sums, tied),
-                     {"activations": host, "total": host})
+                     host, pcie)
 
 
 def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
@@ -420,7 +428,8 @@ def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
     return {
         "P": "sharded-with-gather" if layout.shards_parameters and dp > 1 else "replicated",
         "G": "sharded" if layout.shards_gradients and dp > 1 else "replicated",
-        "O": "sharded" if layout.shards_optimizer and dp > 1 else "replicated",
+        "O": optimizer_placement(cfg, "sharded" if layout.shards_optimizer and dp > 1
+                                 else "replicated"),
         "A": activations,
     }
 
@@ -437,6 +446,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
                  "recompute": t.recompute, "recompute_layers": t.recompute_layers,
                  "offload_activations": cfg.offload.activations,
                  "offload_activations_layers": cfg.offload.activations_layers,
+                 "offload_optimizer": cfg.offload.optimizer,
                  "dtype": layout.precision, "micro_batch": t.micro_batch_size,
                  "seq_len": t.seq_len, "micro_batches": d.micro}
     return Plan(described, _placements(cfg, layout), stages)

@@ -73,7 +73,7 @@ def _steps(rank, world, overrides, run_dir, steps, save_at=None):
             "grad_staging": trainer.engine.grad_staging_bytes(),
             "reductions_in_flight": trainer.engine.peak_in_flight,
             "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)],
-            "offload_peaks": offload_peaks}
+            "offload_peaks": offload_peaks, "host_bytes": trainer.engine.host_state_bytes()}
 
 
 @contextlib.contextmanager
@@ -94,10 +94,16 @@ def _masters(engine) -> List[tuple]:
 
 
 def _parameters_are_masters_cast(engine) -> bool:
-    """Every owned range of the model-dtype parameters is its fp32 master range cast down."""
-    return all(b.main.dtype == torch.float32 and
-               torch.equal(b.param_region, b.main.to(b.param_region.dtype))
-               for b in engine.buckets)
+    """Every owned range of the model-dtype parameters is its fp32 master range cast down
+    (offload.optimizer: the device's part and the host's)."""
+    for b in engine.buckets:
+        host = None if engine.offload is None else engine.offload.range_of(b)
+        parts = [(b.main, 0)] + ([] if host is None else [(host.main, host.offset)])
+        for main, at in parts:
+            region = b.param_region[at:at + main.numel()]
+            if main.dtype != torch.float32 or not torch.equal(region, main.to(region.dtype)):
+                return False
+    return True
 
 
 def _many(rank, world, runs, run_dir, steps, save_at):

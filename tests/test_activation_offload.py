@@ -144,6 +144,7 @@ def test_metrics_report_each_intervals_peak_host_bytes():
     model = GPT2(CFG, offload=offload).train()
     init_parameters(model, seed=0)
     trainer = SimpleNamespace(model=SimpleNamespace(activation_offload=offload),
+                              engine=SimpleNamespace(offload=None),
                               topo=SimpleNamespace(world_group=single_rank_group("world")),
                               rt=SimpleNamespace(device=torch.device("cpu")))
     model(*_batch()).backward()

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
             "export": "export_hf", "generate": "generate", "bench": "bench",
             "verify_rank": "verify_rank", "evaluate": "evaluate",
-            "plot": "plot"}  # module: script (command: megalite-<module, - for _>)
+            "plot": "plot", "hang_report": "hang_report"}
+# module: script (command: megalite-<module, - for _>)
 
 
 def declared_scripts() -> dict:

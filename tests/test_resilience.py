@@ -22,7 +22,9 @@ from megalite.resilience.replicas import (
     disagreements,
     fingerprint,
     odd_members,
+    odd_within,
     replica_sets,
+    sums_and_norms,
 )
 from megalite.resilience.stragglers import find_slow, peer_groups
 from megalite.runtime import init_runtime
@@ -91,8 +93,9 @@ def _clean_run(rank, world, tiny_data, run_dir, overrides):
     trainer = _trainer(tiny_data, run_dir, world, f"train.max_steps={CLEAN_STEPS}",
                        "resilience.check_every=1", *overrides)
     trainer.fit()
-    return {"passed": trainer.replicas.checks,
-            "compared": {rs.kind: rs.names for rs in replica_sets(trainer.engine, trainer.topo)}}
+    sets = replica_sets(trainer.engine, trainer.topo, trainer.replicas.tp_rtol)
+    return {"passed": trainer.replicas.checks, "compared": {rs.kind: rs.names for rs in sets},
+            "rtol": {rs.kind: rs.rtol for rs in sets}}
 
 
 def _all_runs(rank, world, tiny_data, run_dir):
@@ -141,6 +144,11 @@ def test_a_flipped_bit_stops_the_run_before_its_checkpoint_and_clean_runs_pass(r
             tp = clean[label]["compared"]["tp"]
             assert FLIPPED in tp and "transformer.wpe.weight" in tp, tp
             assert not any("c_attn.weight" in n for n in tp), tp
+        # bitwise where equal by construction (SP all-reduces their gradients), else within
+        # resilience.tp_rtol (default 1e-3); DP replicas always bitwise
+        assert clean["tp2 sp"]["rtol"] == {"tp": None}, clean["tp2 sp"]["rtol"]
+        assert clean["tp2"]["rtol"] == {"tp": 1e-3}, clean["tp2"]["rtol"]
+        assert clean["dp2 zero1"]["rtol"] == {"dp": None}
         tied = clean["pp2"]["compared"]  # the first stage's wte, the last's LM head copy
         assert list(tied) == ["embedding"] and len(tied["embedding"]) == 1, tied
         assert "transformer.wte.weight" in tied["embedding"][0], tied
@@ -199,7 +207,8 @@ def test_a_slowed_rank_is_named_within_a_window_and_an_even_run_names_none(runs)
 @pytest.mark.parametrize("key, value", [
     ("resilience.check_every", -1), ("resilience.straggler_report_every", -5),
     ("resilience.straggler_factor", 1.0), ("resilience.straggler_factor", 0.5),
-    ("resilience.straggler_min_s", -0.1)])
+    ("resilience.straggler_min_s", -0.1), ("resilience.tp_rtol", -1e-3),
+    ("resilience.tp_rtol", 1.0)])
 def test_bad_resilience_values_are_refused_naming_the_key(key, value):
     cfg = load_config([f"{key}={value}"])
     with pytest.raises(ConfigError, match=rf"^{key}="):
@@ -229,6 +238,39 @@ def test_the_odd_replica_is_named_by_majority_or_all_are():
     lines = disagreements("dp", [0, 4, 8], ["a", "b", "c"], [[1, 2, 3], [1, 2, 3], [1, 9, 3]])
     assert lines == ["dp replicas on global ranks [0, 4, 8] differ in b (suspect rank 8)"]
     assert disagreements("tp", [0, 1], ["a"], [[1], [1]]) == []
+
+
+def test_tp_replicas_without_sp_agree_within_the_tolerance_and_corruption_does_not():
+    """The tolerance path (TP replicas without SP): a rounding-level drift between two
+    replicas passes where the bitwise check would fail; a flipped high exponent bit, a sign
+    flip of a large element and a NaN are found, naming the odd replica of three."""
+    torch.manual_seed(0)
+    x = torch.randn(768)
+    drift = x * (1 + 1e-6 * torch.randn(768))
+    big = x.abs().argmax()
+
+    def table(*replicas):
+        return [[sums_and_norms([t], x.device)[0].tolist()] for t in replicas]
+
+    def corrupt(change):
+        y = x.clone()
+        change(y)
+        return y
+
+    assert disagreements("tp", [0, 1], ["ln"], table(x, drift), rtol=1e-3) == []
+    bitwise = [[int(fingerprint([t], x.device)[0])] for t in (x, drift)]
+    assert disagreements("tp", [0, 1], ["ln"], bitwise) != []  # what tp_rtol=0 would say
+    exponent = corrupt(lambda y: y.view(torch.int32)[7].bitwise_xor_(1 << 30))
+    sign = corrupt(lambda y: y[big].neg_())
+    nan = corrupt(lambda y: y[3].fill_(float("nan")))
+    for bad in (exponent, sign, nan):
+        assert disagreements("tp", [0, 1], ["ln"], table(x, bad), rtol=1e-3) == [
+            "tp (within resilience.tp_rtol=0.001) replicas on global ranks [0, 1] differ in "
+            "ln (suspect ranks 0, 1)"]
+        rows = table(x, drift, bad, x)
+        assert odd_within([r[0][0] for r in rows], [r[0][1] for r in rows], 1e-3) == [2]
+    low = corrupt(lambda y: y.view(torch.int32)[7].bitwise_xor_(1))  # below the tolerance
+    assert disagreements("tp", [0, 1], ["ln"], table(x, low), rtol=1e-3) == []
 
 
 def test_stragglers_need_both_the_factor_and_the_floor():

@@ -15,7 +15,9 @@ from megalite.bench import (
     attention,
     checkpoint,
     checkpoint_index,
+    flight,
     loader,
+    offload,
     pipeline,
     plan,
     plan_table1,
@@ -41,8 +43,11 @@ BENCHMARKS = {
     "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
+    "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "
+                         "time with and without, torchao's CPUOffloadOptimizer on CUDA"),
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
                                "without"),
+    "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
 }
 
 

@@ -9,6 +9,7 @@ with a device profile also the predicted step time, tokens/s, TFLOP/s and MFU
     megalite-plan --world-size 64 --device h100-80gb model=gpt2-xl ...
     megalite-plan --search --world-size 64 --gpus-per-node 8 --device h100-80gb \\
         model=gpt2-xl train.global_batch_size=512 train.seq_len=1024 [--plot search.png]
+    torchrun --nproc_per_node=2 scripts/plan.py --calibrate --output profile.json model=gpt2
 
 (`python scripts/plan.py ...` in a checkout is the same command.) Arguments after the options
 are the same overrides megalite-pretrain takes; the configuration is validated as for a run.
@@ -24,16 +25,18 @@ import json
 import sys
 from typing import List, Optional
 
+from megalite.calibrate import calibrate_command
 from megalite.cli import config_for_world
 from megalite.layout import Layout
+from megalite.placement_fit import cheapest_fit
 from megalite.plan import GIB, make_plan
-from megalite.planner.devices import BY_NAME, device_profile, load_profile_file
+from megalite.planner.devices import BY_NAME, device_profile, load_profile_file, table_links
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) in all")
+    p.add_argument("--world-size", type=int, help="ranks (GPUs) in all (not with --calibrate)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="ranks per node: which groups cross nodes (default: the profile's, "
                         "8 for cuda)")
@@ -51,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="--search: step time vs peak memory of the candidates, to a PNG")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine instead (matmul rate at the model's shapes; under "
+                        "torchrun, collective bandwidth) and save a device profile "
+                        "(megalite/calibrate.py)")
+    p.add_argument("--output", default="device-profile.json",
+                   help="with --calibrate: the profile file to write")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model=gpt2 tp=2")
     return p
 
@@ -80,6 +89,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-plan --world-size N [overrides]`; argv defaults to the command line."""
     cli = parser()
     args = cli.parse_args(argv)
+    if args.calibrate:
+        sys.exit(calibrate_command(args.overrides, args.output, table_links))
+    if args.world_size is None:
+        cli.error("the following arguments are required: --world-size")
     profile, per_node = _profile(cli, args)
     if args.search or args.plot:
         if profile is None:
@@ -108,10 +121,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.gpu_memory_gib <= 0:
             cli.error(f"--gpu-memory-gib={args.gpu_memory_gib}: must be > 0 (e.g. 80)")
         over = [s for s in plan.stages if s.bytes["total"] > args.gpu_memory_gib * GIB]
+        fit = cheapest_fit(cfg, layout, args.gpu_memory_gib * GIB) if over else None
+        advice = f"the cheapest placement that fits: {fit.describe()}" if fit is not None \
+            else "no placement change fits alone"
         for s in over:
             print(f"megalite: stage {s.stage} needs about {s.bytes['total'] / GIB:.1f} GiB per "
-                  f"rank > {args.gpu_memory_gib:g} GiB: raise zero, tp or pp, set "
-                  "train.recompute=true or lower train.micro_batch_size", file=sys.stderr)
+                  f"rank > {args.gpu_memory_gib:g} GiB; {advice}; or raise tp or pp, or lower "
+                  "train.micro_batch_size (--search ranks the layouts that fit)",
+                  file=sys.stderr)
         if over:
             sys.exit(3)
 

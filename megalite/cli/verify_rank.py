@@ -108,7 +108,8 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     built_model = clock()
     engine = ZeroEngine(model, topo, layout, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
                         reshard_after_forward=cfg.parallel.reshard_after_forward,
-                        overlap_param_gather=cfg.parallel.overlap_param_gather)
+                        overlap_param_gather=cfg.parallel.overlap_param_gather,
+                        offload_optimizer=cfg.offload.optimizer)
     done = clock()
     return topo, model, engine, {"imports": start - before_imports,
                                  "topology": built_topology - start,

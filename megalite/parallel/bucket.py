@@ -72,7 +72,7 @@ class ReduceScatterGrad(GradReduction):
     leaves each rank the sum of its own range."""
 
     def launch(self, bucket: "Bucket", grad: torch.Tensor) -> None:
-        out = torch.empty_like(bucket.main_grad)
+        out = torch.empty(bucket.hi - bucket.lo, dtype=torch.float32, device=grad.device)
         bucket.pending.append((comm.reduce_scatter(out, grad, bucket.group, async_op=True), out))
 
     def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
@@ -90,7 +90,7 @@ class ShardedGrad(ReduceScatterGrad):
 
     def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
         work.wait()
-        bucket.main_grad.add_(out)
+        bucket.main_grad.add_(out[:bucket.main_grad.numel()])  # offload: the device's part
         return out
 
 
@@ -186,8 +186,8 @@ class Bucket:
     def after_step(self, async_op: bool = False):
         """Master range -> model-dtype parameters; stages 1-2 gather every rank's range (with
         `async_op`, returns the gather's handle to wait on; None when there is none)."""
-        if self.main is not self.param_region:
-            self.param_region.copy_(self.main)
+        if self.main is not self.param_region:  # (offload: the host sent the rest)
+            self.param_region[:self.main.numel()].copy_(self.main)
         if self.gathers_params:
             return comm.all_gather(self.param_full, self.param_region, self.group,
                                    async_op=async_op)

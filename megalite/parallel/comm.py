@@ -14,6 +14,8 @@ A group of size 1 communicates nothing and records nothing. The counters live in
 `CommCounter` owned by the `Topology`; no module state. With `CommCounter.waits` set (straggler
 reports, `megalite.resilience.stragglers`), every call that can block on peers — a blocking
 collective, the wait for an asynchronous one or for point-to-point transfers — is also timed.
+With `CommCounter.flight` set (`megalite.resilience.flight`), every call is also reported to
+that flight recorder: launched, waited for, done or failed (the last collectives of a hang).
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ class CommCounter:
     # which never times waits)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     waits: Optional[CollectiveWaits] = field(default=None, repr=False, compare=False)
+    flight: Optional[object] = field(default=None, repr=False, compare=False)  # FlightRecorder
 
     def record(self, group: str, op: str, payload: int, wire: float) -> None:
         with self.lock:
@@ -150,26 +153,45 @@ def _describe(op: str, group: Group) -> str:
     return f"{op} on the {group.name} group (global ranks {group.ranks})"
 
 
-def _call(op: str, group: Group, fn):
+def _call(op: str, group: Group, fn, entry=None, blocking: bool = True):
     """Run a collective; a failure or timeout (parallel.timeout_s) becomes a CommError that
-    says which group was waiting, instead of an anonymous backend error. Timed when the
-    group's counter collects `waits`."""
-    waits = group.counter.waits
+    says which group was waiting, instead of an anonymous backend error (after the flight
+    recorder, if any, has seen it: a hang dump). Timed when the group's counter collects
+    `waits`. `entry`: the flight recorder's record of the collective, waited for here when
+    `blocking` (not when only launching an asynchronous one)."""
+    waits, flight = group.counter.waits, group.counter.flight
+    recorded = flight is not None and entry is not None and blocking
+    if recorded:
+        flight.waiting(entry)
     try:
-        return fn() if waits is None else waits.timed(fn)
+        result = fn() if waits is None else waits.timed(fn)
     except RuntimeError as e:
+        if flight is not None:
+            flight.failed(entry, _describe(op, group), e)
         raise CommError(f"{_describe(op, group)} failed: {e}. A peer in this group crashed, "
                         "was killed or is stuck; see its log") from e
+    if recorded:
+        flight.done(entry)
+    return result
+
+
+def _launch(op: str, group: Group, nbytes: int, fn, async_op: bool = False):
+    """Launch a collective through `_call`, recorded by the group's flight recorder (if any);
+    with `async_op`, return its `_Work`."""
+    flight = group.counter.flight
+    entry = None if flight is None else flight.started(op, group, nbytes)
+    work = _call(op, group, fn, entry, blocking=not async_op)
+    return _Work(work, op, group, entry) if async_op else work
 
 
 class _Work:
     """An asynchronous collective's handle; `wait()` raises CommError naming the group."""
 
-    def __init__(self, work, op: str, group: Group):
-        self.work, self.op, self.group = work, op, group
+    def __init__(self, work, op: str, group: Group, entry=None):
+        self.work, self.op, self.group, self.entry = work, op, group, entry
 
     def wait(self) -> bool:
-        return _call(self.op, self.group, self.work.wait)
+        return _call(self.op, self.group, self.work.wait, self.entry)
 
 
 class _Done:
@@ -188,10 +210,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
     if group.size > 1:
         nbytes = _nbytes(tensor)
         group.counter.record(group.name, "all_reduce", nbytes, 2 * _ring(group.size) * nbytes)
-        work = _call("all_reduce", group, lambda: dist.all_reduce(
-            tensor, op=op, group=group.pg, async_op=async_op))
+        work = _launch("all_reduce", group, nbytes, lambda: dist.all_reduce(
+            tensor, op=op, group=group.pg, async_op=async_op), async_op)
         if async_op:
-            return _Work(work, "all_reduce", group)
+            return work
     return _Done() if async_op else tensor
 
 
@@ -203,9 +225,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         return _Done() if async_op else output
     nbytes = _nbytes(input)
     group.counter.record(group.name, "reduce_scatter", nbytes, _ring(group.size) * nbytes)
-    work = _call("reduce_scatter", group, lambda: _reduce_scatter_single(
-        output, input, op=op, group=group.pg, async_op=async_op))
-    return _Work(work, "reduce_scatter", group) if async_op else output
+    work = _launch("reduce_scatter", group, nbytes, lambda: _reduce_scatter_single(
+        output, input, op=op, group=group.pg, async_op=async_op), async_op)
+    return work if async_op else output
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -215,9 +237,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         return _Done() if async_op else output
     nbytes = _nbytes(output)
     group.counter.record(group.name, "all_gather", nbytes, _ring(group.size) * nbytes)
-    work = _call("all_gather", group, lambda: _all_gather_single(
-        output, input, group=group.pg, async_op=async_op))
-    return _Work(work, "all_gather", group) if async_op else output
+    work = _launch("all_gather", group, nbytes, lambda: _all_gather_single(
+        output, input, group=group.pg, async_op=async_op), async_op)
+    return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:
@@ -225,8 +247,8 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.T
     if group.size > 1:
         nbytes = _nbytes(tensor)
         group.counter.record(group.name, "broadcast", nbytes, _ring(group.size) * nbytes)
-        _call("broadcast", group,
-              lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg))
+        _launch("broadcast", group, nbytes,
+                lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg))
     return tensor
 
 
@@ -243,9 +265,10 @@ def all_reduce_scalars(values: List[float], group: Group, device: torch.device,
 # under "<group>.objects" so that the tensor traffic of each group keeps its meaning ---------
 
 
-def _record_objects(group: Group, op: str, obj) -> None:
+def _record_objects(group: Group, op: str, obj) -> int:
     size = len(pickle.dumps(obj))
     group.counter.record(f"{group.name}.objects", op, size, size)
+    return size
 
 
 def gather_objects_to_root(obj, group: Group) -> Optional[List]:
@@ -253,9 +276,9 @@ def gather_objects_to_root(obj, group: Group) -> Optional[List]:
     root holds O(group) objects, every other member only its own."""
     if group.size == 1:
         return [obj]
-    _record_objects(group, "gather_object", obj)
+    size = _record_objects(group, "gather_object", obj)
     out: Optional[List] = [None] * group.size if group.rank == 0 else None
-    _call("gather_object", group, lambda: dist.gather_object(
+    _launch("gather_object", group, size, lambda: dist.gather_object(
         obj, out, dst=group.ranks[0], group=group.pg))
     return out
 
@@ -265,16 +288,15 @@ def broadcast_object(obj, group: Group, src_index: int = 0):
     if group.size == 1:
         return obj
     box = [obj]
-    if group.rank == src_index:
-        _record_objects(group, "broadcast_object", obj)
-    _call("broadcast_object", group, lambda: dist.broadcast_object_list(
+    size = _record_objects(group, "broadcast_object", obj) if group.rank == src_index else 0
+    _launch("broadcast_object", group, size, lambda: dist.broadcast_object_list(
         box, src=group.ranks[src_index], group=group.pg))
     return box[0]
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        _call("barrier", group, lambda: dist.barrier(group=group.pg))
+        _launch("barrier", group, 0, lambda: dist.barrier(group=group.pg))
 
 
 class PendingBatch:
@@ -283,8 +305,8 @@ class PendingBatch:
     gloo's operations report completion only once waited for). It holds the sent tensors
     until then."""
 
-    def __init__(self, works, group: Group, sent: List[torch.Tensor]):
-        self._works, self._group, self._sent = list(works), group, sent
+    def __init__(self, works, group: Group, sent: List[torch.Tensor], entry=None):
+        self._works, self._group, self._sent, self._entry = list(works), group, sent, entry
 
     def done(self) -> bool:
         if self._works and all(w.is_completed() for w in self._works):
@@ -294,7 +316,7 @@ class PendingBatch:
     def wait(self) -> None:
         works, self._works = self._works, []
         if works:
-            _call("send/recv", self._group, lambda: [w.wait() for w in works])
+            _call("send/recv", self._group, lambda: [w.wait() for w in works], self._entry)
         self._sent = []
 
 
@@ -307,8 +329,13 @@ def send_recv(sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Ten
     ops += [dist.P2POp(dist.irecv, t, group.ranks[peer], group=group.pg) for t, peer in recvs]
     for t, _ in sends:
         group.counter.record(group.name, "send", _nbytes(t), _nbytes(t))
-    works = _call("send/recv", group, lambda: dist.batch_isend_irecv(ops)) if ops else []
-    batch = PendingBatch(works, group, [t for t, _ in sends])
+    flight, entry = group.counter.flight, None
+    if flight is not None and ops:
+        entry = flight.started("send/recv", group, sum(_nbytes(t) for t, _ in sends + recvs),
+                               peers=sorted({group.ranks[p] for _, p in sends + recvs}))
+    works = _call("send/recv", group, lambda: dist.batch_isend_irecv(ops), entry,
+                  blocking=False) if ops else []
+    batch = PendingBatch(works, group, [t for t, _ in sends], entry)
     if async_op:
         return batch
     batch.wait()

@@ -41,6 +41,8 @@ from megalite.layout import Layout
 from megalite.parallel import comm
 from megalite.parallel.bucket import MOMENTS, REDUCTIONS_IN_FLIGHT, Bucket, StatePiece
 from megalite.parallel.flat import Segment
+from megalite.parallel.norms import by_device, squares_fp64
+from megalite.parallel.offload import OptimizerOffload, build_adamw
 from megalite.parallel.topology import Topology
 
 
@@ -50,7 +52,7 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, topo: Topology, layout: Layout, optim: OptimConfig,
                  bucket_mb: float = 25.0, reshard_after_forward: bool = True,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, offload_optimizer: float = 0.0):
         self.topo, self.layout, self.model = topo, layout, model
         self.sequence_parallel = layout.sequence_parallel
         from megalite.parallel.zero3 import unit_groups
@@ -86,29 +88,45 @@ class ZeroEngine:
             from megalite.parallel.param_gather import OverlappedParamGather
 
             self.param_gather = OverlappedParamGather(model.chunks, self.buckets)
+        self.offload: Optional[OptimizerOffload] = None  # offload.optimizer: see offload.py
+        if offload_optimizer > 0:
+            self.offload = OptimizerOffload(model.chunks, self.buckets, offload_optimizer,
+                                            self.buckets[0].main_grad.device)
+            self.bucket_reduced.append(self.offload.on_reduced)
         self._build_optimizer(optim)
 
     # --- optimizer ----------------------------------------------------------------------
 
     def _build_optimizer(self, cfg: OptimConfig) -> None:
         """AdamW over the owned segments of every bucket: one leaf tensor per piece of a
-        parameter, a view of the fp32 master range, its gradient a view of `main_grad`."""
-        decay, no_decay = [], []
+        parameter, a view of the fp32 master range, its gradient a view of `main_grad` (an
+        offloaded piece's: views of host tensors, stepped by the host AdamW of its bucket).
+        `self.optimizer` is the device's (None when everything is offloaded)."""
+        pieces, decays = [], []
         self.main_params: List[Tuple[nn.Parameter, Segment, Bucket]] = []
         for b in self.buckets:
+            host = None if self.offload is None else self.offload.range_of(b)
             for seg in b.segments:
+                if host is not None and seg.flat_lo >= host.cut:
+                    self.main_params.append((host.piece(seg), seg, b))
+                    continue
                 piece = nn.Parameter(b.region_view(b.main, seg))
                 piece.grad = b.region_view(b.main_grad, seg)
-                (decay if seg.spec.weight_decay else no_decay).append(piece)
+                pieces.append(piece)
+                decays.append(seg.spec.weight_decay)
                 self.main_params.append((piece, seg, b))
-        device = self.buckets[0].main.device
-        extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),
-                                           eps=cfg.eps, **extra)
+        kind = "fused" if self.buckets[0].main_grad.device.type == "cuda" else "foreach"
+        self.optimizer = build_adamw(pieces, decays, cfg, kind) if pieces else None
+        self.optimizers = ([self.optimizer] if pieces else []) + (
+            [] if self.offload is None else self.offload.build_optimizers(cfg))
+        self._optimizer_of = {id(p): o for o in self.optimizers
+                              for g in o.param_groups for p in g["params"]}
         self._norm_grads = [p.grad for p, seg, _ in self.main_params if self._counted(seg)]
         self._all_grads = [p.grad for p, _, _ in self.main_params]
+
+    def adam_state(self, piece: nn.Parameter) -> dict:
+        """AdamW's state of one master piece (empty before the first step)."""
+        return self._optimizer_of[id(piece)].state.get(piece, {})
 
     def _counted(self, seg: Segment) -> bool:
         """Whether this rank counts `seg` in a global norm: the tied embedding's second copy
@@ -182,16 +200,21 @@ class ZeroEngine:
             if not b.reduction.every_micro_batch and not b.launched:
                 b.launch()  # a bucket no gradient reached this step (reduces zeros)
             self._complete(b)
+        if self.offload is not None:
+            self.offload.drain()
         if self.sequence_parallel:
-            pieces = [b.region_view(b.main_grad, s) for b in self.buckets for s in b.segments
-                      if s.spec.tp_replicated]
+            pieces = [p.grad for p, s, _ in self.main_params if s.spec.tp_replicated]
             if pieces:
-                flat = torch.cat(pieces)
+                device = self.buckets[0].main_grad.device
+                flat = torch.cat([g.to(device) for g in pieces])  # offloaded ones: via device
                 comm.all_reduce(flat, self.topo.tp_group)
-                torch._foreach_copy_(pieces, list(flat.split([p.numel() for p in pieces])))
+                for g, summed in zip(pieces, flat.split([g.numel() for g in pieces])):
+                    g.copy_(summed)
         for b in self.buckets:
             if b.tied:
                 comm.all_reduce(b.main_grad, self.topo.embedding_group)
+                if self.offload is not None:
+                    self.offload.all_reduce_host(b, self.topo.embedding_group, comm.all_reduce)
         if self.zero3 is not None:
             self.zero3.end_of_step()
 
@@ -231,10 +254,16 @@ class ZeroEngine:
         if coef is not None:
             if isinstance(coef, torch.Tensor):
                 coef = coef.to(torch.float32)  # the gradients' dtype
-            torch._foreach_mul_(self._all_grads, coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+            for grads in by_device(self._all_grads).values():
+                torch._foreach_mul_(grads, coef.to(grads[0].device)
+                                    if isinstance(coef, torch.Tensor) else coef)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        if self.optimizer is not None:
+            self.optimizer.step()  # on CUDA queued: the host steps meanwhile
+        if self.offload is not None:
+            self.offload.step()
         if self.param_gather is not None:
             self.param_gather.launch()  # waited for by the next forward, unit by unit
         else:
@@ -251,6 +280,8 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
+        if self.offload is not None:
+            self.offload.zero_grad()
 
     def release_params(self) -> None:
         """Stage 3: free every gathered unit (after a forward-only pass)."""
@@ -261,8 +292,9 @@ class ZeroEngine:
 
     def adam_step(self) -> int:
         """Optimizer steps taken (AdamW's bias-correction count, the same for every piece)."""
-        for state in self.optimizer.state.values():
-            return int(state["step"])
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                return int(state["step"])
         return 0
 
     def state_pieces(self) -> List[StatePiece]:
@@ -270,7 +302,7 @@ class ZeroEngine:
         weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq", once they exist)."""
         pieces = []
         for index, (piece, seg, bucket) in enumerate(self.main_params):
-            state = self.optimizer.state.get(piece, {})
+            state = self.adam_state(piece)
             tensors = {"param": piece, **{k: state[k] for k in MOMENTS if k in state}}
             s_lo, s_hi = bucket.dp_share
             a, b = max(seg.flat_lo, s_lo), min(seg.flat_hi, s_hi)
@@ -287,9 +319,10 @@ class ZeroEngine:
         if kind == "param":
             param.copy_(values)
             return
-        state = self.optimizer.state[param]
+        optimizer = self._optimizer_of[id(param)]
+        state = optimizer.state[param]
         if "step" not in state:
-            fused = bool(self.optimizer.defaults.get("fused"))
+            fused = bool(optimizer.defaults.get("fused"))
             state["step"] = torch.tensor(float(adam_step), dtype=torch.float32,
                                          device=param.device if fused else "cpu")
             for moment in MOMENTS:
@@ -300,6 +333,8 @@ class ZeroEngine:
     def params_from_master(self) -> None:
         """Model parameters from the (just loaded) master ranges."""
         self.wait_for_params()
+        if self.offload is not None:
+            self.offload.params_to_device()
         for b in self.buckets:
             b.after_step()
 
@@ -320,21 +355,17 @@ class ZeroEngine:
             if b.main is not b.param_region:
                 optim += nbytes(b.main)
         for piece, _, _ in self.main_params:
-            state = self.optimizer.state.get(piece, {})
+            if self._optimizer_of[id(piece)] is not self.optimizer:
+                continue  # offloaded: `host_state_bytes`
+            state = self.adam_state(piece)
             moments = [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
             # AdamW creates its moments at the first step: count them before that too
             optim += sum(nbytes(v) for v in moments) if moments else 2 * nbytes(piece)
         return {"params": params, "grads": grads, "optimizer": optim}
 
-
-def squares_fp64(pieces: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of every element of `pieces`, accumulated in fp64 (each piece's norm
-    computed in fp64 by `_foreach_norm(..., dtype=float64)`, then squared and summed in fp64):
-    an fp32 accumulation is already off by ~1e-3 relative on one 38M-element piece."""
-    if not pieces:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(pieces, 2, dtype=torch.float64)
-    return torch.stack(norms).square().sum()
+    def host_state_bytes(self) -> int:
+        """Host bytes of the offloaded optimizer state (0 without offload.optimizer)."""
+        return 0 if self.offload is None else self.offload.host_bytes()
 
 
 def _weak_hook(engine: "ZeroEngine"):

@@ -195,3 +195,17 @@ def load_profile_file(path) -> DeviceProfile:
         return DeviceProfile.from_dict(d)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"--profile {path}: missing or malformed field ({e!r})") from e
+
+
+def table_links(device_name: str) -> Optional[Tuple[dict, str]]:
+    """The table's links for a device name, as a profile file writes them (what
+    `scripts/plan.py --calibrate` records for a single process, which measures no link), with
+    where they come from; None for a device the table does not know."""
+    d = table_entry_for(device_name)
+    if d is None:
+        return None
+    return ({"intra_node": {"bus_gbps": d.intra_node.bus_gbps,
+                            "latency_s": d.intra_node.latency_s},
+             "inter_node": {"bus_gbps": d.inter_node.bus_gbps,
+                            "latency_s": d.inter_node.latency_s}},
+            f"the device table ({d.name}: {d.source})")

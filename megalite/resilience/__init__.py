@@ -6,7 +6,14 @@
     stragglers.py  straggler reports: each rank's compute time per step phase, without its
                    waits in collectives, compared with its peers' every
                    `resilience.straggler_report_every` steps
+    flight.py      the flight recorder: each rank's last collectives per process group, with
+                   their sequence numbers (`megalite.parallel.comm` reports every call)
+    hang.py        hang dumps (`resilience.hang_dump`): on a failed or timed-out collective,
+                   or on `resilience.hang_signal`, every rank writes its thread stacks and
+                   last collectives to <run dir>/hang/
+    hang_report.py the summary of the dumps: the ranks that did not arrive, and the group
 
-The trainer (`megalite.train.trainer`) calls them after the optimizer step; they communicate
-over the `Topology`'s groups and hold no module state.
+The trainer (`megalite.train.trainer`) calls the checks after the optimizer step and trains
+inside the hang watch; they communicate over the `Topology`'s groups (the hang dumps over
+the c10d store) and hold no module state.
 """

@@ -13,27 +13,41 @@ What is compared, over which group (`megalite.parallel.topology`):
                row-parallel layers, wpe); under zero 3 their fp32 master ranges
     embedding  the tied embedding's two copies, on the first and the last pipeline stage
 
-Every comparison is bitwise. The checksum of a tensor is the sum of its elements' bit
-patterns read as integers (int32 for fp32, int16 for bf16/fp16), accumulated in int64: exact
-and order-independent, so equal tensors give equal sums on any device, and any change of one
-element (one flipped bit changes the sum by ±2^k) changes it. Changes of several elements can
-cancel, with a probability that does not matter for one faulty element. Each rank sends one
-int64 per tensor (an all_gather per group, counted with the group's traffic).
+DP replicas, the tied embedding's copies and TP replicas under sequence parallelism are
+compared bitwise; TP replicas without it within a tolerance (below). The checksum of a tensor
+is the sum of its elements' bit patterns read as integers (int32 for fp32, int16 for
+bf16/fp16), accumulated in int64: exact and order-independent, so equal tensors give equal
+sums on any device, and any change of one element (one flipped bit changes the sum by
+±2^k) changes it. Changes of several elements can cancel, with a probability that does not
+matter for one faulty element. Each rank sends one int64 per tensor (an all_gather per
+group, counted with the group's traffic).
 
 Why bitwise holds: DP replicas apply the same all-reduced (or all-gathered) values with the
 same kernels. TP replicas of replicated parameters under sequence parallelism get their
-gradients summed by an all-reduce, which hands every rank the same bits. Without sequence
-parallelism each TP rank computes those gradients itself, from the same (all-reduced)
-activations: the replicas stay equal only if every TP rank's kernels are deterministic — the
-assumption this check makes (Megatron compares DP replicas only). A nondeterministic kernel
-there (atomics in a reduction) fails the check as a TP mismatch with sp=false; the error says
-so. The tied embedding's copies get the same summed gradient and the same update.
+gradients summed by an all-reduce over TP (`ZeroEngine.finish_grad_sync`: every rank holds a
+sequence chunk's partial gradient), which hands every rank the same bits, and the same
+(globally clipped) update follows. The tied embedding's copies get the same summed gradient
+and the same update.
+
+Where it need not hold: without sequence parallelism each TP rank computes the gradients of
+its replicated parameters itself, from the same (all-reduced) activations. They are bitwise
+equal only if every TP rank's kernels are deterministic, which GPU kernels need not be
+(atomics in a reduction): the replicas may drift apart by rounding, and a bitwise check
+would raise false alarms (Megatron compares DP replicas only). There each rank sends, per
+tensor, the fp64 sum of its elements and the fp64 sum of their magnitudes (its L1 norm), and
+replicas differ when their sums differ by more than `resilience.tp_rtol` (default 1e-3) times
+the largest L1 norm among them. That sees any change of an element by more than tp_rtol of
+the tensor's L1 norm — a flipped high exponent bit, a non-finite value, a sign flip of an
+element holding more than tp_rtol / 2 of the norm — but not a flip in the low mantissa bits
+nor a drift within the tolerance. `resilience.tp_rtol=0` compares them bitwise too (deterministic kernels
+assumed, as on CPU).
 
 With two replicas a mismatch cannot say which one is wrong, and both ranks are named; with
 three or more, the ranks that differ from the majority are.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -63,6 +77,7 @@ class ReplicaSet:
     group: Group
     names: List[str]
     tensors: List[torch.Tensor]
+    rtol: Optional[float] = None  # None: bitwise; else sums within rtol x L1 norm
 
 
 def fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -70,8 +85,30 @@ def fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
     sums = [t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
-            for t in tensors]
+            .to(device) for t in tensors]  # offload.optimizer: some are on the host
     return torch.stack(sums)
+
+
+def sums_and_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per tensor (sum of its elements, sum of their magnitudes), in fp64: [n, 2]."""
+    if not tensors:
+        return torch.zeros((0, 2), dtype=torch.float64, device=device)
+    rows = [torch.stack([t.detach().sum(dtype=torch.float64),
+                         t.detach().abs().sum(dtype=torch.float64)]) for t in tensors]
+    return torch.stack(rows)
+
+
+def odd_within(sums: Sequence[float], norms: Sequence[float], rtol: float) -> List[int]:
+    """Indices of the members whose sum differs from the (lower) median's by more than rtol
+    times the largest norm (non-finite values always differ); every member when they are
+    not a minority (two replicas that disagree)."""
+    order = sorted(range(len(sums)), key=lambda i: (not math.isfinite(sums[i]), sums[i]))
+    median = sums[order[(len(sums) - 1) // 2]]
+    tol = rtol * max(norms)
+    odd = [i for i, v in enumerate(sums) if not abs(v - median) <= tol]
+    if odd and 2 * len(odd) >= len(sums):
+        return list(range(len(sums)))
+    return odd
 
 
 def odd_members(values: Sequence[int]) -> List[int]:
@@ -83,25 +120,33 @@ def odd_members(values: Sequence[int]) -> List[int]:
     return list(range(len(values)))
 
 
-def disagreements(kind: str, ranks: List[int], names: List[str], table: List[List[int]]
-                  ) -> List[str]:
-    """What differs in one group: `table[i][j]` is member i's checksum of tensor j. One line per
-    group with a mismatch, naming the group's ranks, the suspects and the tensors."""
+def disagreements(kind: str, ranks: List[int], names: List[str], table: List[list],
+                  rtol: Optional[float] = None) -> List[str]:
+    """What differs in one group: `table[i][j]` is member i's checksum of tensor j (with
+    `rtol`: its [sum, L1 norm]). One line per group with a mismatch, naming the group's ranks,
+    the suspects and the tensors."""
     bad = []
     for j, name in enumerate(names):
         column = [row[j] for row in table]
-        if len(set(column)) > 1:
-            bad.append((name, [ranks[i] for i in odd_members(column)]))
+        if rtol is not None:
+            odd = odd_within([c[0] for c in column], [c[1] for c in column], rtol)
+        else:
+            odd = odd_members(column) if len(set(column)) > 1 else []
+        if odd:
+            bad.append((name, [ranks[i] for i in odd]))
     if not bad:
         return []
+    if rtol is not None:
+        kind = f"{kind} (within resilience.tp_rtol={rtol:g})"
     listed = "; ".join(f"{name} (suspect rank{'s' if len(s) > 1 else ''} "
                        f"{', '.join(map(str, s))})" for name, s in bad[:MAX_LISTED])
     more = f"; and {len(bad) - MAX_LISTED} more tensors" if len(bad) > MAX_LISTED else ""
     return [f"{kind} replicas on global ranks {ranks} differ in {listed}{more}"]
 
 
-def replica_sets(engine, topo: Topology) -> List[ReplicaSet]:
-    """This rank's replicated tensors by group (groups of one rank left out)."""
+def replica_sets(engine, topo: Topology, tp_rtol: float = 0.0) -> List[ReplicaSet]:
+    """This rank's replicated tensors by group (groups of one rank left out); the TP set
+    compared within `tp_rtol` without sequence parallelism (when > 0)."""
     layout = engine.layout
     dp, tp, emb = ([], []), ([], []), ([], [])
     if not layout.shards_parameters:
@@ -124,15 +169,17 @@ def replica_sets(engine, topo: Topology) -> List[ReplicaSet]:
         for piece, seg, b in engine.main_params:
             if b.main is not b.param_region:
                 _add(dp, f"{seg.spec.name} (fp32 master)", piece)
-            state = engine.optimizer.state.get(piece, {})
+            state = engine.adam_state(piece)
             for kind in MOMENTS:
                 if kind in state:
                     _add(dp, f"{seg.spec.name} (AdamW {kind})", state[kind])
-    found = [("dp", topo.dp_group, dp), ("tp", topo.tp_group, tp)]
+    found = [("dp", topo.dp_group, dp, None),
+             ("tp", topo.tp_group, tp, None if layout.sequence_parallel or not tp_rtol
+              else tp_rtol)]
     if topo.pp_size > 1:
-        found.append(("embedding", topo.embedding_group, emb))
-    return [ReplicaSet(kind, group, names, tensors) for kind, group, (names, tensors) in found
-            if group.size > 1 and names]
+        found.append(("embedding", topo.embedding_group, emb, None))
+    return [ReplicaSet(kind, group, names, tensors, rtol)
+            for kind, group, (names, tensors), rtol in found if group.size > 1 and names]
 
 
 def _add(into, name: str, tensor: torch.Tensor) -> None:
@@ -144,9 +191,10 @@ class ReplicaCheck:
     """The check of one rank (collective: every rank calls `check` at the same steps)."""
 
     def __init__(self, engine, topo: Topology, device: torch.device, check_every: int,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, tp_rtol: float = 0.0):
         self.engine, self.topo, self.device = engine, topo, device
         self.check_every, self.sequence_parallel = check_every, sequence_parallel
+        self.tp_rtol = tp_rtol
         self.checks = 0  # passed so far
         self.passed_step: Optional[int] = None  # the step of the last check passed
 
@@ -160,13 +208,14 @@ class ReplicaCheck:
         anywhere in the world."""
         self.engine.wait_for_params()  # an overlapped parameter gather may still be running
         problems: List[str] = []
-        for rs in replica_sets(self.engine, self.topo):
-            mine = fingerprint(rs.tensors, self.device)
-            gathered = torch.empty(rs.group.size * mine.numel(), dtype=torch.int64,
+        for rs in replica_sets(self.engine, self.topo, self.tp_rtol):
+            mine = fingerprint(rs.tensors, self.device) if rs.rtol is None \
+                else sums_and_norms(rs.tensors, self.device)
+            gathered = torch.empty((rs.group.size, *mine.shape), dtype=mine.dtype,
                                    device=self.device)
-            comm.all_gather(gathered, mine, rs.group)
-            table = gathered.view(rs.group.size, -1).tolist()
-            problems += disagreements(rs.kind, rs.group.ranks, rs.names, table)
+            comm.all_gather(gathered.view(-1), mine.reshape(-1), rs.group)
+            problems += disagreements(rs.kind, rs.group.ranks, rs.names, gathered.tolist(),
+                                      rs.rtol)
         world = self.topo.world_group
         found = comm.all_reduce_scalars([float(len(problems))], world, self.device,
                                         op=dist.ReduceOp.MAX)[0]
@@ -186,9 +235,13 @@ class ReplicaCheck:
     def _message(self, step: int, lines: List[str]) -> str:
         tp_note = ""
         if any(line.startswith("tp ") for line in lines) and not self.sequence_parallel:
-            tp_note = (" TP replicas of replicated parameters are equal only if every TP "
-                       "rank's kernels are deterministic (sp=false: each TP rank computes "
-                       "their gradients itself); a nondeterministic kernel fails here too.")
+            tp_note = (" Without sp each TP rank computes the gradients of the replicated "
+                       "parameters itself: with resilience.tp_rtol=0 they are compared "
+                       "bitwise, which nondeterministic kernels fail too; a drift beyond "
+                       "resilience.tp_rtol also shows here." if not self.tp_rtol else
+                       " Without sp each TP rank computes the gradients of the replicated "
+                       "parameters itself; they differ beyond rounding drift "
+                       "(resilience.tp_rtol).")
         return (f"replica check after step {step} (resilience.check_every={self.check_every}): "
                 "values that must be identical on several ranks differ — silent data "
                 "corruption on a suspect rank's device. " + ". ".join(lines) + "." + tp_note

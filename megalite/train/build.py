@@ -40,6 +40,8 @@ from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan import make_plan
+from megalite.resilience.flight import FlightRecorder
+from megalite.resilience.hang import HangWatch, default_store, set_aside_old_dumps
 from megalite.resilience.replicas import ReplicaCheck
 from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
@@ -74,7 +76,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     model = build_model(cfg, runtime, stages[c.pp_rank], rng)
     engine = ZeroEngine(model, topo, layout, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
                         reshard_after_forward=cfg.parallel.reshard_after_forward,
-                        overlap_param_gather=cfg.parallel.overlap_param_gather)
+                        overlap_param_gather=cfg.parallel.overlap_param_gather,
+                        offload_optimizer=cfg.offload.optimizer)
     schedule = PipelineSchedule(
         model.chunks, topo, engine,
         (layout.activation_seq_len(t.seq_len), t.micro_batch_size, cfg.model.n_embd),
@@ -153,6 +156,8 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
         for moved in set_aside_later_checkpoints(trainer.ckpt_root, trainer.step):
             log.get_logger().info(f"megalite: this run starts at step {trainer.step}; moved "
                                   f"the later checkpoint to {moved}")
+        if cfg.resilience.hang_dump:
+            set_aside_old_dumps(trainer.run_dir)  # hang/ holds this launch's dumps only
     comm.barrier(topo.checkpoint_group)  # rank 0's clean-up of the checkpoint directory
     trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, rt.device)
     trainer.profiler = StepProfiler(cfg.log.profile_steps, trainer.run_dir / "profile",
@@ -174,17 +179,25 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
 
 def attach_resilience(trainer: Trainer) -> None:
     """The step timers, timing the waits in collectives when straggler reports are on, the
-    replica check and the straggler report (`resilience.*`; None when off). Collective."""
+    replica check, the straggler report and the hang dumps' flight recorder and watch
+    (`resilience.*`; None when off). Collective."""
     res, topo, rt = trainer.cfg.resilience, trainer.topo, trainer.rt
     waits = CollectiveWaits(DeviceClock(rt.device)) if res.straggler_report_every else None
     topo.counter.waits = waits
     trainer.timers = StepTimers(rt.device, waits)
+    if trainer.engine.offload is not None:  # its waits on copies: the offload_wait phase
+        trainer.engine.offload.timers = trainer.timers
     if res.check_every:
         trainer.replicas = ReplicaCheck(trainer.engine, topo, rt.device, res.check_every,
-                                        trainer.layout.sequence_parallel)
+                                        trainer.layout.sequence_parallel, res.tp_rtol)
     if res.straggler_report_every:
         trainer.stragglers = StragglerReport(topo, rt.device, res.straggler_report_every,
                                              res.straggler_factor, res.straggler_min_s)
+    if res.hang_dump:  # every group's collectives recorded; dumps while `fit` trains
+        recorder = FlightRecorder(topo.rank, res.hang_history)
+        topo.counter.flight = topo.checkpoint_group.counter.flight = recorder
+        trainer.hang_watch = HangWatch(recorder, trainer.run_dir, topo.rank, topo.world_size,
+                                       res.hang_wait_s, res.hang_signal, default_store())
 
 
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker

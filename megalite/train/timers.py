@@ -8,6 +8,8 @@
                       backward, and the TP / embedding-group sums (the exposed DP communication)
     optimizer         global gradient norm, clipping, AdamW, the parameter update (and zero 1/2's
                       all-gather unless it overlaps the next forward)
+    offload_wait      offload.optimizer: blocked on the copies of gradients to the host and of
+                      parameters back (part of grad_sync and optimizer, counted in both)
 
 Marks are taken on the device's timeline (`megalite.clock`), so timing costs the GPU nothing;
 they are resolved when the metrics line is written. The trainer reports each phase's seconds
@@ -30,7 +32,8 @@ import torch
 from megalite.clock import DeviceClock
 from megalite.parallel.comm import CollectiveWaits
 
-PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
+PHASES = ("data", "forward_backward", "grad_sync", "optimizer", "offload_wait")
+NESTED = ("offload_wait",)  # inside other phases: not part of a sum of phases
 
 
 class StepTimers:
@@ -74,10 +77,11 @@ class StepTimers:
 
     def take_compute(self) -> Dict[str, float]:
         """Seconds each phase computed (its time less the time inside collectives; all of
-        its time without `waits`) since the last call."""
+        its time without `waits`) since the last call; the phases that do not nest, so
+        that they add up to the step (the straggler report sums them)."""
         self._resolve()
         compute, self._compute = self._compute, dict.fromkeys(PHASES, 0.0)
-        return compute
+        return {k: v for k, v in compute.items() if k not in NESTED}
 
     def reset(self) -> None:
         """Forget everything measured so far (steps run outside the training loop)."""

@@ -42,6 +42,7 @@ from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import MetricsWriter, Peak, peak_memory_bytes, throughput
+from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
 from megalite.train.stop import StopRequest
@@ -89,21 +90,17 @@ class Trainer:
     replicas: Optional[ReplicaCheck] = None  # resilience.check_every, None when off
     stragglers: Optional[StragglerReport] = None  # resilience.straggler_report_every
     planner: Optional[dict] = None  # layout=auto's choice and prediction (metrics header)
+    hang_watch: Optional[contextlib.AbstractContextManager] = None  # resilience.hang_dump
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
     def rank(self) -> int:
         return self.topo.rank
 
-    def _offload_memory(self) -> dict:
-        """With offload.activations: the most host bytes offloaded activations held on any
-        rank during the interval's steps (collective)."""
-        offload = self.model.activation_offload
-        if offload is None:
-            return {}
-        peak = comm.all_reduce_scalars([float(offload.take_peak())], self.topo.world_group,
-                                       self.rt.device, op=dist.ReduceOp.MAX)[0]
-        return {"activation_offload_host_peak_bytes": int(peak)}
+    def _offload_memory(self, steps: int = 1) -> dict:
+        """The offloads' host bytes and copies (`megalite.train.offload_metrics`)."""
+        return offload_memory(self.model.activation_offload, self.engine.offload,
+                              self.topo.world_group, self.rt.device, steps)
 
     # --- checkpoints --------------------------------------------------------------------
 
@@ -274,7 +271,8 @@ class Trainer:
         self.timers.reset()  # phases of steps run outside fit are not this interval's
         if self.stragglers is not None:
             self.stragglers.start(self.step)
-        with self.stop_request as stop, ScheduledGC(t.gc_every) as collector:
+        with self.stop_request as stop, ScheduledGC(t.gc_every) as collector, \
+                self.hang_watch or contextlib.nullcontext():
             while self.step < t.max_steps:
                 before = counter.snapshot()
                 with self.profiler.step(self.step + 1):
@@ -337,7 +335,7 @@ class Trainer:
                   "step_time_s": elapsed / steps,
                   "consumed_tokens": self.sampler.consumed_samples * t.seq_len,
                   "global_batch_size": self.last_batch_size,
-                  "memory": {**peak_memory_bytes(self.rt.device), **self._offload_memory()},
+                  "memory": {**peak_memory_bytes(self.rt.device), **self._offload_memory(steps)},
                   "comm": per_step,
                   "checkpoint_blocked_s": interval.checkpoint_s,
                   "skipped_steps": steps - len(losses),

@@ -1,0 +1,291 @@
+"""Hang dumps (`resilience.hang_dump`): when a collective fails or times out on one rank (a peer
+that stopped participating makes its group's collective run into `parallel.timeout_s`), every
+rank that can writes `<run dir>/hang/rank<r>.json` — the Python stack of each of its threads
+and its flight recorder (`megalite.resilience.flight`: the last collectives per group, with
+their sequence numbers) — and the rank that noticed writes `<run dir>/hang/summary.txt`,
+naming the ranks that did not arrive and the group (`megalite.resilience.hang_report`).
+
+How the ranks learn of it: through the store every rank already shares (the default process
+group's c10d store; on torchrun the agent's). The rank whose collective failed dumps at once,
+adds a request to the store, and waits up to `resilience.hang_wait_s` for every rank's
+answer before its error (`CommError`) goes on (the store calls run in a thread given at most
+hang_wait_s + 5 s: a store on a lost node may never answer). Every rank runs a watch thread while `fit`
+trains, which looks for a new request every `poll_s` = min(2, hang_wait_s / 4) seconds: it
+does not need the training thread, which may be stuck in compute or blocked in a collective
+(the wait releases the GIL), so a rank that stopped participating still dumps, and its stack
+shows where it is. It answers with its dump and its compact state (the groups' counters and
+the collectives it waits for) in the store, from which the summary is made: no shared file
+system is needed for it. A rank whose process is gone or whose interpreter is wedged writes
+nothing; the summary names it as a rank without a dump. Outside `fit` (set-up, resume) no
+rank watches: a failing rank writes its own dump only.
+
+A live run can be dumped on demand: `resilience.hang_signal` (SIGUSR2 by default) sent to any
+rank makes every rank dump and that rank write the summary; training goes on. The signal is
+seen by the watch thread at once, also while the main thread blocks in C code (a wakeup file
+descriptor: CPython's C-level handler writes the signal number there from whichever thread
+receives it).
+
+Each rank writes one dump per collective failure (later failures of the same broken process
+group would overwrite the evidence); dumps on request overwrite older ones. A dump is written
+to a temporary file and renamed, so a file that exists is complete. `faulthandler` is enabled
+(all threads, to stderr) while watching: when NCCL's watchdog aborts the process (SIGABRT)
+before Python can dump, the stacks still reach the rank's log.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from megalite.log import get_logger
+from megalite.resilience.flight import FlightRecorder
+from megalite.resilience.hang_report import compact, summarize
+
+PREFIX = "megalite/hang/"
+WHAT_CHARS = 600  # of an error message put in a request
+STORE_GRACE_S = 5.0  # beyond hang_wait_s, for the store calls of a failing rank's request
+
+
+def dump_name(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+def thread_stacks() -> Dict[str, List[str]]:
+    """Every Python thread's stack, innermost call last, by "<name> (<ident>)"."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {f"{names.get(ident, 'thread')} ({ident})": traceback.format_stack(frame)
+            for ident, frame in sys._current_frames().items()}
+
+
+def write_json(path: Path, obj) -> None:
+    """Write whole or not at all: a temporary file renamed over `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def set_aside_old_dumps(run_dir: Path) -> Optional[Path]:
+    """A previous launch's `hang/` (a reused run directory) moves to `hang.<n>/`, so that the
+    dumps in `hang/` are this launch's. Rank 0, before the others can dump."""
+    hang = run_dir / "hang"
+    if not hang.is_dir() or not any(hang.iterdir()):
+        return None
+    n = 1
+    while (run_dir / f"hang.{n}").exists():
+        n += 1
+    hang.rename(run_dir / f"hang.{n}")
+    return run_dir / f"hang.{n}"
+
+
+def default_store():
+    """The default process group's store, namespaced; None without torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+
+
+class HangWatch:
+    """One rank's hang dumps; a context manager (`fit` trains inside it) that runs the watch
+    thread and the signal handler, and makes a collective failure dump."""
+
+    def __init__(self, recorder: FlightRecorder, run_dir: Path, rank: int, world_size: int,
+                 wait_s: float, signal_name: Optional[str], store=None):
+        self.recorder, self.rank, self.world_size = recorder, rank, world_size
+        self.dir = Path(run_dir) / "hang"
+        self.wait_s, self.poll_s = wait_s, min(2.0, wait_s / 4)
+        self.signum = getattr(signal, signal_name) if signal_name else None
+        self.store = store
+        self.seen = 0  # requests answered so far
+        self.own: set = set()  # the numbers of this rank's own requests (answered by it)
+        self.failure_dumped = False  # one dump per collective failure
+        self._lock = threading.Lock()  # one dump at a time
+        self._stop = threading.Event()
+        self._signalled = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._restore: list = []
+        self._active = False  # inside the context (`fit`): the other ranks watch too
+        self._warned = False
+        recorder.on_failure = self.on_failure
+
+    # --- the watch ---------------------------------------------------------------------
+
+    def __enter__(self) -> "HangWatch":
+        self._active = True
+        self._stop.clear()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        if self.signum is not None and threading.current_thread() is threading.main_thread():
+            self._install_signal()
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=True)
+            self._restore.append(faulthandler.disable)
+        self._thread = threading.Thread(target=self._watch, name="megalite-hang-watch",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._active = False
+        self._stop.set()
+        self._wake_w.send(b"\0")
+        self._thread.join(timeout=self.poll_s + 5)
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _install_signal(self) -> None:
+        """The wakeup fd (written at once, from the C handler), and a Python handler, which
+        must exist for it; the Python handler (run by the main thread once it returns to
+        Python) raises the request only where another wakeup fd is set (an event loop's)."""
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        woken = old_fd == -1
+        if woken:
+            self._restore.append(lambda: signal.set_wakeup_fd(-1))
+        else:  # someone else's: leave it theirs
+            signal.set_wakeup_fd(old_fd)
+        previous = signal.signal(self.signum,
+                                 lambda *_: None if woken else self._signalled.set())
+        self._restore.append(lambda: signal.signal(self.signum, previous))
+
+    def _watch(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._wake_r], [], [], self.poll_s)
+            if self._stop.is_set():
+                return
+            if ready:
+                received = self._wake_r.recv(4096)
+                if self.signum is not None and self.signum in received:
+                    self._signalled.set()
+            try:
+                if self._signalled.is_set():
+                    self._signalled.clear()
+                    name = signal.Signals(self.signum).name
+                    self.request("signal", f"{name} received by rank {self.rank}")
+                self._answer()
+            except Exception as e:  # the watch must not die of a broken store
+                if not self._warned:  # (once: a store that is gone fails every look)
+                    self._warned = True
+                    get_logger().warning(f"megalite: hang watch on rank {self.rank}: {e!r}")
+
+    # --- requests and answers ----------------------------------------------------------
+
+    def on_failure(self, description: str, error: BaseException) -> None:
+        """A collective of this rank failed (called before its CommError is raised): dump,
+        ask every rank to, and write the summary; once per process. Outside the context
+        (set-up, resume: the others do not watch) only this rank's dump."""
+        with self._lock:
+            if self.failure_dumped:
+                return
+            self.failure_dumped = True
+        what = f"{description} failed: {error}"[:WHAT_CHARS]
+        if not self._active:
+            req = {"kind": "failure", "rank": self.rank, "what": what, "time": time.time(),
+                   "n": None}
+            with self._lock:
+                self._dump(req, failure=True)
+            return
+        # in a thread joined with a bound: a store on a lost node may not answer at all
+        helper = threading.Thread(target=self._request_logged, args=("failure", what),
+                                  name="megalite-hang-request", daemon=True)
+        helper.start()
+        helper.join(timeout=self.wait_s + STORE_GRACE_S)
+
+    def _request_logged(self, kind: str, what: str) -> None:
+        try:
+            self.request(kind, what, failure=kind == "failure")
+        except Exception as e:  # the error being raised is the one to report
+            get_logger().warning(f"megalite: hang dump on rank {self.rank} failed: {e!r}")
+
+    def request(self, kind: str, what: str, failure: bool = False) -> Path:
+        """Dump this rank, ask the others (through the store), wait for their answers up to
+        `wait_s` and write the summary. Returns the summary's path."""
+        req = {"kind": kind, "rank": self.rank, "what": what, "time": time.time(), "n": None}
+        state = None
+        if failure:  # first this rank's own dump, which needs no store
+            with self._lock:
+                state = self._dump(req, failure=True)
+        if self.store is not None:
+            req["n"] = self.store.add("requests", 1)  # (`state` holds `req`: numbered too)
+            self.own.add(req["n"])
+            self.store.set(f"request/{req['n']}", json.dumps(req))
+        if state is None:
+            with self._lock:
+                state = self._dump(req, failure=False)
+        states = {self.rank: state}
+        if self.store is not None:
+            self._publish(state, [req["n"]])
+            states = self._collect(req["n"])
+        text, summary = summarize(states, self.world_size, req)
+        write_json(self.dir / "summary.json", summary)
+        (self.dir / ".summary.txt.tmp").write_text(text)
+        os.replace(self.dir / ".summary.txt.tmp", self.dir / "summary.txt")
+        get_logger().warning(f"megalite: hang dump: {text}")
+        return self.dir / "summary.txt"
+
+    def _answer(self) -> None:
+        """Answer the requests added since the last look (usually none)."""
+        if self.store is None:
+            return
+        latest = self.store.add("requests", 0)
+        if latest <= self.seen:
+            return
+        numbers = [n for n in range(self.seen + 1, latest + 1) if n not in self.own]
+        self.seen = latest
+        if not numbers:
+            return
+        reqs = [json.loads(self.store.get(f"request/{n}")) for n in numbers]
+        failures = [r for r in reqs if r["kind"] == "failure"]
+        req = failures[0] if failures else reqs[-1]
+        with self._lock:
+            if failures and self.failure_dumped:  # this rank's dump for it exists
+                state = None
+            else:
+                self.failure_dumped = self.failure_dumped or bool(failures)
+                state = self._dump(req, failure=bool(failures))
+        if state is not None:
+            self._publish(state, numbers)
+        else:
+            for n in numbers:
+                self.store.add(f"acks/{n}", 1)
+
+    def _publish(self, state: dict, numbers: List[int]) -> None:
+        self.store.set(f"state/{self.rank}", json.dumps(compact(state)))
+        for n in numbers:
+            self.store.add(f"acks/{n}", 1)
+
+    def _collect(self, n: int) -> Dict[int, dict]:
+        """Every rank's compact state that answered request `n` within `wait_s`."""
+        deadline = time.monotonic() + self.wait_s
+        while (self.store.add(f"acks/{n}", 0) < self.world_size
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        states = {}
+        for r in range(self.world_size):
+            if self.store.check([f"state/{r}"]):
+                states[r] = json.loads(self.store.get(f"state/{r}"))
+        return states
+
+    def _dump(self, req: dict, failure: bool) -> dict:
+        """Write this rank's dump (the caller holds `_lock`); returns it."""
+        state = {"rank": self.rank, "world_size": self.world_size,
+                 "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                 "request": req, "failure": failure, "groups": self.recorder.snapshot(),
+                 "stacks": thread_stacks()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_json(self.dir / dump_name(self.rank), state)
+        return state
