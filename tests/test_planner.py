@@ -143,14 +143,14 @@ def test_recompute_adds_one_forward():
 def brute_force(cfg, world, profile, per_node):
     """Every layout of the documented space that validates and fits, predicted."""
     out = []
-    for tp, pp, zero, sp, v, mb, rec, off in itertools.product(
+    for tp, pp, zero, sp, v, mb, rec, off, opt in itertools.product(
             (1, 2, 4), (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
-            (False, True), (False, True)):
+            (False, True), (False, True), (False, True)):
         dp = world // (tp * pp)
         if tp * pp > world or (zero and dp == 1) or (off and rec) or \
                 (v > 1 and cfg.model.n_layer % (pp * v)):
             continue
-        c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off)
+        c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt)
         cc = apply_choice(cfg, c)
         try:
             validate(cc, world, per_node)
@@ -222,3 +222,40 @@ def test_search_cli_prints_the_ranking_and_plots(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "held fixed (given on the command line): recompute=True" in out
     assert "run the first with: tp=" in out and png.stat().st_size > 1000
+
+
+def test_a_calibrated_profile_file_plans_and_the_table_gives_calibrate_its_links(capsys,
+                                                                                 tmp_path):
+    from megalite.planner.devices import load_profile_file, table_links
+    from megalite.profile_file import save_profile
+    from tests.test_calibrate import synthetic_profile
+
+    path = tmp_path / "gpu.json"
+    save_profile(path, synthetic_profile())
+    profile = load_profile_file(path)
+    assert profile.rate("bf16") == 700e12 and profile.inter_node == Link(20.0, 5e-5)
+    plan_main(["--world-size", "4", "--profile", str(path), "--json"] + SMALL
+              + ["train.global_batch_size=8", "train.micro_batch_size=2"])
+    assert json.loads(capsys.readouterr().out)["prediction"]["device"] == "test-gpu"
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(path.read_text().replace("700.0", "900.0"))
+    with pytest.raises(SystemExit):
+        plan_main(["--world-size", "4", "--profile", str(damaged)])
+    assert "CRC32 mismatch" in capsys.readouterr().err
+    links, source = table_links("NVIDIA A100-SXM4-80GB")
+    assert links["intra_node"]["bus_gbps"] == BY_NAME["a100-80gb"].intra_node.bus_gbps
+    assert "a100" in source and table_links("NVIDIA RTX 9999") is None
+
+
+def test_offloaded_optimizer_moves_adamw_to_the_host():
+    over = ["zero=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    profile = replace(synthetic(tflops=1e-4), host_link_gbps=4.0, host_memory_gbps=50.0)
+    _, _, kept = planned(over, 2, profile)
+    cfg, layout, off = planned(over + ["offload.optimizer=1"], 2, profile)
+    assert kept.terms["optimizer"] > 0 and kept.terms["offload_optimizer"] == 0
+    assert off.terms["optimizer"] == 0
+    owned = make_plan(cfg, layout).stages[0].params / 2
+    # the gradient copy hides behind the (slow) backward; the host step is the longer of
+    # AdamW at host memory bandwidth and the parameters' copy back
+    assert off.terms["offload_optimizer"] == pytest.approx(
+        max(30 * owned / 50e9, 2 * owned / 4e9))

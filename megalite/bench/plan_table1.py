@@ -51,7 +51,7 @@ def run(args) -> None:
     profile = load_profile_file(args.profile) if args.profile else device_profile(args.device)
     print(f"device: {profile.name} ({profile.source}), {args.gpus_per_node} per node")
     print("| params | GPUs | batch | planner's pick (tp pp dp zero sp v mb) | GiB | pred. hw "
-          "TFLOP/s | pick with the paper's mechanisms (zero 0, no SP) | pred. hw TFLOP/s | "
+          "TFLOP/s | pick with zero 0, no SP (offloads allowed) | pred. hw TFLOP/s | "
           "paper layout (tp pp, mb 1) | pred. hw TFLOP/s | paper measured | search s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for params, heads, hidden, layers, tp, pp, gpus, batch, measured in TABLE1[:args.rows]:
@@ -82,5 +82,6 @@ def _pick(cfg, gpus, profile, per_node, fixed):
         return "nothing fits", float("nan"), float("nan")
     c = best.choice
     pick = (f"{c.tp} {c.pp} {c.dp} {c.zero} {'y' if c.sp else 'n'} {c.virtual_stages} "
-            f"{c.micro_batch_size}")
+            f"{c.micro_batch_size}" + (" +offload.activations" if c.offload else "")
+            + (" +offload.optimizer" if c.offload_optimizer else ""))
     return pick, best.prediction.hardware_tflops_per_device, best.peak_bytes / GIB

@@ -13,7 +13,9 @@ Per entry (vendors' data sheets; dense, no sparsity):
   inter_node         the same across nodes with one rank per node: one GPU's own NIC rail. A
                      group with k ranks on each node gets k rails (rail-optimized nodes, one NIC
                      per GPU), at most the intra-node bus bandwidth
-  host_link_gbps     device <-> host copies (PCIe): activation offload
+  host_link_gbps     device <-> host copies (PCIe): activation and optimizer offload
+  host_memory_gbps   one rank's share of the host's memory bandwidth: the host AdamW of
+                     offload.optimizer (a node's ~200 GB/s over its 8 ranks: 25)
   gpus_per_node      the usual node (HGX 8)
 
 Link figures are typical of nccl-tests on such nodes (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s,
@@ -50,6 +52,7 @@ class DeviceProfile:
     peak_tflops_bf16: Optional[float] = None  # data sheet: MFU's denominator
     hbm_gbps: Optional[float] = None
     host_link_gbps: Optional[float] = None
+    host_memory_gbps: Optional[float] = None
     match: Tuple[str, ...] = ()  # whole words of device names this entry stands for
     source: str = "table"
 
@@ -70,7 +73,8 @@ class DeviceProfile:
         def link(key: str) -> Link:
             x = d["links"][key]
             return Link(float(x["bus_gbps"]), float(x["latency_s"]))
-        known = table_entry_for(d["device"], d.get("memory_bytes"))
+        known = table_entry_for(d["device"], d.get("memory_bytes")) or (
+            BY_NAME["cpu"] if str(d["device"]).startswith("cpu") else None)
         return cls(name=d["name"], device=d["device"], memory_bytes=int(d["memory_bytes"]),
                    matmul_tflops={k: float(v) for k, v in d["matmul_tflops"].items()},
                    intra_node=link("intra_node"), inter_node=link("inter_node"),
@@ -78,6 +82,7 @@ class DeviceProfile:
                    peak_tflops_bf16=known.peak_tflops_bf16 if known else None,
                    hbm_gbps=known.hbm_gbps if known else None,
                    host_link_gbps=known.host_link_gbps if known else None,
+                   host_memory_gbps=known.host_memory_gbps if known else None,
                    source=f"profile {d['name']!r}")
 
 
@@ -90,7 +95,8 @@ def _gpu(name: str, match: str, peak: float, fp32: float, mem: float, hbm: float
         memory_bytes=int(mem * GIB),
         matmul_tflops={"bf16": peak * eff, "fp16": peak * eff, "fp32": fp32 * eff},
         intra_node=Link(*intra), inter_node=Link(*inter), gpus_per_node=per_node,
-        peak_tflops_bf16=peak, hbm_gbps=hbm, host_link_gbps=host, match=(match,),
+        peak_tflops_bf16=peak, hbm_gbps=hbm, host_link_gbps=host, host_memory_gbps=25.0,
+        match=(match,),
         source=f"table ({match}, {eff:.0%} of the data-sheet peak)")
 
 
@@ -122,7 +128,8 @@ DEVICES: Tuple[DeviceProfile, ...] = (
     DeviceProfile(name="cpu", device="cpu", memory_bytes=16 * GIB,
                   matmul_tflops={"fp32": 0.05}, intra_node=Link(2.0, 1e-4),
                   inter_node=Link(1.0, 2e-4), gpus_per_node=1, hbm_gbps=10.0,
-                  host_link_gbps=10.0, source="table (cpu: one core, gloo on loopback)"),
+                  host_link_gbps=10.0, host_memory_gbps=10.0,
+                  source="table (cpu: one core, gloo on loopback)"),
 )
 DEVICES = tuple(replace(d, matmul_tflops={k: v for k, v in d.matmul_tflops.items()
                                           if not (d.match == ("V100",) and k == "bf16")})

@@ -21,6 +21,7 @@ LAYOUT_KEYS = {
     "train.micro_batch_size": ("micro_batch_size", lambda c: c.train.micro_batch_size),
     "train.recompute": ("recompute", lambda c: c.train.recompute),
     "offload.activations": ("offload", lambda c: c.offload.activations),
+    "offload.optimizer": ("offload_optimizer", lambda c: c.offload.optimizer > 0),
 }
 
 
@@ -45,7 +46,7 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         lines.append("held fixed (given on the command line): "
                      + ", ".join(f"{k}={v}" for k, v in fixed.items()))
     lines.append(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'sp':>3} {'v':>2} "
-                 f"{'mb':>3} {'rec':>3} {'off':>3} {'GiB':>6} {'step s':>8} {'tok/s':>10} "
+                 f"{'mb':>3} {'rec':>3} {'off':>3} {'oo':>2} {'GiB':>6} {'step s':>8} {'tok/s':>10} "
                  f"{'TF/s':>6} {'hwTF/s':>6} {'MFU':>5}  time split s (critical)")
     for i, r in enumerate(result.best, 1):
         c, p = r.choice, r.prediction
@@ -54,7 +55,8 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         lines.append(
             f"{i:>2} {c.tp:>3} {c.pp:>3} {c.dp:>5} {c.zero:>4} {'y' if c.sp else 'n':>3} "
             f"{c.virtual_stages:>2} {c.micro_batch_size:>3} {'y' if c.recompute else 'n':>3} "
-            f"{'y' if c.offload else 'n':>3} {r.peak_bytes / GIB:>6.1f} {p.step_s:>8.4g} "
+            f"{'y' if c.offload else 'n':>3} {'y' if c.offload_optimizer else 'n':>2} "
+            f"{r.peak_bytes / GIB:>6.1f} {p.step_s:>8.4g} "
             f"{p.tokens_per_s:>10,.0f} {p.model_tflops_per_device:>6.1f} "
             f"{p.hardware_tflops_per_device:>6.1f} {mfu:>5}  {split} ({p.critical_term})")
     if result.best:

@@ -5,8 +5,9 @@ The space (`candidates`): tp and pp whose product divides the world size, tp div
 heads, the width and the MLP; zero 0-3 (1-3 only with dp > 1: with dp = 1 they shard
 nothing); sp with tp > 1; virtual stages v > 1 with pp > 1 where pp·v divides the blocks; every
 micro-batch size that divides the per-replica batch; recompute off or of every block;
-offload.activations off, or on where blocks are not all recomputed (on GPUs only: on CPU it
-saves nothing). Other keys (bucket size, reshard_after_forward, overlap_param_gather,
+offload.activations off, or on where blocks are not all recomputed, and offload.optimizer off
+or on (the configuration's fraction, else 1) — offloads on GPUs only: on CPU they save nothing.
+Other keys (bucket size, reshard_after_forward, overlap_param_gather,
 edge_stage_layers, ...) are the configuration's own.
 
 Each candidate passes the launch validation (`megalite.layout.validate`) and the memory plan
@@ -20,6 +21,7 @@ k-th best prediction, so the ranking it returns is the exact top k of the whole 
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -43,12 +45,14 @@ class Choice:
     virtual_stages: int
     micro_batch_size: int
     recompute: bool
-    offload: bool
+    offload: bool  # offload.activations
+    offload_optimizer: bool = False  # offload.optimizer (the configuration's fraction, or 1)
 
     @property
     def family(self) -> str:
         return (f"zero={self.zero} recompute={'on' if self.recompute else 'off'}"
-                + (" offload" if self.offload else ""))
+                + (" offload.activations" if self.offload else "")
+                + (" offload.optimizer" if self.offload_optimizer else ""))
 
     def overrides(self) -> List[str]:
         """The command-line overrides that select this layout."""
@@ -56,12 +60,14 @@ class Choice:
                f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
                f"train.micro_batch_size={self.micro_batch_size}",
                f"train.recompute={str(self.recompute).lower()}"]
-        return out + (["offload.activations=true"] if self.offload else [])
+        return out + (["offload.activations=true"] if self.offload else []) \
+            + (["offload.optimizer=1"] if self.offload_optimizer else [])
 
     def describe(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
                 f"v={self.virtual_stages} mb={self.micro_batch_size} "
-                f"recompute={self.recompute}" + (" offload" if self.offload else ""))
+                f"recompute={self.recompute}" + (" offload" if self.offload else "")
+                + (" offload.optimizer" if self.offload_optimizer else ""))
 
 
 @dataclass
@@ -91,15 +97,20 @@ class SearchResult:
     points: List[Tuple[float, float, str]] = field(default_factory=list)
 
 
-def apply_choice(cfg: Config, c: Choice, keep_offload: bool = False) -> Config:
+def apply_choice(cfg: Config, c: Choice) -> Config:
     """`cfg` with the layout keys of `c` (a shallow copy: the sections that change are new)."""
-    offload = cfg.offload if keep_offload else replace(
-        cfg.offload, activations=c.offload, activations_layers=None)
+    offload = replace(cfg.offload, activations=c.offload, activations_layers=None,
+                      optimizer=offload_fraction(cfg, c))
     return replace(cfg, tp=c.tp, pp=c.pp, zero=c.zero, sp=c.sp,
                    parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
                    train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
                                  recompute=c.recompute, recompute_layers=None),
                    offload=offload)
+
+
+def offload_fraction(cfg: Config, c: Choice) -> float:
+    """offload.optimizer of a candidate: the configuration's fraction where it sets one."""
+    return (cfg.offload.optimizer or 1.0) if c.offload_optimizer else 0.0
 
 
 def _divisors(n: int) -> List[int]:
@@ -128,11 +139,14 @@ def candidates(cfg: Config, world: int, on_gpu: bool, fixed: Optional[Dict] = No
                             micro = t.global_batch_size // (mb * dp)
                             if v > 1 and micro % pp:
                                 continue
-                            for rec in (False, True):
-                                for off in ((False, True) if on_gpu and not rec else (False,)):
-                                    c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off)
-                                    if all(getattr(c, k) == x for k, x in fixed.items()):
-                                        out.append(c)
+                            for rec, off, opt in itertools.product(
+                                    (False, True), (False, True) if on_gpu else (False,),
+                                    (False, True) if on_gpu else (False,)):
+                                if off and rec:
+                                    continue
+                                c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt)
+                                if all(getattr(c, k) == x for k, x in fixed.items()):
+                                    out.append(c)
     return out
 
 
@@ -175,10 +189,16 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     embeddings = vocab // c.tp * h + mc.n_positions * h
     average = (mc.n_layer * layer + embeddings + (vocab // c.tp * h if c.pp > 1 else 0)) / c.pp
     lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, zero_stage=c.zero)
+    kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
+
+    def states(psi: float) -> float:
+        b = model_state_bytes(lay, psi, e)
+        return b["params"] + b["grads"] * (kept if lay.shards_gradients else 1) \
+            + b["optimizer"] * kept
     layers = mc.n_layer // (c.pp * c.virtual_stages)
     if cfg.parallel.edge_stage_layers is not None:
         layers = min(layers, cfg.parallel.edge_stage_layers)
-    first = sum(model_state_bytes(lay, layers * layer + embeddings, e).values())
+    first = states(layers * layer + embeddings)
     if not c.offload:
         full = layer_activation_bytes(t.seq_len, c.micro_batch_size, h, mc.n_head, c.tp, c.sp,
                                       e, mc.resid_pdrop > 0)
@@ -186,7 +206,7 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
         per_layer = e * s_local * c.micro_batch_size * h if c.recompute else full
         m = t.global_batch_size // (c.micro_batch_size * c.dp)
         first += min(c.pp, m) * layers * per_layer
-    return max(sum(model_state_bytes(lay, average, e).values()), first)
+    return max(states(average), first)
 
 
 class NothingFits(ValueError):

@@ -27,7 +27,13 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               the step, or during the next forward with parallel.overlap_param_gather;
               zero 3: each block gathered ahead (prefetch) during forward and backward
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
-  optimizer   AdamW over the owned parameters, memory-bound: (28 + e)·Ψ_owned / HBM bytes/s
+  optimizer   AdamW over the owned parameters on the device, memory-bound: (28 + e)·Ψ_dev /
+              HBM bytes/s (Ψ_dev = the owned range less offload.optimizer's share)
+  offload_optimizer   offload.optimizer = f (n = f·Ψ_owned): fp32 gradient copies to the host
+              as reductions complete (4n per reduction, during the backward: what exceeds it),
+              then the host AdamW ((28 + e)·n at the rank's host memory bandwidth) with the
+              updated parameters copied back (e·n over the host link) bucket by bucket: the
+              longer of the two
 
 Step time = the largest stage total; its terms sum to it. Not modelled: kernel launch and
 elementwise ops beyond what the achievable rate absorbs, contention between groups sharing a
@@ -47,7 +53,7 @@ from megalite.planner.devices import DeviceProfile
 from megalite.planner.placement import GroupLink, group_links
 
 TERMS = ("compute", "recompute", "tp", "offload", "bubble", "pp", "dp", "embedding",
-         "optimizer")
+         "optimizer", "offload_optimizer")
 
 
 @dataclass
@@ -182,9 +188,16 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                               links["dp"], units)
     if stage.comm["embedding"]:
         terms["embedding"] = _ring_time(stage.comm["embedding"], 1, links["embedding"], 2)
+    owned = stage.params / (lay.dp_size if lay.shards_optimizer else 1)
+    host = cfg.offload.optimizer * owned
+    adam = 28 + (e if e < 4 else 0)  # bytes per element: AdamW reads and writes
     if profile.hbm_gbps:
-        owned = stage.params / (lay.dp_size if lay.shards_optimizer else 1)
-        terms["optimizer"] = (28 + (e if e < 4 else 0)) * owned / (profile.hbm_gbps * 1e9)
+        terms["optimizer"] = adam * (owned - host) / (profile.hbm_gbps * 1e9)
+    if host and profile.host_link_gbps and profile.host_memory_gbps:
+        link = profile.host_link_gbps * 1e9
+        copies = m if lay.shards_gradients else 1
+        terms["offload_optimizer"] = copies * max(0.0, 4 * host / link - t_b) + max(
+            adam * host / (profile.host_memory_gbps * 1e9), e * host / link)
     return terms
 
 
