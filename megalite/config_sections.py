@@ -175,6 +175,17 @@ class ResilienceConfig:
     hang_wait_s: float = 10.0  # how long the rank that noticed waits for the others' dumps
     hang_signal: Optional[str] = "SIGUSR2"  # SIGUSR1 | SIGUSR2 | null: sent to any rank of a
     #   live run, every rank dumps and training goes on
+    rerun: str = "off"  # off | on_nan | on_spike: re-execute a suspicious step before its
+    #   optimizer step and attribute it to a transient fault (named ranks), a persistent fault
+    #   or the data (megalite.resilience.rerun)
+    spike_factor: float = 3.0  # on_spike: a loss or grad norm above factor x its running median
+    spike_window: int = 100  # on_spike: the running median is over this many applied steps
+    spike_warmup: Optional[int] = None  # on_spike: steps recorded before spikes are judged
+    rerun_tolerance: float = 0.0  # relative difference under which two executions agree
+    #   (0 = bitwise; raise it where the backward has nondeterministic kernels, e.g. atomics)
+    inject: Optional[str] = None  # fault drill (megalite.resilience.inject_spec), e.g.
+    #   rank:1/step:3/target:param/kind:transient; refused unless allow_inject=true
+    allow_inject: bool = False  # the explicit switch that lets resilience.inject run
 
     def check(self) -> None:
         for key in ("check_every", "straggler_report_every"):
@@ -191,6 +202,7 @@ class ResilienceConfig:
             fail("resilience.tp_rtol", self.tp_rtol,
                  "must be >= 0 and < 1 (e.g. 1e-3; 0 = TP replicas compared bitwise)")
         self._check_hang()
+        self._check_rerun()
 
     def _check_hang(self) -> None:
         if isinstance(self.hang_history, bool) or self.hang_history < 1:
@@ -208,6 +220,35 @@ class ResilienceConfig:
         if self.hang_signal is not None and self.hang_signal == exit_signal:
             fail("resilience.hang_signal", self.hang_signal,
                  "is train.exit_signal too; use the other of SIGUSR1/SIGUSR2, or null")
+
+    def _check_rerun(self) -> None:
+        from megalite.resilience.inject_spec import parse_inject
+
+        if self.rerun not in RERUN_MODES:
+            fail("resilience.rerun", self.rerun, f"use one of {', '.join(RERUN_MODES)}")
+        if not (self.spike_factor > 1 and math.isfinite(self.spike_factor)):
+            fail("resilience.spike_factor", self.spike_factor,
+                 "must be a number > 1 (e.g. 3: a loss or grad norm 3x its running median)")
+        if isinstance(self.spike_window, bool) or self.spike_window < 1:
+            fail("resilience.spike_window", self.spike_window, "must be >= 1 step (e.g. 100)")
+        warmup = self.spike_warmup
+        if self.rerun == "on_spike" and warmup is None:
+            fail("resilience.spike_warmup", warmup, "resilience.rerun=on_spike needs a warm-up "
+                 "length: the steps recorded before a spike is judged (e.g. 100)")
+        if warmup is not None and (isinstance(warmup, bool) or warmup < 1):
+            fail("resilience.spike_warmup", warmup, "must be >= 1 step (e.g. 100) or null")
+        if not (self.rerun_tolerance >= 0 and math.isfinite(self.rerun_tolerance)):
+            fail("resilience.rerun_tolerance", self.rerun_tolerance,
+                 "must be >= 0 (0 = the executions must agree bitwise; e.g. 1e-6)")
+        if self.inject is not None:
+            if not self.allow_inject:
+                fail("resilience.inject", self.inject,
+                     "fault injection corrupts the run on purpose: set "
+                     "resilience.allow_inject=true to run this drill, or inject=null")
+            parse_inject(self.inject)
+
+
+RERUN_MODES = ("off", "on_nan", "on_spike")
 
 
 @dataclass

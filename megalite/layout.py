@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
+from megalite.resilience.inject_spec import check_inject_against_run
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -247,6 +248,9 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
     _check_other_pairs(cfg)
+    if cfg.resilience.inject is not None:
+        check_inject_against_run(cfg.resilience.inject, cfg.train.max_steps, world_size,
+                                 cfg.zero)
     device_type = device_type_for(cfg.device, local_gpus)
     warnings += _check_offload(cfg, device_type) + cfg.offload.messages(device_type)
     return warnings

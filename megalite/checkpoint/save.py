@@ -158,6 +158,7 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
             "consumed_samples": progress.sampler["consumed_samples"],
             "sampler": progress.sampler, "adam_step": snap.adam_step,
             "skipped_steps": progress.skipped_steps, "loss_scaler": progress.loss_scaler,
+            "rerun": progress.rerun,
             "layout": snap.layout,
             "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
             "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)

@@ -1,7 +1,7 @@
 """The run's position besides its tensors, as a checkpoint records it: the data position, the
-skipped-step count and the fp16 loss scale (in meta.json, the same on every rank), and this
-rank's random-number streams (`rng_rank<r>.pt`, restored when the layout is unchanged). Each
-part comes from the `state_dict()` of the object that owns it.
+skipped-step count, the fp16 loss scale and resilience.rerun's statistics (in meta.json, the
+same on every rank), and this rank's random-number streams (`rng_rank<r>.pt`, restored when the
+layout is unchanged). Each part comes from the `state_dict()` of the object that owns it.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Progress:
     sampler: dict  # the data position: consumed samples (per-dataset counts of a blend)
     skipped_steps: int = 0  # non-finite steps skipped so far
     loss_scaler: Optional[dict] = None  # precision=fp16: the dynamic loss scale's state
+    rerun: Optional[dict] = None  # resilience.rerun: the spike statistics and verdict counts
 
 
 class ProcessRNG:

@@ -22,6 +22,7 @@ from megalite.bench import (
     plan,
     plan_table1,
     prepare,
+    rerun,
     resilience,
     tensor,
     train,
@@ -48,6 +49,7 @@ BENCHMARKS = {
     "resilience": (resilience, "step time with the replica check and straggler reports vs "
                                "without"),
     "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
+    "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
 }
 
 

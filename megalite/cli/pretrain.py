@@ -29,6 +29,7 @@ from megalite.data.loader import DataError
 from megalite.launch_env import export_launch_env, launch_env
 from megalite.plan import make_plan, memory_warning
 from megalite.planner.auto import launch_layout
+from megalite.resilience.faults import fit_or_exit
 from megalite.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.build import broadcast_run_dir, build_trainer
 from megalite.train.preflight import local_ranks_from_env, preflight
@@ -79,7 +80,7 @@ def pretrain(node) -> None:
     logger.info(f"megalite: {runtime.topology.describe()} device={runtime.device} "
                 f"run_dir={run_dir}")
     trainer = build_trainer(cfg, runtime, run_dir, planner=auto.record() if auto else None)
-    records = trainer.fit()
+    records = fit_or_exit(trainer)  # a hardware verdict exits with HARDWARE_FAULT_EXIT
     if runtime.topology.rank == 0:  # what happened and what next (megalite.train.summary)
         logger.info(trainer_summary(trainer, records))
     shutdown(runtime)

@@ -145,6 +145,7 @@ class TrainBatches:
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
         self.reads = tuple(reads)
+        self.last_samples: List[Tuple[int, int]] = []  # the last step's (dataset, window)s
 
     def close(self) -> None:
         """Close the shard descriptors (a later read opens them again)."""
@@ -156,6 +157,7 @@ class TrainBatches:
         """This rank's micro-batches of the next global batch (of the sampler's size unless
         given: a batch-size ramp)."""
         datasets, windows = self.sampler.next_windows(global_batch_size)
+        self.last_samples = list(zip(datasets.tolist(), windows.tolist()))
         mb = self.micro_batch_size
         if not any(self.reads):
             return [(None, None)] * (len(windows) // mb)

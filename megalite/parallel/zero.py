@@ -75,6 +75,9 @@ class ZeroEngine:
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(hook)
         self.bucket_reduced: List[Callable[[Bucket, torch.Tensor], None]] = []
+        # listeners called with (bucket, its full local gradient) just before the DP reduction
+        # starts (megalite.resilience: the rerun's fingerprint of the rank's own gradient)
+        self.grad_launching: List[Callable[[Bucket, torch.Tensor], None]] = []
         self._in_flight: Deque[Bucket] = deque()  # zero 2/3: buckets whose reduce-scatter runs
         self.peak_in_flight = 0  # the most reduce-scatter inputs alive at once, so far
         self.sync_grads = True  # stages 0-1: is this backward its chunk's last of the step?
@@ -146,7 +149,7 @@ class ZeroEngine:
             if bucket.reduction.every_micro_batch:
                 self._launch_bounded(bucket)
             elif self.sync_grads:
-                bucket.launch()
+                self._launch(bucket)
             if self.zero3 is not None:
                 self.zero3.after_backward(bucket)
 
@@ -171,10 +174,18 @@ class ZeroEngine:
         says 4Ψ/N); the oldest is folded in first."""
         while len(self._in_flight) >= REDUCTIONS_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
-        bucket.launch()
+        self._launch(bucket)
         self._in_flight.append(bucket)
         self.peak_in_flight = max(self.peak_in_flight,
                                   sum(len(b.pending) for b in self.buckets))
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start `bucket`'s DP reduction, after telling the grad_launching listeners."""
+        if self.grad_launching:
+            grad = bucket.grad_full if bucket.grad_full is not None else bucket._full_temp()
+            for listener in self.grad_launching:
+                listener(bucket, grad)
+        bucket.launch()
 
     def grad_staging_bytes(self) -> int:
         """Zero 2/3's declared staging: the full-size fp32 gradients of the buckets being
@@ -198,7 +209,7 @@ class ZeroEngine:
         self._in_flight.clear()
         for b in self.buckets:
             if not b.reduction.every_micro_batch and not b.launched:
-                b.launch()  # a bucket no gradient reached this step (reduces zeros)
+                self._launch(b)  # a bucket no gradient reached this step (reduces zeros)
             self._complete(b)
         if self.offload is not None:
             self.offload.drain()

@@ -16,4 +16,13 @@
 The trainer (`megalite.train.trainer`) calls the checks after the optimizer step and trains
 inside the hang watch; they communicate over the `Topology`'s groups (the hang dumps over
 the c10d store) and hold no module state.
+    rerun.py       rerun attribution (`resilience.rerun`): a NaN or spike step re-executed
+                   before its optimizer step and blamed on a transient fault, a persistent
+                   fault or the data (spikes.py: the suspicion test; verdicts.py: who is to
+                   blame; faults.py: fault.json, the exit code, the logs of skipped batches)
+    inject.py      fault drills (`resilience.inject`, parsed by inject_spec.py): a bit flip in
+                   one rank's parameter or gradient at one step
+
+The trainer (`megalite.train.trainer`) calls them around the optimizer step; they communicate
+over the `Topology`'s groups and hold no module state.
 """

@@ -42,17 +42,21 @@ from megalite.parallel.zero import ZeroEngine
 from megalite.plan import make_plan
 from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.hang import HangWatch, default_store, set_aside_old_dumps
+from megalite.resilience.inject import FaultInjector
+from megalite.resilience.inject_spec import parse_inject
 from megalite.resilience.replicas import ReplicaCheck
+from megalite.resilience.rerun import RerunAttribution
 from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
+from megalite.train.data_position import data_position_warnings
 from megalite.train.init_from import is_hub_id, load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import MetricsWriter, Peak, peak_tflops
 from megalite.train.profiling import StepProfiler
 from megalite.train.stop import StopRequest
 from megalite.train.timers import StepTimers
-from megalite.train.trainer import Trainer, data_position_warnings
+from megalite.train.trainer import Trainer
 
 
 def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict] = None
@@ -101,8 +105,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         loss_scaler=loss_scaler, ckpt_root=ckpt_root,
         flops_per_token=flops_per_token(cfg.model, t.seq_len), planner=planner)
     trainer.hellaswag = build_hellaswag(cfg, runtime, model, engine)
-    restore(trainer)
-    attach_services(trainer, train_shards[0].meta)
+    resumed = restore(trainer)
+    attach_services(trainer, train_shards[0].meta, resumed)
     return trainer
 
 
@@ -147,7 +151,8 @@ def build_hellaswag(cfg: Config, runtime: Runtime, model: PipelineStage, engine:
                       layout.virtual_stages, runtime.device)
 
 
-def attach_services(trainer: Trainer, data_meta: dict) -> None:
+def attach_services(trainer: Trainer, data_meta: dict, resumed: Optional[dict] = None
+                    ) -> None:
     """What runs around the steps: later checkpoints set aside, the stop request, profiler,
     step timers and the resilience checks, checkpoint saver, the peak FLOP/s and (rank 0) the
     metrics writer."""
@@ -162,7 +167,7 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
     trainer.stop_request = StopRequest(t.max_minutes, t.exit_signal, topo, rt.device)
     trainer.profiler = StepProfiler(cfg.log.profile_steps, trainer.run_dir / "profile",
                                     topo.rank, rt.device)
-    attach_resilience(trainer)
+    attach_resilience(trainer, resumed)
     trainer.saver = CheckpointSaver(trainer.ckpt_root, cfg, topo, rt.device,
                                     background=cfg.checkpoint.async_save,
                                     state_numel=written_numel(trainer.engine, topo))
@@ -177,10 +182,12 @@ def attach_services(trainer: Trainer, data_meta: dict) -> None:
             cfg.log.progress)
 
 
-def attach_resilience(trainer: Trainer) -> None:
+def attach_resilience(trainer: Trainer, resumed: Optional[dict] = None) -> None:
     """The step timers, timing the waits in collectives when straggler reports are on, the
-    replica check, the straggler report and the hang dumps' flight recorder and watch
-    (`resilience.*`; None when off). Collective."""
+    replica check, the straggler report, the hang dumps' flight recorder and watch, the rerun
+    attribution and the fault drill
+    (`resilience.*`; None when off), the rerun's statistics from the `resumed` checkpoint's
+    meta. Collective."""
     res, topo, rt = trainer.cfg.resilience, trainer.topo, trainer.rt
     waits = CollectiveWaits(DeviceClock(rt.device)) if res.straggler_report_every else None
     topo.counter.waits = waits
@@ -198,6 +205,13 @@ def attach_resilience(trainer: Trainer) -> None:
         topo.counter.flight = topo.checkpoint_group.counter.flight = recorder
         trainer.hang_watch = HangWatch(recorder, trainer.run_dir, topo.rank, topo.world_size,
                                        res.hang_wait_s, res.hang_signal, default_store())
+    if res.inject is not None:  # before the rerun: its gradient listener goes first
+        trainer.injector = FaultInjector(parse_inject(res.inject), trainer.model,
+                                         trainer.engine, topo.rank)
+    if res.rerun != "off":
+        trainer.rerun = RerunAttribution(res, topo, rt.device, trainer.engine, trainer.rng,
+                                         trainer.run_dir, trainer.loss_scaler)
+        trainer.rerun.load_state_dict(None if resumed is None else resumed.get("rerun"))
 
 
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker
@@ -237,13 +251,13 @@ def _init_state(cfg: Config, runtime: Runtime):
     return state if first else load_init_state(cfg.init_from, cfg.model)
 
 
-def restore(trainer: Trainer) -> None:
+def restore(trainer: Trainer) -> Optional[dict]:
     """The run's position from `checkpoint.resume` (none: step 0), through the state_dict() of
-    the objects that own it."""
+    the objects that own it. Returns the checkpoint's meta (None without one)."""
     cfg, logger = trainer.cfg, log.get_logger()
     found = resume(cfg.checkpoint.resume, trainer.ckpt_root, trainer.engine, cfg, trainer.topo)
     if found is None:
-        return
+        return None
     path, meta, rng_state = found
     trainer.step = meta["step"]
     trainer.skipped_steps = meta["skipped_steps"]
@@ -264,6 +278,7 @@ def restore(trainer: Trainer) -> None:
     if not same_device:  # another layout or device: fresh streams from the seed and the step
         trainer.rng.reseed(cfg.seed + 1_000_003 * trainer.step)
     logger.info(f"resumed from {path} at step {trainer.step}")
+    return meta
 
 
 def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[dict]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.state import ProcessRNG, Progress
-from megalite.config import Config, data_sources
+from megalite.config import Config
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.eval.choice import ChoiceEval, ChoiceScores
 from megalite.layout import Layout
@@ -35,7 +35,9 @@ from megalite.parallel.rng import RNGTracker
 from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZeroEngine
+from megalite.resilience.inject import FaultInjector
 from megalite.resilience.replicas import ReplicaCheck
+from megalite.resilience.rerun import RerunAttribution
 from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
@@ -91,6 +93,8 @@ class Trainer:
     stragglers: Optional[StragglerReport] = None  # resilience.straggler_report_every
     planner: Optional[dict] = None  # layout=auto's choice and prediction (metrics header)
     hang_watch: Optional[contextlib.AbstractContextManager] = None  # resilience.hang_dump
+    rerun: Optional[RerunAttribution] = None  # resilience.rerun, None when off
+    injector: Optional[FaultInjector] = None  # resilience.inject's drill, None when off
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
@@ -118,7 +122,8 @@ class Trainer:
     def progress(self) -> Progress:
         """The run's position besides its tensors, as a checkpoint records it."""
         return Progress(self.sampler.state_dict(), self.skipped_steps,
-                        None if self.loss_scaler is None else self.loss_scaler.state_dict())
+                        None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                        None if self.rerun is None else self.rerun.state_dict())
 
     # --- reporting ----------------------------------------------------------------------
 
@@ -159,7 +164,9 @@ class Trainer:
         alike) skips the update: the batch is consumed, the step counted in `skipped_steps`;
         `train.max_bad_steps` such steps in a row stop the run. With fp16 the gradients carry
         the loss scale: the norm and the update are unscaled, and an overflow that the
-        dynamic scale absorbs (by shrinking) does not count towards max_bad_steps."""
+        dynamic scale absorbs (by shrinking) does not count towards max_bad_steps. With
+        resilience.rerun a suspicious step is judged before its optimizer step
+        (`megalite.resilience.rerun`): a batch judged bad data is skipped and counted alike."""
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.train()
@@ -167,25 +174,47 @@ class Trainer:
         self.last_batch_size = self.batch_size.at(self.sampler.consumed_samples)
         with timers.phase("data"):
             micro_batches = self.batches.next_step(self.last_batch_size)
-        with timers.phase("forward_backward"):
-            loss = self.schedule.train_step(micro_batches, loss_scale=scale)
-        with timers.phase("grad_sync"):
-            self.engine.finish_grad_sync()
+        if self.rerun is not None:
+            self.rerun.before_step()
+
+        def execute(execution: int, batches: list) -> Tuple[torch.Tensor, torch.Tensor]:
+            return self._execute(execution, batches, scale)
+
+        loss, norm = execute(0, micro_batches)
+        finite = math.isfinite(norm.item())
+        skip = self.rerun is not None and self.rerun.judge(  # resilience.rerun: before the
+            self.step + 1, loss, norm, micro_batches,       # optimizer step, maybe re-executed
+            self.batches.last_samples, execute)
         with timers.phase("optimizer"):
-            norm = self.engine.grad_norm() / scale
-            finite = math.isfinite(norm.item())
-            if finite:
+            if finite and not skip:
                 self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
             self.engine.zero_grad()
         self.last_lr = lr
         self.step += 1
-        self._count_non_finite(finite)
-        return (loss.item() if finite else None), norm.item()
+        self._count_non_finite(finite, skip)
+        return (loss.item() if finite and not skip else None), norm.item()
 
-    def _count_non_finite(self, finite: bool) -> None:
-        """Skipped steps, the loss scale's response, and the stop after too many in a row."""
+    def _execute(self, execution: int, micro_batches: list, scale: float
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One execution of the step's forward/backward and gradient reductions (execution 0;
+        later ones are resilience.rerun's), within resilience.inject's drill if armed; returns
+        (this rank's mean loss, the global grad norm, unscaled)."""
+        timers = self.timers
+        drill = contextlib.nullcontext() if self.injector is None \
+            else self.injector.around(self.step + 1, execution)
+        with drill:
+            with timers.phase("forward_backward"):
+                loss = self.schedule.train_step(micro_batches, loss_scale=scale)
+            with timers.phase("grad_sync"):
+                self.engine.finish_grad_sync()
+        with timers.phase("optimizer"):
+            return loss, self.engine.grad_norm() / scale
+
+    def _count_non_finite(self, finite: bool, data_skip: bool = False) -> None:
+        """Skipped steps (non-finite, or a batch resilience.rerun skipped), the loss scale's
+        response, and the stop after too many in a row."""
         absorbed = self.loss_scaler is not None and self.loss_scaler.update(overflow=not finite)
-        if finite:
+        if finite and not data_skip:
             self.bad_in_a_row = 0
         else:
             self.skipped_steps += 1
@@ -377,25 +406,3 @@ class _Interval:
             acc = self.comm.setdefault(key, {})
             for name, value in counts.items():
                 acc[name] = acc.get(name, 0) + value
-
-
-def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
-    """The sampler's position is a count of samples (windows of train.seq_len + 1 tokens in a
-    sample order seeded by `seed`, over `data.dir` or the `data.blend`): resumed under another
-    seq_len, seed or data it points elsewhere in the data. Legal (e.g. a longer context late in
-    training), but worth saying."""
-    then = {"train.seq_len": meta["config"]["train"]["seq_len"], "seed": meta["config"]["seed"],
-            "data": _data_label(meta["data_sources"])}
-    now = {"train.seq_len": cfg.train.seq_len, "seed": cfg.seed,
-           "data": _data_label([[str(d), w] for d, w in data_sources(cfg.data)])}
-    return [f"{key}={now[key]!r} differs from the checkpoint's {then[key]!r}: the resumed run "
-            f"continues at sample {meta['consumed_samples']} of a different order of windows, "
-            "not where the checkpointed run stopped"
-            for key in then if then[key] != now[key]]
-
-
-def _data_label(sources: List[list]):
-    """A data directory alone by its path, a blend as its [weight, dir] list."""
-    if len(sources) == 1:
-        return sources[0][0]
-    return [x for d, w in sources for x in (w, d)]

@@ -1,0 +1,376 @@
+"""Rerun attribution (megalite.resilience.rerun) and its fault drills (resilience.inject): a
+suspicious step is re-executed before its optimizer step; a transient fault is pinned on the
+rank that computed wrong (fault.json, the hardware exit code), a persistent one on the replica
+that recomputes another's micro-batches wrong, bad data is logged, skipped and counted."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.config import ConfigError, check_sections, load_config
+from megalite.layout import validate
+from megalite.resilience.faults import HARDWARE_FAULT_EXIT, fit_or_exit
+from megalite.resilience.inject import flip_bit
+from megalite.resilience.inject_spec import InjectSpec, parse_inject
+from megalite.resilience.replicas import fingerprint
+from megalite.resilience.spikes import SpikeDetector
+from megalite.resilience.verdicts import agree, cross_replica_verdict, transient_suspects
+from megalite.runtime import init_runtime
+from megalite.spawn import run_ranks
+from megalite.train.build import build_trainer
+from tests.conftest import TINY
+from tests.layouts import FP32_NO_DROPOUT
+
+POISON = 7  # a sequence of this token only: the data test makes its embedding NaN
+POISONED_STEP = 2
+STEPS = 3
+
+
+def _trainer(tiny_data, run_dir, world, *extra):
+    cfg = load_config(TINY + FP32_NO_DROPOUT + [
+        f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8",
+        f"train.max_steps={STEPS}", f"checkpoint.dir={run_dir}/ckpt", "log.peak_tflops=1",
+        "resilience.check_every=0", "resilience.straggler_report_every=0", *extra])
+    validate(cfg, world)
+    return build_trainer(cfg, init_runtime(cfg), Path(run_dir))
+
+
+def _drill(rank, world, tiny_data, run_dir, overrides):
+    """A run with a fault drill, through the CLI's fit_or_exit: the exit code and fault.json."""
+    trainer = _trainer(tiny_data, run_dir, world, "resilience.allow_inject=true", *overrides)
+    code = None
+    try:
+        fit_or_exit(trainer)
+    except SystemExit as e:
+        code = e.code
+    fault = Path(run_dir) / "resilience" / "fault.json"
+    return {"code": code, "step": trainer.step, "reruns": trainer.rerun.reruns,
+            "injected": None if trainer.injector is None else trainer.injector.injected,
+            "fault": json.loads(fault.read_text()) if fault.exists() else None,
+            "published": sorted(p.name for p in (Path(run_dir) / "ckpt").glob("step_*"))}
+
+
+def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
+    """Every rank's embedding turns a micro-batch with a sequence of POISON tokens only into
+    NaN (the data's fault, wherever it is computed); DP replica 1's step POISONED_STEP gets
+    such a sequence."""
+    trainer = _trainer(tiny_data, run_dir, world, "log.every=1", *overrides)
+    chunk = trainer.model.chunks[0]
+    if chunk.first:
+        chunk.transformer.wte.register_forward_hook(
+            lambda module, args, out: out * math.nan if (args[0] == POISON).all(0).any()
+            else out)
+    next_step, seen = trainer.batches.next_step, {}
+
+    def poisoned_next_step(*args):
+        micro_batches = next_step(*args)
+        if trainer.step + 1 == POISONED_STEP:
+            seen["samples"] = trainer.batches.last_samples
+            if trainer.topo.coords.dp_rank == replica and micro_batches[1][0] is not None:
+                micro_batches[1][0][0, :] = POISON
+        return micro_batches
+
+    trainer.batches.next_step = poisoned_next_step
+    records = trainer.fit()
+    masters = [piece.detach() for piece, _, _ in trainer.engine.main_params]  # any zero stage
+    skips = Path(run_dir) / "resilience" / "data_skips.jsonl"
+    unresolved = Path(run_dir) / "resilience" / "unresolved.jsonl"
+    resumed = None
+    if trainer.rerun is not None:  # the last step's checkpoint carries the rerun statistics
+        again = _trainer(tiny_data, run_dir, world, "checkpoint.resume=auto", *overrides)
+        resumed = again.rerun.state_dict() == trainer.rerun.state_dict()
+    return {"losses": [r["loss"] for r in records], "skipped": trainer.skipped_steps,
+            "rerun_state": None if trainer.rerun is None else trainer.rerun.state_dict(),
+            "resumed_state_equal": resumed,
+            "data_skips": None if trainer.rerun is None else trainer.rerun.data_skips,
+            "fingerprint": fingerprint(masters, torch.device("cpu")).tolist(),
+            "samples": seen["samples"], "dp_rank": trainer.topo.coords.dp_rank,
+            "log": [json.loads(line) for line in skips.read_text().splitlines()]
+            if skips.exists() else [],
+            "unresolved": [json.loads(line) for line in unresolved.read_text().splitlines()]
+            if unresolved.exists() else []}
+
+
+def _all_runs(rank, world, tiny_data, run_dir):
+    inject = "resilience.inject=rank:{}/step:2/target:{}/kind:{}"  # the unquoted form
+    return {
+        "transient param": _drill(rank, world, tiny_data, f"{run_dir}/tp", [
+            "zero=1", "resilience.rerun=on_nan", inject.format(1, "param", "transient")]),
+        "transient grad": _drill(rank, world, tiny_data, f"{run_dir}/tg", [
+            "zero=0", "resilience.rerun=on_spike", "resilience.spike_warmup=1",
+            inject.format(0, "grad", "transient")]),
+        "persistent param": _drill(rank, world, tiny_data, f"{run_dir}/pp", [
+            "zero=0", "resilience.rerun=on_nan", inject.format(1, "param", "persistent")]),
+        "data": _poisoned(rank, world, tiny_data, f"{run_dir}/data",
+                          ["zero=1", "resilience.rerun=on_nan"]),
+        "skipping": _poisoned(rank, world, tiny_data, f"{run_dir}/skip", ["zero=1"]),
+        "dp1": _poisoned(rank, world, tiny_data, f"{run_dir}/dp1",
+                         ["pp=2", "resilience.rerun=on_nan"], replica=0),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    return run_ranks(_all_runs, 2, args=(tiny_data, str(tmp_path_factory.mktemp("rerun"))),
+                     timeout_s=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label, rank, kind", [("transient param", 1, "transient"),
+                                               ("transient grad", 0, "transient"),
+                                               ("persistent param", 1, "persistent")])
+def test_an_injected_fault_is_pinned_on_its_rank_and_exits_with_the_hardware_code(
+        runs, label, rank, kind):
+    """Rank `rank`'s device computes wrong at step 2 (a flipped exponent bit in its LayerNorm
+    weight, or in its local gradient before the DP reduction): the step is re-executed before
+    its optimizer step, fault.json names that rank, the step and the kind, and every rank exits
+    with HARDWARE_FAULT_EXIT. A transient fault does not reproduce on re-execution; a
+    persistent one does, and the other replica's recomputation of the same micro-batches
+    tells it from the data. Nothing of step 2 is published."""
+    for res in runs:
+        run = res[label]
+        assert run["code"] == HARDWARE_FAULT_EXIT, run
+        assert run["step"] == 1 and run["reruns"] == 1, run  # step 2 was never completed
+        fault = run["fault"]
+        assert (fault["rank"], fault["step"], fault["kind"]) == (rank, 2, kind), fault
+        assert [s["rank"] for s in fault["suspects"]] == [rank], fault
+        assert fault["gpu"] is None and fault["node"], fault
+        assert run["published"] == [], run
+    injected = runs[rank][label]["injected"]
+    assert injected == (1 if kind == "transient" else 3), injected  # 3: all executions
+    assert runs[1 - rank][label]["injected"] == 0
+
+
+@pytest.mark.distributed
+def test_bad_data_is_logged_skipped_and_the_run_equals_one_that_skips_the_batch(runs):
+    """DP replica 1's micro-batch of step 2 makes the loss NaN on any device: the rerun
+    reproduces it and replica 0's recomputation too, so the data is blamed: replica 1's
+    samples of that step are logged, the batch is skipped and counted, and the run goes on to
+    the end equal — losses and parameters, bitwise — to the run without rerun that skips
+    the non-finite step."""
+    for res in runs:
+        data, skipping = res["data"], res["skipping"]
+        assert data["skipped"] == 1 and data["data_skips"] == 1, data
+        assert data["losses"] == skipping["losses"], (data["losses"], skipping["losses"])
+        assert data["losses"][POISONED_STEP - 1] is None and len(data["losses"]) == STEPS
+        assert all(x is not None for i, x in enumerate(data["losses"]) if i != 1)
+        assert data["fingerprint"] == skipping["fingerprint"]
+        assert skipping["skipped"] == 1 and skipping["data_skips"] is None
+        state = data["rerun_state"]  # 3 applied steps recorded; the bad batch was not
+        assert state["detector"]["recorded"] == STEPS - 1 and state["data_skips"] == 1, state
+        assert len(state["detector"]["history"]["grad_norm"]) == STEPS - 1, state
+        assert data["resumed_state_equal"] is True  # through the checkpoint's state_dict()
+    replica1 = next(r["data"] for r in runs if r["data"]["dp_rank"] == 1)
+    log = runs[0]["data"]["log"]
+    assert len(log) == 1 and log[0]["step"] == POISONED_STEP and log[0]["replicas"] == [1], log
+    assert log[0]["samples"] == {"1": [list(s) for s in replica1["samples"]]}, log
+    assert len(log[0]["samples"]["1"]) == 4  # replica 1's half of the global batch of 8
+
+
+@pytest.mark.distributed
+def test_with_one_replica_a_reproduced_step_is_skipped_as_unresolved(runs):
+    """pp 2, dp 1: the re-execution reproduces the poisoned step and no other replica can
+    recompute it, so it is neither blamed on the data nor on a device: logged as unresolved
+    (a restart excluding the node would tell), skipped and counted; the run goes on."""
+    for res in runs:
+        run = res["dp1"]
+        assert run["skipped"] == 1 and run["data_skips"] == 0 and run["log"] == [], run
+        assert run["rerun_state"]["unresolved"] == 1, run
+        assert run["losses"][POISONED_STEP - 1] is None, run["losses"]
+        assert sum(x is not None for x in run["losses"]) == STEPS - 1
+    entry = runs[0]["dp1"]["unresolved"]
+    assert len(entry) == 1 and entry[0]["step"] == POISONED_STEP
+    assert [list(s) for s in runs[0]["dp1"]["samples"]] == entry[0]["samples"]
+
+
+# --- pure logic, no ranks --------------------------------------------------------------
+
+
+def test_spikes_are_judged_against_the_running_median_after_the_warmup():
+    d = SpikeDetector(spikes=True, factor=3.0, window=3, warmup=2)
+    assert d.suspicious({"grad_norm": 100.0}) == []  # nothing recorded: no median yet
+    d.record({"grad_norm": 1.0, "loss": 5.0})
+    assert d.suspicious({"grad_norm": 100.0}) == []  # in the warm-up
+    d.record({"grad_norm": 2.0, "loss": 5.0})
+    assert d.suspicious({"grad_norm": 4.4, "loss": 5.0}) == []  # 4.4 <= 3 x median 1.5
+    assert len(d.suspicious({"grad_norm": 4.6})) == 1
+    for v in (10.0, 10.0, 10.0):  # the window keeps the last 3: median 10
+        d.record({"grad_norm": v})
+    assert d.suspicious({"grad_norm": 29.0}) == [] and d.suspicious({"grad_norm": 31.0})
+    assert d.suspicious({"loss": float("nan")}) == ["loss nan"]
+    nan_only = SpikeDetector(spikes=False, factor=3.0, window=3, warmup=None)
+    nan_only.record({"grad_norm": 1.0})
+    assert nan_only.suspicious({"grad_norm": 1e9}) == []
+    assert nan_only.suspicious({"grad_norm": float("inf")}) == ["grad_norm inf"]
+
+
+def test_the_spike_statistics_survive_a_state_dict_round_trip():
+    a = SpikeDetector(spikes=True, factor=2.0, window=4, warmup=3)
+    for v in (1.0, 2.0, 3.0, 4.0, 5.0):
+        a.record({"grad_norm": v, "loss": v + 1})
+    b = SpikeDetector(spikes=True, factor=2.0, window=4, warmup=3)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as meta.json carries it
+    assert b.state_dict() == a.state_dict()
+    for probe in ({"grad_norm": 7.1}, {"grad_norm": 6.9}, {"loss": 9.5}):
+        assert b.suspicious(probe) == a.suspicious(probe)
+    assert a.suspicious({"grad_norm": 7.1}) and not a.suspicious({"grad_norm": 6.9})
+
+
+def test_a_transient_fault_is_pinned_on_the_ranks_whose_own_results_changed():
+    nan = math.nan
+    first = [[2.0, 1.0, 5.0], [nan, nan, nan], [2.5, 1.5, 5.0]]
+    second = [[2.0, 1.0, 4.0], [2.2, 1.2, 4.0], [2.5, 1.5, 4.0]]
+    assert transient_suspects(first, second, 0.0) == [1]  # the reduced grads changed on all
+    assert transient_suspects(first, first, 0.0) == []  # NaN reproduced is no change
+    only_reduced = [[2.0, 1.0, 5.0], [2.2, 1.2, 9.0]]
+    assert transient_suspects(only_reduced, [[2.0, 1.0, 5.0], [2.2, 1.2, 5.0]], 0.0) == [1]
+    assert agree(1.0, 1.0 + 1e-9, 1e-6) and not agree(1.0, 1.0 + 1e-9, 0.0)
+
+
+def test_the_cross_replica_recomputation_tells_a_persistent_fault_from_the_data():
+    nan, ok = math.nan, [2.0, 1.0, 0.0]
+    replicas = [[0], [1]]
+    # the data: both replicas reproduce each other's results, NaN included
+    assert cross_replica_verdict([ok, [nan, nan, 0]], [[nan, nan, 0], ok], replicas, 0) == []
+    # replica 1 computes NaN on any data, replica 0 computes replica 1's data fine
+    assert cross_replica_verdict([ok, [nan, nan, 0]], [[3.0, 1.0, 0], [nan, nan, 0]],
+                                 replicas, 0) == [1]
+    # three replicas, replica 2 wrong on everything it computes (finite): the one in two pairs
+    first = [[1.0, 1, 0], [2.0, 1, 0], [3.5, 1, 0]]
+    recomputed = [[3.0, 1, 0], [1.0, 1, 0], [2.5, 1, 0]]  # replica d + 1 recomputes d's data
+    assert cross_replica_verdict(first, recomputed, [[0], [1], [2]], 0) == [2]
+    # two replicas, finite and disagreeing both ways: either may be wrong, both are named
+    assert cross_replica_verdict([[1.0, 1, 0], [2.0, 1, 0]], [[2.5, 1, 0], [1.5, 1, 0]],
+                                 replicas, 0) == [0, 1]
+
+
+def test_flip_bit_flips_one_bit_and_back():
+    x = torch.ones(4)
+    flip_bit(x, 2, 30)
+    assert math.isinf(x[2].item()) and x[[0, 1, 3]].tolist() == [1.0, 1.0, 1.0]
+    flip_bit(x, 2, 30)
+    assert x.tolist() == [1.0] * 4
+    flip_bit(x, 0, 31)  # the sign bit
+    assert x[0].item() == -1.0
+
+
+def test_the_drill_spec_parses_with_defaults():
+    assert parse_inject("rank=1, step=3") == InjectSpec(rank=1, step=3)
+    assert parse_inject("rank:1/step:3") == InjectSpec(rank=1, step=3)
+    spec = parse_inject("rank=0,step=2,target=grad,kind=persistent,tensor=x,index=5,bit=3")
+    assert (spec.target, spec.kind, spec.tensor, spec.index, spec.bit) == \
+        ("grad", "persistent", "x", 5, 3)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["resilience.spike_factor=1.0"], "resilience.spike_factor"),
+    (["resilience.spike_factor=0.5"], "resilience.spike_factor"),
+    (["resilience.rerun=on_spike"], "resilience.spike_warmup"),
+    (["resilience.rerun=always"], "resilience.rerun"),
+    (["resilience.rerun=on_spike", "resilience.spike_warmup=0"], "resilience.spike_warmup"),
+    (["resilience.rerun_tolerance=-1"], "resilience.rerun_tolerance"),
+    (["resilience.inject='rank=1,step=2'"], "resilience.inject"),  # not enabled
+    (["resilience.inject='rank=1'", "resilience.allow_inject=true"], "resilience.inject"),
+    (["resilience.inject='rank=1,step=2,target=optimizer'", "resilience.allow_inject=true"],
+     "resilience.inject"),
+])
+def test_bad_rerun_and_inject_values_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}="):
+        check_sections(load_config(overrides))
+
+
+@pytest.mark.parametrize("inject, what", [
+    ("rank=1,step=301", "beyond train.max_steps=300"),
+    ("rank=2,step=3", "world has 2 ranks"),
+])
+def test_a_drill_the_run_cannot_reach_is_refused_before_launch(inject, what):
+    cfg = load_config([f"resilience.inject='{inject}'", "resilience.allow_inject=true",
+                       "train.max_steps=300"])
+    with pytest.raises(ConfigError, match=r"^resilience\.inject=") as e:
+        validate(cfg, 2)
+    assert what in str(e.value)
+    cfg = load_config(["resilience.inject='rank=1,step=300'", "resilience.allow_inject=true",
+                       "train.max_steps=300", "resilience.rerun=on_spike",
+                       "resilience.spike_warmup=10"])
+    validate(cfg, 2)  # the last step is a step the run reaches
+
+
+# --- scripts/slurm/pretrain.sbatch on a fault ----------------------------------------------
+
+SBATCH = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "pretrain.sbatch"
+
+
+def _sbatch(tmp_path: Path, srun_body: str, nodes: str = "gpu07\ngpu08"):
+    """The script with a fake srun (`srun_body`) and scontrol (`nodes`) first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("srun", srun_body), ("scontrol", f"printf '{nodes}\\n'")):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+           "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
+           "RUN_DIR": str(tmp_path / "run"), "MEGALITE_DIR": str(tmp_path),
+           "FAULT_POLL_S": "0.1", "HEAD_NODE": "gpu07"}
+    return subprocess.run(["/bin/bash", str(SBATCH), "model=tiny"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_sbatch_stops_the_job_step_on_a_fault_and_exits_with_the_hardware_code(tmp_path):
+    """The workers' fault.json appears while the step runs: the script stops the step (the
+    fake srun would run 60 s more, as torchrun restarting would) and exits 75, naming the
+    node to exclude. A later job on an allocation with that node refuses to start; one
+    without it moves the file aside and runs."""
+    fault = tmp_path / "run" / "resilience" / "fault.json"
+    t0 = time.monotonic()
+    proc = _sbatch(tmp_path, f"mkdir -p {fault.parent}\n"
+                   f"echo '{{\"rank\": 3, \"node\": \"gpu08\"}}' > {fault}\nexec sleep 60")
+    assert proc.returncode == HARDWARE_FAULT_EXIT, proc.stderr
+    assert time.monotonic() - t0 < 20
+    assert "sbatch --exclude=gpu08" in proc.stderr, proc.stderr
+    again = _sbatch(tmp_path, "exit 0")
+    assert again.returncode == HARDWARE_FAULT_EXIT and "node gpu08" in again.stderr
+    assert fault.exists()
+    elsewhere = _sbatch(tmp_path, "exit 0", nodes="gpu01\ngpu02")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert not fault.exists() and len(list(fault.parent.glob("fault-*.json"))) == 1
+
+
+def test_an_overflow_the_loss_scale_absorbs_is_not_suspicious():
+    """fp16: a non-finite norm while the dynamic scale can still shrink is the scale's to
+    absorb (no rerun); at the scale's floor it is suspicious."""
+    from types import SimpleNamespace
+
+    from megalite.config_sections import ResilienceConfig
+    from megalite.resilience.rerun import RerunAttribution
+    from megalite.train.loss_scale import LossScaler
+
+    scaler = LossScaler(scale=1024.0, min_scale=1.0)
+    engine = SimpleNamespace(grad_launching=[])
+    rerun = RerunAttribution(ResilienceConfig(rerun="on_nan"), topo=None,
+                             device=torch.device("cpu"), engine=engine, rng=None,
+                             run_dir=Path("."), loss_scaler=scaler)
+    assert engine.grad_launching == [rerun._add_local_grad]
+    called = []
+    rerun._rerun = lambda *args: called.append(args) or True
+    inf, loss = torch.tensor(math.inf), torch.tensor(2.0)
+    assert rerun.judge(3, loss, inf, [], [], None) is False and not called
+    assert rerun.judge(3, loss, torch.tensor(1.0), [], [], None) is False and not called
+    scaler.scale = scaler.min_scale  # at the floor: the run itself is non-finite
+    assert rerun.judge(3, loss, inf, [], [], None) is True and len(called) == 1
+    assert rerun.detector.recorded == 1  # only the finite step entered the statistics
+
+
+def test_a_parameter_drill_under_zero3_is_refused_before_launch():
+    cfg = load_config(["resilience.inject=rank:0/step:1", "resilience.allow_inject=true",
+                       "zero=3"])
+    with pytest.raises(ConfigError, match=r"^resilience\.inject=.*zero=3"):
+        validate(cfg, 2)
+    validate(load_config(["resilience.inject=rank:0/step:1/target:grad",
+                          "resilience.allow_inject=true", "zero=3"]), 2)
