@@ -25,6 +25,7 @@ from megalite.config_sections import (
     LogConfig,
     LossScaleConfig,
     OffloadConfig,
+    PlannerConfig,
     ResilienceConfig,
 )
 
@@ -259,6 +260,9 @@ class Config:
     precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) |
     #                          fp32 | bf16 | fp16 (fp16 params + fp32 master/moments, loss scaling)
     device: str = "auto"  # auto | cpu | cuda
+    layout: str = "manual"  # manual (tp, pp, zero, ... as given) | auto: the planner's fastest
+    #                         predicted layout for the world size (README: Planner), the layout
+    #                         keys given on the command line held fixed
     init_from: Optional[str] = None  # weights to start from: HF GPT2LMHeadModel directory or hub
     #                                  id, or a megalite checkpoint (weights only, step 0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -272,6 +276,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 def register_configs() -> None:
@@ -317,8 +322,10 @@ def check_sections(cfg: Config) -> None:
         fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         fail("device", cfg.device, "use auto, cpu or cuda")
+    if cfg.layout not in ("manual", "auto"):
+        fail("layout", cfg.layout, "use manual (the sizes given) or auto (the planner's choice)")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
-                    cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience):
+                    cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience, cfg.planner):
         section.check()
     cfg.resilience.check_with_exit_signal(cfg.train.exit_signal)
     data_sources(cfg.data)  # raises on a malformed data.blend

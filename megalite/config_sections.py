@@ -249,3 +249,25 @@ class ResilienceConfig:
 
 
 RERUN_MODES = ("off", "on_nan", "on_spike")
+
+
+@dataclass
+class PlannerConfig:
+    """Where `layout=auto` takes its device from (`megalite.planner`; README: Planner)."""
+
+    device: str = "auto"  # a device profile name (h100-80gb, a100-80gb, ..., cpu); auto = the
+    #                       table entry of the detected GPU, cpu without one
+    profile: Optional[str] = None  # a calibrated profile file (scripts/plan.py --calibrate);
+    #                                overrides device
+    gpus_per_node: Optional[int] = None  # ranks per node; None = the ranks started on this
+    #                                      node (torchrun --nproc_per_node)
+
+    def check(self) -> None:
+        if self.gpus_per_node is not None and (isinstance(self.gpus_per_node, bool)
+                                               or self.gpus_per_node < 1):
+            fail("planner.gpus_per_node", self.gpus_per_node,
+                 "must be a positive number of ranks per node, or null (torchrun's "
+                 "--nproc_per_node)")
+        if self.profile is not None and not Path(self.profile).exists():
+            fail("planner.profile", self.profile, "no such file; write one with "
+                 "scripts/plan.py --calibrate, or use planner.device=NAME")

@@ -19,6 +19,8 @@ from megalite.bench import (
     loader,
     offload,
     pipeline,
+    plan,
+    plan_table1,
     prepare,
     rerun,
     resilience,
@@ -39,6 +41,9 @@ BENCHMARKS = {
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
+    "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
+    "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
+                                 "2021 Table 1 next to the paper's (no device used)"),
     "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "
                          "time with and without, torchao's CPUOffloadOptimizer on CUDA"),
     "resilience": (resilience, "step time with the replica check and straggler reports vs "

@@ -1,14 +1,22 @@
 """Estimate, before launching, what every rank of a layout holds and sends: parameters,
 gradients, optimizer state, activations in flight, the ZeRO-3 working set, and the bytes per
-optimizer step over the TP, PP, DP and embedding groups (megalite/plan.py has the formulas).
+optimizer step over the TP, PP, DP and embedding groups (megalite/plan.py has the formulas);
+with a device profile also the predicted step time, tokens/s, TFLOP/s and MFU
+(megalite/planner/time_model.py); with --search the fastest layouts that fit.
 
     megalite-plan --world-size 16 model=gpt2-xl pp=2 zero=3 \\
         train.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=512
-    megalite-plan --world-size 8 --gpu-memory-gib 80 model=gpt2-xl zero=1 ...
+    megalite-plan --world-size 64 --device h100-80gb model=gpt2-xl ...
+    megalite-plan --search --world-size 64 --gpus-per-node 8 --device h100-80gb \\
+        model=gpt2-xl train.global_batch_size=512 train.seq_len=1024 [--plot search.png]
+    torchrun --nproc_per_node=2 scripts/plan.py --calibrate --output profile.json model=gpt2
 
 (`python scripts/plan.py ...` in a checkout is the same command.) Arguments after the options
 are the same overrides megalite-pretrain takes; the configuration is validated as for a run.
-Exit status 3 when a stage's estimate exceeds --gpu-memory-gib.
+With --search, the layout keys given (tp, pp, zero, sp, parallel.virtual_stages,
+train.micro_batch_size, train.recompute, offload.activations) are held fixed and the search
+covers the rest. Exit status 3 when a stage's estimate exceeds --gpu-memory-gib, 4 when no
+layout of the search fits.
 """
 from __future__ import annotations
 
@@ -22,18 +30,29 @@ from megalite.cli import config_for_world
 from megalite.layout import Layout
 from megalite.placement_fit import cheapest_fit
 from megalite.plan import GIB, make_plan
+from megalite.planner.devices import BY_NAME, device_profile, load_profile_file, table_links
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, help="ranks (GPUs) in all (not with --calibrate)")
-    p.add_argument("--gpus-per-node", type=int, default=8,
-                   help="for the check that a TP group fits in a node")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="decides the dtype where precision=auto (bf16 on cuda)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="ranks per node: which groups cross nodes (default: the profile's, "
+                        "8 for cuda)")
+    p.add_argument("--device", default="cuda",
+                   help=f"a device profile ({', '.join(BY_NAME)}): memory plan and predicted "
+                        "time; cuda = a GPU of unknown type (memory plan only); decides the "
+                        "dtype where precision=auto (bf16 on GPUs)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="a calibrated device profile file (instead of --device)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="flag stages whose estimate exceeds this much memory per device")
+    p.add_argument("--search", action="store_true",
+                   help="rank every valid layout that fits by predicted step time")
+    p.add_argument("--top", type=int, default=5, help="--search: layouts to print")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="--search: step time vs peak memory of the candidates, to a PNG")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "
@@ -45,18 +64,59 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _profile(cli: argparse.ArgumentParser, args):
+    """The device profile (None for --device cuda) and the ranks per node."""
+    if args.profile is not None:
+        try:
+            profile = load_profile_file(args.profile)
+        except ValueError as e:
+            cli.error(str(e))
+    elif args.device == "cuda":
+        profile = None
+    else:
+        try:
+            profile = device_profile(args.device)
+        except ValueError as e:
+            cli.error(f"--device: {e}; or cuda (memory plan only)")
+    per_node = args.gpus_per_node or (profile.gpus_per_node if profile else 8)
+    if per_node < 1 or (args.world_size > per_node and args.world_size % per_node):
+        cli.error(f"--gpus-per-node={per_node} must divide --world-size={args.world_size} "
+                  f"(whole nodes), e.g. {[d for d in (1, 2, 4, 8, 16) if args.world_size % d == 0][-1]}")
+    return profile, per_node
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-plan --world-size N [overrides]`; argv defaults to the command line."""
     cli = parser()
     args = cli.parse_args(argv)
     if args.calibrate:
-        sys.exit(calibrate_command(args.overrides, args.output))
+        sys.exit(calibrate_command(args.overrides, args.output, table_links))
     if args.world_size is None:
         cli.error("the following arguments are required: --world-size")
-    cfg = config_for_world(args.overrides, args.world_size, args.gpus_per_node, args.device)
-    layout = Layout.from_config(cfg, args.world_size, args.device)
+    profile, per_node = _profile(cli, args)
+    if args.search or args.plot:
+        if profile is None:
+            cli.error("--search needs a device profile: --device NAME or --profile FILE")
+        from megalite.cli.plan_search import run_search
+
+        sys.exit(run_search(args, profile, per_node))
+    device_type = "cpu" if profile is not None and profile.device == "cpu" else "cuda"
+    bf16 = profile is None or "bf16" in profile.matmul_tflops
+    cfg = config_for_world(args.overrides, args.world_size, per_node, device_type)
+    layout = Layout.from_config(cfg, args.world_size, device_type, bf16)
     plan = make_plan(cfg, layout)
-    print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.table())
+    prediction = None
+    if profile is not None:
+        from megalite.planner.time_model import predict
+
+        prediction = predict(cfg, layout, plan.stages, profile, per_node)
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "prediction":
+                          prediction.as_dict() if prediction else None}, indent=1))
+    else:
+        print(plan.table())
+        if prediction is not None:
+            print(prediction.summary())
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             cli.error(f"--gpu-memory-gib={args.gpu_memory_gib}: must be > 0 (e.g. 80)")
@@ -67,7 +127,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         for s in over:
             print(f"megalite: stage {s.stage} needs about {s.bytes['total'] / GIB:.1f} GiB per "
                   f"rank > {args.gpu_memory_gib:g} GiB; {advice}; or raise tp or pp, or lower "
-                  "train.micro_batch_size", file=sys.stderr)
+                  "train.micro_batch_size (--search ranks the layouts that fit)",
+                  file=sys.stderr)
         if over:
             sys.exit(3)
 

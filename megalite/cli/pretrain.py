@@ -28,6 +28,7 @@ from megalite.config import CONF_DIR, ConfigError, check_presets, register_confi
 from megalite.data.loader import DataError
 from megalite.launch_env import export_launch_env, launch_env
 from megalite.plan import make_plan, memory_warning
+from megalite.planner.auto import launch_layout
 from megalite.resilience.faults import fit_or_exit
 from megalite.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.build import broadcast_run_dir, build_trainer
@@ -54,7 +55,13 @@ def pretrain(node) -> None:
     """One rank of a run (torchrun starts one process per rank)."""
     cfg = to_config(node)
     logger = log.configure(launch_rank(), cfg.log.all_ranks)
+    auto = None
     try:
+        if cfg.layout == "auto":  # the same choice on every rank (megalite.planner.auto)
+            cfg, auto = launch_layout(cfg, world_size_from_env(), local_gpu(),
+                                      local_ranks_from_env(), HydraConfig.get().overrides.task)
+            if launch_rank() == 0:
+                logger.info(f"megalite: layout=auto chose {' '.join(auto.overrides)}\n{auto.why}")
         layout, warnings = preflight(cfg, world_size_from_env(), local_gpus(),
                                      local_ranks_from_env(), local_gpu())
     except (ConfigError, DataError) as e:
@@ -72,7 +79,7 @@ def pretrain(node) -> None:
                                 runtime.topology)
     logger.info(f"megalite: {runtime.topology.describe()} device={runtime.device} "
                 f"run_dir={run_dir}")
-    trainer = build_trainer(cfg, runtime, run_dir)
+    trainer = build_trainer(cfg, runtime, run_dir, planner=auto.record() if auto else None)
     records = fit_or_exit(trainer)  # a hardware verdict exits with HARDWARE_FAULT_EXIT
     if runtime.topology.rank == 0:  # what happened and what next (megalite.train.summary)
         logger.info(trainer_summary(trainer, records))

@@ -292,22 +292,31 @@ def _live_changes(order: List[Op]):
 def max_in_flight(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto") -> int:
     """Most (chunk, micro-batch) pairs whose activations `stage` holds at once (from their F
     to their last backward operation)."""
-    live = peak = 0
-    for _, change in _live_changes(stage_order(pp, stage, m, v, schedule)):
-        live += change
-        peak = max(peak, live)
-    return peak
+    return max(sum(counts) for counts in _live_peaks(pp, stage, m, v, schedule))
 
 
 def peak_live_bytes(pp: int, stage: int, m: int, v: int, chunk_bytes: List[float],
                     schedule: str = "auto") -> float:
     """Most activation bytes `stage` holds at once, given each chunk's bytes per micro-batch
     (under a split backward counted until W: an upper bound, as B frees part of them)."""
-    live = peak = 0.0
-    for op, change in _live_changes(stage_order(pp, stage, m, v, schedule)):
-        live += chunk_bytes[op.chunk] * change
-        peak = max(peak, live)
-    return peak
+    return max(sum(n * b for n, b in zip(counts, chunk_bytes))
+               for counts in _live_peaks(pp, stage, m, v, schedule))
+
+
+@lru_cache(maxsize=4096)
+def _live_peaks(pp: int, stage: int, m: int, v: int, schedule: str = "auto"
+                ) -> Tuple[Tuple[int, ...], ...]:
+    """The live (chunk, micro-batch) counts per chunk wherever `stage`'s order stops adding
+    activations (a releasing or neutral operation, or the end, follows): every peak of the
+    live bytes is at one of them, whatever each chunk's bytes (cached: the planner's search
+    asks for thousands of plans)."""
+    live, peaks = [0] * v, set()
+    changes = list(_live_changes(stage_order(pp, stage, m, v, schedule)))
+    for i, (op, change) in enumerate(changes):
+        live[op.chunk] += change
+        if change == 1 and (i + 1 == len(changes) or changes[i + 1][1] != 1):
+            peaks.add(tuple(live))
+    return tuple(sorted(peaks)) or ((0,) * v,)
 
 
 def expected_bubble(pp: int, m: int, v: int = 1, schedule: str = "auto") -> float:

@@ -59,9 +59,11 @@ from megalite.train.timers import StepTimers
 from megalite.train.trainer import Trainer
 
 
-def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
+def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict] = None
+                  ) -> Trainer:
     """Every part of a run of `cfg` (validated) on this rank, restored from
-    `checkpoint.resume` where set. Collective: every rank calls it."""
+    `checkpoint.resume` where set. Collective: every rank calls it. `planner`: layout=auto's
+    choice and prediction (`AutoLayout.record()`), for the metrics header and records."""
     run_dir = Path(run_dir)
     topo, layout, t = runtime.topology, runtime.layout, cfg.train
     log.configure(topo.rank, cfg.log.all_ranks)
@@ -102,7 +104,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir) -> Trainer:
                              runtime.device, reads=stage_reads(model)),
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         loss_scaler=loss_scaler, ckpt_root=ckpt_root,
-        flops_per_token=flops_per_token(cfg.model, t.seq_len))
+        flops_per_token=flops_per_token(cfg.model, t.seq_len), planner=planner)
     trainer.hellaswag = build_hellaswag(cfg, runtime, model, engine)
     resumed = restore(trainer)
     attach_services(trainer, train_shards[0].meta, resumed)
@@ -316,6 +318,7 @@ def run_header(trainer: Trainer, data_meta: dict, state_bytes: List[dict]) -> di
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "model_state_bytes": state_bytes,
         "plan": make_plan(cfg, trainer.layout).as_dict(),
+        "planner": trainer.planner,
         "data_dir": str(trainer.data_sources[0][0]),
         "data_sources": [[str(d), w] for d, w in trainer.data_sources],
         "run_dir": str(trainer.run_dir),

@@ -3,7 +3,8 @@
 MFU = achieved model FLOP/s per device / peak FLOP/s per device (Chowdhery et al. 2022, App. B),
 with model FLOPs per token from `megalite.model.gpt2.flops_per_token` (6N + 12·L·h·s). The peak
 comes from, in order: `log.peak_tflops`; a table of known accelerators (dense bf16 tensor-core
-peaks from the vendors' data sheets); on CPU a measured fp32 matmul peak. An unknown accelerator
+peaks from the vendors' data sheets, the device table of `megalite.planner.devices`
+(shared with the planner)); on CPU a measured fp32 matmul peak. An unknown accelerator
 gets no number: MFU is reported as null rather than against a guess.
 """
 from __future__ import annotations
@@ -11,39 +12,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
 from megalite.log import get_logger
-
-# Dense bf16 peak TFLOP/s per device (no sparsity). Matched against torch.cuda.get_device_name()
-# as whole words (an "L40" is not an "L4", a "GH200" not an "H200"); more specific names first
-# (an "H100 PCIe" must not match plain "H100").
-PEAK_TFLOPS_BF16: Tuple[Tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM
-    ("H200", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("V100", 125.0),  # fp16 tensor cores (no bf16 on Volta)
-    ("MI300X", 1307.0),
-    ("MI250X", 383.0),
-)
+from megalite.planner.devices import table_peak_tflops
 
 
 @dataclass
@@ -66,10 +45,11 @@ def measure_cpu_matmul_tflops(n: int = 2048, repeats: int = 4) -> float:
 
 
 def table_peak(device_name: str) -> Peak:
-    """The first table entry whose name appears in `device_name` as whole words."""
-    for key, value in PEAK_TFLOPS_BF16:
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
-            return Peak(value, f"table: {device_name} dense bf16 ({key})")
+    """The data-sheet peak of the device table entry (`megalite.planner.devices`, the one
+    table the planner uses too) whose name appears in `device_name` as whole words."""
+    tflops, key = table_peak_tflops(device_name)
+    if tflops is not None:
+        return Peak(tflops, f"table: {device_name} dense bf16 ({key})")
     return Peak(None, f"unknown device {device_name!r}: set log.peak_tflops to report MFU")
 
 
@@ -111,6 +91,7 @@ WANDB_SECTIONS = {
     "hellaswag_acc_norm": "val/hellaswag_acc_norm", "tokens_per_s": "perf/tokens_per_s",
     "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "consumed_tokens": "train/consumed_tokens",
+    "predicted_step_time_s": "perf/predicted_step_time_s",
     "pipeline_bubble": "perf/pipeline_bubble",
     "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
     "pipeline_in_flight": "perf/pipeline_in_flight",

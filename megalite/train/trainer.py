@@ -91,6 +91,7 @@ class Trainer:
     hellaswag: Optional[ChoiceEval] = None  # eval.hellaswag's scoring, None when off
     replicas: Optional[ReplicaCheck] = None  # resilience.check_every, None when off
     stragglers: Optional[StragglerReport] = None  # resilience.straggler_report_every
+    planner: Optional[dict] = None  # layout=auto's choice and prediction (metrics header)
     hang_watch: Optional[contextlib.AbstractContextManager] = None  # resilience.hang_dump
     rerun: Optional[RerunAttribution] = None  # resilience.rerun, None when off
     injector: Optional[FaultInjector] = None  # resilience.inject's drill, None when off
@@ -369,6 +370,8 @@ class Trainer:
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
         record["step_phases_s"] = self._slowest_phases(steps)
+        if self.planner is not None:  # measured next to predicted (layout=auto)
+            record["predicted_step_time_s"] = self.planner["prediction"]["step_s"]
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if topo.pp_size > 1:

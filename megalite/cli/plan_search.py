@@ -1,0 +1,44 @@
+"""`megalite-plan --search`: the fastest predicted layouts that fit (megalite/planner/search.py),
+printed as a table or JSON, optionally plotted."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megalite.config import ConfigError, check_sections, load_config
+from megalite.planner.devices import DeviceProfile
+from megalite.planner.report import explicit_layout_keys, plot_search, ranking_table
+from megalite.planner.search import NothingFits, search
+
+
+def run_search(args, profile: DeviceProfile, per_node: int) -> int:
+    """Exit status: 0, 2 for a bad configuration, 4 when nothing fits."""
+    try:
+        cfg = load_config(args.overrides)
+        check_sections(cfg)
+    except ConfigError as e:
+        print(f"megalite: bad configuration: {e}", file=sys.stderr)
+        return 2
+    fixed = explicit_layout_keys(args.overrides, cfg)
+    try:
+        result = search(cfg, args.world_size, profile, per_node, top=args.top, fixed=fixed)
+    except NothingFits as e:
+        print(f"megalite: {e}", file=sys.stderr)
+        return 4
+    except ValueError as e:  # e.g. the profile has no rate for the run's precision
+        print(f"megalite: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"fixed": fixed, "valid": result.valid, "costed": result.costed,
+                          "too_big_bytes": result.too_big, "invalid": result.invalid,
+                          "best": [{"overrides": r.choice.overrides(),
+                                    "peak_bytes": r.peak_bytes,
+                                    "prediction": r.prediction.as_dict()}
+                                   for r in result.best]}, indent=1))
+    else:
+        print(ranking_table(result, profile, args.world_size, per_node, fixed))
+    if args.plot:
+        plot_search(result, profile, Path(args.plot))
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,35 @@
+"""A layout's parameters and wire bytes per stage without its memory peak: the plan's own terms
+(`megalite.plan`: `_add_chunk`, `_stage_comm`), skipping the schedule walk and the bucket
+staging that only the memory figures need, so the search can predict thousands of layouts and
+plan the memory of the few it proposes. Equal to `make_plan(...).stages`' params and comm (a
+test holds them equal)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+from megalite.config import Config
+from megalite.layout import Layout, stage_chunks
+from megalite.plan import _add_chunk, _dims, _stage_comm, _StageSums
+
+
+@dataclass
+class StageTraffic:
+    stage: int
+    params: int  # Ψ per rank
+    comm: Dict[str, float]  # wire bytes per step per group
+
+
+def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
+    d, place = _dims(cfg, layout), layout.placement
+    out = []
+    for k, chunks in enumerate(stage_chunks(cfg.model.n_layer, layout.pp_size,
+                                            layout.virtual_stages,
+                                            cfg.parallel.edge_stage_layers)):
+        sums = _StageSums()
+        ends = [(place.holds_first(k, c), place.holds_last(k, c)) for c in range(len(chunks))]
+        for (first, last), blocks in zip(ends, chunks):
+            _add_chunk(sums, d, first, last, len(blocks))
+        tied = layout.pp_size > 1 and any(f or lst for f, lst in ends)
+        out.append(StageTraffic(k, sums.psi, _stage_comm(d, sums, tied)))
+    return out

@@ -1,0 +1,72 @@
+"""layout=auto (megalite/planner/auto.py): the same choice from the same inputs, explicit layout
+keys held fixed, a clear refusal when nothing fits, and a 2-rank run that trains like the
+serial run and records its prediction next to the measured step time."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megalite.config import ConfigError, load_config
+from megalite.layout import validate
+from megalite.planner.auto import launch_layout, run_profile
+from megalite.planner.devices import device_profile
+from megalite.runtime import init_runtime
+from megalite.spawn import run_ranks
+from megalite.train.build import build_trainer
+from tests.conftest import TINY
+from tests.layouts import FP32_NO_DROPOUT, close
+
+AUTO = ["layout=auto", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.max_steps=2", "checkpoint.every=0", "resilience.check_every=0",
+        "resilience.straggler_report_every=0"]
+
+
+def test_choice_is_pure_and_holds_explicit_keys():
+    cfg = load_config(TINY + AUTO)
+    a_cfg, a = launch_layout(cfg, 4, None, 4, [])
+    b_cfg, b = launch_layout(load_config(TINY + AUTO), 4, None, 4, [])
+    assert a.overrides == b.overrides and a_cfg == b_cfg and a.profile == "cpu"
+    fixed = TINY + AUTO + ["tp=2", "zero=1"]
+    held_cfg, held = launch_layout(load_config(fixed), 4, None, 4, fixed)
+    assert held.fixed == {"micro_batch_size": 2, "tp": 2, "zero": 1}
+    assert (held_cfg.tp, held_cfg.zero) == (2, 1)
+    assert "held fixed (given on the command line): micro_batch_size=2, tp=2, zero=1" \
+        in held.why
+    with pytest.raises(ConfigError, match=r"layout=.auto.*tp=3.*no layout"):
+        launch_layout(load_config(TINY + AUTO + ["tp=3"]), 4, None, 4, ["tp=3"])
+    with pytest.raises(ConfigError, match="planner.device.*known: .*h100-80gb"):
+        run_profile(load_config(["planner.device=h100-90gb"]), None)
+    assert run_profile(load_config(["planner.device=a100-40gb"]), None) == \
+        device_profile("a100-40gb")
+
+
+def _fit(rank, world, overrides, run_dir):
+    cfg = load_config(overrides)
+    cfg, auto = launch_layout(cfg, world, None, world, overrides)
+    validate(cfg, world)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir, planner=auto.record())
+    records = trainer.fit()
+    return {"records": records, "layout": trainer.layout.as_dict(), "chosen": auto.overrides}
+
+
+@pytest.mark.distributed
+def test_auto_layout_trains_like_the_serial_run_and_records_its_prediction(tiny_data,
+                                                                           tmp_path):
+    common = TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}"] + AUTO
+    ranks = run_ranks(_fit, 2, args=(common, str(tmp_path / "auto")), timeout_s=300)
+    serial_cfg = load_config(common + ["layout=manual"])
+    validate(serial_cfg, 1)
+    serial = build_trainer(serial_cfg, init_runtime(serial_cfg), tmp_path / "serial").fit()
+    chosen = ranks[0]["layout"]
+    assert chosen["world_size"] == 2 and ranks[1]["chosen"] == ranks[0]["chosen"]
+    for got, want in zip(ranks[0]["records"], serial):
+        assert close(got["loss"], want["loss"], 1e-5), (chosen, got["loss"], want["loss"])
+        assert close(got["grad_norm"], want["grad_norm"], 1e-5)
+    lines = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().split("\n")
+             if x]
+    header = lines[0]["run"]
+    assert header["planner"]["chosen"] == ranks[0]["chosen"]
+    assert header["layout"] == chosen and header["planner"]["prediction"]["step_s"] > 0
+    assert all(r["predicted_step_time_s"] == header["planner"]["prediction"]["step_s"]
+               and r["step_time_s"] > 0 for r in lines[1:])
