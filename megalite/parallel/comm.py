@@ -15,7 +15,8 @@ A group of size 1 communicates nothing and records nothing. The counters live in
 reports, `megalite.resilience.stragglers`), every call that can block on peers — a blocking
 collective, the wait for an asynchronous one or for point-to-point transfers — is also timed.
 With `CommCounter.flight` set (`megalite.resilience.flight`), every call is also reported to
-that flight recorder: launched, waited for, done or failed (the last collectives of a hang).
+that flight recorder: launched, waited for, done or failed (the last collectives of a hang);
+`megalite.parallel.comm_calls` does that, and raises `CommError` (importable from here).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from megalite.parallel.comm_calls import CommError, _call, _Done, _launch  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -143,62 +146,6 @@ def _ring(n: int) -> float:
 # have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CommError(RuntimeError):
-    """A collective failed or timed out (a peer died or is stuck): names the group and op."""
-
-
-def _describe(op: str, group: Group) -> str:
-    return f"{op} on the {group.name} group (global ranks {group.ranks})"
-
-
-def _call(op: str, group: Group, fn, entry=None, blocking: bool = True):
-    """Run a collective; a failure or timeout (parallel.timeout_s) becomes a CommError that
-    says which group was waiting, instead of an anonymous backend error (after the flight
-    recorder, if any, has seen it: a hang dump). Timed when the group's counter collects
-    `waits`. `entry`: the flight recorder's record of the collective, waited for here when
-    `blocking` (not when only launching an asynchronous one)."""
-    waits, flight = group.counter.waits, group.counter.flight
-    recorded = flight is not None and entry is not None and blocking
-    if recorded:
-        flight.waiting(entry)
-    try:
-        result = fn() if waits is None else waits.timed(fn)
-    except RuntimeError as e:
-        if flight is not None:
-            flight.failed(entry, _describe(op, group), e)
-        raise CommError(f"{_describe(op, group)} failed: {e}. A peer in this group crashed, "
-                        "was killed or is stuck; see its log") from e
-    if recorded:
-        flight.done(entry)
-    return result
-
-
-def _launch(op: str, group: Group, nbytes: int, fn, async_op: bool = False):
-    """Launch a collective through `_call`, recorded by the group's flight recorder (if any);
-    with `async_op`, return its `_Work`."""
-    flight = group.counter.flight
-    entry = None if flight is None else flight.started(op, group, nbytes)
-    work = _call(op, group, fn, entry, blocking=not async_op)
-    return _Work(work, op, group, entry) if async_op else work
-
-
-class _Work:
-    """An asynchronous collective's handle; `wait()` raises CommError naming the group."""
-
-    def __init__(self, work, op: str, group: Group, entry=None):
-        self.work, self.op, self.group, self.entry = work, op, group, entry
-
-    def wait(self) -> bool:
-        return _call(self.op, self.group, self.work.wait, self.entry)
-
-
-class _Done:
-    """The handle of a collective that needed no communication (a group of one)."""
-
-    def wait(self) -> bool:
-        return True
 
 
 def _nbytes(t: torch.Tensor) -> int:
