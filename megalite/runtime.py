@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megalite.config import Config
 from megalite.layout import GpuInfo, Layout, device_type_for
 from megalite.parallel.topology import Topology, build_topology
+from megalite.resilience.nccl_flight import set_nccl_flight_env
 
 
 @dataclass
@@ -80,6 +81,8 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        if backend == "nccl" and cfg.resilience.hang_dump:  # read as the group is created
+            set_nccl_flight_env()
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                 **kwargs)
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,

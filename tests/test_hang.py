@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -71,9 +70,7 @@ def _hung_run(rank, world, tiny_data, run_dir):
         if rank == 0 and trainer.step == SIGNAL_AFTER:
             os.kill(os.getpid(), signal.SIGUSR2)
         if trainer.step == SIGNAL_AFTER + 1:  # both, outside collectives: no rank times out
-            _wait_for((hang_dir / "summary.json").exists, "no summary of the live dump")
-            if rank == 0:  # keep the live dumps
-                shutil.copytree(hang_dir, Path(run_dir) / "live")
+            _wait_for((hang_dir / "live" / "summary.json").exists, "no summary of the live dump")
         return result
 
     trainer.train_step = train_step
@@ -96,7 +93,9 @@ def test_a_rank_that_stops_participating_is_named_with_its_group(tmp_path, tiny_
     res = run_ranks(_hung_run, 2, args=(str(tiny_data), str(run_dir)), timeout_s=120)
     assert res[0]["error"].startswith("CommError") and res[0]["step"] == STALL_AT - 1, res
     assert res[1]["error"].startswith("Stopped"), res
-    live = {r: json.loads((run_dir / "live" / f"rank{r:05d}.json").read_text()) for r in (0, 1)}
+    # the live dumps (hang/live/) are still there: the failure's dumps went to hang/
+    live = {r: json.loads((run_dir / "hang" / "live" / f"rank{r:05d}.json").read_text())
+            for r in (0, 1)}
     for dump in live.values():
         assert dump["request"]["kind"] == "signal" and not dump["failure"], dump["request"]
         assert dump["request"]["what"] == "SIGUSR2 received by rank 0"
@@ -202,7 +201,7 @@ def test_a_signal_dumps_a_single_rank_while_it_runs(tmp_path):
     rec.done(rec.started("all_reduce", _group("dp", [0, 1], 0), 8))
     with HangWatch(rec, tmp_path, 0, 1, wait_s=1.0, signal_name="SIGUSR2"):
         os.kill(os.getpid(), signal.SIGUSR2)
-        _wait_for((tmp_path / "hang" / "summary.txt").exists, "no summary", 10)
+        _wait_for((tmp_path / "hang" / "live" / "summary.txt").exists, "no summary", 10)
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL  # restored
     states, world, req = load_dumps(tmp_path / "hang")
     assert world == 1 and req["kind"] == "signal" and list(states) == [0]

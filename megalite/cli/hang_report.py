@@ -1,8 +1,9 @@
 """Print the summary of a run's hang dumps (`<run dir>/hang/rank*.json`, written on a failed
-or timed-out collective, or on `resilience.hang_signal`): the ranks that did not arrive, the
-group, and where their main thread was (`megalite.resilience.hang_report`).
+or timed-out collective, or `hang/live/` on `resilience.hang_signal`): the ranks that did not
+arrive, the group, and where their main thread was (`megalite.resilience.hang_report`).
 
     megalite-hang-report outputs/run          # reads outputs/run/hang/rank*.json
+    megalite-hang-report outputs/run/hang/live   # the latest live dump
     megalite-hang-report outputs/run --json   # the summary as JSON
 """
 from __future__ import annotations
@@ -20,10 +21,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-hang-report RUN_DIR [--json]`; argv defaults to the command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="the run directory (or its hang/)")
+    parser.add_argument("run_dir", type=Path, help="the run directory (or its hang/ or hang/live/)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
-    hang_dir = args.run_dir if args.run_dir.name == "hang" else args.run_dir / "hang"
+    hang_dir = args.run_dir / "hang" if (args.run_dir / "hang").is_dir() else args.run_dir
     try:
         states, world_size, request = load_dumps(hang_dir)
     except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:

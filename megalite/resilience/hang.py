@@ -5,31 +5,34 @@ and its flight recorder (`megalite.resilience.flight`: the last collectives per 
 their sequence numbers) — and the rank that noticed writes `<run dir>/hang/summary.txt`,
 naming the ranks that did not arrive and the group (`megalite.resilience.hang_report`).
 
-How the ranks learn of it: through the store every rank already shares (the default process
-group's c10d store; on torchrun the agent's). The rank whose collective failed dumps at once,
-adds a request to the store, and waits up to `resilience.hang_wait_s` for every rank's
-answer before its error (`CommError`) goes on (the store calls run in a thread given at most
-hang_wait_s + 5 s: a store on a lost node may never answer). Every rank runs a watch thread while `fit`
-trains, which looks for a new request every `poll_s` = min(2, hang_wait_s / 4) seconds: it
-does not need the training thread, which may be stuck in compute or blocked in a collective
-(the wait releases the GIL), so a rank that stopped participating still dumps, and its stack
-shows where it is. It answers with its dump and its compact state (the groups' counters and
-the collectives it waits for) in the store, from which the summary is made: no shared file
-system is needed for it. A rank whose process is gone or whose interpreter is wedged writes
-nothing; the summary names it as a rank without a dump. Outside `fit` (set-up, resume) no
-rank watches: a failing rank writes its own dump only.
+How the ranks learn of it: through the store every rank already shares
+(`megalite.resilience.hang_store`: keys scoped by the request's number; no store operation per
+rank grows with the world size). The rank whose collective failed dumps at once, posts a
+request, and waits up to `resilience.hang_wait_s` for every rank's answer before its error
+(`CommError`) goes on (the store calls run in a thread given at most hang_wait_s + 5 s: a
+store on a lost node may never answer). Every rank runs a watch thread while `fit` trains,
+which looks for a new request every `poll_s` = min(2, hang_wait_s / 4) seconds: it does not
+need the training thread, which may be stuck in compute or blocked in a collective (the wait
+releases the GIL), so a rank that stopped participating still dumps, and its stack shows where
+it is. It answers with its compact state (the groups' counters and the collectives it waits
+for), from which the summary is made: no shared file system is needed for it. A rank whose
+process is gone or whose interpreter is wedged writes nothing; the summary names it as a rank
+without a dump. Outside `fit` (set-up, resume) no rank watches: a failing rank writes its own
+dump only.
 
 A live run can be dumped on demand: `resilience.hang_signal` (SIGUSR2 by default) sent to any
-rank makes every rank dump and that rank write the summary; training goes on. The signal is
-seen by the watch thread at once, also while the main thread blocks in C code (a wakeup file
-descriptor: CPython's C-level handler writes the signal number there from whichever thread
-receives it).
+rank makes every rank dump and that rank write the summary, to `<run dir>/hang/live/` (a live
+dump never overwrites a failure's); training goes on. The signal is seen by the watch thread
+at once, also while the main thread blocks in C code (a wakeup file descriptor: CPython's
+C-level handler writes the signal number there from whichever thread receives it).
 
-Each rank writes one dump per collective failure (later failures of the same broken process
-group would overwrite the evidence); dumps on request overwrite older ones. A dump is written
-to a temporary file and renamed, so a file that exists is complete. `faulthandler` is enabled
-(all threads, to stderr) while watching: when NCCL's watchdog aborts the process (SIGABRT)
-before Python can dump, the stacks still reach the rank's log.
+Each rank writes one failure dump per process (later failures of the same broken process group
+would overwrite the evidence; a later failure request is answered with the same state), and of
+two ranks that notice a failure the first summary is kept; live dumps overwrite older live
+ones. A dump is written to a temporary file and renamed, so a file that exists is complete.
+`faulthandler` is enabled (all threads, to stderr) while watching: when NCCL's watchdog aborts
+the process (SIGABRT) before Python can dump, the stacks still reach the rank's log (and
+PyTorch's own NCCL flight recorder dumps to hang/, `megalite.resilience.nccl_flight`).
 """
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ from typing import Dict, List, Optional
 from megalite.log import get_logger
 from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.hang_report import compact, summarize
+from megalite.resilience.hang_store import HangExchange, default_store  # noqa: F401
 
-PREFIX = "megalite/hang/"
 WHAT_CHARS = 600  # of an error message put in a request
 STORE_GRACE_S = 5.0  # beyond hang_wait_s, for the store calls of a failing rank's request
 
@@ -76,8 +79,8 @@ def set_aside_old_dumps(run_dir: Path) -> Optional[Path]:
     """A previous launch's `hang/` (a reused run directory) moves to `hang.<n>/`, so that the
     dumps in `hang/` are this launch's. Rank 0, before the others can dump."""
     hang = run_dir / "hang"
-    if not hang.is_dir() or not any(hang.iterdir()):
-        return None
+    if not hang.is_dir() or not any(p.is_file() for p in hang.rglob("*")):
+        return None  # (empty, or only the empty hang/nccl/ of megalite.resilience.nccl_flight)
     n = 1
     while (run_dir / f"hang.{n}").exists():
         n += 1
@@ -85,13 +88,24 @@ def set_aside_old_dumps(run_dir: Path) -> Optional[Path]:
     return run_dir / f"hang.{n}"
 
 
-def default_store():
-    """The default process group's store, namespaced; None without torch.distributed."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+def write_summary(out: Path, text: str, summary: dict, keep_first: bool) -> Path:
+    """`out`/summary.txt and summary.json, each whole or not at all. With `keep_first` (a
+    failure's: two ranks may notice one failure) an existing summary is kept: the first
+    rank's to notice, which is the closest to the cause."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in (("summary.json", json.dumps(summary, indent=1)),
+                          ("summary.txt", text)):
+        tmp = out / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(content)
+        if not keep_first:
+            os.replace(tmp, out / name)
+            continue
+        try:
+            os.link(tmp, out / name)  # fails where the file exists: atomic keep-the-first
+        except FileExistsError:
+            pass
+        tmp.unlink()
+    return out / "summary.txt"
 
 
 class HangWatch:
@@ -104,11 +118,13 @@ class HangWatch:
         self.dir = Path(run_dir) / "hang"
         self.wait_s, self.poll_s = wait_s, min(2.0, wait_s / 4)
         self.signum = getattr(signal, signal_name) if signal_name else None
-        self.store = store
+        self.exchange = None if store is None else HangExchange(store)
         self.seen = 0  # requests answered so far
         self.own: set = set()  # the numbers of this rank's own requests (answered by it)
         self.failure_dumped = False  # one dump per collective failure
+        self.failure_state: Optional[dict] = None  # its compact state, to answer again
         self._lock = threading.Lock()  # one dump at a time
+        self._numbering = threading.Lock()  # posting a request / looking for new ones
         self._stop = threading.Event()
         self._signalled = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -184,101 +200,95 @@ class HangWatch:
 
     # --- requests and answers ----------------------------------------------------------
 
+    def _new_request(self, kind: str, what: str) -> dict:
+        return {"kind": kind, "rank": self.rank, "what": what[:WHAT_CHARS],
+                "time": time.time(), "n": None}
+
+    def _number(self, req: dict) -> None:
+        """Post `req` (numbering it) where there is a store. Under `_numbering`, which the
+        watch's look takes too: the number is this rank's own (`own`) before its watch can
+        see it, so the requesting rank never answers its own request a second time."""
+        if self.exchange is not None:
+            with self._numbering:
+                self.own.add(self.exchange.post(req))
+
     def on_failure(self, description: str, error: BaseException) -> None:
         """A collective of this rank failed (called before its CommError is raised): dump,
         ask every rank to, and write the summary; once per process. Outside the context
         (set-up, resume: the others do not watch) only this rank's dump."""
-        with self._lock:
+        req = self._new_request("failure", f"{description} failed: {error}")
+        with self._lock:  # first this rank's own dump, which needs no store
             if self.failure_dumped:
                 return
             self.failure_dumped = True
-        what = f"{description} failed: {error}"[:WHAT_CHARS]
+            self.failure_state = compact(self._dump(req, failure=True))
         if not self._active:
-            req = {"kind": "failure", "rank": self.rank, "what": what, "time": time.time(),
-                   "n": None}
-            with self._lock:
-                self._dump(req, failure=True)
             return
         # in a thread joined with a bound: a store on a lost node may not answer at all
-        helper = threading.Thread(target=self._request_logged, args=("failure", what),
+        helper = threading.Thread(target=self._ask_logged, args=(req, self.failure_state),
                                   name="megalite-hang-request", daemon=True)
         helper.start()
         helper.join(timeout=self.wait_s + STORE_GRACE_S)
 
-    def _request_logged(self, kind: str, what: str) -> None:
+    def _ask_logged(self, req: dict, state: dict) -> None:
         try:
-            self.request(kind, what, failure=kind == "failure")
+            self._number(req)
+            self._ask(req, state, failure=True)
         except Exception as e:  # the error being raised is the one to report
             get_logger().warning(f"megalite: hang dump on rank {self.rank} failed: {e!r}")
 
-    def request(self, kind: str, what: str, failure: bool = False) -> Path:
-        """Dump this rank, ask the others (through the store), wait for their answers up to
-        `wait_s` and write the summary. Returns the summary's path."""
-        req = {"kind": kind, "rank": self.rank, "what": what, "time": time.time(), "n": None}
-        state = None
-        if failure:  # first this rank's own dump, which needs no store
-            with self._lock:
-                state = self._dump(req, failure=True)
-        if self.store is not None:
-            req["n"] = self.store.add("requests", 1)  # (`state` holds `req`: numbered too)
-            self.own.add(req["n"])
-            self.store.set(f"request/{req['n']}", json.dumps(req))
-        if state is None:
-            with self._lock:
-                state = self._dump(req, failure=False)
+    def request(self, kind: str, what: str) -> Path:
+        """A live dump (no failure): number the request, dump this rank, ask the others, wait
+        for their answers up to `wait_s` and write the summary. Returns the summary's path."""
+        req = self._new_request(kind, what)
+        self._number(req)
+        with self._lock:
+            state = compact(self._dump(req, failure=False))
+        return self._ask(req, state, failure=False)
+
+    def _ask(self, req: dict, state: dict, failure: bool) -> Path:
+        """Answer `req` with this rank's `state`, collect the others' and write the
+        summary."""
         states = {self.rank: state}
-        if self.store is not None:
-            self._publish(state, [req["n"]])
-            states = self._collect(req["n"])
+        if self.exchange is not None:
+            self.exchange.answer(req["n"], state)
+            states = self.exchange.collect(req["n"], self.world_size, self.wait_s)
         text, summary = summarize(states, self.world_size, req)
-        write_json(self.dir / "summary.json", summary)
-        (self.dir / ".summary.txt.tmp").write_text(text)
-        os.replace(self.dir / ".summary.txt.tmp", self.dir / "summary.txt")
+        path = write_summary(self._dir(failure), text, summary, keep_first=failure)
         get_logger().warning(f"megalite: hang dump: {text}")
-        return self.dir / "summary.txt"
+        return path
 
     def _answer(self) -> None:
-        """Answer the requests added since the last look (usually none)."""
-        if self.store is None:
+        """Answer the other ranks' requests added since the last look (usually none): one
+        dump for all of them. A failure request finds this rank's failure dump, if it has
+        one, already written: its state answers again (one failure dump per process)."""
+        if self.exchange is None:
             return
-        latest = self.store.add("requests", 0)
-        if latest <= self.seen:
-            return
-        numbers = [n for n in range(self.seen + 1, latest + 1) if n not in self.own]
-        self.seen = latest
+        with self._numbering:
+            latest = self.exchange.latest()
+            if latest <= self.seen:
+                return
+            numbers = [n for n in range(self.seen + 1, latest + 1) if n not in self.own]
+            self.seen = latest
         if not numbers:
             return
-        reqs = [json.loads(self.store.get(f"request/{n}")) for n in numbers]
+        reqs = self.exchange.requests(numbers)
         failures = [r for r in reqs if r["kind"] == "failure"]
-        req = failures[0] if failures else reqs[-1]
         with self._lock:
-            if failures and self.failure_dumped:  # this rank's dump for it exists
-                state = None
+            if failures and self.failure_dumped:
+                state = self.failure_state
             else:
-                self.failure_dumped = self.failure_dumped or bool(failures)
-                state = self._dump(req, failure=bool(failures))
-        if state is not None:
-            self._publish(state, numbers)
-        else:
-            for n in numbers:
-                self.store.add(f"acks/{n}", 1)
-
-    def _publish(self, state: dict, numbers: List[int]) -> None:
-        self.store.set(f"state/{self.rank}", json.dumps(compact(state)))
+                state = compact(self._dump(failures[0] if failures else reqs[-1],
+                                           failure=bool(failures)))
+                if failures:
+                    self.failure_dumped, self.failure_state = True, state
         for n in numbers:
-            self.store.add(f"acks/{n}", 1)
+            self.exchange.answer(n, state)
 
-    def _collect(self, n: int) -> Dict[int, dict]:
-        """Every rank's compact state that answered request `n` within `wait_s`."""
-        deadline = time.monotonic() + self.wait_s
-        while (self.store.add(f"acks/{n}", 0) < self.world_size
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        states = {}
-        for r in range(self.world_size):
-            if self.store.check([f"state/{r}"]):
-                states[r] = json.loads(self.store.get(f"state/{r}"))
-        return states
+    def _dir(self, failure: bool) -> Path:
+        """A failure's dumps in hang/, a live dump's in hang/live/: a signal never overwrites
+        the evidence of a failure."""
+        return self.dir if failure else self.dir / "live"
 
     def _dump(self, req: dict, failure: bool) -> dict:
         """Write this rank's dump (the caller holds `_lock`); returns it."""
@@ -286,6 +296,7 @@ class HangWatch:
                  "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                  "request": req, "failure": failure, "groups": self.recorder.snapshot(),
                  "stacks": thread_stacks()}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.dir / dump_name(self.rank), state)
+        out = self._dir(failure)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / dump_name(self.rank), state)
         return state

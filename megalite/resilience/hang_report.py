@@ -11,9 +11,9 @@ waits itself (a cycle: ranks entered different collectives), all of them are nam
 
 `megalite-hang-report RUN_DIR` (megalite/cli/hang_report.py) prints the summary of the dumps
 in RUN_DIR/hang/ after the fact (the rank that noticed the hang writes the same summary to
-hang/summary.txt, from the states the ranks put in the store). Of a collective failure's
-dumps it reads those written for the failure; otherwise those of the latest request (a live
-dump on `resilience.hang_signal`).
+hang/summary.txt, from the states the ranks put in the store). It reads a collective
+failure's dumps (hang/); where there are none, the latest live dump's (hang/live/, written on
+`resilience.hang_signal`); `megalite-hang-report RUN_DIR/hang/live` reads the live one.
 """
 from __future__ import annotations
 
@@ -136,7 +136,10 @@ def _text(s: dict, states: Dict[int, dict]) -> str:
 
 
 def load_dumps(hang_dir: Path) -> Tuple[Dict[int, dict], int, Optional[dict]]:
-    """The dumps of one event in `hang_dir`: (states by rank, world size, the request)."""
+    """The dumps of one event in `hang_dir`: (states by rank, world size, the request). A
+    failure's dumps in hang/, or where there are none, the live dump's in hang/live/."""
+    if not any(hang_dir.glob("rank*.json")) and (hang_dir / "live").is_dir():
+        hang_dir = hang_dir / "live"
     dumps = [json.loads(p.read_text()) for p in sorted(hang_dir.glob("rank*.json"))]
     if not dumps:
         raise FileNotFoundError(f"{hang_dir}: no rank*.json hang dumps")

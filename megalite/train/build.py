@@ -44,6 +44,7 @@ from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.hang import HangWatch, default_store, set_aside_old_dumps
 from megalite.resilience.inject import FaultInjector
 from megalite.resilience.inject_spec import parse_inject
+from megalite.resilience.nccl_flight import set_nccl_flight_env
 from megalite.resilience.replicas import ReplicaCheck
 from megalite.resilience.rerun import RerunAttribution
 from megalite.resilience.stragglers import StragglerReport
@@ -202,6 +203,8 @@ def attach_resilience(trainer: Trainer, resumed: Optional[dict] = None) -> None:
         trainer.stragglers = StragglerReport(topo, rt.device, res.straggler_report_every,
                                              res.straggler_factor, res.straggler_min_s)
     if res.hang_dump:  # every group's collectives recorded; dumps while `fit` trains
+        if rt.device.type == "cuda":  # PyTorch's NCCL flight recorder dumps to hang/nccl/
+            set_nccl_flight_env(trainer.run_dir)
         recorder = FlightRecorder(topo.rank, res.hang_history)
         topo.counter.flight = topo.checkpoint_group.counter.flight = recorder
         trainer.hang_watch = HangWatch(recorder, trainer.run_dir, topo.rank, topo.world_size,
