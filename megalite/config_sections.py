@@ -181,8 +181,11 @@ class ResilienceConfig:
     spike_factor: float = 3.0  # on_spike: a loss or grad norm above factor x its running median
     spike_window: int = 100  # on_spike: the running median is over this many applied steps
     spike_warmup: Optional[int] = None  # on_spike: steps recorded before spikes are judged
-    rerun_tolerance: float = 0.0  # relative difference under which two executions agree
-    #   (0 = bitwise; raise it where the backward has nondeterministic kernels, e.g. atomics)
+    rerun_tolerance: float = 1e-5  # relative difference under which two executions of a
+    #   step agree (0 = bitwise); changes of several DP replicas' own results at once are
+    #   called non-determinism, not a fault (megalite.resilience.verdicts)
+    rerun_deterministic: bool = True  # with rerun on CUDA: torch's deterministic algorithms
+    #   for the whole run, so that a re-execution reproduces a healthy step (costs speed)
     inject: Optional[str] = None  # fault drill (megalite.resilience.inject_spec), e.g.
     #   rank:1/step:3/target:param/kind:transient; refused unless allow_inject=true
     allow_inject: bool = False  # the explicit switch that lets resilience.inject run
@@ -239,7 +242,7 @@ class ResilienceConfig:
             fail("resilience.spike_warmup", warmup, "must be >= 1 step (e.g. 100) or null")
         if not (self.rerun_tolerance >= 0 and math.isfinite(self.rerun_tolerance)):
             fail("resilience.rerun_tolerance", self.rerun_tolerance,
-                 "must be >= 0 (0 = the executions must agree bitwise; e.g. 1e-6)")
+                 "must be >= 0 (0 = the executions must agree bitwise; e.g. 1e-5)")
         if self.inject is not None:
             if not self.allow_inject:
                 fail("resilience.inject", self.inject,
