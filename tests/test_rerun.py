@@ -483,3 +483,22 @@ def test_a_batch_skipped_as_bad_data_is_no_good_step_for_the_loss_scale():
     assert (trainer.skipped_steps, trainer.bad_in_a_row) == (1, 1)
     count_skipped(trainer, finite=True)  # the second good step: the scale grows
     assert (scaler.scale, scaler.good_steps, trainer.bad_in_a_row) == (2048.0, 0, 0)
+
+
+def test_a_run_dir_with_a_fault_verdict_is_refused_at_start(tmp_path, capsys):
+    """scripts/pretrain.py's first check (`refuse_after_fault`): while
+    <run dir>/resilience/fault.json exists the process exits with HARDWARE_FAULT_EXIT, naming
+    the file, the fault and how to clear it; once moved aside it starts."""
+    from megalite.resilience.faults import refuse_after_fault, write_fault
+
+    refuse_after_fault(tmp_path)  # no verdict: nothing happens
+    path = write_fault(tmp_path, {"step": 5, "kind": "transient", "rank": 3, "node": "gpu08",
+                                  "gpu": 2})
+    with pytest.raises(SystemExit) as e:
+        refuse_after_fault(tmp_path)
+    assert e.value.code == HARDWARE_FAULT_EXIT
+    message = capsys.readouterr().err
+    assert f"{path} exists" in message and "rank 3 (node gpu08, GPU 2)" in message, message
+    assert f"mv {path} " in message
+    path.rename(path.with_name("fault-cleared.json"))
+    refuse_after_fault(tmp_path)
