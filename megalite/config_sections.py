@@ -161,7 +161,8 @@ class ResilienceConfig:
     #   is checked too, before the checkpoint is taken
     tp_rtol: float = 1e-3  # TP replicas without sp (each TP rank computes their gradients
     #   itself; GPU kernels need not be deterministic) are compared within this tolerance:
-    #   per tensor, the sums of the replicas may differ by tp_rtol x its L1 norm (0 = bitwise)
+    #   per 4096-element chunk of each tensor, the replicas' sums may differ by tp_rtol x the
+    #   chunk's L1 norm (0 = bitwise)
     straggler_report_every: int = 100  # steps per straggler window (0 = off): each rank's
     #   compute time per step phase, without the time it waited in collectives, gathered
     #   every N steps; a slow rank is named in the log and metrics.jsonl
