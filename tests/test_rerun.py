@@ -502,3 +502,24 @@ def test_a_run_dir_with_a_fault_verdict_is_refused_at_start(tmp_path, capsys):
     assert f"mv {path} " in message
     path.rename(path.with_name("fault-cleared.json"))
     refuse_after_fault(tmp_path)
+
+
+def test_rerun_deterministic_switches_a_cuda_run_to_deterministic_algorithms(monkeypatch):
+    """resilience.rerun_deterministic's switch (`use_deterministic_kernels`): on a CUDA device
+    torch's deterministic algorithms (warn-only), cuBLAS's fixed workspace unless set, no
+    filling of uninitialised memory; nothing on a CPU (its kernels are deterministic)."""
+    from megalite.resilience.rerun import use_deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    assert not use_deterministic_kernels(torch.device("cpu"))
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        assert use_deterministic_kernels(torch.device("cuda"))  # sets flags only: no GPU needed
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
