@@ -51,6 +51,8 @@ def _trainer(tiny_data, run_dir, world, *extra):
 def _drill(rank, world, tiny_data, run_dir, overrides):
     """A run with a fault drill, through the CLI's fit_or_exit: the exit code and fault.json."""
     trainer = _trainer(tiny_data, run_dir, world, "resilience.allow_inject=true", *overrides)
+    if trainer.engine.param_gather is not None:
+        _defer_the_gather(trainer.engine.param_gather)
     code = None
     try:
         fit_or_exit(trainer)
@@ -61,6 +63,21 @@ def _drill(rank, world, tiny_data, run_dir, overrides):
             "injected": None if trainer.injector is None else trainer.injector.injected,
             "fault": json.loads(fault.read_text()) if fault.exists() else None,
             "published": sorted(p.name for p in (Path(run_dir) / "ckpt").glob("step_*"))}
+
+
+def _defer_the_gather(gather):
+    """parallel.overlap_param_gather's gather, started only when first waited for (as a slow
+    network would deliver it): a parameter flipped before that wait is overwritten by the
+    gather unless the drill waits for the parameters first."""
+    launch, wait, deferred = gather.launch, gather.wait, []
+
+    def deferred_wait(buckets=None):
+        if deferred:
+            deferred.clear()
+            launch()
+        wait(buckets)
+
+    gather.launch, gather.wait = (lambda: deferred.append(True)), deferred_wait
 
 
 def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
@@ -138,7 +155,8 @@ def _all_runs(rank, world, tiny_data, run_dir):
     return {
         "transient param": _drill(rank, world, tiny_data, f"{run_dir}/tp", [  # the flip
             "zero=1", "parallel.overlap_param_gather=true",  # waits for the params' gather
-            "resilience.rerun=on_nan", inject.format(1, "param", "transient")]),
+            "resilience.rerun=on_nan", inject.format(0, "param", "transient")]),  # rank 1's
+        # shard of the bucket (rank 0's copy of it is gathered from rank 1)
         "transient grad": _drill(rank, world, tiny_data, f"{run_dir}/tg", [
             "zero=0", "resilience.rerun=on_spike", "resilience.spike_warmup=1",
             inject.format(0, "grad", "transient")]),
@@ -160,13 +178,15 @@ def runs(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label, rank, kind", [("transient param", 1, "transient"),
+@pytest.mark.parametrize("label, rank, kind", [("transient param", 0, "transient"),
                                                ("transient grad", 0, "transient"),
                                                ("persistent param", 1, "persistent")])
 def test_an_injected_fault_is_pinned_on_its_rank_and_exits_with_the_hardware_code(
         runs, label, rank, kind):
     """Rank `rank`'s device computes wrong at step 2 (a flipped exponent bit in its LayerNorm
-    weight, or in its local gradient before the DP reduction): the step is re-executed before
+    weight — with the parameter gather overlapped and deferred to the forward's first wait, so
+    a flip that did not wait for it would be overwritten —, or in its local gradient before
+    the DP reduction): the step is re-executed before
     its optimizer step, fault.json names that rank, the step and the kind, and every rank exits
     with HARDWARE_FAULT_EXIT. A transient fault does not reproduce on re-execution; a
     persistent one does, and the other replica's recomputation of the same micro-batches
