@@ -256,10 +256,10 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
     _check_other_pairs(cfg)
-    if cfg.resilience.inject is not None:
-        check_inject_against_run(cfg.resilience.inject, cfg.train.max_steps, world_size,
-                                 cfg.zero)
     device_type = device_type_for(cfg.device, local_gpus)
+    if cfg.resilience.inject is not None:
+        check_inject_against_run(cfg, world_size, resolved_precision(
+            cfg.precision, device_type, gpu is None or gpu.bf16))
     warnings += _check_offload(cfg, device_type) + cfg.offload.messages(device_type)
     return warnings
 

@@ -18,7 +18,9 @@ from megalite.log import get_logger
 from megalite.parallel.comm import CollectiveWaits
 from megalite.parallel.topology import Topology
 from megalite.resilience.replicas import (
+    TP_CHUNK,
     ReplicaMismatchError,
+    chunks_of,
     disagreements,
     fingerprint,
     odd_members,
@@ -271,6 +273,31 @@ def test_tp_replicas_without_sp_agree_within_the_tolerance_and_corruption_does_n
         assert odd_within([r[0][0] for r in rows], [r[0][1] for r in rows], 1e-3) == [2]
     low = corrupt(lambda y: y.view(torch.int32)[7].bitwise_xor_(1))  # below the tolerance
     assert disagreements("tp", [0, 1], ["ln"], table(x, low), rtol=1e-3) == []
+
+
+def test_one_changed_element_of_a_large_tp_replica_is_found_in_its_chunk():
+    """A wpe-sized tensor (1024 x 768): a flipped exponent bit that scales one element by 16
+    is diluted below tp_rtol in a sum over the whole tensor, but not in the sums of its
+    4096-element chunks (as `ReplicaCheck.check` compares them); a rounding-level drift of
+    every element (as between replicas computed with different kernels) passes."""
+    torch.manual_seed(0)
+    x = torch.randn(1024 * 768) * 0.02
+    x[5000] = 0.02  # exponent 121: bit 25 (the exponent's 4) is clear, flipping it is x16
+    bad = x.clone()
+    bad.view(torch.int32)[5000].bitwise_xor_(1 << 25)
+    assert bad[5000].item() == pytest.approx(0.32)
+    drift = x * (1 + 2e-3 * torch.randn(x.numel()))
+
+    def lines(other, chunk=TP_CHUNK):
+        table = [sums_and_norms([t], x.device, chunk).tolist() for t in (x, other, x)]
+        names = ["wpe"] * (x.numel() // chunk)
+        return disagreements("tp", [0, 1, 2], names, table, rtol=1e-3)
+
+    assert chunks_of(x) == 192 and len(sums_and_norms([x, x[:10]], x.device)) == 193
+    assert lines(bad) == ["tp (within resilience.tp_rtol=0.001) replicas on global ranks "
+                          "[0, 1, 2] differ in wpe (suspect rank 1)"]
+    assert lines(bad, chunk=x.numel()) == []  # one sum over the tensor: missed
+    assert lines(drift) == []
 
 
 def test_stragglers_need_both_the_factor_and_the_floor():

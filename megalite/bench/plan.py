@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Sequence
 
-from megalite.bench.resilience import _prepared_corpus
+from megalite.bench.on_off import prepared_corpus
 from megalite.spawn import run_ranks
 
 LAYOUTS_2 = ["tp=2", "tp=2,sp=true", "pp=2,train.micro_batch_size=8", "pp=2", "zero=0",
@@ -120,7 +120,7 @@ def add_arguments(parser) -> None:
 def run(args) -> None:
     profile, source = _profile(args)
     with tempfile.TemporaryDirectory() as tmp:
-        data = args.data or str(_prepared_corpus(Path(tmp)))
+        data = args.data or str(prepared_corpus(Path(tmp)))
         results = run_ranks(_measure, args.world, args=(
             args, [s.split(",") for s in args.layouts], data, tmp), timeout_s=3600)[0]
         if args.single:

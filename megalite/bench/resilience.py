@@ -16,39 +16,16 @@ timing one call around an empty one); and the overhead, ratio and amortised chec
 Every step ends with the host reading the gradient norm, so a step's time on CUDA is the
 device's.
 
-The data: `--data` (a prepared directory), or a small corpus of Python's standard library
-prepared into a temporary directory first (150 files, a 1,024-token BPE).
+The harness (the alternation, the trainers, the data): `megalite.bench.on_off`.
 """
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import List
 
-from megalite.spawn import run_ranks
-
-
-def _prepared_corpus(root: Path) -> Path:
-    from megalite.config import DataConfig
-    from megalite.data.prepare import prepare
-
-    out = root / "stdlib"
-    prepare(DataConfig(dir=str(out), max_documents=150, tokenizer_vocab_size=1024,
-                       val_fraction=0.05, num_proc=1), out, progress=False)
-    return out
-
-
-def _overrides(args, layout: List[str], data: str, run_dir: str) -> List[str]:
-    return [f"model={args.preset}", *[f"model.{kv}" for kv in args.model], f"data.dir={data}",
-            f"device={args.device}", f"train.seq_len={args.seq_len}",
-            f"train.micro_batch_size={args.micro_batch}",
-            f"train.global_batch_size={args.global_batch}", "train.max_steps=1000000",
-            "train.eval_every=0", "log.wandb=false", "log.progress=false",
-            "log.peak_tflops=1", f"checkpoint.dir={run_dir}/ckpt",
-            f"resilience.check_every={args.check_every}",
-            f"resilience.straggler_report_every={args.report_every}", *layout]
+from megalite.bench.on_off import add_arguments as add_common_arguments
+from megalite.bench.on_off import describe, is_on, run_layouts
 
 
 class _Switch:
@@ -98,46 +75,34 @@ def _seconds_per_timed_call(waits, calls: int = 20000) -> float:
     return (timed - bare) / calls
 
 
-def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, root: str):
-    from megalite.config import load_config
-    from megalite.layout import validate
-    from megalite.runtime import init_runtime
-    from megalite.train.build import build_trainer
-
-    results = []
-    for i, layout in enumerate(layouts):
-        cfg = load_config(_overrides(args, layout, data, f"{root}/{i}"))
-        validate(cfg, world)
-        trainer = build_trainer(cfg, init_runtime(cfg), Path(root) / str(i))
-        switch = _Switch(trainer)
-        trainer.timers.reset()
-        if trainer.stragglers is not None:
-            trainer.stragglers.start(trainer.step)
-        steps = {True: [], False: []}
-        checks: List[float] = []  # the checks of the steps that ran one (a check, a report)
-        calls: List[int] = []  # collective calls timed per step
-        for n in range(args.warmup + args.steps):
-            on = n % 4 in (0, 3) and not args.control  # on, off, off, on, ...
-            switch.set(on)
-            step_s, check_s, timed_calls = _timed_step(trainer)
-            calls.append(timed_calls) if on else None
-            if n < args.warmup:
-                continue
-            due = on and (trainer.step % args.check_every == 0
-                          or trainer.step % args.report_every == 0)
-            if due:  # timed on its own: it runs once per interval
-                checks.append(check_s)
-                steps[on].append(step_s)
-            else:
-                steps[on].append(step_s + check_s)
-        if args.control:  # A/A: the second arm's steps were off too
-            steps[True], steps[False] = steps[False][0::2], steps[False][1::2]
-        waits = switch.parts[0]
-        per_call = _seconds_per_timed_call(waits) if waits is not None else 0.0
-        results.append({"layout": " ".join(layout), "off": steps[False], "on": steps[True],
-                        "checks": checks, "calls": statistics.median(calls) if calls else 0,
-                        "per_call": per_call})
-    return results
+def _measure(trainer, args, rank: int) -> dict:
+    switch = _Switch(trainer)
+    trainer.timers.reset()
+    if trainer.stragglers is not None:
+        trainer.stragglers.start(trainer.step)
+    steps = {True: [], False: []}
+    checks: List[float] = []  # the checks of the steps that ran one (a check, a report)
+    calls: List[int] = []  # collective calls timed per step
+    for n in range(args.warmup + args.steps):
+        on = is_on(n) and not args.control
+        switch.set(on)
+        step_s, check_s, timed_calls = _timed_step(trainer)
+        calls.append(timed_calls) if on else None
+        if n < args.warmup:
+            continue
+        due = on and (trainer.step % args.check_every == 0
+                      or trainer.step % args.report_every == 0)
+        if due:  # timed on its own: it runs once per interval
+            checks.append(check_s)
+            steps[on].append(step_s)
+        else:
+            steps[on].append(step_s + check_s)
+    if args.control:  # A/A: the second arm's steps were off too
+        steps[True], steps[False] = steps[False][0::2], steps[False][1::2]
+    waits = switch.parts[0]
+    per_call = _seconds_per_timed_call(waits) if waits is not None else 0.0
+    return {"off": steps[False], "on": steps[True], "checks": checks,
+            "calls": statistics.median(calls) if calls else 0, "per_call": per_call}
 
 
 def _row(res: dict, args) -> str:
@@ -157,35 +122,19 @@ def _row(res: dict, args) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", default="tiny", help="model preset (conf/model)")
-    parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="model overrides, e.g. n_layer=2")
-    parser.add_argument("--layouts", nargs="+", default=["zero=0", "zero=1", "tp=2,sp=true",
-                                                          "pp=2"],
-                        help="comma-separated overrides per layout, each on --world ranks")
-    parser.add_argument("--world", type=int, default=2, help="ranks (a gloo world)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=16)
+    add_common_arguments(parser, layouts=["zero=0", "zero=1", "tp=2,sp=true", "pp=2"],
+                         seq_len=128, steps=400)
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--report-every", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=400, help="timed steps per layout")
-    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--control", action="store_true",
                         help="A/A: both arms without the checks (the noise of on/off)")
-    parser.add_argument("--data", default=None, help="a prepared data directory")
 
 
 def run(args) -> None:
-    layouts = [s.split(",") for s in args.layouts]
-    with tempfile.TemporaryDirectory() as tmp:
-        data = args.data or str(_prepared_corpus(Path(tmp)))
-        results = run_ranks(_measure, args.world, args=(args, layouts, data, tmp),
-                            timeout_s=3600)[0]
-    print(f"preset {args.preset} {' '.join(args.model)}, seq {args.seq_len}, micro-batch "
-          f"{args.micro_batch}, global batch {args.global_batch}, {args.world} ranks on "
-          f"{args.device}; check_every={args.check_every}, straggler_report_every="
+    results = run_layouts(args, [f"resilience.check_every={args.check_every}",
+                                 f"resilience.straggler_report_every={args.report_every}"],
+                          _measure)
+    print(f"{describe(args)}; check_every={args.check_every}, straggler_report_every="
           f"{args.report_every}; {args.steps} steps, alternately on and off")
     print("| layout | ms/step off | ms/step on | on/off | a check + report (steps) | "
           "amortised | wait timing: calls × cost | overhead (on/off + amortised) |")

@@ -10,7 +10,8 @@ wandb run and (by default) checkpoints go there. The configuration is validated,
 shards (and the init_from and resume checkpoints' model shape) checked, before any process
 group is created. At the end rank 0 logs a summary: steps, tokens, final losses, mean MFU,
 where the metrics, wandb run and last checkpoint are, and the commands that generate from,
-export, plot and evaluate the run.
+export, plot and evaluate the run. A run directory holding resilience/fault.json (a hardware
+verdict, `megalite.resilience.faults`) is refused: exit 75, naming the file.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from megalite.data.loader import DataError
 from megalite.launch_env import export_launch_env, launch_env
 from megalite.plan import make_plan, memory_warning
 from megalite.planner.auto import launch_layout
-from megalite.resilience.faults import fit_or_exit
+from megalite.resilience.faults import fit_or_exit, refuse_after_fault
 from megalite.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.build import broadcast_run_dir, build_trainer
 from megalite.train.preflight import local_ranks_from_env, preflight
@@ -53,6 +54,7 @@ def keep_hydra_output_on_rank0() -> None:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def pretrain(node) -> None:
     """One rank of a run (torchrun starts one process per rank)."""
+    refuse_after_fault(Path(HydraConfig.get().runtime.output_dir))  # exit 75 after a fault
     cfg = to_config(node)
     logger = log.configure(launch_rank(), cfg.log.all_ranks)
     auto = None

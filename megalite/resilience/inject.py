@@ -42,8 +42,9 @@ class FaultInjector:
     """The drill of one rank (inert on every rank but the spec's)."""
 
     def __init__(self, spec: InjectSpec, model, engine, rank: int):
-        self.spec = spec
+        self.spec, self.engine = spec, engine
         self.here = rank == spec.rank
+        self.bit = spec.bit
         self.param: Optional[torch.nn.Parameter] = None
         self.injected = 0  # executions corrupted so far
         self._grad_armed = False
@@ -51,9 +52,10 @@ class FaultInjector:
             return
         self.param = _find(model, spec.tensor, rank)
         width = 8 * (self.param.element_size() if spec.target == "param" else 4)  # fp32 grads
-        if spec.index >= self.param.numel() or spec.bit >= width:
+        self.bit = spec.bit_in(width)
+        if spec.index >= self.param.numel() or self.bit >= width:  # checked before launch
             raise ValueError(f"{KEY}: rank {rank}'s {spec.tensor} has {self.param.numel()} "
-                             f"elements of {width} bits; index={spec.index}, bit={spec.bit} "
+                             f"elements of {width} bits; index={spec.index}, bit={self.bit} "
                              "is outside it")
         if spec.target == "grad":  # ahead of any other listener: they see the flipped value
             engine.grad_launching.insert(0, self._flip_grad)
@@ -69,14 +71,17 @@ class FaultInjector:
             yield
             return
         spec = self.spec
-        get_logger().warning(f"megalite: {KEY}: flipping bit {spec.bit} of {spec.tensor}"
+        get_logger().warning(f"megalite: {KEY}: flipping bit {self.bit} of {spec.tensor}"
                              f"[{spec.index}]'s {spec.target} on rank {spec.rank} at step "
                              f"{step} (execution {execution}, {spec.kind})")
         self.injected += 1
         try:
             if spec.target == "param":
+                # parallel.overlap_param_gather: the step's parameter gather may still be
+                # writing the copy; it would overwrite (or race) the flip
+                self.engine.wait_for_params()
                 with torch.no_grad():
-                    flip_bit(self.param.data, spec.index, spec.bit)
+                    flip_bit(self.param.data, spec.index, self.bit)
             else:
                 self._grad_armed = True
             yield
@@ -84,7 +89,7 @@ class FaultInjector:
             self._grad_armed = False
             if spec.target == "param":
                 with torch.no_grad():
-                    flip_bit(self.param.data, spec.index, spec.bit)  # as it was
+                    flip_bit(self.param.data, spec.index, self.bit)  # as it was
 
     def _flip_grad(self, bucket, grad: torch.Tensor) -> None:
         """The engine's grad_launching listener: `grad` is `bucket`'s full local gradient,
@@ -93,7 +98,7 @@ class FaultInjector:
             return
         for i, p in enumerate(bucket.params):
             if p is self.param:
-                flip_bit(grad, bucket.flat.offsets[i] + self.spec.index, self.spec.bit)
+                flip_bit(grad, bucket.flat.offsets[i] + self.spec.index, self.bit)
                 self._grad_armed = False
                 return
 

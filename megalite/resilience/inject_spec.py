@@ -18,8 +18,9 @@ quoting on a command line, the second is a quoted Hydra string.)
             recomputations of another replica's micro-batches included
     tensor  the parameter's global name (default transformer.h.0.ln_1.weight)
     index   the element of the parameter (flat, in this rank's shard; default 0)
-    bit     the bit of the element's binary representation (default 30, the top exponent bit
-            of an fp32: 1.0 becomes inf)
+    bit     the bit of the element's binary representation (default: the top exponent bit,
+            30 of an fp32, 14 of a bf16 or fp16 parameter: 1.0 becomes inf); parameters are
+            16-bit under precision bf16/fp16, the local gradients fp32
 
 The parameter is flipped back after each computation, so the drill leaves the run's state as
 it found it: what it exercises is the attribution of the step (`resilience.rerun`).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from megalite.config_errors import fail
 
@@ -45,7 +47,11 @@ class InjectSpec:
     kind: str = "transient"
     tensor: str = "transformer.h.0.ln_1.weight"
     index: int = 0
-    bit: int = 30
+    bit: Optional[int] = None  # None: the top exponent bit of the element
+
+    def bit_in(self, width: int) -> int:
+        """The bit to flip in a `width`-bit element."""
+        return width - 2 if self.bit is None else self.bit
 
 
 def parse_inject(spec: str) -> InjectSpec:
@@ -68,7 +74,7 @@ def parse_inject(spec: str) -> InjectSpec:
             except ValueError:
                 fail(KEY, spec, f"{key}={fields[key]!r} must be an integer; {EXAMPLE}")
     parsed = InjectSpec(**fields)
-    if parsed.rank < 0 or parsed.step < 1 or parsed.index < 0 or not 0 <= parsed.bit < 64:
+    if parsed.rank < 0 or parsed.step < 1 or parsed.index < 0 or not 0 <= parsed.bit_in(64) < 64:
         fail(KEY, spec, "needs rank >= 0, step >= 1, index >= 0 and 0 <= bit < 64 (the "
              f"element's bit width bounds it further); {EXAMPLE}")
     if parsed.target not in TARGETS:
@@ -78,16 +84,66 @@ def parse_inject(spec: str) -> InjectSpec:
     return parsed
 
 
-def check_inject_against_run(spec: str, max_steps: int, world_size: int, zero: int) -> None:
-    """The rules that need the rest of the run: a step it reaches, a rank it has, and a
-    parameter copy that the computation reads (zero 3 gathers them from shards instead)."""
+def check_inject_against_run(cfg, world_size: int, precision: str) -> None:
+    """The rules that need the rest of the run (`cfg`, `world_size` ranks, parameters in
+    `precision`): a step it reaches, a rank it has, a parameter copy that the computation reads
+    (zero 3 gathers them from shards instead), a tensor that rank holds, and an element and
+    bit inside that rank's copy of it (parameters are 16-bit under bf16/fp16, the local
+    gradients the grad drill flips are fp32)."""
+    spec = cfg.resilience.inject
     parsed = parse_inject(spec)
+    max_steps = cfg.train.max_steps
     if parsed.step > max_steps:
         fail(KEY, spec, f"step={parsed.step} is beyond train.max_steps={max_steps}: the drill "
              f"would never run; choose a step <= {max_steps}")
     if parsed.rank >= world_size:
         fail(KEY, spec, f"rank={parsed.rank} but the world has {world_size} ranks "
              f"(0..{world_size - 1})")
-    if parsed.target == "param" and zero == 3:
+    if parsed.target == "param" and cfg.zero == 3:
         fail(KEY, spec, "target=param flips the rank's parameter copy, which zero=3 does not "
              "keep (it gathers each block from DP shards); use target=grad or zero <= 2")
+    width = 16 if parsed.target == "param" and precision in ("bf16", "fp16") else 32
+    if parsed.bit_in(width) >= width:
+        held = f"{precision} parameters" if parsed.target == "param" else "fp32 local gradients"
+        fail(KEY, spec, f"bit={parsed.bit} is outside the {width}-bit elements of the {held}: "
+             f"use a bit < {width} (e.g. bit={width - 2}, the top exponent bit)")
+    numels = rank_parameters(cfg, world_size, parsed.rank)
+    if parsed.tensor not in numels:
+        fail(KEY, spec, f"rank {parsed.rank} holds no parameter {parsed.tensor} (its pipeline "
+             f"stage has other blocks); its parameters are e.g. "
+             f"{', '.join(list(numels)[:4])}, ...")
+    if parsed.index >= numels[parsed.tensor]:
+        fail(KEY, spec, f"index={parsed.index} but rank {parsed.rank}'s copy of "
+             f"{parsed.tensor} has {numels[parsed.tensor]} elements: use an index < "
+             f"{numels[parsed.tensor]}")
+
+
+def rank_parameters(cfg, world_size: int, rank: int) -> dict:
+    """Global name -> elements of the copy `rank` holds (its TP shard), of every parameter
+    the fault drill can target on that rank (tied copies left out, as the drill takes the
+    first copy): its pipeline stage's chunks built on the meta device (no memory, no values,
+    no process group)."""
+    import torch
+
+    from megalite.layout import ChunkPlacement, stage_chunks
+    from megalite.model.gpt2 import GPT2
+    from megalite.parallel.comm import CommCounter, Group
+    from megalite.parallel.topology import coords_of
+
+    tp, pp, v = cfg.tp, cfg.pp, cfg.parallel.virtual_stages
+    c = coords_of(rank, tp, pp)
+    group = Group(name="tp", ranks=list(range(tp)), rank=c.tp_rank, pg=None,
+                  counter=CommCounter())
+    chunks = stage_chunks(cfg.model.n_layer, pp, v, cfg.parallel.edge_stage_layers)[c.pp_rank]
+    placement = ChunkPlacement(pp, v)
+    numels = {}
+    with torch.device("meta"):
+        for i, blocks in enumerate(chunks):
+            chunk = GPT2(cfg.model, tp_group=group, sequence_parallel=cfg.sp, blocks=blocks,
+                         first=placement.holds_first(c.pp_rank, i),
+                         last=placement.holds_last(c.pp_rank, i))
+            for local, p in chunk.named_parameters():
+                spec = chunk.param_specs[local]
+                if not spec.tied_copy:
+                    numels.setdefault(spec.name, p.numel())
+    return numels

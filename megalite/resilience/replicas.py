@@ -34,12 +34,16 @@ its replicated parameters itself, from the same (all-reduced) activations. They 
 equal only if every TP rank's kernels are deterministic, which GPU kernels need not be
 (atomics in a reduction): the replicas may drift apart by rounding, and a bitwise check
 would raise false alarms (Megatron compares DP replicas only). There each rank sends, per
-tensor, the fp64 sum of its elements and the fp64 sum of their magnitudes (its L1 norm), and
-replicas differ when their sums differ by more than `resilience.tp_rtol` (default 1e-3) times
-the largest L1 norm among them. That sees any change of an element by more than tp_rtol of
-the tensor's L1 norm — a flipped high exponent bit, a non-finite value, a sign flip of an
-element holding more than tp_rtol / 2 of the norm — but not a flip in the low mantissa bits
-nor a drift within the tolerance. `resilience.tp_rtol=0` compares them bitwise too (deterministic kernels
+chunk of TP_CHUNK (4096) consecutive elements of each tensor, the fp64 sum of the chunk's
+elements and the fp64 sum of their magnitudes (its L1 norm), and replicas differ when the sums
+of a chunk differ by more than `resilience.tp_rtol` (default 1e-3) times the chunk's largest
+L1 norm among them. That sees any change of an element by more than tp_rtol of its chunk's L1
+norm (about 4 x the mean magnitude at 4096 x 1e-3) — a flipped high exponent bit, a
+non-finite value, an element scaled by 16 by a flipped exponent bit, a sign flip of a large
+element — which one sum over a tensor of 786k elements (wpe) would dilute 192-fold; but
+not a flip in the low mantissa bits nor a drift within the tolerance. Rounding drift between
+replicas averages out over a chunk (relative ~ ulp / sqrt(4096)). The traffic: two fp64 per
+4096 elements. `resilience.tp_rtol=0` compares them bitwise too (deterministic kernels
 assumed, as on CPU).
 
 With two replicas a mismatch cannot say which one is wrong, and both ranks are named; with
@@ -63,6 +67,7 @@ from megalite.parallel.topology import Topology
 # the integer type whose bit patterns a floating-point element is read as
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MAX_LISTED = 8  # tensors named per group in the error; the rest counted
+TP_CHUNK = 4096  # elements per sum of the TP comparison within a tolerance
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -77,7 +82,7 @@ class ReplicaSet:
     group: Group
     names: List[str]
     tensors: List[torch.Tensor]
-    rtol: Optional[float] = None  # None: bitwise; else sums within rtol x L1 norm
+    rtol: Optional[float] = None  # None: bitwise; else chunk sums within rtol x L1 norm
 
 
 def fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -89,13 +94,26 @@ def fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     return torch.stack(sums)
 
 
-def sums_and_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Per tensor (sum of its elements, sum of their magnitudes), in fp64: [n, 2]."""
-    if not tensors:
-        return torch.zeros((0, 2), dtype=torch.float64, device=device)
-    rows = [torch.stack([t.detach().sum(dtype=torch.float64),
-                         t.detach().abs().sum(dtype=torch.float64)]) for t in tensors]
-    return torch.stack(rows)
+def chunks_of(tensor: torch.Tensor, chunk: int = TP_CHUNK) -> int:
+    """How many chunks `sums_and_norms` makes of `tensor` (at least one)."""
+    return max(1, -(-tensor.numel() // chunk))
+
+
+def sums_and_norms(tensors: Sequence[torch.Tensor], device: torch.device,
+                   chunk: int = TP_CHUNK) -> torch.Tensor:
+    """Per chunk of `chunk` consecutive elements of each tensor, in order (`chunks_of` per
+    tensor): (sum of its elements, sum of their magnitudes), in fp64: [chunks, 2]."""
+    rows = [torch.zeros((0, 2), dtype=torch.float64, device=device)]
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        full = flat.numel() // chunk * chunk
+        parts = [flat[:full].view(-1, chunk)] if full else []
+        if full < flat.numel() or not full:
+            parts.append(flat[full:].view(1, -1))
+        for part in parts:
+            rows.append(torch.stack([part.sum(1, dtype=torch.float64),
+                                     part.abs().sum(1, dtype=torch.float64)], 1).to(device))
+    return torch.cat(rows)
 
 
 def odd_within(sums: Sequence[float], norms: Sequence[float], rtol: float) -> List[int]:
@@ -123,9 +141,10 @@ def odd_members(values: Sequence[int]) -> List[int]:
 def disagreements(kind: str, ranks: List[int], names: List[str], table: List[list],
                   rtol: Optional[float] = None) -> List[str]:
     """What differs in one group: `table[i][j]` is member i's checksum of tensor j (with
-    `rtol`: its [sum, L1 norm]). One line per group with a mismatch, naming the group's ranks,
-    the suspects and the tensors."""
-    bad = []
+    `rtol`: its [sum, L1 norm] of chunk j, `names[j]` the chunk's tensor, repeated for each of
+    its chunks). One line per group with a mismatch, naming the group's ranks, the suspects and
+    the tensors."""
+    suspects: dict = {}  # tensor name -> suspect ranks, in order
     for j, name in enumerate(names):
         column = [row[j] for row in table]
         if rtol is not None:
@@ -133,7 +152,9 @@ def disagreements(kind: str, ranks: List[int], names: List[str], table: List[lis
         else:
             odd = odd_members(column) if len(set(column)) > 1 else []
         if odd:
-            bad.append((name, [ranks[i] for i in odd]))
+            known = suspects.setdefault(name, [])
+            known += [ranks[i] for i in odd if ranks[i] not in known]
+    bad = [(name, sorted(s)) for name, s in suspects.items()]
     if not bad:
         return []
     if rtol is not None:
@@ -209,12 +230,15 @@ class ReplicaCheck:
         self.engine.wait_for_params()  # an overlapped parameter gather may still be running
         problems: List[str] = []
         for rs in replica_sets(self.engine, self.topo, self.tp_rtol):
-            mine = fingerprint(rs.tensors, self.device) if rs.rtol is None \
-                else sums_and_norms(rs.tensors, self.device)
+            if rs.rtol is None:
+                mine, names = fingerprint(rs.tensors, self.device), rs.names
+            else:  # per chunk of each tensor
+                mine = sums_and_norms(rs.tensors, self.device)
+                names = [n for n, t in zip(rs.names, rs.tensors) for _ in range(chunks_of(t))]
             gathered = torch.empty((rs.group.size, *mine.shape), dtype=mine.dtype,
                                    device=self.device)
             comm.all_gather(gathered.view(-1), mine.reshape(-1), rs.group)
-            problems += disagreements(rs.kind, rs.group.ranks, rs.names, gathered.tolist(),
+            problems += disagreements(rs.kind, rs.group.ranks, names, gathered.tolist(),
                                       rs.rtol)
         world = self.topo.world_group
         found = comm.all_reduce_scalars([float(len(problems))], world, self.device,

@@ -9,7 +9,15 @@ says whether a device or the data is to blame.
     1. re-execute the step: the same micro-batches, parameters and random streams (the
        gradients zeroed; no optimizer step has run). Every rank compares its local results
        of the two executions (`megalite.resilience.verdicts`).
-       some differ   -> TRANSIENT fault on the ranks whose results differ
+       some differ   -> TRANSIENT fault on the ranks whose results differ; unless ranks
+                        of two or more DP replicas computed their own results differently:
+                        no device does that to another replica, the kernels' non-determinism
+                        does (NONDETERMINISTIC: logged to nondeterminism.jsonl, the batch
+                        skipped and counted, no hardware verdict; `verdicts.nondeterministic`)
+       Comparisons are within resilience.rerun_tolerance (relative, default 1e-5), and with
+       resilience.rerun_deterministic (default) a CUDA run uses torch's deterministic
+       algorithms throughout, so that a healthy re-execution reproduces the step
+       (`use_deterministic_kernels`).
     2. the same everywhere: the data or a persistent fault. With dp >= 2 every DP replica
        recomputes its predecessor's micro-batches (replica d + 1 those of d, with d's random
        streams) and the results are compared with the originals.
@@ -28,6 +36,7 @@ all-reduce of the loss. A suspicious step costs one more execution, with dp >= 2
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, List, Sequence, Tuple
 
@@ -49,6 +58,8 @@ from megalite.resilience.verdicts import (
     LOCAL,
     RESULTS,
     cross_replica_verdict,
+    nondeterministic,
+    own_changes,
     transient_suspects,
 )
 
@@ -69,6 +80,7 @@ class RerunAttribution:
         self.reruns = 0  # suspicious steps re-executed so far
         self.data_skips = 0  # batches judged to be bad data and skipped
         self.unresolved = 0  # reproducible suspicious steps that dp = 1 could not judge
+        self.nondeterministic = 0  # re-executions that differed in several replicas
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=device)
         self._rng_before = None
         engine.grad_launching.append(self._add_local_grad)
@@ -119,6 +131,10 @@ class RerunAttribution:
         self.rng.load_state_dict(self._rng_before)
         second = self._execute(execute, 1, micro_batches)
         firsts, seconds = self._everyones(first), self._everyones(second)
+        changed = own_changes(firsts, seconds, self.tolerance)
+        if nondeterministic(changed, self._replicas()):
+            self.rng.load_state_dict(rng_after)
+            return self._nondeterministic(step, reasons, changed, firsts, seconds)
         suspects = transient_suspects(firsts, seconds, self.tolerance)
         if suspects:
             self._fault(step, "transient", suspects, reasons,
@@ -257,11 +273,33 @@ class RerunAttribution:
                 f"meanwhile; its samples are in {path}")
         return True
 
+    def _nondeterministic(self, step: int, reasons: List[str], changed: List[int],
+                          firsts: List[List[float]], seconds: List[List[float]]) -> bool:
+        """Several replicas' own results changed: no hardware verdict; logged, skipped."""
+        self.nondeterministic += 1
+        if self.topo.rank == 0:
+            diffs = [abs(x - y) / max(abs(x), abs(y)) for r in changed
+                     for x, y in zip(firsts[r][:LOCAL], seconds[r][:LOCAL])
+                     if x != y and _finite([x, y])]
+            worst = max(diffs) if diffs else None
+            path = append_line(self.run_dir, "nondeterminism.jsonl", {
+                "step": step, "reasons": reasons, "ranks": changed,
+                "largest_relative_difference": worst})
+            get_logger().warning(
+                f"megalite: step {step}: re-executing it changed the own results of ranks "
+                f"{changed}, in several data-parallel replicas: no single device does that, "
+                "so the kernels are not deterministic (largest relative difference "
+                f"{worst}); no hardware verdict. Skipped the batch ({self.nondeterministic} so "
+                f"far; {path}). Keep resilience.rerun_deterministic=true, or raise "
+                f"resilience.rerun_tolerance={self.tolerance:g} above that difference")
+        return True
+
     # --- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"detector": self.detector.state_dict(), "reruns": self.reruns,
-                "data_skips": self.data_skips, "unresolved": self.unresolved}
+                "data_skips": self.data_skips, "unresolved": self.unresolved,
+                "nondeterministic": self.nondeterministic}
 
     def load_state_dict(self, state) -> None:
         if not state:
@@ -269,8 +307,27 @@ class RerunAttribution:
         self.detector.load_state_dict(state["detector"])
         self.reruns, self.data_skips = int(state["reruns"]), int(state["data_skips"])
         self.unresolved = int(state.get("unresolved", 0))
+        self.nondeterministic = int(state.get("nondeterministic", 0))
 
 
 def _finite(values: Sequence[float]) -> bool:
     return all(v == v and abs(v) != float("inf") for v in values)
 
+
+
+def use_deterministic_kernels(device: torch.device) -> bool:
+    """resilience.rerun_deterministic: on CUDA, torch's deterministic algorithms for the whole
+    run (a re-execution must reproduce a healthy step bitwise, and the first execution is any
+    step's): deterministic implementations where torch has them (the embedding's and
+    scatter/index_add backwards without atomics, e.g.), a warning where it has none, and
+    cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set; it takes effect
+    if no cuBLAS handle exists yet). Uninitialised memory is not filled (it is no
+    determinism concern for correct code and would cost a write per allocation). Costs the
+    deterministic kernels' speed, typically a few percent of a step (not measured here: no
+    GPU). Returns whether it was switched on (CPU kernels are deterministic already)."""
+    if device.type != "cuda":
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return True

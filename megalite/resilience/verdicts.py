@@ -33,6 +33,8 @@ def agree(a: float, b: float, tolerance: float) -> bool:
         return math.isnan(a) and math.isnan(b)
     if a == b:
         return True
+    if math.isinf(a) or math.isinf(b):  # an infinity agrees with itself only
+        return False
     return abs(a - b) <= tolerance * max(abs(a), abs(b))
 
 
@@ -47,9 +49,31 @@ def transient_suspects(first: Sequence[Sequence[float]], second: Sequence[Sequen
     computation (loss, local gradient) changed; failing that, those whose reduced gradient
     did. `first[r]`, `second[r]`: rank r's local results of the two executions. Empty when
     the two executions agree everywhere."""
-    changed = [differing(a, b, tolerance) for a, b in zip(first, second)]
-    own = [r for r, idx in enumerate(changed) if any(i < LOCAL for i in idx)]
-    return own or [r for r, idx in enumerate(changed) if idx]
+    own = own_changes(first, second, tolerance)
+    return own or [r for r, (a, b) in enumerate(zip(first, second))
+                   if differing(a, b, tolerance)]
+
+
+def own_changes(first: Sequence[Sequence[float]], second: Sequence[Sequence[float]],
+                tolerance: float) -> List[int]:
+    """The ranks whose own computation (loss, local gradient) changed between two
+    executions."""
+    return [r for r, (a, b) in enumerate(zip(first, second))
+            if differing(a[:LOCAL], b[:LOCAL], tolerance)]
+
+
+def nondeterministic(changed: Sequence[int], replicas: Sequence[Sequence[int]]) -> bool:
+    """Whether the ranks whose own results changed on re-execution (`changed`) lie in two or
+    more DP replicas (`replicas[d]`: replica d's global ranks). A faulty device changes its
+    own results and those of its model-parallel peers (through the activations), never
+    another replica's loss or local gradient (computed from that replica's data with the same
+    parameters, before any reduction): changes in several replicas at once are the kernels'
+    non-determinism (atomics in the backward, most often), not a fault on all of them. Two
+    faults at once on two replicas would read the same: called non-determinism, and logged.
+    With one replica (dp = 1) a fault changes every rank's results too, and this cannot tell;
+    deterministic kernels and resilience.rerun_tolerance are the protection there."""
+    touched = {d for d, ranks in enumerate(replicas) if set(ranks) & set(changed)}
+    return len(touched) >= 2
 
 
 def cross_replica_verdict(first: Sequence[Sequence[float]], recomputed: Sequence[Sequence[float]],

@@ -46,7 +46,7 @@ from megalite.resilience.inject import FaultInjector
 from megalite.resilience.inject_spec import parse_inject
 from megalite.resilience.nccl_flight import set_nccl_flight_env
 from megalite.resilience.replicas import ReplicaCheck
-from megalite.resilience.rerun import RerunAttribution
+from megalite.resilience.rerun import RerunAttribution, use_deterministic_kernels
 from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
@@ -213,6 +213,9 @@ def attach_resilience(trainer: Trainer, resumed: Optional[dict] = None) -> None:
         trainer.injector = FaultInjector(parse_inject(res.inject), trainer.model,
                                          trainer.engine, topo.rank)
     if res.rerun != "off":
+        if res.rerun_deterministic and use_deterministic_kernels(rt.device) and topo.rank == 0:
+            log.get_logger().info("megalite: resilience.rerun: torch's deterministic algorithms "
+                              "on (resilience.rerun_deterministic=true)")
         trainer.rerun = RerunAttribution(res, topo, rt.device, trainer.engine, trainer.rng,
                                          trainer.run_dir, trainer.loss_scaler)
         trainer.rerun.load_state_dict(None if resumed is None else resumed.get("rerun"))

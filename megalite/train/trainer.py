@@ -47,12 +47,9 @@ from megalite.train.metrics import MetricsWriter, Peak, peak_memory_bytes, throu
 from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
+from megalite.train.step_guard import NonFiniteError, count_skipped, execute_step  # noqa: F401
 from megalite.train.stop import StopRequest
 from megalite.train.timers import PHASES, StepTimers
-
-
-class NonFiniteError(FloatingPointError):
-    """Too many consecutive steps with a NaN/inf loss or gradient."""
 
 
 @dataclass(eq=False)
@@ -196,39 +193,12 @@ class Trainer:
 
     def _execute(self, execution: int, micro_batches: list, scale: float
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One execution of the step's forward/backward and gradient reductions (execution 0;
-        later ones are resilience.rerun's), within resilience.inject's drill if armed; returns
-        (this rank's mean loss, the global grad norm, unscaled)."""
-        timers = self.timers
-        drill = contextlib.nullcontext() if self.injector is None \
-            else self.injector.around(self.step + 1, execution)
-        with drill:
-            with timers.phase("forward_backward"):
-                loss = self.schedule.train_step(micro_batches, loss_scale=scale)
-            with timers.phase("grad_sync"):
-                self.engine.finish_grad_sync()
-        with timers.phase("optimizer"):
-            return loss, self.engine.grad_norm() / scale
+        """One execution of the step (`megalite.train.step_guard.execute_step`)."""
+        return execute_step(self, execution, micro_batches, scale)
 
     def _count_non_finite(self, finite: bool, data_skip: bool = False) -> None:
-        """Skipped steps (non-finite, or a batch resilience.rerun skipped), the loss scale's
-        response, and the stop after too many in a row."""
-        absorbed = self.loss_scaler is not None and self.loss_scaler.update(overflow=not finite)
-        if finite and not data_skip:
-            self.bad_in_a_row = 0
-        else:
-            self.skipped_steps += 1
-            self.bad_in_a_row = 0 if absorbed else self.bad_in_a_row + 1
-        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
-            scaler = self.loss_scaler
-            at_floor = "" if scaler is None else (
-                f" at the dynamic loss scale's floor loss_scale.min={scaler.scale:g}"
-                if scaler.dynamic else f" at the static loss_scale.static={scaler.scale:g}")
-            raise NonFiniteError(
-                f"{self.bad_in_a_row} steps in a row (up to step {self.step}) had a non-finite "
-                f"loss or gradient{at_floor} (train.max_bad_steps="
-                f"{self.cfg.train.max_bad_steps}); lower optim.lr, check the data, or resume "
-                "from an earlier checkpoint")
+        """Skipped steps and the loss scale (`megalite.train.step_guard.count_skipped`)."""
+        count_skipped(self, finite, data_skip)
 
     def val_batches(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of the fixed validation set, read at the first evaluation (a
