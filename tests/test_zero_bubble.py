@@ -155,10 +155,11 @@ def _simulate_v(pp: int, m: int) -> int:
 
 @pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 6], [1, 2, 4, 5, 8, 12])))
 def test_zb_v_order(pp, m):
-    """ZB-V (order only; running it is refused): every chunk's F, B, W once per micro-batch, W
+    """ZB-V: every chunk's F, B, W once per micro-batch, W
     after its B; at most 2p chunk activations in flight (p micro-batches of a whole stage,
     1F1B's peak); transfers follow the V (the turn from slice p - 1 to slice p stays on rank
-    p - 1); the rounds take as long as the independent simulation, which gives the formula."""
+    p - 1, a local hand-off, not a send); the rounds take as long as the independent
+    simulation, which gives the formula."""
     for s in range(pp):
         order = [(op.kind.value, op.chunk, op.micro_batch) for op in stage_order(pp, s, m, 2, "zb-v")]
         assert sorted(order) == sorted((k, c, i) for k in (F, B, W) for c in (0, 1)
@@ -170,8 +171,9 @@ def test_zb_v_order(pp, m):
     length = max(r[-1].index for r in rounds) + 1
     assert length == _simulate_v(pp, m)
     assert 1 - 6 * m / length == pytest.approx(expected_bubble(pp, m, 2, "zb-v"))
-    turn = [t for r in rounds[pp - 1] for t in r.sends if t.kind == F and t.dst == pp - 1]
+    turn = [t for r in rounds[pp - 1] for t in r.local if t.kind == F]
     assert len(turn) == m and all(t.chunk == 1 for t in turn)  # slice p-1 -> p on one rank
+    assert all(t.src != t.dst for rs in rounds for r in rs for t in r.sends + r.recvs)
     if m >= 2 * pp:  # idle (p - 1) chunk units = half of ZB-H1's p - 1 stage units
         assert expected_bubble(pp, m, 2, "zb-v") < expected_bubble(pp, m, 1, "zb-h1")
 
@@ -181,7 +183,11 @@ def test_zb_v_order(pp, m):
     (["parallel.schedule=interleaved"], "virtual_stages >= 2"),
     (["parallel.schedule=1f1b", "parallel.virtual_stages=2"], "virtual_stages=1"),
     (["parallel.schedule=zb-h1", "parallel.virtual_stages=2"], "virtual_stages=1"),
-    (["parallel.schedule=zb-v"], "not built yet"),
+    (["parallel.schedule=zb-v"], "parallel.virtual_stages=2"),
+    (["parallel.schedule=zb-v", "parallel.virtual_stages=3"], "parallel.virtual_stages=2"),
+    (["parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layer=3"], "2*pp = 4"),
+    (["parallel.schedule=zb-v", "parallel.virtual_stages=2", "train.compile=true"],
+     "train.compile=false"),
     (["parallel.schedule=zb-h1", "train.compile=true"], "train.compile=false"),
     (["parallel.schedule=zb-h1", "offload.activations=true"], "offload.activations=false"),
     (["parallel.schedule=zb-h1", "pp=1"], "pp >= 2"),
@@ -196,6 +202,8 @@ def test_schedule_refused_before_launch(overrides, match):
 
 def test_schedules_accepted():
     for overrides in (["parallel.schedule=zb-h1"], ["parallel.schedule=1f1b"],
+                      ["parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                       "train.global_batch_size=12"],  # m = 3: no groups of pp
                       ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
                       ["parallel.virtual_stages=2"]):
         cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
