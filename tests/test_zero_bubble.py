@@ -316,7 +316,7 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     resumed under zb-h1 with pp=2, dp2, zero 1 and overlap_param_gather gives the serial steps
     6-10. The pipeline trace shows F, B and W. zb-v (pp=2: stage 0 holds the embedding and the
     LM head as one parameter) equals the serial run plain, with tp2 + SP, and resumed from the
-    1F1B checkpoint under dp2 + zero 3; its own checkpoint resumes under zb-h1, dp2, zero 1."""
+    1F1B checkpoint under dp2 + zero 3; its own checkpoint resumes under zb-h1, dp2, zero 2."""
     serial, ckpt, ckpt_v = pipeline_serial, tmp_path / "ckpt", tmp_path / "ckpt_v"
     two = [_layout(tiny_data, 2, 2, [ZB, "train.recompute=true"]),
            _layout(tiny_data, 2, 4, [ZB, "train.recompute=true", "train.recompute_layers=1"]),
@@ -341,7 +341,7 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
                                       resume]),
             pipeline_layout(tiny_data, 2, 2, 2, [*ZV, "sp=true"]),
             _layout(tiny_data, 2, 4, [*ZV, "zero=3", resume]),
-            _layout(tiny_data, 2, 4, [ZB, "zero=1", f"checkpoint.resume={ckpt_v / 'step_00000005'}"])]
+            _layout(tiny_data, 2, 4, [ZB, "zero=2", f"checkpoint.resume={ckpt_v / 'step_00000005'}"])]
     pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v = _train(
         tmp_path / "four", 4, four)
     _check(serial[4], pp4, 4, 4)
