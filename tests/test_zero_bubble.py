@@ -315,20 +315,22 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     mixed-precision tolerances of the fp16 serial run. A 1F1B (pp=2, dp1) checkpoint of step 5
     resumed under zb-h1 with pp=2, dp2, zero 1 and overlap_param_gather gives the serial steps
     6-10. The pipeline trace shows F, B and W. zb-v (pp=2: stage 0 holds the embedding and the
-    LM head as one parameter) equals the serial run plain, with tp2 + SP, and resumed from the
-    1F1B checkpoint under dp2 + zero 3; its own checkpoint resumes under zb-h1, dp2, zero 2."""
+    LM head as one parameter) equals the serial run plain, with tp2 + SP, fp16 with full
+    recompute (fp16 tolerances), and resumed from the 1F1B checkpoint under dp2 + zero 3; its
+    own checkpoint resumes under zb-h1, dp2, zero 2."""
     serial, ckpt, ckpt_v = pipeline_serial, tmp_path / "ckpt", tmp_path / "ckpt_v"
     two = [_layout(tiny_data, 2, 2, [ZB, "train.recompute=true"]),
            _layout(tiny_data, 2, 4, [ZB, "train.recompute=true", "train.recompute_layers=1"]),
            _layout(tiny_data, 2, 2, [ZB, *FP16_LEARNING]),
            _layout(tiny_data, 2, 4, ["parallel.schedule=1f1b", f"checkpoint.dir={ckpt}"]),
-           _layout(tiny_data, 2, 4, [*ZV, f"checkpoint.dir={ckpt_v}"])]
-    full, partial, fp16, writer, zb_v = _train(tmp_path / "two", 2, two, save_at=5)
+           _layout(tiny_data, 2, 4, [*ZV, f"checkpoint.dir={ckpt_v}"]),
+           _layout(tiny_data, 2, 2, [*ZV, *FP16_LEARNING, "train.recompute=true"])]
+    full, partial, fp16, writer, zb_v, v_fp16 = _train(tmp_path / "two", 2, two, save_at=5)
     _check(serial[2], full, 2, 2, counted=False)  # recompute: checkpoint's own saved hooks
     _check(serial[4], partial, 2, 4, counted=False)
     assert_equal(serial[4], writer)
     _check_v(serial[4], zb_v, 2, 4)
-    for res in fp16:
+    for res in fp16 + v_fp16:  # (zb-v: with full recompute, which changes no value)
         assert all(p.dtype == torch.float16 for p in res["params"][0].values())
         for s in range(10):
             assert abs(res["losses"][s] / serial["fp16"]["losses"][s] - 1) < 3e-3, s
