@@ -20,7 +20,7 @@ import torch
 
 from megalite.config import ATTENTION_CUDA_ONLY, Config, check_sections, fail
 from megalite.resilience.inject_spec import check_inject_against_run
-from megalite.schedule_rules import check_schedule
+from megalite.schedule_rules import check_schedule, groups_micro_batches
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -61,6 +61,7 @@ class Layout:
     micro_batch_size: int = 1
     precision: str = "fp32"  # resolved: fp32 | bf16 | fp16
     device_type: str = "cpu"  # cpu | cuda (or a planner's device profile)
+    v_shape: bool = False  # parallel.schedule=zb-v: the chunks sit in a V (ChunkPlacement)
 
     @classmethod
     def of(cls, topo, **fields) -> "Layout":
@@ -78,7 +79,7 @@ class Layout:
                    virtual_stages=cfg.parallel.virtual_stages,
                    micro_batch_size=cfg.train.micro_batch_size,
                    precision=resolved_precision(cfg.precision, device_type, bf16),
-                   device_type=device_type)
+                   device_type=device_type, v_shape=cfg.parallel.schedule == "zb-v")
 
     @property
     def world_size(self) -> int:
@@ -106,7 +107,7 @@ class Layout:
 
     @property
     def placement(self) -> ChunkPlacement:
-        return ChunkPlacement(self.pp_size, self.virtual_stages)
+        return ChunkPlacement(self.pp_size, self.virtual_stages, self.v_shape)
 
     def micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches per DP rank in a step of `global_batch_size` sequences (with
@@ -215,11 +216,13 @@ def partition_layers(n_layer: int, pp: int, edge_stage_layers: Optional[int] = N
     return ranges
 
 
-def stage_chunks(n_layer: int, pp: int, v: int = 1, edge_stage_layers: Optional[int] = None
-                 ) -> List[List[range]]:
+def stage_chunks(n_layer: int, pp: int, v: int = 1, edge_stage_layers: Optional[int] = None,
+                 v_shape: bool = False) -> List[List[range]]:
     """Per stage, the block ranges of its v model chunks: the model is partitioned into pp·v
-    virtual stages (`partition_layers`), placed on the ranks by `ChunkPlacement`."""
-    placement = ChunkPlacement(pp, v)
+    virtual stages (`partition_layers`), placed on the ranks by `ChunkPlacement` (`v_shape`:
+    zb-v's V, where stage 0 holds the first and the last slice, so `edge_stage_layers` sizes
+    both of its chunks)."""
+    placement = ChunkPlacement(pp, v, v_shape)
     parts = partition_layers(n_layer, placement.slices, edge_stage_layers)
     return [[parts[placement.slice_of(s, c)] for c in range(v)] for s in range(pp)]
 
@@ -248,8 +251,8 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     _check_grid(cfg, world_size)
     _check_device(cfg, local_gpus, local_ranks)
     warnings += _check_precision(cfg, device_type_for(cfg.device, local_gpus), gpu)
-    _check_model_split(cfg)
     check_schedule(cfg)
+    _check_model_split(cfg)
     if local_gpus is not None and cfg.tp > local_gpus:
         warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
                         "group's all-reduces in every layer will cross the inter-node network "
@@ -332,7 +335,7 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
               "micro-batches per step m = global_batch_size / (micro_batch_size*dp) must be >= 1")
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     _check_rampup_units(cfg, dp)
-    if v > 1 and num_micro % cfg.pp:
+    if groups_micro_batches(cfg) and num_micro % cfg.pp:
         good = cfg.pp * t.micro_batch_size * dp
         fail("train.global_batch_size", t.global_batch_size,
               f"with parallel.virtual_stages={v} the micro-batches per step m = "
@@ -358,11 +361,11 @@ def _check_rampup_units(cfg: Config, dp: int) -> None:
     if t.rampup_batch_size is None:
         return
     ramp = list(t.rampup_batch_size)
-    unit = t.micro_batch_size * dp * (cfg.pp if cfg.parallel.virtual_stages > 1 else 1)
+    grouped = groups_micro_batches(cfg)
+    unit = t.micro_batch_size * dp * (cfg.pp if grouped else 1)
     start, increment, _ = ramp
     if start % unit or increment % unit:
-        what = "micro_batch_size*dp" + ("*pp (interleaved schedule)"
-                                        if cfg.parallel.virtual_stages > 1 else "")
+        what = "micro_batch_size*dp" + ("*pp (interleaved schedule)" if grouped else "")
         fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
               f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
 

@@ -63,6 +63,7 @@ from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
 from megalite.parallel.zero import bucket_groups
+from megalite.plan_chunks import ChunkEnds, stage_ends, ties_over_stages
 from megalite.plan_offload import apply_offload, optimizer_placement
 
 GIB = 2**30
@@ -273,8 +274,11 @@ class _StageSums:
     chunk_host: List[float] = field(default_factory=list)  # of which offloaded to host
 
 
-def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int) -> None:
-    """One chunk of n blocks; `first` / `last`: it holds the embeddings / the head."""
+def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int,
+               head_copy: Optional[bool] = None) -> None:
+    """One chunk of n blocks; `first` / `last`: it holds the embeddings / the head
+    (`head_copy`: a parameter of its own, by default when not `first`; `plan_chunks`)."""
+    head_copy = last and not first if head_copy is None else head_copy
     m, t, tp, sp = d.cfg.model, d.cfg.train, d.layout.tp_size, d.layout.sequence_parallel
     h, s, b, e = m.n_embd, t.seq_len, t.micro_batch_size, d.e
     sums.psi += n * d.layer_params
@@ -283,7 +287,7 @@ def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int) -> N
         sums.psi += d.vocab // tp * h + m.n_positions * h
         sums.replicated += m.n_positions * h
     if last:
-        sums.psi += 2 * h + (0 if first else d.vocab // tp * h)
+        sums.psi += 2 * h + (d.vocab // tp * h if head_copy else 0)
         sums.replicated += 2 * h
     sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
                             d.vocab // tp * h if (first or last) else 0)
@@ -317,7 +321,7 @@ def _add_chunk(sums: _StageSums, d: _Dims, first: bool, last: bool, n: int) -> N
     sums.sends += (0 if last else 1) + (0 if first else 1)
     # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
     # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
-    sums.kept_units += d.layer_params if not last else 0 if first else d.vocab // tp * h
+    sums.kept_units += d.layer_params if not last else d.vocab // tp * h if head_copy else 0
 
 
 def _stage_comm(d: _Dims, sums: _StageSums, tied: bool) -> Dict[str, float]:
@@ -343,36 +347,39 @@ def _stage_comm(d: _Dims, sums: _StageSums, tied: bool) -> Dict[str, float]:
     return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes, "embedding": emb_bytes}
 
 
-def chunk_param_sizes(d: _Dims, first: bool, last: bool, n: int
+def chunk_param_sizes(d: _Dims, first: bool, last: bool, n: int,
+                      head_copy: Optional[bool] = None, tied: bool = True
                       ) -> List[Tuple[str, int, bool]]:
     """(name, elements on one TP rank, tied) of a chunk's parameters in GPT2's registration
     order (what the engine buckets; a test holds it to the model)."""
     m, tp = d.cfg.model, d.layout.tp_size
     h, f, v = m.n_embd, m.ffn_size, d.vocab // tp
-    sizes = [("wte", v * h, True), ("wpe", m.n_positions * h, False)] if first else []
+    sizes = [("wte", v * h, tied), ("wpe", m.n_positions * h, False)] if first else []
     block = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp,
              h * f // tp, h]
     sizes += [(f"h{i}.{j}", size, False) for i in range(n) for j, size in enumerate(block)]
     if last:
         sizes += [("ln_f.w", h, False), ("ln_f.b", h, False)]
-        sizes += [] if first else [("lm_head", v * h, True)]
+        copy = not first if head_copy is None else head_copy
+        sizes += [("lm_head", v * h, True)] if copy else []
     return sizes
 
 
-def _grad_staging(d: _Dims, chunks: List[Tuple[bool, bool, int]]) -> float:
+def _grad_staging(d: _Dims, chunks: List[Tuple[ChunkEnds, int]]) -> float:
     """Zero 2/3's full-size fp32 gradient staging (`ZeroEngine.grad_staging_bytes`): the
     largest bucket (zero 3: unit) padded to N, REDUCTIONS_IN_FLIGHT + 1 of them."""
     lay = d.layout
     if not lay.shards_gradients:
         return 0.0
     largest = 0
-    for first, last, n in chunks:
-        sizes = chunk_param_sizes(d, first, last, n)
+    for ends, n in chunks:
+        first, last, head_copy = ends.first, ends.last, ends.head_copy
+        sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied)
         if lay.shards_parameters:  # units: wte, wpe, each block, ln_f, the LM head
             h, vocab = d.cfg.model.n_embd, d.vocab // lay.tp_size * d.cfg.model.n_embd
             numels = ([vocab, d.cfg.model.n_positions * h] if first else []) \
                 + ([d.layer_params] if n else []) + ([2 * h] if last else []) \
-                + ([vocab] if last and not first else [])
+                + ([vocab] if head_copy else [])
         else:
             by_name = dict((name, s) for name, s, _ in sizes)
             groups = bucket_groups(sizes, d.cfg.parallel.bucket_mb * 2**20 / 4,
@@ -386,26 +393,25 @@ def _grad_staging(d: _Dims, chunks: List[Tuple[bool, bool, int]]) -> float:
 def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
     pp, dp, v = lay.pp_size, lay.dp_size, lay.virtual_stages
-    sums = _StageSums()
-    for c, blocks in enumerate(chunk_blocks):
-        _add_chunk(sums, d, slices.holds_first(k, c), slices.holds_last(k, c), len(blocks))
+    sums, ends, schedule = _StageSums(), stage_ends(slices, k), d.cfg.parallel.schedule
+    for e, blocks in zip(ends, chunk_blocks):
+        _add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
     state = {**model_state_bytes(lay, sums.psi, d.e),
-             "grad_staging": _grad_staging(d, [(slices.holds_first(k, c),
-                                                slices.holds_last(k, c), len(blocks))
-                                               for c, blocks in enumerate(chunk_blocks)]),
-             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act)
+             "grad_staging": _grad_staging(d, [(e, len(blocks))
+                                               for e, blocks in zip(ends, chunk_blocks)]),
+             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule)
              + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)}
     state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
         d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)
         if d.cfg.parallel.reshard_after_forward else d.e * sums.psi * _ring(dp))
-    host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host)}
+    host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host, schedule)}
     pcie = apply_offload(d.cfg, lay, sums.psi, d.e, d.micro, state, host, sum(sums.chunk_host))
     state["total"] = sum(state.values())
     host["total"] = sum(host.values())
-    tied = pp > 1 and any(slices.holds_first(k, c) or slices.holds_last(k, c)
-                          for c in range(v))
+    tied = pp > 1 and ties_over_stages(slices, k)
     return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
-                     max_in_flight(pp, k, d.micro, v), state, _stage_comm(d, sums, tied),
+                     max_in_flight(pp, k, d.micro, v, schedule), state,
+                     _stage_comm(d, sums, tied),
                      host, pcie)
 
 
@@ -440,7 +446,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     d = _dims(cfg, layout)
     stages = [_stage_plan(d, k, chunk_blocks) for k, chunk_blocks in enumerate(
         stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
-                     cfg.parallel.edge_stage_layers))]
+                     cfg.parallel.edge_stage_layers, layout.v_shape))]
     t = cfg.train
     described = {"model": cfg.model.name, **layout.as_dict(),
                  "recompute": t.recompute, "recompute_layers": t.recompute_layers,

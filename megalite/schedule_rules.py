@@ -7,6 +7,12 @@ from megalite.config import Config, fail
 ZERO_BUBBLE = ("zb-h1", "zb-v")
 
 
+def groups_micro_batches(cfg: Config) -> bool:
+    """Whether the schedule runs the micro-batches in groups of pp (the interleaved one, also
+    as auto with virtual_stages > 1), so that m must be a multiple of pp; zb-v needs not."""
+    return cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule in ("auto", "interleaved")
+
+
 def check_schedule(cfg: Config) -> None:
     """parallel.schedule x pp x virtual_stages x compile x offload."""
     name, v, pp = cfg.parallel.schedule, cfg.parallel.virtual_stages, cfg.pp
@@ -17,11 +23,13 @@ def check_schedule(cfg: Config) -> None:
         fail("parallel.schedule", name, f"runs one model chunk per stage: set "
               f"parallel.virtual_stages=1 (now {v}), or use interleaved / auto with "
               f"virtual_stages={v}")
-    if name == "zb-v":
-        fail("parallel.schedule", name, "running the zb-v schedule (V placement, two chunks "
-              "per rank, the tied embedding as one parameter on rank 0) is not built yet (its "
-              "order is, in megalite.parallel.schedule); use zb-h1 (zero bubble, one chunk per "
-              "stage), 1f1b or interleaved")
+    if name == "zb-v" and v != 2:
+        fail("parallel.schedule", name, f"runs two model chunks per stage in a V: set "
+              f"parallel.virtual_stages=2 (now {v}), or use zb-h1 / 1f1b with virtual_stages=1")
+    if name == "zb-v" and 2 * pp > cfg.model.n_layer:
+        fail("parallel.schedule", name, f"the V cuts the model into 2*pp = {2 * pp} slices of "
+              f"at least one block each, more than model.n_layer={cfg.model.n_layer}; use "
+              f"pp <= {cfg.model.n_layer // 2}, or zb-h1 (one slice per stage)")
     if name not in ZERO_BUBBLE:
         return
     if pp < 2:

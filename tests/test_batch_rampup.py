@@ -37,8 +37,9 @@ def test_ramp_in_every_layout_equals_serial_and_resumes_mid_ramp(tiny_data, tmp_
     writer = common + [f"checkpoint.dir={tmp_path / 'ckpt'}"]
     (serial,), = train_layouts(tmp_path / "s", 1, [writer], steps=6, save_at=3)
     step3 = tmp_path / "ckpt" / "step_00000003"
-    for ranks in train_layouts(tmp_path / "p", 2, [common + ["zero=1"], common + ["pp=2"]],
-                               steps=6):
+    for ranks in train_layouts(tmp_path / "p", 2, [common + ["zero=1"], common + ["pp=2"],
+                                                   common + ["pp=2", "parallel.schedule=zb-h1"]],
+                               steps=6):  # zb-h1: m = 2, 2, 4, 6, 8, 8, its order per step
         assert_equal(serial, ranks)
     (resumed,) = train_layouts(tmp_path / "r", 2, [
         [f"data.dir={tiny_data}", *RAMP, "zero=2", f"checkpoint.resume={step3}"]], steps=3)

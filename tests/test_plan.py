@@ -145,6 +145,8 @@ def test_plan_script_reports_checks_and_flags_memory():
 
 @pytest.mark.parametrize("overrides", [["pp=2"], ["tp=2", "pp=2", "parallel.virtual_stages=2",
                                                   "model.n_layer=4"],
+                                       ["pp=2", "parallel.schedule=zb-v", "model.n_layer=4",
+                                        "parallel.virtual_stages=2"],
                                        []])
 def test_the_plans_parameter_list_is_the_models(overrides):
     """The plan buckets gradients as the engine does, from its own list of each chunk's
@@ -153,15 +155,20 @@ def test_the_plans_parameter_list_is_the_models(overrides):
     from megalite.model.stage import build_stage
     from megalite.parallel.comm import single_rank_group
     from megalite.plan import _dims, chunk_param_sizes
+    from megalite.plan_chunks import stage_ends
 
     cfg = load_config(TINY + overrides)
     layout = Layout.from_config(cfg, cfg.tp * cfg.pp, "cpu")
     tp_group = single_rank_group("tp")
     tp_group.ranks = list(range(cfg.tp))  # the sizes of TP rank 0's slices
-    for k, blocks in enumerate(stage_chunks(cfg.model.n_layer, cfg.pp, layout.virtual_stages)):
-        stage = build_stage(cfg.model, blocks, k, cfg.pp, tp_group=tp_group)
-        for c, chunk in enumerate(stage.chunks):
-            first, last = layout.placement.holds_first(k, c), layout.placement.holds_last(k, c)
-            want = [(p.numel(), chunk.param_specs[n].tied) for n, p in chunk.named_parameters()]
-            got = chunk_param_sizes(_dims(cfg, layout), first, last, len(blocks[c]))
+    for k, blocks in enumerate(stage_chunks(cfg.model.n_layer, cfg.pp, layout.virtual_stages,
+                                            v_shape=layout.v_shape)):
+        stage = build_stage(cfg.model, blocks, k, cfg.pp, layout.v_shape, tp_group=tp_group)
+        seen = set()  # zb-v: stage 0's LM head is its embedding, bucketed once (the engine)
+        for c, (chunk, e) in enumerate(zip(stage.chunks, stage_ends(layout.placement, k))):
+            want = [(p.numel(), chunk.param_specs[n].tied) for n, p in chunk.named_parameters()
+                    if id(p) not in seen]
+            seen.update(id(p) for p in chunk.parameters())
+            got = chunk_param_sizes(_dims(cfg, layout), e.first, e.last, len(blocks[c]),
+                                    e.head_copy, e.tied)
             assert [(size, tied) for _, size, tied in got] == want, (overrides, k, c)

@@ -1,7 +1,8 @@
-"""Zero-bubble pipeline schedules (ZB-H1, Qi et al. 2024): the order against an independent
+"""Zero-bubble pipeline schedules (ZB-H1, ZB-V; Qi et al. 2024): the order against an independent
 simulation with unit F, B and W, the rounds, validation before launch, and training equal to
 pp=1 on real gloo ranks (with TP + SP, ZeRO 1 and 3, full and partial recompute, fp16, and a
-resume from a 1F1B checkpoint under another layout), counting saved activations in flight."""
+resume from a 1F1B checkpoint under another layout; zb-v plain, with TP + SP, ZeRO 3, and
+checkpoints between it and the other schedules), counting saved activations in flight."""
 from __future__ import annotations
 
 import itertools
@@ -155,10 +156,11 @@ def _simulate_v(pp: int, m: int) -> int:
 
 @pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 6], [1, 2, 4, 5, 8, 12])))
 def test_zb_v_order(pp, m):
-    """ZB-V (order only; running it is refused): every chunk's F, B, W once per micro-batch, W
+    """ZB-V: every chunk's F, B, W once per micro-batch, W
     after its B; at most 2p chunk activations in flight (p micro-batches of a whole stage,
     1F1B's peak); transfers follow the V (the turn from slice p - 1 to slice p stays on rank
-    p - 1); the rounds take as long as the independent simulation, which gives the formula."""
+    p - 1, a local hand-off, not a send); the rounds take as long as the independent
+    simulation, which gives the formula."""
     for s in range(pp):
         order = [(op.kind.value, op.chunk, op.micro_batch) for op in stage_order(pp, s, m, 2, "zb-v")]
         assert sorted(order) == sorted((k, c, i) for k in (F, B, W) for c in (0, 1)
@@ -170,8 +172,9 @@ def test_zb_v_order(pp, m):
     length = max(r[-1].index for r in rounds) + 1
     assert length == _simulate_v(pp, m)
     assert 1 - 6 * m / length == pytest.approx(expected_bubble(pp, m, 2, "zb-v"))
-    turn = [t for r in rounds[pp - 1] for t in r.sends if t.kind == F and t.dst == pp - 1]
+    turn = [t for r in rounds[pp - 1] for t in r.local if t.kind == F]
     assert len(turn) == m and all(t.chunk == 1 for t in turn)  # slice p-1 -> p on one rank
+    assert all(t.src != t.dst for rs in rounds for r in rs for t in r.sends + r.recvs)
     if m >= 2 * pp:  # idle (p - 1) chunk units = half of ZB-H1's p - 1 stage units
         assert expected_bubble(pp, m, 2, "zb-v") < expected_bubble(pp, m, 1, "zb-h1")
 
@@ -181,7 +184,11 @@ def test_zb_v_order(pp, m):
     (["parallel.schedule=interleaved"], "virtual_stages >= 2"),
     (["parallel.schedule=1f1b", "parallel.virtual_stages=2"], "virtual_stages=1"),
     (["parallel.schedule=zb-h1", "parallel.virtual_stages=2"], "virtual_stages=1"),
-    (["parallel.schedule=zb-v"], "not built yet"),
+    (["parallel.schedule=zb-v"], "parallel.virtual_stages=2"),
+    (["parallel.schedule=zb-v", "parallel.virtual_stages=3"], "parallel.virtual_stages=2"),
+    (["parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layer=3"], "2*pp = 4"),
+    (["parallel.schedule=zb-v", "parallel.virtual_stages=2", "train.compile=true"],
+     "train.compile=false"),
     (["parallel.schedule=zb-h1", "train.compile=true"], "train.compile=false"),
     (["parallel.schedule=zb-h1", "offload.activations=true"], "offload.activations=false"),
     (["parallel.schedule=zb-h1", "pp=1"], "pp >= 2"),
@@ -196,6 +203,8 @@ def test_schedule_refused_before_launch(overrides, match):
 
 def test_schedules_accepted():
     for overrides in (["parallel.schedule=zb-h1"], ["parallel.schedule=1f1b"],
+                      ["parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                       "train.global_batch_size=12"],  # m = 3: no groups of pp
                       ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
                       ["parallel.virtual_stages=2"]):
         cfg = load_config(["device=cpu", "model=tiny", "train.micro_batch_size=4",
@@ -206,6 +215,7 @@ def test_schedules_accepted():
 # --- training on real ranks ----------------------------------------------------------------
 
 ZB = "parallel.schedule=zb-h1"
+ZV = ("parallel.schedule=zb-v", "parallel.virtual_stages=2")
 
 
 def _layout(tiny_data, pp, m, extra=()):
@@ -281,6 +291,18 @@ def _check(ref, ranks, pp, m, counted=True):
             assert max(res["saved_in_flight"]) == bound, (stage, res["saved_in_flight"])
 
 
+def _check_v(ref, ranks, pp, m):
+    """zb-v equal to the serial run; each stage holds at most the (chunk, micro-batch)
+    activations its order says (counted from the saved tensors), at most 2p."""
+    assert_equal(ref, ranks)
+    for res in ranks:
+        bound = max_in_flight(pp, res["coords"][1], m, 2, "zb-v")
+        assert bound <= 2 * pp
+        assert max(res["in_flight"]) == bound, res["in_flight"]
+        assert res["traced"] == {"BFW"}
+        assert max(res["saved_in_flight"]) == bound, res["saved_in_flight"]
+
+
 def _first_steps(result: dict, steps: int) -> dict:
     return {**result, **{key: result[key][:steps] for key in PER_STEP}}
 
@@ -292,17 +314,23 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     (pp=2 with full, then partial recompute), tp2 + SP, zero 3 (dp2); fp16 within the
     mixed-precision tolerances of the fp16 serial run. A 1F1B (pp=2, dp1) checkpoint of step 5
     resumed under zb-h1 with pp=2, dp2, zero 1 and overlap_param_gather gives the serial steps
-    6-10. The pipeline trace shows F, B and W."""
-    serial, ckpt = pipeline_serial, tmp_path / "ckpt"
+    6-10. The pipeline trace shows F, B and W. zb-v (pp=2: stage 0 holds the embedding and the
+    LM head as one parameter) equals the serial run plain, with tp2 + SP, fp16 with full
+    recompute (fp16 tolerances), and resumed from the 1F1B checkpoint under dp2 + zero 3; its
+    own checkpoint resumes under zb-h1, dp2, zero 2."""
+    serial, ckpt, ckpt_v = pipeline_serial, tmp_path / "ckpt", tmp_path / "ckpt_v"
     two = [_layout(tiny_data, 2, 2, [ZB, "train.recompute=true"]),
            _layout(tiny_data, 2, 4, [ZB, "train.recompute=true", "train.recompute_layers=1"]),
            _layout(tiny_data, 2, 2, [ZB, *FP16_LEARNING]),
-           _layout(tiny_data, 2, 4, ["parallel.schedule=1f1b", f"checkpoint.dir={ckpt}"])]
-    full, partial, fp16, writer = _train(tmp_path / "two", 2, two, save_at=5)
+           _layout(tiny_data, 2, 4, ["parallel.schedule=1f1b", f"checkpoint.dir={ckpt}"]),
+           _layout(tiny_data, 2, 4, [*ZV, f"checkpoint.dir={ckpt_v}"]),
+           _layout(tiny_data, 2, 2, [*ZV, *FP16_LEARNING, "train.recompute=true"])]
+    full, partial, fp16, writer, zb_v, v_fp16 = _train(tmp_path / "two", 2, two, save_at=5)
     _check(serial[2], full, 2, 2, counted=False)  # recompute: checkpoint's own saved hooks
     _check(serial[4], partial, 2, 4, counted=False)
     assert_equal(serial[4], writer)
-    for res in fp16:
+    _check_v(serial[4], zb_v, 2, 4)
+    for res in fp16 + v_fp16:  # (zb-v: with full recompute, which changes no value)
         assert all(p.dtype == torch.float16 for p in res["params"][0].values())
         for s in range(10):
             assert abs(res["losses"][s] / serial["fp16"]["losses"][s] - 1) < 3e-3, s
@@ -312,14 +340,19 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
             pipeline_layout(tiny_data, 2, 2, 4, [ZB, "sp=true"]),
             _layout(tiny_data, 2, 4, [ZB, "zero=3"]),
             _layout(tiny_data, 2, 4, [ZB, "zero=1", "parallel.overlap_param_gather=true",
-                                      resume])]
-    pp4, pp4_m8, tp_sp, zero3, resumed = _train(tmp_path / "four", 4, four)
+                                      resume]),
+            pipeline_layout(tiny_data, 2, 2, 2, [*ZV, "sp=true"]),
+            _layout(tiny_data, 2, 4, [*ZV, "zero=3", resume]),
+            _layout(tiny_data, 2, 4, [ZB, "zero=2", f"checkpoint.resume={ckpt_v / 'step_00000005'}"])]
+    pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v = _train(
+        tmp_path / "four", 4, four)
     _check(serial[4], pp4, 4, 4)
     _check(serial[8], pp4_m8, 4, 8)
     for ranks in (tp_sp, zero3):
         assert_equal(serial[4], ranks)
+    _check_v(serial[2], v_tp_sp, 2, 2)
     expected = from_step(serial[4], 5)
-    for res in resumed:  # the first 5 steps after the resume (val: after 10 of them)
+    for res in resumed + v_resumed + from_v:  # the 5 steps after the resume (val: after 10)
         assert_equal({**expected, "val": res["val"]}, [_first_steps(res, 5)])
 
 

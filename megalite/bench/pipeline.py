@@ -2,7 +2,9 @@
 `torch.distributed.pipelining.Schedule1F1B` (and, with `--virtual-stages v`, megalite's
 interleaved schedule next to `ScheduleInterleaved1F1B`; with `--schedule zb-h1`, megalite's
 zero-bubble ZB-H1 next to `ScheduleInterleavedZeroBubble` over one stage per rank, torch's
-ZB1P), on real gloo ranks (tp = dp = 1, world = pp).
+ZB1P; with `--schedule zb-v`, megalite's ZB-V next to `ScheduleZBVZeroBubble`, both over two
+chunks per rank in the V placement, rank 0 holding the embedding and the LM head as one
+parameter), on real gloo ranks (tp = dp = 1, world = pp).
 
 For each pp in `--pp` a world of pp processes is spawned; for each v in `--virtual-stages` and
 m in `--micro-batches` both contenders are built afresh from the same GPT-2 split
@@ -52,7 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megalite.config import ModelConfig, OptimConfig
-from megalite.layout import Layout, stage_chunks
+from megalite.layout import ChunkPlacement, Layout, stage_chunks
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
 from megalite.model.stage import PipelineStage as Chunks
@@ -74,8 +76,9 @@ def _model_cfg(o: dict) -> ModelConfig:
                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def _stage_model(cfg: ModelConfig, topo, blocks: List[range]) -> Chunks:
-    model = build_stage(cfg, blocks, topo.coords.pp_rank, topo.pp_size, tp_group=topo.tp_group)
+def _stage_model(cfg: ModelConfig, topo, blocks: List[range], v_shape: bool = False) -> Chunks:
+    model = build_stage(cfg, blocks, topo.coords.pp_rank, topo.pp_size, v_shape,
+                        tp_group=topo.tp_group)
     for chunk in model.chunks:
         init_parameters(chunk, SEED)
     return model.train()
@@ -135,7 +138,7 @@ class SavedActivationBytes:
 
 
 def _megalite(cfg, topo, blocks, o, schedule_name="auto"):
-    model = _stage_model(cfg, topo, blocks)
+    model = _stage_model(cfg, topo, blocks, schedule_name == "zb-v")
     engine = ZeroEngine(model, topo, Layout.of(topo), OptimConfig(lr=LR))
     schedule = PipelineSchedule(model.chunks, topo, engine, (o["seq_len"], o["micro_batch_size"],
                                                       cfg.n_embd), torch.float32,
@@ -157,17 +160,25 @@ def _pipelining(cfg, topo, blocks, m, schedule_name="auto"):
         Schedule1F1B,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
-    model = _stage_model(cfg, topo, blocks)
-    v, first, last = len(blocks), topo.is_first_stage, topo.is_last_stage
-    stages = [PipelineStage(TorchStage(chunk), c * topo.pp_size + topo.coords.pp_rank, topo.pp_size * v,
+    v_shape = schedule_name == "zb-v"
+    model = _stage_model(cfg, topo, blocks, v_shape)
+    v, rank = len(blocks), topo.coords.pp_rank
+    first, last = any(c.first for c in model.chunks), any(c.last for c in model.chunks)
+    place = ChunkPlacement(topo.pp_size, v, v_shape)
+    stages = [PipelineStage(TorchStage(chunk), place.slice_of(rank, c), topo.pp_size * v,
                             torch.device("cpu")) for c, chunk in enumerate(model.chunks)]
     # loss_fn on every stage: without it a stage runs forward-only (`_has_backward` False) and
     # the last stage hangs sending it backward metadata.
     loss_fn = model.chunks[-1].loss
     if schedule_name == "zb-h1":  # torch's ZB1P over one stage per rank
         schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
+    elif v_shape:  # its per-stage 1/m would scale the embedding rank 0's two stages share
+        #            twice: scaled once below instead
+        schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn,
+                                         scale_grads=False)
     elif v == 1:
         schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn)
     else:
@@ -178,7 +189,7 @@ def _pipelining(cfg, topo, blocks, m, schedule_name="auto"):
                "weight_decay": oc.weight_decay if d else 0.0} for d in (True, False)]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=LR, betas=tuple(oc.betas),
                             eps=oc.eps, foreach=True)
-    tied = [p for n, p in named if model.param_specs[n].name == "transformer.wte.weight"]
+    tied = [p for n, p in named if model.param_specs[n].tied]  # (the V: one parameter)
     counted = [p for n, p in named if not model.param_specs[n].tied_copy]
 
     def step(batches):
@@ -189,6 +200,8 @@ def _pipelining(cfg, topo, blocks, m, schedule_name="auto"):
         for p in tied:  # the two copies of the tied embedding: first + last stage
             dist.all_reduce(p.grad, group=topo.embedding_group.pg)
         grads = [p.grad for p in counted if p.grad is not None]
+        if v_shape:
+            torch._foreach_mul_(grads, 1.0 / m)
         sq = torch.stack(torch._foreach_norm(grads)).square().sum()
         dist.all_reduce(sq)  # global norm over the stages (as megalite's grad_norm)
         torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
@@ -213,12 +226,13 @@ def _worker(rank: int, pp: int, o: dict) -> List[dict]:
     cfg = _model_cfg(o)
     g = torch.Generator().manual_seed(SEED)
     rows = []
-    for v, name in [(v, n) for v in o["virtual_stages"] for n in o["schedule"]]:
-        if (v > 1) != (resolve_schedule(name, v) == "interleaved"):
-            continue  # one chunk per rank (1f1b, zb-h1) or several (interleaved)
-        split = stage_chunks(cfg.n_layer, pp, v)
+    runs = [(v, n) for v in o["virtual_stages"] for n in o["schedule"] if n != "zb-v"
+            and (v > 1) == (resolve_schedule(n, v) == "interleaved")]  # chunks per rank
+    runs += [(2, "zb-v")] if "zb-v" in o["schedule"] else []  # two, in a V
+    for v, name in runs:
+        split = stage_chunks(cfg.n_layer, pp, v, v_shape=name == "zb-v")
         for m in o["micro_batches"]:
-            if v > 1 and m % pp:
+            if resolve_schedule(name, v) == "interleaved" and m % pp:
                 continue  # the interleaved schedules run micro-batches in groups of pp
             rows.append(_compare(topo, cfg, split, m, o, g, name))
             if rank == 0:
@@ -310,9 +324,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1],
                         help="model chunks per rank (> 1: the interleaved schedules)")
     parser.add_argument("--schedule", nargs="+", default=["auto"],
-                        choices=["auto", "1f1b", "interleaved", "zb-h1"],
+                        choices=["auto", "1f1b", "interleaved", "zb-h1", "zb-v"],
                         help="megalite's parallel.schedule (torch: Schedule1F1B, "
-                             "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)")
+                             "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, "
+                             "ScheduleZBVZeroBubble; zb-v: two chunks per rank, whatever "
+                             "--virtual-stages says)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--n-layer", type=int, default=8)

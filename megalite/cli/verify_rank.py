@@ -102,7 +102,7 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     built_topology = clock()
     c = topo.coords
     blocks = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
-                          cfg.parallel.edge_stage_layers)[c.pp_rank]
+                          cfg.parallel.edge_stage_layers, layout.v_shape)[c.pp_rank]
     rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, META)
     model = build_model(cfg, Runtime(layout, topo, META), blocks, rng)
     built_model = clock()

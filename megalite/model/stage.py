@@ -3,12 +3,17 @@
 Without an interleaved schedule a stage is one chunk, a contiguous slice of blocks. With
 `parallel.virtual_stages=v` the model is cut into pp·v slices and stage s holds slices s,
 s + pp, s + 2·pp, ... (`megalite.layout.stage_chunks`): the first chunk of stage 0
-has the embeddings, the last chunk of the last stage ln_f, the LM head and the loss. Block
-names are global (`transformer.h.<index>`), so checkpoints and initialisation do not depend on
-which chunk holds a block.
+has the embeddings, the last chunk of the last stage ln_f, the LM head and the loss. Under
+zb-v's V placement (`ChunkPlacement(v_shape=True)`) stage s holds slices s and 2·pp - 1 - s, so
+stage 0 holds both ends: its LM head is its embedding's own parameter (one tensor, as in a
+single-stage model; nothing to sum over an embedding group, and a checkpoint sees one
+`transformer.wte.weight`, as from any layout). Block names are global
+(`transformer.h.<index>`), so checkpoints and initialisation do not depend on which chunk
+holds a block.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import torch.nn as nn
@@ -35,11 +40,28 @@ class PipelineStage(nn.Module):
         return list(self.models)
 
 
-def build_stage(cfg, blocks: List[range], stage: int, pp: int, **kwargs) -> PipelineStage:
-    """The chunks of pipeline stage `stage` holding `blocks` (one range per chunk); `kwargs`
-    go to every `GPT2` (tp group, sequence parallelism, RNG, recompute, compile, attention,
-    activation offload)."""
-    placement = ChunkPlacement(pp, len(blocks))
-    return PipelineStage([GPT2(cfg, blocks=r, first=placement.holds_first(stage, c),
-                               last=placement.holds_last(stage, c), **kwargs)
-                          for c, r in enumerate(blocks)])
+def build_stage(cfg, blocks: List[range], stage: int, pp: int, v_shape: bool = False,
+                **kwargs) -> PipelineStage:
+    """The chunks of pipeline stage `stage` holding `blocks` (one range per chunk; `v_shape`:
+    placed in zb-v's V); `kwargs` go to every `GPT2` (tp group, sequence parallelism, RNG,
+    recompute, compile, attention, activation offload)."""
+    placement = ChunkPlacement(pp, len(blocks), v_shape)
+    chunks = [GPT2(cfg, blocks=r, first=placement.holds_first(stage, c),
+                   last=placement.holds_last(stage, c), **kwargs)
+              for c, r in enumerate(blocks)]
+    firsts, lasts = [c for c in chunks if c.first], [c for c in chunks if c.last]
+    if firsts and lasts and firsts[0] is not lasts[0]:
+        tie_across_chunks(firsts[0], lasts[0])
+    return PipelineStage(chunks)
+
+
+def tie_across_chunks(first: GPT2, last: GPT2) -> None:
+    """The LM head of chunk `last` becomes the token embedding of chunk `first` (the same
+    stage): one parameter, not tied over ranks. Both chunks list it (the engine buckets it
+    once and expects its two gradient accumulations per micro-batch); the head's spec stays
+    a `tied_copy` (never written, never counted twice)."""
+    weight = first.transformer.wte.weight
+    last.lm_head.weight = weight
+    spec = dataclasses.replace(first.param_specs["transformer.wte.weight"], tied=False)
+    first.param_specs["transformer.wte.weight"] = spec
+    last.param_specs["lm_head.weight"] = dataclasses.replace(spec, tied_copy=True)

@@ -135,6 +135,9 @@ class Bucket:
         self.segments: List[Segment] = self.flat.segments(self.lo, self.hi)
         self.dp_share = self.flat.shard_range(group.rank)  # what zero >= 1 would give it
         self.reported: Dict[int, int] = {}  # micro-batch -> its parameters reported so far
+        # gradient accumulations per micro-batch: one per parameter, two for a parameter two
+        # chunks use (zb-v's embedding and LM head on stage 0; `ZeroEngine` counts them)
+        self.reports = len(params)
         self.completed = 0  # micro-batches whose every gradient is in, this step
         self._temp: Optional[torch.Tensor] = None  # zero 2/3: this backward's full gradient
         self.pending: List[Tuple[object, Optional[torch.Tensor]]] = []  # launched reductions

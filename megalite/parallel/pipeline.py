@@ -130,8 +130,11 @@ class StepTrace:
 
 
 def _take(received: dict, key: Tuple[OpKind, int, int], link: StageLink) -> torch.Tensor:
-    """A received tensor, once the batch that brought it is done."""
+    """A received tensor, once the batch that brought it is done (a local hand-off, from this
+    stage's other chunk, has no batch and is whole)."""
     tensor, batch = received.pop(key)
+    if batch is None:
+        return tensor
     batch.wait()
     return link.arrived(tensor)
 
@@ -194,6 +197,7 @@ class PipelineSchedule:
         self.clock = DeviceClock(device)
         self._marks: list = []
         self._step_marks = None
+        self.holds_loss = any(chunk.last for chunk in self.chunks)  # zb-v: stage 0
         # most (chunk, micro-batch) activations this stage held at once in the last step, from
         # F to the last backward operation (1F1B: at most pp - stage; ZB-H1: at most pp;
         # logged as pipeline_in_flight)
@@ -206,9 +210,10 @@ class PipelineSchedule:
 
     def train_step(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                    loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean loss on the last stage
-        (0 elsewhere) as a device scalar: reading it waits for the device, which the caller
-        does after the step's gradient sync is enqueued. Gradients of the mean loss over the
+        """Forward and backward of every micro-batch; returns the mean loss on the stage with
+        the LM head (the last; zb-v: the first), 0 elsewhere, as a device scalar: reading it
+        waits for the device, which the caller does after the step's gradient sync is
+        enqueued. Gradients of the mean loss over the
         micro-batches, times `loss_scale` (fp16 loss scaling; the engine unscales),
         accumulate."""
         m = len(micro_batches)
@@ -218,28 +223,28 @@ class PipelineSchedule:
         self._run(self._rounds(m, forward_only=False), run)
         self.peak_in_flight = run.peak_in_flight
         self._marks, self._step_marks = run.marks, (step_start, self.clock.mark())
-        return run.loss_sum / m if self.topo.is_last_stage else torch.zeros_like(run.loss_sum)
+        return run.loss_sum / m if self.holds_loss else torch.zeros_like(run.loss_sum)
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Forward-only pass; the mean loss on the last stage (0.0 elsewhere). The losses
-        add up on the device in fp64 (as Python floats would): one sync per evaluation."""
+        """Forward-only pass; the mean loss on the stage with the LM head (0.0 elsewhere). The
+        losses add up on the device in fp64 (as Python floats would): one sync per evaluation."""
         run = _Pass(micro_batches, training=False, loss_sum=torch.zeros(
             (), dtype=torch.float64, device=self.link.device))
         self._run(self._rounds(len(micro_batches), forward_only=True), run)
-        return run.loss_sum.item() / len(micro_batches) if self.topo.is_last_stage else 0.0
+        return run.loss_sum.item() / len(micro_batches) if self.holds_loss else 0.0
 
     @torch.no_grad()
     def sequence_losses(self, micro_batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
                         device: torch.device) -> Optional[torch.Tensor]:
-        """Forward-only pass scoring each sequence: on the last stage the summed cross-entropy
-        of every sequence over its labels >= 0 (`GPT2.sequence_losses`), micro-batch after
-        micro-batch [m * b] in fp64; None on the other stages. `micro_batches` may build
+        """Forward-only pass scoring each sequence: on the stage with the LM head the summed
+        cross-entropy of every sequence over its labels >= 0 (`GPT2.sequence_losses`),
+        micro-batch after micro-batch [m * b] in fp64; None on the other stages. `micro_batches` may build
         each (inputs, labels) pair when it is indexed."""
         run = _Pass(micro_batches, training=False, per_sequence={},
                     loss_sum=torch.zeros((), dtype=torch.float64, device=device))
         self._run(self._rounds(len(micro_batches), forward_only=True), run)
-        if not self.topo.is_last_stage:
+        if not self.holds_loss:
             return None
         return torch.cat([run.per_sequence[i] for i in range(len(micro_batches))])
 
@@ -321,6 +326,8 @@ class PipelineSchedule:
         `_take`). `posted` keeps the batches, oldest first, until they are known to be done
         (they hold the sent tensors); only the oldest are asked, so a round costs O(1) even
         where completion is never reported before a wait (gloo)."""
+        for t, tr in zip(outgoing, rnd.local):  # zb-v's turn: to this stage's other chunk
+            received[(tr.kind, tr.chunk, tr.micro_batch)] = (t.detach(), None)
         if not (rnd.sends or rnd.recvs):
             return
         sends = [(t.detach(), tr.dst) for t, tr in zip(outgoing, rnd.sends)]

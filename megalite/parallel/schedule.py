@@ -37,9 +37,9 @@ chunks per rank in a V — rank s holds model slices s and 2p - 1 - s (`ChunkPla
 True)`), so rank 0 holds both the embedding and the LM head. With unit times per chunk
 operation a step takes 6m + p - 1 units for m >= (3p - 1) / 2 (bubble (p - 1) / (6m + p - 1),
 half of ZB-H1's in stage time), with at most 2p chunk activations (p micro-batches of a whole
-stage: 1F1B's peak) in flight. Only the order and its rounds are built: running it (the tied
-embedding as one parameter on rank 0, the V partition, its checkpoint) is not, and
-`parallel.schedule=zb-v` is refused before launch.
+stage: 1F1B's peak) in flight. Rank 0 computes the loss; rank p - 1 hands its chunk 0's
+activation to its own chunk 1 (and the gradient back) without the network: the rounds list
+such a transfer as `local`, arriving, like a sent one, for the next round.
 
 Transfers go in rounds. All stages' orders are simulated together with one time unit per
 forward or backward: in round r each stage runs its next operation if its input arrived in an
@@ -122,6 +122,8 @@ class Round:
     index: int = 0  # the round's number in the whole pipeline's simulation
     sends: List[Transfer] = field(default_factory=list)
     recvs: List[Transfer] = field(default_factory=list)
+    local: List[Transfer] = field(default_factory=list)  # to this stage's other chunk (the
+    #                                     V's turn: zb-v's slices p-1 and p on stage p-1)
 
 
 def _check_groups(pp: int, m: int) -> None:
@@ -231,11 +233,14 @@ def _source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
     return None if kind.step is None else placement.neighbour(stage, chunk, kind.step)
 
 
-def forward_order(pp: int, m: int, v: int = 1) -> List[Op]:
-    """Forward-only (evaluation): the training order's forwards, in the same micro-batch groups."""
-    if v > 1:
+def forward_order(pp: int, m: int, v: int = 1, schedule: str = "auto") -> List[Op]:
+    """Forward-only (evaluation): the interleaved training order's forwards, in the same
+    micro-batch groups; otherwise every micro-batch's chunk 0, then chunk 1, ... (zb-v: a
+    forward-only pass keeps no activations, so the V needs no groups)."""
+    grouped = v > 1 and resolve_schedule(schedule, v) == "interleaved"
+    if grouped:
         _check_groups(pp, m)
-    group = pp if v > 1 else m
+    group = pp if grouped else m
     return [Op(F, (k % (group * v)) // group, (k // (group * v)) * group + k % group)
             for k in range(m * v)]
 
@@ -245,7 +250,8 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False,
                 schedule: str = "auto") -> Tuple[Tuple[Round, ...], ...]:
     """Per stage, the rounds in which it computes or communicates (see the module docstring).
     Raises ValueError if the stages' orders cannot complete."""
-    orders = [forward_order(pp, m, v) if forward_only else stage_order(pp, s, m, v, schedule)
+    orders = [forward_order(pp, m, v, schedule) if forward_only
+              else stage_order(pp, s, m, v, schedule)
               for s in range(pp)]
     placement = ChunkPlacement(pp, v, v_shape=schedule == "zb-v")
     position = [0] * pp
@@ -272,11 +278,14 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False,
             raise ValueError(f"pipeline schedule pp={pp} m={m} v={v} cannot complete: stages "
                              f"wait at {[orders[s][position[s]] for s in range(pp)]}")
         for t in transfers:
-            step[t.src].sends.append(t)
-            step[t.dst].recvs.append(t)
+            if t.src == t.dst:
+                step[t.src].local.append(t)
+            else:
+                step[t.src].sends.append(t)
+                step[t.dst].recvs.append(t)
             arrived[t.dst].add((t.kind, t.chunk, t.micro_batch))
         for s in range(pp):
-            if step[s].op is not None or step[s].sends or step[s].recvs:
+            if step[s].op is not None or step[s].sends or step[s].recvs or step[s].local:
                 rounds[s].append(step[s])
     return tuple(tuple(r) for r in rounds)
 

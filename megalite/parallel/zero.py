@@ -60,16 +60,23 @@ class ZeroEngine:
         from megalite.parallel.zero3 import unit_groups
 
         self.buckets: List[Bucket] = []
+        owner: Dict[int, Bucket] = {}  # a parameter two chunks share (zb-v's tied embedding)
         for chunk in model.chunks:  # a bucket never spans chunks: each syncs after its own
             named, specs = list(chunk.named_parameters()), chunk.param_specs  # last backward
+            for _, p in named:  # in an earlier chunk's bucket: one more gradient to expect
+                if id(p) in owner:
+                    owner[id(p)].reports += 1
+            named = [(n, p) for n, p in named if id(p) not in owner]
             sizes = [(n, p.numel(), specs[n].tied) for n, p in named]
-            groups = unit_groups(chunk) if layout.shards_parameters else bucket_groups(
-                sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1)
             params = dict(named)
-            for names in groups:
+            groups = [[n for n in g if n in params] for g in unit_groups(chunk)] \
+                if layout.shards_parameters else bucket_groups(
+                    sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1)
+            for names in filter(None, groups):
                 tied = topo.pp_size > 1 and any(specs[n].tied for n in names)
                 self.buckets.append(Bucket(names, [params[n] for n in names],
                                            [specs[n] for n in names], topo, layout, tied))
+                owner.update((id(params[n]), self.buckets[-1]) for n in names)
         self._where: Dict[nn.Parameter, Tuple[Bucket, int]] = {}
         hook = _weak_hook(self)
         for b in self.buckets:
@@ -153,7 +160,7 @@ class ZeroEngine:
         p.grad = None
         mb = self._micro_batch
         reported = bucket.reported.get(mb, 0) + 1
-        if reported < len(bucket.params):
+        if reported < bucket.reports:
             bucket.reported[mb] = reported
             return
         bucket.reported.pop(mb, None)

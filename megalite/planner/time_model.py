@@ -95,7 +95,7 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     place = layout.placement
     out = []
     for k, chunks in enumerate(stage_chunks(m.n_layer, layout.pp_size, layout.virtual_stages,
-                                            cfg.parallel.edge_stage_layers)):
+                                            cfg.parallel.edge_stage_layers, layout.v_shape)):
         model = recompute = 0.0
         for c, blocks in enumerate(chunks):
             model += len(blocks) * block
@@ -209,7 +209,7 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     links = group_links(layout, profile, gpus_per_node)
     flops = stage_forward_flops(cfg, layout)
     chunks = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
-                          cfg.parallel.edge_stage_layers)
+                          cfg.parallel.edge_stage_layers, layout.v_shape)
     stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k])
               for k in range(layout.pp_size)]
     m = layout.micro_batches(cfg.train.global_batch_size)

@@ -11,6 +11,7 @@ from typing import Dict, List
 from megalite.config import Config
 from megalite.layout import Layout, stage_chunks
 from megalite.plan import _add_chunk, _dims, _stage_comm, _StageSums
+from megalite.plan_chunks import stage_ends, ties_over_stages
 
 
 @dataclass
@@ -25,11 +26,11 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
     out = []
     for k, chunks in enumerate(stage_chunks(cfg.model.n_layer, layout.pp_size,
                                             layout.virtual_stages,
-                                            cfg.parallel.edge_stage_layers)):
+                                            cfg.parallel.edge_stage_layers,
+                                            layout.v_shape)):
         sums = _StageSums()
-        ends = [(place.holds_first(k, c), place.holds_last(k, c)) for c in range(len(chunks))]
-        for (first, last), blocks in zip(ends, chunks):
-            _add_chunk(sums, d, first, last, len(blocks))
-        tied = layout.pp_size > 1 and any(f or lst for f, lst in ends)
+        for e, blocks in zip(stage_ends(place, k), chunks):
+            _add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
+        tied = layout.pp_size > 1 and ties_over_stages(place, k)
         out.append(StageTraffic(k, sums.psi, _stage_comm(d, sums, tied)))
     return out

@@ -167,10 +167,11 @@ class RerunAttribution:
         return values.tolist()
 
     def _global_loss(self, loss: torch.Tensor) -> float:
-        """The step's mean loss over the DP replicas (one world all-reduce: the last stage's
-        first TP rank of each replica contributes)."""
+        """The step's mean loss over the DP replicas (one world all-reduce: the first TP rank
+        of each replica's stage with the LM head contributes — the last stage, zb-v's first;
+        the schedule returns 0 on the others)."""
         c = self.topo.coords
-        mine = loss.item() if self.topo.is_last_stage and c.tp_rank == 0 else 0.0
+        mine = loss.item() if c.tp_rank == 0 else 0.0
         total = comm.all_reduce_scalars([mine], self.topo.world_group, self.device)[0]
         return total / self.topo.dp_size
 

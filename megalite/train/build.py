@@ -75,7 +75,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     for shards in train_shards:
         check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
     stages = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
-                          cfg.parallel.edge_stage_layers)
+                          cfg.parallel.edge_stage_layers, layout.v_shape)
     c = topo.coords
     rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, runtime.device)
     model = build_model(cfg, runtime, stages[c.pp_rank], rng)
@@ -231,7 +231,7 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
     offload = ActivationOffload(runtime.device, cfg.offload.activations_layers) \
         if cfg.offload.activations and runtime.device.type != "meta" else None
     with torch.device(runtime.device):
-        model = build_stage(cfg.model, blocks, topo.coords.pp_rank, topo.pp_size,
+        model = build_stage(cfg.model, blocks, topo.coords.pp_rank, topo.pp_size, layout.v_shape,
                             tp_group=topo.tp_group, sequence_parallel=layout.sequence_parallel,
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
