@@ -1,10 +1,10 @@
 """Optimizer offload (offload.optimizer = f): the fp32 master weights and AdamW moments of the
 fraction f of each rank's owned range live in host memory and are stepped by the CPU AdamW;
-training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16
-tracks the serial bf16 run; a skipped step changes nothing; checkpoints move between offloaded
-and plain runs. On CPU host = device: the copies are real copies between separate buffers
-(tests/test_cuda_optimizer_offload.py covers pinned memory, the side stream and the overlap
-order)."""
+training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16 and
+fp16 track the run without offload; a skipped step (non-finite, fp16 overflow) changes
+nothing; checkpoints move between offloaded and plain runs. On CPU host = device: the copies
+are real copies between separate buffers (tests/test_cuda_optimizer_offload.py covers pinned
+memory, the side stream and the overlap order)."""
 from __future__ import annotations
 
 import math
