@@ -111,6 +111,11 @@ def _many(rank, world, runs, run_dir, steps, save_at):
             for i, overrides in enumerate(runs)]
 
 
+def train_in_process(run_dir, overrides: List[str], steps: int = 10) -> dict:
+    """One configuration on one rank in this process (no spawn: a serial reference)."""
+    return _steps(0, 1, overrides, str(run_dir), steps)
+
+
 def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
                  timeout_s: float = 600, save_at: Optional[int] = None) -> List[dict]:
     """One configuration on `world` ranks: a result per rank."""

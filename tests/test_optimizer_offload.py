@@ -1,28 +1,34 @@
 """Optimizer offload (offload.optimizer = f): the fp32 master weights and AdamW moments of the
 fraction f of each rank's owned range live in host memory and are stepped by the CPU AdamW;
-training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16
-tracks the serial bf16 run; a skipped step changes nothing; checkpoints move between offloaded
-and plain runs. On CPU host = device: the copies are real copies between separate buffers
-(tests/test_cuda_offload.py covers pinned memory, the side stream and the overlap order)."""
+training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16 and
+fp16 track the run without offload; a skipped step (non-finite, fp16 overflow) changes
+nothing; checkpoints move between offloaded and plain runs. On CPU host = device: the copies
+are real copies between separate buffers (tests/test_cuda_optimizer_offload.py covers pinned
+memory, the side stream and the overlap order)."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
 from megalite.config import ConfigError, load_config
 from megalite.layout import Layout, validate
+from megalite.parallel import offload as offload_module
+from megalite.parallel.norms import squares_fp32_rows, squares_fp64
 from megalite.placement_fit import FitCosts, cheapest_fit
 from megalite.plan import make_plan
 from megalite.runtime import init_runtime
 from megalite.train.build import build_trainer
 from megalite.train.host_memory import check_host_memory
+from megalite.train.host_threads import host_threads_per_rank, set_host_threads
 from tests.conftest import TINY
 from tests.layouts import (
     FP32_NO_DROPOUT,
     _parameters_are_masters_cast,
     assert_equal,
+    train_in_process,
     train_layouts,
 )
 
@@ -111,6 +117,35 @@ def test_not_enough_host_memory_counts_every_local_rank_and_the_staging():
     assert need in str(e.value) and have in str(e.value) and "staging" in str(e.value)
 
 
+def test_host_threads_take_the_ranks_share_of_the_cores(monkeypatch):
+    """offload.optimizer on CUDA: cores // LOCAL_WORLD_SIZE threads (torchrun's 1 raised,
+    never lowered); nothing changes without offload or on CPU."""
+    assert host_threads_per_rank(64, 8, current=1) == 8
+    assert host_threads_per_rank(2, 4, current=1) == 1
+    assert host_threads_per_rank(64, 8, current=16) == 16
+    calls = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    cuda = torch.device("cuda")
+    assert set_host_threads(0.5, torch.device("cpu"), local_ranks=8, cores=64) is None
+    assert set_host_threads(0.0, cuda, local_ranks=8, cores=64) is None
+    assert calls == []
+    assert set_host_threads(0.5, cuda, local_ranks=8, cores=64) == 8 and calls == [8]
+
+
+def test_host_norm_is_fp32_rows_summed_in_fp64():
+    """The host pieces' squares: fp32 norms of 1024-element rows, summed in fp64, equal the
+    fp64 norm to ~1e-8 where one fp32 norm over the piece is ~1e-4 off (2M elements)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2_000_000, generator=g) * 1e-3
+    x[::7] *= 50
+    pieces = [x[:5], x[5:1_500_000], x[1_500_000:]]  # a short one, tails of every length
+    want = squares_fp64(pieces, torch.device("cpu")).item()
+    got = squares_fp32_rows(pieces, torch.device("cpu")).item()
+    whole = float(torch.linalg.vector_norm(x)) ** 2
+    assert abs(got / want - 1) < 1e-7 < abs(whole / want - 1)
+
+
 # --- one rank: the split, the buffers, a skipped step, checkpoints both ways ----------
 
 def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_data, tmp_path):
@@ -135,13 +170,7 @@ def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_d
     assert trainer._offload_memory(steps=1) == {
         "optimizer_offload_host_bytes": 16 * host, "optimizer_offload_pcie_bytes": 8 * host}
     r = offload.order[0]
-
-    def snapshot():
-        return [t.clone() for p, _, _ in engine.main_params
-                for t in [p.detach(), *engine.adam_state(p).values()]] + \
-            [p.detach().clone() for p in trainer.model.parameters()]
-
-    before = snapshot()
+    before = _state(trainer)
     drain = offload.drain
 
     def poisoned_drain():
@@ -151,8 +180,16 @@ def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_d
     offload.drain = poisoned_drain
     loss, norm = trainer.train_step()
     assert loss is None and math.isnan(norm) and trainer.skipped_steps == 1
-    for a, b in zip(before, snapshot()):
+    for a, b in zip(before, _state(trainer)):
         assert torch.equal(a, b)
+
+
+def _state(trainer) -> list:
+    """Every master piece (host and device) with its AdamW state, and every parameter."""
+    engine = trainer.engine
+    return [t.clone() for p, _, _ in engine.main_params
+            for t in [p.detach(), *engine.adam_state(p).values()]] + \
+        [p.detach().clone() for p in trainer.model.parameters()]
 
 
 def _steps(trainer, steps):
@@ -163,20 +200,30 @@ def _steps(trainer, steps):
     return out
 
 
-def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path):
-    """An offloaded run (0.5) saves at step 1, a plain run resumes it and saves at step 2, a
-    fully offloaded run resumes that: steps 2 and 3 equal the plain run's without checkpoints
-    (the format is the same: only where the state lived differs)."""
-    reference = _steps(_trainer(tiny_data, tmp_path / "ref"), 3)
+def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path, monkeypatch):
+    """An offloaded zero 2 run (0.5) saves at step 1, a plain run resumes it and saves at
+    step 2, a fully offloaded run resumes that: steps 2 and 3 equal the plain run's without
+    checkpoints (the format is the same: only where the state lived differs). 2 micro-batches
+    a step: zero 2 copies each reduced gradient to the host and sums them there, on the fold
+    thread, not the training thread."""
+    folds = []
+    fold = offload_module._fold
+    monkeypatch.setattr(offload_module, "_fold", lambda *a: (
+        folds.append(threading.current_thread().name), fold(*a))[1])
+    two = ["train.global_batch_size=4"]
+    reference = _steps(_trainer(tiny_data, tmp_path / "ref", *two), 3)
     chain, ckpt = [], tmp_path / "ckpt"
-    for i, (extra, steps) in enumerate([(["offload.optimizer=0.5"], 1), ([], 1),
+    for i, (extra, steps) in enumerate([(["offload.optimizer=0.5", "zero=2"], 1), ([], 1),
                                         (["offload.optimizer=1"], 1)]):
         resume = [] if i == 0 else ["checkpoint.resume=auto"]
         trainer = _trainer(tiny_data, tmp_path / str(i), f"checkpoint.dir={ckpt}",
-                           *resume, *extra)
+                           *resume, *two, *extra)
         assert trainer.step == i
         chain += _steps(trainer, steps)
         trainer.save()
+        if i == 0:
+            assert len(folds) == 2 * len(trainer.engine.offload.ranges)
+            assert all(name.startswith("megalite-offload") for name in folds)
     for (loss, norm, params), (loss_r, norm_r, params_r) in zip(chain, reference):
         assert math.isclose(loss, loss_r, rel_tol=1e-5) and math.isclose(norm, norm_r,
                                                                          rel_tol=1e-5)
@@ -184,24 +231,45 @@ def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-# --- training under parallel layouts (real gloo ranks) ---------------------------------
+# fp16: from 2^15 the scale doubles after every clean step (window 1) until a step overflows
+# (at 2^18, step 4, in these runs) and is skipped, once AdamW's moments exist
+MIXED = {"bf16": [], "fp16": ["loss_scale.initial=32768", "loss_scale.window=1",
+                              "loss_scale.hysteresis=1"]}
 
-def test_bf16_with_offload_tracks_the_serial_bf16_run(tiny_data, tmp_path):
-    """bf16 parameters, fp32 masters and moments on the host (cast to bf16 there before the
-    copy back): 6 steps track the plain bf16 run within tests/test_mixed_precision.py's
-    tolerances, and every parameter is its fp32 master cast down."""
-    bf16 = ["precision=bf16", "optim.lr=1e-2", "optim.warmup_steps=0"]
-    runs = []
-    for extra in ([], ["offload.optimizer=1"]):
-        trainer = _trainer(tiny_data, tmp_path / str(len(runs)), *bf16, *extra)
-        runs.append(_steps(trainer, 6))
+
+@pytest.mark.parametrize("precision", sorted(MIXED))
+def test_mixed_precision_with_offload_tracks_the_plain_run(tiny_data, tmp_path, precision):
+    """bf16 / fp16 parameters, fp32 masters and moments on the host (cast to the model dtype
+    there before the copy back): 6 steps track the plain run within
+    tests/test_mixed_precision.py's tolerances, and every parameter is its fp32 master cast
+    down. fp16 (loss scaling, the host gradients unscaled with the device's): a step that
+    overflows is skipped in both runs alike and changes neither host nor device state."""
+    extra = [f"precision={precision}", "optim.lr=1e-2", "optim.warmup_steps=0",
+             *MIXED[precision]]
+    runs, unchanged = [], []
+    for offload in ([], ["offload.optimizer=0.5"]):
+        trainer = _trainer(tiny_data, tmp_path / str(len(runs)), *extra, *offload)
+        out = []
+        for _ in range(6):
+            before = _state(trainer)
+            out += _steps(trainer, 1)
+            if out[-1][0] is None:
+                unchanged.append(all(torch.equal(a, b) for a, b in zip(before,
+                                                                       _state(trainer))))
+        runs.append(out)
         assert _parameters_are_masters_cast(trainer.engine)
-        assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        assert all(p.dtype == dtype for p in trainer.model.parameters())
     plain, offloaded = runs
-    assert plain[-1][0] < plain[0][0] - 0.5  # it learns
+    assert [loss is None for loss, _, _ in plain] == [loss is None for loss, _, _ in offloaded]
+    if precision == "fp16":  # a skipped step after AdamW stepped, seen by both runs
+        assert plain[0][0] is not None and len(unchanged) >= 2 and all(unchanged)
+    trained = [loss for loss, _, _ in plain if loss is not None]
+    assert trained[-1] < trained[0] - 0.5  # it learns
     for (loss, norm, params), (loss_p, norm_p, params_p) in zip(offloaded, plain):
-        assert math.isclose(loss, loss_p, rel_tol=3e-3) and math.isclose(norm, norm_p,
-                                                                         rel_tol=5e-2)
+        if loss_p is not None:
+            assert math.isclose(loss, loss_p, rel_tol=3e-3) and math.isclose(norm, norm_p,
+                                                                             rel_tol=5e-2)
     moved = sum(float((q.float() - p.float()).square().sum())
                 for p, q in zip(plain[0][2], plain[-1][2]))
     err = sum(float((q.float() - p.float()).square().sum())
@@ -211,21 +279,28 @@ def test_bf16_with_offload_tracks_the_serial_bf16_run(tiny_data, tmp_path):
 
 # --- training under parallel layouts (real gloo ranks) ---------------------------------
 
-# (fraction, zero stage) pairs across layouts: 0.5 and 1 under zero 1, 2 and 3; pp2
-# (interleaved, 2 chunks per stage): the tied embedding's gradient is summed through the host
-LAYOUTS = [["zero=1", "offload.optimizer=0.5"], ["zero=3", "offload.optimizer=1"],
+# (zero stage, fraction) across layouts: zero 1 at 0.5 and 1, zero 2 at 0.5 and 1, zero 3 at
+# 1; pp2 (interleaved, 2 chunks per stage, and not): the tied embedding's gradient is summed
+# with its host part, under zero 2 (device and host parts in one all-reduce) and zero 1
+LAYOUTS = [["zero=2", "offload.optimizer=1"], ["zero=3", "offload.optimizer=1"],
            ["tp=2", "sp=true", "zero=1", "offload.optimizer=1"],
-           ["pp=2", "parallel.virtual_stages=2", "zero=2", "offload.optimizer=0.5"]]
+           ["pp=2", "parallel.virtual_stages=2", "zero=2", "offload.optimizer=0.5"],
+           ["pp=2", "zero=1", "offload.optimizer=0.5"]]
+
+
+def _wire_bytes(step_comm: dict, group: str) -> float:
+    return sum(v["wire_bytes"] for k, v in step_comm.items() if k.startswith(group + "/"))
 
 
 @pytest.mark.distributed
 def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
     """2 steps (fp32, dropout 0; 1 micro-batch per step on dp4, 2 on dp2: zero 2/3 copy
-    every micro-batch's reduced gradient) under each of LAYOUTS on 4 ranks: losses, grad norms and
-    every parameter after every step equal the serial run without offload, and every rank
-    holds host state."""
+    every micro-batch's reduced gradient) under each of LAYOUTS on 4 ranks: losses, grad
+    norms and every parameter after every step equal the serial run without offload (run in
+    this process); every rank holds the plan's device and host bytes, and each group carries
+    the plan's bytes per step (the tied embedding's offloaded part is all-reduced once)."""
     steps = 2
-    (serial,), = train_layouts(tmp_path / "serial", 1, [_run(tiny_data)], steps=steps)
+    serial = train_in_process(tmp_path / "serial", _run(tiny_data), steps=steps)
     runs = train_layouts(tmp_path / "par", 4, [_run(tiny_data, *lo) for lo in LAYOUTS],
                          steps=steps)
     for layout, ranks in zip(LAYOUTS, runs):
@@ -237,3 +312,9 @@ def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
             for kind, got in res["bytes"].items():
                 assert got == pytest.approx(stage.bytes[kind], rel=0.01), (layout, kind)
             assert res["host_bytes"] == pytest.approx(stage.host["optimizer"], rel=0.01)
+        for stage in plan.stages:  # the mean over a stage's ranks, as tests/test_plan.py
+            mine = [r["step_comm"] for r in ranks if r["coords"][1] == stage.stage]
+            for group in ("tp", "pp", "dp", "embedding"):
+                got = sum(_wire_bytes(c, group) for c in mine) / len(mine)
+                assert got == pytest.approx(stage.comm[group], rel=0.02, abs=64), \
+                    (layout, stage.stage, group)

@@ -37,6 +37,7 @@ from megalite.parallel.offload import build_adamw
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
+from megalite.train.host_threads import set_host_threads
 from megalite.train.metrics import Peak, peak_tflops
 
 FRACTIONS = (0.0, 0.5, 1.0)
@@ -202,6 +203,7 @@ def step_times(args, device) -> List[dict]:
 
 def run(args) -> List[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    set_host_threads(1.0, device, local_ranks=1)  # CUDA: the host cores a training run gets
     rows = []
     throughput = host_adamw_throughput(args.adam_params, args.steps, args.warmup)
     for kind, rate in throughput.items():

@@ -78,7 +78,7 @@ class ReduceScatterGrad(GradReduction):
     def fold(self, bucket: "Bucket", work, out: Optional[torch.Tensor]) -> torch.Tensor:
         work.wait()
         bucket.main_grad.copy_(out)
-        return bucket.main_grad
+        return out  # what the reduction wrote (the copy into main_grad is the compute's)
 
 
 class ShardedGrad(ReduceScatterGrad):
@@ -174,11 +174,12 @@ class Bucket:
         self.reduction.launch(self, grad)
         self._temp = None
 
-    def complete(self) -> List[torch.Tensor]:
+    def complete(self) -> List[Tuple[torch.Tensor, object]]:
         """Wait for launched reductions and fold their results into `main_grad`; returns the
-        reduced gradients (of the owned range) they brought, oldest first."""
+        reduced gradients (of the owned range) they brought, oldest first, each with its
+        reduction's handle (whose `wait()` orders a stream after that reduction)."""
         pending, self.pending = self.pending, []
-        reduced = [self.reduction.fold(self, work, out) for work, out in pending]
+        reduced = [(self.reduction.fold(self, work, out), work) for work, out in pending]
         self.launched = False
         return reduced
 

@@ -9,30 +9,42 @@ over the whole model. The device keeps its part [lo, cut) as before; for the hos
 keeps only what the forward needs, the model-dtype parameters (and under zero 0/1 the whole
 fp32 gradient it accumulates anyway; under zero 2/3 its reduced gradient shrinks to [lo, cut)).
 
-    backward   as soon as a bucket's DP reduction completes (`ZeroEngine.bucket_reduced`): its
-               reduced gradient of [cut, hi) goes device -> host on a side stream (zero 0/1:
-               once per step; zero 2/3: every micro-batch, added on the host in the order the
-               device adds its part, so the sums are the same); the previous copy of the same
-               bucket is folded in first
-    grad sync  every copy folded in (`drain`); the TP sum of SP's TP-replicated pieces and the
-               tied embedding's sum include the host pieces (`ZeroEngine.finish_grad_sync`)
+On CUDA two streams meet: the compute stream (forward, backward, device AdamW) and one side
+stream for every copy. No step ever blocks the CPU on the compute stream:
+
+    backward   as soon as a bucket's DP reduction completes (`on_reduced`), the side stream
+               waits for that reduction's own end event — not the compute stream, which is
+               already running later blocks' backward — and copies the host part of the
+               reduced gradient device -> host (zero 0/1: once per step, into the host
+               gradient; zero 2/3: every micro-batch, into a staging buffer). Zero 2/3's host
+               sums (staging added into the gradient, in the order the device adds its part,
+               so the sums are the same) run on a worker thread (`_fold`), off the training
+               thread: the backward hook only issues the copy and queues the fold
+    grad sync  every copy landed and folded (`drain`); the tied embedding's sum and SP's TP
+               sum include the host pieces (`megalite.parallel.grad_sums`)
     norm       the global norm counts host and device pieces alike; the trainer's finiteness
                verdict (train.max_bad_steps, the fp16 scaler's overflow skip) and the clip
                factor are decided before anything steps: a skipped step touches neither side
-    step       the device AdamW steps its pieces (asynchronously on CUDA) while the host
-               steps bucket by bucket in the order the next forward uses them; each bucket's
-               updated parameters (cast to the model dtype on the host) go host -> device on
-               the side stream while the next bucket steps; before the step returns the
-               compute stream waits for the last copy, so every block's parameters are in
-               place before the next forward (and before zero 1/2's all-gather) reads them
+    step       the device AdamW is queued on the compute stream while the host steps range
+               by range in the order the next forward uses them; each range's updated
+               parameters (cast to the model dtype on the host) go host -> device on the side
+               stream while the next range steps; the side stream first waits for the event
+               `drain` recorded (the backward's last read of the parameters), not for the
+               device AdamW. `step` returns without waiting for the copies
+    next use   each block's parameters wait for their own copy, on the device, where they are
+               next read (`params_needed`: a forward pre-hook on every sharding unit; before
+               zero 1/2's all-gather of each bucket; before zero 3's gather of each unit), so
+               the first blocks compute while the last ranges are still on the link
 
-On CPU host = device: the same buffers and copies exist (real copies between separate
-tensors, no streams), which exercises the path and saves nothing. The time blocked on copies
-is the step phase `offload_wait` (`megalite.train.timers`; part of grad_sync / optimizer).
+On CPU host = device: the same buffers, copies and fold thread exist (real copies between
+separate tensors, no streams), which exercises the path and saves nothing. The time blocked on
+copies — the CPU waiting for a fold or a copy, or on CUDA the compute stream waiting for a
+parameter copy — is the step phase `offload_wait` (`megalite.train.timers`).
 """
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import torch
@@ -84,8 +96,9 @@ class HostRange:
         self.pieces: List[nn.Parameter] = []
         self.decays: List[bool] = []
         self.optimizer: Optional[torch.optim.AdamW] = None
-        self.d2h = None  # a copy into `staging` not folded in yet (CUDA: its event)
-        self.h2d = None  # CUDA: the event of the last copy of the parameters to the device
+        self.copied_in = None  # CUDA: the event of the last copy into `staging`
+        self.folding: Optional[Future] = None  # zero 2/3: the fold of that copy, queued
+        self.copied_out = None  # CUDA: the event of the last copy of the parameters out
 
     def piece(self, seg: Segment) -> nn.Parameter:
         """The master piece of `seg` (inside [cut, hi)), its gradient in the host gradient."""
@@ -103,16 +116,49 @@ class HostRange:
         return sum(t.numel() * t.element_size() for t in tensors) + moments
 
 
-def forward_order(chunks, buckets) -> List:
-    """Buckets in the order of their first use in a forward (each chunk's sharding units)."""
+def _fold(r: HostRange, copied) -> None:
+    """The fold thread's task: once the copy into `r.staging` landed, add it to the host
+    gradient (tasks run one at a time in the order queued: each range's sums keep the
+    device's order)."""
+    if copied is not None:
+        copied.synchronize()
+    r.grad.add_(r.staging)
+
+
+def _wait_reduction_on(work, stream) -> bool:
+    """Make `stream` wait for the collective behind `work` (a `megalite.parallel.comm`
+    handle: on NCCL, `Work.wait()` blocks the *current* stream on the collective's end event,
+    and blocking it a second time after the compute stream did is harmless). False for a
+    group of one, whose 'reduction' ran on the compute stream."""
+    backend_work = getattr(work, "work", None)
+    if backend_work is None:
+        return False
+    with torch.cuda.stream(stream):
+        backend_work.wait()
+    return True
+
+
+def unit_buckets(chunks, buckets) -> List[tuple]:
+    """(unit, the buckets holding its parameters) for each chunk's sharding units, in forward
+    order."""
     by_param = {id(p): b for b in buckets for p in b.params}
-    order: List = []
+    out = []
     for chunk in chunks:
         for unit in chunk.sharding_units():
+            mine: List = []
             for p in unit.parameters():
-                bucket = by_param.get(id(p))
-                if bucket is not None and all(bucket is not o for o in order):
-                    order.append(bucket)
+                b = by_param.get(id(p))
+                if b is not None and all(b is not o for o in mine):
+                    mine.append(b)
+            out.append((unit, mine))
+    return out
+
+
+def forward_order(chunks, buckets) -> List:
+    """Buckets in the order of their first use in a forward (each chunk's sharding units)."""
+    order: List = []
+    for _, mine in unit_buckets(chunks, buckets):
+        order += [b for b in mine if all(b is not o for o in order)]
     return order + [b for b in buckets if all(b is not o for o in order)]
 
 
@@ -120,7 +166,7 @@ class OptimizerOffload:
     """One rank's offloaded optimizer state: a `HostRange` per bucket with a host part."""
 
     def __init__(self, chunks, buckets, fraction: float, device: torch.device):
-        self.fraction, self.device = fraction, device
+        self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.timers = None  # the trainer's StepTimers: waits are timed as `offload_wait`
@@ -133,6 +179,14 @@ class OptimizerOffload:
                       if id(b) in self.ranges]
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
         self.h2d_bytes = 0
+        self._folder: Optional[ThreadPoolExecutor] = None  # zero 2/3's fold thread (lazy)
+        self._params_free = None  # CUDA: recorded by `drain` after the backward was queued
+        # buckets whose parameter copy the device has not waited for yet (CPU: True)
+        self.pending: Dict[int, object] = {}
+        for unit, mine in unit_buckets(chunks, buckets):
+            mine = [b for b in mine if id(b) in self.ranges]
+            if mine:  # first of the unit's pre-hooks (ahead of ZeRO-3's gather)
+                unit.register_forward_pre_hook(self._unit_hook(mine), prepend=True)
 
     def _split(self, bucket, cut: int) -> HostRange:
         host = HostRange(bucket, cut, pinned=self.cuda,  # meta: megalite-verify-rank's shapes
@@ -144,6 +198,11 @@ class OptimizerOffload:
         if bucket.grad_full is None:  # zero 2/3: the device sums [lo, cut) only
             bucket.main_grad = bucket.main_grad[:host.offset].clone()
         return host
+
+    def _unit_hook(self, buckets: List):
+        def hook(module, args) -> None:
+            self.params_needed(buckets)
+        return hook
 
     def range_of(self, bucket) -> Optional[HostRange]:
         return self.ranges.get(id(bucket))
@@ -162,96 +221,136 @@ class OptimizerOffload:
 
     # --- gradients: device -> host ----------------------------------------------------
 
-    def on_reduced(self, bucket, reduced: torch.Tensor) -> None:
-        """A bucket's DP reduction completed (`reduced`: its owned range's reduced gradient):
-        start copying the host part (after folding in the previous copy)."""
+    def on_reduced(self, bucket, reduced: torch.Tensor, work) -> None:
+        """A bucket's DP reduction completed (`reduced`: its owned range's reduced gradient,
+        `work`: the reduction's handle): start copying the host part on the side stream,
+        ordered after that reduction only; zero 2/3: queue its fold into the host gradient."""
         r = self.ranges.get(id(bucket))
         if r is None:
             return
-        self._fold(r)
+        self._settle(r)  # zero 2/3: the last fold has read `staging` (long done by now)
         src = reduced[r.offset:]
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            compute = torch.cuda.current_stream(self.device)
+            if not _wait_reduction_on(work, self.stream):
+                self.stream.wait_stream(compute)
             with torch.cuda.stream(self.stream):
                 r.staging.copy_(src, non_blocking=True)
-                r.d2h = self.stream.record_event()
-            src.record_stream(self.stream)
+                r.copied_in = self.stream.record_event()
+            src.record_stream(self.stream)  # the compute stream may not reuse it before
         else:
             r.staging.copy_(src)
-            r.d2h = True
+        if r.accumulate:
+            if self._folder is None:
+                self._folder = ThreadPoolExecutor(1, thread_name_prefix="megalite-offload")
+            r.folding = self._folder.submit(_fold, r, r.copied_in)
+            r.copied_in = None
         self.d2h_bytes += 4 * src.numel()
 
-    def _fold(self, r: HostRange) -> None:
-        if r.d2h is None:
-            return
-        if self.cuda and not r.d2h.query():
-            with self._waiting():
-                r.d2h.synchronize()
-        if r.accumulate:
-            r.grad.add_(r.staging)
-        r.d2h = None
+    def _settle(self, r: HostRange) -> None:
+        """`r`'s last copy in has landed (and zero 2/3: been folded in); the CPU waits."""
+        if r.folding is not None:
+            if not r.folding.done():
+                with self._waiting():
+                    r.folding.result()
+            r.folding, folding = None, r.folding
+            folding.result()  # a failed fold raises here
+        if r.copied_in is not None:
+            if not r.copied_in.query():
+                with self._waiting():
+                    r.copied_in.synchronize()
+            r.copied_in = None
 
     def drain(self) -> None:
-        """Every copy folded into the host gradients (after the step's last reduction)."""
+        """Every copy landed and folded into the host gradients (after the step's last
+        reduction); on CUDA also marks where the backward's reads of the parameters end."""
         for r in self.ranges.values():
-            self._fold(r)
+            self._settle(r)
+        if self.cuda:
+            self._params_free = torch.cuda.current_stream(self.device).record_event()
 
-    def all_reduce_host(self, bucket, group, all_reduce) -> None:
-        """`all_reduce` of a bucket's host gradient (the tied embedding's sum): through the
-        device where the backend needs device tensors."""
+    def sum_tied(self, bucket, group, all_reduce) -> None:
+        """`all_reduce` over `group` of the tied embedding bucket's reduced gradient, every
+        element once (the host part through the device where the backend needs device
+        tensors). Zero 0/1: the device's gradient still holds the host part's values as
+        copied (nothing changed either since `drain`), so one all-reduce of the device's
+        range and a copy of its host part back; zero 2/3: the device keeps [lo, cut) only,
+        so both parts go in one all-reduce of their concatenation."""
         r = self.ranges.get(id(bucket))
         if r is None:
-            return
-        on_device = r.grad.to(self.device)
-        all_reduce(on_device, group)
-        r.grad.copy_(on_device)
+            all_reduce(bucket.main_grad, group)
+        elif bucket.grad_full is not None:
+            all_reduce(bucket.main_grad, group)
+            r.grad.copy_(bucket.main_grad[r.offset:])
+        else:
+            both = torch.cat([bucket.main_grad, r.grad.to(self.device)])
+            all_reduce(both, group)
+            bucket.main_grad.copy_(both[:r.offset])
+            r.grad.copy_(both[r.offset:])
 
     def zero_grad(self) -> None:
         for r in self.ranges.values():
+            self._settle(r)
             r.grad.zero_()
 
     # --- parameters: host step, host -> device --------------------------------------------
 
     def step(self) -> None:
-        """Host AdamW bucket by bucket in forward order, each bucket's parameters sent to the
-        device while the next steps; returns once the compute stream waits for them all."""
+        """Host AdamW range by range in forward order, each range's parameters sent to the
+        device while the next steps; returns without waiting for the copies (the next
+        reader of each bucket's parameters waits for its own: `params_needed`)."""
+        if self.cuda and self._params_free is not None:
+            self.stream.wait_event(self._params_free)
         for r in self.order:
+            self._copied_out(r)  # the last copy has read `main` / `cast` (a step ago)
             if r.optimizer is not None:
                 r.optimizer.step()
             self._to_device(r)
-        self._settle()
 
     def params_to_device(self) -> None:
         """The device parameters from the host masters (after a checkpoint load)."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for r in self.order:
+            self._copied_out(r)
             self._to_device(r)
-        self._settle()
+
+    def copies_done(self) -> None:
+        """The CPU waits until no copy reads the host masters (before a load writes them)."""
+        for r in self.order:
+            self._copied_out(r)
+
+    def _copied_out(self, r: HostRange) -> None:
+        if r.copied_out is not None:
+            if not r.copied_out.query():
+                with self._waiting():
+                    r.copied_out.synchronize()
+            r.copied_out = None
 
     def _to_device(self, r: HostRange) -> None:
         src = r.main
         if r.cast is not None:
-            if r.h2d is not None:
-                r.h2d.synchronize()  # the last step's copy has read the cast buffer
             r.cast.copy_(r.main)
             src = r.cast
         dst = r.bucket.param_region[r.offset:]
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 dst.copy_(src, non_blocking=True)
-                r.h2d = self.stream.record_event()
+                r.copied_out = self.stream.record_event()
         else:
             dst.copy_(src)
+        self.pending[id(r.bucket)] = r.copied_out if self.cuda else True
         self.h2d_bytes += src.numel() * src.element_size()
 
-    def _settle(self) -> None:
-        if not self.cuda or not self.order:
-            return
-        with self._waiting():  # the copies run in order on one stream: the last is the end
-            self.order[-1].h2d.synchronize()
-        current = torch.cuda.current_stream(self.device)
-        for r in self.order:
-            current.wait_event(r.h2d)
+    def params_needed(self, buckets) -> None:
+        """`buckets`' parameters are about to be read (a forward, a gather): on CUDA the
+        current stream waits for their copies still pending — on the device, the CPU goes
+        on. Each copy is waited for once; later calls find nothing pending."""
+        for b in buckets:
+            copied = self.pending.pop(id(b), None)
+            if copied is not None and self.cuda:
+                with self._waiting():
+                    torch.cuda.current_stream(self.device).wait_event(copied)
 
     # --- accounting -------------------------------------------------------------------
 

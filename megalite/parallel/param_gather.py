@@ -13,7 +13,7 @@ Anything that reads the parameters outside a forward (a checkpoint, a test) call
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch.nn as nn
 
@@ -41,9 +41,12 @@ class OverlappedParamGather:
             self.wait(buckets)
         return hook
 
-    def launch(self) -> None:
-        """Start every bucket's gather (after the optimizer step), first-used first."""
+    def launch(self, before: Optional[Callable[[List], None]] = None) -> None:
+        """Start every bucket's gather (after the optimizer step), first-used first, each
+        after `before([bucket])` (offload.optimizer: its host part's copy is waited for)."""
         for bucket in self.order:
+            if before is not None:
+                before([bucket])
             self._pending[id(bucket)] = bucket.after_step(async_op=True)
 
     def wait(self, buckets=None) -> None:

@@ -41,16 +41,19 @@ import torch.nn as nn
 from megalite.config import OptimConfig
 from megalite.layout import Layout
 from megalite.parallel import comm
-from megalite.parallel.bucket import MOMENTS, REDUCTIONS_IN_FLIGHT, Bucket, StatePiece
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
 from megalite.parallel.flat import Segment
-from megalite.parallel.norms import by_device, squares_fp64
+from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated
+from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
 from megalite.parallel.offload import OptimizerOffload, build_adamw
 from megalite.parallel.topology import Topology
+from megalite.parallel.zero_state import EngineState
 
 
-class ZeroEngine:
+class ZeroEngine(EngineState):
     """Owns the parameters, gradients and optimizer state of one model stage on one rank
-    (`model.chunks`: the stage's model chunks, one without an interleaved schedule)."""
+    (`model.chunks`: the stage's model chunks, one without an interleaved schedule). Its
+    checkpoint pieces and byte accounting: `megalite.parallel.zero_state`."""
 
     def __init__(self, model: nn.Module, topo: Topology, layout: Layout, optim: OptimConfig,
                  bucket_mb: float = 25.0, reshard_after_forward: bool = True,
@@ -104,7 +107,8 @@ class ZeroEngine:
         if offload_optimizer > 0:
             self.offload = OptimizerOffload(model.chunks, self.buckets, offload_optimizer,
                                             self.buckets[0].main_grad.device)
-            self.bucket_reduced.append(self.offload.on_reduced)
+            if self.zero3 is not None:  # each unit's gather waits for its parameters' copy
+                self.zero3.params_needed = self.offload.params_needed
         self._build_optimizer(optim)
 
     # --- optimizer ----------------------------------------------------------------------
@@ -133,12 +137,10 @@ class ZeroEngine:
             [] if self.offload is None else self.offload.build_optimizers(cfg))
         self._optimizer_of = {id(p): o for o in self.optimizers
                               for g in o.param_groups for p in g["params"]}
-        self._norm_grads = [p.grad for p, seg, _ in self.main_params if self._counted(seg)]
+        self._on_host = [self._optimizer_of[id(p)] is not self.optimizer
+                         for p, _, _ in self.main_params]  # offloaded pieces
+        self._norm_grads = self._norm_split([p.grad for p, _, _ in self.main_params])
         self._all_grads = [p.grad for p, _, _ in self.main_params]
-
-    def adam_state(self, piece: nn.Parameter) -> dict:
-        """AdamW's state of one master piece (empty before the first step)."""
-        return self._optimizer_of[id(piece)].state.get(piece, {})
 
     def _counted(self, seg: Segment) -> bool:
         """Whether this rank counts `seg` in a global norm: the tied embedding's second copy
@@ -219,9 +221,11 @@ class ZeroEngine:
         """Fold in `bucket`'s launched reductions and announce each reduced gradient to the
         `bucket_reduced` listeners (called per bucket per reduction: once per step for stages
         0-1, per micro-batch for 2-3), the hook for consumers of reduced gradients."""
-        for reduced in bucket.complete():
+        for reduced, work in bucket.complete():
             for listener in self.bucket_reduced:
                 listener(bucket, reduced)
+            if self.offload is not None:  # its copy waits for this reduction only
+                self.offload.on_reduced(bucket, reduced, work)
 
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every bucket's gradient reduced over DP (and TP /
@@ -237,29 +241,32 @@ class ZeroEngine:
             self._complete(b)
         if self.offload is not None:
             self.offload.drain()
+        sum_tied_embedding(self.buckets, self.offload, self.topo.embedding_group)
         if self.sequence_parallel:
-            pieces = [p.grad for p, s, _ in self.main_params if s.spec.tp_replicated]
-            if pieces:
-                device = self.buckets[0].main_grad.device
-                flat = torch.cat([g.to(device) for g in pieces])  # offloaded ones: via device
-                comm.all_reduce(flat, self.topo.tp_group)
-                for g, summed in zip(pieces, flat.split([g.numel() for g in pieces])):
-                    g.copy_(summed)
-        for b in self.buckets:
-            if b.tied:
-                comm.all_reduce(b.main_grad, self.topo.embedding_group)
-                if self.offload is not None:
-                    self.offload.all_reduce_host(b, self.topo.embedding_group, comm.all_reduce)
+            sum_tp_replicated(self.main_params, self.topo.tp_group,
+                              self.buckets[0].main_grad.device)
         if self.zero3 is not None:
             self.zero3.end_of_step()
 
-    def _global_norm(self, pieces: List[torch.Tensor]) -> torch.Tensor:
-        """L2 norm over the whole model of tensors laid out like the master pieces, each
-        element counted once (see the module docstring), accumulated in fp64 from the
-        elements up: per piece, over pieces and in the DP / model-parallel all-reduces
-        (DeepSpeed's fp64 norm), so the result does not move with how a layout cuts the
-        model into pieces. Returns an fp64 scalar."""
-        sq = squares_fp64(pieces, self.buckets[0].main_grad.device)
+    def _norm_split(self, tensors: List[torch.Tensor]) -> Tuple[List, List]:
+        """Of tensors laid out like `main_params`, those this rank counts in a global norm:
+        (the device's, the host's)."""
+        counted = [(t, host) for t, host, (_, seg, _) in zip(tensors, self._on_host,
+                                                             self.main_params)
+                   if self._counted(seg)]
+        return [t for t, host in counted if not host], [t for t, host in counted if host]
+
+    def _global_norm(self, pieces: Tuple[List, List]) -> torch.Tensor:
+        """L2 norm over the whole model of (device, host) tensors laid out like the master
+        pieces, each element counted once (see the module docstring). The device's pieces
+        accumulate in fp64 from the elements up (DeepSpeed's fp64 norm), so the result does
+        not move with how a layout cuts the model into pieces; offloaded pieces, on the host
+        CPU where fp64 is ~20x slower, in fp32 over rows of 1024 elements with the rows'
+        squares summed in fp64 (`squares_fp32_rows`: ~1e-8 relative); the DP /
+        model-parallel all-reduces in fp64. Returns an fp64 scalar."""
+        device_pieces, host_pieces = pieces
+        device = self.buckets[0].main_grad.device
+        sq = squares_fp64(device_pieces, device) + squares_fp32_rows(host_pieces, device)
         if self.layout.shards_optimizer:
             comm.all_reduce(sq, self.topo.dp_group)
         comm.all_reduce(sq, self.topo.mp_group)
@@ -271,8 +278,7 @@ class ZeroEngine:
 
     def param_norm(self) -> torch.Tensor:
         """Global L2 norm of the fp32 master weights (Megatron's --log-params-norm)."""
-        return self._global_norm([p.detach() for p, seg, _ in self.main_params
-                                  if self._counted(seg)])
+        return self._global_norm(self._norm_split([p.detach() for p, _, _ in self.main_params]))
 
     def clip_and_step(self, lr: float, max_norm: float, norm: Optional[torch.Tensor] = None,
                       grad_scale: float = 1.0) -> torch.Tensor:
@@ -299,10 +305,13 @@ class ZeroEngine:
             self.optimizer.step()  # on CUDA queued: the host steps meanwhile
         if self.offload is not None:
             self.offload.step()
+        ready = None if self.offload is None else self.offload.params_needed
         if self.param_gather is not None:
-            self.param_gather.launch()  # waited for by the next forward, unit by unit
+            self.param_gather.launch(ready)  # waited for by the next forward, unit by unit
         else:
             for b in self.buckets:
+                if ready is not None and b.gathers_params:
+                    ready([b])  # zero 1/2's gather reads the host's part: after its copy
                 b.after_step()
         return norm
 
@@ -311,6 +320,8 @@ class ZeroEngine:
         parameter gather overlaps the next forward)."""
         if self.param_gather is not None:
             self.param_gather.wait()
+        if self.offload is not None:
+            self.offload.params_needed(self.buckets)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -322,85 +333,6 @@ class ZeroEngine:
         """Stage 3: free every gathered unit (after a forward-only pass)."""
         if self.zero3 is not None:
             self.zero3.end_of_step()
-
-    # --- checkpoint pieces (what `megalite.checkpoint` reads and restores) -----------------
-
-    def adam_step(self) -> int:
-        """Optimizer steps taken (AdamW's bias-correction count, the same for every piece)."""
-        for optimizer in self.optimizers:
-            for state in optimizer.state.values():
-                return int(state["step"])
-        return 0
-
-    def state_pieces(self) -> List[StatePiece]:
-        """This rank's owned state, one piece per owned range of a parameter: the fp32 master
-        weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq", once they exist)."""
-        pieces = []
-        for index, (piece, seg, bucket) in enumerate(self.main_params):
-            state = self.adam_state(piece)
-            tensors = {"param": piece, **{k: state[k] for k in MOMENTS if k in state}}
-            s_lo, s_hi = bucket.dp_share
-            a, b = max(seg.flat_lo, s_lo), min(seg.flat_hi, s_hi)
-            share = (seg.param_lo + a - seg.flat_lo, seg.param_lo + max(a, b) - seg.flat_lo)
-            pieces.append(StatePiece(seg.spec, seg.param_lo, seg.param_hi, tensors, index,
-                                     share))
-        return pieces
-
-    @torch.no_grad()
-    def load_state_piece(self, piece: StatePiece, kind: str, values: torch.Tensor,
-                         adam_step: int) -> None:
-        """Restore one kind of one piece (`params_from_master` then updates the model)."""
-        param = self.main_params[piece.index][0]
-        if kind == "param":
-            param.copy_(values)
-            return
-        optimizer = self._optimizer_of[id(param)]
-        state = optimizer.state[param]
-        if "step" not in state:
-            fused = bool(optimizer.defaults.get("fused"))
-            state["step"] = torch.tensor(float(adam_step), dtype=torch.float32,
-                                         device=param.device if fused else "cpu")
-            for moment in MOMENTS:
-                state[moment] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state[kind].copy_(values)
-
-    @torch.no_grad()
-    def params_from_master(self) -> None:
-        """Model parameters from the (just loaded) master ranges."""
-        self.wait_for_params()
-        if self.offload is not None:
-            self.offload.params_to_device()
-        for b in self.buckets:
-            b.after_step()
-
-    # --- accounting ---------------------------------------------------------------------
-
-    def state_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds for parameters (model dtype; stage 3: its range only),
-        gradients (fp32 accumulation buffers) and optimizer state (Adam moments, plus the fp32
-        master copy where the model is not fp32), also before the first step allocates the
-        moments."""
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        params = grads = optim = 0
-        for b in self.buckets:
-            params += nbytes(b.param_region if self.layout.shards_parameters else b.param_full)
-            grads += nbytes(b.grad_full if b.grad_full is not None else b.main_grad)
-            if b.main is not b.param_region:
-                optim += nbytes(b.main)
-        for piece, _, _ in self.main_params:
-            if self._optimizer_of[id(piece)] is not self.optimizer:
-                continue  # offloaded: `host_state_bytes`
-            state = self.adam_state(piece)
-            moments = [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
-            # AdamW creates its moments at the first step: count them before that too
-            optim += sum(nbytes(v) for v in moments) if moments else 2 * nbytes(piece)
-        return {"params": params, "grads": grads, "optimizer": optim}
-
-    def host_state_bytes(self) -> int:
-        """Host bytes of the offloaded optimizer state (0 without offload.optimizer)."""
-        return 0 if self.offload is None else self.offload.host_bytes()
 
 
 def _weak_hook(engine: "ZeroEngine"):

@@ -24,7 +24,7 @@ many micro-batches (see the README's ZeRO section for the traffic of both).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -60,6 +60,8 @@ class Zero3Gathering:
 
     def __init__(self, chunks, engine, reshard_after_forward: bool):
         self.reshard_after_forward = reshard_after_forward
+        # offload.optimizer: makes a unit's gather wait for its parameters' copy from the host
+        self.params_needed: Optional[Callable[[List], None]] = None
         by_param = {id(p): b for b in engine.buckets for p in b.params}
         self.state: Dict[int, _UnitState] = {}
         self.unit_of: Dict[nn.Module, _UnitState] = {}
@@ -82,6 +84,8 @@ class Zero3Gathering:
         if unit.gathered or unit.work is not None:
             return
         b = unit.bucket
+        if self.params_needed is not None:
+            self.params_needed([b])
         b.param_full.untyped_storage().resize_(b.param_full.numel() * b.param_full.element_size())
         work = comm.all_gather(b.param_full, b.param_region, b.group, async_op=async_op)
         if async_op:

@@ -51,6 +51,7 @@ from megalite.resilience.stragglers import StragglerReport
 from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.data_position import data_position_warnings
+from megalite.train.host_threads import set_host_threads
 from megalite.train.init_from import is_hub_id, load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import MetricsWriter, Peak, peak_tflops
@@ -83,6 +84,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
                         reshard_after_forward=cfg.parallel.reshard_after_forward,
                         overlap_param_gather=cfg.parallel.overlap_param_gather,
                         offload_optimizer=cfg.offload.optimizer)
+    set_host_threads(cfg.offload.optimizer, runtime.device)  # the host AdamW's cores
     schedule = PipelineSchedule(
         model.chunks, topo, engine,
         (layout.activation_seq_len(t.seq_len), t.micro_batch_size, cfg.model.n_embd),
