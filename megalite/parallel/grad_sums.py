@@ -22,11 +22,13 @@ import torch
 from megalite.parallel import comm
 
 
-def sum_tied_embedding(buckets: List, offload, group: comm.Group) -> None:
-    """Sum the tied embedding buckets' gradients over the embedding `group`."""
+def sum_tied_embedding(buckets: List, offload, topo) -> None:
+    """Sum the tied embedding buckets' gradients over `topo`'s embedding group. Under zb-v
+    the embedding is one parameter on one rank: no bucket is tied and no group exists."""
     for b in buckets:
         if not b.tied:
             continue
+        group = topo.embedding_group
         if offload is None:
             comm.all_reduce(b.main_grad, group)
         else:

@@ -241,7 +241,7 @@ class ZeroEngine(EngineState):
             self._complete(b)
         if self.offload is not None:
             self.offload.drain()
-        sum_tied_embedding(self.buckets, self.offload, self.topo.embedding_group)
+        sum_tied_embedding(self.buckets, self.offload, self.topo)
         if self.sequence_parallel:
             sum_tp_replicated(self.main_params, self.topo.tp_group,
                               self.buckets[0].main_grad.device)
