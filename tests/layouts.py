@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megalite.config import load_config
+from megalite.config import Config, load_config
 from megalite.layout import validate
 from megalite.parallel.param_spec import ParamSpec
 from megalite.runtime import init_runtime
@@ -36,7 +36,9 @@ FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0"
                    "optim.eps=1e-6", "log.peak_tflops=1"]
 
 
-def _steps(rank, world, cfg, run_dir, steps, save_at=None):
+def _steps(rank, world, run, run_dir, steps, save_at=None):
+    """`run`: overrides, or the configuration `composed` made of them in the caller."""
+    cfg = run if isinstance(run, Config) else composed(run)
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
@@ -107,9 +109,13 @@ def _parameters_are_masters_cast(engine) -> bool:
     return True
 
 
-def _many(rank, world, configs, run_dir, steps, save_at):
-    return [_steps(rank, world, cfg, f"{run_dir}/{i}", steps, save_at)
-            for i, cfg in enumerate(configs)]
+def _many(rank, world, runs, run_dir, steps, save_at):
+    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at)
+            for i, run in enumerate(runs)]
+
+
+def composed(overrides: List[str]) -> Config:
+    return load_config(TINY + FP32_NO_DROPOUT + overrides)
 
 
 def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
@@ -124,7 +130,7 @@ def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
     a list of per-rank results for each configuration. With `save_at=k` each run writes a
     checkpoint after its step k (to its `checkpoint.dir`). Each configuration is composed
     here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition)."""
-    configs = [load_config(TINY + FP32_NO_DROPOUT + overrides) for overrides in runs]
+    configs = [composed(overrides) for overrides in runs]
     per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at),
                          timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
