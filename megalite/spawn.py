@@ -3,11 +3,15 @@ bounded time, every rank's failure surfaced with its traceback.
 
     results = run_ranks(fn, world_size=4, args=(...,))   # fn(rank, world_size, *args)
 
-`fn` must be importable (a module-level function) because ranks are spawned processes. Each
-rank initializes the default gloo process group before `fn` runs and destroys it after; the
-return values come back as a list indexed by rank. They travel as `torch.save` bytes, so they may
-hold tensors (a tensor sent through a multiprocessing queue as such is shared by file
-descriptor, which breaks once the sending rank has exited).
+`fn` must be importable (a module-level function): ranks are started by multiprocessing's
+forkserver, a process that imported torch and megalite's trainer once (`PRELOAD`), so a rank
+costs a fork instead of an interpreter importing torch (seconds of CPU per rank); it starts
+as clean as a spawned one (nothing of the caller's memory, which may hold threads and patches)
+and runs in the caller's current directory, sys.path and environment. Each rank initializes
+the default gloo process group before `fn` runs and destroys it after; the return values come
+back as a list indexed by rank. They travel as `torch.save` bytes, so they may hold tensors (a
+tensor sent through a multiprocessing queue as such is shared by file descriptor, which breaks
+once the sending rank has exited).
 """
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+# What the forkserver imports once, before forking any rank (single-threaded imports only).
+PRELOAD = ["torch", "torch.distributed", "megalite.train.build"]
+
 
 class RankFailure(RuntimeError):
     pass
@@ -32,7 +39,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, queue, timeout_s):
+class _CallerStdio:
+    """The caller's stdout and stderr (file descriptors 1 and 2 now) for a rank: a forked rank
+    holds the forkserver's, which are the caller's as they were when it started (under pytest,
+    the capture of whichever test was running then)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+
+def _entry(fn, rank, world_size, port, args, queue, timeout_s, environ, stdio):
+    for fd, inherited in enumerate(stdio, start=1):
+        os.dup2(inherited.detach(), fd)
+    os.environ.clear()  # the caller's, as at start (the forkserver holds its own from then)
+    os.environ.update(environ)
     os.environ.update({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -102,11 +124,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
               timeout_s: float = 300.0, group_timeout_s: Optional[float] = None) -> List[Any]:
     """`timeout_s`: for the whole run; `group_timeout_s`: the default process group's
     collective timeout (as `parallel.timeout_s` sets it under torchrun; default timeout_s)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts (once)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, tuple(args), queue,
-                                              group_timeout_s or timeout_s), daemon=True)
+                                              group_timeout_s or timeout_s, dict(os.environ),
+                                              _CallerStdio()),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

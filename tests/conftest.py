@@ -3,8 +3,13 @@ from pathlib import Path
 
 import pytest
 
+from megalite import spawn
 from megalite.config import DataConfig
 from megalite.data.prepare import prepare
+
+# Ranks are forked from a server that imported these once (megalite/spawn.py); every rank of a
+# distributed test imports its test module, hence pytest and the helpers, on top.
+spawn.PRELOAD += [m for m in ("pytest", "tests.layouts") if m not in spawn.PRELOAD]
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +20,21 @@ def tiny_data(tmp_path_factory) -> Path:
                      val_fraction=0.05, num_proc=1)
     prepare(cfg, out, progress=False)
     return out
+
+
+def serial_common(tiny_data) -> list:
+    """The runs compared with `serial_reference`: micro-batch 2, global batch 8."""
+    return [f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="session")
+def serial_reference(tiny_data, tmp_path_factory) -> dict:
+    """The serial run (10 fp32 steps of `serial_common`) that test_checkpoint,
+    test_tensor_parallel and test_zero compare their layouts with, run once."""
+    from tests.layouts import train_layout
+
+    (result,) = train_layout(tmp_path_factory.mktemp("serial"), 1, serial_common(tiny_data))
+    return result
 
 
 PIPELINE_SERIAL_M = (1, 2, 4, 6, 8)  # micro-batches of the pipeline tests' pp=1 references

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megalite.config import load_config
+from megalite.config import Config, load_config
 from megalite.layout import validate
 from megalite.parallel.param_spec import ParamSpec
 from megalite.runtime import init_runtime
@@ -29,13 +29,16 @@ from tests.conftest import TINY
 # invariant), so what reaches AdamW there is rounding noise, which eps=1e-8 amplifies into
 # updates of ~1e-6 that differ between layouts (their sums round differently); 1e-6 keeps the
 # noise below the comparison's tolerance without touching any real gradient of these models.
+# log.peak_tflops: MFU's peak as given, instead of a CPU matmul measurement (~1 s of CPU in
+# every trainer built; tests/test_pretrain.py covers the measured peak).
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false", "train.eval_every=0",
-                   "optim.eps=1e-6"]
+                   "optim.eps=1e-6", "log.peak_tflops=1"]
 
 
-def _steps(rank, world, overrides, run_dir, steps, save_at=None):
-    cfg = load_config(TINY + FP32_NO_DROPOUT + overrides)
+def _steps(rank, world, run, run_dir, steps, save_at=None):
+    """`run`: overrides, or the configuration `composed` made of them in the caller."""
+    cfg = run if isinstance(run, Config) else composed(run)
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
@@ -107,8 +110,12 @@ def _parameters_are_masters_cast(engine) -> bool:
 
 
 def _many(rank, world, runs, run_dir, steps, save_at):
-    return [_steps(rank, world, overrides, f"{run_dir}/{i}", steps, save_at)
-            for i, overrides in enumerate(runs)]
+    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at)
+            for i, run in enumerate(runs)]
+
+
+def composed(overrides: List[str]) -> Config:
+    return load_config(TINY + FP32_NO_DROPOUT + overrides)
 
 
 def train_in_process(run_dir, overrides: List[str], steps: int = 10) -> dict:
@@ -126,8 +133,10 @@ def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
                   timeout_s: float = 900, save_at: Optional[int] = None) -> List[List[dict]]:
     """Several configurations one after the other in the same `world` ranks (one launch):
     a list of per-rank results for each configuration. With `save_at=k` each run writes a
-    checkpoint after its step k (to its `checkpoint.dir`)."""
-    per_rank = run_ranks(_many, world, args=(runs, str(tmp_path), steps, save_at),
+    checkpoint after its step k (to its `checkpoint.dir`). Each configuration is composed
+    here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition)."""
+    configs = [composed(overrides) for overrides in runs]
+    per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at),
                          timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 

@@ -21,8 +21,8 @@ from megalite.runtime import init_runtime
 from megalite.spawn import RankFailure, run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.trainer import NonFiniteError, Trainer
-from tests.conftest import TINY
-from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layout, train_layouts
+from tests.conftest import TINY, serial_common
+from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layouts
 
 STEPS, SAVE_AT = 10, 5
 
@@ -33,9 +33,9 @@ def _common(tiny_data, *extra):
 
 
 @pytest.fixture(scope="module")
-def serial_run(tiny_data, tmp_path_factory):
-    (result,) = train_layout(tmp_path_factory.mktemp("serial"), 1, _common(tiny_data))
-    return result
+def serial_run(serial_reference, tiny_data):
+    assert serial_common(tiny_data) == _common(tiny_data)  # the run it is the reference of
+    return serial_reference
 
 
 @pytest.mark.distributed

@@ -21,7 +21,8 @@ from tests.test_pretrain import REPO, pretrain, read_metrics
 
 STEPS = 4
 COMMON = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0",
-          f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "log.wandb=false"]
+          f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "log.wandb=false",
+          "log.peak_tflops=1"]  # no CPU matmul peak measurement (tests/test_pretrain.py has one)
 PROMPT = "def main("
 
 

@@ -124,6 +124,24 @@ def run_plan(*args):
                           timeout=120)
 
 
+def run_plan_here(*args):
+    """What the script runs (megalite.cli.plan.main), in this process: no interpreter start."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from megalite.cli.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 @pytest.mark.slow
 def test_plan_script_reports_checks_and_flags_memory():
     ok = run_plan("--world-size", "16", "model=gpt2-large", "tp=4", "pp=2", "zero=1", "sp=true",
@@ -131,15 +149,16 @@ def test_plan_script_reports_checks_and_flags_memory():
     assert ok.returncode == 0, ok.stderr
     assert "tp=4 pp=2 dp=2 zero=1" in ok.stdout and "placement over DP: P replicated" in ok.stdout
     assert len([line for line in ok.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]) == 2
-    bad = run_plan("--world-size", "16", "model=gpt2-xl", "tp=8", "pp=2")
+    # the rest in this process (the script above runs the same main)
+    bad = run_plan_here("--world-size", "16", "model=gpt2-xl", "tp=8", "pp=2")
     assert bad.returncode == 2 and "tp=8: must divide model.n_head=25" in bad.stderr
-    empty = run_plan("--world-size", "0")
+    empty = run_plan_here("--world-size", "0")
     assert empty.returncode == 2 and "world size=0: needs at least one rank" in empty.stderr
     # gpt2-xl at micro-batch 24 did not fit one 80 GB H100 (scripts/bench.py train), 16 did
     big = ["--world-size", "1", "--gpu-memory-gib", "80", "model=gpt2-xl", "train.seq_len=1024"]
-    over = run_plan(*big, "train.micro_batch_size=24", "train.global_batch_size=48")
+    over = run_plan_here(*big, "train.micro_batch_size=24", "train.global_batch_size=48")
     assert over.returncode == 3 and "stage 0 needs about" in over.stderr
-    fits = run_plan(*big, "train.micro_batch_size=16", "train.global_batch_size=64")
+    fits = run_plan_here(*big, "train.micro_batch_size=16", "train.global_batch_size=64")
     assert fits.returncode == 0, fits.stderr
 
 

@@ -11,8 +11,8 @@ from megalite.config import ModelConfig
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.topology import build_topology
 from megalite.spawn import run_ranks
-from tests.conftest import random_hf_gpt2
-from tests.layouts import assert_equal, close, train_layout, train_layouts
+from tests.conftest import random_hf_gpt2, serial_common
+from tests.layouts import assert_equal, close, train_layouts
 
 S, B, H = 8, 3, 12  # sequence, batch, hidden of the layer tests
 
@@ -163,9 +163,9 @@ def test_gpt2_logits_equal_transformers_with_the_gpt2_vocabulary(tp, sp):
 
 
 @pytest.fixture(scope="module")
-def serial_run(tiny_data, tmp_path_factory):
-    (result,) = train_layout(tmp_path_factory.mktemp("serial"), 1, _common(tiny_data))
-    return result
+def serial_run(serial_reference, tiny_data):
+    assert serial_common(tiny_data) == _common(tiny_data)  # the run it is the reference of
+    return serial_reference
 
 
 def _common(tiny_data):

@@ -18,6 +18,7 @@ from megalite.layout import Layout
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.plan import dp_traffic_elements, model_state_bytes
 from megalite.spawn import run_ranks
+from tests.conftest import serial_common
 from tests.layouts import assert_equal, train_layout, train_layouts
 
 GLOBAL_BATCH = 8
@@ -30,9 +31,9 @@ def _common(tiny_data, extra=()):
 
 
 @pytest.fixture(scope="module")
-def serial_run(tiny_data, tmp_path_factory):
-    (result,) = train_layout(tmp_path_factory.mktemp("serial"), 1, _common(tiny_data))
-    return result
+def serial_run(serial_reference, tiny_data):
+    assert serial_common(tiny_data) == _common(tiny_data)  # the run it is the reference of
+    return serial_reference
 
 
 def expected_state_bytes(zero: int, psi: int, n: int) -> dict:
