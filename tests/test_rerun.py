@@ -73,11 +73,10 @@ def _defer_the_gather(gather):
 
     def deferred_wait(buckets=None):
         if deferred:
-            deferred.clear()
-            launch()
+            launch(*deferred.pop())
         wait(buckets)
 
-    gather.launch, gather.wait = (lambda: deferred.append(True)), deferred_wait
+    gather.launch, gather.wait = (lambda *args: deferred.append(args)), deferred_wait
 
 
 def _poisoned(rank, world, tiny_data, run_dir, overrides, replica=1):
