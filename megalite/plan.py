@@ -386,6 +386,7 @@ def _grad_staging(d: _Dims, chunks: List[Tuple[bool, bool, int]]) -> float:
 def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
     pp, dp, v = lay.pp_size, lay.dp_size, lay.virtual_stages
+    schedule = d.cfg.parallel.schedule if pp > 1 else "auto"  # the order whose peaks count
     sums = _StageSums()
     for c, blocks in enumerate(chunk_blocks):
         _add_chunk(sums, d, slices.holds_first(k, c), slices.holds_last(k, c), len(blocks))
@@ -393,19 +394,19 @@ def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
              "grad_staging": _grad_staging(d, [(slices.holds_first(k, c),
                                                 slices.holds_last(k, c), len(blocks))
                                                for c, blocks in enumerate(chunk_blocks)]),
-             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act)
+             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule)
              + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)}
     state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
         d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)
         if d.cfg.parallel.reshard_after_forward else d.e * sums.psi * _ring(dp))
-    host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host)}
+    host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host, schedule)}
     pcie = apply_offload(d.cfg, lay, sums.psi, d.e, d.micro, state, host, sum(sums.chunk_host))
     state["total"] = sum(state.values())
     host["total"] = sum(host.values())
     tied = pp > 1 and any(slices.holds_first(k, c) or slices.holds_last(k, c)
                           for c in range(v))
     return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
-                     max_in_flight(pp, k, d.micro, v), state, _stage_comm(d, sums, tied),
+                     max_in_flight(pp, k, d.micro, v, schedule), state, _stage_comm(d, sums, tied),
                      host, pcie)
 
 

@@ -141,37 +141,70 @@ def test_recompute_adds_one_forward():
 
 
 def brute_force(cfg, world, profile, per_node):
-    """Every layout of the documented space that validates and fits, predicted."""
+    """(step s, peak bytes, Choice) of every layout of the documented space that validates,
+    predicted (n_layer 4: the partial counts are every count below a chunk's blocks)."""
     out = []
-    for tp, pp, zero, sp, v, mb, rec, off, opt in itertools.product(
+    for tp, pp, zero, sp, v, mb, zb in itertools.product(
             (1, 2, 4), (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
-            (False, True), (False, True), (False, True)):
+            (False, True)):
         dp = world // (tp * pp)
-        if tp * pp > world or (zero and dp == 1) or (off and rec) or \
-                (v > 1 and cfg.model.n_layer % (pp * v)):
+        blocks = cfg.model.n_layer // (pp * v)
+        if tp * pp > world or (zero and dp == 1) or cfg.model.n_layer % (pp * v):
             continue
-        c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt)
-        cc = apply_choice(cfg, c)
-        try:
-            validate(cc, world, per_node)
-        except ConfigError:
-            continue
-        layout = Layout.from_config(cc, world, "cuda")
-        plan = make_plan(cc, layout)
-        if plan.peak.bytes["total"] <= profile.memory_bytes:
-            assert memory_lower_bound(cfg, c, 2) <= plan.peak.bytes["total"]
-            out.append((predict(cc, layout, plan.stages, profile, per_node).step_s, c))
-    return sorted(out)
+        for rec, r, off, k, opt in itertools.product(
+                (False, True), (None, 1, 2, 3), (False, True), (None, 1, 2, 3), (0.0, 0.5, 1.0)):
+            rest = blocks - (r or 0) if rec and r else 0 if rec else blocks
+            if (r is not None and (not rec or r >= blocks)) or (off and rest == 0) or \
+                    (k is not None and (not off or k >= rest)):
+                continue
+            c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt, r, k, zb)
+            cc = apply_choice(cfg, c)
+            try:
+                validate(cc, world, per_node)
+            except ConfigError:
+                continue
+            layout = Layout.from_config(cc, world, "cuda")
+            plan = make_plan(cc, layout)
+            peak = plan.peak.bytes["total"]
+            assert memory_lower_bound(cfg, c, 2) <= peak
+            out.append((predict(cc, layout, plan.stages, profile, per_node).step_s, peak, c))
+    return sorted(out, key=lambda x: x[0])
+
+
+def least_offload(fitting, n_layer):
+    """The documented rule: a layout's offload variant is in the space only when no variant
+    of it with less offload (fewer offloaded blocks, no larger optimizer fraction) fits
+    (offloads only add copy time in the model)."""
+    def amount(c):
+        blocks = n_layer // (c.pp * c.virtual_stages)
+        rest = blocks - (0 if not c.recompute else c.recompute_layers or blocks)
+        offloaded = 0 if not c.offload else c.offload_layers or rest
+        return offloaded, c.offload_optimizer
+
+    def base(c):
+        return replace(c, offload=False, offload_layers=None, offload_optimizer=0.0)
+    fits = {}
+    for _, c in fitting:
+        fits.setdefault(base(c), []).append(amount(c))
+    return [(t, c) for t, c in fitting if not any(
+        a <= amount(c)[0] and f <= amount(c)[1] and (a, f) != amount(c)
+        for a, f in fits[base(c)])]
 
 
 def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_layouts():
+    """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1, full / partial recompute, every
+    or some blocks' activation offload and optimizer offload fractions."""
     cfg = load_config(SMALL + ["train.global_batch_size=8"])
-    everything = brute_force(cfg, 4, synthetic(latency=1e-5), 2)
-    memories = sorted(make_plan(apply_choice(cfg, c), Layout.from_config(
-        apply_choice(cfg, c), 4, "cuda")).peak.bytes["total"] for _, c in everything)
-    profile = replace(synthetic(latency=1e-5), memory_bytes=int(memories[len(memories) // 3]))
-    fitting = brute_force(cfg, 4, profile, 2)
+    base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0)
+    everything = brute_force(cfg, 4, base, 2)
+    memories = sorted(peak for _, peak, _ in everything)
+    profile = replace(base, memory_bytes=int(memories[len(memories) // 3]))
+    fitting = [(t, c) for t, peak, c in everything if peak <= profile.memory_bytes]
     assert 0 < len(fitting) < len(everything)
+    fitting = least_offload(fitting, cfg.model.n_layer)
+    assert {c.zero_bubble for _, c in fitting} == {False, True}
+    assert any(c.recompute_layers for _, c in fitting) and any(c.offload_layers
+                                                                for _, c in fitting)
     result = search(cfg, 4, profile, 2, top=3)
     assert [r.prediction.step_s for r in result.best] == \
         pytest.approx([t for t, _ in fitting[:3]], rel=1e-12)

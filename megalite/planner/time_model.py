@@ -8,15 +8,18 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               last stage 2·(V·h + 2h) (LM head, ln_f): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
               accounting (`flops_per_token`). Backward = 2 forwards.
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
-              recomputed blocks
+              recomputed blocks (all, or train.recompute_layers of each chunk)
   tp          the plan's TP wire bytes / bus bandwidth + collectives × latency: blocking, in the
               layer's critical path (megalite does not overlap TP collectives)
   offload     activation offload's copies (offloaded blocks' saved bytes, out in forward, back
               in backward) over the host link, on a side stream: only what exceeds the
               micro-batch's forward / backward time is exposed
-  bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v)` = (p−1)/(v·m+p−1)
-              and busy = compute + recompute + tp + offload: the slowest stage paces the
-              pipeline; on it this is busy·β/(1 − β), the schedule's formula
+  bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
+              (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p;
+              its W's are the backward's weight half, no FLOPs of their own: compute is the
+              same 3·F either way), and busy = compute + recompute + tp + offload: the
+              slowest stage paces the pipeline; on it this is busy·β/(1 − β), the schedule's
+              formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
               state, only where a transfer outlasts a chunk's forward
@@ -213,7 +216,7 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k])
               for k in range(layout.pp_size)]
     m = layout.micro_batches(cfg.train.global_batch_size)
-    beta = expected_bubble(layout.pp_size, m, layout.virtual_stages)
+    beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
     busy = [s["compute"] + s["recompute"] + s["tp"] + s["offload"] for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
