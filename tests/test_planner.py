@@ -14,7 +14,7 @@ from megalite.config import ConfigError, load_config
 from megalite.layout import Layout, validate
 from megalite.model.gpt2 import flops_per_token
 from megalite.parallel.schedule import expected_bubble
-from megalite.plan import make_plan
+from megalite.plan import layer_activation_bytes, make_plan
 from megalite.planner.devices import BY_NAME, DeviceProfile, Link, device_profile
 from megalite.planner.search import (
     Choice,
@@ -112,19 +112,54 @@ def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
     assert fast.terms["dp"] == pytest.approx(plan.stages[0].comm["dp"] / 1e9 - backward)
 
 
-@pytest.mark.parametrize("v,m", [(1, 8), (2, 4), (1, 2)])
-def test_bubble_term_is_the_schedules_formula(v, m):
+@pytest.mark.parametrize("v,m,schedule", [(1, 8, "auto"), (2, 4, "auto"), (1, 2, "auto"),
+                                            (1, 8, "zb-h1"), (1, 1, "zb-h1")])
+def test_bubble_term_is_the_schedules_formula(v, m, schedule):
     over = ["pp=2", f"parallel.virtual_stages={v}", f"train.global_batch_size={m}",
-            "train.micro_batch_size=1"]
+            "train.micro_batch_size=1", f"parallel.schedule={schedule}"]
     cfg, layout, pred = planned(over, 2, synthetic(bus=1e6))
     busy = [sum(t[k] for k in ("compute", "recompute", "tp", "offload"))
             for t in pred.stage_terms]
-    beta = expected_bubble(2, m, v)
+    p = 2
+    beta = (p - 1) / (v * m + p - 1) if schedule == "auto" else \
+        (p - 1) / (3 * m + p - 1) if m >= p else 1 - 3 * m / (2 * m + 2 * p - 1)  # ZB-H1
+    assert beta == pytest.approx(expected_bubble(2, m, v, schedule))
     slowest = busy.index(max(busy))  # paces the pipeline: idle beta of the step
     assert pred.stage_terms[slowest]["bubble"] == pytest.approx(
         max(busy) * beta / (1 - beta), rel=1e-9)
     for b, terms in zip(busy, pred.stage_terms):  # the others also wait for it
         assert b + terms["bubble"] == pytest.approx(max(busy) / (1 - beta), rel=1e-9)
+    if schedule == "zb-h1":  # W is the backward's weight half: no FLOPs of its own
+        _, _, f1b = planned(over[:-1], 2, synthetic(bus=1e6))
+        assert [t["compute"] for t in pred.stage_terms] == \
+            [t["compute"] for t in f1b.stage_terms]
+        assert pred.terms["bubble"] < f1b.terms["bubble"]
+
+
+def test_partial_recompute_adds_exactly_the_recomputed_blocks_forward():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    _, _, off = planned(over, 1, synthetic())
+    for r in (1, 3):
+        cfg, _, on = planned(over + ["train.recompute=true", f"train.recompute_layers={r}"],
+                             1, synthetic())
+        h, s = cfg.model.n_embd, cfg.train.seq_len
+        block = 2 * (12 * h * h + 13 * h) + 4 * h * s  # forward FLOPs per token of a block
+        assert on.terms["compute"] == off.terms["compute"]
+        assert on.terms["recompute"] == pytest.approx(r * block * 8 * s / 1e12, rel=1e-12)
+
+
+def test_activation_offload_copies_hide_behind_longer_compute():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2", "offload.activations=true",
+            "offload.activations_layers=2"]
+    slow = replace(synthetic(tflops=1e-4), host_link_gbps=1.0)  # compute >> the copies
+    cfg, layout, hidden = planned(over, 1, slow)
+    assert hidden.terms["offload"] == 0
+    fast = replace(synthetic(tflops=1e3), host_link_gbps=1.0)
+    _, _, exposed = planned(over, 1, fast)
+    copy = 2 * layer_activation_bytes(cfg.train.seq_len, 2, cfg.model.n_embd,
+                                      cfg.model.n_head, 1, False, 2) / 1e9  # 2 blocks, out
+    forward = exposed.terms["compute"] / 3 / 4  # per micro-batch (m = 4)
+    assert exposed.terms["offload"] == pytest.approx(4 * (2 * copy - 3 * forward), rel=1e-9)
 
 
 def test_recompute_adds_one_forward():
