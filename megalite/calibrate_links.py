@@ -54,6 +54,18 @@ def fit_link(entries: Sequence[dict]) -> Dict[str, float]:
     return {"bus_gbps": 1 / slope / 1e9, "latency_s": latency}
 
 
+def fit_ops(entries: Sequence[dict]) -> Dict[str, Dict[str, float]]:
+    """`fit_link` per collective kind (all-reduce, all-gather, reduce-scatter, send/recv) that
+    was measured at two sizes or more: small-message latencies differ by kind (a ring
+    all-reduce is a reduce-scatter and an all-gather; gloo's kinds differ more)."""
+    out = {}
+    for op in OPS:
+        mine = [e for e in entries if e["op"] == op]
+        if len({e["bytes"] for e in mine}) >= 2:
+            out[op] = fit_link(mine)
+    return out
+
+
 def group_sizes(n: int) -> List[int]:
     """The powers of two from 2 that divide n, and n itself; none for n < 2."""
     sizes = {g for g in (2 ** i for i in range(1, n.bit_length())) if n % g == 0}

@@ -100,6 +100,18 @@ def test_doubling_a_groups_bandwidth_halves_its_exposed_time(term, overrides):
     assert two.terms[term] == pytest.approx(one.terms[term] / 2, rel=1e-12)
 
 
+def test_each_collective_kind_pays_its_own_calibrated_latency():
+    tp = ["tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    one = synthetic(bus=1e9, latency=1e-5)  # the bytes cost nothing: latencies only
+    _, _, base = planned(tp, 2, one)
+    slow_ar = replace(one, op_links={"intra_node": {"all_reduce": Link(1e9, 3e-5)}})
+    _, _, ar = planned(tp, 2, slow_ar)
+    assert ar.terms["tp"] == pytest.approx(3 * base.terms["tp"], rel=1e-6)
+    _, _, sp = planned(tp + ["sp=true"], 2, slow_ar)  # SP: all-gathers, reduce-scatters
+    _, _, sp_base = planned(tp + ["sp=true"], 2, one)
+    assert sp.terms["tp"] == pytest.approx(sp_base.terms["tp"], rel=1e-6)
+
+
 def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
     dp = ["zero=0", "train.global_batch_size=8", "train.micro_batch_size=4"]
     _, _, slow = planned(dp, 2, synthetic(bus=1.0, tflops=1e-4))  # backward >> all-reduce
@@ -146,6 +158,24 @@ def test_partial_recompute_adds_exactly_the_recomputed_blocks_forward():
         block = 2 * (12 * h * h + 13 * h) + 4 * h * s  # forward FLOPs per token of a block
         assert on.terms["compute"] == off.terms["compute"]
         assert on.terms["recompute"] == pytest.approx(r * block * 8 * s / 1e12, rel=1e-12)
+
+
+def test_non_matmul_term_is_the_calibrated_block_time_per_pass():
+    from megalite.calibrate_block import fit_nonnegative_line
+
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.recompute=true",
+            "train.recompute_layers=1"]
+    profile = replace(synthetic(), block_fixed_s=1e-3, block_per_token_s=1e-6)
+    cfg, _, pred = planned(over, 1, profile)
+    tokens = 2 * cfg.train.seq_len
+    # m = 4 micro-batches, 4 blocks a pass, the recomputed block's re-run a third of one
+    assert pred.terms["non_matmul"] == pytest.approx(4 * (4 + 1 / 3) * (1e-3 + 1e-6 * tokens))
+    assert sum(pred.terms.values()) == pytest.approx(pred.step_s, rel=1e-12)
+    _, _, table = planned(over, 1, synthetic())
+    assert table.terms["non_matmul"] == 0  # not measured: not predicted
+    assert fit_nonnegative_line([1, 3], [2, 4]) == pytest.approx((1, 1))
+    assert fit_nonnegative_line([1, 3], [4, 2]) == (3, 0)  # falling: a constant
+    assert fit_nonnegative_line([2, 4], [1, 4])[0] == 0  # through the origin
 
 
 def test_activation_offload_copies_hide_behind_longer_compute():
