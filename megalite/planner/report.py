@@ -68,7 +68,8 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
     if result.best:
         lines.append("run the first with: " + " ".join(result.best[0].choice.overrides()))
     lines.append(f"not planned: {result.valid - result.costed} whose time lower bound (compute "
-                 "+ recompute + bubble) is above the top's predictions; "
+                 "+ recompute + the blocks' TP bytes, and the bubble) is above the top's "
+                 "predictions; "
                  f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower")
     if result.too_big:
         lines.append("over the device memory, per family: how many, and the least memory per "
