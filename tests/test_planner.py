@@ -260,7 +260,9 @@ def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_la
     """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1, full / partial recompute, every
     or some blocks' activation offload and optimizer offload fractions."""
     cfg = load_config(SMALL + ["train.global_batch_size=8"])
-    base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0)
+    base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0,
+                   op_links={"intra_node": {"all_gather": Link(40.0, 1e-6),  # faster than the
+                                            "reduce_scatter": Link(5.0, 2e-5)}})  # link: bounds
     everything = brute_force(cfg, 4, base, 2)
     memories = sorted(peak for _, peak, _ in everything)
     profile = replace(base, memory_bytes=int(memories[len(memories) // 3]))

@@ -261,10 +261,11 @@ class _Offloads:
 
     def bound(self, c: Choice) -> float:
         s = self.s
-        if (c.tp, c.pp) not in self.buses:
-            self.buses[(c.tp, c.pp)] = group_links(
-                Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp), s.profile,
-                s.gpus_per_node)["tp"].link.bus_gbps
+        if (c.tp, c.pp) not in self.buses:  # the fastest fit of the TP group's (a bound)
+            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp), s.profile,
+                             s.gpus_per_node)["tp"]
+            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
+                                           + [fit.bus_gbps for fit in tp.ops.values()])
         return time_lower_bound(s.cfg, c, self.rate, self.cache, self.e,
                                 self.buses[(c.tp, c.pp)])
 
