@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.calibrate_links import fit_link, group_sizes, sweep_link
+from megalite.calibrate_links import fit_link, fit_ops, group_sizes, sweep_link
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CPU_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per collective: 64 KiB, 1 MiB, 8 MiB
@@ -153,10 +153,19 @@ def measure_links(per_node: int, device: torch.device) -> Tuple[dict, List[dict]
         entries = sweep_link(link, per_node, sizes, device, reps)
         widest = max(e["group_size"] for e in entries)
         links[link] = fit_link([e for e in entries if e["group_size"] == widest])
+        per_op = fit_ops([e for e in entries if e["group_size"] == widest])
+        if per_op:
+            links.setdefault("op_links", {})[link] = per_op
         sweep += entries
         notes.append(f"{link}: measured over {backend}, groups of {group_sizes(span)} "
                      f"{'ranks of a node' if link == 'intra_node' else 'nodes'}, fitted to "
                      f"the groups of {widest} (latency + bus bytes / bus bandwidth)")
+    op_links = links.pop("op_links", {})
+    for name, other in (("intra_node", "inter_node"), ("inter_node", "intra_node")):
+        if name not in op_links and other in op_links:  # as the link itself, below
+            op_links[name] = dict(op_links[other])
+    if op_links:
+        links["op_links"] = op_links
     if "intra_node" not in links:  # one rank a node: its links were never exercised
         links["intra_node"] = dict(links["inter_node"])
         notes.append("intra_node: not measured (one rank a node): set equal to inter_node")
@@ -186,10 +195,11 @@ def _launch_device() -> torch.device:
 
 
 def measure_profile(n_embd: int, ffn_size: int, tokens: int,
-                    table_links: Optional[TableLinks] = None) -> dict:
+                    table_links: Optional[TableLinks] = None, block=None) -> dict:
     """The profile of this machine (every rank of a launch calls this; all get the same one).
     Under WORLD_SIZE > 1 without a process group, makes one (nccl on CUDA, gloo on CPU) and
-    destroys it after."""
+    destroys it after. `block`: (ModelConfig, seq_len, micro_batch) to also measure a block's
+    time beyond its matmul FLOPs (`megalite.calibrate_block`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = _launch_device()
     made = world > 1 and not dist.is_initialized()
@@ -198,7 +208,11 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
                                 timeout=timedelta(seconds=300),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     try:
-        return _measure(device, n_embd, ffn_size, tokens, table_links)
+        profile = _measure(device, n_embd, ffn_size, tokens, table_links)
+        if block is not None:
+            profile["block_overhead"] = _block_overhead(device, profile, *block)
+            profile["notes"].append(_block_note(profile["block_overhead"]))
+        return profile
     finally:
         if made:
             dist.destroy_process_group()
@@ -226,11 +240,42 @@ def _measure(device: torch.device, n_embd: int, ffn_size: int, tokens: int,
         links, sweep, link_notes = measure_links(per_node, device)
     else:
         sweep = []
+    op_links = links.pop("op_links", None)
     return {"name": f"calibrated-{slug(name)}", "device": name,
             "memory_bytes": device_memory_bytes(device, per_node),
+            **({"op_links": op_links} if op_links else {}),
             "matmul_tflops": matmul_rates(matmul_sweep), "links": links,
             "gpus_per_node": per_node, "sweep": sweep, "matmul_sweep": matmul_sweep,
             "notes": notes + link_notes}
+
+
+def _block_overhead(device: torch.device, profile: dict, model, seq_len: int,
+                    micro_batch: int) -> dict:
+    """`measure_block_overhead` in the device's training dtype (CPU fp32, CUDA bf16 where it
+    has it, else fp16); under several ranks (measuring at once, as they train), the fit of
+    the rank with the most such time between the two token counts."""
+    from megalite.calibrate_block import measure_block_overhead
+
+    dtype = "fp32" if device.type != "cuda" else \
+        "bf16" if "bf16" in profile["matmul_tflops"] else "fp16"
+    out = measure_block_overhead(model, seq_len, micro_batch, dtype,
+                                 profile["matmul_tflops"][dtype], device)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # the slowest rank's fit
+        mine = torch.tensor([out["fixed_s"], out["per_token_s"]], dtype=torch.float64,
+                            device=device)
+        fits = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(fits, mine)
+        tokens = sum(out["tokens"]) / 2
+        out["fixed_s"], out["per_token_s"] = max(
+            (f.tolist() for f in fits), key=lambda f: f[0] + f[1] * tokens)
+    return out
+
+
+def _block_note(b: dict) -> str:
+    return (f"block_overhead: a block's forward + backward beyond its matmul FLOPs at the "
+            f"{b['dtype']} rate, fitted at {b['tokens'][0]} and {b['tokens'][1]} tokens "
+            f"(measured {b['seconds'][0] * 1e3:.3g} and {b['seconds'][1] * 1e3:.3g} ms): "
+            f"{b['fixed_s'] * 1e6:.4g} us + {b['per_token_s'] * 1e9:.4g} ns a token")
 
 
 def summary(profile: dict, path: str) -> str:
@@ -273,7 +318,8 @@ def calibrate_command(overrides: Sequence[str], output: str,
         return 2
     tokens = cfg.train.seq_len * cfg.train.micro_batch_size
     try:
-        profile = measure_profile(cfg.model.n_embd, cfg.model.ffn_size, tokens, table_links)
+        profile = measure_profile(cfg.model.n_embd, cfg.model.ffn_size, tokens, table_links,
+                                  (cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size))
     except CalibrationError as e:
         print(f"megalite: calibration: {e}", file=sys.stderr)
         return 2

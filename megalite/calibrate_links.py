@@ -37,21 +37,41 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def fit_link(entries: Sequence[dict]) -> Dict[str, float]:
-    """latency_s + bus_bytes / (bus_gbps·1e9), least squares over sweep entries (bus bytes =
-    bytes x bus_factor). A fitted latency below 0 (noise) becomes 0 with the line refitted
-    through the origin; a fit that does not rise with size falls back to the best measured
-    bus bandwidth."""
+    """latency_s + bus_bytes / (bus_gbps·1e9), least squares of the relative error over sweep
+    entries (bus bytes = bytes x bus_factor): each size counts alike, as training sends
+    collectives of every size (TP's small ones, DP's bucket-sized ones), where a plain fit of
+    the seconds would follow the largest message and misplace the small ones' time. A fitted
+    latency below 0 (noise) becomes 0 with the line refitted through the origin; a fit that
+    does not rise with size falls back to the best measured bus bandwidth."""
     xs = [e["bytes"] * bus_factor(e["op"], e["group_size"]) for e in entries]
     ys = [e["seconds"] for e in entries]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    ws = [1 / y ** 2 for y in ys]  # relative error: (fit - y) / y
+    total = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / total
+    my = sum(w * y for w, y in zip(ws, ys)) / total
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx \
+        if sxx > 0 else 0.0
     latency = my - slope * mx
     if latency < 0:
-        latency, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        latency = 0.0
+        slope = sum(w * x * y for w, x, y in zip(ws, xs, ys)) \
+            / sum(w * x * x for w, x in zip(ws, xs))
     if slope <= 0:
         return {"bus_gbps": max(e["bus_gbps"] for e in entries), "latency_s": max(latency, 0.0)}
     return {"bus_gbps": 1 / slope / 1e9, "latency_s": latency}
+
+
+def fit_ops(entries: Sequence[dict]) -> Dict[str, Dict[str, float]]:
+    """`fit_link` per collective kind (all-reduce, all-gather, reduce-scatter, send/recv) that
+    was measured at two sizes or more: small-message latencies differ by kind (a ring
+    all-reduce is a reduce-scatter and an all-gather; gloo's kinds differ more)."""
+    out = {}
+    for op in OPS:
+        mine = [e for e in entries if e["op"] == op]
+        if len({e["bytes"] for e in mine}) >= 2:
+            out[op] = fit_link(mine)
+    return out
 
 
 def group_sizes(n: int) -> List[int]:

@@ -54,17 +54,23 @@ a full activation:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from megalite.config import Config
 from megalite.layout import Layout, stage_chunks
 from megalite.model.activation_offload import offloaded_blocks
-from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes
-from megalite.parallel.zero import bucket_groups
-from megalite.plan_chunks import ChunkEnds, stage_ends, ties_over_stages
+from megalite.plan_chunks import stage_ends, ties_over_stages
 from megalite.plan_offload import apply_offload, optimizer_placement
+from megalite.zero_table import (  # noqa: F401  (the ZeRO table's home; plan re-exports it)
+    ZERO_DP_TRAFFIC,
+    chunk_param_sizes,
+    dp_traffic_elements,
+    grad_staging_bytes,
+    model_state_bytes,
+    zero_table,
+)
 
 GIB = 2**30
 
@@ -138,55 +144,6 @@ class Plan:
                      + ("; host = offloaded optimizer state and activations per rank (host "
                         "memory), PCIe = their copies both ways per step" if offload else ""))
         return "\n".join(lines)
-
-
-# --- the ZeRO table: what each stage shards and sends (Rajbhandari et al. 2019 §5) -------
-# The one home of this table: the plan's bytes, the engine tests and the README's table
-# (tests/test_docs.py checks it equals `zero_table()`) are drawn from it.
-
-ZERO_DP_TRAFFIC = {  # DP ring traffic per step, in parameter elements (Ψ; ×4 bytes on the wire)
-    0: "all-reduce: 2Ψ·(N−1)/N elements",
-    1: "reduce-scatter + all-gather: 2Ψ·(N−1)/N",
-    2: "(m + 1)Ψ·(N−1)/N",
-    3: "3mΨ·(N−1)/N",
-}
-
-
-def model_state_bytes(layout: Layout, psi: float, e: int) -> Dict[str, float]:
-    """Bytes one rank holds for Ψ parameter elements: parameters e·Ψ, gradients 4·Ψ (fp32
-    accumulation), optimizer 8·Ψ (AdamW moments) + 4·Ψ (fp32 master where e < 4); each
-    divided by N where the ZeRO stage shards it (`Layout.shards_*`)."""
-    def shard(sharded: bool) -> int:
-        return layout.dp_size if sharded else 1
-
-    return {"params": e * psi / shard(layout.shards_parameters),
-            "grads": 4 * psi / shard(layout.shards_gradients),
-            "optimizer": (8 + (4 if e < 4 else 0)) * psi / shard(layout.shards_optimizer)}
-
-
-def dp_traffic_elements(layout: Layout, psi: float, m: int) -> float:
-    """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward)."""
-    n = layout.dp_size
-    ring = (n - 1) / n * psi
-    return {0: 2 * ring, 1: 2 * ring, 2: (m + 1) * ring, 3: 3 * m * ring}[layout.zero_stage]
-
-
-def zero_table() -> str:
-    """The README's table, rendered from `model_state_bytes` and `ZERO_DP_TRAFFIC`."""
-    def formula(layout: Layout, e: int) -> str:
-        parts = model_state_bytes(layout, 1, e)
-        return " + ".join(f"{round(v * (layout.dp_size if v < 1 else 1))}Ψ"
-                          + ("/N" if v < 1 else "") for v in parts.values())
-
-    rows = ["| zero | parameters | gradients | optimizer | CUDA bytes | CPU bytes "
-            "| DP traffic per step (ring) |", "|---|---|---|---|---|---|---|"]
-    for zero in range(4):
-        big = Layout(dp_size=1 << 20, zero_stage=zero)  # N large: sharded states show as /N
-        share = ["1/N" if x else "full" for x in (big.shards_parameters, big.shards_gradients,
-                                                  big.shards_optimizer)]
-        rows.append(f"| {zero} | {' | '.join(share)} | {formula(big, 2)} | {formula(big, 4)} "
-                    f"| {ZERO_DP_TRAFFIC[zero]} |")
-    return "\n".join(rows)
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, e: int,
@@ -347,57 +304,15 @@ def _stage_comm(d: _Dims, sums: _StageSums, tied: bool) -> Dict[str, float]:
     return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes, "embedding": emb_bytes}
 
 
-def chunk_param_sizes(d: _Dims, first: bool, last: bool, n: int,
-                      head_copy: Optional[bool] = None, tied: bool = True
-                      ) -> List[Tuple[str, int, bool]]:
-    """(name, elements on one TP rank, tied) of a chunk's parameters in GPT2's registration
-    order (what the engine buckets; a test holds it to the model)."""
-    m, tp = d.cfg.model, d.layout.tp_size
-    h, f, v = m.n_embd, m.ffn_size, d.vocab // tp
-    sizes = [("wte", v * h, tied), ("wpe", m.n_positions * h, False)] if first else []
-    block = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp,
-             h * f // tp, h]
-    sizes += [(f"h{i}.{j}", size, False) for i in range(n) for j, size in enumerate(block)]
-    if last:
-        sizes += [("ln_f.w", h, False), ("ln_f.b", h, False)]
-        copy = not first if head_copy is None else head_copy
-        sizes += [("lm_head", v * h, True)] if copy else []
-    return sizes
-
-
-def _grad_staging(d: _Dims, chunks: List[Tuple[ChunkEnds, int]]) -> float:
-    """Zero 2/3's full-size fp32 gradient staging (`ZeroEngine.grad_staging_bytes`): the
-    largest bucket (zero 3: unit) padded to N, REDUCTIONS_IN_FLIGHT + 1 of them."""
-    lay = d.layout
-    if not lay.shards_gradients:
-        return 0.0
-    largest = 0
-    for ends, n in chunks:
-        first, last, head_copy = ends.first, ends.last, ends.head_copy
-        sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied)
-        if lay.shards_parameters:  # units: wte, wpe, each block, ln_f, the LM head
-            h, vocab = d.cfg.model.n_embd, d.vocab // lay.tp_size * d.cfg.model.n_embd
-            numels = ([vocab, d.cfg.model.n_positions * h] if first else []) \
-                + ([d.layer_params] if n else []) + ([2 * h] if last else []) \
-                + ([vocab] if head_copy else [])
-        else:
-            by_name = dict((name, s) for name, s, _ in sizes)
-            groups = bucket_groups(sizes, d.cfg.parallel.bucket_mb * 2**20 / 4,
-                                   tied_alone=lay.pp_size > 1)
-            numels = [sum(by_name[name] for name in g) for g in groups]
-        largest = max(largest, max(numels))
-    dp = lay.dp_size
-    return (REDUCTIONS_IN_FLIGHT + 1) * 4 * max(dp, -(-largest // dp) * dp)
-
-
 def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
     pp, dp, v = lay.pp_size, lay.dp_size, lay.virtual_stages
-    sums, ends, schedule = _StageSums(), stage_ends(slices, k), d.cfg.parallel.schedule
+    schedule = d.cfg.parallel.schedule if pp > 1 else "auto"  # the order whose peaks count
+    sums, ends = _StageSums(), stage_ends(slices, k)
     for e, blocks in zip(ends, chunk_blocks):
         _add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
     state = {**model_state_bytes(lay, sums.psi, d.e),
-             "grad_staging": _grad_staging(d, [(e, len(blocks))
+             "grad_staging": grad_staging_bytes(d, [(e, len(blocks))
                                                for e, blocks in zip(ends, chunk_blocks)]),
              "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule)
              + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)}
@@ -410,8 +325,7 @@ def _stage_plan(d: _Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     host["total"] = sum(host.values())
     tied = pp > 1 and ties_over_stages(slices, k)
     return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
-                     max_in_flight(pp, k, d.micro, v, schedule), state,
-                     _stage_comm(d, sums, tied),
+                     max_in_flight(pp, k, d.micro, v, schedule), state, _stage_comm(d, sums, tied),
                      host, pcie)
 
 

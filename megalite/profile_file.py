@@ -5,9 +5,14 @@
      "matmul_tflops": {"bf16"|"fp16"|"fp32": float},          # achievable, the dtypes measured
      "links": {"intra_node": {"bus_gbps": float, "latency_s": float},
                "inter_node": {"bus_gbps": float, "latency_s": float}},
+     "op_links": {"intra_node": {op: {"bus_gbps", "latency_s"}}, "inter_node": {...}},
+                                      # optional: the same fit per collective kind (OPS)
      "sweep": [{"op", "group_size", "bytes", "seconds", "bus_gbps"}, ...],
      "matmul_sweep": [{"m", "n", "k", "dtype", "tflops"}, ...],
      "notes": [str, ...],                                      # optional: what was measured how
+     "block_overhead": {"fixed_s": float, "per_token_s": float, ...},  # optional: a block's
+                                      # forward + backward beyond its matmul FLOPs (seconds a
+                                      # pass and a token; megalite/calibrate_block.py)
      "crc32": int}
 
 Bandwidths are bus bandwidths in GB/s (1e9 bytes/s) as nccl-tests defines them: the algorithm
@@ -63,11 +68,11 @@ def _problems_of_entry(where: str, entry: Any, ints: tuple, rates: tuple) -> lis
     return out
 
 
-def _problems_of_links(links: Any) -> list:
+def _problems_of_links(links: Any, names: tuple = LINKS) -> list:
     if not isinstance(links, dict):
         return [f"links={links!r}: must be an object with {' and '.join(LINKS)}"]
     out = []
-    for name in LINKS:
+    for name in names:
         link = links.get(name)
         if not isinstance(link, dict):
             out.append(f"links.{name}={link!r}: must be an object with bus_gbps and latency_s")
@@ -121,7 +126,29 @@ def profile_problems(profile: Dict[str, Any]) -> list:
         out += [f"matmul_tflops.{k}={v!r}: must be a finite number > 0 (TFLOP/s)"
                 for k, v in rates.items() if not _is_rate(v)]
     out += _problems_of_links(profile.get("links"))
+    op_links = profile.get("op_links")
+    if op_links is not None:
+        if not isinstance(op_links, dict) or set(op_links) - set(LINKS):
+            out.append(f"op_links={op_links!r}: must map {' and/or '.join(LINKS)} to fits "
+                       "per collective kind")
+        else:
+            for name, ops in op_links.items():
+                if not isinstance(ops, dict) or set(ops) - set(OPS):
+                    out.append(f"op_links.{name}={ops!r}: must map some of {', '.join(OPS)} "
+                               "to {bus_gbps, latency_s}")
+                    continue
+                out += [p.replace("links.", f"op_links.{name}.", 1)
+                        for p in _problems_of_links(ops, names=tuple(ops))]
     out += _problems_of_sweeps(profile)
+    block = profile.get("block_overhead")
+    if block is not None:
+        if not isinstance(block, dict):
+            out.append(f"block_overhead={block!r}: must be an object with fixed_s and "
+                       "per_token_s")
+        else:
+            out += [f"block_overhead.{k}={block.get(k)!r}: must be a finite number >= 0 "
+                    "(seconds)" for k in ("fixed_s", "per_token_s")
+                    if not (_is_rate(block.get(k)) or block.get(k) == 0)]
     notes = profile.get("notes", [])
     if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
         out.append(f"notes={notes!r}: must be a list of strings")

@@ -74,6 +74,10 @@ def test_calibrate_two_gloo_ranks_writes_a_profile_that_loads(tmp_path):
     assert profile["links"]["intra_node"] == pytest.approx(fit_link(sweep))
     assert profile["links"]["inter_node"] == profile["links"]["intra_node"]
     assert any("inter_node: not measured" in n for n in profile["notes"])
+    assert set(profile["op_links"]["intra_node"]) == set(OPS)  # a fit per collective kind
+    block = profile["block_overhead"]  # a real block timed at 2 token counts, the fit's parts
+    assert block["tokens"] == [32, 64] and min(block["seconds"]) > 0
+    assert block["fixed_s"] >= 0 and block["per_token_s"] >= 0
     # two nodes of one rank: the inter-node groups are measured, intra_node copied, and said so
     links, sweep, notes = results[0][2]
     assert results[1][2][:2] == (links, sweep)  # every rank returns the same

@@ -14,7 +14,7 @@ from megalite.config import ConfigError, load_config
 from megalite.layout import Layout, validate
 from megalite.model.gpt2 import flops_per_token
 from megalite.parallel.schedule import expected_bubble
-from megalite.plan import make_plan
+from megalite.plan import layer_activation_bytes, make_plan
 from megalite.planner.devices import BY_NAME, DeviceProfile, Link, device_profile
 from megalite.planner.search import (
     Choice,
@@ -100,6 +100,18 @@ def test_doubling_a_groups_bandwidth_halves_its_exposed_time(term, overrides):
     assert two.terms[term] == pytest.approx(one.terms[term] / 2, rel=1e-12)
 
 
+def test_each_collective_kind_pays_its_own_calibrated_latency():
+    tp = ["tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    one = synthetic(bus=1e9, latency=1e-5)  # the bytes cost nothing: latencies only
+    _, _, base = planned(tp, 2, one)
+    slow_ar = replace(one, op_links={"intra_node": {"all_reduce": Link(1e9, 3e-5)}})
+    _, _, ar = planned(tp, 2, slow_ar)
+    assert ar.terms["tp"] == pytest.approx(3 * base.terms["tp"], rel=1e-6)
+    _, _, sp = planned(tp + ["sp=true"], 2, slow_ar)  # SP: all-gathers, reduce-scatters
+    _, _, sp_base = planned(tp + ["sp=true"], 2, one)
+    assert sp.terms["tp"] == pytest.approx(sp_base.terms["tp"], rel=1e-6)
+
+
 def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
     dp = ["zero=0", "train.global_batch_size=8", "train.micro_batch_size=4"]
     _, _, slow = planned(dp, 2, synthetic(bus=1.0, tflops=1e-4))  # backward >> all-reduce
@@ -112,19 +124,72 @@ def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
     assert fast.terms["dp"] == pytest.approx(plan.stages[0].comm["dp"] / 1e9 - backward)
 
 
-@pytest.mark.parametrize("v,m", [(1, 8), (2, 4), (1, 2)])
-def test_bubble_term_is_the_schedules_formula(v, m):
+@pytest.mark.parametrize("v,m,schedule", [(1, 8, "auto"), (2, 4, "auto"), (1, 2, "auto"),
+                                            (1, 8, "zb-h1"), (1, 1, "zb-h1")])
+def test_bubble_term_is_the_schedules_formula(v, m, schedule):
     over = ["pp=2", f"parallel.virtual_stages={v}", f"train.global_batch_size={m}",
-            "train.micro_batch_size=1"]
+            "train.micro_batch_size=1", f"parallel.schedule={schedule}"]
     cfg, layout, pred = planned(over, 2, synthetic(bus=1e6))
     busy = [sum(t[k] for k in ("compute", "recompute", "tp", "offload"))
             for t in pred.stage_terms]
-    beta = expected_bubble(2, m, v)
+    p = 2
+    beta = (p - 1) / (v * m + p - 1) if schedule == "auto" else \
+        (p - 1) / (3 * m + p - 1) if m >= p else 1 - 3 * m / (2 * m + 2 * p - 1)  # ZB-H1
+    assert beta == pytest.approx(expected_bubble(2, m, v, schedule))
     slowest = busy.index(max(busy))  # paces the pipeline: idle beta of the step
     assert pred.stage_terms[slowest]["bubble"] == pytest.approx(
         max(busy) * beta / (1 - beta), rel=1e-9)
     for b, terms in zip(busy, pred.stage_terms):  # the others also wait for it
         assert b + terms["bubble"] == pytest.approx(max(busy) / (1 - beta), rel=1e-9)
+    if schedule == "zb-h1":  # W is the backward's weight half: no FLOPs of its own
+        _, _, f1b = planned(over[:-1], 2, synthetic(bus=1e6))
+        assert [t["compute"] for t in pred.stage_terms] == \
+            [t["compute"] for t in f1b.stage_terms]
+        assert pred.terms["bubble"] < f1b.terms["bubble"]
+
+
+def test_partial_recompute_adds_exactly_the_recomputed_blocks_forward():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    _, _, off = planned(over, 1, synthetic())
+    for r in (1, 3):
+        cfg, _, on = planned(over + ["train.recompute=true", f"train.recompute_layers={r}"],
+                             1, synthetic())
+        h, s = cfg.model.n_embd, cfg.train.seq_len
+        block = 2 * (12 * h * h + 13 * h) + 4 * h * s  # forward FLOPs per token of a block
+        assert on.terms["compute"] == off.terms["compute"]
+        assert on.terms["recompute"] == pytest.approx(r * block * 8 * s / 1e12, rel=1e-12)
+
+
+def test_non_matmul_term_is_the_calibrated_block_time_per_pass():
+    from megalite.calibrate_block import fit_nonnegative_line
+
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.recompute=true",
+            "train.recompute_layers=1"]
+    profile = replace(synthetic(), block_fixed_s=1e-3, block_per_token_s=1e-6)
+    cfg, _, pred = planned(over, 1, profile)
+    tokens = 2 * cfg.train.seq_len
+    # m = 4 micro-batches, 4 blocks a pass, the recomputed block's re-run a third of one
+    assert pred.terms["non_matmul"] == pytest.approx(4 * (4 + 1 / 3) * (1e-3 + 1e-6 * tokens))
+    assert sum(pred.terms.values()) == pytest.approx(pred.step_s, rel=1e-12)
+    _, _, table = planned(over, 1, synthetic())
+    assert table.terms["non_matmul"] == 0  # not measured: not predicted
+    assert fit_nonnegative_line([1, 3], [2, 4]) == pytest.approx((1, 1))
+    assert fit_nonnegative_line([1, 3], [4, 2]) == (3, 0)  # falling: a constant
+    assert fit_nonnegative_line([2, 4], [1, 4])[0] == 0  # through the origin
+
+
+def test_activation_offload_copies_hide_behind_longer_compute():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2", "offload.activations=true",
+            "offload.activations_layers=2"]
+    slow = replace(synthetic(tflops=1e-4), host_link_gbps=1.0)  # compute >> the copies
+    cfg, layout, hidden = planned(over, 1, slow)
+    assert hidden.terms["offload"] == 0
+    fast = replace(synthetic(tflops=1e3), host_link_gbps=1.0)
+    _, _, exposed = planned(over, 1, fast)
+    copy = 2 * layer_activation_bytes(cfg.train.seq_len, 2, cfg.model.n_embd,
+                                      cfg.model.n_head, 1, False, 2) / 1e9  # 2 blocks, out
+    forward = exposed.terms["compute"] / 3 / 4  # per micro-batch (m = 4)
+    assert exposed.terms["offload"] == pytest.approx(4 * (2 * copy - 3 * forward), rel=1e-9)
 
 
 def test_recompute_adds_one_forward():
@@ -141,37 +206,72 @@ def test_recompute_adds_one_forward():
 
 
 def brute_force(cfg, world, profile, per_node):
-    """Every layout of the documented space that validates and fits, predicted."""
+    """(step s, peak bytes, Choice) of every layout of the documented space that validates,
+    predicted (n_layer 4: the partial counts are every count below a chunk's blocks)."""
     out = []
-    for tp, pp, zero, sp, v, mb, rec, off, opt in itertools.product(
+    for tp, pp, zero, sp, v, mb, zb in itertools.product(
             (1, 2, 4), (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
-            (False, True), (False, True), (False, True)):
+            (False, True)):
         dp = world // (tp * pp)
-        if tp * pp > world or (zero and dp == 1) or (off and rec) or \
-                (v > 1 and cfg.model.n_layer % (pp * v)):
+        blocks = cfg.model.n_layer // (pp * v)
+        if tp * pp > world or (zero and dp == 1) or cfg.model.n_layer % (pp * v):
             continue
-        c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt)
-        cc = apply_choice(cfg, c)
-        try:
-            validate(cc, world, per_node)
-        except ConfigError:
-            continue
-        layout = Layout.from_config(cc, world, "cuda")
-        plan = make_plan(cc, layout)
-        if plan.peak.bytes["total"] <= profile.memory_bytes:
-            assert memory_lower_bound(cfg, c, 2) <= plan.peak.bytes["total"]
-            out.append((predict(cc, layout, plan.stages, profile, per_node).step_s, c))
-    return sorted(out)
+        for rec, r, off, k, opt in itertools.product(
+                (False, True), (None, 1, 2, 3), (False, True), (None, 1, 2, 3), (0.0, 0.5, 1.0)):
+            rest = blocks - (r or 0) if rec and r else 0 if rec else blocks
+            if (r is not None and (not rec or r >= blocks)) or (off and rest == 0) or \
+                    (k is not None and (not off or k >= rest)):
+                continue
+            c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt, r, k, zb)
+            cc = apply_choice(cfg, c)
+            try:
+                validate(cc, world, per_node)
+            except ConfigError:
+                continue
+            layout = Layout.from_config(cc, world, "cuda")
+            plan = make_plan(cc, layout)
+            peak = plan.peak.bytes["total"]
+            assert memory_lower_bound(cfg, c, 2) <= peak
+            out.append((predict(cc, layout, plan.stages, profile, per_node).step_s, peak, c))
+    return sorted(out, key=lambda x: x[0])
+
+
+def least_offload(fitting, n_layer):
+    """The documented rule: a layout's offload variant is in the space only when no variant
+    of it with less offload (fewer offloaded blocks, no larger optimizer fraction) fits
+    (offloads only add copy time in the model)."""
+    def amount(c):
+        blocks = n_layer // (c.pp * c.virtual_stages)
+        rest = blocks - (0 if not c.recompute else c.recompute_layers or blocks)
+        offloaded = 0 if not c.offload else c.offload_layers or rest
+        return offloaded, c.offload_optimizer
+
+    def base(c):
+        return replace(c, offload=False, offload_layers=None, offload_optimizer=0.0)
+    fits = {}
+    for _, c in fitting:
+        fits.setdefault(base(c), []).append(amount(c))
+    return [(t, c) for t, c in fitting if not any(
+        a <= amount(c)[0] and f <= amount(c)[1] and (a, f) != amount(c)
+        for a, f in fits[base(c)])]
 
 
 def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_layouts():
+    """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1, full / partial recompute, every
+    or some blocks' activation offload and optimizer offload fractions."""
     cfg = load_config(SMALL + ["train.global_batch_size=8"])
-    everything = brute_force(cfg, 4, synthetic(latency=1e-5), 2)
-    memories = sorted(make_plan(apply_choice(cfg, c), Layout.from_config(
-        apply_choice(cfg, c), 4, "cuda")).peak.bytes["total"] for _, c in everything)
-    profile = replace(synthetic(latency=1e-5), memory_bytes=int(memories[len(memories) // 3]))
-    fitting = brute_force(cfg, 4, profile, 2)
+    base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0,
+                   op_links={"intra_node": {"all_gather": Link(40.0, 1e-6),  # faster than the
+                                            "reduce_scatter": Link(5.0, 2e-5)}})  # link: bounds
+    everything = brute_force(cfg, 4, base, 2)
+    memories = sorted(peak for _, peak, _ in everything)
+    profile = replace(base, memory_bytes=int(memories[len(memories) // 3]))
+    fitting = [(t, c) for t, peak, c in everything if peak <= profile.memory_bytes]
     assert 0 < len(fitting) < len(everything)
+    fitting = least_offload(fitting, cfg.model.n_layer)
+    assert {c.zero_bubble for _, c in fitting} == {False, True}
+    assert any(c.recompute_layers for _, c in fitting) and any(c.offload_layers
+                                                                for _, c in fitting)
     result = search(cfg, 4, profile, 2, top=3)
     assert [r.prediction.step_s for r in result.best] == \
         pytest.approx([t for t, _ in fitting[:3]], rel=1e-12)

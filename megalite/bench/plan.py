@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Sequence
 
@@ -66,6 +67,7 @@ def _profile(args):
 
 
 def _predicted(args, res: dict, data: str, profile) -> float:
+    """The predicted step time of a measured layout on `profile`."""
     from megalite.config import load_config
     from megalite.layout import Layout
     from megalite.plan import make_plan
@@ -127,15 +129,21 @@ def run(args) -> None:
             results += run_ranks(_measure, 1, args=(
                 args, [s.split(",") for s in args.single], data, tmp), timeout_s=3600)[0]
         predicted = [_predicted(args, r, data, profile) for r in results]
+        # the same measurements against the model without the calibrated non_matmul term
+        # and per-kind link fits (the model before they were added)
+        flops_only = replace(profile, block_fixed_s=0.0, block_per_token_s=0.0, op_links={})
+        without = [_predicted(args, r, data, flops_only) for r in results]
     measured = [r["median_s"] for r in results]
     print(f"model {' '.join(args.model)}, seq {args.seq_len}, global batch "
           f"{args.global_batch}; {args.steps} timed steps per layout (median); profile: "
           f"{source}")
-    print("| ranks | layout | measured ms/step | predicted ms/step | predicted / measured |")
-    print("|---|---|---|---|---|")
-    for r, m, p in zip(results, measured, predicted):
+    print("| ranks | layout | measured ms/step | predicted ms/step | predicted / measured | "
+          "without non_matmul, op_links ms/step | without / measured |")
+    print("|---|---|---|---|---|---|---|")
+    for r, m, p, w in zip(results, measured, predicted, without):
         print(f"| {r['world']} | {' '.join(r['layout'])} | {m * 1e3:.1f} | {p * 1e3:.1f} | "
-              f"{p / m:.2f} |")
-    print(f"Spearman (predicted vs measured order): {spearman(predicted, measured):.2f}; "
-          f"within 25%: {sum(abs(p / m - 1) <= 0.25 for m, p in zip(measured, predicted))}"
-          f" of {len(measured)}")
+              f"{p / m:.2f} | {w * 1e3:.1f} | {w / m:.2f} |")
+    for name, pred in (("predicted", predicted), ("without non_matmul, op_links", without)):
+        print(f"{name}: Spearman (predicted vs measured order) {spearman(pred, measured):.2f}; "
+              f"within 25%: {sum(abs(p / m - 1) <= 0.25 for m, p in zip(measured, pred))}"
+              f" of {len(measured)}")

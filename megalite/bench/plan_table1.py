@@ -58,10 +58,11 @@ def run(args) -> None:
         overrides = _overrides(heads, hidden, layers, batch)
         cfg = load_config(overrides)
         t0 = time.perf_counter()
-        pick, pick_tf, gib = _pick(cfg, gpus, profile, args.gpus_per_node, {"recompute": True})
+        full = {"recompute": True, "recompute_layers": None}  # full recompute, as the paper
+        pick, pick_tf, gib = _pick(cfg, gpus, profile, args.gpus_per_node, full)
         seconds = time.perf_counter() - t0
         old, old_tf, _ = _pick(cfg, gpus, profile, args.gpus_per_node,
-                               {"recompute": True, "zero": 0, "sp": False})
+                               {**full, "zero": 0, "sp": False})
         paper = load_config(overrides + [f"tp={tp}", f"pp={pp}", "train.micro_batch_size=1"])
         layout = Layout.from_config(paper, gpus, "cuda")
         plan = make_plan(paper, layout)
@@ -82,6 +83,8 @@ def _pick(cfg, gpus, profile, per_node, fixed):
         return "nothing fits", float("nan"), float("nan")
     c = best.choice
     pick = (f"{c.tp} {c.pp} {c.dp} {c.zero} {'y' if c.sp else 'n'} {c.virtual_stages} "
-            f"{c.micro_batch_size}" + (" +offload.activations" if c.offload else "")
-            + (" +offload.optimizer" if c.offload_optimizer else ""))
+            f"{c.micro_batch_size}" + (" zb-h1" if c.zero_bubble else "")
+            + (" +offload.activations" if c.offload else "")
+            + (f"({c.offload_layers})" if c.offload_layers else "")
+            + (f" +offload.optimizer={c.offload_optimizer:g}" if c.offload_optimizer else ""))
     return pick, best.prediction.hardware_tflops_per_device, best.peak_bytes / GIB

@@ -54,6 +54,13 @@ class DeviceProfile:
     host_link_gbps: Optional[float] = None
     host_memory_gbps: Optional[float] = None
     match: Tuple[str, ...] = ()  # whole words of device names this entry stands for
+    # a block's forward + backward beyond its matmul FLOPs, per pass and per token (measured
+    # by --calibrate at the model's width: megalite/calibrate_block.py; 0 in the table)
+    block_fixed_s: float = 0.0
+    block_per_token_s: float = 0.0
+    # per collective kind (all_reduce, all_gather, reduce_scatter, send_recv): the link's fit
+    # for that kind, where --calibrate measured it ({"intra_node": {op: Link}, ...})
+    op_links: Mapping[str, Mapping[str, Link]] = field(default_factory=dict, hash=False)
     source: str = "table"
 
     def rate(self, precision: str) -> float:
@@ -83,6 +90,12 @@ class DeviceProfile:
                    hbm_gbps=known.hbm_gbps if known else None,
                    host_link_gbps=known.host_link_gbps if known else None,
                    host_memory_gbps=known.host_memory_gbps if known else None,
+                   op_links={name: {op: Link(float(f["bus_gbps"]), float(f["latency_s"]))
+                                    for op, f in ops.items()}
+                             for name, ops in d.get("op_links", {}).items()},
+                   block_fixed_s=float(d.get("block_overhead", {}).get("fixed_s", 0.0)),
+                   block_per_token_s=float(d.get("block_overhead", {}).get("per_token_s",
+                                                                           0.0)),
                    source=f"profile {d['name']!r}")
 
 

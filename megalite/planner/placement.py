@@ -11,7 +11,7 @@ decides (collectives of a kind run in step on every group).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List
 
@@ -23,6 +23,12 @@ from megalite.planner.devices import DeviceProfile, Link
 class GroupLink:
     link: Link  # effective bus bandwidth and latency per collective
     crosses_nodes: bool
+    ops: Dict[str, Link] = field(default_factory=dict, hash=False)  # per collective kind,
+    #                                                                 where calibrated
+
+    def of(self, op: str) -> Link:
+        """The link for collectives of kind `op` (its own fit where measured)."""
+        return self.ops.get(op, self.link)
 
 
 @lru_cache(maxsize=4096)
@@ -61,12 +67,17 @@ def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
     """The effective link of the tp, pp, dp and embedding groups."""
     spread = _placement(layout.tp_size, layout.pp_size, layout.dp_size, gpus_per_node)
     intra, inter = profile.intra_node, profile.inter_node
+    intra_ops = profile.op_links.get("intra_node", {})
+    inter_ops = profile.op_links.get("inter_node", {})
     out = {}
     for kind, (crosses, per_node) in spread.items():
         if not crosses:
-            out[kind] = GroupLink(intra, False)
+            out[kind] = GroupLink(intra, False, dict(intra_ops))
             continue
         rails = 1 if kind in ("pp", "embedding") else per_node
-        out[kind] = GroupLink(Link(min(intra.bus_gbps, rails * inter.bus_gbps),
-                                   inter.latency_s), True)
+
+        def across(a: Link, b: Link) -> Link:
+            return Link(min(a.bus_gbps, rails * b.bus_gbps), b.latency_s)
+        out[kind] = GroupLink(across(intra, inter), True, {
+            op: across(intra_ops.get(op, intra), link) for op, link in inter_ops.items()})
     return out

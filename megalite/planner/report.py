@@ -10,6 +10,7 @@ from megalite.config import Config
 from megalite.plan import GIB
 from megalite.planner.devices import DeviceProfile
 from megalite.planner.search import SearchResult
+from megalite.schedule_rules import ZERO_BUBBLE
 
 # command-line key -> (Choice field, how to read it from the configuration)
 LAYOUT_KEYS = {
@@ -20,8 +21,11 @@ LAYOUT_KEYS = {
     "parallel.virtual_stages": ("virtual_stages", lambda c: c.parallel.virtual_stages),
     "train.micro_batch_size": ("micro_batch_size", lambda c: c.train.micro_batch_size),
     "train.recompute": ("recompute", lambda c: c.train.recompute),
+    "train.recompute_layers": ("recompute_layers", lambda c: c.train.recompute_layers),
     "offload.activations": ("offload", lambda c: c.offload.activations),
-    "offload.optimizer": ("offload_optimizer", lambda c: c.offload.optimizer > 0),
+    "offload.activations_layers": ("offload_layers", lambda c: c.offload.activations_layers),
+    "offload.optimizer": ("offload_optimizer", lambda c: c.offload.optimizer),
+    "parallel.schedule": ("zero_bubble", lambda c: c.parallel.schedule in ZERO_BUBBLE),
 }
 
 
@@ -46,7 +50,8 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         lines.append("held fixed (given on the command line): "
                      + ", ".join(f"{k}={v}" for k, v in fixed.items()))
     lines.append(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'sp':>3} {'v':>2} "
-                 f"{'mb':>3} {'rec':>3} {'off':>3} {'oo':>2} {'GiB':>6} {'step s':>8} {'tok/s':>10} "
+                 f"{'zb':>2} {'mb':>3} {'rec':>3} {'off':>3} {'oo':>4} {'GiB':>6} {'step s':>8} "
+                 f"{'tok/s':>10} "
                  f"{'TF/s':>6} {'hwTF/s':>6} {'MFU':>5}  time split s (critical)")
     for i, r in enumerate(result.best, 1):
         c, p = r.choice, r.prediction
@@ -54,15 +59,17 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         mfu = f"{p.mfu:.0%}" if p.mfu is not None else "n/a"
         lines.append(
             f"{i:>2} {c.tp:>3} {c.pp:>3} {c.dp:>5} {c.zero:>4} {'y' if c.sp else 'n':>3} "
-            f"{c.virtual_stages:>2} {c.micro_batch_size:>3} {'y' if c.recompute else 'n':>3} "
-            f"{'y' if c.offload else 'n':>3} {'y' if c.offload_optimizer else 'n':>2} "
+            f"{c.virtual_stages:>2} {'y' if c.zero_bubble else 'n':>2} "
+            f"{c.micro_batch_size:>3} {_count(c.recompute, c.recompute_layers):>3} "
+            f"{_count(c.offload, c.offload_layers):>3} {c.offload_optimizer:>4g} "
             f"{r.peak_bytes / GIB:>6.1f} {p.step_s:>8.4g} "
             f"{p.tokens_per_s:>10,.0f} {p.model_tflops_per_device:>6.1f} "
             f"{p.hardware_tflops_per_device:>6.1f} {mfu:>5}  {split} ({p.critical_term})")
     if result.best:
         lines.append("run the first with: " + " ".join(result.best[0].choice.overrides()))
     lines.append(f"not planned: {result.valid - result.costed} whose time lower bound (compute "
-                 "+ recompute + bubble) is above the top's predictions; "
+                 "+ recompute + the blocks' TP bytes, and the bubble) is above the top's "
+                 "predictions; "
                  f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower")
     if result.too_big:
         lines.append("over the device memory, per family: how many, and the least memory per "
@@ -72,6 +79,11 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
     for message, count in result.invalid.items():
         lines.append(f"refused by the launch validation ({count}): {message}")
     return "\n".join(lines)
+
+
+def _count(on: bool, layers) -> str:
+    """A ranking cell for recompute / activation offload: n, y (every block) or the count."""
+    return "n" if not on else "y" if layers is None else str(layers)
 
 
 def plot_search(result: SearchResult, profile: DeviceProfile, path: Path) -> None:

@@ -1,20 +1,13 @@
 """Search over layouts: which (tp, pp, dp, zero, sp, virtual stages, micro-batch size,
-recompute, activation offload) trains a model fastest on N devices of one profile.
+pipeline schedule, recompute, offloads) trains a model fastest on N devices of one profile.
 
-The space (`candidates`): tp and pp whose product divides the world size, tp dividing the
-heads, the width and the MLP; zero 0-3 (1-3 only with dp > 1: with dp = 1 they shard
-nothing); sp with tp > 1; virtual stages v > 1 with pp > 1 where pp·v divides the blocks; every
-micro-batch size that divides the per-replica batch; recompute off or of every block;
-offload.activations off, or on where blocks are not all recomputed, and offload.optimizer off
-or on (the configuration's fraction, else 1) — offloads on GPUs only: on CPU they save nothing.
-Other keys (bucket size, reshard_after_forward, overlap_param_gather,
-edge_stage_layers, ...) are the configuration's own.
-
-Each candidate passes the launch validation (`megalite.layout.validate`) and the memory plan
-(`megalite.plan.make_plan`: every stage's estimate within the device memory) before it is
-proposed. To answer in seconds for thousands of devices, candidates are pruned on a memory
-lower bound (model states of the average stage + the activations a stage-0 rank holds) and
-then costed best-first by a time lower bound (compute + recompute + the bubble, which the
+The space is `megalite.planner.space.candidates` (its docstring lists it). Each candidate
+passes the launch validation (`megalite.layout.validate`, which also applies the schedule's
+refusals of `megalite.schedule_rules`) and the memory plan (`megalite.plan.make_plan`: every
+stage's estimate within the device memory) before it is proposed. To answer in seconds for
+thousands of devices, candidates are pruned on a memory lower bound first (model states of the
+average stage + the activations a stage-0 rank keeps on the device) and then costed
+best-first by a time lower bound (compute + recompute + the schedule's bubble, which the
 prediction adds communication to): the search stops once the next lower bound exceeds the
 k-th best prediction, so the ranking it returns is the exact top k of the whole space.
 """
@@ -26,48 +19,28 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config import Config, ConfigError
-from megalite.layout import Layout, validate
+from megalite.layout import Layout, stage_chunks, validate
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import expected_bubble
-from megalite.plan import GIB, Plan, layer_activation_bytes, make_plan, model_state_bytes
+from megalite.plan import (
+    GIB,
+    Plan,
+    layer_activation_bytes,
+    make_plan,
+    model_state_bytes,
+    recomputed_layers,
+)
 from megalite.planner.devices import DeviceProfile
+from megalite.planner.placement import group_links
+from megalite.planner.space import (  # noqa: F401  (Choice, apply_choice re-exported)
+    Choice,
+    Grid,
+    apply_choice,
+    candidate_grids,
+    offload_fraction,
+)
 from megalite.planner.time_model import Prediction, predict, stage_forward_flops
 from megalite.planner.traffic import stage_traffic
-
-
-@dataclass(frozen=True, order=True)
-class Choice:
-    tp: int
-    pp: int
-    dp: int
-    zero: int
-    sp: bool
-    virtual_stages: int
-    micro_batch_size: int
-    recompute: bool
-    offload: bool  # offload.activations
-    offload_optimizer: bool = False  # offload.optimizer (the configuration's fraction, or 1)
-
-    @property
-    def family(self) -> str:
-        return (f"zero={self.zero} recompute={'on' if self.recompute else 'off'}"
-                + (" offload.activations" if self.offload else "")
-                + (" offload.optimizer" if self.offload_optimizer else ""))
-
-    def overrides(self) -> List[str]:
-        """The command-line overrides that select this layout."""
-        out = [f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}",
-               f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
-               f"train.micro_batch_size={self.micro_batch_size}",
-               f"train.recompute={str(self.recompute).lower()}"]
-        return out + (["offload.activations=true"] if self.offload else []) \
-            + (["offload.optimizer=1"] if self.offload_optimizer else [])
-
-    def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
-                f"v={self.virtual_stages} mb={self.micro_batch_size} "
-                f"recompute={self.recompute}" + (" offload" if self.offload else "")
-                + (" offload.optimizer" if self.offload_optimizer else ""))
 
 
 @dataclass
@@ -97,91 +70,47 @@ class SearchResult:
     points: List[Tuple[float, float, str]] = field(default_factory=list)
 
 
-def apply_choice(cfg: Config, c: Choice) -> Config:
-    """`cfg` with the layout keys of `c` (a shallow copy: the sections that change are new)."""
-    offload = replace(cfg.offload, activations=c.offload, activations_layers=None,
-                      optimizer=offload_fraction(cfg, c))
-    return replace(cfg, tp=c.tp, pp=c.pp, zero=c.zero, sp=c.sp,
-                   parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
-                   train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
-                                 recompute=c.recompute, recompute_layers=None),
-                   offload=offload)
-
-
-def offload_fraction(cfg: Config, c: Choice) -> float:
-    """offload.optimizer of a candidate: the configuration's fraction where it sets one."""
-    return (cfg.offload.optimizer or 1.0) if c.offload_optimizer else 0.0
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(cfg: Config, world: int, on_gpu: bool, fixed: Optional[Dict] = None
-               ) -> List[Choice]:
-    """The search space (module docstring), with the fields named in `fixed` held."""
-    fixed = fixed or {}
-    m, t = cfg.model, cfg.train
-    out = []
-    for tp in _divisors(world):
-        if m.n_head % tp or m.n_embd % tp or m.ffn_size % tp:
-            continue
-        for pp in _divisors(world // tp):
-            if pp > m.n_layer:
-                continue
-            dp = world // (tp * pp)
-            if t.global_batch_size % dp:
-                continue
-            for zero in (range(4) if dp > 1 else (0,)):
-                for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
-                    for v in _virtual(m.n_layer, pp):
-                        for mb in _divisors(t.global_batch_size // dp):
-                            micro = t.global_batch_size // (mb * dp)
-                            if v > 1 and micro % pp:
-                                continue
-                            for rec, off, opt in itertools.product(
-                                    (False, True), (False, True) if on_gpu else (False,),
-                                    (False, True) if on_gpu else (False,)):
-                                if off and rec:
-                                    continue
-                                c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt)
-                                if all(getattr(c, k) == x for k, x in fixed.items()):
-                                    out.append(c)
-    return out
-
-
-def _virtual(n_layer: int, pp: int) -> List[int]:
-    if pp == 1:
-        return [1]
-    return [v for v in _divisors(n_layer // pp) if n_layer % (pp * v) == 0] \
-        if n_layer % pp == 0 else [1]
-
-
-def _stage_flops(cache: dict, cfg: Config, pp: int, v: int, recompute: bool
-                 ) -> Tuple[tuple, ...]:
-    """Per stage (model, recompute) forward FLOPs per token, cached per (pp, v, recompute)."""
-    key = (pp, v, recompute)
+def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
+    """Per stage (model, recompute) forward FLOPs per token and (blocks, recomputed blocks),
+    cached per (pp, v, recompute, recompute_layers)."""
+    key = (c.pp, c.virtual_stages, c.recompute, c.recompute_layers)
     if key not in cache:
-        c = replace(cfg, pp=pp, parallel=replace(cfg.parallel, virtual_stages=v),
-                    train=replace(cfg.train, recompute=recompute, recompute_layers=None))
-        cache[key] = tuple((f["model"], f["recompute"]) for f in stage_forward_flops(
-            c, Layout(pp_size=pp, virtual_stages=v)))
+        cc = replace(cfg, pp=c.pp, parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
+                     train=replace(cfg.train, recompute=c.recompute,
+                                   recompute_layers=c.recompute_layers))
+        chunks = stage_chunks(cfg.model.n_layer, c.pp, c.virtual_stages,
+                              cfg.parallel.edge_stage_layers)
+        cache[key] = tuple(
+            (f["model"], f["recompute"], sum(len(b) for b in chunk),
+             sum(recomputed_layers(cc, len(b)) for b in chunk))
+            for f, chunk in zip(stage_forward_flops(
+                cc, Layout(pp_size=c.pp, virtual_stages=c.virtual_stages)), chunks))
     return cache[key]
 
 
-def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict) -> float:
-    """compute + recompute of the busiest stage, over 1 − bubble: no prediction is lower."""
-    flops = _stage_flops(cache, cfg, c.pp, c.virtual_stages, c.recompute)
+def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
+                     tp_bus_gbps: float = float("inf")) -> float:
+    """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
+    all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
+    re-run 1, with SP 3: the plan's count, without the embedding, the head and the
+    latencies) of the busiest stage, over 1 − bubble: no prediction is lower."""
+    stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     tokens = m * c.micro_batch_size * cfg.train.seq_len / c.tp / rate
-    busiest = max((3 * f + r) * tokens for f, r in flops)
-    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages))
+    ring_full = (c.tp - 1) / c.tp * e * cfg.train.seq_len * c.micro_batch_size \
+        * cfg.model.n_embd / (tp_bus_gbps * 1e9)
+    per_block, rerun = (10, 3) if c.sp else (8, 2)
+    busiest = max((3 * f + r) * tokens + m * ring_full * (n * per_block + rec * rerun)
+                  for f, r, n, rec in stages)
+    schedule = "zb-h1" if c.zero_bubble else "auto"
+    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, schedule))
 
 
 def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     """No more than the plan's peak: the larger of the average stage's model states and
-    stage 0's model states + the activations it holds (its fewest blocks, the micro-batches
-    in flight under 1F1B, a recomputed block's input only)."""
+    stage 0's model states + the activations it keeps on the device (its fewest blocks, the
+    micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many — a recomputed
+    block's input only, an offloaded block nothing)."""
     mc, t = cfg.model, cfg.train
     h, f, vocab = mc.n_embd, mc.ffn_size, padded_vocab_size(mc.vocab_size, c.tp)
     layer = 4 * h + (3 * h * h + 3 * h) // c.tp + h * h // c.tp + h + (f * h + f) // c.tp \
@@ -199,13 +128,18 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     if cfg.parallel.edge_stage_layers is not None:
         layers = min(layers, cfg.parallel.edge_stage_layers)
     first = states(layers * layer + embeddings)
-    if not c.offload:
-        full = layer_activation_bytes(t.seq_len, c.micro_batch_size, h, mc.n_head, c.tp, c.sp,
-                                      e, mc.resid_pdrop > 0)
-        s_local = t.seq_len // c.tp if c.sp else t.seq_len
-        per_layer = e * s_local * c.micro_batch_size * h if c.recompute else full
-        m = t.global_batch_size // (c.micro_batch_size * c.dp)
-        first += min(c.pp, m) * layers * per_layer
+    recomputed = 0 if not c.recompute else layers if c.recompute_layers is None \
+        else min(c.recompute_layers, layers)
+    offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
+        if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
+                                             - recomputed)
+    full = layer_activation_bytes(t.seq_len, c.micro_batch_size, h, mc.n_head, c.tp, c.sp,
+                                  e, mc.resid_pdrop > 0)
+    s_local = t.seq_len // c.tp if c.sp else t.seq_len
+    per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
+        + (layers - recomputed - offloaded) * full
+    m = t.global_batch_size // (c.micro_batch_size * c.dp)
+    first += min(c.pp, m) * per_chunk
     return max(states(average), first)
 
 
@@ -263,44 +197,115 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
 
     One queue, smallest key first: a candidate enters keyed by its time lower bound; popped,
     it is predicted and re-enters keyed by its prediction (never below its bound); popped
-    again, its memory is planned and, if it fits, it is the next fastest of the whole space."""
+    again, its memory is planned and, if it fits, it is the next fastest of the whole space.
+    Offloads only add copy time (`_Offloads`), so a layout's offload variants enter only once
+    every variant with less offload is known not to fit."""
     device_type, bf16 = device_kind(profile)
     precision = Layout.from_config(replace(cfg, tp=1, pp=1), 1, device_type, bf16).precision
     e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
     s = _Search(cfg, world, profile, gpus_per_node)
-    cache: dict = {}
-    queue, smallest = [], {}
-    for c in candidates(cfg, world, device_type == "cuda", fixed):
-        need = memory_lower_bound(cfg, c, e)
-        if need > profile.memory_bytes:
-            s.too_big(c.family, need)
-            s.result.points.append((need, time_lower_bound(cfg, c, rate, cache), "bound"))
-            if need < smallest.get(c.family, (float("inf"),))[0]:
-                smallest[c.family] = (need, c)
-            continue
-        queue.append((time_lower_bound(cfg, c, rate, cache), c, None))
+    # offloads only where they save device memory and the profile prices their copies
+    offloads = device_type == "cuda" and bool(profile.host_link_gbps
+                                              and profile.host_memory_gbps)
+    walk = _Offloads(s, e, rate, not profile.hbm_gbps or profile.host_memory_gbps is None
+                     or profile.host_memory_gbps <= profile.hbm_gbps)
+    for grid in candidate_grids(cfg, world, offloads, fixed):
+        walk.start(grid)
+    queue = walk.queue
     heapq.heapify(queue)
-    s.result.valid = len(queue)
+    walk.heap = True
     while queue and len(s.result.best) < top:
-        key, c, predicted = heapq.heappop(queue)
-        if predicted is None:
+        key, n, c, predicted, grid, cell = heapq.heappop(queue)
+        if not isinstance(predicted, tuple):  # its memory bound: not predicted yet
             predicted = s.predicted(c)
             if predicted is not None:
-                heapq.heappush(queue, (predicted[2].step_s, c, predicted))
+                heapq.heappush(queue, (predicted[2].step_s, n, c, predicted, grid, cell))
+            else:
+                walk.not_fitting(grid, *cell)
             continue
         ranked = s.planned(c, *predicted)
         if ranked is not None:
             s.result.best.append(ranked)
-    for key, c, predicted in queue:  # not planned: their bounds
-        s.result.points.append((memory_lower_bound(cfg, c, e), key,
-                                "bound" if predicted is None else "predicted"))
+        else:
+            walk.not_fitting(grid, *cell)
+    for key, _, c, predicted, _, _ in queue:  # not planned: their bounds
+        s.result.points.append((memory_lower_bound(cfg, c, e), key, "predicted")
+                               if isinstance(predicted, tuple) else (predicted, key, "bound"))
     if not s.result.best:
-        for family, (_, c) in smallest.items():  # the plan's figure for the least-need one
+        for family, (_, c) in walk.smallest.items():  # the plan's figure for the least-need one
             predicted = s.predicted(c)
             if predicted is not None:
                 s.planned(c, *predicted)
         raise NothingFits(nothing_fits_message(s.result, profile, world))
     return s.result
+
+
+class _Offloads:
+    """The walk over each layout's offload variants (`Grid`). In the time model more
+    offloaded blocks only add copy time, and a larger optimizer fraction only moves AdamW to
+    a host memory no faster than HBM (`ordered_fractions`), the rest of the prediction equal:
+    a variant is never faster than one with less offload (fewer blocks, no larger fraction).
+    So a variant is examined (memory bound, then queued by its time bound) only when each
+    variant just below it is out of the space, invalid or known not to fit (by its memory
+    bound or its plan); the space's top k is that of the variants so examined."""
+
+    def __init__(self, s: _Search, e: int, rate: float, ordered_fractions: bool):
+        self.s, self.e, self.rate, self.ordered = s, e, rate, ordered_fractions
+        self.queue: list = []
+        self.order = itertools.count()  # ties: first examined first (Choices do not compare)
+        self.smallest: Dict[str, Tuple[float, Choice]] = {}
+        self.cache: dict = {}
+        self.buses: dict = {}
+        self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
+        self.heap = False  # the queue is a heap (after the first pass)
+
+    def bound(self, c: Choice) -> float:
+        s = self.s
+        if (c.tp, c.pp) not in self.buses:  # the fastest fit of the TP group's (a bound)
+            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp), s.profile,
+                             s.gpus_per_node)["tp"]
+            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
+                                           + [fit.bus_gbps for fit in tp.ops.values()])
+        return time_lower_bound(s.cfg, c, self.rate, self.cache, self.e,
+                                self.buses[(c.tp, c.pp)])
+
+    def start(self, grid: Grid) -> None:
+        """Examine the grid's least-offload variants: no offload (with unordered fractions,
+        no activation offload at each fraction)."""
+        for j in range(grid.shape[1] if not self.ordered else 1):
+            self.examine(grid, 0, j)
+
+    def examine(self, grid: Grid, i: int, j: int) -> None:
+        c = grid.at(i, j)
+        if c is None:  # out of the space: what lies above it may be in
+            self.not_fitting(grid, i, j)
+            return
+        need = memory_lower_bound(self.s.cfg, c, self.e)
+        if need > self.s.profile.memory_bytes:
+            self.s.too_big(c.family, need)
+            self.s.result.points.append((need, self.bound(c), "bound"))
+            if need < self.smallest.get(c.family, (float("inf"),))[0]:
+                self.smallest[c.family] = (need, c)
+            self.not_fitting(grid, i, j)
+            return
+        self.s.result.valid += 1
+        entry = (self.bound(c), next(self.order), c, need, grid, (i, j))
+        if self.heap:
+            heapq.heappush(self.queue, entry)
+        else:
+            self.queue.append(entry)
+
+    def not_fitting(self, grid: Grid, i: int, j: int) -> None:
+        """(i, j) is out of the space, invalid or does not fit: examine the variants above it
+        whose every variant just below is so too."""
+        out = self.out.setdefault(id(grid), set())
+        out.add((i, j))
+        rows, cols = grid.shape
+        above = [(i + 1, j)] + ([(i, j + 1)] if self.ordered else [])
+        for a, b in above:
+            if a < rows and b < cols and (a == 0 or (a - 1, b) in out) and \
+                    (not self.ordered or b == 0 or (a, b - 1) in out):
+                self.examine(grid, a, b)
 
 
 def nothing_fits_message(result: SearchResult, profile: DeviceProfile, world: int) -> str:

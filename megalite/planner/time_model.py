@@ -8,15 +8,27 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               last stage 2·(V·h + 2h) (LM head, ln_f): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
               accounting (`flops_per_token`). Backward = 2 forwards.
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
-              recomputed blocks
+              recomputed blocks (all, or train.recompute_layers of each chunk)
+  non_matmul  m · (n_k + r_k/3) · (fixed + per_token · b·s/t): what a block's forward +
+              backward costs beyond its FLOPs at R (elementwise ops, softmax, per-operation
+              launch and dispatch overhead), as `scripts/plan.py --calibrate` measured it on a
+              real block (megalite/calibrate_block.py; a recomputed block's re-run a third of
+              it); 0 for the device table's entries, which do not measure it. It is compute:
+              a third in the forward, the rest in the backward, which communication overlaps
   tp          the plan's TP wire bytes / bus bandwidth + collectives × latency: blocking, in the
-              layer's critical path (megalite does not overlap TP collectives)
+              layer's critical path (megalite does not overlap TP collectives); all-reduces,
+              with SP 6 all-gathers : 4 reduce-scatters a block (each kind at its own fit
+              where a calibrated profile has one: `op_links`; pp: send/recv, dp: all-reduce,
+              reduce-scatter, all-gather, embedding: all-reduce)
   offload     activation offload's copies (offloaded blocks' saved bytes, out in forward, back
               in backward) over the host link, on a side stream: only what exceeds the
               micro-batch's forward / backward time is exposed
-  bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v)` = (p−1)/(v·m+p−1)
-              and busy = compute + recompute + tp + offload: the slowest stage paces the
-              pipeline; on it this is busy·β/(1 − β), the schedule's formula
+  bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
+              (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p;
+              its W's are the backward's weight half, no FLOPs of their own: compute is the
+              same 3·F either way), and busy = compute + recompute + non_matmul + tp +
+              offload: the slowest stage paces the pipeline; on it this is busy·β/(1 − β),
+              the schedule's formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
               state, only where a transfer outlasts a chunk's forward
@@ -35,9 +47,11 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               updated parameters copied back (e·n over the host link) bucket by bucket: the
               longer of the two
 
-Step time = the largest stage total; its terms sum to it. Not modelled: kernel launch and
-elementwise ops beyond what the achievable rate absorbs, contention between groups sharing a
-link, stragglers, data loading, the first step's compilation.
+Step time = the largest stage total; its terms sum to it. Not modelled: the embedding's and
+the head's (LM head, loss) non-matmul work, and without a calibrated profile the blocks' too
+(the table's rates absorb what they can), the per-step Python of the engine (gradient norm,
+clipping, zero_grad), contention between groups sharing a link, stragglers, data loading, the
+first step's compilation.
 """
 from __future__ import annotations
 
@@ -52,7 +66,7 @@ from megalite.plan import layer_activation_bytes, offloaded_layers, recomputed_l
 from megalite.planner.devices import DeviceProfile
 from megalite.planner.placement import GroupLink, group_links
 
-TERMS = ("compute", "recompute", "tp", "offload", "bubble", "pp", "dp", "embedding",
+TERMS = ("compute", "recompute", "non_matmul", "tp", "offload", "bubble", "pp", "dp", "embedding",
          "optimizer", "offload_optimizer")
 
 
@@ -106,12 +120,14 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     return out
 
 
-def _ring_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int) -> float:
-    """Seconds of `collectives` collectives over `ranks` ranks moving `wire_bytes` in all:
-    wire bytes at the bus bandwidth + the latency of each: a ring takes ranks − 1 steps, each
-    the profile's latency (that of a 2-rank collective, its smallest group)."""
-    return wire_bytes / (link.link.bus_gbps * 1e9) \
-        + collectives * (ranks - 1) * link.link.latency_s
+def _ring_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int,
+               op: str = "all_reduce") -> float:
+    """Seconds of `collectives` collectives of kind `op` over `ranks` ranks moving
+    `wire_bytes` in all: wire bytes at the bus bandwidth + the latency of each: a ring takes
+    ranks − 1 steps, each the profile's latency (that of a 2-rank collective, its smallest
+    group) — the kind's own fit where the profile has one (`op_links`), else the link's."""
+    fit = link.of(op)
+    return wire_bytes / (fit.bus_gbps * 1e9) + collectives * (ranks - 1) * fit.latency_s
 
 
 def _tp_collectives(cfg: Config, layout: Layout, chunks: List[range], first: bool,
@@ -138,12 +154,14 @@ def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, 
         max(1.0, 4 * psi / (cfg.parallel.bucket_mb * 2**20))  # collectives per pass
     zero = layout.zero_stage
     if zero == 0:
-        return max(0.0, _ring_time(dp_bytes, buckets, link, n) - t_b)
+        return max(0.0, _ring_time(dp_bytes, buckets, link, n, "all_reduce") - t_b)
     per_micro = zero >= 2
     reduce_bytes = ring * 4 * psi * (m if per_micro else 1)
     gather_bytes = dp_bytes - reduce_bytes
-    reduce = _ring_time(reduce_bytes, buckets * (m if per_micro else 1), link, n)
-    gather = _ring_time(gather_bytes, buckets * (2 * m if zero == 3 else 1), link, n)
+    reduce = _ring_time(reduce_bytes, buckets * (m if per_micro else 1), link, n,
+                        "reduce_scatter")
+    gather = _ring_time(gather_bytes, buckets * (2 * m if zero == 3 else 1), link, n,
+                        "all_gather")
     if zero in (1, 2):
         exposed = max(0.0, reduce - t_b) if zero == 1 else m * max(0.0, reduce / m - t_b)
         window = t_f if cfg.parallel.overlap_param_gather else 0.0
@@ -163,14 +181,22 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     tokens, tp, v = t.micro_batch_size * t.seq_len, lay.tp_size, lay.virtual_stages
     f_model = flops["model"] * tokens / tp / rate  # one micro-batch's forward
     f_re = flops["recompute"] * tokens / tp / rate
-    t_f, t_b = f_model, 2 * f_model + f_re
+    blocks = sum(len(b) for b in chunks)
+    rerun = sum(recomputed_layers(cfg, len(b)) for b in chunks)
+    block_pass = profile.block_fixed_s + profile.block_per_token_s * tokens / tp
+    t_f = f_model + blocks * block_pass / 3
+    t_b = 2 * f_model + f_re + (2 * blocks + rerun) * block_pass / 3
     place = lay.placement
     first = any(place.holds_first(k, c) for c in range(v))
     last = any(place.holds_last(k, c) for c in range(v))
     terms = dict.fromkeys(TERMS, 0.0)
     terms["compute"], terms["recompute"] = m * 3 * f_model, m * f_re
-    terms["tp"] = _ring_time(stage.comm["tp"], m * _tp_collectives(
-        cfg, lay, chunks, first, last), links["tp"], tp) if tp > 1 else 0.0
+    terms["non_matmul"] = m * (blocks + rerun / 3) * block_pass
+    if tp > 1:  # all-reduces; with SP all-gathers and reduce-scatters, 6 : 4 a block
+        wire, count = stage.comm["tp"], m * _tp_collectives(cfg, lay, chunks, first, last)
+        terms["tp"] = _ring_time(wire, count, links["tp"], tp) if not lay.sequence_parallel \
+            else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
+            + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
     if cfg.offload.activations and profile.host_link_gbps:
         act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
                                      cfg.model.n_head, tp, lay.sequence_parallel, e,
@@ -181,7 +207,7 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     if lay.pp_size > 1:
         scatter = tp if tp > 1 and not lay.sequence_parallel else 1
         x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
-                       * cfg.model.n_embd / scatter, 1, links["pp"], 2)
+                       * cfg.model.n_embd / scatter, 1, links["pp"], 2, "send_recv")
         terms["pp"] = 2 * (lay.pp_size * v - 1) * x + 2 * m * v * max(0.0, x - t_f / v)
     units = sum(len(b) for b in chunks) + 2 * first + 2 * last  # ZeRO-3's gathered units
     terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], stage.params, e, m, t_f, t_b,
@@ -213,8 +239,9 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k])
               for k in range(layout.pp_size)]
     m = layout.micro_batches(cfg.train.global_batch_size)
-    beta = expected_bubble(layout.pp_size, m, layout.virtual_stages)
-    busy = [s["compute"] + s["recompute"] + s["tp"] + s["offload"] for s in stages]
+    beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
+    busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["tp"] + s["offload"]
+            for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
     totals = [sum(s.values()) for s in stages]
