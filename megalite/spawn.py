@@ -15,10 +15,12 @@ once the sending rank has exited).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -52,7 +54,9 @@ class _CallerStdio:
 
 def _entry(fn, rank, world_size, port, args, queue, timeout_s, environ, stdio):
     for fd, inherited in enumerate(stdio, start=1):
-        os.dup2(inherited.detach(), fd)
+        received = inherited.detach()
+        os.dup2(received, fd)
+        os.close(received)
     os.environ.clear()  # the caller's, as at start (the forkserver holds its own from then)
     os.environ.update(environ)
     os.environ.update({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
@@ -145,4 +149,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
             if p.is_alive():
                 p.kill()
                 p.join()
+            elif failed and p.exitcode == 255:  # how a rank reads once its forkserver died:
+                with contextlib.suppress(OSError):  # it may still run, orphaned
+                    os.kill(p.pid, signal.SIGKILL)
     return [results[r] for r in range(world_size)]

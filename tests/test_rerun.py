@@ -314,6 +314,7 @@ def test_own_changes_in_two_replicas_are_non_determinism_and_in_one_a_fault():
     replicas = [[0, 1], [2, 3]]  # tp 2 x dp 2
     changed = own_changes(first, rounding, 1e-5)
     assert changed == [0, 3] and nondeterministic(changed, replicas)
+    assert not nondeterministic(changed, replicas, shards_parameters=True)  # zero 3 gathers
     assert own_changes(first, rounding, 1e-3) == []  # within a looser tolerance: no change
     fault = [[math.nan, 1.0, 5.1], [2.5, 2.0, 5.1], [3.0, 1.0, 5.1], [3.5, 1.5, 5.1]]
     assert not nondeterministic(own_changes(first, fault, 1e-5), replicas)  # one replica

@@ -33,8 +33,11 @@ stream for every copy. No step ever blocks the CPU on the compute stream:
                device AdamW. `step` returns without waiting for the copies
     next use   each block's parameters wait for their own copy, on the device, where they are
                next read (`params_needed`: a forward pre-hook on every sharding unit; before
-               zero 1/2's all-gather of each bucket; before zero 3's gather of each unit), so
-               the first blocks compute while the last ranges are still on the link
+               zero 1/2's all-gather of each bucket; before zero 3's gather of each unit). Under
+               zero 0 and 3 the first blocks compute while the last ranges are still on the
+               link; under zero 1/2 the gathers are issued right after the step on the compute
+               stream, each after its own copy, so the next forward starts after the last
+               copy (the copies still overlap the host AdamW of the ranges after them)
 
 On CPU host = device: the same buffers, copies and fold thread exist (real copies between
 separate tensors, no streams), which exercises the path and saves nothing. The time blocked on
@@ -129,12 +132,12 @@ def _wait_reduction_on(work, stream) -> bool:
     """Make `stream` wait for the collective behind `work` (a `megalite.parallel.comm`
     handle: on NCCL, `Work.wait()` blocks the *current* stream on the collective's end event,
     and blocking it a second time after the compute stream did is harmless). False for a
-    group of one, whose 'reduction' ran on the compute stream."""
-    backend_work = getattr(work, "work", None)
-    if backend_work is None:
+    group of one, whose 'reduction' ran on the compute stream. Waited through the handle, so
+    a failure is a CommError naming the group and the flight recorder sees it."""
+    if getattr(work, "work", None) is None:
         return False
     with torch.cuda.stream(stream):
-        backend_work.wait()
+        work.wait()
     return True
 
 

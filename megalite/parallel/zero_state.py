@@ -68,6 +68,7 @@ class EngineState:
         self.wait_for_params()
         if self.offload is not None:
             self.offload.params_to_device()
+            self.offload.params_needed(self.buckets)  # the gathers below read the copies
         for b in self.buckets:
             b.after_step()
 

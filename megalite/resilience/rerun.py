@@ -132,7 +132,7 @@ class RerunAttribution:
         second = self._execute(execute, 1, micro_batches)
         firsts, seconds = self._everyones(first), self._everyones(second)
         changed = own_changes(firsts, seconds, self.tolerance)
-        if nondeterministic(changed, self._replicas()):
+        if nondeterministic(changed, self._replicas(), self.engine.zero3 is not None):
             self.rng.load_state_dict(rng_after)
             return self._nondeterministic(step, reasons, changed, firsts, seconds)
         suspects = transient_suspects(firsts, seconds, self.tolerance)

@@ -62,7 +62,8 @@ def own_changes(first: Sequence[Sequence[float]], second: Sequence[Sequence[floa
             if differing(a[:LOCAL], b[:LOCAL], tolerance)]
 
 
-def nondeterministic(changed: Sequence[int], replicas: Sequence[Sequence[int]]) -> bool:
+def nondeterministic(changed: Sequence[int], replicas: Sequence[Sequence[int]],
+                     shards_parameters: bool = False) -> bool:
     """Whether the ranks whose own results changed on re-execution (`changed`) lie in two or
     more DP replicas (`replicas[d]`: replica d's global ranks). A faulty device changes its
     own results and those of its model-parallel peers (through the activations), never
@@ -71,7 +72,12 @@ def nondeterministic(changed: Sequence[int], replicas: Sequence[Sequence[int]]) 
     non-determinism (atomics in the backward, most often), not a fault on all of them. Two
     faults at once on two replicas would read the same: called non-determinism, and logged.
     With one replica (dp = 1) a fault changes every rank's results too, and this cannot tell;
-    deterministic kernels and resilience.rerun_tolerance are the protection there."""
+    deterministic kernels and resilience.rerun_tolerance are the protection there. Nor under
+    ZeRO-3 (`shards_parameters`): every forward gathers every replica's parameter shard, so a
+    device that corrupts its shard or its send changes every replica's results; the rule is
+    off there and such a step goes on to the transient / persistent verdicts."""
+    if shards_parameters:
+        return False
     touched = {d for d, ranks in enumerate(replicas) if set(ranks) & set(changed)}
     return len(touched) >= 2
 
