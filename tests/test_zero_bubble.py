@@ -22,7 +22,7 @@ from megalite.parallel.schedule import (
     stage_order,
 )
 from megalite.spawn import run_ranks
-from tests.conftest import FP16_LEARNING, pipeline_layout
+from tests.conftest import BF16_LEARNING, EIGHT_BLOCKS, FP16_LEARNING, pipeline_layout
 from tests.layouts import (
     PER_STEP,
     _many,
@@ -30,6 +30,7 @@ from tests.layouts import (
     from_step,
     master_update_error,
 )
+from tests.test_mixed_precision import TOLERANCE
 
 F, B, W = "F", "B", "W"
 
@@ -303,6 +304,17 @@ def _check_v(ref, ranks, pp, m):
         assert max(res["saved_in_flight"]) == bound, res["saved_in_flight"]
 
 
+def _check_bf16(serial: dict, runs: list) -> None:
+    """bf16 runs within test_mixed_precision's tolerances of the bf16 serial run."""
+    tol = TOLERANCE["bf16"]
+    for res in runs:
+        assert all(p.dtype == torch.bfloat16 for p in res["params"][0].values())
+        for s in range(10):
+            assert abs(res["losses"][s] / serial["losses"][s] - 1) < tol["loss"], s
+            assert abs(res["norms"][s] / serial["norms"][s] - 1) < tol["norm"], s
+        assert master_update_error(serial, res) < tol["master"]
+
+
 def _first_steps(result: dict, steps: int) -> dict:
     return {**result, **{key: result[key][:steps] for key in PER_STEP}}
 
@@ -324,8 +336,13 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
            _layout(tiny_data, 2, 2, [ZB, *FP16_LEARNING]),
            _layout(tiny_data, 2, 4, ["parallel.schedule=1f1b", f"checkpoint.dir={ckpt}"]),
            _layout(tiny_data, 2, 4, [*ZV, f"checkpoint.dir={ckpt_v}"]),
-           _layout(tiny_data, 2, 2, [*ZV, *FP16_LEARNING, "train.recompute=true"])]
-    full, partial, fp16, writer, zb_v, v_fp16 = _train(tmp_path / "two", 2, two, save_at=5)
+           _layout(tiny_data, 2, 2, [*ZV, *FP16_LEARNING, "train.recompute=true"]),
+           _layout(tiny_data, 2, 2, [ZB, *BF16_LEARNING]),
+           _layout(tiny_data, 2, 2, [*ZV, *BF16_LEARNING]),
+           _layout(tiny_data, 2, 4, [*ZV, *EIGHT_BLOCKS, "parallel.edge_stage_layers=3",
+                                     "train.recompute=true", "train.recompute_layers=2"])]
+    full, partial, fp16, writer, zb_v, v_fp16, bf16, v_bf16, v_edge = _train(
+        tmp_path / "two", 2, two, save_at=5)
     _check(serial[2], full, 2, 2, counted=False)  # recompute: checkpoint's own saved hooks
     _check(serial[4], partial, 2, 4, counted=False)
     assert_equal(serial[4], writer)
@@ -335,6 +352,8 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
         for s in range(10):
             assert abs(res["losses"][s] / serial["fp16"]["losses"][s] - 1) < 3e-3, s
         assert master_update_error(serial["fp16"], res) < 0.2
+    _check_bf16(serial["bf16"], bf16 + v_bf16)
+    assert_equal(serial["n8"], v_edge)
     resume = f"checkpoint.resume={ckpt / 'step_00000005'}"
     four = [_layout(tiny_data, 4, 4, [ZB]), _layout(tiny_data, 4, 8, [ZB]),
             pipeline_layout(tiny_data, 2, 2, 4, [ZB, "sp=true"]),
@@ -343,14 +362,20 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
                                       resume]),
             pipeline_layout(tiny_data, 2, 2, 2, [*ZV, "sp=true"]),
             _layout(tiny_data, 2, 4, [*ZV, "zero=3", resume]),
-            _layout(tiny_data, 2, 4, [ZB, "zero=2", f"checkpoint.resume={ckpt_v / 'step_00000005'}"])]
-    pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v = _train(
+            _layout(tiny_data, 2, 4, [ZB, "zero=2", f"checkpoint.resume={ckpt_v / 'step_00000005'}"]),
+            _layout(tiny_data, 4, 4, [ZB, *EIGHT_BLOCKS, "parallel.edge_stage_layers=1"]),
+            _layout(tiny_data, 2, 4, [*ZV, *EIGHT_BLOCKS, "zero=1",
+                                      "parallel.overlap_param_gather=true",
+                                      "train.recompute=true", "train.recompute_layers=1"])]
+    pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v, edge, v_zero1 = _train(
         tmp_path / "four", 4, four)
     _check(serial[4], pp4, 4, 4)
     _check(serial[8], pp4_m8, 4, 8)
     for ranks in (tp_sp, zero3):
         assert_equal(serial[4], ranks)
     _check_v(serial[2], v_tp_sp, 2, 2)
+    _check(serial["n8"], edge, 4, 4)
+    assert_equal(serial["n8"], v_zero1)
     expected = from_step(serial[4], 5)
     for res in resumed + v_resumed + from_v:  # the 5 steps after the resume (val: after 10)
         assert_equal({**expected, "val": res["val"]}, [_first_steps(res, 5)])
