@@ -1,8 +1,10 @@
 """Zero-bubble pipeline schedules (ZB-H1, ZB-V; Qi et al. 2024): the order against an independent
 simulation with unit F, B and W, the rounds, validation before launch, and training equal to
-pp=1 on real gloo ranks (with TP + SP, ZeRO 1 and 3, full and partial recompute, fp16, and a
-resume from a 1F1B checkpoint under another layout; zb-v plain, with TP + SP, ZeRO 3, and
-checkpoints between it and the other schedules), counting saved activations in flight."""
+pp=1 on real gloo ranks (with TP + SP, ZeRO 1 and 3, full and partial recompute, fp16, bf16,
+edge_stage_layers, and a resume from a 1F1B checkpoint under another layout; zb-v plain, at
+pp=4, with TP + SP, ZeRO 1 with overlap_param_gather, ZeRO 3, partial recompute,
+edge_stage_layers, fp16, bf16, and checkpoints between it and the other schedules), counting
+saved activations in flight."""
 from __future__ import annotations
 
 import itertools
@@ -323,13 +325,16 @@ def _first_steps(result: dict, steps: int) -> dict:
 def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     """10 steps (fp32, dropout 0) equal to the pp=1 run — losses, grad norms, validation loss,
     every parameter slice after every step — for zb-h1 at pp=2 and 4 with m = pp and 2·pp
-    (pp=2 with full, then partial recompute), tp2 + SP, zero 3 (dp2); fp16 within the
-    mixed-precision tolerances of the fp16 serial run. A 1F1B (pp=2, dp1) checkpoint of step 5
-    resumed under zb-h1 with pp=2, dp2, zero 1 and overlap_param_gather gives the serial steps
-    6-10. The pipeline trace shows F, B and W. zb-v (pp=2: stage 0 holds the embedding and the
-    LM head as one parameter) equals the serial run plain, with tp2 + SP, fp16 with full
-    recompute (fp16 tolerances), and resumed from the 1F1B checkpoint under dp2 + zero 3; its
-    own checkpoint resumes under zb-h1, dp2, zero 2."""
+    (pp=2 with full, then partial recompute), tp2 + SP, zero 3 (dp2); fp16 and bf16 within the
+    mixed-precision tolerances of the serial run of that precision. A 1F1B (pp=2, dp1)
+    checkpoint of step 5 resumed under zb-h1 with pp=2, dp2, zero 1 and overlap_param_gather
+    gives the serial steps 6-10. The pipeline trace shows F, B and W. zb-v (pp=2: stage 0 holds
+    the embedding and the LM head as one parameter) equals the serial run plain, with tp2 + SP,
+    fp16 with full recompute and bf16 (tolerances), and resumed from the 1F1B checkpoint under
+    dp2 + zero 3; its own checkpoint resumes under zb-h1, dp2, zero 2. With 8 blocks (against
+    the 8-block serial run): zb-h1 at pp=4 with edge_stage_layers=1 (1-3-3-1), zb-v at pp=2
+    with edge_stage_layers=3 (slices 3-1-1-3) and partial recompute, zb-v at pp=2 dp2 with
+    zero 1, overlap_param_gather and partial recompute, and zb-v at pp=4."""
     serial, ckpt, ckpt_v = pipeline_serial, tmp_path / "ckpt", tmp_path / "ckpt_v"
     two = [_layout(tiny_data, 2, 2, [ZB, "train.recompute=true"]),
            _layout(tiny_data, 2, 4, [ZB, "train.recompute=true", "train.recompute_layers=1"]),
@@ -366,9 +371,10 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
             _layout(tiny_data, 4, 4, [ZB, *EIGHT_BLOCKS, "parallel.edge_stage_layers=1"]),
             _layout(tiny_data, 2, 4, [*ZV, *EIGHT_BLOCKS, "zero=1",
                                       "parallel.overlap_param_gather=true",
-                                      "train.recompute=true", "train.recompute_layers=1"])]
-    pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v, edge, v_zero1 = _train(
-        tmp_path / "four", 4, four)
+                                      "train.recompute=true", "train.recompute_layers=1"]),
+            _layout(tiny_data, 4, 4, [*ZV, *EIGHT_BLOCKS])]
+    (pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v, edge, v_zero1,
+     v_pp4) = _train(tmp_path / "four", 4, four)
     _check(serial[4], pp4, 4, 4)
     _check(serial[8], pp4_m8, 4, 8)
     for ranks in (tp_sp, zero3):
@@ -376,6 +382,7 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     _check_v(serial[2], v_tp_sp, 2, 2)
     _check(serial["n8"], edge, 4, 4)
     assert_equal(serial["n8"], v_zero1)
+    _check_v(serial["n8"], v_pp4, 4, 4)
     expected = from_step(serial[4], 5)
     for res in resumed + v_resumed + from_v:  # the 5 steps after the resume (val: after 10)
         assert_equal({**expected, "val": res["val"]}, [_first_steps(res, 5)])
