@@ -125,7 +125,8 @@ def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
 
 
 @pytest.mark.parametrize("v,m,schedule", [(1, 8, "auto"), (2, 4, "auto"), (1, 2, "auto"),
-                                            (1, 8, "zb-h1"), (1, 1, "zb-h1")])
+                                            (1, 8, "zb-h1"), (1, 1, "zb-h1"),
+                                            (2, 8, "zb-v"), (2, 1, "zb-v")])
 def test_bubble_term_is_the_schedules_formula(v, m, schedule):
     over = ["pp=2", f"parallel.virtual_stages={v}", f"train.global_batch_size={m}",
             "train.micro_batch_size=1", f"parallel.schedule={schedule}"]
@@ -134,13 +135,22 @@ def test_bubble_term_is_the_schedules_formula(v, m, schedule):
             for t in pred.stage_terms]
     p = 2
     beta = (p - 1) / (v * m + p - 1) if schedule == "auto" else \
-        (p - 1) / (3 * m + p - 1) if m >= p else 1 - 3 * m / (2 * m + 2 * p - 1)  # ZB-H1
+        ((p - 1) / (3 * m + p - 1) if m >= p else 1 - 3 * m / (2 * m + 2 * p - 1)) \
+        if schedule == "zb-h1" else \
+        (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else 1 - 6 * m / (4 * m + 4 * p - 2)
     assert beta == pytest.approx(expected_bubble(2, m, v, schedule))
     slowest = busy.index(max(busy))  # paces the pipeline: idle beta of the step
     assert pred.stage_terms[slowest]["bubble"] == pytest.approx(
         max(busy) * beta / (1 - beta), rel=1e-9)
     for b, terms in zip(busy, pred.stage_terms):  # the others also wait for it
         assert b + terms["bubble"] == pytest.approx(max(busy) / (1 - beta), rel=1e-9)
+    if schedule == "zb-v":  # the V puts the embedding and the head on stage 0: it paces
+        assert slowest == 0 and pred.critical_stage == 0 and layout.v_shape
+        _, _, inter = planned(over[:-1], 2, synthetic(bus=1e6)) if m % 2 == 0 else (0, 0, None)
+        if inter is not None:  # the same FLOPs, placed otherwise: the head on stage 1
+            assert sum(t["compute"] for t in pred.stage_terms) == pytest.approx(
+                sum(t["compute"] for t in inter.stage_terms), rel=1e-12)
+            assert inter.stage_terms[1]["compute"] > inter.stage_terms[0]["compute"]
     if schedule == "zb-h1":  # W is the backward's weight half: no FLOPs of its own
         _, _, f1b = planned(over[:-1], 2, synthetic(bus=1e6))
         assert [t["compute"] for t in pred.stage_terms] == \
@@ -211,7 +221,7 @@ def brute_force(cfg, world, profile, per_node):
     out = []
     for tp, pp, zero, sp, v, mb, zb in itertools.product(
             (1, 2, 4), (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
-            (False, True)):
+            ("auto", "zb-h1", "zb-v")):
         dp = world // (tp * pp)
         blocks = cfg.model.n_layer // (pp * v)
         if tp * pp > world or (zero and dp == 1) or cfg.model.n_layer % (pp * v):
@@ -257,8 +267,9 @@ def least_offload(fitting, n_layer):
 
 
 def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_layouts():
-    """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1, full / partial recompute, every
-    or some blocks' activation offload and optimizer offload fractions."""
+    """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1 / ZB-V, full / partial recompute,
+    every or some blocks' activation offload and optimizer offload fractions; and with the
+    schedule held at zb-v (`fixed`), the best zb-v layout, valid."""
     cfg = load_config(SMALL + ["train.global_batch_size=8"])
     base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0,
                    op_links={"intra_node": {"all_gather": Link(40.0, 1e-6),  # faster than the
@@ -269,7 +280,7 @@ def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_la
     fitting = [(t, c) for t, peak, c in everything if peak <= profile.memory_bytes]
     assert 0 < len(fitting) < len(everything)
     fitting = least_offload(fitting, cfg.model.n_layer)
-    assert {c.zero_bubble for _, c in fitting} == {False, True}
+    assert {c.schedule for _, c in fitting} == {"auto", "zb-h1", "zb-v"}
     assert any(c.recompute_layers for _, c in fitting) and any(c.offload_layers
                                                                 for _, c in fitting)
     result = search(cfg, 4, profile, 2, top=3)
@@ -279,6 +290,12 @@ def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_la
         validate(r.config, 4, 2)
         assert make_plan(r.config, r.layout).peak.bytes["total"] <= profile.memory_bytes
     assert result.best[0].choice == fitting[0][1]
+    v_shaped = [(t, c) for t, c in fitting if c.schedule == "zb-v"]
+    best_v = search(cfg, 4, profile, 2, top=1, fixed={"schedule": "zb-v"}).best[0]
+    assert best_v.choice == v_shaped[0][1] and best_v.layout.v_shape
+    assert best_v.prediction.step_s == pytest.approx(v_shaped[0][0], rel=1e-12)
+    validate(best_v.config, 4, 2)
+    assert best_v.config.parallel.schedule == "zb-v" and best_v.choice.virtual_stages == 2
 
 
 def test_nothing_fits_names_each_familys_need():

@@ -83,7 +83,7 @@ def _pick(cfg, gpus, profile, per_node, fixed):
         return "nothing fits", float("nan"), float("nan")
     c = best.choice
     pick = (f"{c.tp} {c.pp} {c.dp} {c.zero} {'y' if c.sp else 'n'} {c.virtual_stages} "
-            f"{c.micro_batch_size}" + (" zb-h1" if c.zero_bubble else "")
+            f"{c.micro_batch_size}" + (f" {c.schedule}" if c.zero_bubble else "")
             + (" +offload.activations" if c.offload else "")
             + (f"({c.offload_layers})" if c.offload_layers else "")
             + (f" +offload.optimizer={c.offload_optimizer:g}" if c.offload_optimizer else ""))

@@ -25,7 +25,8 @@ LAYOUT_KEYS = {
     "offload.activations": ("offload", lambda c: c.offload.activations),
     "offload.activations_layers": ("offload_layers", lambda c: c.offload.activations_layers),
     "offload.optimizer": ("offload_optimizer", lambda c: c.offload.optimizer),
-    "parallel.schedule": ("zero_bubble", lambda c: c.parallel.schedule in ZERO_BUBBLE),
+    "parallel.schedule": ("schedule", lambda c: c.parallel.schedule
+                          if c.parallel.schedule in ZERO_BUBBLE else "auto"),
 }
 
 
@@ -59,7 +60,7 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         mfu = f"{p.mfu:.0%}" if p.mfu is not None else "n/a"
         lines.append(
             f"{i:>2} {c.tp:>3} {c.pp:>3} {c.dp:>5} {c.zero:>4} {'y' if c.sp else 'n':>3} "
-            f"{c.virtual_stages:>2} {'y' if c.zero_bubble else 'n':>2} "
+            f"{c.virtual_stages:>2} {c.schedule[3:] if c.zero_bubble else 'n':>2} "
             f"{c.micro_batch_size:>3} {_count(c.recompute, c.recompute_layers):>3} "
             f"{_count(c.offload, c.offload_layers):>3} {c.offload_optimizer:>4g} "
             f"{r.peak_bytes / GIB:>6.1f} {p.step_s:>8.4g} "

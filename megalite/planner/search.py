@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 from megalite.config import Config, ConfigError
 from megalite.layout import Layout, stage_chunks, validate
 from megalite.parallel.param_spec import padded_vocab_size
-from megalite.parallel.schedule import expected_bubble
+from megalite.parallel.schedule import expected_bubble, max_in_flight
 from megalite.plan import (
     GIB,
     Plan,
@@ -72,19 +72,22 @@ class SearchResult:
 
 def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
     """Per stage (model, recompute) forward FLOPs per token and (blocks, recomputed blocks),
-    cached per (pp, v, recompute, recompute_layers)."""
-    key = (c.pp, c.virtual_stages, c.recompute, c.recompute_layers)
+    cached per (pp, v, schedule, recompute, recompute_layers) (zb-v's V puts both ends on
+    stage 0)."""
+    key = (c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
     if key not in cache:
         cc = replace(cfg, pp=c.pp, parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
                      train=replace(cfg.train, recompute=c.recompute,
                                    recompute_layers=c.recompute_layers))
+        v_shape = c.schedule == "zb-v"
         chunks = stage_chunks(cfg.model.n_layer, c.pp, c.virtual_stages,
-                              cfg.parallel.edge_stage_layers)
+                              cfg.parallel.edge_stage_layers, v_shape)
         cache[key] = tuple(
             (f["model"], f["recompute"], sum(len(b) for b in chunk),
              sum(recomputed_layers(cc, len(b)) for b in chunk))
             for f, chunk in zip(stage_forward_flops(
-                cc, Layout(pp_size=c.pp, virtual_stages=c.virtual_stages)), chunks))
+                cc, Layout(pp_size=c.pp, virtual_stages=c.virtual_stages, v_shape=v_shape)),
+                chunks))
     return cache[key]
 
 
@@ -102,21 +105,24 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     per_block, rerun = (10, 3) if c.sp else (8, 2)
     busiest = max((3 * f + r) * tokens + m * ring_full * (n * per_block + rec * rerun)
                   for f, r, n, rec in stages)
-    schedule = "zb-h1" if c.zero_bubble else "auto"
-    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, schedule))
+    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, c.schedule))
 
 
 def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     """No more than the plan's peak: the larger of the average stage's model states and
     stage 0's model states + the activations it keeps on the device (its fewest blocks, the
-    micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many — a recomputed
-    block's input only, an offloaded block nothing)."""
+    micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
+    chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
+    order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
+    nothing)."""
     mc, t = cfg.model, cfg.train
     h, f, vocab = mc.n_embd, mc.ffn_size, padded_vocab_size(mc.vocab_size, c.tp)
     layer = 4 * h + (3 * h * h + 3 * h) // c.tp + h * h // c.tp + h + (f * h + f) // c.tp \
         + h * f // c.tp + h
     embeddings = vocab // c.tp * h + mc.n_positions * h
-    average = (mc.n_layer * layer + embeddings + (vocab // c.tp * h if c.pp > 1 else 0)) / c.pp
+    v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
+    head_copy = vocab // c.tp * h if c.pp > 1 and not v_shape else 0
+    average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
     lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, zero_stage=c.zero)
     kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
 
@@ -127,7 +133,7 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     layers = mc.n_layer // (c.pp * c.virtual_stages)
     if cfg.parallel.edge_stage_layers is not None:
         layers = min(layers, cfg.parallel.edge_stage_layers)
-    first = states(layers * layer + embeddings)
+    first = states((2 if v_shape else 1) * layers * layer + embeddings)
     recomputed = 0 if not c.recompute else layers if c.recompute_layers is None \
         else min(c.recompute_layers, layers)
     offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
@@ -139,7 +145,7 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
         + (layers - recomputed - offloaded) * full
     m = t.global_batch_size // (c.micro_batch_size * c.dp)
-    first += min(c.pp, m) * per_chunk
+    first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
     return max(states(average), first)
 
 

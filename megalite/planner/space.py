@@ -5,8 +5,10 @@ A candidate: tp and pp whose product divides the world size (dp the rest), tp di
 heads, the width and the MLP; zero 0-3 (1-3 only with dp > 1: with dp = 1 they shard
 nothing); sp with tp > 1; virtual stages v > 1 with pp > 1 where pp·v divides the blocks; every
 micro-batch size that divides the per-replica batch; the pipeline schedule: 1F1B (interleaved
-with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`; not with
-train.compile or activation offload, which the launch refuses with it); recompute off, of every
+with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`), or, with pp > 1
+and 2·pp ≤ n_layer, ZB-V (`parallel.schedule=zb-v`: v = 2 in a V, m need not be a multiple of
+pp) — neither with train.compile or activation offload, which the launch refuses with them
+(`megalite.schedule_rules`); recompute off, of every
 block, or of the first r blocks of each chunk (`train.recompute_layers`) for r in
 `partial_counts` of the chunk's blocks (a quarter, half and three quarters of them, rounded,
 each at least 1 and fewer than all); on GPUs, offload.activations off, or on for every block
@@ -23,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from megalite.config import Config
+from megalite.schedule_rules import ZERO_BUBBLE
 
 PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
 OPTIMIZER_SHARES = (0.5, 1.0)  # offload.optimizer fractions tried (besides 0)
@@ -42,7 +45,11 @@ class Choice:
     offload_optimizer: float = 0.0  # offload.optimizer: the fraction of the owned range
     recompute_layers: Optional[int] = None  # with recompute: the first N blocks (None: all)
     offload_layers: Optional[int] = None  # with offload: N blocks after the recomputed ones
-    zero_bubble: bool = False  # parallel.schedule=zb-h1
+    schedule: str = "auto"  # parallel.schedule: auto (1F1B / interleaved), zb-h1 or zb-v
+
+    @property
+    def zero_bubble(self) -> bool:
+        return self.schedule in ZERO_BUBBLE
 
     @property
     def family(self) -> str:
@@ -59,7 +66,7 @@ class Choice:
             return "null" if x is None else str(x)
         return [f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}",
                 f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
-                f"parallel.schedule={'zb-h1' if self.zero_bubble else 'auto'}",
+                f"parallel.schedule={self.schedule}",
                 f"train.micro_batch_size={self.micro_batch_size}",
                 f"train.recompute={str(self.recompute).lower()}",
                 f"train.recompute_layers={opt(self.recompute_layers)}",
@@ -72,7 +79,7 @@ class Choice:
         off = "" if self.offload_layers is None else f"(first {self.offload_layers})"
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
                 f"v={self.virtual_stages} mb={self.micro_batch_size} "
-                f"recompute={self.recompute}{rec}" + (" zb-h1" if self.zero_bubble else "")
+                f"recompute={self.recompute}{rec}" + (f" {self.schedule}" if self.zero_bubble else "")
                 + (f" offload{off}" if self.offload else "")
                 + (f" offload.optimizer={self.offload_optimizer:g}"
                    if self.offload_optimizer else ""))
@@ -83,10 +90,9 @@ def apply_choice(cfg: Config, c: Choice) -> Config:
     offload = replace(cfg.offload, activations=c.offload,
                       activations_layers=c.offload_layers if c.offload else None,
                       optimizer=float(c.offload_optimizer))
-    schedule = "zb-h1" if c.zero_bubble else "auto"
     return replace(cfg, tp=c.tp, pp=c.pp, zero=c.zero, sp=c.sp,
                    parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages,
-                                    schedule=schedule),
+                                    schedule=c.schedule),
                    train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
                                  recompute=c.recompute,
                                  recompute_layers=c.recompute_layers if c.recompute else None),
@@ -142,15 +148,28 @@ def _virtual(n_layer: int, pp: int) -> List[int]:
         if n_layer % pp == 0 else [1]
 
 
+def _schedules(cfg: Config, pp: int) -> List[Tuple[int, Tuple[str, ...]]]:
+    """(virtual stages, the schedules tried with them) for `pp` stages: auto at every v of
+    `_virtual`; with pp > 1 and no compile, ZB-H1 at v = 1 and, where 2·pp <= n_layer, ZB-V at
+    v = 2 (whether or not pp·2 divides the blocks)."""
+    n_layer, zero_bubble = cfg.model.n_layer, pp > 1 and not cfg.train.compile
+    out = {v: ["auto"] for v in _virtual(n_layer, pp)}
+    if zero_bubble:
+        out[1].append("zb-h1")
+        if 2 * pp <= n_layer:
+            out.setdefault(2, []).append("zb-v")
+    return [(v, tuple(names)) for v, names in sorted(out.items())]
+
+
 @dataclass
 class Grid:
     """One layout without its offloads, and its offload variants: `at(i, j)` is the layout
     with the i-th activation offload option (none, then fewer offloaded blocks first) and the
-    j-th optimizer fraction (0 first); None where a held field or a refusal (ZB-H1 with
-    activation offload) leaves the cell out of the space. Cells are made when asked for."""
+    j-th optimizer fraction (0 first); None where a held field or a refusal (a zero-bubble
+    schedule with activation offload) leaves the cell out of the space. Cells are made when asked for."""
     base: tuple  # Choice's fields before its offloads
     recompute_layers: Optional[int]
-    zero_bubble: bool
+    schedule: str
     acts: List[Tuple[bool, Optional[int]]]
     fractions: List[float]
     held: list
@@ -161,10 +180,9 @@ class Grid:
 
     def at(self, i: int, j: int) -> Optional[Choice]:
         off, k = self.acts[i]
-        if off and self.zero_bubble:
+        if off and self.schedule in ZERO_BUBBLE:
             return None
-        c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k,
-                   self.zero_bubble)
+        c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k, self.schedule)
         return c if all(getattr(c, f) == x for f, x in self.held) else None
 
 
@@ -185,19 +203,18 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
             dp = world // (tp * pp)
             if t.global_batch_size % dp:
                 continue
-            for v in _virtual(m.n_layer, pp):
+            for v, schedules in _schedules(cfg, pp):
                 options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
-                schedules = (False, True) if pp > 1 and v == 1 and not t.compile else (False,)
                 for zero in (range(4) if dp > 1 else (0,)):
                     for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
                         for mb in _divisors(t.global_batch_size // dp):
                             micro = t.global_batch_size // (mb * dp)
-                            if v > 1 and micro % pp:
-                                continue
+                            runs = [x for x in schedules
+                                    if not (x == "auto" and v > 1 and micro % pp)]
                             for (rec, r), acts in options:
-                                for zb in schedules:
-                                    yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, zb, acts,
-                                               fractions, held)
+                                for name in runs:
+                                    yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name,
+                                               acts, fractions, held)
 
 
 def candidates(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None

@@ -24,11 +24,12 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               in backward) over the host link, on a side stream: only what exceeds the
               micro-batch's forward / backward time is exposed
   bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
-              (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p;
-              its W's are the backward's weight half, no FLOPs of their own: compute is the
-              same 3·F either way), and busy = compute + recompute + non_matmul + tp +
-              offload: the slowest stage paces the pipeline; on it this is busy·β/(1 − β),
-              the schedule's formula
+              (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p),
+              (p−1)/(6m+p−1) for ZB-V (m ≥ (3p−1)/2; v = 2 in a V, so stage 0 holds the
+              embeddings and the LM head and is usually the busiest) — their W's are the
+              backward's weight half, no FLOPs of their own: compute is the same 3·F either
+              way — and busy = compute + recompute + non_matmul + tp + offload: the slowest
+              stage paces the pipeline; on it this is busy·β/(1 − β), the schedule's formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
               state, only where a transfer outlasts a chunk's forward
