@@ -54,15 +54,16 @@ def pipeline_layout(tiny_data, pp: int, tp: int, m: int, extra=()) -> list:
 def pipeline_serial(tiny_data, tmp_path_factory) -> dict:
     """pp=1 references of the pipeline tests (test_pipeline, test_zero_bubble), in one
     launch: 10 fp32 steps for every m of PIPELINE_SERIAL_M, "fp16" and "bf16" (m = 2), and
-    "n8" (8 blocks, m = 4)."""
+    "n8" / "n8m8" (8 blocks, m = 4 / 8)."""
     from tests.layouts import train_layouts
 
     runs = [pipeline_layout(tiny_data, 1, 1, m) for m in PIPELINE_SERIAL_M] + \
         [pipeline_layout(tiny_data, 1, 1, 2, FP16_LEARNING),
          pipeline_layout(tiny_data, 1, 1, 2, BF16_LEARNING),
-         pipeline_layout(tiny_data, 1, 1, 4, EIGHT_BLOCKS)]
+         pipeline_layout(tiny_data, 1, 1, 4, EIGHT_BLOCKS),
+         pipeline_layout(tiny_data, 1, 1, 8, EIGHT_BLOCKS)]
     out = train_layouts(tmp_path_factory.mktemp("pipeline-serial"), 1, runs)
-    return {key: r[0] for key, r in zip((*PIPELINE_SERIAL_M, "fp16", "bf16", "n8"), out)}
+    return {key: r[0] for key, r in zip((*PIPELINE_SERIAL_M, "fp16", "bf16", "n8", "n8m8"), out)}
 
 
 # A model and batch small enough that 2-4 ranks train a few steps per second on 2 cores.

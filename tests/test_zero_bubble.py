@@ -334,7 +334,7 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     dp2 + zero 3; its own checkpoint resumes under zb-h1, dp2, zero 2. With 8 blocks (against
     the 8-block serial run): zb-h1 at pp=4 with edge_stage_layers=1 (1-3-3-1), zb-v at pp=2
     with edge_stage_layers=3 (slices 3-1-1-3) and partial recompute, zb-v at pp=2 dp2 with
-    zero 1, overlap_param_gather and partial recompute, and zb-v at pp=4."""
+    zero 1, overlap_param_gather and partial recompute, and zb-v at pp=4 with m = 4 and 8."""
     serial, ckpt, ckpt_v = pipeline_serial, tmp_path / "ckpt", tmp_path / "ckpt_v"
     two = [_layout(tiny_data, 2, 2, [ZB, "train.recompute=true"]),
            _layout(tiny_data, 2, 4, [ZB, "train.recompute=true", "train.recompute_layers=1"]),
@@ -372,9 +372,10 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
             _layout(tiny_data, 2, 4, [*ZV, *EIGHT_BLOCKS, "zero=1",
                                       "parallel.overlap_param_gather=true",
                                       "train.recompute=true", "train.recompute_layers=1"]),
-            _layout(tiny_data, 4, 4, [*ZV, *EIGHT_BLOCKS])]
+            _layout(tiny_data, 4, 4, [*ZV, *EIGHT_BLOCKS]),
+            _layout(tiny_data, 4, 8, [*ZV, *EIGHT_BLOCKS])]
     (pp4, pp4_m8, tp_sp, zero3, resumed, v_tp_sp, v_resumed, from_v, edge, v_zero1,
-     v_pp4) = _train(tmp_path / "four", 4, four)
+     v_pp4, v_pp4_m8) = _train(tmp_path / "four", 4, four)
     _check(serial[4], pp4, 4, 4)
     _check(serial[8], pp4_m8, 4, 8)
     for ranks in (tp_sp, zero3):
@@ -383,6 +384,7 @@ def test_zb_h1_training_equals_pp1(tiny_data, tmp_path, pipeline_serial):
     _check(serial["n8"], edge, 4, 4)
     assert_equal(serial["n8"], v_zero1)
     _check_v(serial["n8"], v_pp4, 4, 4)
+    _check_v(serial["n8m8"], v_pp4_m8, 4, 8)
     expected = from_step(serial[4], 5)
     for res in resumed + v_resumed + from_v:  # the 5 steps after the resume (val: after 10)
         assert_equal({**expected, "val": res["val"]}, [_first_steps(res, 5)])
