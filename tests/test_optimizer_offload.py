@@ -281,11 +281,12 @@ def test_mixed_precision_with_offload_tracks_the_plain_run(tiny_data, tmp_path, 
 
 # (zero stage, fraction) across layouts: zero 1 at 0.5 and 1, zero 2 at 0.5 and 1, zero 3 at
 # 1; pp2 (interleaved, 2 chunks per stage, and not): the tied embedding's gradient is summed
-# with its host part, under zero 2 (device and host parts in one all-reduce) and zero 1
+# with its host part, under zero 2 (device and host parts in one all-reduce) and zero 1 (with
+# overlap_param_gather: each bucket's gather launched after its copy)
 LAYOUTS = [["zero=2", "offload.optimizer=1"], ["zero=3", "offload.optimizer=1"],
            ["tp=2", "sp=true", "zero=1", "offload.optimizer=1"],
            ["pp=2", "parallel.virtual_stages=2", "zero=2", "offload.optimizer=0.5"],
-           ["pp=2", "zero=1", "offload.optimizer=0.5"]]
+           ["pp=2", "zero=1", "offload.optimizer=0.5", "parallel.overlap_param_gather=true"]]
 
 
 def _wire_bytes(step_comm: dict, group: str) -> float:

@@ -33,11 +33,11 @@ stream for every copy. No step ever blocks the CPU on the compute stream:
                device AdamW. `step` returns without waiting for the copies
     next use   each block's parameters wait for their own copy, on the device, where they are
                next read (`params_needed`: a forward pre-hook on every sharding unit; before
-               zero 1/2's all-gather of each bucket; before zero 3's gather of each unit). Under
-               zero 0 and 3 the first blocks compute while the last ranges are still on the
-               link; under zero 1/2 the gathers are issued right after the step on the compute
-               stream, each after its own copy, so the next forward starts after the last
-               copy (the copies still overlap the host AdamW of the ranges after them)
+               zero 1/2's all-gather of each bucket; before zero 3's gather of each unit), so
+               the first blocks compute while the last ranges are still on the link. Zero 1/2
+               with overlap_param_gather launches each bucket's gather from a stream that waits
+               for that bucket's copy (`gather_after_copy`); without it the gathers are part
+               of the step, so the next forward starts after the last copy
 
 On CPU host = device: the same buffers, copies and fold thread exist (real copies between
 separate tensors, no streams), which exercises the path and saves nothing. The time blocked on
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -172,6 +172,7 @@ class OptimizerOffload:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.gather_stream = torch.cuda.Stream(device) if self.cuda else None  # zero 1/2
         self.timers = None  # the trainer's StepTimers: waits are timed as `offload_wait`
         self.ranges: Dict[int, HostRange] = {}
         for b in buckets:
@@ -344,6 +345,21 @@ class OptimizerOffload:
             dst.copy_(src)
         self.pending[id(r.bucket)] = r.copied_out if self.cuda else True
         self.h2d_bytes += src.numel() * src.element_size()
+
+    def gather_after_copy(self, bucket, gather: Callable[[], object]):
+        """Zero 1/2 with parallel.overlap_param_gather: launch `bucket`'s all-gather (`gather`,
+        returning its handle) ordered after the device AdamW's writes and the bucket's own
+        host -> device copy, from `gather_stream`, so the compute stream does not wait for
+        every copy: the next forward waits, unit by unit, for the gathers it reaches (their
+        handles' `wait`). NCCL orders a collective after the stream current at its launch."""
+        copied = self.pending.pop(id(bucket), None)
+        if not self.cuda:
+            return gather()  # CPU: the copy already happened
+        self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if copied is not None:
+            self.gather_stream.wait_event(copied)
+        with torch.cuda.stream(self.gather_stream):
+            return gather()
 
     def params_needed(self, buckets) -> None:
         """`buckets`' parameters are about to be read (a forward, a gather): on CUDA the

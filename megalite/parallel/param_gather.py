@@ -41,13 +41,14 @@ class OverlappedParamGather:
             self.wait(buckets)
         return hook
 
-    def launch(self, before: Optional[Callable[[List], None]] = None) -> None:
-        """Start every bucket's gather (after the optimizer step), first-used first, each
-        after `before([bucket])` (offload.optimizer: its host part's copy is waited for)."""
+    def launch(self, issue: Optional[Callable[[object, Callable], object]] = None) -> None:
+        """Start every bucket's gather (after the optimizer step), first-used first; with
+        `issue`, through `issue(bucket, gather)` (offload.optimizer: ordered after the bucket's
+        host copy, `OptimizerOffload.gather_after_copy`)."""
         for bucket in self.order:
-            if before is not None:
-                before([bucket])
-            self._pending[id(bucket)] = bucket.after_step(async_op=True)
+            def gather(b=bucket):
+                return b.after_step(async_op=True)
+            self._pending[id(bucket)] = gather() if issue is None else issue(bucket, gather)
 
     def wait(self, buckets=None) -> None:
         """Block until the gathers of `buckets` (default: all) are done."""

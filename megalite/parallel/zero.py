@@ -305,13 +305,13 @@ class ZeroEngine(EngineState):
             self.optimizer.step()  # on CUDA queued: the host steps meanwhile
         if self.offload is not None:
             self.offload.step()
-        ready = None if self.offload is None else self.offload.params_needed
-        if self.param_gather is not None:
-            self.param_gather.launch(ready)  # waited for by the next forward, unit by unit
+        if self.param_gather is not None:  # waited for by the next forward, unit by unit
+            self.param_gather.launch(None if self.offload is None
+                                     else self.offload.gather_after_copy)
         else:
             for b in self.buckets:
-                if ready is not None and b.gathers_params:
-                    ready([b])  # zero 1/2's gather reads the host's part: after its copy
+                if self.offload is not None and b.gathers_params:
+                    self.offload.params_needed([b])  # the gather reads the host's part
                 b.after_step()
         return norm
 
