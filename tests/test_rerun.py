@@ -48,16 +48,21 @@ def _trainer(tiny_data, run_dir, world, *extra):
     return build_trainer(cfg, init_runtime(cfg), Path(run_dir))
 
 
+def _exit_code(trainer):
+    """Train through the CLI's fit_or_exit; its exit code (None: finished)."""
+    try:
+        fit_or_exit(trainer)
+    except SystemExit as e:
+        return e.code
+    return None
+
+
 def _drill(rank, world, tiny_data, run_dir, overrides):
     """A run with a fault drill, through the CLI's fit_or_exit: the exit code and fault.json."""
     trainer = _trainer(tiny_data, run_dir, world, "resilience.allow_inject=true", *overrides)
     if trainer.engine.param_gather is not None:
         _defer_the_gather(trainer.engine.param_gather)
-    code = None
-    try:
-        fit_or_exit(trainer)
-    except SystemExit as e:
-        code = e.code
+    code = _exit_code(trainer)
     fault = Path(run_dir) / "resilience" / "fault.json"
     return {"code": code, "step": trainer.step, "reruns": trainer.rerun.reruns,
             "injected": None if trainer.injector is None else trainer.injector.injected,
@@ -136,11 +141,7 @@ def _nondeterministic(rank, world, tiny_data, run_dir):
 
     trainer.rerun.detector.suspicious = made_suspicious
     trainer._execute = nondeterministic_execute
-    code = None
-    try:
-        fit_or_exit(trainer)
-    except SystemExit as e:
-        code = e.code
+    code = _exit_code(trainer)
     log = Path(run_dir) / "resilience" / "nondeterminism.jsonl"
     return {"code": code, "step": trainer.step, "skipped": trainer.skipped_steps,
             "state": trainer.rerun.state_dict(),
