@@ -18,6 +18,7 @@ from megalite.config import Config
 from megalite.layout import GpuInfo, Layout, device_type_for
 from megalite.parallel.topology import Topology, build_topology
 from megalite.resilience.nccl_flight import set_nccl_flight_env
+from megalite.resilience.rerun import cublas_workspace_env
 
 
 @dataclass
@@ -78,6 +79,8 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
     layout = layout or run_layout(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = local_device(layout, local_rank)
+    if device.type == "cuda":
+        cublas_workspace_env(cfg.resilience)  # before any cuBLAS handle exists
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}

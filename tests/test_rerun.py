@@ -527,11 +527,21 @@ def test_a_run_dir_with_a_fault_verdict_is_refused_at_start(tmp_path, capsys):
 
 def test_rerun_deterministic_switches_a_cuda_run_to_deterministic_algorithms(monkeypatch):
     """resilience.rerun_deterministic's switch (`use_deterministic_kernels`): on a CUDA device
-    torch's deterministic algorithms (warn-only), cuBLAS's fixed workspace unless set, no
-    filling of uninitialised memory; nothing on a CPU (its kernels are deterministic)."""
-    from megalite.resilience.rerun import use_deterministic_kernels
+    torch's deterministic algorithms (warn-only), no filling of uninitialised memory; nothing
+    on a CPU (its kernels are deterministic). cuBLAS's fixed workspace is set at launch
+    (`cublas_workspace_env`, from init_runtime) with rerun on, unless the user set it."""
+    from types import SimpleNamespace
+
+    from megalite.resilience.rerun import cublas_workspace_env, use_deterministic_kernels
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cublas_workspace_env(SimpleNamespace(rerun="off", rerun_deterministic=True))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's stays
+    cublas_workspace_env(SimpleNamespace(rerun="on_nan", rerun_deterministic=True))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    cublas_workspace_env(SimpleNamespace(rerun="on_nan", rerun_deterministic=True))
     fill = torch.utils.deterministic.fill_uninitialized_memory
     assert not use_deterministic_kernels(torch.device("cpu"))
     assert not torch.are_deterministic_algorithms_enabled()
