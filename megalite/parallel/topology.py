@@ -102,7 +102,21 @@ class Topology:
 
     @property
     def embedding_group(self) -> Group:
-        return self.groups["embedding"]
+        """The tied embedding's copies: the first and the last pipeline stage of this rank's
+        (tp, dp) line. A middle stage of a pp >= 3 run is in none (`in_group`): asking it
+        for one is a bug, named as such."""
+        return self.group("embedding")
+
+    def in_group(self, kind: str) -> bool:
+        """Whether this rank is a member of a group of `kind` (every rank is in one of each
+        kind but "embedding", which holds the first and last stage only)."""
+        return kind in self.groups
+
+    def group(self, kind: str) -> Group:
+        if kind not in self.groups:
+            raise KeyError(f"{self.describe()} is in no {kind!r} group (members: "
+                           f"{', '.join(sorted(self.groups))}); ask `in_group` first")
+        return self.groups[kind]
 
     @property
     def world_group(self) -> Group:

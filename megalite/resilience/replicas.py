@@ -197,7 +197,7 @@ def replica_sets(engine, topo: Topology, tp_rtol: float = 0.0) -> List[ReplicaSe
     found = [("dp", topo.dp_group, dp, None),
              ("tp", topo.tp_group, tp, None if layout.sequence_parallel or not tp_rtol
               else tp_rtol)]
-    if topo.pp_size > 1:
+    if emb[0]:  # a tied copy (first or last stage of pp > 1): the rank is in the group
         found.append(("embedding", topo.embedding_group, emb, None))
     return [ReplicaSet(kind, group, names, tensors, rtol)
             for kind, group, (names, tensors), rtol in found if group.size > 1 and names]
