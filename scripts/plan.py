@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Estimate, before launching, what every rank of a layout holds and sends: parameters,
 gradients, optimizer state, activations in flight, the ZeRO-3 working set, and the bytes per
-optimizer step over the TP, PP, DP and embedding groups (megalite/plan.py has the formulas).
+optimizer step over the TP, PP, DP and embedding groups (megalite/plan/memory.py has the formulas).
 
     python scripts/plan.py --world-size 16 model=gpt2-xl pp=2 zero=3 \\
         train.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=512

@@ -3,11 +3,11 @@ from pathlib import Path
 
 import pytest
 
-from megalite import spawn
-from megalite.config import DataConfig
+from megalite.config.schema import DataConfig
 from megalite.data.prepare import prepare
+from megalite.testing import spawn
 
-# Ranks are forked from a server that imported these once (megalite/spawn.py); every rank of a
+# Ranks are forked from a server that imported these once (megalite/testing/spawn.py); every rank of a
 # distributed test imports its test module, hence pytest and the helpers, on top.
 spawn.PRELOAD += [m for m in ("pytest", "tests.layouts") if m not in spawn.PRELOAD]
 

@@ -17,12 +17,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megalite.config import Config, load_config
-from megalite.layout import validate
+from megalite.config.layout import validate
+from megalite.config.schema import Config, load_config
 from megalite.parallel.param_spec import ParamSpec
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 
 # optim.eps=1e-6: the attention's key bias has an exactly zero gradient (softmax is shift

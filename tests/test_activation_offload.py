@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from megalite.config import ConfigError, ModelConfig, load_config
-from megalite.layout import Layout, validate
+from megalite.config.errors import ConfigError
+from megalite.config.layout import Layout, validate
+from megalite.config.schema import ModelConfig, load_config
 from megalite.model import activation_offload
 from megalite.model.activation_offload import ActivationOffload, offloaded_blocks
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
-from megalite.plan import layer_activation_bytes, make_plan
+from megalite.plan.dims import layer_activation_bytes
+from megalite.plan.memory import make_plan
 from megalite.train.host_memory import check_host_memory
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, assert_equal, train_layouts
@@ -137,7 +139,7 @@ def test_backward_prefetches_the_block_before():
 def test_metrics_report_each_intervals_peak_host_bytes():
     from types import SimpleNamespace
 
-    from megalite.parallel.comm import single_rank_group
+    from megalite.parallel.group import single_rank_group
     from megalite.train.trainer import Trainer
 
     offload = ActivationOffload(torch.device("cpu"))

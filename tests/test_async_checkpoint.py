@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from megalite.checkpoint import save as ckpt_save
-from megalite.checkpoint.format import CheckpointError, read_meta
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.format import read_meta
 from megalite.checkpoint.resolve import complete_checkpoints
-from megalite.config import load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 

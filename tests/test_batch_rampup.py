@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layouts
 

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from megalite.checkpoint.format import read_meta
-from megalite.config import ConfigError, load_config
-from megalite.data.loader import DataError, check_data
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.data.errors import DataError
+from megalite.data.loader import check_data
 from megalite.data.sampler import BlendedSampler, blend_choices
-from megalite.layout import validate
 from tests.layouts import assert_equal, from_step, train_layout
 
 

@@ -1,5 +1,5 @@
-"""Device calibration (`scripts/plan.py --calibrate`, megalite/calibrate.py) and the profile file
-it writes (megalite/profile_file.py): a 2-rank gloo calibration writes a profile that loads with
+"""Device calibration (`scripts/plan.py --calibrate`, megalite/plan/calibrate.py) and the profile file
+it writes (megalite/plan/profile_file.py): a 2-rank gloo calibration writes a profile that loads with
 sane fields; damaged, truncated, foreign, old and ill-typed files are refused naming the fault."""
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ import os
 
 import pytest
 
-from megalite.calibrate import CalibrationError, matmul_rates, matmul_shapes, measure_profile
-from megalite.calibrate_links import bus_factor, fit_link, group_sizes, inter_node_groups, intra_node_groups
-from megalite.profile_file import FORMAT, OPS, ProfileError, load_profile, profile_crc32, save_profile
-from megalite.spawn import run_ranks
+from megalite.plan.calibrate import CalibrationError, matmul_rates, matmul_shapes, measure_profile
+from megalite.plan.calibrate_links import (
+    bus_factor,
+    fit_link,
+    group_sizes,
+    inter_node_groups,
+    intra_node_groups,
+)
+from megalite.plan.profile_file import FORMAT, OPS, ProfileError, load_profile, profile_crc32, save_profile
+from megalite.testing.spawn import run_ranks
 
 # model shapes of the calibration: h=64, 4h=256, 16 x 2 = 32 tokens
 SHAPE_OVERRIDES = ["model.n_embd=64", "model.n_head=4", "train.seq_len=16",
@@ -37,8 +43,8 @@ def _calibrate_rank(rank: int, world_size: int, path: str):
     """The command on this rank, then the link sweep as if each rank were a node of its own."""
     import torch
 
-    from megalite.calibrate import measure_links
     from megalite.cli.plan import main
+    from megalite.plan.calibrate import measure_links
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

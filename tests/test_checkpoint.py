@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.checkpoint.format import CheckpointError, meta_crc32, read_global_state, read_meta
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.format import meta_crc32, read_global_state, read_meta
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.resolve import complete_checkpoints, latest_checkpoint
-from megalite.config import load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import RankFailure, run_ranks
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.testing.spawn import RankFailure, run_ranks
 from megalite.train.build import build_trainer
-from megalite.train.trainer import NonFiniteError, Trainer
+from megalite.train.runtime import init_runtime
+from megalite.train.step_guard import NonFiniteError
+from megalite.train.trainer import Trainer
 from tests.conftest import TINY, serial_common
 from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layouts
 
@@ -111,7 +113,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tiny_data, tmp_path, capsy
             _trainer(tiny_data, tmp_path / "b", f"checkpoint.resume={step4}")
         resumed = _trainer(tiny_data, tmp_path / "c", *common, "checkpoint.resume=auto")
         assert resumed.step == 2  # fell back to the previous complete checkpoint
-        assert "step_00000004 unusable" in capsys.readouterr().err  # megalite.log: stderr
+        assert "step_00000004 unusable" in capsys.readouterr().err  # megalite.utils.log: stderr
         assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "superseded"]
     assert sorted(p.name[:13] for p in (root / "superseded").iterdir()) == \
         ["step_00000004"] * len(damages) + ["step_00000008"] * len(damages)
@@ -241,7 +243,7 @@ def test_init_from_a_megalite_checkpoint_takes_the_weights_only(tiny_data, tmp_p
     """init_from=<checkpoint.dir> (Megatron's --finetune): the latest checkpoint's weights, cut
     for tp=2, and a fresh start (step 0, no AdamW moments, data from the beginning); a model
     shape that does not match is refused before launch, naming the key."""
-    from megalite.config import ConfigError
+    from megalite.config.errors import ConfigError
     from megalite.train.init_from import check_init_from
 
     root = tmp_path / "ckpt"
@@ -327,7 +329,7 @@ def test_resume_is_checked_before_launch(tiny_data, tmp_path):
     model shape (the MLP size, however written) and its blend; a checkpoint.dir means its
     newest checkpoint, a directory holding none is refused."""
     from megalite.checkpoint.resolve import check_resume
-    from megalite.config import ConfigError
+    from megalite.config.errors import ConfigError
 
     root = tmp_path / "ckpt"
     _trainer(tiny_data, tmp_path / "a", f"checkpoint.dir={root}", "checkpoint.every=2",

@@ -16,12 +16,12 @@ from megalite.checkpoint.format import KINDS, read_global_state, read_meta
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.resolve import latest_checkpoint
 from megalite.checkpoint.state import ProcessRNG
-from megalite.config import load_config
-from megalite.layout import validate
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
 from megalite.parallel.rng import RNGTracker
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from megalite.spawn import free_port
+from megalite.testing.spawn import free_port
 from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,8 +2,9 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from megalite.config import Config, ConfigError, load_config
-from megalite.layout import validate
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import Config, load_config
 
 
 def test_defaults_compose_and_validate():
@@ -160,7 +161,7 @@ def test_an_installed_package_carries_its_configs(tmp_path):
     assert configs <= packaged, f"pyproject.toml's package-data misses {configs - packaged}"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    probe = ("import megalite, megalite.config as c; "
+    probe = ("import megalite, megalite.config.schema as c; "
              "assert megalite.__file__.startswith(%r), megalite.__file__; "
              "print(c.load_config(['model=gpt2-xl']).model.n_layer)" % str(site))
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
@@ -173,7 +174,7 @@ def test_precision_and_attention_follow_what_the_gpu_can_do():
     """A GPU without bf16 (V100, T4): auto trains in fp16 with loss scaling and says so, an
     explicit bf16 is refused naming the GPU; flash / cuDNN attention need half precision and
     an Ampere or newer GPU. All before launch."""
-    from megalite.layout import GpuInfo, Layout
+    from megalite.config.layout import GpuInfo, Layout
 
     v100 = GpuInfo("Tesla V100-SXM2-32GB", bf16=False)
     cfg = load_config(["device=cuda"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.config import ModelConfig, OptimConfig
+from megalite.config.schema import ModelConfig, OptimConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -15,7 +15,7 @@ CFG = ModelConfig(n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=1
 
 
 def _engine(compile: bool = False, dtype: torch.dtype = torch.bfloat16):
-    from megalite.layout import PRECISION_DTYPES, Layout
+    from megalite.config.layout import PRECISION_DTYPES, Layout
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
@@ -105,7 +105,7 @@ def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
     from megalite.checkpoint.async_save import CheckpointSaver
     from megalite.checkpoint.save import save_checkpoint, written_numel
     from megalite.checkpoint.state import ProcessRNG, Progress
-    from megalite.config import load_config
+    from megalite.config.schema import load_config
     from megalite.parallel.rng import RNGTracker
 
     model, engine, schedule = _engine()

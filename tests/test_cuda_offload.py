@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megalite.config import ModelConfig
+from megalite.config.schema import ModelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -95,8 +95,8 @@ def test_copies_go_to_pinned_memory_on_a_side_stream():
 
 def test_training_steps_with_offload_track_the_run_without():
     """bf16 parameters, fp32 masters, fused AdamW: 10 steps with and without offload."""
-    from megalite.config import OptimConfig
-    from megalite.layout import Layout
+    from megalite.config.layout import Layout
+    from megalite.config.schema import OptimConfig
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology
     from megalite.parallel.zero import ZeroEngine

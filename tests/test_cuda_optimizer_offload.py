@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megalite.config import ModelConfig, OptimConfig
+from megalite.config.schema import ModelConfig, OptimConfig
 from megalite.parallel import offload as offload_module
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,7 +23,7 @@ S, B = 256, 4
 
 
 def _engine(fraction: float, zero: int = 2, precision: str = "bf16", overlap: bool = False):
-    from megalite.layout import Layout
+    from megalite.config.layout import Layout
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule

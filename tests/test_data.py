@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megalite.config import DataConfig
+from megalite.config.schema import DataConfig
+from megalite.data.errors import DataError
 from megalite.data.loader import (
     META_FILE,
-    DataError,
     TokenShards,
     TrainBatches,
     check_data,
@@ -24,8 +24,10 @@ from megalite.data.loader import (
     token_dtype,
     val_batches,
 )
-from megalite.data.prepare import EOS_TOKEN, ShardWriter, prepare, split_documents, stdlib_files
+from megalite.data.prepare import EOS_TOKEN, prepare, split_documents
 from megalite.data.sampler import ResumableSampler
+from megalite.data.sources import stdlib_files
+from megalite.data.writer import ShardWriter
 from tests.conftest import shard_arrays
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.config.layout import validate
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import EIGHT_BLOCKS, pipeline_layout
 from tests.layouts import close, composed
 

@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 
 from megalite.cli.hang_report import main
-from megalite.config import ConfigError, check_sections, load_config
-from megalite.layout import validate
-from megalite.parallel.comm import CommError, Group, single_rank_group
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import check_sections, load_config
+from megalite.parallel.calls import CommError
+from megalite.parallel.group import Group, single_rank_group
 from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.hang import HangWatch
 from megalite.resilience.hang_report import load_dumps, summarize
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -108,7 +110,7 @@ def test_a_rank_that_stops_participating_is_named_with_its_group(tmp_path, tiny_
     assert "timed out" in dumps[0]["request"]["what"] or "failed" in dumps[0]["request"]["what"]
     main_stack = {r: next(v for k, v in d["stacks"].items() if k.startswith("MainThread"))
                   for r, d in dumps.items()}
-    assert "in _call" in "".join(main_stack[0]), main_stack[0][-3:]  # waiting in comm
+    assert "in call" in "".join(main_stack[0]), main_stack[0][-3:]  # waiting in comm
     assert "in _stall_until_dumped" in "".join(main_stack[1][-3:]), main_stack[1][-3:]
     assert any(k.startswith("megalite-hang-watch") for k in dumps[1]["stacks"])
 

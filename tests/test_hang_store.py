@@ -10,7 +10,7 @@ import time
 
 import torch.distributed as dist
 
-from megalite.parallel.comm import Group, single_rank_group
+from megalite.parallel.group import Group, single_rank_group
 from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.hang import HangWatch, write_summary
 from megalite.resilience.hang_store import HangExchange

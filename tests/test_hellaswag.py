@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from megalite.checkpoint.export import export_hf
-from megalite.config import ConfigError, load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
 from megalite.train.build import build_trainer
 from megalite.train.metrics import wandb_row
 from megalite.train.preflight import preflight
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from megalite.config import load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY, random_hf_gpt2
 from tests.layouts import FP32_NO_DROPOUT
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.config import ConfigError
-from megalite.launch_env import LaunchEnv, exported, first_host, launch_env
+from megalite.cli.launch_env import LaunchEnv, exported, first_host, launch_env
+from megalite.config.errors import ConfigError
 
 SLURM = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
          "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megalite.config import load_config
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
 from megalite.data.files import open_descriptors
 from megalite.data.loader import META_FILE
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 

@@ -1,4 +1,4 @@
-"""megalite.log: rank 0 logs by default, every rank with log.all_ranks; one line per message on
+"""megalite.utils.log: rank 0 logs by default, every rank with log.all_ranks; one line per message on
 stderr, and under Hydra's job logging (conf/hydra/job_logging/megalite.yaml) one in the log
 file as well, in the same format."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite import log
+from megalite.utils import log
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def test_the_console_is_stderr_at_the_time_of_the_line(restore_logger, capsys):
 
 PROBE = """
 import logging, logging.config, sys, yaml
-from megalite import log
+from megalite.utils import log
 config = yaml.safe_load(open(sys.argv[1]))
 config["handlers"]["file"]["filename"] = sys.argv[2]
 logging.config.dictConfig(config)  # what Hydra does on rank 0 of a run

@@ -14,13 +14,14 @@ import math
 import pytest
 import torch
 
-from megalite.config import load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
 from megalite.train.build import build_trainer
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import wandb_row
-from megalite.train.trainer import NonFiniteError, Trainer
+from megalite.train.runtime import init_runtime
+from megalite.train.step_guard import NonFiniteError
+from megalite.train.trainer import Trainer
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, master_update_error, train_layouts
 

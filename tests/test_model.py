@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.config import ConfigError, ModelConfig
+from megalite.config.errors import ConfigError
+from megalite.config.schema import ModelConfig
 from megalite.model.gpt2 import GPT2, flops_per_token, num_parameters
 from megalite.model.hf import (
     check_init_from,
@@ -57,7 +58,7 @@ def test_parameter_count_matches_hf_and_embedding_is_tied():
 @pytest.mark.slow
 def test_gpt2_presets_have_hf_parameter_counts():
     # Published sizes: 124M, 355M, 774M, 1558M (unique parameters, tied embedding once).
-    from megalite.config import load_config
+    from megalite.config.schema import load_config
 
     expected = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
                 "gpt2-xl": 1_557_611_200}
@@ -137,7 +138,7 @@ def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
 def test_attention_kernel_choice_changes_no_result():
     """train.attention picks SDPA's kernel only: the math and flash kernels give auto's loss and
     gradients (fp32), a kernel that cannot run the inputs raises instead of falling back."""
-    from megalite.config import ATTENTION_CHOICES
+    from megalite.config.schema import ATTENTION_CHOICES
     from megalite.model.attention import BACKENDS
 
     assert ATTENTION_CHOICES == ("auto", *BACKENDS)

@@ -13,16 +13,17 @@ import threading
 import pytest
 import torch
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import Layout, validate
+from megalite.config.errors import ConfigError
+from megalite.config.layout import Layout, validate
+from megalite.config.schema import load_config
 from megalite.parallel import offload as offload_module
 from megalite.parallel.norms import squares_fp32_rows, squares_fp64
-from megalite.placement_fit import FitCosts, cheapest_fit
-from megalite.plan import make_plan
-from megalite.runtime import init_runtime
+from megalite.plan.fit import FitCosts, cheapest_fit
+from megalite.plan.memory import make_plan
 from megalite.train.build import build_trainer
 from megalite.train.host_memory import check_host_memory
 from megalite.train.host_threads import host_threads_per_rank, set_host_threads
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import (
     FP32_NO_DROPOUT,

@@ -8,19 +8,14 @@ import itertools
 import pytest
 import torch
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import partition_layers, stage_chunks, validate
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import load_config
+from megalite.config.stage_partition import partition_layers, stage_chunks
 from megalite.parallel.pipeline import Event, StepTrace
-from megalite.parallel.schedule import (
-    Op,
-    OpKind,
-    expected_bubble,
-    max_in_flight,
-    peak_live_bytes,
-    plan_rounds,
-    stage_order,
-)
-from megalite.spawn import run_ranks
+from megalite.parallel.schedule import Op, OpKind, max_in_flight, peak_live_bytes, plan_rounds, stage_order
+from megalite.testing.spawn import run_ranks
 from tests.conftest import pipeline_layout
 from tests.layouts import assert_equal, from_step, train_layout, train_layouts
 
@@ -276,8 +271,8 @@ def _slow_middle_stage(rank, world, m):
     stage's F/B events of the second step."""
     import time
 
-    from megalite.config import ModelConfig, OptimConfig
-    from megalite.layout import Layout
+    from megalite.config.layout import Layout
+    from megalite.config.schema import ModelConfig, OptimConfig
     from megalite.model.init import init_parameters
     from megalite.model.stage import build_stage
     from megalite.parallel.pipeline import PipelineSchedule

@@ -1,4 +1,4 @@
-"""The placement planner (megalite/plan.py) against what runs measure: parameters per rank,
+"""The placement planner (megalite/plan/memory.py) against what runs measure: parameters per rank,
 model-state bytes and every group's wire bytes per step from real gloo runs, activation bytes
 from the tensors autograd saves. Three of the 8-rank runs also score HellaSwag, against the
 serial run (tests/test_hellaswag.py)."""
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from megalite.bench.tensor import saved_activation_bytes
-from megalite.config import load_config
-from megalite.layout import Layout
+from megalite.config.layout import Layout
+from megalite.config.schema import load_config
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
-from megalite.plan import make_plan
+from megalite.plan.memory import make_plan
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, train_layouts
 from tests.test_hellaswag import hellaswag_overrides, serial_trainer
@@ -109,7 +109,7 @@ def test_activation_estimate_matches_saved_tensors(recompute):
     saved = saved_activation_bytes(lambda: model(w[:, :-1], w[:, 1:]), list(model.parameters()))
     want = stage.bytes["activations"]
     if recompute:  # the layer being re-run in backward is not alive during the forward
-        from megalite.plan import layer_activation_bytes
+        from megalite.plan.dims import layer_activation_bytes
         want -= layer_activation_bytes(s, b, cfg.model.n_embd, cfg.model.n_head, 1, False, 4)
     assert saved == pytest.approx(want, rel=0.01)
 
@@ -170,11 +170,12 @@ def test_plan_script_reports_checks_and_flags_memory():
 def test_the_plans_parameter_list_is_the_models(overrides):
     """The plan buckets gradients as the engine does, from its own list of each chunk's
     parameter sizes in registration order: that list is the model's."""
-    from megalite.layout import stage_chunks
+    from megalite.config.stage_partition import stage_chunks
     from megalite.model.stage import build_stage
-    from megalite.parallel.comm import single_rank_group
-    from megalite.plan import _dims, chunk_param_sizes
-    from megalite.plan_chunks import stage_ends
+    from megalite.parallel.group import single_rank_group
+    from megalite.plan.chunks import stage_ends
+    from megalite.plan.dims import dims
+    from megalite.plan.zero_table import chunk_param_sizes
 
     cfg = load_config(TINY + overrides)
     layout = Layout.from_config(cfg, cfg.tp * cfg.pp, "cpu")
@@ -188,6 +189,6 @@ def test_the_plans_parameter_list_is_the_models(overrides):
             want = [(p.numel(), chunk.param_specs[n].tied) for n, p in chunk.named_parameters()
                     if id(p) not in seen]
             seen.update(id(p) for p in chunk.parameters())
-            got = chunk_param_sizes(_dims(cfg, layout), e.first, e.last, len(blocks[c]),
+            got = chunk_param_sizes(dims(cfg, layout), e.first, e.last, len(blocks[c]),
                                     e.head_copy, e.tied)
             assert [(size, tied) for _, size, tied in got] == want, (overrides, k, c)

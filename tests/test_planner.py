@@ -1,4 +1,4 @@
-"""The planner (megalite/planner/): the device table shared with the metrics, the time model's
+"""The planner (megalite/plan/): the device table shared with the metrics, the time model's
 terms on synthetic profiles, the search against brute force, and scripts/plan.py's flags and
 bad input. Deterministic: no timing."""
 from __future__ import annotations
@@ -10,21 +10,18 @@ from dataclasses import replace
 import pytest
 
 from megalite.cli.plan import main as plan_main
-from megalite.config import ConfigError, load_config
-from megalite.layout import Layout, validate
+from megalite.config.errors import ConfigError
+from megalite.config.layout import Layout, validate
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import load_config
 from megalite.model.gpt2 import flops_per_token
-from megalite.parallel.schedule import expected_bubble
-from megalite.plan import layer_activation_bytes, make_plan
-from megalite.planner.devices import BY_NAME, DeviceProfile, Link, device_profile
-from megalite.planner.search import (
-    Choice,
-    NothingFits,
-    apply_choice,
-    memory_lower_bound,
-    search,
-)
-from megalite.planner.time_model import predict, stage_forward_flops
-from megalite.planner.traffic import stage_traffic
+from megalite.plan.devices import BY_NAME, DeviceProfile, Link, device_profile
+from megalite.plan.dims import layer_activation_bytes
+from megalite.plan.memory import make_plan
+from megalite.plan.search import NothingFits, memory_lower_bound, search
+from megalite.plan.space import Choice, apply_choice
+from megalite.plan.time_model import predict, stage_forward_flops
+from megalite.plan.traffic import stage_traffic
 from megalite.train.metrics import table_peak
 
 SMALL = ["model.n_layer=4", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
@@ -171,7 +168,7 @@ def test_partial_recompute_adds_exactly_the_recomputed_blocks_forward():
 
 
 def test_non_matmul_term_is_the_calibrated_block_time_per_pass():
-    from megalite.calibrate_block import fit_nonnegative_line
+    from megalite.plan.calibrate_block import fit_nonnegative_line
 
     over = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.recompute=true",
             "train.recompute_layers=1"]
@@ -343,8 +340,8 @@ def test_search_cli_prints_the_ranking_and_plots(capsys, tmp_path):
 
 def test_a_calibrated_profile_file_plans_and_the_table_gives_calibrate_its_links(capsys,
                                                                                  tmp_path):
-    from megalite.planner.devices import load_profile_file, table_links
-    from megalite.profile_file import save_profile
+    from megalite.plan.devices import load_profile_file, table_links
+    from megalite.plan.profile_file import save_profile
     from tests.test_calibrate import synthetic_profile
 
     path = tmp_path / "gpu.json"

@@ -1,4 +1,4 @@
-"""layout=auto (megalite/planner/auto.py): the same choice from the same inputs, explicit layout
+"""layout=auto (megalite/plan/auto.py): the same choice from the same inputs, explicit layout
 keys held fixed, a clear refusal when nothing fits, and a 2-rank run that trains like the
 serial run and records its prediction next to the measured step time."""
 from __future__ import annotations
@@ -7,13 +7,14 @@ import json
 
 import pytest
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import validate
-from megalite.planner.auto import launch_layout, run_profile
-from megalite.planner.devices import device_profile
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.plan.auto import launch_layout, run_profile
+from megalite.plan.devices import device_profile
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, close
 

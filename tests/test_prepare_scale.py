@@ -13,9 +13,11 @@ import datasets
 import numpy as np
 import pytest
 
-from megalite.config import ConfigError, DataConfig, load_config
+from megalite.config.errors import ConfigError
+from megalite.config.schema import DataConfig, load_config
 from megalite.data import prepare as prepare_module
-from megalite.data.loader import META_FILE, DataError, TokenShards, check_data
+from megalite.data.errors import DataError
+from megalite.data.loader import META_FILE, TokenShards, check_data
 from megalite.data.prepare import prepare
 from megalite.data.writer import MANIFEST, ShardWriter
 from tests.conftest import shard_arrays
@@ -52,7 +54,7 @@ def tokenizer_dir(tmp_path_factory, corpus) -> Path:
     """A 300-token byte-level BPE trained locally on the corpus."""
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    prepare_module._train_tokenizer(iter(texts), 300).save_pretrained(out)
+    prepare_module.train_tokenizer(iter(texts), 300).save_pretrained(out)
     return out
 
 
@@ -73,7 +75,7 @@ CRASHING_RUN = textwrap.dedent("""
     import os, sys
     from pathlib import Path
     import datasets
-    from megalite.config import DataConfig
+    from megalite.config.schema import DataConfig
     from megalite.data import prepare as prepare_module
     from megalite.data.writer import ShardWriter
     cfg_json, out, crash_at, before_rename, cache = sys.argv[1:6]

@@ -115,7 +115,7 @@ def test_resume_continues_the_same_loss_curve(tiny_data, tmp_path):
     assert [r["step"] for r in resumed] == []  # latest complete checkpoint is step 12: nothing left
     proc = pretrain(resumed_dir, *common,
                     f"checkpoint.resume={full / 'checkpoints' / 'step_00000006'}")
-    said = "step_00000006 at step 6"  # megalite.log: once on stderr, once in rank 0's log
+    said = "step_00000006 at step 6"  # megalite.utils.log: once on stderr, once in rank 0's log
     assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
     assert (resumed_dir / "pretrain.log").read_text().count(said) == 1
     header, resumed = read_metrics(resumed_dir)

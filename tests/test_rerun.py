@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.config import ConfigError, check_sections, load_config
-from megalite.layout import validate
+from megalite.config.errors import ConfigError
+from megalite.config.inject import InjectSpec, parse_inject
+from megalite.config.layout import Layout, validate
+from megalite.config.schema import check_sections, load_config
 from megalite.resilience.faults import HARDWARE_FAULT_EXIT, fit_or_exit
 from megalite.resilience.inject import flip_bit
-from megalite.resilience.inject_spec import InjectSpec, parse_inject
+from megalite.resilience.inject_target import check_inject_target
 from megalite.resilience.replicas import fingerprint
 from megalite.resilience.spikes import SpikeDetector
 from megalite.resilience.verdicts import (
@@ -28,9 +30,9 @@ from megalite.resilience.verdicts import (
     own_changes,
     transient_suspects,
 )
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -435,7 +437,7 @@ def test_an_overflow_the_loss_scale_absorbs_is_not_suspicious():
     absorb (no rerun); at the scale's floor it is suspicious."""
     from types import SimpleNamespace
 
-    from megalite.config_sections import ResilienceConfig
+    from megalite.config.sections import ResilienceConfig
     from megalite.resilience.rerun import RerunAttribution
     from megalite.train.loss_scale import LossScaler
 
@@ -470,12 +472,41 @@ def test_a_drill_outside_the_rank_s_tensor_is_refused_before_launch(overrides, w
     naming the key: not by a crash of that rank at the drill's step."""
     cfg = load_config([*overrides, "resilience.allow_inject=true", "train.max_steps=5"])
     with pytest.raises(ConfigError, match=r"^resilience\.inject=") as e:
-        validate(cfg, 2)
+        _launch_checks(cfg, 2)
     assert what in str(e.value)
     fixed = [o.replace("/bit:30", "").replace("/bit:32", "").replace("index:32768", "index:0")
              for o in overrides]
     if "pp=2" not in overrides:  # the same drill within the rank's tensor is accepted
-        validate(load_config([*fixed, "resilience.allow_inject=true", "train.max_steps=5"]), 2)
+        _launch_checks(load_config([*fixed, "resilience.allow_inject=true",
+                                    "train.max_steps=5"]), 2)
+
+
+def _launch_checks(cfg, world: int) -> None:
+    """What the preflight checks of a drill: the configuration for the world
+    (`validate`), then the drill's tensor on its rank's stage (`check_inject_target`)."""
+    validate(cfg, world)
+    check_inject_target(cfg, Layout.from_config(cfg, world))
+
+
+@pytest.mark.parametrize("tensor, held", [
+    ("transformer.h.4.attn.c_attn.weight", True), ("transformer.h.5.mlp.c_proj.bias", True),
+    ("transformer.h.6.ln_1.weight", False), ("transformer.h.1.ln_1.weight", False),
+    ("transformer.ln_f.weight", False), ("transformer.wte.weight", False),
+])
+def test_a_zb_v_drill_is_checked_against_the_blocks_of_the_v(tensor, held):
+    """zb-v at pp=2 with 8 blocks: rank 1 holds slices 1 and 2 of the V (blocks 2-3 and 4-5),
+    rank 0 slices 0 and 3 (blocks 0-1 and 6-7, the embeddings, ln_f and the head). A drill
+    on rank 1 is accepted for a tensor of its blocks and refused, naming the key, for one of
+    rank 0's."""
+    cfg = load_config(["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                       "model.n_layer=8", f"resilience.inject=rank:1/step:3/tensor:{tensor}",
+                       "resilience.allow_inject=true", "train.max_steps=5"])
+    if held:
+        _launch_checks(cfg, 2)
+        return
+    with pytest.raises(ConfigError, match=rf"^resilience\.inject=.*rank 1 holds no parameter "
+                       rf"{tensor}"):
+        _launch_checks(cfg, 2)
 
 
 def test_a_parameter_drill_under_zero3_is_refused_before_launch():

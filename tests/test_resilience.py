@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.clock import DeviceClock
-from megalite.config import ConfigError, check_sections, load_config
-from megalite.layout import validate
-from megalite.log import get_logger
-from megalite.parallel.comm import CollectiveWaits
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import check_sections, load_config
+from megalite.parallel.group import CollectiveWaits
 from megalite.parallel.topology import Topology
 from megalite.resilience.replicas import (
     TP_CHUNK,
@@ -29,11 +28,13 @@ from megalite.resilience.replicas import (
     sums_and_norms,
 )
 from megalite.resilience.stragglers import find_slow, peer_groups
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.metrics import wandb_row
+from megalite.train.runtime import init_runtime
 from megalite.train.timers import StepTimers
+from megalite.utils.clock import DeviceClock
+from megalite.utils.log import get_logger
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 

@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.metrics import wandb_row
+from megalite.train.runtime import init_runtime
 from megalite.train.timers import PHASES
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT

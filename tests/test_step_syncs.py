@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.config import ModelConfig, OptimConfig
-from megalite.layout import Layout
+from megalite.config.layout import Layout
+from megalite.config.schema import ModelConfig, OptimConfig
 from megalite.model.init import init_parameters
 from megalite.model.stage import build_stage
+from megalite.parallel.norms import squares_fp64
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
-from megalite.parallel.zero import ZeroEngine, squares_fp64
+from megalite.parallel.zero import ZeroEngine
 
 
 def _serial_parts(zero: int = 0):

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.config import ModelConfig
+from megalite.config.schema import ModelConfig
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.topology import build_topology
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 from tests.conftest import random_hf_gpt2, serial_common
 from tests.layouts import assert_equal, close, train_layouts
 
@@ -266,7 +266,7 @@ def test_activation_memory_per_layer_matches_the_formula():
 
 def _regions(rank, world):
     """Each autograd region's forward and backward against its definition."""
-    from megalite.parallel import comm
+    from megalite.parallel import regions
 
     g = build_topology(world, 1, 1).tp_group
     torch.manual_seed(0)
@@ -281,11 +281,11 @@ def _regions(rank, world):
         y.backward(grad.clone())  # backward may reduce the incoming gradient in place
         out[name] = (y.detach(), x.grad)
 
-    run("copy_to_tp", comm.copy_to_tp, full, grads[rank])
-    run("reduce_from_tp", comm.reduce_from_tp, full * (rank + 1), grads[0])
-    run("scatter_to_seq", comm.scatter_to_seq, full, grads[rank].chunk(world)[rank])
-    run("gather_from_seq", comm.gather_from_seq, mine, grads[rank])
-    run("reduce_scatter_to_seq", comm.reduce_scatter_to_seq, full * (rank + 1),
+    run("copy_to_tp", regions.copy_to_tp, full, grads[rank])
+    run("reduce_from_tp", regions.reduce_from_tp, full * (rank + 1), grads[0])
+    run("scatter_to_seq", regions.scatter_to_seq, full, grads[rank].chunk(world)[rank])
+    run("gather_from_seq", regions.gather_from_seq, mine, grads[rank])
+    run("reduce_scatter_to_seq", regions.reduce_scatter_to_seq, full * (rank + 1),
         grads[0].chunk(world)[rank])
     return out, full, grads
 

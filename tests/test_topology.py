@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megalite.parallel import comm
 from megalite.parallel.topology import Coords, build_topology, coords_of, group_ranks, rank_of
-from megalite.spawn import RankFailure, run_ranks
+from megalite.testing.spawn import RankFailure, run_ranks
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 4), (2, 2, 2), (4, 2, 1), (2, 1, 3), (1, 4, 2)]
 

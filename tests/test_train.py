@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from megalite.config import OptimConfig, load_config
-from megalite.layout import validate
-from megalite.runtime import init_runtime
-from megalite.spawn import run_ranks
+from megalite.config.layout import validate
+from megalite.config.schema import OptimConfig, load_config
+from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.optim import lr_at
+from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",

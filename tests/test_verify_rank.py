@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.cli.verify_rank import STATES, build_parts, fake_world, main, report, verify_rank
-from megalite.config import load_config
-from megalite.layout import Layout, validate
+from megalite.cli.verify_rank import main
+from megalite.config.layout import Layout, validate
+from megalite.config.schema import load_config
 from megalite.parallel.topology import coords_of, group_ranks
+from megalite.train.simulated import STATES, build_parts, fake_world, report, verify_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT2_XL = ["model=gpt2-xl", "pp=2", "zero=3", "train.seq_len=1024", "train.micro_batch_size=4",

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from megalite.model.gpt2 import LMHead
-from megalite.parallel.comm import single_rank_group
+from megalite.parallel.group import single_rank_group
 from megalite.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megalite.parallel.weight_grad import (
     WeightGradQueue,

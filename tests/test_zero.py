@@ -4,7 +4,7 @@ Gradient integrity and state consistency: every run's losses, grad norms and val
 equal the single-process run, and after every step every rank's parameters (gathered from the
 shards for zero 3) are its slice of the serial parameters — hence DP replicas are identical.
 
-Memory and traffic, fp32 on CPU: the ZeRO table of `megalite.plan` (`model_state_bytes`,
+Memory and traffic, fp32 on CPU: the ZeRO table of `megalite.plan.memory` (`model_state_bytes`,
 `dp_traffic_elements`; the README renders it with `zero_table()`), with Ψ = elements of this
 rank's TP x PP shard (vocabulary padded), N = DP size, m = micro-batches per step. For m = 1
 these are the ZeRO paper's 2Ψ and 3Ψ; zero 2 and 3 reduce-scatter every micro-batch because
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.layout import Layout
+from megalite.config.layout import Layout
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
-from megalite.plan import dp_traffic_elements, model_state_bytes
-from megalite.spawn import run_ranks
+from megalite.plan.zero_table import dp_traffic_elements, model_state_bytes
+from megalite.testing.spawn import run_ranks
 from tests.conftest import serial_common
 from tests.layouts import assert_equal, train_layout, train_layouts
 
@@ -136,10 +136,10 @@ def test_overlapped_parameter_gather_equals_serial(tiny_data, tmp_path, serial_r
 
 def _gather_and_forward_order(rank, world, tiny_data, run_dir):
     """One step, then the next step's order of (wait for bucket b) and (forward of unit u)."""
-    from megalite.config import load_config
-    from megalite.layout import validate
-    from megalite.runtime import init_runtime
+    from megalite.config.layout import validate
+    from megalite.config.schema import load_config
     from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
     from tests.conftest import TINY
     from tests.layouts import FP32_NO_DROPOUT
 
@@ -194,7 +194,7 @@ def test_each_block_waits_for_its_own_buckets_only(tiny_data, tmp_path):
 def test_the_tied_embedding_is_a_bucket_of_its_own_on_both_pipeline_ends(bucket_numel):
     """Its gradient is summed over the embedding group bucket by bucket, so the first and
     the last stage must hold it alone, whatever the bucket size."""
-    from megalite.config import ModelConfig
+    from megalite.config.schema import ModelConfig
     from megalite.model.gpt2 import GPT2
     from megalite.parallel.zero import bucket_groups
 

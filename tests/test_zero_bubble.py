@@ -13,17 +13,12 @@ import weakref
 import pytest
 import torch
 
-from megalite.config import ConfigError, load_config
-from megalite.layout import validate
-from megalite.parallel.schedule import (
-    Op,
-    OpKind,
-    expected_bubble,
-    max_in_flight,
-    plan_rounds,
-    stage_order,
-)
-from megalite.spawn import run_ranks
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import load_config
+from megalite.parallel.schedule import Op, OpKind, max_in_flight, plan_rounds, stage_order
+from megalite.testing.spawn import run_ranks
 from tests.conftest import BF16_LEARNING, EIGHT_BLOCKS, FP16_LEARNING, pipeline_layout
 from tests.layouts import (
     PER_STEP,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from megalite.bench.timing import timed
-from megalite.config import load_config
+from megalite.config.schema import load_config
 from megalite.model.attention import BACKENDS
 
 

@@ -23,8 +23,8 @@ from typing import List
 
 import torch
 
-from megalite.config import load_config
-from megalite.spawn import run_ranks
+from megalite.config.schema import load_config
+from megalite.testing.spawn import run_ranks
 
 
 def _directory_bytes(path: Path) -> int:
@@ -32,7 +32,7 @@ def _directory_bytes(path: Path) -> int:
 
 
 def _build(preset: str, dp: int, zero: int, root: Path, tp: int = 1):
-    from megalite.layout import Layout
+    from megalite.config.layout import Layout
     from megalite.model.gpt2 import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.topology import build_topology
@@ -130,9 +130,9 @@ def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> di
 
 def _touched_ranges(path: Path, engine, topo) -> list:
     from megalite.checkpoint.format import Reader, read_meta
-    from megalite.checkpoint.load import _plan_reads
+    from megalite.checkpoint.load import plan_reads
 
-    _, ranges = _plan_reads(Reader(path, read_meta(path)), engine, topo)
+    _, ranges = plan_reads(Reader(path, read_meta(path)), engine, topo)
     return [(f, r) for f, rs in ranges.items() for r in rs]
 
 

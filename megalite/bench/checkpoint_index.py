@@ -1,5 +1,5 @@
 """The checkpoint index a resuming rank reads at scale, from the real pieces of one rank of an
-N-rank layout built in a simulated world (`megalite-verify-rank`'s fake process group, tensors
+N-rank layout built in a simulated world (`megalite.train.simulated`'s fake process group, tensors
 on the meta device):
 
     python scripts/bench.py checkpoint-index --world-size 4096 model=gpt2-xl pp=2 zero=3 \\
@@ -18,9 +18,9 @@ from typing import Dict
 
 from megalite.checkpoint.format import KINDS, written_range
 from megalite.checkpoint.index import spec_record
-from megalite.cli import config_for_world
-from megalite.cli.verify_rank import build_parts, fake_world
-from megalite.layout import Layout
+from megalite.config.layout import Layout
+from megalite.train.preflight import validated_config
+from megalite.train.simulated import build_parts, fake_world
 
 
 def stage_piece_counts(engine) -> Dict[str, int]:
@@ -38,7 +38,7 @@ def stage_piece_counts(engine) -> Dict[str, int]:
 
 
 def run(args) -> dict:
-    cfg = config_for_world(args.overrides, args.world_size, 8, "cuda")
+    cfg, _ = validated_config(args.overrides, args.world_size, 8, "cuda")
     layout = Layout.from_config(cfg, args.world_size, "cuda")
     with fake_world(args.rank, args.world_size):
         topo, _, engine, _ = build_parts(cfg, layout)

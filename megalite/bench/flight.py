@@ -14,6 +14,7 @@ import time
 
 from megalite.bench.on_off import CHECKS_OFF, describe, is_on, run_layouts
 from megalite.bench.on_off import add_arguments as add_common_arguments
+from megalite.resilience.flight import FlightRecorder
 
 
 def _recorded(recorder) -> int:
@@ -34,8 +35,6 @@ def _seconds_per_record(recorder, group, calls: int = 20000) -> float:
 
 
 def _measure(trainer, args, rank: int) -> dict:
-    from megalite.resilience.flight import FlightRecorder
-
     counters = [trainer.topo.counter, trainer.topo.checkpoint_group.counter]
     recorder = counters[0].flight
     steps = {True: [], False: []}

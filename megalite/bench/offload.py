@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megalite.bench.timing import alternate, peak_memory, reset_peak
-from megalite.config import OptimConfig, load_config
-from megalite.layout import Layout
+from megalite.config.layout import Layout
+from megalite.config.schema import OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.gpt2 import GPT2, flops_per_token
 from megalite.model.init import init_parameters

@@ -17,14 +17,14 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List
 
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 
 CHECKS_OFF = ["resilience.check_every=0", "resilience.straggler_report_every=0"]
 Measure = Callable[[object, object, int], dict]  # (trainer, args, rank) -> results
 
 
 def prepared_corpus(root: Path) -> Path:
-    from megalite.config import DataConfig
+    from megalite.config.schema import DataConfig
     from megalite.data.prepare import prepare
 
     out = root / "stdlib"
@@ -52,10 +52,10 @@ def trainer_overrides(args, layout: List[str], data: str, run_dir: str,
 
 def _each_layout(rank: int, world: int, args, layouts: List[List[str]], data: str, root: str,
                  extra: List[str], measure: Measure) -> List[dict]:
-    from megalite.config import load_config
-    from megalite.layout import validate
-    from megalite.runtime import init_runtime
+    from megalite.config.layout import validate
+    from megalite.config.schema import load_config
     from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
 
     results = []
     for i, layout in enumerate(layouts):

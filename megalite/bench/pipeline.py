@@ -53,17 +53,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megalite.config import ModelConfig, OptimConfig
-from megalite.layout import ChunkPlacement, Layout, stage_chunks
+from megalite.config.layout import Layout
+from megalite.config.schedule_rules import expected_bubble, resolve_schedule
+from megalite.config.schema import ModelConfig, OptimConfig
+from megalite.config.stage_partition import ChunkPlacement, stage_chunks
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
 from megalite.model.stage import PipelineStage as Chunks
 from megalite.model.stage import build_stage
 from megalite.parallel.pipeline import PipelineSchedule
-from megalite.parallel.schedule import expected_bubble, resolve_schedule
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 
 LR, CLIP, SEED = 1e-3, 1.0, 1234
 OPTIONS = ("micro_batches", "virtual_stages", "schedule", "steps", "warmup", "n_layer", "n_embd",
@@ -221,7 +222,7 @@ def _timed(step, batches, saved: SavedActivationBytes):
 
 
 def _worker(rank: int, pp: int, o: dict) -> List[dict]:
-    """One rank of a gloo world of pp ranks (1 thread each, see megalite.spawn)."""
+    """One rank of a gloo world of pp ranks (1 thread each, see megalite.testing.spawn)."""
     topo = build_topology(1, pp, 1)
     cfg = _model_cfg(o)
     g = torch.Generator().manual_seed(SEED)

@@ -1,6 +1,6 @@
 """The planner's predicted step time against measured ones on this machine: for each layout,
 the median seconds per training step of the real training path (gloo ranks, pipeline schedule,
-ZeRO engine) next to `megalite.planner.time_model.predict` for it, their ratio, and the rank
+ZeRO engine) next to `megalite.plan.time_model.predict` for it, their ratio, and the rank
 correlation (Spearman) of the two orders — all layouts measured in the same run.
 
 The device profile: `--profile FILE` (`scripts/plan.py --calibrate` on the same machine and
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import List, Sequence
 
 from megalite.bench.on_off import prepared_corpus
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 
 LAYOUTS_2 = ["tp=2", "tp=2,sp=true", "pp=2,train.micro_batch_size=8", "pp=2", "zero=0",
              "zero=1", "zero=3", "zero=1,train.recompute=true",
@@ -37,10 +37,10 @@ def _overrides(args, layout: List[str], data: str, run_dir: str) -> List[str]:
 
 
 def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, root: str):
-    from megalite.config import load_config
-    from megalite.layout import validate
-    from megalite.runtime import init_runtime
+    from megalite.config.layout import validate
+    from megalite.config.schema import load_config
     from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
 
     out = []
     for i, layout in enumerate(layouts):
@@ -58,7 +58,7 @@ def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, r
 
 
 def _profile(args):
-    from megalite.planner.devices import device_profile, load_profile_file
+    from megalite.plan.devices import device_profile, load_profile_file
 
     if args.profile:
         return load_profile_file(args.profile), f"--profile {args.profile}"
@@ -68,10 +68,10 @@ def _profile(args):
 
 def _predicted(args, res: dict, data: str, profile) -> float:
     """The predicted step time of a measured layout on `profile`."""
-    from megalite.config import load_config
-    from megalite.layout import Layout
-    from megalite.plan import make_plan
-    from megalite.planner.time_model import predict
+    from megalite.config.layout import Layout
+    from megalite.config.schema import load_config
+    from megalite.plan.memory import make_plan
+    from megalite.plan.time_model import predict
 
     cfg = load_config(_overrides(args, res["layout"], data, "/tmp/unused"))
     layout = Layout.from_config(cfg, res["world"], "cpu")

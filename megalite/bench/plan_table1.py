@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from megalite.config import load_config
-from megalite.layout import Layout
-from megalite.plan import GIB, make_plan
-from megalite.planner.devices import device_profile, load_profile_file
-from megalite.planner.search import NothingFits, search
-from megalite.planner.time_model import predict
+from megalite.config.layout import Layout
+from megalite.config.schema import load_config
+from megalite.plan.devices import device_profile, load_profile_file
+from megalite.plan.memory import GIB, make_plan
+from megalite.plan.search import NothingFits, search
+from megalite.plan.time_model import predict
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, measured TFLOP/s per GPU
 TABLE1 = [

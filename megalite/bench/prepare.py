@@ -33,8 +33,8 @@ from typing import List
 
 import numpy as np
 
-from megalite.config import DataConfig
-from megalite.data.prepare import _train_tokenizer, prepare
+from megalite.config.schema import DataConfig
+from megalite.data.prepare import prepare, train_tokenizer
 from megalite.data.sources import stdlib_files
 
 GPT2_VOCAB = 50257
@@ -69,7 +69,7 @@ def _tokenizer_dir(work: Path, corpus: Path, name) -> str:
     if not (out / "tokenizer.json").exists():
         t0 = time.perf_counter()
         texts = (json.loads(line)["text"] for line in open(corpus))
-        _train_tokenizer(texts, GPT2_VOCAB).save_pretrained(out)
+        train_tokenizer(texts, GPT2_VOCAB).save_pretrained(out)
         print(f"trained a {GPT2_VOCAB}-token byte-level BPE on {corpus} in "
               f"{time.perf_counter() - t0:.0f}s -> {out}")
     return str(out)

@@ -34,16 +34,16 @@ from typing import Dict, List
 
 import torch
 
-from megalite.config import ModelConfig, OptimConfig
-from megalite.layout import Layout
+from megalite.config.layout import Layout
+from megalite.config.schema import ModelConfig, OptimConfig
 from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
-from megalite.plan import layer_activation_bytes
-from megalite.spawn import run_ranks
+from megalite.plan.dims import layer_activation_bytes
+from megalite.testing.spawn import run_ranks
 
 
 def saved_activation_bytes(fn, params) -> int:
@@ -65,7 +65,7 @@ def saved_activation_bytes(fn, params) -> int:
 
 def formulas(s: int, b: int, h: int, a: int, t: int, sp: bool, elem: int) -> Dict[str, float]:
     """Korthikanti's bytes per layer (2-byte activations, masks, scores) and this
-    implementation's (`megalite.plan.layer_activation_bytes`, `elem` bytes per element)."""
+    implementation's (`megalite.plan.memory.layer_activation_bytes`, `elem` bytes per element)."""
     if sp:
         paper = s * b * h / t * (34 + 5 * a * s / h)
     else:
@@ -121,7 +121,7 @@ def run(args) -> List[dict]:
                                                  args.steps, args.warmup), timeout_s=1800)
         rows += [r for r in per_rank[0]]  # every rank holds the same amounts (equal shards)
     print(f"\nGPT-2 n_layer={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} s={args.seq_len} "
-          f"b={args.micro_batch}, fp32, dropout 0, gloo, 1 thread per rank (megalite.spawn)")
+          f"b={args.micro_batch}, fp32, dropout 0, gloo, 1 thread per rank (megalite.testing.spawn)")
     print(f"{'tp':>3} {'sp':>5} {'tokens/s':>9} {'layer MiB':>10} {'ours formula':>13} "
           f"{'paper formula':>14} {'forward MiB':>12}")
     for r in rows:

@@ -23,8 +23,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
-from megalite.config import ATTENTION_CHOICES, OptimConfig, load_config
-from megalite.layout import PRECISION_DTYPES, Layout
+from megalite.config.layout import PRECISION_DTYPES, Layout
+from megalite.config.schema import ATTENTION_CHOICES, OptimConfig, load_config
 from megalite.model.gpt2 import GPT2, flops_per_token
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule

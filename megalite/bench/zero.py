@@ -52,7 +52,7 @@ from typing import Callable, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.spawn import run_ranks
+from megalite.testing.spawn import run_ranks
 
 PAIRS = [("megalite-z3", "fsdp2"), ("megalite-z1", "ddp+zro")]
 Step = Callable[[bool], Tuple[float, int]]  # step(probe) -> (mean loss, state bytes if probe)
@@ -89,7 +89,7 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
 
 
 def _megalite_step(name: str, model, mcfg, topo, batches, optim) -> Step:
-    from megalite.layout import Layout
+    from megalite.config.layout import Layout
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.zero import ZeroEngine
 
@@ -208,7 +208,7 @@ def _peak(prof, measured: int) -> int:
 def _rank(rank: int, world: int, mcfg, args) -> List[dict]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from megalite.config import OptimConfig
+    from megalite.config.schema import OptimConfig
     from megalite.parallel.topology import build_topology
     topo, optim = build_topology(1, 1, world), OptimConfig()
     batches = _batches(mcfg.vocab_size, args.micro_batch, args.seq_len, args.micro_batches, rank)
@@ -251,7 +251,7 @@ def _rank(rank: int, world: int, mcfg, args) -> List[dict]:
 
 
 def run(args) -> List[dict]:
-    from megalite.config import load_config
+    from megalite.config.schema import load_config
     mcfg = load_config([f"model={args.preset}", *[f"model.{o}" for o in args.model]]).model
     mcfg = replace(mcfg, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     args.seq_len = min(args.seq_len, mcfg.n_positions)

@@ -27,7 +27,7 @@ import torch
 
 from megalite.checkpoint import save as ckpt
 from megalite.checkpoint.state import Progress
-from megalite.config import Config
+from megalite.config.schema import Config
 from megalite.parallel.topology import Topology
 
 

@@ -25,7 +25,7 @@ import torch
 
 from megalite.checkpoint.format import read_global_state, read_meta
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
-from megalite.config import ModelConfig
+from megalite.config.schema import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.gpt2 import GPT2
 from megalite.model.hf import save_hf

@@ -66,7 +66,7 @@ import torch
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.index import Index
 from megalite.checkpoint.reslice import runs, same_split_axis
-from megalite.config import Config, ModelConfig
+from megalite.config.schema import Config, ModelConfig
 from megalite.parallel.bucket import StatePiece
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology

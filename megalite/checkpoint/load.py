@@ -12,20 +12,14 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from megalite.checkpoint.format import (
-    KINDS,
-    CheckpointError,
-    Reader,
-    check_compatible,
-    read_meta,
-    verify_file,
-    verify_ranges,
-)
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.format import KINDS, Reader, check_compatible, read_meta, verify_file, verify_ranges
 from megalite.checkpoint.resolve import candidates
-from megalite.config import Config
-from megalite.log import get_logger
+from megalite.config.schema import Config
 from megalite.parallel import comm
+from megalite.parallel.group import Group
 from megalite.parallel.topology import Topology
+from megalite.utils.log import get_logger
 
 
 class Loaded(NamedTuple):
@@ -49,7 +43,7 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
         meta = read_meta(ckpt)
         check_compatible(meta, cfg, ckpt)
         reader = Reader(ckpt, meta)
-        plans, ranges = _plan_reads(reader, engine, topo)
+        plans, ranges = plan_reads(reader, engine, topo)
         for name in sorted(ranges):
             verified += verify_ranges(ckpt, name, meta["files"][name], ranges[name])
         same_layout = meta["layout"]["world_size"] == topo.world_size and all(
@@ -71,7 +65,7 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
     return Loaded(meta, rng, verified, reader.bytes_read)
 
 
-def _plan_reads(reader: Reader, engine, topo: Topology
+def plan_reads(reader: Reader, engine, topo: Topology
                 ) -> Tuple[list, Dict[str, List[Tuple[int, int]]]]:
     """For each owned piece and kind, the reads that fill it (`Reader.reads`: only its own
     elements, whatever TP split wrote them), and per file the byte ranges (offset, bytes)
@@ -97,7 +91,7 @@ def _fill(reader: Reader, plans: list, engine, adam_step: int) -> None:
 
 
 def _agree_to_load(ckpt: Path, error: Optional[str], step: Optional[int],
-                   group: comm.Group) -> None:
+                   group: Group) -> None:
     """Collective over the checkpoint group: every rank found its part of the checkpoint
     sound, and all of them are loading the same step; else CheckpointError on every rank,
     naming the first problem. The verdicts go to rank 0, which broadcasts the outcome."""

@@ -25,9 +25,12 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from megalite.checkpoint.format import STEP_DIR, CheckpointError, read_meta, shape_mismatch
-from megalite.config import Config, ConfigError, data_sources, resolve_path
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.format import STEP_DIR, read_meta, shape_mismatch
+from megalite.config.errors import ConfigError
+from megalite.config.schema import Config, data_sources, resolve_path
 from megalite.parallel import comm
+from megalite.parallel.group import Group
 
 SUPERSEDED_DIR = "superseded"
 
@@ -109,7 +112,7 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
     return resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
-def candidates(setting: str, root: Path, group: comm.Group) -> List[Path]:
+def candidates(setting: str, root: Path, group: Group) -> List[Path]:
     """The checkpoints to try in order (newest first for auto), as rank 0 of `group` (all
     ranks) sees them (collective)."""
     if setting == "none":

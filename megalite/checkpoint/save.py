@@ -20,23 +20,17 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megalite.checkpoint.format import (
-    CRC_BLOCK_BYTES,
-    FORMAT_VERSION,
-    KINDS,
-    CheckpointError,
-    meta_crc32,
-    written_range,
-)
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.format import CRC_BLOCK_BYTES, FORMAT_VERSION, KINDS, meta_crc32, written_range
 from megalite.checkpoint.index import spec_record, write_index
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import Progress
-from megalite.config import Config, data_sources
-from megalite.durable import fsync_dir
-from megalite.log import get_logger
+from megalite.config.schema import Config, data_sources
 from megalite.parallel import comm
-from megalite.parallel.comm import Group
+from megalite.parallel.group import Group
 from megalite.parallel.topology import Topology
+from megalite.utils.durable import fsync_dir
+from megalite.utils.log import get_logger
 
 
 def written_numel(engine, topo: Topology) -> int:

@@ -18,23 +18,3 @@ Under torchrun: `torchrun --nproc_per_node=8 --no-python megalite-pretrain <over
 # outputs/<date>/, no .hydra/, no log file): data preparation, and ranks other than 0 of a run.
 NO_HYDRA_OUTPUT = ("hydra.output_subdir=null", "hydra.run.dir=.",
                    "hydra/job_logging=disabled", "hydra/hydra_logging=disabled")
-
-
-def config_for_world(overrides, world_size: int, gpus_per_node: int, device: str):
-    """The configuration of `overrides`, validated as a launch on `world_size` ranks would be
-    (`gpus_per_node` GPUs a node on cuda); prints the warnings. A bad configuration exits 2,
-    naming the key."""
-    import sys
-
-    from megalite.config import ConfigError, load_config
-    from megalite.layout import validate
-
-    try:
-        cfg = load_config(overrides)
-        warnings = validate(cfg, world_size, gpus_per_node if device == "cuda" else None)
-    except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
-    for w in warnings:
-        print(f"megalite: warning: {w}", file=sys.stderr)
-    return cfg

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from megalite.checkpoint.format import CheckpointError
+from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.resolve import CheckpointNotFound
 from megalite.eval.lm_harness import (
     EvaluateError,

@@ -20,8 +20,8 @@ import argparse
 import sys
 from typing import List, Optional
 
+from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.export import export_hf
-from megalite.checkpoint.format import CheckpointError
 from megalite.checkpoint.resolve import CheckpointNotFound
 
 

@@ -17,8 +17,8 @@ from typing import List, Optional
 
 import torch
 
+from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.export import load_model, load_tokenizer
-from megalite.checkpoint.format import CheckpointError
 from megalite.checkpoint.resolve import resolve_checkpoint
 from megalite.model.generate import generate
 

@@ -1,8 +1,8 @@
 """Estimate, before launching, what every rank of a layout holds and sends: parameters,
 gradients, optimizer state, activations in flight, the ZeRO-3 working set, and the bytes per
-optimizer step over the TP, PP, DP and embedding groups (megalite/plan.py has the formulas);
+optimizer step over the TP, PP, DP and embedding groups (megalite/plan/memory.py has the formulas);
 with a device profile also the predicted step time, tokens/s, TFLOP/s and MFU
-(megalite/planner/time_model.py); with --search the fastest layouts that fit.
+(megalite/plan/time_model.py); with --search the fastest layouts that fit.
 
     megalite-plan --world-size 16 model=gpt2-xl pp=2 zero=3 \\
         train.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=512
@@ -25,12 +25,14 @@ import json
 import sys
 from typing import List, Optional
 
-from megalite.calibrate import calibrate_command
-from megalite.cli import config_for_world
-from megalite.layout import Layout
-from megalite.placement_fit import cheapest_fit
-from megalite.plan import GIB, make_plan
-from megalite.planner.devices import BY_NAME, device_profile, load_profile_file, table_links
+from megalite.cli.calibrate import calibrate_command
+from megalite.cli.plan_search import run_search
+from megalite.cli.validated import config_for_world
+from megalite.config.layout import Layout
+from megalite.plan.devices import BY_NAME, device_profile, load_profile_file, table_links
+from megalite.plan.fit import cheapest_fit
+from megalite.plan.memory import GIB, make_plan
+from megalite.plan.time_model import predict
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "
                         "torchrun, collective bandwidth) and save a device profile "
-                        "(megalite/calibrate.py)")
+                        "(megalite/plan/calibrate.py)")
     p.add_argument("--output", default="device-profile.json",
                    help="with --calibrate: the profile file to write")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model=gpt2 tp=2")
@@ -97,8 +99,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.search or args.plot:
         if profile is None:
             cli.error("--search needs a device profile: --device NAME or --profile FILE")
-        from megalite.cli.plan_search import run_search
-
         sys.exit(run_search(args, profile, per_node))
     device_type = "cpu" if profile is not None and profile.device == "cpu" else "cuda"
     bf16 = profile is None or "bf16" in profile.matmul_tflops
@@ -107,8 +107,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     plan = make_plan(cfg, layout)
     prediction = None
     if profile is not None:
-        from megalite.planner.time_model import predict
-
         prediction = predict(cfg, layout, plan.stages, profile, per_node)
     if args.json:
         print(json.dumps({**plan.as_dict(), "prediction":

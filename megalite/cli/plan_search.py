@@ -1,4 +1,4 @@
-"""`megalite-plan --search`: the fastest predicted layouts that fit (megalite/planner/search.py),
+"""`megalite-plan --search`: the fastest predicted layouts that fit (megalite/plan/search.py),
 printed as a table or JSON, optionally plotted."""
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import json
 import sys
 from pathlib import Path
 
-from megalite.config import ConfigError, check_sections, load_config
-from megalite.planner.devices import DeviceProfile
-from megalite.planner.report import explicit_layout_keys, plot_search, ranking_table
-from megalite.planner.search import NothingFits, search
+from megalite.config.errors import ConfigError
+from megalite.config.schema import check_sections, load_config
+from megalite.plan.devices import DeviceProfile
+from megalite.plan.report import explicit_layout_keys, plot_search, ranking_table
+from megalite.plan.search import NothingFits, search
 
 
 def run_search(args, profile: DeviceProfile, per_node: int) -> int:

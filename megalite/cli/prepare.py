@@ -20,15 +20,10 @@ from pathlib import Path
 import hydra
 
 from megalite.cli import NO_HYDRA_OUTPUT
-from megalite.config import (
-    CONF_DIR,
-    ConfigError,
-    check_presets,
-    register_configs,
-    resolve_path,
-    to_config,
-)
-from megalite.data.loader import SPLITS, DataError, TokenShards
+from megalite.config.errors import ConfigError
+from megalite.config.schema import CONF_DIR, check_presets, register_configs, resolve_path, to_config
+from megalite.data.errors import DataError
+from megalite.data.loader import SPLITS, TokenShards
 from megalite.data.prepare import prepare
 
 

@@ -23,18 +23,19 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from megalite import log
 from megalite.cli import NO_HYDRA_OUTPUT
-from megalite.config import CONF_DIR, ConfigError, check_presets, register_configs, to_config
-from megalite.data.loader import DataError
-from megalite.launch_env import export_launch_env, launch_env
-from megalite.plan import make_plan, memory_warning
-from megalite.planner.auto import launch_layout
+from megalite.cli.launch_env import export_launch_env, launch_env
+from megalite.config.errors import ConfigError
+from megalite.config.schema import CONF_DIR, check_presets, register_configs, to_config
+from megalite.data.errors import DataError
+from megalite.plan.auto import launch_layout
+from megalite.plan.memory import make_plan, memory_warning
 from megalite.resilience.faults import fit_or_exit, refuse_after_fault
-from megalite.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.build import broadcast_run_dir, build_trainer
 from megalite.train.preflight import local_ranks_from_env, preflight
+from megalite.train.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.summary import trainer_summary
+from megalite.utils import log
 
 
 def launch_rank() -> int:
@@ -59,7 +60,7 @@ def pretrain(node) -> None:
     logger = log.configure(launch_rank(), cfg.log.all_ranks)
     auto = None
     try:
-        if cfg.layout == "auto":  # the same choice on every rank (megalite.planner.auto)
+        if cfg.layout == "auto":  # the same choice on every rank (megalite.plan.auto)
             cfg, auto = launch_layout(cfg, world_size_from_env(), local_gpu(),
                                       local_ranks_from_env(), HydraConfig.get().overrides.task)
             if launch_rank() == 0:
@@ -90,7 +91,7 @@ def pretrain(node) -> None:
 
 def main() -> None:
     """`megalite-pretrain [overrides]`: Hydra reads the overrides from the command line. A
-    Slurm launch without torchrun gets torchrun's variables first (`megalite.launch_env`)."""
+    Slurm launch without torchrun gets torchrun's variables first (`megalite.cli.launch_env`)."""
     try:
         check_presets(sys.argv[1:])
     except ConfigError as e:

@@ -29,9 +29,10 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from megalite.config import DataConfig
-from megalite.data.loader import META_FILE, SPLITS, DataError, token_dtype
-from megalite.data.sources import DocumentSource, stdlib_files  # noqa: F401 (re-exported)
+from megalite.config.schema import DataConfig
+from megalite.data.errors import DataError
+from megalite.data.loader import META_FILE, SPLITS, token_dtype
+from megalite.data.sources import DocumentSource, stdlib_files
 from megalite.data.tokenize import SPLIT_SEED, BatchTokenizer, is_validation, tokenized_batches
 from megalite.data.writer import MANIFEST, ShardWriter, read_manifest, write_json
 
@@ -86,7 +87,7 @@ def check_settings(cfg: DataConfig) -> None:
                         "nothing to stream; set data.streaming=false")
 
 
-def _train_tokenizer(texts: Iterator[str], vocab_size: int):
+def train_tokenizer(texts: Iterator[str], vocab_size: int):
     """A GPT-2-style byte-level BPE trained on `texts`, as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -169,7 +170,7 @@ def prepare(cfg: DataConfig, out_dir: Path, progress: bool = True) -> dict:
     if manifest is None:
         tmp.mkdir(parents=True)
         if tokenizer is None:
-            tokenizer = _train_tokenizer(_training_texts(source, cfg), cfg.tokenizer_vocab_size)
+            tokenizer = train_tokenizer(_training_texts(source, cfg), cfg.tokenizer_vocab_size)
         tokenizer.model_max_length = int(1e30)  # documents are packed, never truncated
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
     else:

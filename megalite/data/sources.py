@@ -19,7 +19,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from megalite.config import DataConfig
+from megalite.config.schema import DataConfig
 from megalite.data.errors import DataError
 
 LOCAL_BUILDERS = ("text", "json", "parquet", "csv")

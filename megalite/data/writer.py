@@ -23,7 +23,7 @@ from typing import List, Optional
 import numpy as np
 
 from megalite.data.errors import DataError
-from megalite.durable import fsync_dir
+from megalite.utils.durable import fsync_dir
 
 MANIFEST = "progress.json"
 PARTIAL = ".partial"

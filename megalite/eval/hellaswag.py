@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Tuple
 
-from megalite.config import Config, ConfigError, data_sources, resolve_path
+from megalite.config.errors import ConfigError
+from megalite.config.schema import Config, data_sources, resolve_path
 from megalite.eval.choice import ChoiceSet, Ending
 
 ENDINGS = 4

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+from megalite.checkpoint.export import export_hf
 from megalite.checkpoint.resolve import find_checkpoint
 
 INSTALL_HINT = 'pip install "megalite[eval]" (lm-eval, accelerate, matplotlib)'
@@ -82,8 +83,6 @@ def hf_model_dir(path: Path, export_dir: Optional[str] = None,
     if (path / "config.json").is_file():
         yield path
         return
-    from megalite.checkpoint.export import export_hf
-
     if export_dir is not None:
         export_hf(path, export_dir, tokenizer)
         yield Path(export_dir)

@@ -18,7 +18,7 @@ from typing import Callable, Dict
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megalite.config import ATTENTION_CHOICES
+from megalite.config.schema import ATTENTION_CHOICES
 
 BACKENDS: Dict[str, SDPBackend] = {
     "flash": SDPBackend.FLASH_ATTENTION,

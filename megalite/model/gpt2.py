@@ -29,10 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megalite.config import ModelConfig
+from megalite.config.schema import ModelConfig
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.attention import kernel_region
-from megalite.parallel.comm import Group, single_rank_group
+from megalite.parallel.group import Group, single_rank_group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.tensor import (

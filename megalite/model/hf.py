@@ -12,7 +12,8 @@ from typing import Dict, Optional
 
 import torch
 
-from megalite.config import ConfigError, ModelConfig
+from megalite.config.errors import ConfigError
+from megalite.config.schema import ModelConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")

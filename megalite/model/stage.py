@@ -2,7 +2,7 @@
 
 Without an interleaved schedule a stage is one chunk, a contiguous slice of blocks. With
 `parallel.virtual_stages=v` the model is cut into pp·v slices and stage s holds slices s,
-s + pp, s + 2·pp, ... (`megalite.layout.stage_chunks`): the first chunk of stage 0
+s + pp, s + 2·pp, ... (`Layout.stage_blocks`): the first chunk of stage 0
 has the embeddings, the last chunk of the last stage ln_f, the LM head and the loss. Under
 zb-v's V placement (`ChunkPlacement(v_shape=True)`) stage s holds slices s and 2·pp - 1 - s, so
 stage 0 holds both ends: its LM head is its embedding's own parameter (one tensor, as in a
@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import torch.nn as nn
 
-from megalite.layout import ChunkPlacement
+from megalite.config.stage_partition import ChunkPlacement
 from megalite.model.gpt2 import GPT2
 from megalite.parallel.param_spec import ParamSpec
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from megalite.layout import Layout
+from megalite.config.layout import Layout
 from megalite.parallel import comm
 from megalite.parallel.flat import FlatShards, Segment
 from megalite.parallel.param_spec import ParamSpec

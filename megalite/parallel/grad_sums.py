@@ -20,6 +20,7 @@ from typing import List, Optional
 import torch
 
 from megalite.parallel import comm
+from megalite.parallel.group import Group
 
 
 def sum_tied_embedding(buckets: List, offload, topo) -> None:
@@ -35,7 +36,7 @@ def sum_tied_embedding(buckets: List, offload, topo) -> None:
             offload.sum_tied(b, group, comm.all_reduce)
 
 
-def sum_tp_replicated(main_params: List, group: comm.Group, device: torch.device) -> None:
+def sum_tp_replicated(main_params: List, group: Group, device: torch.device) -> None:
     """Sum the TP-replicated master pieces' gradients over TP (`main_params`: the engine's
     (piece, segment, bucket) triples), in one all-reduce through `device`."""
     pieces: Optional[List[torch.Tensor]] = [p.grad for p, s, _ in main_params

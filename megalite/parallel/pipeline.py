@@ -27,17 +27,10 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd import Variable
 
-from megalite.clock import DeviceClock
+from megalite.config.schedule_rules import resolve_schedule
 from megalite.parallel import comm
-from megalite.parallel.schedule import (
-    SPLIT_BACKWARD,
-    F,
-    Op,
-    OpKind,
-    W,
-    plan_rounds,
-    resolve_schedule,
-)
+from megalite.parallel.group import Group
+from megalite.parallel.schedule import SPLIT_BACKWARD, F, Op, OpKind, W, plan_rounds
 from megalite.parallel.topology import Topology
 from megalite.parallel.weight_grad import (
     WeightGrad,
@@ -45,6 +38,7 @@ from megalite.parallel.weight_grad import (
     attach_weight_grad_queue,
     run_weight_grads,
 )
+from megalite.utils.clock import DeviceClock
 
 
 class StageLink:
@@ -59,7 +53,7 @@ class StageLink:
     fast intra-node TP links."""
 
     def __init__(self, topo: Topology, shape: Tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, scatter_group: Optional[comm.Group] = None):
+                 device: torch.device, scatter_group: Optional[Group] = None):
         self.group = topo.pp_group
         self.shape, self.dtype, self.device = shape, dtype, device
         self.scatter = scatter_group if scatter_group is not None and \
@@ -185,7 +179,7 @@ class PipelineSchedule:
 
     def __init__(self, chunks: Sequence, topo: Topology, engine,
                  activation_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scatter_group: Optional[comm.Group] = None, schedule: str = "auto"):
+                 scatter_group: Optional[Group] = None, schedule: str = "auto"):
         self.chunks, self.topo, self.engine = list(chunks), topo, engine
         self.schedule = resolve_schedule(schedule, len(self.chunks))
         self.weight_queues: Optional[List[WeightGradQueue]] = None

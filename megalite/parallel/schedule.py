@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
-from megalite.config import PIPELINE_SCHEDULES
-from megalite.layout import ChunkPlacement
+from megalite.config.schedule_rules import resolve_schedule
+from megalite.config.stage_partition import ChunkPlacement
 
 
 class OpKind(str, enum.Enum):
@@ -82,17 +82,7 @@ class OpKind(str, enum.Enum):
 
 F, B, W = OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT
 
-SCHEDULES = PIPELINE_SCHEDULES  # parallel.schedule's values
 SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules that run B and W apart
-
-
-def resolve_schedule(schedule: str, v: int) -> str:
-    """The schedule `parallel.schedule=auto` means: interleaved with virtual stages, else 1F1B."""
-    if schedule == "auto":
-        return "interleaved" if v > 1 else "1f1b"
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
-    return schedule
 
 
 @dataclass(frozen=True)
@@ -326,18 +316,3 @@ def _live_peaks(pp: int, stage: int, m: int, v: int, schedule: str = "auto"
         if change == 1 and (i + 1 == len(changes) or changes[i + 1][1] != 1):
             peaks.add(tuple(live))
     return tuple(sorted(peaks)) or ((0,) * v,)
-
-
-def expected_bubble(pp: int, m: int, v: int = 1, schedule: str = "auto") -> float:
-    """Idle fraction of a step of `schedule` when a forward, an input gradient (B) and a
-    weight gradient (W) take equal time per virtual stage (unsplit, a backward = B + W):
-    1F1B and interleaved (p - 1) / (v·m + p - 1); ZB-H1 (p - 1) / (3m + p - 1) for m >= p,
-    1 - 3m / (2m + 2p - 1) for m < p; ZB-V, whose chunks are half a stage,
-    (p - 1) / (6m + p - 1) for m >= (3p - 1) / 2, else 1 - 6m / (4m + 4p - 2) (see the module
-    docstring)."""
-    schedule = resolve_schedule(schedule, v)
-    if schedule == "zb-h1":
-        return 1 - 3 * m / (3 * m + pp - 1 + max(0, pp - m))
-    if schedule == "zb-v":  # in units of one chunk's F, B or W (half a stage's)
-        return 1 - 6 * m / (6 * m + max(pp - 1, 4 * pp - 2 * m - 2))
-    return (pp - 1) / (v * m + pp - 1)

@@ -2,7 +2,7 @@
 Korthikanti et al. 2022 §4). Activations are [s, b, h]; with sequence parallelism the
 activations between TP regions are [s/tp, b, h] shards of the sequence.
 
-All TP/SP communication goes through the five autograd regions of `megalite.parallel.comm`:
+All TP/SP communication goes through the five autograd regions of `megalite.parallel.regions`:
 
     ColumnParallelLinear   x -> copy_to_tp (or gather_from_seq with SP, re-gathered in
                            backward instead of kept) -> x W_r^T + b_r
@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megalite.parallel import comm
-from megalite.parallel.comm import Group
+from megalite.parallel import comm, regions
+from megalite.parallel.group import Group
 from megalite.parallel.weight_grad import (
     WeightGradQueue,
     defer_or_run,
@@ -59,7 +59,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group: Group, params=None, queue=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias, ctx.params, ctx.queue = group, bias is not None, params, queue
-        return F.linear(comm._gather_seq(x, group), weight, bias)
+        return F.linear(comm.gather_seq(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -68,11 +68,11 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if ctx.queue is not None:  # split: the parameters came in detached
             (w, b), sequence_shard = ctx.params, x
             defer_or_run(ctx.queue, lambda: linear_weight_grads(
-                grad, comm._gather_seq(sequence_shard, group), w, b))
-            grad_x = comm._reduce_scatter_seq(grad.matmul(weight), group)
+                grad, comm.gather_seq(sequence_shard, group), w, b))
+            grad_x = comm.reduce_scatter_seq(grad.matmul(weight), group)
             return grad_x, None, None, None, None, None
-        total = comm._gather_seq(x, group)
-        grad_x = comm._reduce_scatter_seq(grad.matmul(weight), group)
+        total = comm.gather_seq(x, group)
+        grad_x = comm.reduce_scatter_seq(grad.matmul(weight), group)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_w = g2.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias else None
@@ -121,8 +121,8 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     if sequence_parallel and group.size > 1:
         return _sequence_parallel_linear(x, weight, bias, group, queue)
     if queue is not None:
-        return split_linear(comm.copy_to_tp(x, group), weight, bias, queue)
-    return F.linear(comm.copy_to_tp(x, group), weight, bias)
+        return split_linear(regions.copy_to_tp(x, group), weight, bias, queue)
+    return F.linear(regions.copy_to_tp(x, group), weight, bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -147,8 +147,8 @@ class RowParallelLinear(nn.Module):
         queue = self.weight_grad_queue
         y = F.linear(x, self.weight) if queue is None else \
             split_linear(x, self.weight, None, queue)
-        y = comm.reduce_scatter_to_seq(y, self.tp_group) if self.sequence_parallel \
-            else comm.reduce_from_tp(y, self.tp_group)
+        y = regions.reduce_scatter_to_seq(y, self.tp_group) if self.sequence_parallel \
+            else regions.reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -181,8 +181,8 @@ class VocabParallelEmbedding(nn.Module):
             outside = (local < 0) | (local >= self.rows)
             out = self._lookup(local.masked_fill(outside, 0))
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return comm.reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel \
-            else comm.reduce_from_tp(out, self.tp_group)
+        return regions.reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel \
+            else regions.reduce_from_tp(out, self.tp_group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megalite.parallel.comm import CommCounter, Group
+from megalite.parallel.group import CommCounter, Group
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,17 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from megalite.config import OptimConfig
-from megalite.layout import Layout
+from megalite.config.layout import Layout
+from megalite.config.schema import OptimConfig
 from megalite.parallel import comm
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated
 from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
 from megalite.parallel.offload import OptimizerOffload, build_adamw
+from megalite.parallel.param_gather import OverlappedParamGather
 from megalite.parallel.topology import Topology
+from megalite.parallel.zero3 import Zero3Gathering, unit_groups
 from megalite.parallel.zero_state import EngineState
 
 
@@ -60,8 +62,6 @@ class ZeroEngine(EngineState):
                  overlap_param_gather: bool = False, offload_optimizer: float = 0.0):
         self.topo, self.layout, self.model = topo, layout, model
         self.sequence_parallel = layout.sequence_parallel
-        from megalite.parallel.zero3 import unit_groups
-
         self.buckets: List[Bucket] = []
         owner: Dict[int, Bucket] = {}  # a parameter two chunks share (zb-v's tied embedding)
         for chunk in model.chunks:  # a bucket never spans chunks: each syncs after its own
@@ -95,13 +95,9 @@ class ZeroEngine(EngineState):
         self._micro_batch, self._micro_batches = 0, 1  # whose gradients arrive (before_backward)
         self.zero3 = None
         if layout.shards_parameters:
-            from megalite.parallel.zero3 import Zero3Gathering
-
             self.zero3 = Zero3Gathering(model.chunks, self, reshard_after_forward)
         self.param_gather = None  # zero 1/2 with overlap_param_gather: see param_gather.py
         if overlap_param_gather and layout.shards_optimizer and not layout.shards_parameters:
-            from megalite.parallel.param_gather import OverlappedParamGather
-
             self.param_gather = OverlappedParamGather(model.chunks, self.buckets)
         self.offload: Optional[OptimizerOffload] = None  # offload.optimizer: see offload.py
         if offload_optimizer > 0:

@@ -1,7 +1,7 @@
 """The ZeRO engine's state as others read it: the checkpoint pieces (what
 `megalite.checkpoint` saves and restores: this rank's owned fp32 master ranges and AdamW
 moments, by parameter range, wherever they live — device or, with offload.optimizer, host) and
-the bytes it holds (what `megalite.plan` predicts). A mixin of `megalite.parallel.zero
+the bytes it holds (what `megalite.plan.memory` predicts). A mixin of `megalite.parallel.zero
 .ZeroEngine`, whose attributes it reads: `main_params`, `buckets`, `optimizer(s)`,
 `_optimizer_of`, `layout`, `offload`."""
 from __future__ import annotations

@@ -20,7 +20,8 @@ the c10d store) and hold no module state.
                    before its optimizer step and blamed on a transient fault, a persistent
                    fault or the data (spikes.py: the suspicion test; verdicts.py: who is to
                    blame; faults.py: fault.json, the exit code, the logs of skipped batches)
-    inject.py      fault drills (`resilience.inject`, parsed by inject_spec.py): a bit flip in
+    inject.py      fault drills (`resilience.inject`, parsed by `megalite.config.inject`; the
+                   rank's tensor checked before launch by inject_target.py): a bit flip in
                    one rank's parameter or gradient at one step
 
 The trainer (`megalite.train.trainer`) calls them around the optimizer step; they communicate

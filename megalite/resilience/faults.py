@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from megalite.durable import fsync_dir
-from megalite.log import get_logger
+from megalite.utils.durable import fsync_dir
+from megalite.utils.log import get_logger
 
 # EX_TEMPFAIL of sysexits.h: retry, elsewhere. Also the code of pretrain.sbatch on a fault.
 HARDWARE_FAULT_EXIT = 75

@@ -48,10 +48,10 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from megalite.log import get_logger
 from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.hang_report import compact, summarize
-from megalite.resilience.hang_store import HangExchange, default_store  # noqa: F401
+from megalite.resilience.hang_store import HangExchange
+from megalite.utils.log import get_logger
 
 WHAT_CHARS = 600  # of an error message put in a request
 STORE_GRACE_S = 5.0  # beyond hang_wait_s, for the store calls of a failing rank's request

@@ -1,4 +1,4 @@
-"""Fault drills (`resilience.inject`, parsed by `megalite.resilience.inject_spec`): one rank's
+"""Fault drills (`resilience.inject`, parsed by `megalite.config.inject`): one rank's
 device computes wrong at one step, as a faulty GPU would, so that a run's attribution of the
 step (`resilience.rerun`) can be exercised end to end — on a cluster before trusting it, or in
 tests. Refused unless `resilience.allow_inject=true`.
@@ -22,8 +22,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megalite.log import get_logger
-from megalite.resilience.inject_spec import KEY, InjectSpec
+from megalite.config.inject import KEY, InjectSpec
+from megalite.utils.log import get_logger
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -6,7 +6,7 @@ collectives of every NCCL group and, with `TORCH_NCCL_DUMP_ON_TIMEOUT`, writes t
 abort. It reads its variables from the environment:
 
     TORCH_NCCL_TRACE_BUFFER_SIZE   entries kept (0: off), read when the NCCL process group is
-                                   created: set before it (`megalite.runtime.init_runtime`)
+                                   created: set before it (`megalite.train.runtime.init_runtime`)
     TORCH_NCCL_DUMP_ON_TIMEOUT     dump when the watchdog sees a timeout, read there too
     TORCH_FR_DUMP_TEMP_FILE        the dump's file prefix (the rank is appended); older
     (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)  releases read the second name. Set to

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from megalite.parallel import comm
 from megalite.parallel.bucket import MOMENTS
-from megalite.parallel.comm import Group
+from megalite.parallel.group import Group
 from megalite.parallel.topology import Topology
 
 # the integer type whose bit patterns a floating-point element is read as

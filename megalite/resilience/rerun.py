@@ -42,10 +42,9 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-from megalite.log import get_logger
 from megalite.parallel import comm
+from megalite.parallel.norms import squares_fp64
 from megalite.parallel.topology import Topology
-from megalite.parallel.zero import squares_fp64
 from megalite.resilience.faults import (
     HardwareFaultError,
     append_line,
@@ -62,6 +61,7 @@ from megalite.resilience.verdicts import (
     own_changes,
     transient_suspects,
 )
+from megalite.utils.log import get_logger
 
 # execute(execution, micro_batches) -> (this rank's loss tensor, the global grad norm)
 Execute = Callable[[int, list], Tuple[torch.Tensor, torch.Tensor]]

@@ -3,7 +3,7 @@
 Every rank measures the compute time of each step phase (`megalite.train.timers`: data,
 forward_backward, grad_sync, optimizer, and their sum, "step"; the trainer hands them in),
 that is the phase's time less the time the rank spent inside collectives during it
-(`megalite.parallel.comm.CollectiveWaits`). A slow rank makes every peer of its TP, PP and
+(`megalite.parallel.group.CollectiveWaits`). A slow rank makes every peer of its TP, PP and
 DP groups wait in their collectives, so their phases grow as much as its own; their compute
 does not. Every N steps the per-step means over the window are gathered (one all_gather of a
 few fp64 per rank) and each rank is compared with its peers, the ranks doing the same work:
@@ -30,9 +30,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megalite.log import get_logger
 from megalite.parallel import comm
 from megalite.parallel.topology import Topology, coords_of
+from megalite.utils.log import get_logger
 
 TOTAL = "step"  # the column of the phases' sum
 

@@ -16,39 +16,36 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megalite import log
 from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.load import resume
 from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpoints
 from megalite.checkpoint.save import written_numel
 from megalite.checkpoint.state import ProcessRNG
-from megalite.clock import DeviceClock
-from megalite.config import Config, data_sources
+from megalite.config.inject import parse_inject
+from megalite.config.schema import Config, data_sources
 from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
 from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.eval.choice import ChoiceEval
 from megalite.eval.hellaswag import load_choices
-from megalite.layout import stage_chunks
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.gpt2 import flops_per_token, num_parameters
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
-from megalite.parallel.comm import CollectiveWaits
+from megalite.parallel.group import CollectiveWaits
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
-from megalite.plan import make_plan
+from megalite.plan.memory import make_plan
 from megalite.resilience.flight import FlightRecorder
-from megalite.resilience.hang import HangWatch, default_store, set_aside_old_dumps
+from megalite.resilience.hang import HangWatch, set_aside_old_dumps
+from megalite.resilience.hang_store import default_store
 from megalite.resilience.inject import FaultInjector
-from megalite.resilience.inject_spec import parse_inject
 from megalite.resilience.nccl_flight import set_nccl_flight_env
 from megalite.resilience.replicas import ReplicaCheck
 from megalite.resilience.rerun import RerunAttribution, use_deterministic_kernels
 from megalite.resilience.stragglers import StragglerReport
-from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.data_position import data_position_warnings
 from megalite.train.host_threads import set_host_threads
@@ -56,9 +53,12 @@ from megalite.train.init_from import is_hub_id, load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import MetricsWriter, Peak, peak_tflops
 from megalite.train.profiling import StepProfiler
+from megalite.train.runtime import Runtime
 from megalite.train.stop import StopRequest
 from megalite.train.timers import StepTimers
 from megalite.train.trainer import Trainer
+from megalite.utils import log
+from megalite.utils.clock import DeviceClock
 
 
 def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict] = None
@@ -75,15 +75,11 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     val_shards = [TokenShards(d, "val", files) for d, _ in sources]
     for shards in train_shards:
         check_vocab(shards.meta["vocab_size"], cfg.model.vocab_size)
-    stages = stage_chunks(cfg.model.n_layer, layout.pp_size, layout.virtual_stages,
-                          cfg.parallel.edge_stage_layers, layout.v_shape)
+    stages = layout.stage_blocks()
     c = topo.coords
     rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, runtime.device)
     model = build_model(cfg, runtime, stages[c.pp_rank], rng)
-    engine = ZeroEngine(model, topo, layout, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
-                        reshard_after_forward=cfg.parallel.reshard_after_forward,
-                        overlap_param_gather=cfg.parallel.overlap_param_gather,
-                        offload_optimizer=cfg.offload.optimizer)
+    engine = build_engine(cfg, layout, topo, model)
     set_host_threads(cfg.offload.optimizer, runtime.device)  # the host AdamW's cores
     schedule = PipelineSchedule(
         model.chunks, topo, engine,
@@ -112,6 +108,16 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     resumed = restore(trainer)
     attach_services(trainer, train_shards[0].meta, resumed)
     return trainer
+
+
+def build_engine(cfg: Config, layout, topo, model: PipelineStage) -> ZeroEngine:
+    """The ZeRO engine of `model` as `cfg` sets it up (`parallel.bucket_mb`,
+    `reshard_after_forward`, `overlap_param_gather`, `offload.optimizer`, the AdamW of
+    `optim`): the one place a run's engine is made (the trainer, verify-rank)."""
+    return ZeroEngine(model, topo, layout, cfg.optim, bucket_mb=cfg.parallel.bucket_mb,
+                      reshard_after_forward=cfg.parallel.reshard_after_forward,
+                      overlap_param_gather=cfg.parallel.overlap_param_gather,
+                      offload_optimizer=cfg.offload.optimizer)
 
 
 def shard_files() -> ShardFiles:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megalite.config import Config, data_sources
+from megalite.config.schema import Config, data_sources
 
 
 def data_position_warnings(meta: dict, cfg: Config) -> List[str]:

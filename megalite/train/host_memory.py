@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megalite.config import Config, fail
-from megalite.layout import Layout
-from megalite.plan import GIB, Plan, make_plan
+from megalite.config.errors import fail
+from megalite.config.layout import Layout
+from megalite.config.schema import Config
+from megalite.plan.memory import GIB, Plan, make_plan
 
 
 def available_host_bytes() -> Optional[int]:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from megalite.log import get_logger
+from megalite.utils.log import get_logger
 
 
 def cores_available() -> int:

@@ -10,15 +10,11 @@ from typing import Dict
 
 import torch
 
-from megalite.checkpoint.format import (
-    SHAPE_KEYS,
-    CheckpointError,
-    read_global_state,
-    read_meta,
-    shape_mismatch,
-)
+from megalite.checkpoint.errors import CheckpointError
+from megalite.checkpoint.format import SHAPE_KEYS, read_global_state, read_meta, shape_mismatch
 from megalite.checkpoint.resolve import find_checkpoint
-from megalite.config import ConfigError, ModelConfig
+from megalite.config.errors import ConfigError
+from megalite.config.schema import ModelConfig
 from megalite.model import hf
 
 

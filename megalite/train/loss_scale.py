@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megalite.config import LossScaleConfig
+from megalite.config.sections import LossScaleConfig
 
 BACKOFF = 0.5
 GROWTH = 2.0

@@ -3,7 +3,7 @@
 MFU = achieved model FLOP/s per device / peak FLOP/s per device (Chowdhery et al. 2022, App. B),
 with model FLOPs per token from `megalite.model.gpt2.flops_per_token` (6N + 12·L·h·s). The peak
 comes from, in order: `log.peak_tflops`; a table of known accelerators (dense bf16 tensor-core
-peaks from the vendors' data sheets, the device table of `megalite.planner.devices`
+peaks from the vendors' data sheets, the device table of `megalite.plan.devices`
 (shared with the planner)); on CPU a measured fp32 matmul peak. An unknown accelerator
 gets no number: MFU is reported as null rather than against a guess.
 """
@@ -21,8 +21,8 @@ from typing import Dict, Optional
 
 import torch
 
-from megalite.log import get_logger
-from megalite.planner.devices import table_peak_tflops
+from megalite.plan.devices import table_peak_tflops
+from megalite.utils.log import get_logger
 
 
 @dataclass
@@ -45,7 +45,7 @@ def measure_cpu_matmul_tflops(n: int = 2048, repeats: int = 4) -> float:
 
 
 def table_peak(device_name: str) -> Peak:
-    """The data-sheet peak of the device table entry (`megalite.planner.devices`, the one
+    """The data-sheet peak of the device table entry (`megalite.plan.devices`, the one
     table the planner uses too) whose name appears in `device_name` as whole words."""
     tflops, key = table_peak_tflops(device_name)
     if tflops is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from megalite.config import OptimConfig
+from megalite.config.schema import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

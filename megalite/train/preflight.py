@@ -3,10 +3,11 @@ library users alike (`python -c "from megalite.train.preflight import preflight;
 
     layout, warnings = preflight(cfg, world_size, local_gpus, local_ranks)
 
-Validates the configuration for the world size (`megalite.layout.validate`), checks the
+Validates the configuration for the world size (`megalite.config.layout.validate`), checks the
 prepared token shards (`megalite.data.loader.check_data`), the model shape of `init_from` and
 of the checkpoint `checkpoint.resume` names, the HellaSwag examples of `eval.hellaswag` (and the
-data's tokenizer that renders them), and derives the run's `Layout` once. Raises
+data's tokenizer that renders them), derives the run's `Layout` once, and checks that the fault
+drill's rank holds its tensor (`resilience.inject`: the rank's stage built on the meta device). Raises
 ConfigError or DataError naming the key or file; nothing is written.
 """
 from __future__ import annotations
@@ -15,10 +16,11 @@ import os
 from typing import List, Optional, Tuple
 
 from megalite.checkpoint.resolve import check_resume
-from megalite.config import Config, data_sources
+from megalite.config.layout import GpuInfo, Layout, device_type_for, validate
+from megalite.config.schema import Config, data_sources, load_config
 from megalite.data.loader import check_data
 from megalite.eval.hellaswag import check_hellaswag
-from megalite.layout import GpuInfo, Layout, device_type_for, validate
+from megalite.resilience.inject_target import check_inject_target
 from megalite.train.host_memory import check_host_memory
 from megalite.train.init_from import check_init_from
 
@@ -37,8 +39,19 @@ def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     check_hellaswag(cfg)
     layout = Layout.from_config(cfg, world_size, device_type_for(cfg.device, local_gpus),
                                 bf16=gpu is None or gpu.bf16)
+    if cfg.resilience.inject is not None:
+        check_inject_target(cfg, layout)
     check_host_memory(cfg, layout, local_ranks)
     return layout, warnings
+
+
+def validated_config(overrides, world_size: int, gpus_per_node: int, device: str
+                     ) -> Tuple[Config, List[str]]:
+    """The configuration of `overrides` and its warnings, validated as a launch on
+    `world_size` ranks of `device` would be (`gpus_per_node` GPUs a node on cuda), for the
+    commands that plan or simulate a launch rather than start one; ConfigError otherwise."""
+    cfg = load_config(list(overrides))
+    return cfg, validate(cfg, world_size, gpus_per_node if device == "cuda" else None)
 
 
 def local_ranks_from_env() -> int:

@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megalite.log import get_logger
+from megalite.utils.log import get_logger
 
 TABLE_ROWS = 30
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from megalite.checkpoint.resolve import latest_checkpoint
 from megalite.train.metrics_file import METRICS_FILE, metric
 
 
@@ -126,8 +127,6 @@ def next_commands(s: RunSummary) -> List[str]:
 def trainer_summary(trainer, records: List[dict]) -> str:
     """The rendered summary of a Trainer whose `fit()` returned `records` (rank 0: it holds
     the metrics writer)."""
-    from megalite.checkpoint.resolve import latest_checkpoint
-
     writer = trainer.writer
     wandb, sync = wandb_location(writer.wandb_run if writer is not None else None)
     s = summarize(records, steps=trainer.step, max_steps=trainer.cfg.train.max_steps,

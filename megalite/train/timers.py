@@ -11,12 +11,12 @@
     offload_wait      offload.optimizer: blocked on the copies of gradients to the host and of
                       parameters back (part of grad_sync and optimizer, counted in both)
 
-Marks are taken on the device's timeline (`megalite.clock`), so timing costs the GPU nothing;
+Marks are taken on the device's timeline (`megalite.utils.clock`), so timing costs the GPU nothing;
 they are resolved when the metrics line is written. The trainer reports each phase's seconds
 per step of the slowest rank (MAX over the world): on a dashboard the phase that grows is the
 one that holds every rank back.
 
-With `waits` (`megalite.parallel.comm.CollectiveWaits`, on while straggler reports are on) the
+With `waits` (`megalite.parallel.group.CollectiveWaits`, on while straggler reports are on) the
 timers also keep each phase's *compute* time: the phase's time less the time this rank spent
 inside collectives during it (waiting for peers or the network). A slow rank makes its peers
 wait in their collectives, so their phases grow but their compute does not; `take_compute`
@@ -29,8 +29,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megalite.clock import DeviceClock
-from megalite.parallel.comm import CollectiveWaits
+from megalite.parallel.group import CollectiveWaits
+from megalite.utils.clock import DeviceClock
 
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer", "offload_wait")
 NESTED = ("offload_wait",)  # inside other phases: not part of a sum of phases

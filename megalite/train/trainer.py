@@ -23,23 +23,21 @@ import torch.distributed as dist
 
 from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.state import ProcessRNG, Progress
-from megalite.config import Config
+from megalite.config.layout import Layout
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import Config
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.eval.choice import ChoiceEval, ChoiceScores
-from megalite.layout import Layout
-from megalite.log import get_logger
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
-from megalite.parallel.schedule import expected_bubble
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.resilience.inject import FaultInjector
 from megalite.resilience.replicas import ReplicaCheck
 from megalite.resilience.rerun import RerunAttribution
 from megalite.resilience.stragglers import StragglerReport
-from megalite.runtime import Runtime
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
 from megalite.train.loss_scale import LossScaler
@@ -47,9 +45,11 @@ from megalite.train.metrics import MetricsWriter, Peak, peak_memory_bytes, throu
 from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
-from megalite.train.step_guard import NonFiniteError, count_skipped, execute_step  # noqa: F401
+from megalite.train.runtime import Runtime
+from megalite.train.step_guard import count_skipped, execute_step
 from megalite.train.stop import StopRequest
 from megalite.train.timers import PHASES, StepTimers
+from megalite.utils.log import get_logger
 
 
 @dataclass(eq=False)

@@ -1,0 +1,344 @@
+"""The run's layout: how the model and the batch are spread over ranks, derived once.
+
+A `Layout` is made from the validated configuration, the world size and the device kind before
+any process group exists (`Layout.from_config`), and passed explicitly to everything that
+needs sizes: the runtime, the topology, the trainer, the ZeRO engine, checkpoints, metrics and
+the planner (`scripts/plan.py` makes Layouts for world sizes it does not run on). It holds no
+rank: a process's coordinates are `Topology.coords`.
+
+Also here, because they decide whether a layout can work at all: the device kind a run uses
+(`device_type_for`), and `validate`, which runs every section's own checks and then the rules
+that join sections or involve the world size, before launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from megalite.config.errors import fail
+from megalite.config.inject import check_inject
+from megalite.config.schedule_rules import check_schedule, expected_bubble, groups_micro_batches
+from megalite.config.schema import ATTENTION_CUDA_ONLY, Config, check_sections
+from megalite.config.stage_partition import ChunkPlacement, edge_split_problem, stage_chunks
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def device_type_for(setting: str, local_gpus: Optional[int]) -> str:
+    """The device kind a run with `device=setting` uses on a node with `local_gpus` GPUs
+    (None without CUDA): cuda when asked for (auto or cuda) and a GPU is there, else cpu."""
+    return "cuda" if setting in ("auto", "cuda") and local_gpus else "cpu"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """What a node's GPUs can do, as far as the configuration cares (`runtime.local_gpu`)."""
+
+    name: str
+    bf16: bool  # compute capability >= 8.0 (Ampere on); V100, T4 have none
+
+
+def resolved_precision(precision: str, device_type: str, bf16: bool = True) -> str:
+    """What `precision` computes in on `device_type`: bf16, fp16 or fp32 (auto = bf16 on
+    CUDA, fp16 with loss scaling on GPUs without bf16, fp32 elsewhere)."""
+    if precision == "auto":
+        return ("bf16" if bf16 else "fp16") if device_type == "cuda" else "fp32"
+    return precision
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the [TP, PP, DP] grid, the ZeRO stage, sequence parallelism, the pipeline's
+    virtual stages and the precision of one run (or of one planned run)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    micro_batch_size: int = 1
+    precision: str = "fp32"  # resolved: fp32 | bf16 | fp16
+    device_type: str = "cpu"  # cpu | cuda (or a planner's device profile)
+    v_shape: bool = False  # parallel.schedule=zb-v: the chunks sit in a V (ChunkPlacement)
+    n_layer: int = 0  # the model's blocks (0: a layout made without a model, e.g. a bench's)
+    edge_stage_layers: Optional[int] = None  # parallel.edge_stage_layers
+
+    @classmethod
+    def of(cls, topo, **fields) -> "Layout":
+        """The layout with `topo`'s sizes (a Topology built directly, as benchmarks and tests
+        do) and the given other fields."""
+        return cls(tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size, **fields)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu",
+                    bf16: bool = True) -> "Layout":
+        """The layout of `cfg` (already validated) on `world_size` ranks of `device_type`
+        (`bf16`: whether its GPUs compute in bf16)."""
+        return cls(tp_size=cfg.tp, pp_size=cfg.pp, dp_size=world_size // (cfg.tp * cfg.pp),
+                   zero_stage=cfg.zero, sequence_parallel=cfg.sp and cfg.tp > 1,
+                   virtual_stages=cfg.parallel.virtual_stages,
+                   micro_batch_size=cfg.train.micro_batch_size,
+                   precision=resolved_precision(cfg.precision, device_type, bf16),
+                   device_type=device_type, v_shape=cfg.parallel.schedule == "zb-v",
+                   n_layer=cfg.model.n_layer, edge_stage_layers=cfg.parallel.edge_stage_layers)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """ZeRO 1-3: each DP rank keeps the master weights and moments of its range only."""
+        return self.zero_stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """ZeRO 2-3: each DP rank keeps the reduced gradient of its range only."""
+        return self.zero_stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO 3: each DP rank keeps its range of the parameters, gathered when used."""
+        return self.zero_stage == 3
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of the parameters and activations (masters and moments are always fp32)."""
+        return PRECISION_DTYPES[self.precision]
+
+    @property
+    def placement(self) -> ChunkPlacement:
+        return ChunkPlacement(self.pp_size, self.virtual_stages, self.v_shape)
+
+    def stage_blocks(self) -> List[List[range]]:
+        """Per pipeline stage, the block ranges of its chunks (in the schedule's chunk order):
+        the one answer to "which blocks does this rank hold" (`stage_chunks`: the balanced
+        or `edge_stage_layers` partition, placed plain, interleaved or in zb-v's V)."""
+        if self.n_layer < 1:
+            raise ValueError("this Layout was made without the model's n_layer "
+                             "(Layout.from_config sets it): it cannot place blocks")
+        return stage_chunks(self.n_layer, self.pp_size, self.virtual_stages,
+                            self.edge_stage_layers, self.v_shape)
+
+    def blocks_of(self, stage: int) -> List[range]:
+        """The block ranges of pipeline stage `stage`'s chunks."""
+        return self.stage_blocks()[stage]
+
+    def micro_batches(self, global_batch_size: int) -> int:
+        """Micro-batches per DP rank in a step of `global_batch_size` sequences (with
+        `train.rampup_batch_size` the global batch changes from step to step)."""
+        return global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def activation_seq_len(self, seq_len: int) -> int:
+        """Positions of the residual stream one rank holds (seq_len / tp with SP)."""
+        return seq_len // self.tp_size if self.sequence_parallel else seq_len
+
+    def as_dict(self) -> dict:
+        """The keys of the metrics header, checkpoint meta.json and the plan (stable names:
+        meta.json's `layout` is read back at resume, users' tools read the header)."""
+        return {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size,
+                "zero": self.zero_stage, "sp": self.sequence_parallel,
+                "virtual_stages": self.virtual_stages, "world_size": self.world_size}
+
+
+# --- validation before launch ------------------------------------------------------------
+
+
+def validate(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
+             local_ranks: int = 1, gpu: Optional[GpuInfo] = None) -> List[str]:
+    """Check the configuration for `world_size` ranks; raise ConfigError (naming the key, the
+    value and what would work) on the first violation, return the warnings (legal but
+    probably unintended settings) for the caller to print.
+
+    Runs before any process group is created or any file is written. `local_gpus` is the
+    number of GPUs of one node (None on CPU); `local_ranks` the processes started on this node
+    (torchrun's --nproc_per_node), one GPU each on CUDA; `gpu` what they can do (None: a GPU
+    with bf16)."""
+    check_sections(cfg)
+    return check_cross_section(cfg, world_size, local_gpus, local_ranks, gpu)
+
+
+def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
+                        local_ranks: int = 1, gpu: Optional[GpuInfo] = None) -> List[str]:
+    """The rules that join sections or involve the world size and the node's GPUs."""
+    warnings: List[str] = []
+    _check_grid(cfg, world_size)
+    _check_device(cfg, local_gpus, local_ranks)
+    warnings += _check_precision(cfg, device_type_for(cfg.device, local_gpus), gpu)
+    check_schedule(cfg)
+    _check_model_split(cfg)
+    if local_gpus is not None and cfg.tp > local_gpus:
+        warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
+                        "group's all-reduces in every layer will cross the inter-node network "
+                        "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
+    warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
+    _check_other_pairs(cfg)
+    device_type = device_type_for(cfg.device, local_gpus)
+    if cfg.resilience.inject is not None:  # the rank's tensor: the preflight (it needs a model)
+        check_inject(cfg, world_size, resolved_precision(cfg.precision, device_type,
+                                                         gpu is None or gpu.bf16))
+    warnings += _check_offload(cfg, device_type) + cfg.offload.messages(device_type)
+    return warnings
+
+
+def _check_grid(cfg: Config, world_size: int) -> None:
+    if world_size < 1:
+        fail("world size", world_size, "needs at least one rank (torchrun --nproc_per_node, "
+              "megalite-plan --world-size)")
+    if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
+        fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
+              f"positive tp, pp; choose tp and pp whose product divides {world_size}")
+    if cfg.sp and cfg.tp == 1:
+        fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
+
+
+def _check_device(cfg: Config, local_gpus: Optional[int], local_ranks: int) -> None:
+    if cfg.device == "cuda" and not local_gpus:
+        fail("device", cfg.device, "no CUDA GPU is visible on this machine; use device=auto "
+              "(CPU when there is no GPU) or device=cpu")
+    if cfg.device in ("auto", "cuda") and local_gpus and local_ranks > local_gpus:
+        fail("torchrun --nproc_per_node", local_ranks, f"this node has {local_gpus} GPUs and "
+              f"every rank needs its own; use --nproc_per_node<={local_gpus}, or device=cpu")
+    attention = cfg.train.attention
+    if attention in ATTENTION_CUDA_ONLY and device_type_for(cfg.device, local_gpus) == "cpu":
+        fail("train.attention", attention, "this kernel runs on CUDA GPUs only; on CPU use "
+              "auto, flash or math")
+
+
+def _check_model_split(cfg: Config) -> None:
+    """TP splits heads, the embedding and the MLP; PP (and its virtual stages) the blocks."""
+    m, t = cfg.model, cfg.train
+    if m.n_head % cfg.tp:
+        fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
+    if m.n_embd % cfg.tp:
+        fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
+    if m.ffn_size % cfg.tp:
+        fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
+    if t.seq_len > m.n_positions:
+        fail("train.seq_len", t.seq_len,
+              f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise n_positions")
+    if cfg.sp and t.seq_len % cfg.tp:
+        fail("train.seq_len", t.seq_len, f"with sp=true must be divisible by tp={cfg.tp} "
+              f"(each TP rank holds seq_len/tp positions); e.g. {t.seq_len - t.seq_len % cfg.tp}")
+    if cfg.pp > m.n_layer:
+        fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
+              f"leave a stage with no block; use pp <= {m.n_layer}")
+    v = cfg.parallel.virtual_stages
+    if v > 1 and cfg.pp < 2:
+        fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
+              "(the interleaved schedule runs several model chunks per pipeline stage)")
+    if cfg.pp * v > m.n_layer:
+        fail("parallel.virtual_stages", v, f"pp*virtual_stages = {cfg.pp * v} model chunks "
+              f"need at least as many blocks (model.n_layer={m.n_layer}); use virtual_stages <= "
+              f"{m.n_layer // cfg.pp}")
+    edge = cfg.parallel.edge_stage_layers
+    if edge is not None:
+        problem = edge_split_problem(m.n_layer, cfg.pp * v, edge)
+        if problem is not None:
+            fail("parallel.edge_stage_layers", edge, problem)
+
+
+def _check_batch(cfg: Config, dp: int) -> List[str]:
+    """Whole micro-batches on every DP rank, in the groups the schedule needs."""
+    t, v, warnings = cfg.train, cfg.parallel.virtual_stages, []
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        good = t.micro_batch_size * dp
+        fail("train.global_batch_size", t.global_batch_size,
+              f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp} = {good} "
+              f"(e.g. {good * max(1, round(t.global_batch_size / good))}); the number of "
+              "micro-batches per step m = global_batch_size / (micro_batch_size*dp) must be >= 1")
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    _check_rampup_units(cfg, dp)
+    if groups_micro_batches(cfg) and num_micro % cfg.pp:
+        good = cfg.pp * t.micro_batch_size * dp
+        fail("train.global_batch_size", t.global_batch_size,
+              f"with parallel.virtual_stages={v} the micro-batches per step m = "
+              f"global_batch_size/(micro_batch_size*dp) = {num_micro} must be a multiple of "
+              f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
+              f"of {good}, e.g. {good * max(1, round(t.global_batch_size / good))}")
+    if cfg.pp > 1 and num_micro < cfg.pp:
+        bubble = expected_bubble(cfg.pp, num_micro, v, cfg.parallel.schedule)
+        warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
+                        f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
+                        f"({cfg.parallel.schedule} schedule); raise train.global_batch_size or "
+                        "lower train.micro_batch_size")
+    if cfg.zero > 0 and dp == 1:
+        warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
+                        "changes no memory and only adds copies); use zero=0 or more ranks")
+    return warnings
+
+
+def _check_rampup_units(cfg: Config, dp: int) -> None:
+    t = cfg.train
+    if t.rampup_batch_size is None:
+        return
+    ramp = list(t.rampup_batch_size)
+    grouped = groups_micro_batches(cfg)
+    unit = t.micro_batch_size * dp * (cfg.pp if grouped else 1)
+    start, increment, _ = ramp
+    if start % unit or increment % unit:
+        what = "micro_batch_size*dp" + ("*pp (interleaved schedule)" if grouped else "")
+        fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
+              f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
+
+
+def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> List[str]:
+    """Precision x device x attention kernel: what cannot run is refused before launch."""
+    bf16 = gpu is None or gpu.bf16
+    name = gpu.name if gpu is not None else "this GPU"
+    if device_type == "cuda" and cfg.precision == "bf16" and not bf16:
+        fail("precision", "bf16", f"{name} does not compute in bf16 (compute capability below "
+              "8.0: V100, T4, ...); use precision=fp16 (with loss scaling) or auto")
+    precision = resolved_precision(cfg.precision, device_type, bf16)
+    if cfg.loss_scale.static is not None and precision != "fp16":
+        fail("loss_scale.static", cfg.loss_scale.static, f"only precision=fp16 scales the loss "
+              f"(precision={cfg.precision!r}: bf16 and fp32 share fp32's exponent range and "
+              "need no scaling); remove it or set precision=fp16")
+    attention = cfg.train.attention
+    if device_type == "cuda" and attention in ("flash", "cudnn"):
+        if precision == "fp32":
+            fail("train.attention", attention, "this kernel computes in fp16/bf16 only; with "
+                  "precision=fp32 use auto, efficient or math")
+        if not bf16:
+            fail("train.attention", attention, f"this kernel needs an Ampere or newer GPU "
+                  f"({name} is older); use auto, efficient or math")
+    if device_type == "cuda" and cfg.precision == "auto" and not bf16:
+        return [f"{name} does not compute in bf16: precision=auto trains in fp16 with dynamic "
+                "loss scaling (loss_scale.*); set precision=fp32 for full precision"]
+    return []
+
+
+def _check_offload(cfg: Config, device_type: str) -> List[str]:
+    """Offload that cannot save anything is allowed (the path runs), with a message."""
+    if not cfg.offload.activations:
+        return []
+    if cfg.train.recompute and cfg.train.recompute_layers is None:
+        return ["offload.activations=true with train.recompute=true recomputing every block "
+                "offloads nothing (a recomputed block keeps only its input); offload the "
+                "blocks after the recomputed ones with train.recompute_layers=N"]
+    if device_type != "cuda":
+        return ["offload.activations=true on CPU: the saved activations are copied from host "
+                "memory to host memory, which saves nothing (the offload path runs, for "
+                "testing); on CUDA they move to pinned host memory and free device memory"]
+    return []
+
+
+def _check_other_pairs(cfg: Config) -> None:
+    if cfg.eval.hellaswag is not None and cfg.train.eval_every == 0:
+        fail("eval.hellaswag", cfg.eval.hellaswag,
+              "runs with the validation loss every train.eval_every steps, and "
+              "train.eval_every=0 never evaluates: set train.eval_every (e.g. 250), or "
+              "eval.hellaswag=null")
+    if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
+        fail("parallel.overlap_param_gather", True,
+              f"needs zero=1 or zero=2 (zero={cfg.zero}: "
+              + ("no parameter gather to overlap" if cfg.zero == 0 else
+                 "ZeRO-3 gathers each block before use and prefetches the next already") + ")")
+    steps = cfg.log.profile_steps
+    if steps is not None and steps[0] > cfg.train.max_steps:
+        fail("log.profile_steps", list(steps),
+              f"two step numbers [first, last] with 1 <= first <= last and first <= "
+              f"train.max_steps={cfg.train.max_steps}, e.g. [10, 12]; null = no profiling")

@@ -1,0 +1,382 @@
+"""Typed configuration: the dataclasses behind `conf/*.yaml` and the cross-field rules.
+
+Hydra composes `conf/config.yaml` (plus the `model=` and `data=` groups) on top of the
+`Config` schema registered here, so a misspelt key or a wrong type fails at composition.
+Each section checks its own fields (`check()`, all of them through `check_sections`); the
+rules that join sections or involve the world size live with the layout they decide
+(`megalite.config.layout.validate` runs both, *before* any process group exists). Every check raises
+`ConfigError` naming the key, the bad value and what would work.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from megalite.config.errors import fail
+from megalite.config.sections import (
+    CheckpointConfig,
+    EvalConfig,
+    LogConfig,
+    LossScaleConfig,
+    OffloadConfig,
+    PlannerConfig,
+    ResilienceConfig,
+)
+
+# the package's Hydra configs: in a checkout a link to `conf/`, in an installed package a copy
+CONF_DIR = Path(__file__).parent.parent / "conf"
+# SDPA kernels `train.attention` may name (megalite.model.attention); the last two need CUDA.
+ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
+
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2 shape, with `transformers.GPT2Config` field names."""
+
+    name: str = "tiny"  # preset name, for the record (the shape below is what counts)
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    n_positions: int = 256
+    vocab_size: int = 50257
+    n_inner: Optional[int] = None  # MLP hidden size; None = 4 * n_embd (as in HF)
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+    @property
+    def ffn_size(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    def check(self) -> None:
+        for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
+            if getattr(self, key) < 1:
+                fail(f"model.{key}", getattr(self, key), "must be a positive integer")
+        for key in ("layer_norm_epsilon", "initializer_range"):
+            if not getattr(self, key) > 0:
+                fail(f"model.{key}", getattr(self, key), "must be > 0 (GPT-2 uses "
+                      f"{getattr(ModelConfig, key)})")
+        if self.n_inner is not None and self.n_inner < 1:
+            fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
+        if self.n_embd % self.n_head != 0:
+            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
+
+@dataclass
+class DataConfig:
+    """Where the token shards live and how `scripts/prepare_data.py` builds them."""
+
+    name: str = "stdlib"
+    dir: str = "data/stdlib"  # token shards + meta.json; relative paths are relative to the launch dir
+    source: str = "stdlib"  # "stdlib" (Python's own .py sources) or a `datasets.load_dataset` path
+    config_name: Optional[str] = None  # dataset config (e.g. "wikitext-103-raw-v1")
+    revision: Optional[str] = None  # hub branch, tag or commit of the dataset (None = main)
+    split: str = "train"
+    streaming: bool = False  # read a hub dataset as a stream (datasets' IterableDataset)
+    #                          instead of downloading it whole first; the same shards
+    data_files: Optional[List[str]] = None  # local files for source=text/json/parquet
+    text_field: str = "text"
+    tokenizer: str = "train"  # HF tokenizer name/dir, or "train" = byte-level BPE trained on the corpus
+    tokenizer_vocab_size: int = 8192  # vocabulary of a trained tokenizer
+    tokenizer_train_documents: Optional[int] = None  # tokenizer=train: train on the training
+    #   documents among the first N documents (None = all; a stream needs a number)
+    val_fraction: float = 0.005  # share of documents held out for validation
+    num_proc: int = 2  # tokenizer processes
+    shard_tokens: int = 100_000_000  # tokens per shard file
+    max_documents: Optional[int] = None  # cap on documents read (None = all)
+    blend: Optional[List[str]] = None  # train on several prepared dirs: [w1, dir1, w2, dir2, ...]
+    #                                    (Megatron's weighted --data-path); None = `dir` alone
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # optimizer steps
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    global_batch_size: int = 32  # sequences per optimizer step over all DP ranks
+    rampup_batch_size: Optional[List[int]] = None  # [start, increment, samples]: the global
+    #   batch grows from `start` by `increment` in equal steps over the first `samples`
+    #   samples to global_batch_size (Megatron's --rampup-batch-size); None = constant
+    seq_len: int = 128
+    eval_every: int = 100  # steps between validation passes (0 = never)
+    eval_steps: int = 10  # global batches per validation pass (the same windows in any layout)
+    recompute: bool = False  # recompute each block's activations in backward (saves memory)
+    recompute_layers: Optional[int] = None  # with recompute: only the first N blocks of each
+    #                                         pipeline stage (of each model chunk with virtual
+    #                                         stages; Megatron's --recompute-method block
+    #                                         --recompute-num-layers N); None = every block
+    compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
+    attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
+    max_bad_steps: int = 5  # consecutive steps with a NaN/inf loss or gradient that are
+    #                         skipped (no update, counted) before the run stops
+    max_minutes: Optional[float] = None  # stop after this much training time with a
+    #                                      checkpoint (below the scheduler's time limit)
+    exit_signal: Optional[str] = None  # SIGTERM | SIGUSR1 | SIGUSR2 | SIGINT: on this signal
+    #                                    finish the step, checkpoint and exit cleanly
+    gc_every: Optional[int] = None  # Python's garbage collector off while training, run on
+    #                                 every rank after every N-th step; None = automatic
+
+    def check(self) -> None:
+        if self.seq_len < 1:
+            fail("train.seq_len", self.seq_len, "must be a positive integer (and at most "
+                  "model.n_positions)")
+        if self.micro_batch_size < 1:
+            fail("train.micro_batch_size", self.micro_batch_size, "must be a positive integer")
+        if self.global_batch_size < 1:
+            fail("train.global_batch_size", self.global_batch_size, "must be a positive "
+                  "multiple of micro_batch_size*dp (m = global_batch_size / (micro_batch_size*dp)"
+                  " micro-batches per step must be >= 1)")
+        self._check_rampup()
+        if self.attention not in ATTENTION_CHOICES:
+            fail("train.attention", self.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
+        if self.recompute_layers is not None and (self.recompute_layers < 1 or not self.recompute):
+            fail("train.recompute_layers", self.recompute_layers,
+                  "needs train.recompute=true and a value >= 1 (the blocks recomputed at the "
+                  "start of each pipeline stage), or null for every block")
+        self._check_stopping()
+        if self.eval_every < 0 or self.eval_steps < 1:
+            fail("train.eval_every/eval_steps", (self.eval_every, self.eval_steps),
+                  "eval_every must be >= 0 (0 = never) and eval_steps >= 1")
+
+    def _check_stopping(self) -> None:
+        if self.max_steps < 1:
+            fail("train.max_steps", self.max_steps, "must be a positive integer")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            fail("train.max_minutes", self.max_minutes, "must be > 0 minutes, or null (no limit)")
+        if self.exit_signal is not None and self.exit_signal not in EXIT_SIGNALS:
+            fail("train.exit_signal", self.exit_signal,
+                  f"use one of {', '.join(EXIT_SIGNALS)}, or null (no handler)")
+        if self.gc_every is not None and self.gc_every < 1:
+            fail("train.gc_every", self.gc_every, "must be >= 1 (steps between collections, e.g. "
+                  "50), or null for Python's automatic collection")
+        if self.max_bad_steps < 1:
+            fail("train.max_bad_steps", self.max_bad_steps, "must be >= 1 (1 = stop at the "
+                  "first non-finite step)")
+
+    def _check_rampup(self) -> None:
+        """The ramp's shape; whole micro-batches per DP rank is a layout rule."""
+        if self.rampup_batch_size is None:
+            return
+        ramp = list(self.rampup_batch_size)
+        example = "e.g. train.rampup_batch_size=[32,32,100000]"
+        if len(ramp) != 3 or min(ramp) < 1:
+            fail("train.rampup_batch_size", ramp, f"three positive integers [start, "
+                  f"increment, samples], {example}")
+        start, increment, _ = ramp
+        if start >= self.global_batch_size or (self.global_batch_size - start) % increment:
+            fail("train.rampup_batch_size", ramp, f"start must be below "
+                  f"train.global_batch_size={self.global_batch_size} and reach it in whole "
+                  f"increments (global_batch_size - start a multiple of increment); {example}")
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # floor of the decay
+    warmup_steps: int = 30  # linear warmup from 0 to lr
+    schedule: str = "cosine"  # after warmup: cosine | linear | constant | wsd (megalite.train.optim)
+    decay_steps: Optional[int] = None  # step at which the decay reaches min_lr; None = max_steps
+    wsd_decay_fraction: float = 0.2  # wsd: share of the post-warmup steps spent decaying
+    weight_decay: float = 0.1  # applied to matrices only (not biases, LayerNorm, ...)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
+
+    def check(self) -> None:
+        if not self.lr > 0:
+            fail("optim.lr", self.lr, "must be > 0 (e.g. 6e-4)")
+        if not 0 <= self.min_lr <= self.lr:
+            fail("optim.min_lr", self.min_lr, f"need 0 <= min_lr <= optim.lr={self.lr}")
+        if not self.eps > 0:
+            fail("optim.eps", self.eps, "AdamW's epsilon must be > 0 (e.g. 1e-8)")
+        if self.schedule not in LR_SCHEDULES:
+            fail("optim.schedule", self.schedule, f"use one of {', '.join(LR_SCHEDULES)}")
+        if not 0.0 < self.wsd_decay_fraction <= 1.0:
+            fail("optim.wsd_decay_fraction", self.wsd_decay_fraction,
+                  "must be in (0, 1], e.g. 0.2 (the last 20% of the steps after warmup decay)")
+        if self.warmup_steps < 0:
+            fail("optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            fail("optim.decay_steps", self.decay_steps, "must be >= 1 or null (= train.max_steps)")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            fail("optim.betas", list(self.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            fail("optim.grad_clip/weight_decay", (self.grad_clip, self.weight_decay),
+                  "must be >= 0")
+
+PIPELINE_SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "zb-v")  # parallel.schedule
+
+
+@dataclass
+class ParallelConfig:
+    """Knobs of the parallel engines (the layout itself is the top-level tp, pp, zero, sp)."""
+
+    bucket_mb: float = 25.0  # gradient bucket size (fp32 MiB) for the DP reductions (zero 0-2)
+    reshard_after_forward: bool = True  # zero=3: free gathered blocks after forward (else keep
+    #                                     them for the whole step: less traffic, more memory)
+    overlap_param_gather: bool = False  # zero=1/2: all-gather the updated parameters during
+    #                                    the next forward, each block waiting for its own bucket
+    edge_stage_layers: Optional[int] = None  # blocks on the first and last pipeline stage (they
+    #                                          also hold embedding / head); null = balanced
+    virtual_stages: int = 1  # model chunks per pipeline stage: > 1 runs the interleaved 1F1B
+    #                          schedule (Megatron's virtual pipeline): bubble (p-1)/(v·m+p-1)
+    schedule: str = "auto"  # auto (interleaved if virtual_stages > 1, else 1f1b) | 1f1b |
+    #                         interleaved | zb-h1 (zero bubble, B/W split) | zb-v (not built)
+    timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
+    #                           group (gloo); NCCL's watchdog ends the process, naming the group
+
+    def check(self) -> None:
+        v = self.virtual_stages
+        if not isinstance(v, int) or v < 1:
+            fail("parallel.virtual_stages", v, "must be a positive integer, and 1 unless pp >= 2 "
+                  "(the interleaved schedule runs several model chunks per pipeline stage)")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            fail("parallel.schedule", self.schedule, f"one of {', '.join(PIPELINE_SCHEDULES)} "
+                  "(auto: interleaved with virtual_stages > 1, else 1f1b)")
+        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
+            fail("parallel.bucket_mb", self.bucket_mb, "must be a positive number of MiB "
+                  "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
+        if self.timeout_s <= 0:
+            fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
+
+@dataclass
+class Config:
+    tp: int = 1  # tensor-parallel size (GPUs of one node)
+    pp: int = 1  # pipeline-parallel size (stages)
+    zero: int = 0  # ZeRO stage over the data-parallel dimension
+    sp: bool = False  # sequence parallelism (with tp > 1)
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) |
+    #                          fp32 | bf16 | fp16 (fp16 params + fp32 master/moments, loss scaling)
+    device: str = "auto"  # auto | cpu | cuda
+    layout: str = "manual"  # manual (tp, pp, zero, ... as given) | auto: the planner's fastest
+    #                         predicted layout for the world size (README: Planner), the layout
+    #                         keys given on the command line held fixed
+    init_from: Optional[str] = None  # weights to start from: HF GPT2LMHeadModel directory or hub
+    #                                  id, or a megalite checkpoint (weights only, step 0)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so Hydra type-checks `conf/config.yaml` against `Config`."""
+    ConfigStore.instance().store(name="megalite_schema", node=Config)
+
+
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
+    """(directory, weight) of every dataset the run trains on: `data.blend` parsed, or
+    `data.dir` alone with weight 1. Directories resolved against the launch directory."""
+    if data.blend is None:
+        return [(resolve_path(data.dir), 1.0)]
+    items = list(data.blend)
+    example = "e.g. data.blend=[0.7,data/owt,0.3,data/wiki]"
+    if len(items) < 2 or len(items) % 2:
+        fail("data.blend", items, f"alternate weights and prepared data directories, {example}")
+    sources = []
+    for weight, directory in zip(items[0::2], items[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not (w > 0 and math.isfinite(w)):
+            fail("data.blend", items, f"weight {weight!r} (before {directory!r}) must be a "
+                  f"positive number; {example}")
+        sources.append((resolve_path(directory), w))
+    if len({d for d, _ in sources}) != len(sources):
+        fail("data.blend", items, "names a directory twice; give each dataset once")
+    return sources
+
+
+def check_sections(cfg: Config) -> None:
+    """Every section's own rules, and the top-level keys'."""
+    if cfg.seed < 0:
+        fail("seed", cfg.seed, "must be a non-negative integer (e.g. 1234)")
+    if cfg.zero not in (0, 1, 2, 3):
+        fail("zero", cfg.zero, "ZeRO stage must be one of 0, 1, 2, 3")
+    if cfg.precision not in PRECISIONS:
+        fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        fail("device", cfg.device, "use auto, cpu or cuda")
+    if cfg.layout not in ("manual", "auto"):
+        fail("layout", cfg.layout, "use manual (the sizes given) or auto (the planner's choice)")
+    for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
+                    cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience, cfg.planner):
+        section.check()
+    cfg.resilience.check_with_exit_signal(cfg.train.exit_signal)
+    data_sources(cfg.data)  # raises on a malformed data.blend
+
+
+def to_config(node) -> Config:
+    """Turn a composed DictConfig (or a Config) into a `Config` object."""
+    if isinstance(node, Config):
+        return node
+    obj = OmegaConf.to_object(node)
+    assert isinstance(obj, Config), type(obj)
+    obj.log.wandb = obj.log.wandb.lower()  # `log.wandb=true` arrives as the string "True"
+    return obj
+
+
+PRESET_GROUPS = ("model", "data")
+
+
+def check_presets(overrides: Sequence[str]) -> None:
+    """`model=<name>` and `data=<name>` name a yaml file of megalite/conf/<group>/ (checked
+    before Hydra composes, whose own message lists its search path and exits 1)."""
+    for override in overrides:
+        group, sep, name = str(override).partition("=")
+        group = group.lstrip("+~")
+        if not sep or group not in PRESET_GROUPS:
+            continue
+        available = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        if name not in available:
+            fail(group, name, f"no such preset; use one of {', '.join(available)} (the files "
+                 f"in {CONF_DIR / group})")
+
+
+def load_config(overrides: Optional[List[str]] = None) -> Config:
+    """Compose `conf/config.yaml` with command-line-style overrides, outside a Hydra app.
+
+    For tests, benchmarks and tools (the training script uses `@hydra.main`).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    check_presets(overrides or [])
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        node = compose(config_name="config", overrides=list(overrides or []))
+    return to_config(node)
+
+
+def resolve_path(path: str, base: Optional[str] = None) -> Path:
+    """A relative path is relative to the directory the run was launched from."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute():
+        return p
+    return Path(base or os.getcwd()) / p

@@ -1,0 +1,322 @@
+"""Search over layouts: which (tp, pp, dp, zero, sp, virtual stages, micro-batch size,
+pipeline schedule, recompute, offloads) trains a model fastest on N devices of one profile.
+
+The space is `megalite.plan.space.candidates` (its docstring lists it). Each candidate
+passes the launch validation (`megalite.config.layout.validate`, which also applies the schedule's
+refusals of `megalite.config.schedule_rules`) and the memory plan (`megalite.plan.memory.make_plan`: every
+stage's estimate within the device memory) before it is proposed. To answer in seconds for
+thousands of devices, candidates are pruned on a memory lower bound first (model states of the
+average stage + the activations a stage-0 rank keeps on the device) and then costed
+best-first by a time lower bound (compute + recompute + the schedule's bubble, which the
+prediction adds communication to): the search stops once the next lower bound exceeds the
+k-th best prediction, so the ranking it returns is the exact top k of the whole space.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
+
+from megalite.config.errors import ConfigError
+from megalite.config.layout import Layout, validate
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import Config
+from megalite.parallel.param_spec import padded_vocab_size
+from megalite.parallel.schedule import max_in_flight
+from megalite.plan.devices import DeviceProfile
+from megalite.plan.dims import layer_activation_bytes, recomputed_layers
+from megalite.plan.links import group_links
+from megalite.plan.memory import GIB, Plan, make_plan
+from megalite.plan.space import (
+    Choice,
+    Grid,
+    apply_choice,
+    candidate_grids,
+    offload_fraction,
+)
+from megalite.plan.time_model import Prediction, predict, stage_forward_flops
+from megalite.plan.traffic import stage_traffic
+from megalite.plan.zero_table import model_state_bytes
+
+
+@dataclass
+class Ranked:
+    choice: Choice
+    config: Config
+    layout: Layout
+    plan: Plan
+    prediction: Prediction
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.plan.peak.bytes["total"]
+
+
+@dataclass
+class SearchResult:
+    best: List[Ranked]  # fastest first
+    valid: int  # candidates that pass the launch validation rules the search enumerates
+    costed: int  # predicted (the rest were pruned by a bound)
+    too_big: Dict[str, float] = field(default_factory=dict)  # family -> least bytes a
+    #                                                           non-fitting layout needs
+    too_big_count: Dict[str, int] = field(default_factory=dict)  # family -> how many
+    invalid: Dict[str, int] = field(default_factory=dict)  # validation message -> count
+    # (peak bytes per rank, step s, kind): "planned" (both exact), "predicted" (memory a
+    # lower bound), "bound" (both lower bounds)
+    points: List[Tuple[float, float, str]] = field(default_factory=list)
+
+
+def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
+    """Per stage (model, recompute) forward FLOPs per token and (blocks, recomputed blocks),
+    cached per (pp, v, schedule, recompute, recompute_layers) (zb-v's V puts both ends on
+    stage 0)."""
+    key = (c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
+    if key not in cache:
+        cc = replace(cfg, pp=c.pp, parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
+                     train=replace(cfg.train, recompute=c.recompute,
+                                   recompute_layers=c.recompute_layers))
+        layout = Layout(pp_size=c.pp, virtual_stages=c.virtual_stages,
+                        v_shape=c.schedule == "zb-v", n_layer=cfg.model.n_layer,
+                        edge_stage_layers=cfg.parallel.edge_stage_layers)
+        cache[key] = tuple(
+            (f["model"], f["recompute"], sum(len(b) for b in chunk),
+             sum(recomputed_layers(cc, len(b)) for b in chunk))
+            for f, chunk in zip(stage_forward_flops(cc, layout), layout.stage_blocks()))
+    return cache[key]
+
+
+def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
+                     tp_bus_gbps: float = float("inf")) -> float:
+    """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
+    all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
+    re-run 1, with SP 3: the plan's count, without the embedding, the head and the
+    latencies) of the busiest stage, over 1 − bubble: no prediction is lower."""
+    stages = _stage_flops(cache, cfg, c)
+    m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
+    tokens = m * c.micro_batch_size * cfg.train.seq_len / c.tp / rate
+    ring_full = (c.tp - 1) / c.tp * e * cfg.train.seq_len * c.micro_batch_size \
+        * cfg.model.n_embd / (tp_bus_gbps * 1e9)
+    per_block, rerun = (10, 3) if c.sp else (8, 2)
+    busiest = max((3 * f + r) * tokens + m * ring_full * (n * per_block + rec * rerun)
+                  for f, r, n, rec in stages)
+    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, c.schedule))
+
+
+def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
+    """No more than the plan's peak: the larger of the average stage's model states and
+    stage 0's model states + the activations it keeps on the device (its fewest blocks, the
+    micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
+    chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
+    order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
+    nothing)."""
+    mc, t = cfg.model, cfg.train
+    h, f, vocab = mc.n_embd, mc.ffn_size, padded_vocab_size(mc.vocab_size, c.tp)
+    layer = 4 * h + (3 * h * h + 3 * h) // c.tp + h * h // c.tp + h + (f * h + f) // c.tp \
+        + h * f // c.tp + h
+    embeddings = vocab // c.tp * h + mc.n_positions * h
+    v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
+    head_copy = vocab // c.tp * h if c.pp > 1 and not v_shape else 0
+    average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
+    lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, zero_stage=c.zero)
+    kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
+
+    def states(psi: float) -> float:
+        b = model_state_bytes(lay, psi, e)
+        return b["params"] + b["grads"] * (kept if lay.shards_gradients else 1) \
+            + b["optimizer"] * kept
+    layers = mc.n_layer // (c.pp * c.virtual_stages)
+    if cfg.parallel.edge_stage_layers is not None:
+        layers = min(layers, cfg.parallel.edge_stage_layers)
+    first = states((2 if v_shape else 1) * layers * layer + embeddings)
+    recomputed = 0 if not c.recompute else layers if c.recompute_layers is None \
+        else min(c.recompute_layers, layers)
+    offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
+        if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
+                                             - recomputed)
+    full = layer_activation_bytes(t.seq_len, c.micro_batch_size, h, mc.n_head, c.tp, c.sp,
+                                  e, mc.resid_pdrop > 0)
+    s_local = t.seq_len // c.tp if c.sp else t.seq_len
+    per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
+        + (layers - recomputed - offloaded) * full
+    m = t.global_batch_size // (c.micro_batch_size * c.dp)
+    first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
+    return max(states(average), first)
+
+
+class NothingFits(ValueError):
+    """No layout of the space fits the device memory; names each family's least need."""
+
+
+def device_kind(profile: DeviceProfile) -> Tuple[str, bool]:
+    """(Layout device type, computes in bf16) of a profile."""
+    return ("cpu" if profile.device == "cpu" else "cuda"), "bf16" in profile.matmul_tflops
+
+
+@dataclass
+class _Search:
+    cfg: Config
+    world: int
+    profile: DeviceProfile
+    gpus_per_node: int
+    result: SearchResult = field(default_factory=lambda: SearchResult([], 0, 0))
+
+    def predicted(self, c: Choice) -> Optional[Tuple[Config, Layout, Prediction]]:
+        """Validate and predict one candidate (traffic only, no memory peak); None when
+        the launch validation refuses it."""
+        device_type, bf16 = device_kind(self.profile)
+        cfg = apply_choice(self.cfg, c)
+        try:
+            validate(cfg, self.world, self.gpus_per_node if device_type == "cuda" else None)
+        except ConfigError as err:
+            self.result.invalid[str(err)] = self.result.invalid.get(str(err), 0) + 1
+            return None
+        layout = Layout.from_config(cfg, self.world, device_type, bf16)
+        self.result.costed += 1
+        return cfg, layout, predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
+                                    self.gpus_per_node)
+
+    def planned(self, c: Choice, cfg: Config, layout: Layout, pred: Prediction
+                ) -> Optional[Ranked]:
+        """The memory plan of a predicted candidate; None when some stage does not fit."""
+        plan = make_plan(cfg, layout)
+        self.result.points.append((plan.peak.bytes["total"], pred.step_s, "planned"))
+        if plan.peak.bytes["total"] > self.profile.memory_bytes:
+            self.too_big(c.family, plan.peak.bytes["total"])
+            return None
+        return Ranked(c, cfg, layout, plan, pred)
+
+    def too_big(self, family: str, need: float) -> None:
+        self.result.too_big[family] = min(need, self.result.too_big.get(family, need))
+        self.result.too_big_count[family] = self.result.too_big_count.get(family, 0) + 1
+
+
+def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
+           top: int = 5, fixed: Optional[Dict] = None) -> SearchResult:
+    """The `top` fastest predicted layouts that validate and fit (module docstring);
+    NothingFits when none does.
+
+    One queue, smallest key first: a candidate enters keyed by its time lower bound; popped,
+    it is predicted and re-enters keyed by its prediction (never below its bound); popped
+    again, its memory is planned and, if it fits, it is the next fastest of the whole space.
+    Offloads only add copy time (`_Offloads`), so a layout's offload variants enter only once
+    every variant with less offload is known not to fit."""
+    device_type, bf16 = device_kind(profile)
+    precision = Layout.from_config(replace(cfg, tp=1, pp=1), 1, device_type, bf16).precision
+    e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
+    s = _Search(cfg, world, profile, gpus_per_node)
+    # offloads only where they save device memory and the profile prices their copies
+    offloads = device_type == "cuda" and bool(profile.host_link_gbps
+                                              and profile.host_memory_gbps)
+    walk = _Offloads(s, e, rate, not profile.hbm_gbps or profile.host_memory_gbps is None
+                     or profile.host_memory_gbps <= profile.hbm_gbps)
+    for grid in candidate_grids(cfg, world, offloads, fixed):
+        walk.start(grid)
+    queue = walk.queue
+    heapq.heapify(queue)
+    walk.heap = True
+    while queue and len(s.result.best) < top:
+        key, n, c, predicted, grid, cell = heapq.heappop(queue)
+        if not isinstance(predicted, tuple):  # its memory bound: not predicted yet
+            predicted = s.predicted(c)
+            if predicted is not None:
+                heapq.heappush(queue, (predicted[2].step_s, n, c, predicted, grid, cell))
+            else:
+                walk.not_fitting(grid, *cell)
+            continue
+        ranked = s.planned(c, *predicted)
+        if ranked is not None:
+            s.result.best.append(ranked)
+        else:
+            walk.not_fitting(grid, *cell)
+    for key, _, c, predicted, _, _ in queue:  # not planned: their bounds
+        s.result.points.append((memory_lower_bound(cfg, c, e), key, "predicted")
+                               if isinstance(predicted, tuple) else (predicted, key, "bound"))
+    if not s.result.best:
+        for family, (_, c) in walk.smallest.items():  # the plan's figure for the least-need one
+            predicted = s.predicted(c)
+            if predicted is not None:
+                s.planned(c, *predicted)
+        raise NothingFits(nothing_fits_message(s.result, profile, world))
+    return s.result
+
+
+class _Offloads:
+    """The walk over each layout's offload variants (`Grid`). In the time model more
+    offloaded blocks only add copy time, and a larger optimizer fraction only moves AdamW to
+    a host memory no faster than HBM (`ordered_fractions`), the rest of the prediction equal:
+    a variant is never faster than one with less offload (fewer blocks, no larger fraction).
+    So a variant is examined (memory bound, then queued by its time bound) only when each
+    variant just below it is out of the space, invalid or known not to fit (by its memory
+    bound or its plan); the space's top k is that of the variants so examined."""
+
+    def __init__(self, s: _Search, e: int, rate: float, ordered_fractions: bool):
+        self.s, self.e, self.rate, self.ordered = s, e, rate, ordered_fractions
+        self.queue: list = []
+        self.order = itertools.count()  # ties: first examined first (Choices do not compare)
+        self.smallest: Dict[str, Tuple[float, Choice]] = {}
+        self.cache: dict = {}
+        self.buses: dict = {}
+        self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
+        self.heap = False  # the queue is a heap (after the first pass)
+
+    def bound(self, c: Choice) -> float:
+        s = self.s
+        if (c.tp, c.pp) not in self.buses:  # the fastest fit of the TP group's (a bound)
+            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp), s.profile,
+                             s.gpus_per_node)["tp"]
+            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
+                                           + [fit.bus_gbps for fit in tp.ops.values()])
+        return time_lower_bound(s.cfg, c, self.rate, self.cache, self.e,
+                                self.buses[(c.tp, c.pp)])
+
+    def start(self, grid: Grid) -> None:
+        """Examine the grid's least-offload variants: no offload (with unordered fractions,
+        no activation offload at each fraction)."""
+        for j in range(grid.shape[1] if not self.ordered else 1):
+            self.examine(grid, 0, j)
+
+    def examine(self, grid: Grid, i: int, j: int) -> None:
+        c = grid.at(i, j)
+        if c is None:  # out of the space: what lies above it may be in
+            self.not_fitting(grid, i, j)
+            return
+        need = memory_lower_bound(self.s.cfg, c, self.e)
+        if need > self.s.profile.memory_bytes:
+            self.s.too_big(c.family, need)
+            self.s.result.points.append((need, self.bound(c), "bound"))
+            if need < self.smallest.get(c.family, (float("inf"),))[0]:
+                self.smallest[c.family] = (need, c)
+            self.not_fitting(grid, i, j)
+            return
+        self.s.result.valid += 1
+        entry = (self.bound(c), next(self.order), c, need, grid, (i, j))
+        if self.heap:
+            heapq.heappush(self.queue, entry)
+        else:
+            self.queue.append(entry)
+
+    def not_fitting(self, grid: Grid, i: int, j: int) -> None:
+        """(i, j) is out of the space, invalid or does not fit: examine the variants above it
+        whose every variant just below is so too."""
+        out = self.out.setdefault(id(grid), set())
+        out.add((i, j))
+        rows, cols = grid.shape
+        above = [(i + 1, j)] + ([(i, j + 1)] if self.ordered else [])
+        for a, b in above:
+            if a < rows and b < cols and (a == 0 or (a - 1, b) in out) and \
+                    (not self.ordered or b == 0 or (a, b - 1) in out):
+                self.examine(grid, a, b)
+
+
+def nothing_fits_message(result: SearchResult, profile: DeviceProfile, world: int) -> str:
+    lines = [f"no layout of {world} ranks fits {profile.name}'s "
+             f"{profile.memory_bytes / GIB:.1f} GiB per device; the least memory per rank "
+             "each family of layouts needs:"]
+    lines += [f"  {family}: {need / GIB:.1f} GiB"
+              for family, need in sorted(result.too_big.items(), key=lambda x: x[1])]
+    for message, count in result.invalid.items():
+        lines.append(f"  ({count} candidates refused by the launch validation: {message})")
+    lines.append("use more devices, a larger memory device, or a smaller micro-batch/"
+                 "sequence/global batch")
+    return "\n".join(lines)

@@ -1,0 +1,227 @@
+"""The search's space of layouts (`candidates`) and how a candidate becomes a configuration
+(`apply_choice`).
+
+A candidate: tp and pp whose product divides the world size (dp the rest), tp dividing the
+heads, the width and the MLP; zero 0-3 (1-3 only with dp > 1: with dp = 1 they shard
+nothing); sp with tp > 1; virtual stages v > 1 with pp > 1 where pp·v divides the blocks; every
+micro-batch size that divides the per-replica batch; the pipeline schedule: 1F1B (interleaved
+with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`), or, with pp > 1
+and 2·pp ≤ n_layer, ZB-V (`parallel.schedule=zb-v`: v = 2 in a V, m need not be a multiple of
+pp) — neither with train.compile or activation offload, which the launch refuses with them
+(`megalite.config.schedule_rules`); recompute off, of every
+block, or of the first r blocks of each chunk (`train.recompute_layers`) for r in
+`partial_counts` of the chunk's blocks (a quarter, half and three quarters of them, rounded,
+each at least 1 and fewer than all); on GPUs, offload.activations off, or on for every block
+not recomputed or for the first `partial_counts` of those (`offload.activations_layers`), and
+offload.optimizer at each of `OPTIMIZER_SHARES` (and the configuration's own fraction) — where
+the profile gives the host link and host memory bandwidths that price their copies (on CPU the
+offloads save nothing). Other keys (bucket size, reshard_after_forward,
+overlap_param_gather, edge_stage_layers, ...) are the configuration's own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from megalite.config.schedule_rules import ZERO_BUBBLE
+from megalite.config.schema import Config
+
+PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
+OPTIMIZER_SHARES = (0.5, 1.0)  # offload.optimizer fractions tried (besides 0)
+
+
+@dataclass(frozen=True)
+class Choice:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    sp: bool
+    virtual_stages: int
+    micro_batch_size: int
+    recompute: bool
+    offload: bool  # offload.activations
+    offload_optimizer: float = 0.0  # offload.optimizer: the fraction of the owned range
+    recompute_layers: Optional[int] = None  # with recompute: the first N blocks (None: all)
+    offload_layers: Optional[int] = None  # with offload: N blocks after the recomputed ones
+    schedule: str = "auto"  # parallel.schedule: auto (1F1B / interleaved), zb-h1 or zb-v
+
+    @property
+    def zero_bubble(self) -> bool:
+        return self.schedule in ZERO_BUBBLE
+
+    @property
+    def family(self) -> str:
+        """The memory family: ZeRO stage x recompute x offloads."""
+        rec = "off" if not self.recompute else "on" if self.recompute_layers is None \
+            else "partial"
+        return (f"zero={self.zero} recompute={rec}"
+                + (" offload.activations" if self.offload else "")
+                + (" offload.optimizer" if self.offload_optimizer else ""))
+
+    def overrides(self) -> List[str]:
+        """The command-line overrides that select this layout."""
+        def opt(x: Optional[int]) -> str:
+            return "null" if x is None else str(x)
+        return [f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}",
+                f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
+                f"parallel.schedule={self.schedule}",
+                f"train.micro_batch_size={self.micro_batch_size}",
+                f"train.recompute={str(self.recompute).lower()}",
+                f"train.recompute_layers={opt(self.recompute_layers)}",
+                f"offload.activations={str(self.offload).lower()}",
+                f"offload.activations_layers={opt(self.offload_layers)}",
+                f"offload.optimizer={self.offload_optimizer:g}"]
+
+    def describe(self) -> str:
+        rec = "" if self.recompute_layers is None else f"(first {self.recompute_layers})"
+        off = "" if self.offload_layers is None else f"(first {self.offload_layers})"
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
+                f"v={self.virtual_stages} mb={self.micro_batch_size} "
+                f"recompute={self.recompute}{rec}" + (f" {self.schedule}" if self.zero_bubble else "")
+                + (f" offload{off}" if self.offload else "")
+                + (f" offload.optimizer={self.offload_optimizer:g}"
+                   if self.offload_optimizer else ""))
+
+
+def apply_choice(cfg: Config, c: Choice) -> Config:
+    """`cfg` with the layout keys of `c` (a shallow copy: the sections that change are new)."""
+    offload = replace(cfg.offload, activations=c.offload,
+                      activations_layers=c.offload_layers if c.offload else None,
+                      optimizer=float(c.offload_optimizer))
+    return replace(cfg, tp=c.tp, pp=c.pp, zero=c.zero, sp=c.sp,
+                   parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages,
+                                    schedule=c.schedule),
+                   train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
+                                 recompute=c.recompute,
+                                 recompute_layers=c.recompute_layers if c.recompute else None),
+                   offload=offload)
+
+
+def offload_fraction(cfg: Config, c: Choice) -> float:
+    """offload.optimizer of a candidate."""
+    return float(c.offload_optimizer)
+
+
+def partial_counts(blocks: int) -> List[int]:
+    """The partial counts tried for a chunk of `blocks` blocks (module docstring)."""
+    return sorted({max(1, math.floor(blocks * s + 0.5)) for s in PARTIAL_SHARES} - {blocks}
+                  if blocks > 1 else set())
+
+
+def chunk_blocks(cfg: Config, pp: int, v: int) -> int:
+    """Blocks of the largest model chunk (what recompute_layers / activations_layers count)."""
+    return -(-cfg.model.n_layer // (pp * v))
+
+
+def memory_options(cfg: Config, blocks: int, offloads: bool
+                   ) -> List[Tuple[Tuple[bool, Optional[int]],
+                                   List[Tuple[bool, Optional[int]]]]]:
+    """Per (recompute, recompute_layers) tried for chunks of `blocks`, the (offload,
+    offload_layers) tried with it, fewest offloaded blocks first."""
+    out = []
+    for rec, r in [(False, None), (True, None)] + [(True, r) for r in partial_counts(blocks)]:
+        rest = 0 if rec and r is None else blocks - (r or 0)
+        acts = [(False, None)]
+        if offloads and rest > 0:
+            acts += [(True, k) for k in partial_counts(rest)] + [(True, None)]
+        out.append(((rec, r), acts))
+    return out
+
+
+def optimizer_options(cfg: Config, offloads: bool) -> List[float]:
+    if not offloads:
+        return [0.0]
+    own = [cfg.offload.optimizer] if cfg.offload.optimizer else []
+    return sorted({0.0, *OPTIMIZER_SHARES, *own})
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _virtual(n_layer: int, pp: int) -> List[int]:
+    if pp == 1:
+        return [1]
+    return [v for v in _divisors(n_layer // pp) if n_layer % (pp * v) == 0] \
+        if n_layer % pp == 0 else [1]
+
+
+def _schedules(cfg: Config, pp: int) -> List[Tuple[int, Tuple[str, ...]]]:
+    """(virtual stages, the schedules tried with them) for `pp` stages: auto at every v of
+    `_virtual`; with pp > 1 and no compile, ZB-H1 at v = 1 and, where 2·pp <= n_layer, ZB-V at
+    v = 2 (whether or not pp·2 divides the blocks)."""
+    n_layer, zero_bubble = cfg.model.n_layer, pp > 1 and not cfg.train.compile
+    out = {v: ["auto"] for v in _virtual(n_layer, pp)}
+    if zero_bubble:
+        out[1].append("zb-h1")
+        if 2 * pp <= n_layer:
+            out.setdefault(2, []).append("zb-v")
+    return [(v, tuple(names)) for v, names in sorted(out.items())]
+
+
+@dataclass
+class Grid:
+    """One layout without its offloads, and its offload variants: `at(i, j)` is the layout
+    with the i-th activation offload option (none, then fewer offloaded blocks first) and the
+    j-th optimizer fraction (0 first); None where a held field or a refusal (a zero-bubble
+    schedule with activation offload) leaves the cell out of the space. Cells are made when asked for."""
+    base: tuple  # Choice's fields before its offloads
+    recompute_layers: Optional[int]
+    schedule: str
+    acts: List[Tuple[bool, Optional[int]]]
+    fractions: List[float]
+    held: list
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return len(self.acts), len(self.fractions)
+
+    def at(self, i: int, j: int) -> Optional[Choice]:
+        off, k = self.acts[i]
+        if off and self.schedule in ZERO_BUBBLE:
+            return None
+        c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k, self.schedule)
+        return c if all(getattr(c, f) == x for f, x in self.held) else None
+
+
+def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None
+                    ) -> Iterator[Grid]:
+    """The search space (module docstring), with the fields named in `fixed` held, as one
+    `Grid` per layout without its offloads."""
+    fixed = fixed or {}
+    m, t = cfg.model, cfg.train
+    held = list(fixed.items())
+    fractions = optimizer_options(cfg, offloads)
+    for tp in _divisors(world):
+        if m.n_head % tp or m.n_embd % tp or m.ffn_size % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > m.n_layer:
+                continue
+            dp = world // (tp * pp)
+            if t.global_batch_size % dp:
+                continue
+            for v, schedules in _schedules(cfg, pp):
+                options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
+                for zero in (range(4) if dp > 1 else (0,)):
+                    for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
+                        for mb in _divisors(t.global_batch_size // dp):
+                            micro = t.global_batch_size // (mb * dp)
+                            runs = [x for x in schedules
+                                    if not (x == "auto" and v > 1 and micro % pp)]
+                            for (rec, r), acts in options:
+                                for name in runs:
+                                    yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name,
+                                               acts, fractions, held)
+
+
+def candidates(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None
+               ) -> List[Choice]:
+    """Every candidate of the space, flat."""
+    out = []
+    for grid in candidate_grids(cfg, world, offloads, fixed):
+        rows, cols = grid.shape
+        out += [c for i in range(rows) for j in range(cols) if (c := grid.at(i, j))]
+    return out

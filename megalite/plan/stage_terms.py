@@ -1,0 +1,96 @@
+"""A pipeline stage's parameters, activation bytes and wire bytes, summed chunk by chunk:
+the terms the memory plan (`megalite.plan.memory`, whose docstring has the formulas) and the
+planner's traffic (`megalite.plan.traffic`) share."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from megalite.plan.dims import Dims, offloaded_layers, recomputed_layers, ring
+
+
+@dataclass
+class StageSums:
+    """What a stage's chunks add up to."""
+
+    psi: int = 0  # parameter elements
+    replicated: int = 0  # of which TP-replicated (LayerNorms, row-parallel biases, wpe)
+    largest_unit: int = 0  # ZeRO-3's largest gathered unit
+    kept_units: int = 0  # ZeRO-3 units kept gathered from forward into backward
+    sends: float = 0.0  # point-to-point tensors per micro-batch
+    tp_per_micro: float = 0.0  # TP wire bytes per micro-batch
+    chunk_act: List[float] = field(default_factory=list)  # activation bytes per chunk
+    chunk_host: List[float] = field(default_factory=list)  # of which offloaded to host
+
+
+def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
+               head_copy: Optional[bool] = None) -> None:
+    """One chunk of n blocks; `first` / `last`: it holds the embeddings / the head
+    (`head_copy`: a parameter of its own, by default when not `first`; `plan_chunks`)."""
+    head_copy = last and not first if head_copy is None else head_copy
+    m, t, tp, sp = d.cfg.model, d.cfg.train, d.layout.tp_size, d.layout.sequence_parallel
+    h, s, b, e = m.n_embd, t.seq_len, t.micro_batch_size, d.e
+    sums.psi += n * d.layer_params
+    sums.replicated += n * 6 * h  # LayerNorms and the row-parallel biases
+    if first:
+        sums.psi += d.vocab // tp * h + m.n_positions * h
+        sums.replicated += m.n_positions * h
+    if last:
+        sums.psi += 2 * h + (d.vocab // tp * h if head_copy else 0)
+        sums.replicated += 2 * h
+    sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
+                            d.vocab // tp * h if (first or last) else 0)
+    recomputed = recomputed_layers(d.cfg, n)
+    act = (recomputed * e * d.s_local * b * h + (n - recomputed) * d.layer_act_full
+           + (d.layer_act_full if recomputed else 0))
+    if first:
+        act += 8 * s * b + (d.s_local * b * h if m.embd_pdrop > 0 else 0)
+    if last:
+        act += 2 * e * d.s_local * b * h + 8 * d.s_local * b + 8 * s * b + 4 * s * b * (
+            m.vocab_size if tp == 1 else d.vocab // tp) + (s * b if tp > 1 else 0)
+    offloaded = offloaded_layers(d.cfg, n)
+    host = offloaded * d.layer_act_full
+    if offloaded and not recomputed and not first:
+        # the first block's input, copied to host, stays on the device too: the schedule
+        # holds the received activation for its gradient
+        act += e * d.s_local * b * h
+    sums.chunk_act.append(act - host)
+    sums.chunk_host.append(host)
+    if tp > 1:
+        r, full = ring(tp), d.full
+        # recompute's re-run stops once the saved tensors are rebuilt (torch
+        # checkpoint's early stop): the MLP output's reduction is not repeated
+        per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
+            (4 * 2 * r * full, 2 * r * full)
+        sums.tp_per_micro += n * per_layer + recomputed * rerun
+        if first:
+            sums.tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
+        if last:
+            sums.tp_per_micro += (3 if sp else 2) * r * full + 2 * r * 12 * s * b  # head, loss
+    sums.sends += (0 if last else 1) + (0 if first else 1)
+    # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
+    # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
+    sums.kept_units += d.layer_params if not last else d.vocab // tp * h if head_copy else 0
+
+
+def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
+    """Wire bytes per step per group of one rank of the stage."""
+    lay, t, e, psi = d.layout, d.cfg.train, d.e, sums.psi
+    tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.dp_size, d.micro
+    r, rd = ring(tp), ring(dp)
+    shard = dp if lay.shards_optimizer else 1
+    # with TP and no SP each TP rank sends 1/tp of a transfer and the receiver all-gathers
+    scatter = tp if tp > 1 and not lay.sequence_parallel and pp > 1 else 1
+    tp_bytes = micro * sums.tp_per_micro + (
+        2 * r * 4 * sums.replicated / shard if lay.sequence_parallel else 0) + (
+        micro * sums.sends * r * d.full if scatter > 1 else 0) if tp > 1 else 0.0
+    pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
+                     * d.cfg.model.n_embd) / scatter if pp > 1 else 0.0
+    dp_bytes = {0: 2 * rd * 4 * psi,
+                1: rd * (4 + e) * psi,
+                2: rd * (micro * 4 + e) * psi,
+                3: rd * micro * (4 * psi + e * (2 * psi - sums.kept_units))
+                if d.cfg.parallel.reshard_after_forward
+                else rd * (micro * 4 + e) * psi}[lay.zero_stage] if dp > 1 else 0.0
+    emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
+    return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes, "embedding": emb_bytes}
