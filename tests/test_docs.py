@@ -170,3 +170,15 @@ def test_the_readme_stays_short():
     """The README is the front page; the rest lives in docs/."""
     lines = (REPO / "README.md").read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+
+
+def test_ci_runs_the_documented_test_command():
+    """`.ci/run` runs the test command the README and the contributor's page show, verbatim."""
+    script = [line for line in (REPO / ".ci/run").read_text().splitlines()
+              if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert len(script) == 1, script
+    command = script[0].strip()
+    assert command.startswith("pip install torch==") and command.endswith("python -m pytest -q")
+    for doc in ("README.md", "docs/contributing.md"):
+        shown = [line.strip() for line in (REPO / doc).read_text().splitlines()]
+        assert command in shown, f"{doc} does not show .ci/run's command: {command}"
