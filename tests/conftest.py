@@ -1,4 +1,7 @@
-"""Shared fixtures: a small prepared corpus (stdlib sources, trained tokenizer), made once."""
+"""Shared fixtures (a small prepared corpus: stdlib sources, trained tokenizer, made once; the
+serial references of the parity tests) and the rule that keeps the two tiers apart:
+tests/unit holds no test marked `distributed` (nothing there spawns a rank or a process),
+tests/integration only such tests (tests/README.md)."""
 from pathlib import Path
 
 import pytest
@@ -7,9 +10,25 @@ from megalite.config.schema import DataConfig
 from megalite.data.prepare import prepare
 from megalite.testing import spawn
 
-# Ranks are forked from a server that imported these once (megalite/testing/spawn.py); every rank of a
-# distributed test imports its test module, hence pytest and the helpers, on top.
+pytest_plugins = ["tests.data_fixtures"]  # prepared corpora shared by both tiers
+
+# Ranks are forked from a server that imported these once (megalite/testing/spawn.py); every
+# rank of a distributed test imports its test module, hence pytest and the helpers, on top.
 spawn.PRELOAD += [m for m in ("pytest", "tests.layouts") if m not in spawn.PRELOAD]
+TIERS = {"unit": False, "integration": True}  # directory -> its tests spawn ranks or processes
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A test in the wrong tier stops the collection, naming it and the marker."""
+    for item in items:
+        tier = item.path.parent.name
+        spawns = item.get_closest_marker("distributed") is not None
+        if tier in TIERS and spawns != TIERS[tier]:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests/{tier} holds "
+                + ("no test that spawns ranks or processes (move it to tests/integration)"
+                   if tier == "unit" else "only tests marked distributed (mark it, or move it "
+                   "to tests/unit)"))
 
 
 @pytest.fixture(scope="session")

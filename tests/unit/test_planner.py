@@ -1,0 +1,375 @@
+"""The planner (megalite/plan/): the device table shared with the metrics, the time model's
+terms on synthetic profiles, the search against brute force, and scripts/plan.py's flags and
+bad input. Deterministic: no timing."""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import pytest
+
+from megalite.cli.plan import main as plan_main
+from megalite.config.errors import ConfigError
+from megalite.config.layout import Layout, validate
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import load_config
+from megalite.model.gpt2 import flops_per_token
+from megalite.plan.devices import BY_NAME, DeviceProfile, Link, device_profile
+from megalite.plan.dims import layer_activation_bytes
+from megalite.plan.memory import make_plan
+from megalite.plan.search import NothingFits, memory_lower_bound, search
+from megalite.plan.space import Choice, apply_choice
+from megalite.plan.time_model import predict, stage_forward_flops
+from megalite.plan.traffic import stage_traffic
+from megalite.train.metrics import table_peak
+
+SMALL = ["model.n_layer=4", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
+         "model.vocab_size=1024", "train.seq_len=32", "model.resid_pdrop=0",
+         "model.embd_pdrop=0", "model.attn_pdrop=0"]
+
+
+SCHEMA = {"format": "megalite-device-profile", "version": 1, "name": "synthetic",
+          "device": "synthetic accelerator", "memory_bytes": 2**40,
+          "matmul_tflops": {"bf16": 1.0, "fp32": 1.0},
+          "links": {"intra_node": {"bus_gbps": 10.0, "latency_s": 0.0},
+                    "inter_node": {"bus_gbps": 2.5, "latency_s": 0.0}},
+          "gpus_per_node": 8, "sweep": [{"op": "all_reduce", "ranks": 2, "bytes": 1}]}
+
+
+def synthetic(bus: float = 10.0, latency: float = 0.0, tflops: float = 1.0,
+              hbm: float = 100.0) -> DeviceProfile:
+    """A profile file's dict (the agreed schema), with the test's rates, and an HBM figure
+    (which files do not carry) for the optimizer term."""
+    d = {**SCHEMA, "matmul_tflops": {"bf16": tflops, "fp32": tflops},
+         "links": {"intra_node": {"bus_gbps": bus, "latency_s": latency},
+                   "inter_node": {"bus_gbps": bus / 4, "latency_s": latency}}}
+    return replace(DeviceProfile.from_dict(d), hbm_gbps=hbm)
+
+
+def planned(overrides, world, profile, per_node=8):
+    cfg = load_config(SMALL + overrides)
+    validate(cfg, world, per_node)
+    layout = Layout.from_config(cfg, world, "cuda")
+    return cfg, layout, predict(cfg, layout, make_plan(cfg, layout).stages, profile, per_node)
+
+
+def test_one_device_table_for_mfu_and_planner():
+    assert table_peak("NVIDIA A100-SXM4-80GB").tflops == BY_NAME["a100-80gb"].peak_tflops_bf16
+    with pytest.raises(ValueError, match="known: .*h100-80gb.*cpu"):
+        device_profile("h100-90gb")
+    p = synthetic()
+    assert p.rate("bf16") == 1e12 and p.intra_node == Link(10.0, 0.0)
+    with pytest.raises(ValueError, match="fp16"):
+        p.rate("fp16")
+
+
+LAYOUTS = [["tp=2", "pp=2", "zero=1", "train.global_batch_size=16",
+            "train.micro_batch_size=2"],
+           ["tp=2", "sp=true", "pp=2", "zero=3", "parallel.virtual_stages=2",
+            "train.global_batch_size=8", "train.micro_batch_size=1", "train.recompute=true"],
+           ["zero=2", "train.global_batch_size=16", "train.micro_batch_size=2",
+            "offload.activations=true"]]
+
+
+@pytest.mark.parametrize("overrides", LAYOUTS)
+def test_prediction_is_the_sum_of_its_terms_and_traffic_is_the_plans(overrides):
+    cfg, layout, pred = planned(overrides, 8, synthetic(latency=1e-5))
+    assert sum(pred.terms.values()) == pytest.approx(pred.step_s, rel=1e-12)
+    assert pred.critical_term == max(pred.terms, key=pred.terms.get)
+    plan = make_plan(cfg, layout)
+    assert [(s.params, s.comm) for s in stage_traffic(cfg, layout)] == \
+        [(s.params, s.comm) for s in plan.stages]
+    flops = stage_forward_flops(cfg, layout)
+    assert 3 * sum(f["model"] for f in flops) == flops_per_token(cfg.model, cfg.train.seq_len)
+
+
+@pytest.mark.parametrize("term,overrides", [
+    ("tp", ["tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]),
+    ("embedding", ["pp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]),
+    ("pp", ["pp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]),
+])
+def test_doubling_a_groups_bandwidth_halves_its_exposed_time(term, overrides):
+    slow_compute = 1e-4  # TFLOP/s: transfers hide nothing in the steady state either way
+    _, _, one = planned(overrides, 4, synthetic(bus=1.0, tflops=slow_compute))
+    _, _, two = planned(overrides, 4, synthetic(bus=2.0, tflops=slow_compute))
+    assert one.terms[term] > 0
+    assert two.terms[term] == pytest.approx(one.terms[term] / 2, rel=1e-12)
+
+
+def test_each_collective_kind_pays_its_own_calibrated_latency():
+    tp = ["tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    one = synthetic(bus=1e9, latency=1e-5)  # the bytes cost nothing: latencies only
+    _, _, base = planned(tp, 2, one)
+    slow_ar = replace(one, op_links={"intra_node": {"all_reduce": Link(1e9, 3e-5)}})
+    _, _, ar = planned(tp, 2, slow_ar)
+    assert ar.terms["tp"] == pytest.approx(3 * base.terms["tp"], rel=1e-6)
+    _, _, sp = planned(tp + ["sp=true"], 2, slow_ar)  # SP: all-gathers, reduce-scatters
+    _, _, sp_base = planned(tp + ["sp=true"], 2, one)
+    assert sp.terms["tp"] == pytest.approx(sp_base.terms["tp"], rel=1e-6)
+
+
+def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
+    dp = ["zero=0", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    _, _, slow = planned(dp, 2, synthetic(bus=1.0, tflops=1e-4))  # backward >> all-reduce
+    assert slow.terms["dp"] == 0
+    _, layout, fast = planned(dp, 2, synthetic(bus=1.0, tflops=1e3))
+    assert fast.terms["dp"] > 0  # the reduction outlasts the backward: the rest is exposed
+    cfg = load_config(SMALL + dp)
+    plan = make_plan(cfg, layout)
+    backward = 2 * fast.terms["compute"] / 3 / layout.micro_batches(8)
+    assert fast.terms["dp"] == pytest.approx(plan.stages[0].comm["dp"] / 1e9 - backward)
+
+
+@pytest.mark.parametrize("v,m,schedule", [(1, 8, "auto"), (2, 4, "auto"), (1, 2, "auto"),
+                                            (1, 8, "zb-h1"), (1, 1, "zb-h1"),
+                                            (2, 8, "zb-v"), (2, 1, "zb-v")])
+def test_bubble_term_is_the_schedules_formula(v, m, schedule):
+    over = ["pp=2", f"parallel.virtual_stages={v}", f"train.global_batch_size={m}",
+            "train.micro_batch_size=1", f"parallel.schedule={schedule}"]
+    cfg, layout, pred = planned(over, 2, synthetic(bus=1e6))
+    busy = [sum(t[k] for k in ("compute", "recompute", "tp", "offload"))
+            for t in pred.stage_terms]
+    p = 2
+    beta = (p - 1) / (v * m + p - 1) if schedule == "auto" else \
+        ((p - 1) / (3 * m + p - 1) if m >= p else 1 - 3 * m / (2 * m + 2 * p - 1)) \
+        if schedule == "zb-h1" else \
+        (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else 1 - 6 * m / (4 * m + 4 * p - 2)
+    assert beta == pytest.approx(expected_bubble(2, m, v, schedule))
+    slowest = busy.index(max(busy))  # paces the pipeline: idle beta of the step
+    assert pred.stage_terms[slowest]["bubble"] == pytest.approx(
+        max(busy) * beta / (1 - beta), rel=1e-9)
+    for b, terms in zip(busy, pred.stage_terms):  # the others also wait for it
+        assert b + terms["bubble"] == pytest.approx(max(busy) / (1 - beta), rel=1e-9)
+    if schedule == "zb-v":  # the V puts the embedding and the head on stage 0: it paces
+        assert slowest == 0 and pred.critical_stage == 0 and layout.v_shape
+        _, _, inter = planned(over[:-1], 2, synthetic(bus=1e6)) if m % 2 == 0 else (0, 0, None)
+        if inter is not None:  # the same FLOPs, placed otherwise: the head on stage 1
+            assert sum(t["compute"] for t in pred.stage_terms) == pytest.approx(
+                sum(t["compute"] for t in inter.stage_terms), rel=1e-12)
+            assert inter.stage_terms[1]["compute"] > inter.stage_terms[0]["compute"]
+    if schedule == "zb-h1":  # W is the backward's weight half: no FLOPs of its own
+        _, _, f1b = planned(over[:-1], 2, synthetic(bus=1e6))
+        assert [t["compute"] for t in pred.stage_terms] == \
+            [t["compute"] for t in f1b.stage_terms]
+        assert pred.terms["bubble"] < f1b.terms["bubble"]
+
+
+def test_partial_recompute_adds_exactly_the_recomputed_blocks_forward():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    _, _, off = planned(over, 1, synthetic())
+    for r in (1, 3):
+        cfg, _, on = planned(over + ["train.recompute=true", f"train.recompute_layers={r}"],
+                             1, synthetic())
+        h, s = cfg.model.n_embd, cfg.train.seq_len
+        block = 2 * (12 * h * h + 13 * h) + 4 * h * s  # forward FLOPs per token of a block
+        assert on.terms["compute"] == off.terms["compute"]
+        assert on.terms["recompute"] == pytest.approx(r * block * 8 * s / 1e12, rel=1e-12)
+
+
+def test_non_matmul_term_is_the_calibrated_block_time_per_pass():
+    from megalite.plan.calibrate_block import fit_nonnegative_line
+
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.recompute=true",
+            "train.recompute_layers=1"]
+    profile = replace(synthetic(), block_fixed_s=1e-3, block_per_token_s=1e-6)
+    cfg, _, pred = planned(over, 1, profile)
+    tokens = 2 * cfg.train.seq_len
+    # m = 4 micro-batches, 4 blocks a pass, the recomputed block's re-run a third of one
+    assert pred.terms["non_matmul"] == pytest.approx(4 * (4 + 1 / 3) * (1e-3 + 1e-6 * tokens))
+    assert sum(pred.terms.values()) == pytest.approx(pred.step_s, rel=1e-12)
+    _, _, table = planned(over, 1, synthetic())
+    assert table.terms["non_matmul"] == 0  # not measured: not predicted
+    assert fit_nonnegative_line([1, 3], [2, 4]) == pytest.approx((1, 1))
+    assert fit_nonnegative_line([1, 3], [4, 2]) == (3, 0)  # falling: a constant
+    assert fit_nonnegative_line([2, 4], [1, 4])[0] == 0  # through the origin
+
+
+def test_activation_offload_copies_hide_behind_longer_compute():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2", "offload.activations=true",
+            "offload.activations_layers=2"]
+    slow = replace(synthetic(tflops=1e-4), host_link_gbps=1.0)  # compute >> the copies
+    cfg, layout, hidden = planned(over, 1, slow)
+    assert hidden.terms["offload"] == 0
+    fast = replace(synthetic(tflops=1e3), host_link_gbps=1.0)
+    _, _, exposed = planned(over, 1, fast)
+    copy = 2 * layer_activation_bytes(cfg.train.seq_len, 2, cfg.model.n_embd,
+                                      cfg.model.n_head, 1, False, 2) / 1e9  # 2 blocks, out
+    forward = exposed.terms["compute"] / 3 / 4  # per micro-batch (m = 4)
+    assert exposed.terms["offload"] == pytest.approx(4 * (2 * copy - 3 * forward), rel=1e-9)
+
+
+def test_recompute_adds_one_forward():
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    _, _, off = planned(over, 1, synthetic())
+    cfg, layout, on = planned(over + ["train.recompute=true"], 1, synthetic())
+    h, v = cfg.model.n_embd, cfg.model.vocab_size
+    head = 2 * (v * h + 2 * h) * 8 * cfg.train.seq_len / 1e12  # the LM head is not re-run
+    assert on.terms["compute"] == off.terms["compute"]
+    assert on.terms["recompute"] == pytest.approx(off.terms["compute"] / 3 - head)
+    assert on.model_tflops_per_device < on.hardware_tflops_per_device
+    assert on.hardware_tflops_per_device * on.step_s == pytest.approx(
+        off.hardware_tflops_per_device * off.step_s + on.terms["recompute"])
+
+
+def brute_force(cfg, world, profile, per_node):
+    """(step s, peak bytes, Choice) of every layout of the documented space that validates,
+    predicted (n_layer 4: the partial counts are every count below a chunk's blocks)."""
+    out = []
+    for tp, pp, zero, sp, v, mb, zb in itertools.product(
+            (1, 2, 4), (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
+            ("auto", "zb-h1", "zb-v")):
+        dp = world // (tp * pp)
+        blocks = cfg.model.n_layer // (pp * v)
+        if tp * pp > world or (zero and dp == 1) or cfg.model.n_layer % (pp * v):
+            continue
+        for rec, r, off, k, opt in itertools.product(
+                (False, True), (None, 1, 2, 3), (False, True), (None, 1, 2, 3), (0.0, 0.5, 1.0)):
+            rest = blocks - (r or 0) if rec and r else 0 if rec else blocks
+            if (r is not None and (not rec or r >= blocks)) or (off and rest == 0) or \
+                    (k is not None and (not off or k >= rest)):
+                continue
+            c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt, r, k, zb)
+            cc = apply_choice(cfg, c)
+            try:
+                validate(cc, world, per_node)
+            except ConfigError:
+                continue
+            layout = Layout.from_config(cc, world, "cuda")
+            plan = make_plan(cc, layout)
+            peak = plan.peak.bytes["total"]
+            assert memory_lower_bound(cfg, c, 2) <= peak
+            out.append((predict(cc, layout, plan.stages, profile, per_node).step_s, peak, c))
+    return sorted(out, key=lambda x: x[0])
+
+
+def least_offload(fitting, n_layer):
+    """The documented rule: a layout's offload variant is in the space only when no variant
+    of it with less offload (fewer offloaded blocks, no larger optimizer fraction) fits
+    (offloads only add copy time in the model)."""
+    def amount(c):
+        blocks = n_layer // (c.pp * c.virtual_stages)
+        rest = blocks - (0 if not c.recompute else c.recompute_layers or blocks)
+        offloaded = 0 if not c.offload else c.offload_layers or rest
+        return offloaded, c.offload_optimizer
+
+    def base(c):
+        return replace(c, offload=False, offload_layers=None, offload_optimizer=0.0)
+    fits = {}
+    for _, c in fitting:
+        fits.setdefault(base(c), []).append(amount(c))
+    return [(t, c) for t, c in fitting if not any(
+        a <= amount(c)[0] and f <= amount(c)[1] and (a, f) != amount(c)
+        for a, f in fits[base(c)])]
+
+
+def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_layouts():
+    """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1 / ZB-V, full / partial recompute,
+    every or some blocks' activation offload and optimizer offload fractions; and with the
+    schedule held at zb-v (`fixed`), the best zb-v layout, valid."""
+    cfg = load_config(SMALL + ["train.global_batch_size=8"])
+    base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0,
+                   op_links={"intra_node": {"all_gather": Link(40.0, 1e-6),  # faster than the
+                                            "reduce_scatter": Link(5.0, 2e-5)}})  # link: bounds
+    everything = brute_force(cfg, 4, base, 2)
+    memories = sorted(peak for _, peak, _ in everything)
+    profile = replace(base, memory_bytes=int(memories[len(memories) // 3]))
+    fitting = [(t, c) for t, peak, c in everything if peak <= profile.memory_bytes]
+    assert 0 < len(fitting) < len(everything)
+    fitting = least_offload(fitting, cfg.model.n_layer)
+    assert {c.schedule for _, c in fitting} == {"auto", "zb-h1", "zb-v"}
+    assert any(c.recompute_layers for _, c in fitting) and any(c.offload_layers
+                                                                for _, c in fitting)
+    result = search(cfg, 4, profile, 2, top=3)
+    assert [r.prediction.step_s for r in result.best] == \
+        pytest.approx([t for t, _ in fitting[:3]], rel=1e-12)
+    for r in result.best:
+        validate(r.config, 4, 2)
+        assert make_plan(r.config, r.layout).peak.bytes["total"] <= profile.memory_bytes
+    assert result.best[0].choice == fitting[0][1]
+    v_shaped = [(t, c) for t, c in fitting if c.schedule == "zb-v"]
+    best_v = search(cfg, 4, profile, 2, top=1, fixed={"schedule": "zb-v"}).best[0]
+    assert best_v.choice == v_shaped[0][1] and best_v.layout.v_shape
+    assert best_v.prediction.step_s == pytest.approx(v_shaped[0][0], rel=1e-12)
+    validate(best_v.config, 4, 2)
+    assert best_v.config.parallel.schedule == "zb-v" and best_v.choice.virtual_stages == 2
+
+
+def test_nothing_fits_names_each_familys_need():
+    cfg = load_config(SMALL + ["train.global_batch_size=8"])
+    with pytest.raises(NothingFits, match=r"zero=3 recompute=on: [0-9.]+ GiB"):
+        search(cfg, 4, replace(synthetic(), memory_bytes=1000), 2)
+
+
+def test_plan_cli_prediction_json_and_bad_input(capsys, tmp_path):
+    plan_main(["--world-size", "4", "--device", "h100-80gb", "--json", "tp=2"] + SMALL
+              + ["train.global_batch_size=8", "train.micro_batch_size=2"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["prediction"]) >= {"step_s", "tokens_per_s", "model_tflops_per_device",
+                                      "mfu", "terms"} and out["stages"][0]["comm"]["tp"] > 0
+    plan_main(["--world-size", "4", "--json"] + SMALL + ["train.global_batch_size=8",
+                                                        "train.micro_batch_size=2"])
+    assert json.loads(capsys.readouterr().out)["prediction"] is None  # cuda: memory only
+    bad = [(["--device", "h100-90gb"], "known: .*a100-80gb"),
+           (["--gpus-per-node", "3", "--world-size", "8"], "--gpus-per-node=3 must divide"),
+           (["--profile", str(tmp_path / "missing.json")], "--profile"),
+           (["--search", "--device", "cuda"], "needs a device profile")]
+    for flags, message in bad:
+        with pytest.raises(SystemExit) as e:
+            plan_main((["--world-size", "4"] if "--world-size" not in flags else []) + flags)
+        assert e.value.code == 2
+        assert __import__("re").search(message, capsys.readouterr().err)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"format": "something-else", "version": 1}))
+    with pytest.raises(SystemExit):
+        plan_main(["--world-size", "4", "--profile", str(foreign)])
+    assert "megalite-device-profile" in capsys.readouterr().err  # foreign: refused
+
+
+def test_search_cli_prints_the_ranking_and_plots(capsys, tmp_path):
+    png = tmp_path / "search.png"
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--search", "--world-size", "8", "--gpus-per-node", "4", "--device",
+                   "a100-40gb", "--plot", str(png), "train.recompute=true"] + SMALL
+                  + ["train.global_batch_size=16"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "held fixed (given on the command line): recompute=True" in out
+    assert "run the first with: tp=" in out and png.stat().st_size > 1000
+
+
+def test_a_calibrated_profile_file_plans_and_the_table_gives_calibrate_its_links(capsys,
+                                                                                 tmp_path):
+    from megalite.plan.devices import load_profile_file, table_links
+    from megalite.plan.profile_file import save_profile
+    from tests.unit.test_calibrate import synthetic_profile
+
+    path = tmp_path / "gpu.json"
+    save_profile(path, synthetic_profile())
+    profile = load_profile_file(path)
+    assert profile.rate("bf16") == 700e12 and profile.inter_node == Link(20.0, 5e-5)
+    plan_main(["--world-size", "4", "--profile", str(path), "--json"] + SMALL
+              + ["train.global_batch_size=8", "train.micro_batch_size=2"])
+    assert json.loads(capsys.readouterr().out)["prediction"]["device"] == "test-gpu"
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(path.read_text().replace("700.0", "900.0"))
+    with pytest.raises(SystemExit):
+        plan_main(["--world-size", "4", "--profile", str(damaged)])
+    assert "CRC32 mismatch" in capsys.readouterr().err
+    links, source = table_links("NVIDIA A100-SXM4-80GB")
+    assert links["intra_node"]["bus_gbps"] == BY_NAME["a100-80gb"].intra_node.bus_gbps
+    assert "a100" in source and table_links("NVIDIA RTX 9999") is None
+
+
+def test_offloaded_optimizer_moves_adamw_to_the_host():
+    over = ["zero=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    profile = replace(synthetic(tflops=1e-4), host_link_gbps=4.0, host_memory_gbps=50.0)
+    _, _, kept = planned(over, 2, profile)
+    cfg, layout, off = planned(over + ["offload.optimizer=1"], 2, profile)
+    assert kept.terms["optimizer"] > 0 and kept.terms["offload_optimizer"] == 0
+    assert off.terms["optimizer"] == 0
+    owned = make_plan(cfg, layout).stages[0].params / 2
+    # the gradient copy hides behind the (slow) backward; the host step is the longer of
+    # AdamW at host memory bandwidth and the parameters' copy back
+    assert off.terms["offload_optimizer"] == pytest.approx(
+        max(30 * owned / 50e9, 2 * owned / 4e9))

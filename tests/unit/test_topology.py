@@ -1,0 +1,54 @@
+"""Rank grid: [TP, PP, DP] mapping, group membership, and the real groups on gloo ranks."""
+import itertools
+
+import pytest
+import torch
+
+from megalite.parallel import comm
+from megalite.parallel.topology import Coords, build_topology, coords_of, group_ranks, rank_of
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 4), (2, 2, 2), (4, 2, 1), (2, 1, 3), (1, 4, 2)]
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_rank_formula_round_trips(tp, pp, dp):
+    for rank in range(tp * pp * dp):
+        c = coords_of(rank, tp, pp)
+        assert rank == c.tp_rank + tp * (c.pp_rank + pp * c.dp_rank)
+        assert rank_of(c, tp, pp) == rank
+        assert 0 <= c.dp_rank < dp
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_groups_partition_the_world(tp, pp, dp):
+    world = tp * pp * dp
+    groups = group_ranks(tp, pp, dp)
+    for kind, size in (("tp", tp), ("pp", pp), ("dp", dp), ("mp", tp * pp)):
+        lists = groups[kind]
+        assert sorted(itertools.chain(*lists)) == list(range(world)), kind
+        assert all(len(g) == size for g in lists), kind
+    for g in groups["tp"]:  # TP innermost: consecutive ranks (inside one node)
+        assert g == list(range(g[0], g[0] + tp))
+    for g in groups["dp"]:  # members share (tp, pp) and differ in dp
+        cs = [coords_of(r, tp, pp) for r in g]
+        assert len({(c.tp_rank, c.pp_rank) for c in cs}) == 1 and [c.dp_rank for c in cs] == list(range(dp))
+    for g in groups["embedding"]:
+        stages = [coords_of(r, tp, pp).pp_rank for r in g]
+        assert stages == sorted({0, pp - 1})
+
+
+def test_example_layout_2_2_2():
+    g = group_ranks(2, 2, 2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["mp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert coords_of(5, 2, 2) == Coords(tp_rank=1, pp_rank=0, dp_rank=1)
+
+
+def test_world_size_one_needs_no_process_group():
+    topo = build_topology(1, 1, 1)
+    assert topo.world_size == 1 and topo.is_first_stage and topo.is_last_stage
+    t = torch.ones(3)
+    comm.all_reduce(t, topo.dp_group)
+    assert t.tolist() == [1, 1, 1] and topo.counter.snapshot() == {}
