@@ -12,7 +12,7 @@ unknown one exits with status 2 naming it and lm-eval's closest names. Hub tasks
 their datasets (the Hugging Face cache); a task of your own (--include-path: yaml files with
 `dataset_path: json` and `dataset_kwargs: {data_files: ...}`) runs offline. Prints lm-eval's
 table; --output writes its results as JSON (--log-samples: with every example's scores).
-Needs the `eval` extra: pip install "megalite[eval]".
+Needs the `eval` extra (lm-eval, accelerate): pip install -e ".[eval]" in a checkout.
 """
 from __future__ import annotations
 

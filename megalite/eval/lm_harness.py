@@ -23,8 +23,7 @@ from typing import Iterator, List, Optional
 
 from megalite.checkpoint.export import export_hf
 from megalite.checkpoint.resolve import find_checkpoint
-
-INSTALL_HINT = 'pip install "megalite[eval]" (lm-eval, accelerate, matplotlib)'
+from megalite.utils.extras import install_hint, missing
 
 
 class EvaluateError(ValueError):
@@ -32,11 +31,14 @@ class EvaluateError(ValueError):
 
 
 def require_lm_eval():
-    """The lm_eval module, or an error saying how to install it."""
-    try:
-        import lm_eval
-    except ImportError as e:
-        raise EvaluateError(f"lm-eval is not installed ({e}); {INSTALL_HINT}") from e
+    """The lm_eval module, or an error naming what is missing (lm-eval, or accelerate, which
+    its `hf` model needs) and the command that installs the eval extra."""
+    lacking = missing("lm_eval", "accelerate")
+    if lacking:
+        raise EvaluateError(f"{' and '.join(lacking)} not installed: megalite-evaluate needs "
+                            f"the eval extra: {install_hint('eval')}")
+    import lm_eval
+
     return lm_eval
 
 
