@@ -1,6 +1,6 @@
 """What a finished run says: what happened and what to do next (rank 0, end of megalite-pretrain).
 
-    megalite: run finished: 60 of train.max_steps=60 steps, 30,720 tokens
+    run finished: 60 of train.max_steps=60 steps, 30,720 tokens
       train loss   5.6114 (step 60)
       val loss     5.7321 (step 60)
       ...
@@ -95,7 +95,7 @@ def render(s: RunSummary) -> str:
     """The summary as the lines rank 0 logs."""
     stopped = "" if s.steps >= s.max_steps else \
         " (stopped early; continue with checkpoint.resume=auto)"
-    lines = [f"megalite: run finished: {s.steps} of train.max_steps={s.max_steps} steps, "
+    lines = [f"run finished: {s.steps} of train.max_steps={s.max_steps} steps, "
              f"{s.tokens:,} tokens{stopped}",
              _figure("train loss", s.train_loss, s.last_step["loss"], "none logged"),
              _figure("val loss", s.val_loss, s.last_step["val_loss"],

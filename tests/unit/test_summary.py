@@ -28,7 +28,7 @@ def summary_text(records, **kw):
 def test_the_summary_gives_the_last_figures_the_mean_mfu_and_the_commands():
     text = summary_text(RECORDS)
     lines = text.splitlines()
-    assert lines[0] == "megalite: run finished: 25 of train.max_steps=25 steps, 12,800 tokens"
+    assert lines[0] == "run finished: 25 of train.max_steps=25 steps, 12,800 tokens"
     assert "  train loss   6.0000 (step 25)" in lines
     assert "  val loss     6.5000 (step 20)" in lines  # the last evaluation, not the last line
     assert "  HellaSwag    acc 0.2500, acc_norm 0.3000 (step 20)" in lines
