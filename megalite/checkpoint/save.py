@@ -172,7 +172,7 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
         try:
             discard(old)
         except OSError as e:  # step_N is published: a stale old one is not worth the run
-            get_logger().warning(f"megalite: warning: published {final.name} but could not "
+            get_logger().warning(f"published {final.name} but could not "
                                  f"delete {old} (checkpoint.keep={keep}): "
                                  f"{type(e).__name__}: {e}")
 

@@ -9,10 +9,13 @@ directory, or a checkpoint.dir for its latest) is exported to `transformers` fir
 --export-dir, kept, or a temporary directory — as `megalite-export` does; a directory holding
 config.json is evaluated as it is. The task names are checked before anything is exported: an
 unknown one exits with status 2 naming it and lm-eval's closest names. Hub tasks download
-their datasets (the Hugging Face cache); a task of your own (--include-path: yaml files with
-`dataset_path: json` and `dataset_kwargs: {data_files: ...}`) runs offline. Prints lm-eval's
+their datasets (the Hugging Face cache first); a task of your own (--include-path: yaml files
+with `dataset_path: json` and `dataset_kwargs: {data_files: ...}`) runs offline. Where the Hub
+does not answer, the command runs offline (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1, unless
+either is set): a hub task's data then comes from the cache (HF_HOME) or the command exits
+with status 2 at once, naming the task and its dataset. Prints lm-eval's
 table; --output writes its results as JSON (--log-samples: with every example's scores).
-Needs the `eval` extra: pip install "megalite[eval]".
+Needs the `eval` extra (lm-eval, accelerate): pip install -e ".[eval]" in a checkout.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from megalite.eval.lm_harness import (
     check_model_path,
     evaluate,
     hf_model_dir,
+    offline_if_unreachable,
     require_lm_eval,
     task_manager,
 )
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> dict:
         raise EvaluateError(f"--export-dir {export_dir}: exists and is not an empty directory; "
                             "name a new one (or leave it out for a temporary export)")
     require_lm_eval()
+    offline_because = offline_if_unreachable()  # before lm-eval imports huggingface_hub
     manager = task_manager(tasks, args.include_path)
     import torch
 
@@ -80,7 +85,8 @@ def run(args: argparse.Namespace) -> dict:
     with hf_model_dir(path, args.export_dir, args.tokenizer) as model_dir:
         results = evaluate(model_dir, tasks, manager, device=device, batch_size=batch_size,
                            num_fewshot=args.num_fewshot, limit=args.limit, dtype=args.dtype,
-                           log_samples=args.log_samples, seed=args.seed)
+                           log_samples=args.log_samples, seed=args.seed,
+                           offline_because=offline_because)
     from lm_eval.utils import handle_non_serializable, make_table
 
     print(make_table(results))

@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
                    help="rank every valid layout that fits by predicted step time")
     p.add_argument("--top", type=int, default=5, help="--search: layouts to print")
     p.add_argument("--plot", default=None, metavar="PNG",
-                   help="--search: step time vs peak memory of the candidates, to a PNG")
+                   help="--search: step time vs peak memory of the candidates, to a PNG "
+                   "(matplotlib: the eval extra)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "

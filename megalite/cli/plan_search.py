@@ -11,10 +11,16 @@ from megalite.config.schema import check_sections, load_config
 from megalite.plan.devices import DeviceProfile
 from megalite.plan.report import explicit_layout_keys, plot_search, ranking_table
 from megalite.plan.search import NothingFits, search
+from megalite.utils.extras import install_hint, missing
 
 
 def run_search(args, profile: DeviceProfile, per_node: int) -> int:
-    """Exit status: 0, 2 for a bad configuration, 4 when nothing fits."""
+    """Exit status: 0, 2 for a bad configuration (or --plot without matplotlib), 4 when
+    nothing fits."""
+    if args.plot and missing("matplotlib"):
+        print(f"megalite: --plot needs matplotlib, which comes with the eval extra: "
+              f"{install_hint('eval')} (or leave --plot out)", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.overrides)
         check_sections(cfg)

@@ -9,7 +9,8 @@ the tokens trained on, one or several runs overlaid, into a PNG (for users witho
 it (`megalite.train.metrics_file`). The legend names each run by its directory (with as much of
 the parent path as tells two same-named directories apart). A panel whose metric no run logged
 is left out (HellaSwag needs eval.hellaswag; MFU needs a known peak). Needs matplotlib (the
-`eval` extra: pip install "megalite[eval]"); draws with the Agg backend, no display needed.
+`eval` extra: pip install -e ".[eval]" in a checkout); draws with the Agg backend, no display
+needed.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from megalite.train.metrics_file import MetricsFileError, metric, run_records
+from megalite.utils.extras import install_hint
 
 # (panel title, [(metric, line style)], y-axis scale factor, y label)
 PANELS = (
@@ -126,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         draw(runs, out)
     except ImportError as e:
         print(f"megalite: cannot plot: {e}; matplotlib comes with the eval extra: "
-              "pip install \"megalite[eval]\" (or pip install matplotlib)", file=sys.stderr)
+              f"{install_hint('eval')} (or pip install matplotlib)", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {out} ({len(runs)} run{'s' * (len(runs) > 1)})")
 

@@ -64,7 +64,7 @@ def pretrain(node) -> None:
             cfg, auto = launch_layout(cfg, world_size_from_env(), local_gpu(),
                                       local_ranks_from_env(), HydraConfig.get().overrides.task)
             if launch_rank() == 0:
-                logger.info(f"megalite: layout=auto chose {' '.join(auto.overrides)}\n{auto.why}")
+                logger.info(f"layout=auto chose {' '.join(auto.overrides)}\n{auto.why}")
         layout, warnings = preflight(cfg, world_size_from_env(), local_gpus(),
                                      local_ranks_from_env(), local_gpu())
     except (ConfigError, DataError) as e:
@@ -76,11 +76,11 @@ def pretrain(node) -> None:
         if layout.device_type == "cuda":
             warnings.append(memory_warning(plan, torch.cuda.get_device_properties(0).total_memory))
         for w in filter(None, warnings):
-            logger.warning(f"megalite: warning: {w}")
+            logger.warning(w)
     runtime = init_runtime(cfg, layout)
     run_dir = broadcast_run_dir(Path(HydraConfig.get().runtime.output_dir).resolve(),
                                 runtime.topology)
-    logger.info(f"megalite: {runtime.topology.describe()} device={runtime.device} "
+    logger.info(f"{runtime.topology.describe()} device={runtime.device} "
                 f"run_dir={run_dir}")
     trainer = build_trainer(cfg, runtime, run_dir, planner=auto.record() if auto else None)
     records = fit_or_exit(trainer)  # a hardware verdict exits with HARDWARE_FAULT_EXIT

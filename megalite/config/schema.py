@@ -232,7 +232,8 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline stage: > 1 runs the interleaved 1F1B
     #                          schedule (Megatron's virtual pipeline): bubble (p-1)/(v·m+p-1)
     schedule: str = "auto"  # auto (interleaved if virtual_stages > 1, else 1f1b) | 1f1b |
-    #                         interleaved | zb-h1 (zero bubble, B/W split) | zb-v (not built)
+    #                         interleaved | zb-h1 (zero bubble, B/W split) | zb-v (zero bubble
+    #                         in a V, virtual_stages=2; docs/pipelines.md)
     timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
     #                           group (gloo); NCCL's watchdog ends the process, naming the group
 
@@ -261,7 +262,7 @@ class Config:
     #                          fp32 | bf16 | fp16 (fp16 params + fp32 master/moments, loss scaling)
     device: str = "auto"  # auto | cpu | cuda
     layout: str = "manual"  # manual (tp, pp, zero, ... as given) | auto: the planner's fastest
-    #                         predicted layout for the world size (README: Planner), the layout
+    #                         predicted layout for the world size (docs/planner.md), the layout
     #                         keys given on the command line held fixed
     init_from: Optional[str] = None  # weights to start from: HF GPT2LMHeadModel directory or hub
     #                                  id, or a megalite checkpoint (weights only, step 0)

@@ -116,8 +116,8 @@ class EvalConfig:
 
 @dataclass
 class OffloadConfig:
-    """Training state kept in host memory instead of the device's (README: Activation
-    offload); the copies overlap compute on CUDA and save nothing on CPU."""
+    """Training state kept in host memory instead of the device's (docs/offload.md:
+    Activation offload); the copies overlap compute on CUDA and save nothing on CPU."""
 
     activations: bool = False  # what the transformer blocks save for backward goes to host
     #                            memory in forward and comes back in backward (parameters stay)
@@ -126,7 +126,7 @@ class OffloadConfig:
     #   (train.recompute_layers come first); None = every block not recomputed
     optimizer: float = 0.0  # the fraction (0..1) of this rank's owned optimizer range whose
     #   fp32 master weights and AdamW moments live in host memory, stepped by the CPU AdamW
-    #   (0 = off, 1 = all; README: Optimizer offload)
+    #   (0 = off, 1 = all; docs/offload.md: Optimizer offload)
 
     def messages(self, device_type: str) -> List[str]:
         """What a run should know about offload.optimizer before it starts."""
@@ -257,7 +257,7 @@ RERUN_MODES = ("off", "on_nan", "on_spike")
 
 @dataclass
 class PlannerConfig:
-    """Where `layout=auto` takes its device from (`megalite.plan.memory`; README: Planner)."""
+    """Where `layout=auto` takes its device from (`megalite.plan.memory`; docs/planner.md)."""
 
     device: str = "auto"  # a device profile name (h100-80gb, a100-80gb, ..., cpu); auto = the
     #                       table entry of the detected GPU, cpu without one

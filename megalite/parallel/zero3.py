@@ -20,7 +20,7 @@ it on its own stream, on CPUs gloo on its own threads, overlapping the current u
 `reshard_after_forward=False` keeps every unit gathered from its first use to the end of the
 step: one all-gather per unit per step instead of two per micro-batch, at the memory cost of
 the stage's full parameters during the step — the better choice under pipeline parallelism with
-many micro-batches (see the README's ZeRO section for the traffic of both).
+many micro-batches (docs/zero.md gives the traffic of both).
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def dp_traffic_elements(layout: Layout, psi: float, m: int) -> float:
 
 
 def zero_table() -> str:
-    """The README's table, rendered from `model_state_bytes` and `ZERO_DP_TRAFFIC`."""
+    """The table of docs/zero.md, rendered from `model_state_bytes` and `ZERO_DP_TRAFFIC`."""
     def formula(layout: Layout, e: int) -> str:
         parts = model_state_bytes(layout, 1, e)
         return " + ".join(f"{round(v * (layout.dp_size if v < 1 else 1))}Ψ"

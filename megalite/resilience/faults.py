@@ -107,5 +107,5 @@ def fit_or_exit(trainer) -> Optional[list]:
     try:
         return trainer.fit()
     except HardwareFaultError as e:
-        get_logger().error(f"megalite: {e}")
+        get_logger().error(str(e))
         sys.exit(HARDWARE_FAULT_EXIT)

@@ -196,7 +196,7 @@ class HangWatch:
             except Exception as e:  # the watch must not die of a broken store
                 if not self._warned:  # (once: a store that is gone fails every look)
                     self._warned = True
-                    get_logger().warning(f"megalite: hang watch on rank {self.rank}: {e!r}")
+                    get_logger().warning(f"hang watch on rank {self.rank}: {e!r}")
 
     # --- requests and answers ----------------------------------------------------------
 
@@ -235,7 +235,7 @@ class HangWatch:
             self._number(req)
             self._ask(req, state, failure=True)
         except Exception as e:  # the error being raised is the one to report
-            get_logger().warning(f"megalite: hang dump on rank {self.rank} failed: {e!r}")
+            get_logger().warning(f"hang dump on rank {self.rank} failed: {e!r}")
 
     def request(self, kind: str, what: str) -> Path:
         """A live dump (no failure): number the request, dump this rank, ask the others, wait
@@ -255,7 +255,7 @@ class HangWatch:
             states = self.exchange.collect(req["n"], self.world_size, self.wait_s)
         text, summary = summarize(states, self.world_size, req)
         path = write_summary(self._dir(failure), text, summary, keep_first=failure)
-        get_logger().warning(f"megalite: hang dump: {text}")
+        get_logger().warning(f"hang dump: {text}")
         return path
 
     def _answer(self) -> None:

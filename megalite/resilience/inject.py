@@ -71,7 +71,7 @@ class FaultInjector:
             yield
             return
         spec = self.spec
-        get_logger().warning(f"megalite: {KEY}: flipping bit {self.bit} of {spec.tensor}"
+        get_logger().warning(f"{KEY}: flipping bit {self.bit} of {spec.tensor}"
                              f"[{spec.index}]'s {spec.target} on rank {spec.rank} at step "
                              f"{step} (execution {execution}, {spec.kind})")
         self.injected += 1

@@ -123,7 +123,7 @@ class RerunAttribution:
         log = get_logger()
         self.reruns += 1
         if self.topo.rank == 0:
-            log.warning(f"megalite: step {step} is suspicious ({'; '.join(reasons)}): "
+            log.warning(f"step {step} is suspicious ({'; '.join(reasons)}): "
                         "re-executing it before its optimizer step (resilience.rerun="
                         f"{self.mode})")
         first = self._local_results(loss)
@@ -232,7 +232,7 @@ class RerunAttribution:
         record = fault_record(step, kind, suspects, places, reasons, message)
         if self.topo.rank == 0:
             path = write_fault(self.run_dir, record)
-            get_logger().error(f"megalite: {message} ({path})")
+            get_logger().error(f"{message} ({path})")
         comm.barrier(self.topo.world_group)  # fault.json exists before any rank exits
         raise HardwareFaultError(message, record)
 
@@ -254,7 +254,7 @@ class RerunAttribution:
                                   for d, s in by_replica.items()}}
             path = append_line(self.run_dir, "data_skips.jsonl", record)
             get_logger().warning(
-                f"megalite: step {step}: the data — its re-execution and another replica's "
+                f"step {step}: the data — its re-execution and another replica's "
                 f"recomputation reproduced it; skipped the batch ({self.data_skips} so far), "
                 f"the samples of DP replica(s) {sorted(by_replica)} are in {path}")
         return True
@@ -267,7 +267,7 @@ class RerunAttribution:
                 "step": step, "reasons": reasons,
                 "samples": [list(map(int, x)) for x in samples]})
             get_logger().warning(
-                f"megalite: step {step}: its re-execution reproduced it, so the data or a "
+                f"step {step}: its re-execution reproduced it, so the data or a "
                 "persistent fault of this replica's devices; with dp=1 there is no other "
                 "replica to recompute it on: telling them apart needs a restart that excludes "
                 "this node (if the step fails there too, it is the data). Skipped the batch "
@@ -287,7 +287,7 @@ class RerunAttribution:
                 "step": step, "reasons": reasons, "ranks": changed,
                 "largest_relative_difference": worst})
             get_logger().warning(
-                f"megalite: step {step}: re-executing it changed the own results of ranks "
+                f"step {step}: re-executing it changed the own results of ranks "
                 f"{changed}, in several data-parallel replicas: no single device does that, "
                 "so the kernels are not deterministic (largest relative difference "
                 f"{worst}); no hardware verdict. Skipped the batch ({self.nondeterministic} so "

@@ -90,7 +90,7 @@ class StragglerReport:
                                                   topo.world_group)
         self.window_start = 0  # the step after which the current window began
         if topo.rank == 0 and not peer_groups(topo):
-            get_logger().info("megalite: straggler reports compare the ranks of a pipeline "
+            get_logger().info("straggler reports compare the ranks of a pipeline "
                               "stage, and each stage has one rank here (tp = dp = 1): they "
                               "give compute times but name no straggler")
 
@@ -123,7 +123,7 @@ class StragglerReport:
         for s in stragglers:
             gpu = "" if s.gpu is None else f", GPU {s.gpu}"
             get_logger().warning(
-                f"megalite: straggler: rank {s.rank} (host {s.host}{gpu}) computed "
+                f"straggler: rank {s.rank} (host {s.host}{gpu}) computed "
                 f"{s.compute_s:.3f} s per step in {s.phase} over steps {first}-{step}, "
                 f"{s.compute_s / s.median_s if s.median_s else float('inf'):.2f}x the "
                 f"{s.median_s:.3f} s of its peers (resilience.straggler_factor={self.factor}, "

@@ -126,7 +126,7 @@ def shard_files() -> ShardFiles:
     before, after = raise_open_file_limit()
     budget = open_file_budget()
     change = f"raised from {before} to {after}" if after != before else f"{after}"
-    log.get_logger().info(f"megalite: open-file limit (soft) {change}; at most {budget} "
+    log.get_logger().info(f"open-file limit (soft) {change}; at most {budget} "
                           "token shards open at once")
     return ShardFiles(budget)
 
@@ -154,7 +154,7 @@ def build_hellaswag(cfg: Config, runtime: Runtime, model: PipelineStage, engine:
         scatter_group=None if layout.sequence_parallel else topo.tp_group)
     endings = sum(len(ex) for ex in choices.endings)
     log.get_logger().info(
-        f"megalite: eval.hellaswag: {len(choices.labels)} examples ({endings} endings) from "
+        f"eval.hellaswag: {len(choices.labels)} examples ({endings} endings) from "
         f"{cfg.eval.hellaswag}, read at length {length}; {choices.truncated} endings longer "
         f"than train.seq_len + 1 = {t.seq_len + 1} tokens left-truncated")
     return ChoiceEval(choices, schedule, topo, t.micro_batch_size, length,
@@ -169,7 +169,7 @@ def attach_services(trainer: Trainer, data_meta: dict, resumed: Optional[dict] =
     cfg, topo, rt, t = trainer.cfg, trainer.topo, trainer.rt, trainer.cfg.train
     if topo.rank == 0:
         for moved in set_aside_later_checkpoints(trainer.ckpt_root, trainer.step):
-            log.get_logger().info(f"megalite: this run starts at step {trainer.step}; moved "
+            log.get_logger().info(f"this run starts at step {trainer.step}; moved "
                                   f"the later checkpoint to {moved}")
         if cfg.resilience.hang_dump:
             set_aside_old_dumps(trainer.run_dir)  # hang/ holds this launch's dumps only
@@ -222,7 +222,7 @@ def attach_resilience(trainer: Trainer, resumed: Optional[dict] = None) -> None:
                                          trainer.engine, topo.rank)
     if res.rerun != "off":
         if res.rerun_deterministic and use_deterministic_kernels(rt.device) and topo.rank == 0:
-            log.get_logger().info("megalite: resilience.rerun: torch's deterministic algorithms "
+            log.get_logger().info("resilience.rerun: torch's deterministic algorithms "
                               "on (resilience.rerun_deterministic=true)")
         trainer.rerun = RerunAttribution(res, topo, rt.device, trainer.engine, trainer.rng,
                                          trainer.run_dir, trainer.loss_scaler)
@@ -280,11 +280,11 @@ def restore(trainer: Trainer) -> Optional[dict]:
         trainer.loss_scaler.load_state_dict(meta.get("loss_scaler"))
     trainer.sampler.load_state_dict(meta["sampler"])
     for warning in data_position_warnings(meta, cfg):
-        logger.warning(f"megalite: warning: {warning}")
+        logger.warning(warning)
     process_rng = ProcessRNG(trainer.rng)
     same_device = rng_state is not None and process_rng.accepts(rng_state)
     if rng_state is not None and not same_device:
-        logger.warning(f"megalite: {path} was written on "
+        logger.warning(f"{path} was written on "
                        f"{rng_state.get('device_type', 'another')} devices, this run is on "
                        f"{trainer.rt.device.type}: everything is restored but the device's "
                        "dropout streams, which restart from the seed and the step")

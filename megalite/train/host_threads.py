@@ -47,6 +47,6 @@ def set_host_threads(offload_fraction: float, device: torch.device,
     if threads == current:
         return None
     torch.set_num_threads(threads)
-    get_logger().info(f"megalite: offload.optimizer={offload_fraction:g}: host AdamW on "
+    get_logger().info(f"offload.optimizer={offload_fraction:g}: host AdamW on "
                       f"{threads} threads per rank (was {current}; {local_ranks} local ranks)")
     return threads

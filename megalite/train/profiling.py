@@ -73,6 +73,6 @@ class StepProfiler:
         table = self.out_dir / f"rank{self.rank:05d}.txt"
         table.write_text(prof.key_averages().table(sort_by=key, row_limit=TABLE_ROWS,
                                                    max_name_column_width=70))
-        get_logger().info(f"megalite: profile of steps {self.window[0]}-{self.window[1]} "
+        get_logger().info(f"profile of steps {self.window[0]}-{self.window[1]} "
                           f"written to {self.out_dir}")
         self._export_s += time.perf_counter() - t0

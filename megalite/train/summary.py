@@ -1,6 +1,6 @@
 """What a finished run says: what happened and what to do next (rank 0, end of megalite-pretrain).
 
-    megalite: run finished: 60 of train.max_steps=60 steps, 30,720 tokens
+    run finished: 60 of train.max_steps=60 steps, 30,720 tokens
       train loss   5.6114 (step 60)
       val loss     5.7321 (step 60)
       ...
@@ -13,6 +13,11 @@ lines as metrics.jsonl): the last train loss, the last validation loss and Hella
 (when the run evaluates them), and the mean MFU over this launch's metrics lines (each line
 is one interval of log.every steps, so the mean is per interval, not weighted by time). Steps
 and tokens are the run's totals, a resumed run's included.
+
+Every command under "next:" works after the quickstart's install (`pip install -e .`), or says
+what it needs: megalite-plot (matplotlib) and megalite-evaluate (lm-eval, accelerate) need the
+`eval` extra, and when this environment lacks it their lines end in a comment naming the
+command that installs it (`megalite.utils.extras.install_hint`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import List, Optional, Tuple
 
 from megalite.checkpoint.resolve import latest_checkpoint
 from megalite.train.metrics_file import METRICS_FILE, metric
+from megalite.utils.extras import install_hint, missing
 
 
 @dataclass
@@ -89,7 +95,7 @@ def render(s: RunSummary) -> str:
     """The summary as the lines rank 0 logs."""
     stopped = "" if s.steps >= s.max_steps else \
         " (stopped early; continue with checkpoint.resume=auto)"
-    lines = [f"megalite: run finished: {s.steps} of train.max_steps={s.max_steps} steps, "
+    lines = [f"run finished: {s.steps} of train.max_steps={s.max_steps} steps, "
              f"{s.tokens:,} tokens{stopped}",
              _figure("train loss", s.train_loss, s.last_step["loss"], "none logged"),
              _figure("val loss", s.val_loss, s.last_step["val_loss"],
@@ -110,18 +116,29 @@ def render(s: RunSummary) -> str:
 
 
 def next_commands(s: RunSummary) -> List[str]:
-    """Generate from, export, plot and evaluate the run, with its paths filled in."""
+    """Generate from, export, plot and evaluate the run, with its paths filled in; a command
+    that needs what this environment lacks (the eval extra) says what to install."""
     run = shlex.quote(str(s.run_dir))
-    plot = f"megalite-plot {run} --out {shlex.quote(str(s.run_dir / 'metrics.png'))}"
+    plot = f"megalite-plot {run} --out {shlex.quote(str(s.run_dir / 'metrics.png'))}" + \
+        _needs(missing("matplotlib"))
     sync = [f"{s.wandb_sync}   # upload the offline wandb run"] if s.wandb_sync else []
     if s.checkpoint is None:
         return [plot] + sync
     ckpt = shlex.quote(str(s.checkpoint))
+    lacking = missing("lm_eval", "accelerate")
+    evaluate = f"megalite-evaluate {ckpt} --tasks hellaswag" + (
+        _needs(lacking, "; lm-eval downloads the task's data") if lacking
+        else "   # lm-eval downloads the task's data")
     return [f"megalite-generate {ckpt} --prompt \"The\" --max-new-tokens 64",
             f"megalite-export {ckpt} {shlex.quote(str(s.run_dir / 'hf'))}",
-            plot,
-            f"megalite-evaluate {ckpt} --tasks hellaswag   "
-            "# pip install \"megalite[eval]\"; lm-eval downloads the task's data"] + sync
+            plot, evaluate] + sync
+
+
+def _needs(lacking: List[str], more: str = "") -> str:
+    """The comment after a command whose modules `lacking` are not installed ('' if none)."""
+    if not lacking:
+        return ""
+    return f"   # needs {' and '.join(lacking)}: {install_hint('eval')}{more}"
 
 
 def trainer_summary(trainer, records: List[dict]) -> str:

@@ -306,7 +306,7 @@ class Trainer:
                         self.writer.log(records[-1])
                     interval = _Interval()
                 if stopping is not None:
-                    get_logger().info(f"megalite: stopped after step {self.step} "
+                    get_logger().info(f"stopped after step {self.step} "
                                       f"({stopping}); the checkpoint of this step continues it "
                                       "with checkpoint.resume=auto")
                     break

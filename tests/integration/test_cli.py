@@ -33,17 +33,42 @@ def test_a_command_runs_as_a_module_and_with_argv():
         assert proc.returncode == 0 and "--world-size" in proc.stdout, proc.stderr
 
 
+def running_site_dirs() -> list:
+    """The site-packages directories this interpreter reads its packages from: its own (a
+    virtual environment's, plus the base interpreter's when that one was made with
+    --system-site-packages), and the user site when it is on."""
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    return dirs
+
+
+def inherit_site_packages(venv: Path) -> Path:
+    """A .pth file in `venv`'s site-packages that adds this interpreter's site directories
+    after its own, their .pth files processed, as --system-site-packages would on a bare
+    interpreter. (`venv --system-site-packages` run from inside a virtual environment inherits
+    the base interpreter's packages, not this environment's: no torch there.)"""
+    (site_packages,) = (venv / "lib").glob("python*/site-packages")
+    pth = site_packages / "_megalite_test_inherit.pth"
+    pth.write_text("".join(f"import site; site.addsitedir({d!r})\n"
+                           for d in running_site_dirs()))
+    return pth
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A virtualenv with megalite installed from its wheel (the dependencies come from this
-    environment's site-packages): the console scripts, and no checkout on the path."""
+    environment's site-packages, a virtual environment's too): the console scripts, and no
+    checkout on the path."""
     tmp = tmp_path_factory.mktemp("installed")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(tmp / "wheel"), str(REPO)],
                    check=True, cwd=tmp)
     (wheel,) = (tmp / "wheel").glob("megalite-*.whl")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(tmp / "venv")], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True)
+    inherit_site_packages(tmp / "venv")
     # --ignore-installed: this environment's megalite (an editable install, or a checkout on
     # PYTHONPATH) is neither "already satisfied" nor touched
     subprocess.run([sys.executable, "-m", "pip", "--python", str(tmp / "venv" / "bin" / "python"),

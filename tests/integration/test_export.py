@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from megalite.checkpoint.export import ExportError, export_hf, load_model, model_config
 from megalite.data.loader import TokenShards, val_batches
+from megalite.eval.lm_harness import OFFLINE_VARIABLES
 from megalite.model.gpt2 import num_parameters
 from megalite.model.hf import hf_config
 from tests.integration.test_pretrain import REPO, pretrain, read_metrics
@@ -222,6 +223,8 @@ def test_evaluate_runs_lm_eval_on_a_checkpoint_with_a_local_task(runs, exported,
     data = tasks / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in MC_EXAMPLES))
     (tasks / "tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    for name in OFFLINE_VARIABLES:  # a local task; and no Hub probe (it would set them here)
+        monkeypatch.setenv(name, "1")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the export's temporary
     (tmp_path / "tmp").mkdir()
     evaluate.main([str(runs / "serial" / "checkpoints"), "--tasks", "tiny_mc", "--include-path",
@@ -248,8 +251,12 @@ def test_evaluate_runs_lm_eval_on_a_checkpoint_with_a_local_task(runs, exported,
 
 
 @pytest.mark.distributed  # the runs fixture; lm-eval indexes its ~14,000 task files (~10 s)
-def test_evaluate_refuses_unknown_tasks_and_paths_before_exporting(runs, tmp_path, capsys):
+def test_evaluate_refuses_unknown_tasks_and_paths_before_exporting(runs, tmp_path, capsys,
+                                                                   monkeypatch):
     from megalite.cli import evaluate
+
+    for name in OFFLINE_VARIABLES:  # no Hub probe in this process (it would set them)
+        monkeypatch.setenv(name, "1")
 
     code, _, err = run_script("evaluate.py", tmp_path / "nowhere", "--tasks", "hellaswag")
     assert code == 2 and f"{tmp_path / 'nowhere'}: neither a transformers directory" in err, err

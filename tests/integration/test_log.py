@@ -17,7 +17,7 @@ config = yaml.safe_load(open(sys.argv[1]))
 config["handlers"]["file"]["filename"] = sys.argv[2]
 logging.config.dictConfig(config)  # what Hydra does on rank 0 of a run
 log.configure(0)
-log.get_logger().info("megalite: from megalite")
+log.get_logger().info("from megalite")
 logging.getLogger("somelib").warning("from another library")
 """
 
@@ -30,8 +30,8 @@ def test_under_hydra_job_logging_each_line_is_written_once_per_sink(tmp_path):
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for sink in (proc.stderr, file.read_text()):
-        assert sink.count("megalite: from megalite") == 1, sink
+        assert sink.count("from megalite") == 1, sink
         assert sink.count("from another library") == 1, sink
-        assert "[megalite][rank 0][INFO] - megalite: from megalite" in sink, sink
+        assert "[megalite][rank 0][INFO] - from megalite" in sink, sink
         assert "[somelib][rank -][WARNING] - from another library" in sink, sink
     assert proc.stdout == ""

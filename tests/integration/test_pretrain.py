@@ -76,12 +76,12 @@ def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_p
 def check_end_of_run_summary(stderr, run, records):
     """Rank 0's last message (megalite.train.summary): the run's figures as metrics.jsonl has
     them, where its files are, and next commands that work (the export one is run)."""
-    start = stderr.index("megalite: run finished:")
-    summary = stderr[start:].splitlines()
-    assert (run / "pretrain.log").read_text().count("megalite: run finished:") == 1
+    marked = "[megalite][rank 0][INFO] - run finished:"  # the log format marks it megalite's
+    summary = stderr[stderr.index(marked) + marked.index("run finished:"):].splitlines()
+    assert (run / "pretrain.log").read_text().count(marked) == 1
     mfus = [r["mfu"] for r in records]
     ckpt = run / "checkpoints" / "step_00000060"
-    assert summary[0] == (f"megalite: run finished: 60 of train.max_steps=60 steps, "
+    assert summary[0] == (f"run finished: 60 of train.max_steps=60 steps, "
                           f"{records[-1]['consumed_tokens']:,} tokens")
     figures = dict(line.strip().split(maxsplit=1) for line in summary[1:summary.index("next:")])
     assert figures["train"] == f"loss   {records[-1]['loss']:.4f} (step 60)"

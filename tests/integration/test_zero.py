@@ -5,7 +5,7 @@ equal the single-process run, and after every step every rank's parameters (gath
 shards for zero 3) are its slice of the serial parameters — hence DP replicas are identical.
 
 Memory and traffic, fp32 on CPU: the ZeRO table of `megalite.plan.memory` (`model_state_bytes`,
-`dp_traffic_elements`; the README renders it with `zero_table()`), with Ψ = elements of this
+`dp_traffic_elements`; docs/zero.md renders it with `zero_table()`), with Ψ = elements of this
 rank's TP x PP shard (vocabulary padded), N = DP size, m = micro-batches per step. For m = 1
 these are the ZeRO paper's 2Ψ and 3Ψ; zero 2 and 3 reduce-scatter every micro-batch because
 they keep no full gradient to accumulate into.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -327,6 +328,8 @@ def test_plan_cli_prediction_json_and_bad_input(capsys, tmp_path):
 
 
 def test_search_cli_prints_the_ranking_and_plots(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib comes with the eval extra: "
+                        "pip install -e '.[dev,eval]'")
     png = tmp_path / "search.png"
     with pytest.raises(SystemExit) as e:
         plan_main(["--search", "--world-size", "8", "--gpus-per-node", "4", "--device",
@@ -336,6 +339,18 @@ def test_search_cli_prints_the_ranking_and_plots(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "held fixed (given on the command line): recompute=True" in out
     assert "run the first with: tp=" in out and png.stat().st_size > 1000
+
+
+def test_search_plot_without_matplotlib_says_what_to_install(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as after `pip install -e .`
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--search", "--world-size", "8", "--device", "a100-40gb", "--plot",
+                   str(tmp_path / "search.png")] + SMALL)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megalite: --plot needs matplotlib, which comes with the eval extra: "
+                          "pip install -e "), err
+    assert not (tmp_path / "search.png").exists()
 
 
 def test_a_calibrated_profile_file_plans_and_the_table_gives_calibrate_its_links(capsys,
