@@ -47,14 +47,26 @@ def _build(preset: str, dp: int, zero: int, root: Path, tp: int = 1):
     return cfg, topo, model, engine
 
 
+def _run_state(rank: int, world: int):
+    """A run state as a training run's, at step 1: the progress, a sampler at sample 0 and
+    this rank's random streams. Returns (the state, its progress)."""
+    from megalite.checkpoint.state import META, RANK, TOP, Part, ProcessRNG, Progress, RunState
+    from megalite.data.sampler import ResumableSampler
+    from megalite.parallel.rng import RNGTracker
+
+    progress = Progress(step=1)
+    rng = ProcessRNG(RNGTracker(0, 0, 0, rank, torch.device("cpu")), 0, progress)
+    return RunState([Part("progress", progress, TOP),
+                     Part("sampler", ResumableSampler(world, world, rank, world, 0), META),
+                     Part("rng", rng, RANK)]), progress
+
+
 def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     import torch.distributed as dist
 
     from megalite.checkpoint.async_save import CheckpointSaver
     from megalite.checkpoint.load import load_checkpoint
     from megalite.checkpoint.save import save_checkpoint, written_numel
-    from megalite.checkpoint.state import ProcessRNG, Progress
-    from megalite.parallel.rng import RNGTracker
 
     root = Path(root)
     zero = 1 if world > 1 else 0
@@ -62,11 +74,10 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     for piece, _, _ in engine.main_params:  # an optimizer step, so the moments exist
         piece.grad.normal_()
     engine.clip_and_step(1e-4, 1.0)
-    rng = ProcessRNG(RNGTracker(0, 0, 0, rank, torch.device("cpu"))).state_dict()
+    state, progress = _run_state(rank, world)
     dist.barrier()
     t0 = time.perf_counter()
-    path = save_checkpoint(root, 1, engine, rng, Progress({"consumed_samples": 0}),
-                                cfg, topo, keep=3)
+    path = save_checkpoint(root, engine, state.capture(), cfg, topo, keep=3)
     save_s = time.perf_counter() - t0
     _, _, _, fresh = _build(preset, world, zero, root)
     dist.barrier()
@@ -82,7 +93,8 @@ def _save_and_load(rank: int, world: int, preset: str, root: str) -> dict:
     for step in (2, 3):
         dist.barrier()
         t0 = time.perf_counter()
-        saver.save(step, engine, rng, Progress({"consumed_samples": 0}))
+        progress.step = step
+        saver.save(engine, state.capture())
         blocked.append(time.perf_counter() - t0)
         saver.wait()
         dist.barrier()
@@ -102,16 +114,13 @@ def _resharded_resume_bytes(rank: int, world: int, preset: str, root: str) -> di
     from megalite.checkpoint.format import KINDS
     from megalite.checkpoint.load import load_checkpoint
     from megalite.checkpoint.save import save_checkpoint
-    from megalite.checkpoint.state import ProcessRNG, Progress
-    from megalite.parallel.rng import RNGTracker
 
     cfg, topo, _, engine = _build(preset, world, 0, Path(root))
     for piece, _, _ in engine.main_params:
         piece.grad.normal_()
     engine.clip_and_step(1e-4, 1.0)
-    rng = ProcessRNG(RNGTracker(0, 0, 0, rank, torch.device("cpu"))).state_dict()
-    path = save_checkpoint(Path(root), 1, engine, rng, Progress({"consumed_samples": 0}),
-                           cfg, topo, keep=1)
+    path = save_checkpoint(Path(root), engine, _run_state(rank, world)[0].capture(), cfg, topo,
+                           keep=1)
     del engine
     out = {}
     for name, tp in (("zero1", 1), ("tp2_zero1", 2)):

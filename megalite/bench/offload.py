@@ -97,11 +97,9 @@ def _runner(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group, offload=offload)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig(),
-                        offload_optimizer=fraction)
     clock = _WaitClock()
-    if engine.offload is not None:
-        engine.offload.timers = clock
+    engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig(),
+                        offload_optimizer=fraction, offload_timers=clock)
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd),
                                 dtype, device)
     model.train()

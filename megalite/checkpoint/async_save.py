@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from megalite.checkpoint import save as ckpt
-from megalite.checkpoint.state import Progress
+from megalite.checkpoint.state import SavedState
 from megalite.config.schema import Config
 from megalite.parallel.topology import Topology
 
@@ -75,17 +75,18 @@ class CheckpointSaver:
             self._staging = _host_buffer(numel, self._pinned)
         return self._staging[:numel]
 
-    def save(self, step: int, engine, rng_state: dict, progress: Progress
-             ) -> Optional[Path]:
-        """Collective. In the training thread: returns the published directory. In the
-        background: returns None once the snapshot is taken; `wait()` returns the directory."""
+    def save(self, engine, state: SavedState) -> Optional[Path]:
+        """Collective: the engine's pieces and the run state's parts (`RunState.capture()`),
+        at the step `state` records. In the training thread: returns the published directory.
+        In the background: returns None once the snapshot is taken; `wait()` returns the
+        directory."""
         keep = self.cfg.checkpoint.keep
         if self._pool is None:
-            snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo)
+            snap = ckpt.take_snapshot(engine, state, self.cfg, self.topo)
             return ckpt.write_snapshot(self.root, snap, self.cfg, self.topo, keep,
                                        self.topo.checkpoint_group)
         self.wait()  # one save in flight; its staging buffer is about to be overwritten
-        snap = ckpt.take_snapshot(step, engine, rng_state, progress, self.cfg, self.topo,
+        snap = ckpt.take_snapshot(engine, state, self.cfg, self.topo,
                                   staging=self._staging_buffer)
         self._pending = self._pool.submit(ckpt.write_snapshot, self.root, snap, self.cfg,
                                           self.topo, keep, self.topo.checkpoint_group)

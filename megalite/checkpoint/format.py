@@ -4,8 +4,9 @@
         rank00003.bin       this rank's pieces of global tensors, raw little-endian fp32
         rng_rank00003.pt    this rank's RNG streams (restored when the layout is unchanged)
         index/<tensor>.json where each piece of one global tensor lies (`checkpoint.index`)
-        meta.json           written last by rank 0: step, sampler position, skipped steps, the
-                            fp16 loss scale, layout, model shape, every file's size and CRC32
+        meta.json           written last by rank 0: the run state's parts (step, skipped steps,
+                            sampler position, fp16 loss scale, rerun statistics:
+                            `checkpoint.state`), layout, model shape, every file's size and CRC32
                             (per 1 MiB block for rank files), each index file's, and the CRC32
                             of meta.json's own content
 
@@ -25,16 +26,17 @@ The package: `format` (this file: the layout on disk, reading and verifying it),
 (the piece index, per tensor), `reslice` (a range of one TP split in runs of another),
 `save` (snapshots and the publication protocol), `async_save` (saves in the background),
 `load` (restore into any layout, agreed over the ranks), `resolve` (which checkpoint a path or
-`checkpoint.resume` names), `state` (the run's position besides tensors), `export` (to
-`transformers`). The engine hands its state over as pieces (`ZeroEngine.state_pieces`,
-`load_state_piece`), the samplers, loss scaler and RNG through their `state_dict()`.
+`checkpoint.resume` names), `state` (the run's stateful parts besides tensors, listed once),
+`export` (to `transformers`). The engine hands its state over as pieces
+(`ZeroEngine.state_pieces`, `load_state_piece`); the progress, sampler, loss scaler, rerun
+statistics and RNG through their `state_dict()`, walked as one list (`state.RunState`).
 
 Format policy: a new key in meta.json that an older reader ignores needs no version bump; a
 change an old reader would misread bumps FORMAT_VERSION, and the reader keeps accepting every
 version it can read (`READABLE_VERSIONS`).
 
-A save is a snapshot (`take_snapshot`: this rank's pieces, RNG and data position at the end of
-a step) and its writing (`write_snapshot`), in the training thread or in a background thread
+A save is a snapshot (`take_snapshot`: this rank's pieces and the run state's parts at the end
+of a step) and its writing (`write_snapshot`), in the training thread or in a background thread
 (`megalite.checkpoint.async_save`). A checkpoint counts only when complete: written under
 `step_N.tmp/`, published by rank 0 with an atomic rename after every rank has reported its
 files written and meta.json is on disk. A rank that fails to write is reported to all: nothing
@@ -80,6 +82,15 @@ CRC_BLOCK_BYTES = 2**20  # format 4: a CRC32 per block of this many bytes of a r
 #                          where its ranges end mid-block; meta.json lists ~1 per MiB of state)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
+# meta.json's own entries, the checkpoint's record (format 3 wrote "pieces" where format 5
+# writes "tensors"); every other entry is a stateful part's (`megalite.checkpoint.state`)
+RECORD_KEYS = ("format_version", "consumed_samples", "adam_step", "layout", "model", "config",
+               "time", "data_dir", "data_sources", "files", "tensors", "pieces", "meta_crc32")
+
+
+def rank_file(name: str, rank: int) -> str:
+    """The file of a per-rank part of the run state (`rng` -> `rng_rank00003.pt`)."""
+    return f"{name}_rank{rank:05d}.pt"
 
 
 def written_range(piece: StatePiece, topo: Topology) -> Optional[Tuple[int, int]]:

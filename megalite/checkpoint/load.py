@@ -8,12 +8,20 @@ whatever TP split wrote them (`checkpoint.reslice`) — and hands them to the en
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.format import KINDS, Reader, check_compatible, read_meta, verify_file, verify_ranges
+from megalite.checkpoint.format import (
+    KINDS,
+    Reader,
+    check_compatible,
+    rank_file,
+    read_meta,
+    verify_file,
+    verify_ranges,
+)
 from megalite.checkpoint.resolve import candidates
 from megalite.config.schema import Config
 from megalite.parallel import comm
@@ -24,21 +32,26 @@ from megalite.utils.log import get_logger
 
 class Loaded(NamedTuple):
     meta: dict
-    rng: Optional[dict]  # this rank's RNG state; None when the layout differs from the writer's
+    # a per-rank part's name -> this rank's state; None when the layout differs from the
+    # writer's, or the checkpoint has no such file (written before the part existed)
+    rank_files: Dict[str, Optional[dict]]
     verified_bytes: int  # read to check CRC32s before the ranks agreed to load
     read_bytes: int  # read to fill this rank's state
 
 
-def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
+def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology,
+                    rank_files: Sequence[str] = ()) -> Loaded:
     """Collective. Verify, then restore master weights, moments and parameters of this rank's
-    part under the current layout. Each rank checks only what it will read (format 4: the
-    CRC32 blocks its byte ranges touch; format 3: whole files), then the ranks agree. Raises
-    CheckpointError (on every rank) if any rank finds the checkpoint incomplete or corrupted;
-    nothing is modified then."""
+    part under the current layout, and read this rank's files of the run state's per-rank
+    parts named in `rank_files` (`RunState.rank_files`; the writer's layout only). Each rank
+    checks only what it will read (format 4: the CRC32 blocks its byte ranges touch; format 3:
+    whole files), then the ranks agree. Raises CheckpointError (on every rank) if any rank
+    finds the checkpoint incomplete or corrupted; nothing is modified then."""
     error: Optional[str] = None
     meta: dict = {}
     plans: list = []
     verified = 0
+    readable: List[str] = []  # the files of `rank_files` this rank reads
     try:
         meta = read_meta(ckpt)
         check_compatible(meta, cfg, ckpt)
@@ -49,20 +62,23 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology) -> Loaded:
         same_layout = meta["layout"]["world_size"] == topo.world_size and all(
             meta["layout"][k] == v for k, v in (("tp", topo.tp_size), ("pp", topo.pp_size),
                                                 ("dp", topo.dp_size)))
-        rng_name = f"rng_rank{topo.rank:05d}.pt"
         if same_layout:
-            verify_file(ckpt, rng_name, meta["files"][rng_name])
+            readable = [f for f in (rank_file(n, topo.rank) for n in rank_files)
+                        if f in meta["files"]]
+        for name in readable:
+            verify_file(ckpt, name, meta["files"][name])
     except Exception as e:  # noqa: BLE001 - every rank must reach the verdict, whatever it is
         error = f"{ckpt}: {type(e).__name__}: {e}" if not isinstance(e, CheckpointError) \
             else str(e)
     _agree_to_load(ckpt, error, meta.get("step"), topo.checkpoint_group)
     _fill(reader, plans, engine, meta["adam_step"])
-    rng = torch.load(ckpt / rng_name, weights_only=False) if same_layout else None
+    states = {n: torch.load(ckpt / rank_file(n, topo.rank), weights_only=False)
+              if rank_file(n, topo.rank) in readable else None for n in rank_files}
     # the slowest reader is waited for here, on the checkpoint group's timeout, not in the
     # first collective of a training group (the ZeRO parameter gather below)
     comm.barrier(topo.checkpoint_group)
     engine.params_from_master()
-    return Loaded(meta, rng, verified, reader.bytes_read)
+    return Loaded(meta, states, verified, reader.bytes_read)
 
 
 def plan_reads(reader: Reader, engine, topo: Topology
@@ -111,26 +127,26 @@ def _agree_to_load(ckpt: Path, error: Optional[str], step: Optional[int],
         raise CheckpointError(what if rank in (None, group.rank) else f"rank {rank}: {what}")
 
 
-def resume(setting: str, root: Path, engine, cfg: Config, topo: Topology
-           ) -> Optional[Tuple[Path, dict, Optional[dict]]]:
+def resume(setting: str, root: Path, engine, cfg: Config, topo: Topology,
+           rank_files: Sequence[str] = ()) -> Optional[Tuple[Path, Loaded]]:
     """The resume policy of `checkpoint.resume` (collective): load the first usable of its
     candidates (`resolve.candidates`: the named checkpoint, or for auto the complete ones in
-    `root`, newest first, a damaged one skipped for the one before it). Returns (path, meta,
-    this rank's RNG state or None), or None when there is nothing to resume (none, or auto
-    with no checkpoint yet); raises CheckpointError when nothing named loads."""
+    `root`, newest first, a damaged one skipped for the one before it). Returns (path, what
+    `load_checkpoint` loaded), or None when there is nothing to resume (none, or auto with no
+    checkpoint yet); raises CheckpointError when nothing named loads."""
     tried = candidates(setting, root, topo.checkpoint_group)
     if setting == "auto" and not tried:
         get_logger().info(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting "
                           "from scratch")
     for path in tried:
         try:
-            meta, rng, _, _ = load_checkpoint(path, engine, cfg, topo)
+            loaded = load_checkpoint(path, engine, cfg, topo, rank_files)
         except CheckpointError as e:
             if setting != "auto":
                 raise
             get_logger().warning(f"checkpoint {path} unusable, trying the previous one: {e}")
             continue
-        return path, meta, rng
+        return path, loaded
     if tried:
         raise CheckpointError(f"no usable checkpoint in {root}")
     return None

@@ -8,7 +8,6 @@ raises the same error.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -21,10 +20,17 @@ from typing import Callable, List, Optional
 import torch
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.format import CRC_BLOCK_BYTES, FORMAT_VERSION, KINDS, meta_crc32, written_range
+from megalite.checkpoint.format import (
+    CRC_BLOCK_BYTES,
+    FORMAT_VERSION,
+    KINDS,
+    meta_crc32,
+    rank_file,
+    written_range,
+)
 from megalite.checkpoint.index import spec_record, write_index
 from megalite.checkpoint.resolve import complete_checkpoints, discard
-from megalite.checkpoint.state import Progress
+from megalite.checkpoint.state import SavedState
 from megalite.config.schema import Config, data_sources
 from megalite.parallel import comm
 from megalite.parallel.group import Group
@@ -52,17 +58,16 @@ class Snapshot:
     step: int
     tensors: List[torch.Tensor]
     pieces: List[dict]
-    rng_state: dict
-    progress: Progress
+    state: SavedState  # the run state's parts (`RunState.capture()`)
     adam_step: int
     layout: dict  # the writer's `Layout.as_dict()`
 
 
-def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: Config,
-                  topo: Topology, staging: Optional[Callable[[int], torch.Tensor]] = None
-                  ) -> Snapshot:
-    """This rank's pieces at `step`. With `staging` (numel -> a flat fp32 CPU buffer), their
-    values are copied into it (device-to-host for CUDA tensors) before returning."""
+def take_snapshot(engine, state: SavedState, cfg: Config, topo: Topology,
+                  staging: Optional[Callable[[int], torch.Tensor]] = None) -> Snapshot:
+    """This rank's pieces and `state`, at the step `state` records. With `staging` (numel -> a
+    flat fp32 CPU buffer), the pieces' values are copied into it (device-to-host for CUDA
+    tensors) before returning."""
     data_file = f"rank{topo.rank:05d}.bin"
     tensors, pieces, offset = [], [], 0
     for piece in engine.state_pieces():
@@ -91,8 +96,8 @@ def take_snapshot(step: int, engine, rng_state: dict, progress: Progress, cfg: C
         if any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()
         tensors = views
-    return Snapshot(step, tensors, pieces, rng_state, copy.deepcopy(progress),
-                    engine.adam_step(), engine.layout.as_dict())
+    return Snapshot(state.step, tensors, pieces, state, engine.adam_step(),
+                    engine.layout.as_dict())
 
 
 class _BlockCRC:
@@ -122,9 +127,10 @@ class _BlockCRC:
 
 
 def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
-    """This rank's data file (its pieces, raw little-endian fp32, fsynced) and RNG file;
-    returns their sizes and CRC32s (the data file's per block too)."""
-    data_file, rng_file = f"rank{rank:05d}.bin", f"rng_rank{rank:05d}.pt"
+    """This rank's data file (its pieces, raw little-endian fp32, fsynced) and the files of
+    the run state's per-rank parts (the RNG's); returns their sizes and CRC32s (the data
+    file's per block too)."""
+    data_file = f"rank{rank:05d}.bin"
     crc = _BlockCRC(CRC_BLOCK_BYTES)  # read at call time: a test may shrink it
     with open(tmp / data_file, "wb") as f:
         for t in snap.tensors:
@@ -133,26 +139,29 @@ def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
             crc.update(raw.cast("B"))
         f.flush()
         os.fsync(f.fileno())
-    with open(tmp / rng_file, "wb") as f:
-        torch.save(snap.rng_state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return {data_file: crc.record(),
-            rng_file: {"bytes": (tmp / rng_file).stat().st_size,
-                       "crc32": zlib.crc32((tmp / rng_file).read_bytes())}}
+    files = {data_file: crc.record()}
+    for name, state in snap.state.rank_files.items():
+        path = tmp / rank_file(name, rank)
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        files[path.name] = {"bytes": path.stat().st_size,
+                            "crc32": zlib.crc32(path.read_bytes())}
+    return files
 
 
 def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, topo: Topology,
              keep: int, gathered: List) -> None:
     """Rank 0: meta.json (fsynced), then the atomic rename, then old checkpoints beyond `keep`
-    deleted."""
+    deleted. meta.json: the checkpoint's record (`format.RECORD_KEYS`) and the run state's
+    parts (`checkpoint.state`); "consumed_samples" repeats the sampler's, for a reader's
+    glance and the resumed run's warnings."""
     sources = data_sources(cfg.data)
-    progress = snap.progress
-    meta = {"format_version": FORMAT_VERSION, "step": snap.step,
-            "consumed_samples": progress.sampler["consumed_samples"],
-            "sampler": progress.sampler, "adam_step": snap.adam_step,
-            "skipped_steps": progress.skipped_steps, "loss_scaler": progress.loss_scaler,
-            "rerun": progress.rerun,
+    parts = snap.state.meta
+    meta = {"format_version": FORMAT_VERSION, **parts,
+            "consumed_samples": parts["sampler"]["consumed_samples"],
+            "adam_step": snap.adam_step,
             "layout": snap.layout,
             "model": asdict(cfg.model), "config": asdict(cfg), "time": time.time(),
             "data_dir": str(sources[0][0]),  # the tokenizer's (the same for a blend)
@@ -217,9 +226,9 @@ def write_snapshot(root: Path, snap: Snapshot, cfg: Config, topo: Topology, keep
     return final
 
 
-def save_checkpoint(root: Path, step: int, engine, rng_state: dict, progress: Progress,
-                    cfg: Config, topo: Topology, keep: int) -> Path:
+def save_checkpoint(root: Path, engine, state: SavedState, cfg: Config, topo: Topology,
+                    keep: int) -> Path:
     """Collective, in the calling thread: every rank must call it. Returns the published
     directory. Background saves: `megalite.checkpoint.async_save`."""
-    snap = take_snapshot(step, engine, rng_state, progress, cfg, topo)
+    snap = take_snapshot(engine, state, cfg, topo)
     return write_snapshot(root, snap, cfg, topo, keep, topo.checkpoint_group)

@@ -168,12 +168,12 @@ def forward_order(chunks, buckets) -> List:
 class OptimizerOffload:
     """One rank's offloaded optimizer state: a `HostRange` per bucket with a host part."""
 
-    def __init__(self, chunks, buckets, fraction: float, device: torch.device):
+    def __init__(self, chunks, buckets, fraction: float, device: torch.device, timers=None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.gather_stream = torch.cuda.Stream(device) if self.cuda else None  # zero 1/2
-        self.timers = None  # the trainer's StepTimers: waits are timed as `offload_wait`
+        self.timers = timers  # the trainer's StepTimers: waits are timed as `offload_wait`
         self.ranges: Dict[int, HostRange] = {}
         for b in buckets:
             numel = round(fraction * (b.hi - b.lo))

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megalite.parallel.group import CommCounter, Group
+from megalite.parallel.group import CollectiveWaits, CommCounter, Group
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,13 @@ class Topology:
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                    timeout_s: Optional[float] = None,
-                   checkpoint_timeout_s: Optional[float] = None) -> Topology:
+                   checkpoint_timeout_s: Optional[float] = None,
+                   waits: Optional[CollectiveWaits] = None,
+                   flight: Optional[object] = None) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
+    Its calls are counted in one `CommCounter`, which times them in `waits` and reports them
+    to the flight recorder `flight` where given (`megalite.parallel.group`); the checkpoint
+    group's calls in a counter of their own, reported to `flight` too.
 
     `dist.new_group` is collective over the whole world, so every rank creates every group in
     the same order and keeps the handles of the groups it belongs to. The checkpoint group is a
@@ -155,7 +160,8 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
         rank = dist.get_rank() if initialized else 0
     if not initialized and world != 1:
         raise RuntimeError("torch.distributed must be initialized for world size > 1")
-    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank)
+    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank,
+                    counter=CommCounter(waits=waits, flight=flight))
     named = _names_groups()
     for kind, rank_lists in group_ranks(tp, pp, dp).items():
         mine: Optional[Tuple[List[int], Optional[dist.ProcessGroup]]] = None
@@ -175,7 +181,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                     backend=_host_backend(), named=named) if initialized and world > 1 else None
     # its own counter: a background save's traffic is not the training steps' (metrics)
     topo.groups["checkpoint"] = Group(name="checkpoint", ranks=list(range(world)), rank=rank,
-                                      pg=pg, counter=CommCounter())
+                                      pg=pg, counter=CommCounter(flight=flight))
     return topo
 
 

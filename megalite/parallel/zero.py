@@ -59,7 +59,10 @@ class ZeroEngine(EngineState):
 
     def __init__(self, model: nn.Module, topo: Topology, layout: Layout, optim: OptimConfig,
                  bucket_mb: float = 25.0, reshard_after_forward: bool = True,
-                 overlap_param_gather: bool = False, offload_optimizer: float = 0.0):
+                 overlap_param_gather: bool = False, offload_optimizer: float = 0.0,
+                 offload_timers=None):
+        """`offload_timers`: where offload.optimizer's waits on its copies are timed (an
+        object with `phase(name)`, the trainer's `StepTimers`: the `offload_wait` phase)."""
         self.topo, self.layout, self.model = topo, layout, model
         self.sequence_parallel = layout.sequence_parallel
         self.buckets: List[Bucket] = []
@@ -102,7 +105,7 @@ class ZeroEngine(EngineState):
         self.offload: Optional[OptimizerOffload] = None  # offload.optimizer: see offload.py
         if offload_optimizer > 0:
             self.offload = OptimizerOffload(model.chunks, self.buckets, offload_optimizer,
-                                            self.buckets[0].main_grad.device)
+                                            self.buckets[0].main_grad.device, offload_timers)
             if self.zero3 is not None:  # each unit's gather waits for its parameters' copy
                 self.zero3.params_needed = self.offload.params_needed
         self._build_optimizer(optim)

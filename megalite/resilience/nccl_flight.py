@@ -11,7 +11,7 @@ abort. It reads its variables from the environment:
     TORCH_FR_DUMP_TEMP_FILE        the dump's file prefix (the rank is appended); older
     (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)  releases read the second name. Set to
                                    <run dir>/hang/nccl/nccl_trace_rank_ once the run dir is
-                                   known (`megalite.train.build.attach_resilience`): the ranks
+                                   known (`megalite.train.resilience_services`): the ranks
                                    other than 0 learn it from rank 0 over the process group,
                                    so it cannot precede it. PyTorch reads it when it first
                                    dumps (`DebugInfoWriter::getWriter` creates its writer

@@ -1,4 +1,5 @@
-"""Process start-up: device, backend, process group, topology, precision.
+"""Process start-up: device, backend, process group, topology (with the observers of its
+collectives that the configuration asks for), precision.
 
 CUDA + NCCL when GPUs are present (one GPU per local rank), CPU + gloo otherwise. The launcher
 (torchrun) provides RANK / WORLD_SIZE / LOCAL_RANK; without them the process is a world of one
@@ -16,9 +17,12 @@ import torch.distributed as dist
 
 from megalite.config.layout import GpuInfo, Layout, device_type_for
 from megalite.config.schema import Config
+from megalite.parallel.group import CollectiveWaits
 from megalite.parallel.topology import Topology, build_topology
+from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.nccl_flight import set_nccl_flight_env
 from megalite.resilience.rerun import cublas_workspace_env
+from megalite.utils.clock import DeviceClock
 
 
 @dataclass
@@ -88,9 +92,15 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
             set_nccl_flight_env()
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                 **kwargs)
-    topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,
-                          timeout_s=cfg.parallel.timeout_s,
-                          checkpoint_timeout_s=cfg.checkpoint.timeout_s)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    res = cfg.resilience
+    topo = build_topology(
+        layout.tp_size, layout.pp_size, layout.dp_size, timeout_s=cfg.parallel.timeout_s,
+        checkpoint_timeout_s=cfg.checkpoint.timeout_s,
+        # straggler reports: the time each rank waits inside collectives
+        waits=CollectiveWaits(DeviceClock(device)) if res.straggler_report_every else None,
+        # hang dumps: every group's last collectives (the hang watch reads them)
+        flight=FlightRecorder(rank, res.hang_history) if res.hang_dump else None)
     return Runtime(layout=layout, topology=topo, device=device, local_rank=local_rank)
 
 

@@ -45,7 +45,7 @@ def count_skipped(trainer, finite: bool, data_skip: bool = False) -> None:
     if finite and not data_skip:
         trainer.bad_in_a_row = 0
     else:
-        trainer.skipped_steps += 1
+        trainer.progress.skipped_steps += 1
         trainer.bad_in_a_row = 0 if absorbed else trainer.bad_in_a_row + 1
     max_bad = trainer.cfg.train.max_bad_steps
     if trainer.bad_in_a_row >= max_bad:

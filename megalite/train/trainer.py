@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.async_save import CheckpointSaver
-from megalite.checkpoint.state import ProcessRNG, Progress
+from megalite.checkpoint.state import Progress, RunState
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
@@ -31,7 +31,6 @@ from megalite.eval.choice import ChoiceEval, ChoiceScores
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule
-from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.resilience.inject import FaultInjector
@@ -54,49 +53,72 @@ from megalite.utils.log import get_logger
 
 @dataclass(eq=False)
 class Trainer:
-    """The loop over the parts `megalite.train.build.build_trainer` makes for one rank."""
+    """The loop over the parts `megalite.train.build.build_trainer` makes for one rank, all of
+    them given at construction (an Optional part is off, and checked before use)."""
 
     cfg: Config
-    rt: Runtime
+    rt: Runtime  # the layout, topology and device
     run_dir: Path
-    layout: Layout
-    topo: Topology
+    # data
     data_sources: List[Tuple[Path, float]]
     val_shards: List[TokenShards]
-    stages: List[List[range]]  # every pipeline stage's block ranges, per chunk
-    rng: RNGTracker
-    model: PipelineStage
-    engine: ZeroEngine
-    schedule: PipelineSchedule
     sampler: object  # ResumableSampler or BlendedSampler
     batches: TrainBatches
     batch_size: BatchSizeSchedule
-    loss_scaler: Optional[LossScaler]
-    ckpt_root: Path
+    # the model and its parallel machinery
+    model: PipelineStage
+    engine: ZeroEngine
+    schedule: PipelineSchedule
+    loss_scaler: Optional[LossScaler]  # precision=fp16
     flops_per_token: int
-    step: int = 0
-    skipped_steps: int = 0  # non-finite steps skipped so far
-    bad_in_a_row: int = 0
-    last_batch_size: int = 0  # of the last step taken
-    last_lr: float = 0.0
-    stop_request: Optional[StopRequest] = None
-    profiler: Optional[StepProfiler] = None
-    timers: Optional[StepTimers] = None
-    saver: Optional[CheckpointSaver] = None
-    peak: Peak = field(default_factory=lambda: Peak(None, "not measured"))
-    writer: Optional[MetricsWriter] = None
-    hellaswag: Optional[ChoiceEval] = None  # eval.hellaswag's scoring, None when off
-    replicas: Optional[ReplicaCheck] = None  # resilience.check_every, None when off
-    stragglers: Optional[StragglerReport] = None  # resilience.straggler_report_every
-    planner: Optional[dict] = None  # layout=auto's choice and prediction (metrics header)
-    hang_watch: Optional[contextlib.AbstractContextManager] = None  # resilience.hang_dump
-    rerun: Optional[RerunAttribution] = None  # resilience.rerun, None when off
-    injector: Optional[FaultInjector] = None  # resilience.inject's drill, None when off
-    _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+    # checkpoints: the saved state (one list, `megalite.train.run_state`) and its saver
+    progress: Progress  # the step and the skipped steps
+    state: RunState
+    saver: CheckpointSaver
+    # around the steps
+    stop_request: StopRequest
+    profiler: StepProfiler
+    timers: StepTimers
+    peak: Peak
+    writer: Optional[MetricsWriter]  # rank 0's
+    hellaswag: Optional[ChoiceEval]  # eval.hellaswag's scoring
+    planner: Optional[dict]  # layout=auto's choice and prediction (metrics header)
+    # resilience services (`megalite.train.resilience_services`), None when off
+    replicas: Optional[ReplicaCheck]  # resilience.check_every
+    stragglers: Optional[StragglerReport]  # resilience.straggler_report_every
+    hang_watch: Optional[contextlib.AbstractContextManager]  # resilience.hang_dump
+    rerun: Optional[RerunAttribution]  # resilience.rerun
+    injector: Optional[FaultInjector]  # resilience.inject's drill
+    # the loop's own
+    bad_in_a_row: int = field(default=0, init=False)  # skipped steps in a row
+    last_batch_size: int = field(default=0, init=False)  # of the last step taken
+    last_lr: float = field(default=0.0, init=False)
+    _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = field(default=None, init=False)
 
     @property
     def rank(self) -> int:
         return self.topo.rank
+
+    @property
+    def topo(self) -> Topology:
+        return self.rt.topology
+
+    @property
+    def layout(self) -> Layout:
+        return self.rt.layout
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (a resumed run counts from its checkpoint's)."""
+        return self.progress.step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.progress.skipped_steps
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.saver.root
 
     def _offload_memory(self, steps: int = 1) -> dict:
         """The offloads' host bytes and copies (`megalite.train.offload_metrics`)."""
@@ -113,14 +135,7 @@ class Trainer:
         if self.replicas is not None and self.replicas.passed_step != self.step:
             self.replicas.check(self.step)
         self.engine.wait_for_params()  # the master ranges alias the parameters on CPU
-        return self.saver.save(self.step, self.engine, ProcessRNG(self.rng).state_dict(),
-                               self.progress())
-
-    def progress(self) -> Progress:
-        """The run's position besides its tensors, as a checkpoint records it."""
-        return Progress(self.sampler.state_dict(), self.skipped_steps,
-                        None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-                        None if self.rerun is None else self.rerun.state_dict())
+        return self.saver.save(self.engine, self.state.capture())
 
     # --- reporting ----------------------------------------------------------------------
 
@@ -187,7 +202,7 @@ class Trainer:
                 self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
             self.engine.zero_grad()
         self.last_lr = lr
-        self.step += 1
+        self.progress.step += 1
         self._count_non_finite(finite, skip)
         return (loss.item() if finite and not skip else None), norm.item()
 
@@ -221,6 +236,8 @@ class Trainer:
 
     def evaluate_hellaswag(self) -> ChoiceScores:
         """eval.hellaswag's examples scored (collective; every rank gets every score)."""
+        if self.hellaswag is None:
+            raise ValueError("eval.hellaswag is not set: this run has no examples to score")
         return self.hellaswag.evaluate(self.model, self.engine)
 
     def _downstream(self) -> dict:

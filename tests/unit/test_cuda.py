@@ -104,8 +104,9 @@ def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
     background checkpoint holds the state of its step although training went on meanwhile."""
     from megalite.checkpoint.async_save import CheckpointSaver
     from megalite.checkpoint.save import save_checkpoint, written_numel
-    from megalite.checkpoint.state import ProcessRNG, Progress
+    from megalite.checkpoint.state import META, RANK, TOP, Part, ProcessRNG, Progress, RunState
     from megalite.config.schema import load_config
+    from megalite.data.sampler import ResumableSampler
     from megalite.parallel.rng import RNGTracker
 
     model, engine, schedule = _engine()
@@ -121,13 +122,17 @@ def test_background_save_from_the_gpu_equals_a_save_in_the_loop(tmp_path):
         engine.zero_grad()
 
     step()
-    rng = ProcessRNG(RNGTracker(0, 0, 0, 0, torch.device("cuda"))).state_dict()
+    progress = Progress(step=1)
+    state = RunState([
+        Part("progress", progress, TOP),
+        Part("sampler", ResumableSampler(8, 4, 0, 1, 0, consumed_samples=4), META),
+        Part("rng", ProcessRNG(RNGTracker(0, 0, 0, 0, torch.device("cuda")), 0, progress),
+             RANK)]).capture()
     saver = CheckpointSaver(tmp_path / "bg", cfg, topo, torch.device("cuda"), background=True,
                             state_numel=written_numel(engine, topo))
     assert saver._staging.is_pinned()
-    progress = Progress({"consumed_samples": 4})
-    saver.save(1, engine, rng, progress)
-    sync = save_checkpoint(tmp_path / "loop", 1, engine, rng, progress, cfg, topo, keep=1)
+    saver.save(engine, state)
+    sync = save_checkpoint(tmp_path / "loop", engine, state, cfg, topo, keep=1)
     step()  # overwrites the live state while the background save may still be writing
     background = saver.close()
     assert (background / "rank00000.bin").read_bytes() == (sync / "rank00000.bin").read_bytes()

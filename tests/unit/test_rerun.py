@@ -244,16 +244,17 @@ def test_a_batch_skipped_as_bad_data_is_no_good_step_for_the_loss_scale():
     resilience.rerun skipped as bad data is not one of them (nor an overflow)."""
     from types import SimpleNamespace
 
+    from megalite.checkpoint.state import Progress
     from megalite.train.loss_scale import LossScaler
     from megalite.train.step_guard import count_skipped
 
     scaler = LossScaler(scale=1024.0, min_scale=1.0, window=2)
-    trainer = SimpleNamespace(loss_scaler=scaler, skipped_steps=0, bad_in_a_row=0, step=1,
-                              cfg=SimpleNamespace(train=SimpleNamespace(max_bad_steps=5)))
+    trainer = SimpleNamespace(loss_scaler=scaler, progress=Progress(step=1), bad_in_a_row=0,
+                              step=1, cfg=SimpleNamespace(train=SimpleNamespace(max_bad_steps=5)))
     count_skipped(trainer, finite=True)
     count_skipped(trainer, finite=True, data_skip=True)
     assert (scaler.scale, scaler.good_steps) == (1024.0, 1)
-    assert (trainer.skipped_steps, trainer.bad_in_a_row) == (1, 1)
+    assert (trainer.progress.skipped_steps, trainer.bad_in_a_row) == (1, 1)
     count_skipped(trainer, finite=True)  # the second good step: the scale grows
     assert (scaler.scale, scaler.good_steps, trainer.bad_in_a_row) == (2048.0, 0, 0)
 

@@ -1,0 +1,87 @@
+"""The first line of metrics.jsonl: what the run is (layout, model, batch, plan, model-state
+bytes, data, where it starts), written by rank 0's `MetricsWriter`, made here."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalite.config.schema import Config
+from megalite.eval.choice import ChoiceEval
+from megalite.model.gpt2 import flops_per_token, num_parameters
+from megalite.model.stage import PipelineStage
+from megalite.parallel import comm
+from megalite.parallel.zero import ZeroEngine
+from megalite.plan.memory import make_plan
+from megalite.train.metrics import MetricsWriter, Peak
+from megalite.train.runtime import Runtime
+
+
+def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
+                 engine: ZeroEngine, *, sources: Sequence[Tuple[Path, float]], data_meta: dict,
+                 peak: Peak, start_step: int, hellaswag: Optional[ChoiceEval],
+                 planner: Optional[dict]) -> Optional[MetricsWriter]:
+    """Rank 0's metrics writer, its header written (None on the other ranks). Collective:
+    the model-state bytes are gathered from every stage."""
+    state_bytes = gather_state_bytes(engine, rt.topology, rt.device)
+    if rt.topology.rank != 0:
+        return None
+    header = run_header(cfg, rt, run_dir, model, sources=sources, data_meta=data_meta,
+                        peak=peak, state_bytes=state_bytes, start_step=start_step,
+                        hellaswag=hellaswag, planner=planner)
+    log = cfg.log
+    return MetricsWriter(run_dir, header, log.wandb, log.project, log.run_name, asdict(cfg),
+                         cfg.train.max_steps, start_step, log.progress)
+
+
+def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[dict]:
+    """Model-state bytes (parameters, gradients, optimizer) per pipeline stage, the most any
+    rank of the stage holds, for the run header: a maximum over the stage's TP and DP ranks,
+    then one summary per stage gathered to rank 0 (O(pp) objects there, not O(world))."""
+    mine = engine.state_bytes()
+    kinds = list(mine)
+    values = [float(mine[k]) for k in kinds]
+    for group in (topo.tp_group, topo.dp_group):
+        values = comm.all_reduce_scalars(values, group, device, op=dist.ReduceOp.MAX)
+    summary = {"pp": topo.coords.pp_rank, "ranks": topo.tp_size * topo.dp_size,
+               **{k: int(v) for k, v in zip(kinds, values)}}
+    gathered = comm.gather_objects_to_root(summary, topo.pp_group)
+    return gathered if gathered is not None else []
+
+
+def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
+               sources: Sequence[Tuple[Path, float]], data_meta: dict, peak: Peak,
+               state_bytes: List[dict], start_step: int, hellaswag: Optional[ChoiceEval],
+               planner: Optional[dict]) -> dict:
+    """The header of a run of `cfg` on `rt`, starting at `start_step`."""
+    m, t, layout = cfg.model, cfg.train, rt.layout
+    return {
+        "layout": layout.as_dict(),
+        "stages": [[[r.start, r.stop] for r in chunks] for chunks in layout.stage_blocks()],
+        "micro_batches": layout.micro_batches(t.global_batch_size),
+        "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
+                  "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
+        "vocab_size": m.vocab_size, "padded_vocab_size": model.padded_vocab,
+        "tokenizer_vocab_size": data_meta["vocab_size"],
+        "parameters": num_parameters(m),
+        "flops_per_token": flops_per_token(m, t.seq_len),
+        "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
+        "peak_tflops_per_device": peak.tflops, "peak_source": peak.source,
+        "device": str(rt.device), "compute_dtype": str(rt.compute_dtype),
+        "seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "tokens_per_step": t.global_batch_size * t.seq_len,
+        "model_state_bytes": state_bytes,
+        "plan": make_plan(cfg, layout).as_dict(),
+        "planner": planner,
+        "data_dir": str(sources[0][0]),
+        "data_sources": [[str(d), w] for d, w in sources],
+        "run_dir": str(run_dir),
+        "start_step": start_step,
+        "hellaswag": None if hellaswag is None else {
+            "source": cfg.eval.hellaswag, "examples": len(hellaswag.choices.labels),
+            "length": hellaswag.length, "truncated_endings": hellaswag.choices.truncated},
+    }
