@@ -96,7 +96,7 @@ def host_adamw_throughput(numel: int, steps: int, warmup: int) -> Dict[str, floa
     return {kind: numel // 8 * 8 / s for kind, s in seconds.items()}
 
 
-def _runner(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
+def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
             activations: bool, batches):
     topo = build_topology(1, 1, 1)
     offload = ActivationOffload(device) if activations else None
@@ -149,7 +149,7 @@ def _torchao_runner(mcfg, device, micro_batch: int, seq: int, batches) -> Callab
     return step
 
 
-def _batches(vocab: int, micro_batch: int, seq: int, m: int, device):
+def random_batches(vocab: int, micro_batch: int, seq: int, m: int, device):
     g = torch.Generator().manual_seed(0)
     w = torch.randint(0, vocab, (m, micro_batch, seq + 1), generator=g).to(device)
     return [(x[:, :-1], x[:, 1:]) for x in w]
@@ -167,8 +167,8 @@ def _largest_fitting(mcfg, device, dtype, precision, seq: int, candidates: List[
     for mb in candidates:
         step = None
         try:
-            step, _ = _runner(mcfg, device, dtype, precision, mb, seq, 0.0, False,
-                              _batches(mcfg.vocab_size, mb, seq, 1, device))
+            step, _ = build_variant(mcfg, device, dtype, precision, mb, seq, 0.0, False,
+                              random_batches(mcfg.vocab_size, mb, seq, 1, device))
             step()
             return mb
         except torch.cuda.OutOfMemoryError:
@@ -214,7 +214,7 @@ def build_order(variants: List[Tuple[float, bool]], baseline_every: int) -> List
     return order + [base]
 
 
-def _time_one(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers]]], device,
+def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers]]], device,
               warmup: int, steps: int) -> dict:
     """Build one variant, warm it up, time `steps` steps, free it: median seconds, offload
     waits per step, peak device memory."""
@@ -253,22 +253,22 @@ def step_times(args, device) -> List[dict]:
                      getattr(args, "baseline_every", 2))
     rows = []
     for m in args.micro_batches:
-        batches = _batches(mcfg.vocab_size, mb, seq, m, device)
+        batches = random_batches(mcfg.vocab_size, mb, seq, m, device)
         tokens = mb * seq * m
         timed_rows = []
         for i, (name, fraction, act) in enumerate(order):
             def make(fraction=fraction, act=act):
-                return _runner(mcfg, device, dtype, precision, mb, seq, fraction, act,
+                return build_variant(mcfg, device, dtype, precision, mb, seq, fraction, act,
                                batches)
             try:
-                got = _time_one(make, device, args.warmup, args.steps)
+                got = time_variant(make, device, args.warmup, args.steps)
             except torch.cuda.OutOfMemoryError as e:
                 got = {"error": f"out of memory: {str(e).splitlines()[0]}"}
             timed_rows.append({"order": i, "variant": name, **got})
             print(json.dumps({"m": m, "micro_batch": mb, **timed_rows[-1]}), flush=True)
         if cuda and getattr(args, "torchao", 1) and torchao_available():
             try:
-                got = _time_one(lambda: (_torchao_runner(mcfg, device, mb, seq, batches),
+                got = time_variant(lambda: (_torchao_runner(mcfg, device, mb, seq, batches),
                                          None), device, args.warmup, args.steps)
             except torch.cuda.OutOfMemoryError as e:
                 got = {"error": f"out of memory: {str(e).splitlines()[0]}"}
@@ -278,11 +278,11 @@ def step_times(args, device) -> List[dict]:
         elif cuda and getattr(args, "torchao", 1):
             print("megalite-bench offload: torchao is not importable: its CPUOffloadOptimizer "
                   "is not compared (pip install torchao; offline, carry its wheel)", flush=True)
-        rows += _with_ratios(timed_rows, m, mb, tokens, mcfg, seq, peak)
+        rows += with_ratios(timed_rows, m, mb, tokens, mcfg, seq, peak)
     return rows
 
 
-def _with_ratios(timed_rows: List[dict], m: int, mb: int, tokens: int, mcfg, seq: int,
+def with_ratios(timed_rows: List[dict], m: int, mb: int, tokens: int, mcfg, seq: int,
                  peak: Peak) -> List[dict]:
     """Each row's ratio to the mean of the baselines timed just before and after it; the
     baselines' spread (max / min) on every row: the drift of the run."""

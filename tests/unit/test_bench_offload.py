@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megalite.bench.offload import _time_one, _with_ratios, build_order, parse_variants
+from megalite.bench.offload import build_order, parse_variants, time_variant, with_ratios
 from megalite.train.metrics import Peak
 from megalite.train.timers import StepTimers
 
@@ -32,7 +32,7 @@ def test_ratios_are_against_the_baselines_around_and_drift_shows():
             {"order": 1, "variant": "optimizer=1", "step_s": 3.0},
             {"order": 2, "variant": "optimizer=0", "step_s": 2.0},
             {"order": 3, "variant": "optimizer=0.5", "error": "out of memory"}]
-    out = _with_ratios(rows, 4, 2, 1000, None, 8, Peak(None, "test"))
+    out = with_ratios(rows, 4, 2, 1000, None, 8, Peak(None, "test"))
     assert out[1]["ratio"] == pytest.approx(3.0 / 1.5)  # the mean of 1.0 before, 2.0 after
     assert out[0]["ratio"] == 1.0 and out[2]["ratio"] == 1.0
     assert all(r["baseline_spread"] == 2.0 for r in out)
@@ -40,7 +40,7 @@ def test_ratios_are_against_the_baselines_around_and_drift_shows():
 
 
 def test_one_variant_is_built_timed_and_its_waits_counted():
-    """`_time_one` warms up, resets the step timers, and reports the `offload_wait` phase
+    """`time_variant` warms up, resets the step timers, and reports the `offload_wait` phase
     per timed step (on CUDA those marks are CUDA events: the device's stalls count)."""
     built = []
 
@@ -52,6 +52,6 @@ def test_one_variant_is_built_timed_and_its_waits_counted():
                 time.sleep(0.01)
         built.append(step)
         return step, timers
-    got = _time_one(make, torch.device("cpu"), warmup=2, steps=3)
+    got = time_variant(make, torch.device("cpu"), warmup=2, steps=3)
     assert len(built) == 1 and len(got["times_s"]) == 3
     assert 0.01 <= got["offload_wait_s"] <= got["step_s"] * 1.5
