@@ -91,8 +91,9 @@ TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "
 # Bytes of device-memory traffic per logit element of the loss, (forward, backward), by
 # implementation: the one place the `head_loss` term takes them from. They model
 # `megalite.model.gpt2.GPT2.loss` as it was when the H100 figures (tests/fixtures/gpu/) were
-# measured (5f08fbc): a chunked loss that upcasts per chunk changes these counts — replace
-# them (and say which implementation they model) when it lands. Each kernel is counted as
+# measured (5f08fbc): a chunked loss that upcasts per chunk changes these counts — when it
+# lands, add its entry and point `loss_implementation` at it, keeping these (the H100 runs in
+# tests/fixtures/gpu/ name "eager" and "compiled": what they ran). Each kernel is counted as
 # reading its inputs and writing its outputs once per pass over [b·s, V]:
 #   eager           F.cross_entropy(logits[:, :V].float()): forward the upcast (read 2,
 #                   write 4), log-softmax (a max pass, a sum-exp pass, the write pass: read
@@ -277,7 +278,7 @@ def device_step_s_per_param(profile: DeviceProfile, e: int) -> Optional[float]:
 
 def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                  links: Dict[str, GroupLink], k: int, chunks: List[range],
-                 flops: Dict[str, float], ranks_per_node: int) -> Dict[str, float]:
+                 flops: Dict[str, float], ranks_per_node: int, loss: str) -> Dict[str, float]:
     t, lay = cfg.train, layout
     rate, m = profile.rate(lay.precision), lay.micro_batches(t.global_batch_size)
     e = 4 if lay.precision == "fp32" else 2
@@ -298,7 +299,7 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
             * dropout_bytes(e) / hbm
     loss_f = loss_b = 0.0
     if last and hbm:
-        fwd, bwd = LOSS_BYTES_PER_LOGIT[loss_implementation(cfg, lay)]
+        fwd, bwd = LOSS_BYTES_PER_LOGIT[loss]
         elements = _loss_elements(cfg, lay, tokens)
         loss_f, loss_b = fwd * elements / hbm, bwd * elements / hbm
     accumulate = 0.0  # per micro-batch, in the backward
@@ -351,15 +352,17 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
 
 
 def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfile,
-            gpus_per_node: int) -> Prediction:
+            gpus_per_node: int, loss: Optional[str] = None) -> Prediction:
     """The predicted step of `layout` on `profile`; `stages`: per pipeline stage its
     parameters per rank and wire bytes per group (`Plan.stages`, or
-    `megalite.plan.traffic.stage_traffic`)."""
+    `megalite.plan.traffic.stage_traffic`); `loss`: a key of LOSS_BYTES_PER_LOGIT to model
+    (default the run's, `loss_implementation`: a measurement of an older loss names its own)."""
     links = group_links(layout, profile, gpus_per_node)
     flops = stage_forward_flops(cfg, layout)
     chunks = layout.stage_blocks()
+    loss = loss or loss_implementation(cfg, layout)
     stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k],
-                           min(gpus_per_node, layout.world_size))
+                           min(gpus_per_node, layout.world_size), loss)
               for k in range(layout.pp_size)]
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
