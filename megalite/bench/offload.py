@@ -1,33 +1,42 @@
 """Optimizer offload (`offload.optimizer`) and activation offload: what they cost per step.
 
     megalite-bench offload                       # CPU: host AdamW, small-model step times
-    megalite-bench offload --preset gpt2-xl --micro-batch 16 12 8 4 2 1 --micro-batches 8 1
+    megalite-bench offload --preset gpt2-xl --micro-batch 8 --micro-batches 4   # one GPU
 
 Host AdamW throughput: parameter updates per second of PyTorch's CPU AdamW, fused kernel
 against foreach, on `--adam-params` fp32 parameters (the host half of offload.optimizer),
 alternating calls so machine noise hits both.
 
 Step time: the real training path (GPT2 stage -> pipeline schedule -> ZeRO engine, one
-rank) at offload.optimizer 0 / 0.5 / 1 (and, on CUDA, activation offload off / on), each
-step timed alternately in the same process: median step time, the ratio to no offload, the
-time blocked on offload copies (the `offload_wait` step phase) and, on CUDA, peak device
-memory, tokens/s and MFU at the largest micro-batch of `--micro-batch` that fits without
-offload. On CUDA, torchao's `CPUOffloadOptimizer` (fp32 parameters under bf16 autocast, as
-torchao documents it) runs the same model and batches next to them where torchao is
-importable. On CPU host = device: offload moves nothing and saves nothing, so the step-time
-ratio there is the bookkeeping's cost (the extra copies and the host AdamW in pieces), not
-PCIe's.
+rank) at offload.optimizer 0 / 0.5 / 1 (and, on CUDA, activation offload off / on). One
+variant is alive at a time — built, warmed up, timed, freed — so a gpt2-xl sweep fits one
+80 GB GPU (every variant's model and engine at once would need ~112 GB of state before any
+activation); the no-offload baseline is rebuilt and timed again every `--baseline-every`
+variants and at the end, so drift over the run (clocks, thermals, other jobs) shows as the
+baselines' spread, and each variant's ratio is against the mean of the baselines around it.
+Reported per variant: median step time, the ratio, the time the step waited for offload
+copies (the `offload_wait` step phase, measured as the trainer measures it: on CUDA with
+CUDA events around each wait, so the next forward's stalls on the parameter copies' events
+count, not only the CPU's blocking waits; activation offload's waits inside the backward
+are in the step time, not in this column), and on CUDA peak device memory, tokens/s and MFU,
+at the largest micro-batch of `--micro-batch` that fits without offload. On CUDA, torchao's
+`CPUOffloadOptimizer` (fp32 parameters under bf16 autocast, as torchao documents it) runs the
+same model and batches, also alone, where torchao is importable: it is optional and not a
+megalite dependency; a GPU machine without network needs its wheel carried along
+(`pip download torchao` where there is network, `pip install torchao-*.whl` there). On CPU
+host = device: offload moves nothing and saves nothing, so the step-time ratio there is the
+bookkeeping's cost (the extra copies and the host AdamW in pieces), not PCIe's.
 """
 from __future__ import annotations
 
-import contextlib
+import gc
 import json
-import time
-from typing import Callable, Dict, List, Optional
+import statistics
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megalite.bench.timing import alternate, peak_memory, reset_peak
+from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 from megalite.config.layout import Layout
 from megalite.config.schema import OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
@@ -39,6 +48,7 @@ from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.train.host_threads import set_host_threads
 from megalite.train.metrics import Peak, peak_tflops
+from megalite.train.timers import StepTimers
 
 FRACTIONS = (0.0, 0.5, 1.0)
 
@@ -55,6 +65,15 @@ def add_arguments(p) -> None:
                    help="parameters of the host AdamW throughput test")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--baseline-every", type=int, default=2,
+                   help="time a rebuilt no-offload baseline after every N variants (and at "
+                   "the start and end): drift shows as the baselines' spread")
+    p.add_argument("--variants", nargs="+", default=None, metavar="F[:act]",
+                   help="only these variants, e.g. 0.5 1 0:act 1:act (default: optimizer 0 / "
+                   "0.5 / 1, with activation offload off and, on CUDA, on)")
+    p.add_argument("--skip-adam", action="store_true", help="skip the host AdamW throughput")
+    p.add_argument("--torchao", type=int, default=1, choices=[0, 1],
+                   help="on CUDA, also torchao's CPUOffloadOptimizer where importable")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
 
 
@@ -77,27 +96,14 @@ def host_adamw_throughput(numel: int, steps: int, warmup: int) -> Dict[str, floa
     return {kind: numel // 8 * 8 / s for kind, s in seconds.items()}
 
 
-class _WaitClock:
-    """Stands in for the trainer's StepTimers: the seconds of the `offload_wait` phase."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        t0 = time.perf_counter()
-        yield
-        self.seconds += time.perf_counter() - t0
-
-
-def _runner(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
+def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
             activations: bool, batches):
     topo = build_topology(1, 1, 1)
     offload = ActivationOffload(device) if activations else None
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group, offload=offload)
     init_parameters(model, seed=0)
-    clock = _WaitClock()
+    clock = StepTimers(device)  # CUDA: event marks around each wait (megalite.train.timers)
     engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig(),
                         offload_optimizer=fraction, offload_timers=clock)
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd),
@@ -112,12 +118,20 @@ def _runner(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction
     return step, clock
 
 
-def _torchao_runner(mcfg, device, micro_batch: int, seq: int, batches) -> Optional[Callable]:
-    """torchao's CPUOffloadOptimizer on the same model (None where torchao is missing)."""
+def torchao_available() -> bool:
+    """Whether torchao's CPUOffloadOptimizer imports (optional: not a megalite dependency)."""
+    import importlib.util
+
     try:
-        from torchao.optim import CPUOffloadOptimizer
-    except ImportError:
-        return None
+        return importlib.util.find_spec("torchao.optim") is not None
+    except ImportError:  # no torchao package at all
+        return False
+
+
+def _torchao_runner(mcfg, device, micro_batch: int, seq: int, batches) -> Callable:
+    """torchao's CPUOffloadOptimizer on the same model (`torchao_available()` first)."""
+    from torchao.optim import CPUOffloadOptimizer
+
     topo = build_topology(1, 1, 1)
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group).train()
@@ -135,22 +149,92 @@ def _torchao_runner(mcfg, device, micro_batch: int, seq: int, batches) -> Option
     return step
 
 
-def _batches(vocab: int, micro_batch: int, seq: int, m: int, device):
+def random_batches(vocab: int, micro_batch: int, seq: int, m: int, device):
     g = torch.Generator().manual_seed(0)
     w = torch.randint(0, vocab, (m, micro_batch, seq + 1), generator=g).to(device)
     return [(x[:, :-1], x[:, 1:]) for x in w]
 
 
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _largest_fitting(mcfg, device, dtype, precision, seq: int, candidates: List[int]) -> int:
+    """The largest of `candidates` whose no-offload step runs (each try freed before the
+    next)."""
     for mb in candidates:
+        step = None
         try:
-            step, _ = _runner(mcfg, device, dtype, precision, mb, seq, 0.0, False,
-                              _batches(mcfg.vocab_size, mb, seq, 1, device))
+            step, _ = build_variant(mcfg, device, dtype, precision, mb, seq, 0.0, False,
+                              random_batches(mcfg.vocab_size, mb, seq, 1, device))
             step()
             return mb
         except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
+            pass
+        finally:
+            del step
+            _free(device)
     raise SystemExit(f"no micro-batch of {candidates} fits without offload")
+
+
+Variant = Tuple[str, Optional[float], bool]  # (name, optimizer fraction or None: torchao, act)
+
+
+def variant_name(fraction: float, activations: bool) -> str:
+    return f"optimizer={fraction:g}" + (" activations" if activations else "")
+
+
+def parse_variants(texts: Optional[List[str]], cuda: bool) -> List[Tuple[float, bool]]:
+    """(fraction, activations) of `--variants` (F or F:act), or the default sweep."""
+    if not texts:
+        return [(f, a) for a in ((False, True) if cuda else (False,)) for f in FRACTIONS]
+    out = []
+    for text in texts:
+        fraction, _, act = text.partition(":")
+        if act not in ("", "act") or not 0 <= float(fraction) <= 1:
+            raise SystemExit(f"--variants {text!r}: F or F:act with F in [0, 1]")
+        out.append((float(fraction), act == "act"))
+    return out
+
+
+def build_order(variants: List[Tuple[float, bool]], baseline_every: int) -> List[Variant]:
+    """The order variants are built and timed in, one alive at a time: the no-offload
+    baseline first, again after every `baseline_every` others, and last."""
+    base: Variant = (variant_name(0.0, False), 0.0, False)
+    others = [(variant_name(f, a), f, a) for f, a in variants if (f, a) != (0.0, False)]
+    order, since = [base], 0
+    for v in others:
+        if since == max(1, baseline_every):
+            order.append(base)
+            since = 0
+        order.append(v)
+        since += 1
+    return order + [base]
+
+
+def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers]]], device,
+              warmup: int, steps: int) -> dict:
+    """Build one variant, warm it up, time `steps` steps, free it: median seconds, offload
+    waits per step, peak device memory."""
+    reset_peak(device)
+    step = clock = None
+    try:
+        step, clock = make()
+        for _ in range(max(1, warmup)):
+            step()
+        synchronize(device)
+        if clock is not None:
+            clock.reset()
+        reset_peak(device)
+        times = [timed(step, device) for _ in range(steps)]
+        wait = clock.take()["offload_wait"] / steps if clock is not None else None
+        return {"step_s": statistics.median(times), "times_s": times, "offload_wait_s": wait,
+                "peak_memory_gib": peak_memory(device) / 2**30}
+    finally:
+        del step, clock
+        _free(device)
 
 
 def step_times(args, device) -> List[dict]:
@@ -165,45 +249,68 @@ def step_times(args, device) -> List[dict]:
     mb = _largest_fitting(mcfg, device, dtype, precision, seq, args.micro_batch or [2]) \
         if cuda else (args.micro_batch or [2])[0]
     peak = peak_tflops(device, None) if cuda else Peak(None, "not on CPU")
+    order = build_order(parse_variants(getattr(args, "variants", None), cuda),
+                     getattr(args, "baseline_every", 2))
     rows = []
     for m in args.micro_batches:
-        batches = _batches(mcfg.vocab_size, mb, seq, m, device)
-        variants = [(f, a) for a in ((False, True) if cuda else (False,)) for f in FRACTIONS]
-        fns, clocks, memory = {}, {}, {}
-        for f, a in variants:
-            name = f"optimizer={f:g}" + (" activations" if a else "")
-            reset_peak(device)
-            fns[name], clocks[name] = _runner(mcfg, device, dtype, precision, mb, seq, f, a,
-                                              batches)
-            fns[name]()
-            memory[name] = peak_memory(device)
-        ao = _torchao_runner(mcfg, device, mb, seq, batches) if cuda else None
-        if ao is not None:
-            reset_peak(device)
-            ao()
-            fns["torchao CPUOffloadOptimizer"], memory["torchao CPUOffloadOptimizer"] = \
-                ao, peak_memory(device)
-        for c in clocks.values():
-            c.seconds = 0.0
-        seconds = alternate(fns, device, args.warmup, args.steps)
-        base = seconds["optimizer=0"]
+        batches = random_batches(mcfg.vocab_size, mb, seq, m, device)
         tokens = mb * seq * m
-        for name, s in seconds.items():
-            calls = args.warmup + args.steps
-            wait = clocks[name].seconds / calls if name in clocks else None
-            rows.append({"m": m, "micro_batch": mb, "variant": name, "step_s": s,
-                         "ratio": s / base, "offload_wait_s": wait,
-                         "tokens_per_s": tokens / s, "peak_memory_gib": memory[name] / 2**30,
-                         "mfu": None if peak.tflops is None else
-                         tokens / s * flops_per_token(mcfg, seq) / (peak.tflops * 1e12)})
+        timed_rows = []
+        for i, (name, fraction, act) in enumerate(order):
+            def make(fraction=fraction, act=act):
+                return build_variant(mcfg, device, dtype, precision, mb, seq, fraction, act,
+                               batches)
+            try:
+                got = time_variant(make, device, args.warmup, args.steps)
+            except torch.cuda.OutOfMemoryError as e:
+                got = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+            timed_rows.append({"order": i, "variant": name, **got})
+            print(json.dumps({"m": m, "micro_batch": mb, **timed_rows[-1]}), flush=True)
+        if cuda and getattr(args, "torchao", 1) and torchao_available():
+            try:
+                got = time_variant(lambda: (_torchao_runner(mcfg, device, mb, seq, batches),
+                                         None), device, args.warmup, args.steps)
+            except torch.cuda.OutOfMemoryError as e:
+                got = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+            timed_rows.append({"order": len(order), "variant": "torchao CPUOffloadOptimizer",
+                               **got})
+            print(json.dumps({"m": m, "micro_batch": mb, **timed_rows[-1]}), flush=True)
+        elif cuda and getattr(args, "torchao", 1):
+            print("megalite-bench offload: torchao is not importable: its CPUOffloadOptimizer "
+                  "is not compared (pip install torchao; offline, carry its wheel)", flush=True)
+        rows += with_ratios(timed_rows, m, mb, tokens, mcfg, seq, peak)
     return rows
+
+
+def with_ratios(timed_rows: List[dict], m: int, mb: int, tokens: int, mcfg, seq: int,
+                 peak: Peak) -> List[dict]:
+    """Each row's ratio to the mean of the baselines timed just before and after it; the
+    baselines' spread (max / min) on every row: the drift of the run."""
+    base_name = variant_name(0.0, False)
+    bases = [(r["order"], r["step_s"]) for r in timed_rows
+             if r["variant"] == base_name and "step_s" in r]
+    spread = max(b for _, b in bases) / min(b for _, b in bases) if bases else None
+    out = []
+    for r in timed_rows:
+        row = {"m": m, "micro_batch": mb, **{k: v for k, v in r.items() if k != "times_s"},
+               "baseline_spread": spread}
+        if "step_s" in r and bases:
+            before = [b for o, b in bases if o <= r["order"]][-1:]
+            after = [b for o, b in bases if o >= r["order"]][:1]
+            around = statistics.mean(before + after)
+            row.update(ratio=r["step_s"] / around, tokens_per_s=tokens / r["step_s"],
+                       mfu=None if peak.tflops is None else
+                       tokens / r["step_s"] * flops_per_token(mcfg, seq) / (peak.tflops * 1e12))
+        out.append(row)
+    return out
 
 
 def run(args) -> List[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_host_threads(1.0, device, local_ranks=1)  # CUDA: the host cores a training run gets
     rows = []
-    throughput = host_adamw_throughput(args.adam_params, args.steps, args.warmup)
+    throughput = {} if getattr(args, "skip_adam", False) else \
+        host_adamw_throughput(args.adam_params, args.steps, args.warmup)
     for kind, rate in throughput.items():
         rows.append({"bench": "host_adamw", "kind": kind, "params": args.adam_params,
                      "params_per_s": rate})
@@ -214,11 +321,16 @@ def run(args) -> List[dict]:
         print(f"fused / foreach: {throughput['fused'] / throughput['foreach']:.2f}x")
     for row in step_times(args, device):
         rows.append({"bench": "step", **row})
-        wait = "" if row["offload_wait_s"] is None else \
+        if "error" in row:
+            print(f"m={row['m']} mb={row['micro_batch']} {row['variant']:<30} {row['error']}")
+            continue
+        wait = "" if row.get("offload_wait_s") is None else \
             f"  offload wait {row['offload_wait_s'] * 1e3:7.1f} ms"
         print(f"m={row['m']} mb={row['micro_batch']} {row['variant']:<30} "
-              f"{row['step_s'] * 1e3:9.1f} ms/step  x{row['ratio']:.2f}{wait}  "
-              f"peak {row['peak_memory_gib']:.2f} GiB  {row['tokens_per_s']:,.0f} tok/s")
+              f"{row['step_s'] * 1e3:9.1f} ms/step  x{row.get('ratio', float('nan')):.2f}"
+              f"{wait}  peak {row['peak_memory_gib']:.2f} GiB  "
+              f"{row.get('tokens_per_s', 0):,.0f} tok/s  (baselines' spread "
+              f"x{row['baseline_spread'] or float('nan'):.3f})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

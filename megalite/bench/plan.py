@@ -131,7 +131,7 @@ def run(args) -> None:
         predicted = [_predicted(args, r, data, profile) for r in results]
         # the same measurements against the model without the calibrated non_matmul term
         # and per-kind link fits (the model before they were added)
-        flops_only = replace(profile, block_fixed_s=0.0, block_per_token_s=0.0, op_links={})
+        flops_only = replace(profile, block_fits=(), op_links={})
         without = [_predicted(args, r, data, flops_only) for r in results]
     measured = [r["median_s"] for r in results]
     print(f"model {' '.join(args.model)}, seq {args.seq_len}, global batch "

@@ -36,9 +36,11 @@ from megalite.train.metrics import peak_tflops
 Batches = List[Tuple[torch.Tensor, torch.Tensor]]
 
 
-def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool,
-                  attention: str = "auto", recompute_layers: Optional[int] = None
-                  ) -> Callable[[Batches], None]:
+def megalite_parts(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool,
+                   attention: str = "auto", recompute_layers: Optional[int] = None
+                   ) -> Tuple[PipelineSchedule, ZeroEngine]:
+    """The benchmark path's schedule and engine: one rank, zero 0, the model in training mode
+    (`megalite.bench.gpu_worker` times its phases)."""
     precision = "bf16" if device.type == "cuda" else "fp32"
     dtype = PRECISION_DTYPES[precision]
     topo = build_topology(1, 1, 1)
@@ -51,6 +53,14 @@ def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, com
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
                                 device)
     model.train()
+    return schedule, engine
+
+
+def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, compile: bool,
+                  attention: str = "auto", recompute_layers: Optional[int] = None
+                  ) -> Callable[[Batches], None]:
+    schedule, engine = megalite_parts(mcfg, device, micro_batch, seq, recompute, compile,
+                                      attention, recompute_layers)
 
     def step(batches: Batches) -> None:
         schedule.train_step(batches)
@@ -88,7 +98,7 @@ def transformers_step(mcfg, device, compile: bool) -> Callable[[Batches], None]:
     return step
 
 
-def _batches(vocab: int, micro_batch: int, seq: int, micro_batches: int, device) -> Batches:
+def random_batches(vocab: int, micro_batch: int, seq: int, micro_batches: int, device) -> Batches:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(micro_batches):
@@ -105,7 +115,7 @@ def _fits(make: Callable[[int], Callable[[Batches], None]], candidates: List[int
         step = None
         try:
             step = make(mb)
-            batches = _batches(vocab, mb, seq, micro_batches, device)
+            batches = random_batches(vocab, mb, seq, micro_batches, device)
             for _ in range(max(1, warmup)):
                 step(batches)
             synchronize(device)
@@ -147,7 +157,7 @@ def run(args) -> List[dict]:
         if device.type == "cpu":
             mb = args.micro_batch[0]
             fns = {}
-            batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
+            batches = random_batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
             for name, r, c, a in variants:
                 step = megalite_step(mcfg, device, mb, seq, r[0], c, a, r[1])
                 fns[name] = (lambda s: lambda: s(batches))(step)
@@ -171,7 +181,7 @@ def run(args) -> List[dict]:
                 if step is None:
                     print(f"{preset} {name}: no micro-batch of {args.micro_batch} fits", flush=True)
                     continue
-                batches = _batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
+                batches = random_batches(mcfg.vocab_size, mb, seq, args.micro_batches, device)
                 reset_peak(device)  # not the high-water mark of a larger micro-batch that failed
                 times = sorted(timed(lambda: step(batches), device) for _ in range(args.steps))
                 row = _row(name, mb, seq, args.micro_batches, times[len(times) // 2], fpt, peak,

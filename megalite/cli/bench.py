@@ -3,6 +3,7 @@ absolute times). One subcommand per benchmark; `--help` on each lists its option
 
     megalite-bench train --presets tiny gpt2 --seq-len 256 --micro-batch 4
     megalite-bench train --presets gpt2-xl --micro-batch 16 12 8 --compile 0 1   # GPU
+    megalite-bench gpu                # everything to measure on one GPU, ~6 minutes
 
 (`python scripts/bench.py ...` in a checkout is the same command.)
 """
@@ -16,6 +17,7 @@ from megalite.bench import (
     checkpoint,
     checkpoint_index,
     flight,
+    gpu,
     loader,
     offload,
     pipeline,
@@ -50,6 +52,8 @@ BENCHMARKS = {
                                "without"),
     "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
     "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
+    "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "
+                 "MFU of the bench and launch paths, offload, calibration, checkpoint, rerun)"),
 }
 
 

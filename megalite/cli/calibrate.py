@@ -24,6 +24,12 @@ def summary(profile: dict, path: str) -> str:
              f"{profile['gpus_per_node']} ranks a node",
              "  matmul TFLOP/s: " + ", ".join(f"{d} {r:.3g}"
                                               for d, r in profile["matmul_tflops"].items())]
+    if "hbm_gbps" in profile:
+        lines.append(f"  HBM {profile['hbm_gbps']:.0f} GB/s; pinned copies "
+                     f"{profile['host_link']['h2d_gbps']:.1f} GB/s host -> device, "
+                     f"{profile['host_link']['d2h_gbps']:.1f} GB/s device -> host; host AdamW "
+                     f"{profile['host_adam']['params_per_s']:.3g} parameters/s on "
+                     f"{profile['host_adam']['threads']} threads a node")
     for link, fit in profile["links"].items():
         lines.append(f"  {link}: {fit['bus_gbps']:.3g} GB/s bus bandwidth, "
                      f"{fit['latency_s'] * 1e6:.3g} us latency")
@@ -51,7 +57,8 @@ def calibrate_command(overrides: Sequence[str], output: str,
     tokens = cfg.train.seq_len * cfg.train.micro_batch_size
     try:
         profile = measure_profile(cfg.model.n_embd, cfg.model.ffn_size, tokens, table_links,
-                                  (cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size))
+                                  (cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size,
+                                   cfg.train.compile))
     except CalibrationError as e:
         print(f"megalite: calibration: {e}", file=sys.stderr)
         return 2

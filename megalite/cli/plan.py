@@ -34,6 +34,8 @@ from megalite.plan.fit import cheapest_fit
 from megalite.plan.memory import GIB, make_plan
 from megalite.plan.time_model import predict
 
+FIT_DEFAULT_DEVICE = "h100-80gb"  # prices --gpu-memory-gib's suggestion without --device
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
@@ -120,8 +122,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.gpu_memory_gib <= 0:
             cli.error(f"--gpu-memory-gib={args.gpu_memory_gib}: must be > 0 (e.g. 80)")
         over = [s for s in plan.stages if s.bytes["total"] > args.gpu_memory_gib * GIB]
-        fit = cheapest_fit(cfg, layout, args.gpu_memory_gib * GIB) if over else None
-        advice = f"the cheapest placement that fits: {fit.describe()}" if fit is not None \
+        timed_on = profile or device_profile(FIT_DEFAULT_DEVICE)  # the added time's profile
+        fit = cheapest_fit(cfg, layout, args.gpu_memory_gib * GIB, timed_on, per_node) \
+            if over else None
+        advice = f"the cheapest placement that fits: {fit.describe()}" \
+            + ("" if profile else f" (times on the {FIT_DEFAULT_DEVICE} table entry; "
+               "--device or --profile for yours)") if fit is not None \
             else "no placement change fits alone"
         for s in over:
             print(f"megalite: stage {s.stage} needs about {s.bytes['total'] / GIB:.1f} GiB per "

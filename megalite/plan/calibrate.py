@@ -31,6 +31,14 @@ import torch.distributed as dist
 
 from megalite.config.layout import PRECISION_DTYPES
 from megalite.plan.calibrate_block import measure_block_overhead
+from megalite.plan.calibrate_host import (
+    COPY_BYTES,
+    HBM_BYTES,
+    measure_hbm_gbps,
+    measure_host_adam,
+    measure_host_link,
+    rank_threads,
+)
 from megalite.plan.calibrate_links import fit_link, fit_ops, group_sizes, sweep_link
 
 CPU_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per collective: 64 KiB, 1 MiB, 8 MiB
@@ -200,8 +208,10 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
                     table_links: Optional[TableLinks] = None, block=None) -> dict:
     """The profile of this machine (every rank of a launch calls this; all get the same one).
     Under WORLD_SIZE > 1 without a process group, makes one (nccl on CUDA, gloo on CPU) and
-    destroys it after. `block`: (ModelConfig, seq_len, micro_batch) to also measure a block's
-    time beyond its matmul FLOPs (`megalite.plan.calibrate_block`)."""
+    destroys it after. `block`: (ModelConfig, seq_len, micro_batch[, compile]) to also
+    measure a block's time beyond its matmul FLOPs (`megalite.plan.calibrate_block`). On CUDA
+    also the HBM copy rate, the pinned host copies per direction and the host AdamW rate
+    (`megalite.plan.calibrate_host`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = _launch_device()
     made = world > 1 and not dist.is_initialized()
@@ -211,6 +221,8 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
                                 **({"device_id": device} if device.type == "cuda" else {}))
     try:
         profile = _measure(device, n_embd, ffn_size, tokens, table_links)
+        if device.type == "cuda":
+            _measure_host(device, profile)
         if block is not None:
             profile["block_overhead"] = _block_overhead(device, profile, *block)
             profile["notes"].append(_block_note(profile["block_overhead"]))
@@ -251,15 +263,38 @@ def _measure(device: torch.device, n_embd: int, ffn_size: int, tokens: int,
             "notes": notes + link_notes}
 
 
+def _measure_host(device: torch.device, profile: dict) -> None:
+    """hbm_gbps, host_link and host_adam into `profile` (CUDA; module docstring of
+    calibrate_host): the slowest rank's rates; the node's host AdamW = the slowest rank's ×
+    its ranks (all measuring at once)."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if several else 1))
+    hbm = measure_hbm_gbps(device)
+    link = measure_host_link(device)
+    adam = measure_host_adam(rank_threads(local))
+    rates = [hbm, link["h2d_gbps"], link["d2h_gbps"], adam["params_per_s"]]
+    if several:
+        rates = _slowest(rates, device)
+    profile["hbm_gbps"] = rates[0]
+    profile["host_link"] = {"h2d_gbps": rates[1], "d2h_gbps": rates[2]}
+    profile["host_adam"] = {"params_per_s": rates[3] * local, "threads": adam["threads"] * local}
+    profile["notes"].append(
+        f"host: HBM {rates[0]:.0f} GB/s (a {HBM_BYTES >> 20} MiB device copy, read + write); "
+        f"pinned copies {rates[1]:.1f} GB/s host -> device, {rates[2]:.1f} GB/s device -> host "
+        f"({COPY_BYTES >> 20} MiB each); host AdamW ({adam['kind']}) "
+        f"{rates[3]:.3g} parameters/s on {adam['threads']} threads a rank, x {local} ranks a "
+        "node" + (" (the slowest rank's)" if several else ""))
+
+
 def _block_overhead(device: torch.device, profile: dict, model, seq_len: int,
-                    micro_batch: int) -> dict:
+                    micro_batch: int, compile: bool = False) -> dict:
     """`measure_block_overhead` in the device's training dtype (CPU fp32, CUDA bf16 where it
     has it, else fp16); under several ranks (measuring at once, as they train), the fit of
     the rank with the most such time between the two token counts."""
     dtype = "fp32" if device.type != "cuda" else \
         "bf16" if "bf16" in profile["matmul_tflops"] else "fp16"
     out = measure_block_overhead(model, seq_len, micro_batch, dtype,
-                                 profile["matmul_tflops"][dtype], device)
+                                 profile["matmul_tflops"][dtype], device, compile)
     if dist.is_initialized() and dist.get_world_size() > 1:  # the slowest rank's fit
         mine = torch.tensor([out["fixed_s"], out["per_token_s"]], dtype=torch.float64,
                             device=device)
@@ -275,4 +310,6 @@ def _block_note(b: dict) -> str:
     return (f"block_overhead: a block's forward + backward beyond its matmul FLOPs at the "
             f"{b['dtype']} rate, fitted at {b['tokens'][0]} and {b['tokens'][1]} tokens "
             f"(measured {b['seconds'][0] * 1e3:.3g} and {b['seconds'][1] * 1e3:.3g} ms): "
-            f"{b['fixed_s'] * 1e6:.4g} us + {b['per_token_s'] * 1e9:.4g} ns a token")
+            f"{b['fixed_s'] * 1e6:.4g} us + {b['per_token_s'] * 1e9:.4g} ns a token "
+            f"(width {b['n_embd']}, dropout {b['dropout']:g}, "
+            f"{'compiled' if b['compiled'] else 'eager'})")

@@ -44,12 +44,16 @@ def block_forward_flops_per_token(n_embd: int, ffn_size: int, seq_len: int) -> f
 
 
 def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
-               device: torch.device, budget_s: float = 0.5, max_timings: int = 8) -> float:
-    """Best seconds of one forward + backward of a block over up to `max_timings` timings
-    within about `budget_s` (after a warm-up pass)."""
+               device: torch.device, budget_s: float = 0.5, max_timings: int = 8,
+               compile: bool = False) -> float:
+    """Best seconds of one forward + backward of a block (in training mode: the model's
+    dropout on) over up to `max_timings` timings within about `budget_s` (after a warm-up
+    pass, which compiles it with `compile`, as train.compile compiles each block's forward)."""
     torch.manual_seed(0)
     block = Block(model, single_rank_group("tp"), False, contextlib.nullcontext,
                   contextlib.nullcontext).to(device=device, dtype=dtype)
+    if compile:
+        block.forward = torch.compile(block.forward)
     x = torch.randn(seq_len, batch, model.n_embd, device=device, dtype=dtype,
                     requires_grad=True)
     grad = torch.randn_like(x)
@@ -85,16 +89,19 @@ def fit_nonnegative_line(x, y):
 
 
 def measure_block_overhead(model: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
-                           rate_tflops: float, device: torch.device) -> Dict[str, object]:
+                           rate_tflops: float, device: torch.device,
+                           compile: bool = False) -> Dict[str, object]:
     """The profile's `block_overhead` entry (module docstring), in `dtype` at the matmul rate
-    `rate_tflops` measured for it."""
+    `rate_tflops` measured for it; it records the block's width, its dropout (the time model
+    corrects a run whose dropout differs) and whether it was compiled."""
 
     flops = 3 * block_forward_flops_per_token(model.n_embd, model.ffn_size, seq_len)
     batches = (micro_batch, 2 * micro_batch)
     tokens = [seq_len * b for b in batches]
-    seconds = [time_block(model, seq_len, b, PRECISION_DTYPES[dtype], device) for b in batches]
+    seconds = [time_block(model, seq_len, b, PRECISION_DTYPES[dtype], device, compile=compile)
+               for b in batches]
     rest = [t - flops * n / (rate_tflops * 1e12) for t, n in zip(seconds, tokens)]
     fixed, per_token = fit_nonnegative_line(tokens, rest)
     return {"fixed_s": fixed, "per_token_s": per_token, "dtype": dtype,
             "n_embd": model.n_embd, "seq_len": seq_len, "tokens": tokens,
-            "seconds": seconds}
+            "seconds": seconds, "dropout": model.resid_pdrop, "compiled": compile}

@@ -1,37 +1,120 @@
 """The one device table: what an accelerator computes, holds and sends, for the metrics' MFU
-(the data-sheet peak) and for the planner's time model (achievable rates and links).
+(the data-sheet peak) and for the planner's time model (achievable rates, links, host).
 
-Per entry (vendors' data sheets; dense, no sparsity):
+Per entry:
 
   peak_tflops_bf16   data-sheet dense bf16 tensor peak (V100: fp16): the MFU denominator
-  matmul_tflops      *achievable* matmul TFLOP/s by dtype: the planner's compute rate. The table
-                     assumes `TABLE_MATMUL_EFFICIENCY` of the data-sheet peak (large cuBLAS
-                     GEMMs); `scripts/plan.py --calibrate` measures it on the machine instead
-  memory_bytes       device memory; hbm_gbps its bandwidth (GB/s: the optimizer step)
+  matmul_tflops      *achievable* matmul TFLOP/s by dtype: the planner's compute rate
+  block_fits         a transformer block's forward + backward beyond its matmul FLOPs
+                     (LayerNorms, GELU, dropout, residual adds, the attention kernel's time
+                     beyond its FLOPs at the matmul rate, launches), `BlockFit`s at the widths
+                     it was measured at: `block_pass_s` interpolates between them
+  memory_bytes       device memory; hbm_gbps its bandwidth (GB/s): the memory-bound terms
+                     (the loss, gradient accumulation, the optimizer step, dropout)
   intra_node         collective bus bandwidth (nccl-tests "busbw", GB/s) and latency per
                      collective inside a node (NVLink / PCIe)
   inter_node         the same across nodes with one rank per node: one GPU's own NIC rail. A
                      group with k ranks on each node gets k rails (rail-optimized nodes, one NIC
                      per GPU), at most the intra-node bus bandwidth
-  host_link_gbps     device <-> host copies (PCIe): activation and optimizer offload
-  host_memory_gbps   one rank's share of the host's memory bandwidth: the host AdamW of
-                     offload.optimizer (a node's ~200 GB/s over its 8 ranks: 25)
+  h2d_gbps, d2h_gbps pinned host -> device and device -> host copies (GB/s, one direction at a
+                     time): activation and optimizer offload
+  host_adam_params_per_s, host_threads
+                     the fused CPU AdamW (offload.optimizer's host step) over a node's
+                     `host_threads` threads, parameters a second; a node's ranks share it
   gpus_per_node      the usual node (HGX 8)
 
+Where the numbers come from:
+
+- **h100-80gb** (H100 80GB HBM3, SXM) takes its rates from one H100 measured by
+  `scripts/plan.py --calibrate` at main 5f08fbc (the two profile files and the figures are
+  committed under tests/fixtures/gpu/): matmul by dtype, the FLOP-weighted harmonic mean over
+  the MLP shapes of gpt2 (16,384 tokens) and gpt2-xl (4,096 tokens) in both files; a block's
+  time beyond its FLOPs at both widths, 768 and 1600 (each file's measured block seconds
+  refitted at that matmul rate: `H100_BLOCK_FITS`); the fused host AdamW, 4.73e9 parameters/s
+  on 16 threads (`scripts/bench.py offload`). Not measured there, so still data-sheet or
+  typical figures: HBM 3,350 GB/s, the pinned copies (50 GB/s each way, ~80% of PCIe 5 x16),
+  the links.
+- every other GPU: an **estimate**, derived from its data sheet the same way: matmul at the
+  H100's measured fraction of the data-sheet peak (bf16/fp16 and fp32 apart), the block fits
+  scaled by 3,350 / its HBM bandwidth (the non-matmul work is memory-bound), the H100 host's
+  AdamW, copies at ~80% of its host link. `scripts/plan.py --calibrate` on the machine
+  replaces every measured field (`--profile FILE`).
+
 Link figures are typical of nccl-tests on such nodes (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s,
-HDR 200 Gb/s ~23 GB/s, NDR 400 Gb/s ~45 GB/s per rail), not promises: a calibrated profile
-(`--profile FILE`) replaces them. `cpu` is a rough single-core entry with gloo over loopback.
+HDR 200 Gb/s ~23 GB/s, NDR 400 Gb/s ~45 GB/s per rail), not promises. `cpu` is a rough
+single-core entry with gloo over loopback.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from megalite.plan.profile_file import load_profile
 
 GIB = 2**30
-TABLE_MATMUL_EFFICIENCY = 0.8  # achievable / data-sheet peak assumed by the built-in table
+
+# --- one H100 80GB HBM3 (SXM), measured at main 5f08fbc (tests/fixtures/gpu/) ----------------
+H100_PEAK_TFLOPS = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}  # data sheet, dense
+# matmul_rates() over both files' six MLP shapes each (tests/unit/test_time_model_h100.py
+# recomputes these from the files)
+H100_MATMUL_TFLOPS = {"bf16": 661.2514465060702, "fp16": 645.8824259403674,
+                      "fp32": 44.53164461817917}
+H100_HBM_GBPS = 3350.0  # data sheet (not measured)
+H100_HOST_ADAM_PARAMS_PER_S = 4.73e9  # fused CPU AdamW, 20M fp32 parameters, 16 threads
+H100_HOST_THREADS = 16
+
+
+@dataclass(frozen=True)
+class BlockFit:
+    """A transformer block's forward + backward beyond its matmul FLOPs at the matmul rate,
+    measured at one width: `fixed_s + per_token_s · tokens` a pass
+    (megalite/plan/calibrate_block.py)."""
+
+    n_embd: int
+    fixed_s: float
+    per_token_s: float
+    dropout: Optional[float] = None  # the measured block's dropout p (None: not recorded)
+    compiled: bool = False  # measured under torch.compile
+
+    def at(self, tokens: float) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+# Each file's measured block seconds (gpt2: 16,384 and 32,768 tokens; gpt2-xl: 4,096 and
+# 8,192) less the block's FLOPs at H100_MATMUL_TFLOPS["bf16"], fitted through the two points
+# (calibrate_block.fit_nonnegative_line); eager, the presets' dropout 0.1 (the calibration
+# built the block of `model=gpt2` / `model=gpt2-xl` in training mode).
+H100_BLOCK_FITS = (BlockFit(768, 3.388710000038486e-04, 7.125281229550359e-08, 0.1),
+                   BlockFit(1600, 1.151200999991886e-03, 4.221863876203753e-08, 0.1))
+
+
+def block_pass_s(fits: Sequence[BlockFit], n_embd: int, tokens: float, tp: int = 1) -> float:
+    """Seconds of one block pass (forward + backward) beyond its matmul FLOPs, at width
+    `n_embd` over `tokens` tokens, the block split over `tp` ranks: 0 without fits. At a
+    measured width, that fit (its per-token part / tp); between two measured widths, the
+    linear interpolation in the width of theirs; beyond them the nearest, its per-token part
+    scaled by n_embd / its width (elementwise work grows with the width)."""
+    if not fits:
+        return 0.0
+    fits = sorted(fits, key=lambda f: f.n_embd)
+    per_rank = tokens / tp
+    below = [f for f in fits if f.n_embd <= n_embd]
+    above = [f for f in fits if f.n_embd >= n_embd]
+    if below and above:
+        a, b = below[-1], above[0]
+        if a.n_embd == b.n_embd:
+            return a.at(per_rank)
+        w = (n_embd - a.n_embd) / (b.n_embd - a.n_embd)
+        return (1 - w) * a.at(per_rank) + w * b.at(per_rank)
+    f = above[0] if above else below[-1]
+    return f.fixed_s + f.per_token_s * n_embd / f.n_embd * per_rank
+
+
+def fits_dropout(fits: Sequence[BlockFit]) -> Optional[float]:
+    """The dropout p the fits were measured with, where they agree and it was recorded."""
+    ps = {f.dropout for f in fits}
+    return ps.pop() if len(ps) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -51,13 +134,12 @@ class DeviceProfile:
     gpus_per_node: int = 8
     peak_tflops_bf16: Optional[float] = None  # data sheet: MFU's denominator
     hbm_gbps: Optional[float] = None
-    host_link_gbps: Optional[float] = None
-    host_memory_gbps: Optional[float] = None
+    h2d_gbps: Optional[float] = None  # pinned host -> device
+    d2h_gbps: Optional[float] = None  # device -> pinned host
+    host_adam_params_per_s: Optional[float] = None  # fused CPU AdamW over host_threads
+    host_threads: Optional[int] = None
     match: Tuple[str, ...] = ()  # whole words of device names this entry stands for
-    # a block's forward + backward beyond its matmul FLOPs, per pass and per token (measured
-    # by --calibrate at the model's width: megalite/plan/calibrate_block.py; 0 in the table)
-    block_fixed_s: float = 0.0
-    block_per_token_s: float = 0.0
+    block_fits: Tuple[BlockFit, ...] = ()  # a block's time beyond its FLOPs, by width
     # per collective kind (all_reduce, all_gather, reduce_scatter, send_recv): the link's fit
     # for that kind, where --calibrate measured it ({"intra_node": {op: Link}, ...})
     op_links: Mapping[str, Mapping[str, Link]] = field(default_factory=dict, hash=False)
@@ -72,45 +154,95 @@ class DeviceProfile:
                              "choose another precision")
         return self.matmul_tflops[precision] * 1e12
 
+    def block_pass_s(self, n_embd: int, tokens: float, tp: int = 1) -> float:
+        return block_pass_s(self.block_fits, n_embd, tokens, tp)
+
+    def prices_offload(self) -> bool:
+        """Whether the profile has what the offload terms need (copies both ways, the host
+        AdamW)."""
+        return bool(self.h2d_gbps and self.d2h_gbps and self.host_adam_params_per_s)
+
+    def host_adam_per_rank(self, ranks_per_node: int) -> Optional[float]:
+        """Host AdamW parameters a second for one of `ranks_per_node` ranks sharing the node's
+        threads (offload gives each rank its share: megalite.train.host_threads)."""
+        if not self.host_adam_params_per_s:
+            return None
+        return self.host_adam_params_per_s / max(1, ranks_per_node)
+
     @classmethod
     def from_dict(cls, d: dict) -> "DeviceProfile":
         """A profile file's dict (format `megalite-device-profile`, version 1; its raw
-        `sweep` is not needed here). Fields the file does not measure (data-sheet peak, HBM
-        and host-link bandwidth) come from the table entry of its `device`, when known."""
+        `sweep` is not needed here). Fields the file does not measure (the data-sheet peak;
+        HBM, copies, host AdamW and block fits where it has none) come from the table entry
+        of its `device`, when known."""
         def link(key: str) -> Link:
             x = d["links"][key]
             return Link(float(x["bus_gbps"]), float(x["latency_s"]))
         known = table_entry_for(d["device"], d.get("memory_bytes")) or (
             BY_NAME["cpu"] if str(d["device"]).startswith("cpu") else None)
+        host_link, adam = d.get("host_link", {}), d.get("host_adam", {})
+        block = d.get("block_overhead")
+        fits = (BlockFit(int(block.get("n_embd", 0)), float(block["fixed_s"]),
+                         float(block["per_token_s"]), _optional(block.get("dropout")),
+                         bool(block.get("compiled", False))),) if block else \
+            (known.block_fits if known else ())
+
+        def measured(value, key):
+            return float(value) if value is not None else getattr(known, key, None)
         return cls(name=d["name"], device=d["device"], memory_bytes=int(d["memory_bytes"]),
                    matmul_tflops={k: float(v) for k, v in d["matmul_tflops"].items()},
                    intra_node=link("intra_node"), inter_node=link("inter_node"),
                    gpus_per_node=int(d["gpus_per_node"]),
                    peak_tflops_bf16=known.peak_tflops_bf16 if known else None,
-                   hbm_gbps=known.hbm_gbps if known else None,
-                   host_link_gbps=known.host_link_gbps if known else None,
-                   host_memory_gbps=known.host_memory_gbps if known else None,
+                   hbm_gbps=measured(d.get("hbm_gbps"), "hbm_gbps"),
+                   h2d_gbps=measured(host_link.get("h2d_gbps"), "h2d_gbps"),
+                   d2h_gbps=measured(host_link.get("d2h_gbps"), "d2h_gbps"),
+                   host_adam_params_per_s=measured(adam.get("params_per_s"),
+                                                   "host_adam_params_per_s"),
+                   host_threads=int(adam["threads"]) if "threads" in adam else
+                   getattr(known, "host_threads", None),
                    op_links={name: {op: Link(float(f["bus_gbps"]), float(f["latency_s"]))
                                     for op, f in ops.items()}
                              for name, ops in d.get("op_links", {}).items()},
-                   block_fixed_s=float(d.get("block_overhead", {}).get("fixed_s", 0.0)),
-                   block_per_token_s=float(d.get("block_overhead", {}).get("per_token_s",
-                                                                           0.0)),
-                   source=f"profile {d['name']!r}")
+                   block_fits=fits, source=f"profile {d['name']!r}")
+
+
+def _optional(value) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _gpu(name: str, match: str, peak: float, fp32: float, mem: float, hbm: float,
          intra: Tuple[float, float], inter: Tuple[float, float], host: float,
          per_node: int = 8) -> DeviceProfile:
-    eff = TABLE_MATMUL_EFFICIENCY
+    """An entry derived from its data sheet the H100's way (module docstring): an estimate."""
+    ratio = {d: H100_MATMUL_TFLOPS[d] / H100_PEAK_TFLOPS[d] for d in H100_MATMUL_TFLOPS}
+    scale = H100_HBM_GBPS / hbm
     return DeviceProfile(
         name=name, device=f"NVIDIA {match}" if not match.startswith("MI") else f"AMD {match}",
         memory_bytes=int(mem * GIB),
-        matmul_tflops={"bf16": peak * eff, "fp16": peak * eff, "fp32": fp32 * eff},
+        matmul_tflops={"bf16": peak * ratio["bf16"], "fp16": peak * ratio["fp16"],
+                       "fp32": fp32 * ratio["fp32"]},
         intra_node=Link(*intra), inter_node=Link(*inter), gpus_per_node=per_node,
-        peak_tflops_bf16=peak, hbm_gbps=hbm, host_link_gbps=host, host_memory_gbps=25.0,
+        peak_tflops_bf16=peak, hbm_gbps=hbm, h2d_gbps=host, d2h_gbps=host,
+        host_adam_params_per_s=H100_HOST_ADAM_PARAMS_PER_S, host_threads=H100_HOST_THREADS,
         match=(match,),
-        source=f"table ({match}, {eff:.0%} of the data-sheet peak)")
+        block_fits=tuple(replace(f, fixed_s=f.fixed_s * scale, per_token_s=f.per_token_s * scale)
+                         for f in H100_BLOCK_FITS),
+        source=f"table ({match}: an estimate from its data sheet and one H100's measured "
+               "ratios)")
+
+
+def _h100_sxm() -> DeviceProfile:
+    """The entry measured on one H100 80GB HBM3 (module docstring)."""
+    return DeviceProfile(
+        name="h100-80gb", device="NVIDIA H100", memory_bytes=80 * GIB,
+        matmul_tflops=dict(H100_MATMUL_TFLOPS), intra_node=Link(*NVLINK4),
+        inter_node=Link(*NDR), gpus_per_node=8, peak_tflops_bf16=H100_PEAK_TFLOPS["bf16"],
+        hbm_gbps=H100_HBM_GBPS, h2d_gbps=50.0, d2h_gbps=50.0,
+        host_adam_params_per_s=H100_HOST_ADAM_PARAMS_PER_S, host_threads=H100_HOST_THREADS,
+        match=("H100",), block_fits=H100_BLOCK_FITS,
+        source="table (H100: matmul, block and host AdamW rates measured on one H100 80GB "
+               "HBM3 at 5f08fbc; HBM, copies and links data-sheet or typical)")
 
 
 NVLINK3, NVLINK4, NVLINK5 = (230.0, 1.5e-5), (360.0, 1.5e-5), (720.0, 1.5e-5)
@@ -122,7 +254,7 @@ HDR, NDR = (23.0, 3e-5), (45.0, 3e-5)
 DEVICES: Tuple[DeviceProfile, ...] = (
     _gpu("h100-pcie", "H100 PCIe", 756.0, 51.0, 80, 2000, PCIE5, NDR, 50),
     _gpu("h100-nvl", "H100 NVL", 835.0, 60.0, 94, 3900, PCIE5, NDR, 50),
-    _gpu("h100-80gb", "H100", 989.0, 67.0, 80, 3350, NVLINK4, NDR, 50),  # SXM
+    _h100_sxm(),
     _gpu("h200", "H200", 989.0, 67.0, 139.8, 4800, NVLINK4, NDR, 50),
     _gpu("gh200", "GH200", 989.0, 67.0, 96, 4000, NVLINK4, NDR, 450, per_node=4),
     _gpu("b200", "B200", 2250.0, 80.0, 180, 8000, NVLINK5, NDR, 50),
@@ -141,7 +273,7 @@ DEVICES: Tuple[DeviceProfile, ...] = (
     DeviceProfile(name="cpu", device="cpu", memory_bytes=16 * GIB,
                   matmul_tflops={"fp32": 0.05}, intra_node=Link(2.0, 1e-4),
                   inter_node=Link(1.0, 2e-4), gpus_per_node=1, hbm_gbps=10.0,
-                  host_link_gbps=10.0, host_memory_gbps=10.0,
+                  h2d_gbps=10.0, d2h_gbps=10.0,
                   source="table (cpu: one core, gloo on loopback)"),
 )
 DEVICES = tuple(replace(d, matmul_tflops={k: v for k, v in d.matmul_tflops.items()

@@ -10,9 +10,16 @@
      "sweep": [{"op", "group_size", "bytes", "seconds", "bus_gbps"}, ...],
      "matmul_sweep": [{"m", "n", "k", "dtype", "tflops"}, ...],
      "notes": [str, ...],                                      # optional: what was measured how
-     "block_overhead": {"fixed_s": float, "per_token_s": float, ...},  # optional: a block's
+     "block_overhead": {"fixed_s": float, "per_token_s": float, "n_embd": int,
+                        "dropout": float, "compiled": bool, ...},  # optional: a block's
                                       # forward + backward beyond its matmul FLOPs (seconds a
-                                      # pass and a token; megalite/plan/calibrate_block.py)
+                                      # pass and a token; megalite/plan/calibrate_block.py;
+                                      # dropout and compiled: optional, files before them
+                                      # did not record them)
+     "hbm_gbps": float,                                        # optional (CUDA): device copy
+     "host_link": {"h2d_gbps": float, "d2h_gbps": float},      # optional (CUDA): pinned copies
+     "host_adam": {"params_per_s": float, "threads": int},     # optional (CUDA): a node's host
+                                      # AdamW (megalite/plan/calibrate_host.py)
      "crc32": int}
 
 Bandwidths are bus bandwidths in GB/s (1e9 bytes/s) as nccl-tests defines them: the algorithm
@@ -149,6 +156,23 @@ def profile_problems(profile: Dict[str, Any]) -> list:
             out += [f"block_overhead.{k}={block.get(k)!r}: must be a finite number >= 0 "
                     "(seconds)" for k in ("fixed_s", "per_token_s")
                     if not (_is_rate(block.get(k)) or block.get(k) == 0)]
+            if not (_is_int(block.get("n_embd")) and block["n_embd"] > 0):
+                out.append(f"block_overhead.n_embd={block.get('n_embd')!r}: must be a "
+                           "positive integer (the measured block's width)")
+            drop = block.get("dropout", 0.0)
+            if not (_is_rate(drop) or drop == 0) or drop >= 1:
+                out.append(f"block_overhead.dropout={drop!r}: must be a number in [0, 1)")
+            if not isinstance(block.get("compiled", False), bool):
+                out.append(f"block_overhead.compiled={block.get('compiled')!r}: must be true "
+                           "or false")
+    if "hbm_gbps" in profile and not _is_rate(profile["hbm_gbps"]):
+        out.append(f"hbm_gbps={profile['hbm_gbps']!r}: must be a finite number > 0 (GB/s)")
+    if "host_link" in profile:
+        out += _problems_of_entry("host_link", profile["host_link"], (),
+                                  ("h2d_gbps", "d2h_gbps"))
+    if "host_adam" in profile:
+        out += _problems_of_entry("host_adam", profile["host_adam"], ("threads",),
+                                  ("params_per_s",))
     notes = profile.get("notes", [])
     if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
         out.append(f"notes={notes!r}: must be a list of strings")

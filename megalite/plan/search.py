@@ -35,7 +35,13 @@ from megalite.plan.space import (
     candidate_grids,
     offload_fraction,
 )
-from megalite.plan.time_model import Prediction, predict, stage_forward_flops
+from megalite.plan.time_model import (
+    Prediction,
+    device_step_s_per_param,
+    host_step_s_per_param,
+    predict,
+    stage_forward_flops,
+)
 from megalite.plan.traffic import stage_traffic
 from megalite.plan.zero_table import model_state_bytes
 
@@ -206,10 +212,11 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
     s = _Search(cfg, world, profile, gpus_per_node)
     # offloads only where they save device memory and the profile prices their copies
-    offloads = device_type == "cuda" and bool(profile.host_link_gbps
-                                              and profile.host_memory_gbps)
-    walk = _Offloads(s, e, rate, not profile.hbm_gbps or profile.host_memory_gbps is None
-                     or profile.host_memory_gbps <= profile.hbm_gbps)
+    offloads = device_type == "cuda" and profile.prices_offload()
+    host = host_step_s_per_param(profile, e, min(gpus_per_node, world))
+    device = device_step_s_per_param(profile, e)
+    walk = _Offloads(s, e, rate, device is None or host is None
+                     or host >= device + 4 / (profile.hbm_gbps * 1e9))
     for grid in candidate_grids(cfg, world, offloads, fixed):
         walk.start(grid)
     queue = walk.queue
@@ -243,8 +250,8 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
 
 class _Offloads:
     """The walk over each layout's offload variants (`Grid`). In the time model more
-    offloaded blocks only add copy time, and a larger optimizer fraction only moves AdamW to
-    a host memory no faster than HBM (`ordered_fractions`), the rest of the prediction equal:
+    offloaded blocks only add copy time, and a larger optimizer fraction only moves the optimizer
+    step to a host no faster than the device (`ordered_fractions`), the rest of the prediction equal:
     a variant is never faster than one with less offload (fewer blocks, no larger fraction).
     So a variant is examined (memory bound, then queued by its time bound) only when each
     variant just below it is out of the space, invalid or known not to fit (by its memory

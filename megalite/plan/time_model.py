@@ -1,7 +1,8 @@
 """Predicted step time of a layout on a device profile, as a sum of named terms.
 
 Per pipeline stage k (per rank of it), with m micro-batches per step, t = tp, b·s tokens per
-micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
+micro-batch, R the profile's achievable matmul FLOP/s in the run's precision, B its HBM
+bandwidth, e the bytes of a model-dtype element:
 
   compute     m · 3·F_k·b·s / (t·R)       F_k = model FLOPs per token of the stage's forward: 2 ×
               its blocks' parameters + 4·h·s per block (attention scores and values), the
@@ -9,27 +10,40 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               accounting (`flops_per_token`). Backward = 2 forwards.
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
-  non_matmul  m · (n_k + r_k/3) · (fixed + per_token · b·s/t): what a block's forward +
-              backward costs beyond its FLOPs at R (elementwise ops, softmax, per-operation
-              launch and dispatch overhead), as `scripts/plan.py --calibrate` measured it on a
-              real block (megalite/plan/calibrate_block.py; a recomputed block's re-run a third of
-              it); 0 for the device table's entries, which do not measure it. It is compute:
-              a third in the forward, the rest in the backward, which communication overlaps
+  non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +
+              backward costs beyond its FLOPs at R (elementwise ops, softmax, the attention
+              kernel beyond its FLOPs, launches), as `--calibrate` measured a real block
+              (megalite/plan/calibrate_block.py) at one or more widths: `block_pass_s`
+              interpolates in the width between them (beyond them: the nearest, its per-token
+              part × h / its width). `dropout` corrects for a run whose residual dropout is on
+              where the measured block's was off, or off where it was on: 2 sites a block of
+              b·s·h (/t with SP) elements at `DROPOUT_BYTES(e)` each over B (the attention
+              probabilities' dropout, inside the SDPA kernel, is not modelled); the first
+              stage adds the embedding's site. A recomputed block's re-run costs a third; it
+              is compute: a third in the forward, the rest in the backward
+  head_loss   last stage: m · b·s·V_t · `LOSS_BYTES_PER_LOGIT[impl]` / B: the loss's
+              memory-bound work on the logits (the upcast, softmax and its gradient; the LM
+              head's matmul is in compute, not here), V_t = the vocabulary (tp 1) or a rank's
+              padded slice (vocab-parallel)
+  grad_accumulate  m · Ψ_k·(e + 8) / B: the engine folds each micro-batch's e-byte gradients
+              into fp32 (zero 2/3: + a zeroed fp32 buffer (4) and the owned part's fold
+              (12/dp) a micro-batch), during the backward
   tp          the plan's TP wire bytes / bus bandwidth + collectives × latency: blocking, in the
               layer's critical path (megalite does not overlap TP collectives); all-reduces,
               with SP 6 all-gathers : 4 reduce-scatters a block (each kind at its own fit
               where a calibrated profile has one: `op_links`; pp: send/recv, dp: all-reduce,
               reduce-scatter, all-gather, embedding: all-reduce)
-  offload     activation offload's copies (offloaded blocks' saved bytes, out in forward, back
-              in backward) over the host link, on a side stream: only what exceeds the
+  offload     activation offload's copies (offloaded blocks' saved bytes, out in forward at
+              d2h, back in backward at h2d) on a side stream: only what exceeds the
               micro-batch's forward / backward time is exposed
   bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
               (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p),
               (p−1)/(6m+p−1) for ZB-V (m ≥ (3p−1)/2; v = 2 in a V, so stage 0 holds the
               embeddings and the LM head and is usually the busiest) — their W's are the
               backward's weight half, no FLOPs of their own: compute is the same 3·F either
-              way — and busy = compute + recompute + non_matmul + tp + offload: the slowest
-              stage paces the pipeline; on it this is busy·β/(1 − β), the schedule's formula
+              way — and busy = compute + recompute + non_matmul + head_loss + grad_accumulate
+              + tp + offload: the slowest stage paces the pipeline; on it this is
+              busy·β/(1 − β), the schedule's formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
               state, only where a transfer outlasts a chunk's forward
@@ -40,35 +54,91 @@ micro-batch, R the profile's achievable matmul FLOP/s in the run's precision:
               the step, or during the next forward with parallel.overlap_param_gather;
               zero 3: each block gathered ahead (prefetch) during forward and backward
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
-  optimizer   AdamW over the owned parameters on the device, memory-bound: (28 + e)·Ψ_dev /
-              HBM bytes/s (Ψ_dev = the owned range less offload.optimizer's share)
+  optimizer   the engine's step on the device, memory-bound: `OPTIMIZER_BYTES` a parameter
+              (the fp64-accumulated norm, clipping, fused AdamW, the master -> model-dtype
+              copy) over Ψ_dev = the owned range less offload.optimizer's share, + the
+              gradients zeroed (4 bytes each), over B
   offload_optimizer   offload.optimizer = f (n = f·Ψ_owned): fp32 gradient copies to the host
-              as reductions complete (4n per reduction, during the backward: what exceeds it),
-              then the host AdamW ((28 + e)·n at the rank's host memory bandwidth) with the
-              updated parameters copied back (e·n over the host link) bucket by bucket: the
-              longer of the two
+              as reductions complete (4n per reduction at d2h, during the backward: what
+              exceeds it), then the host step — the fused host AdamW at the rank's share of
+              the node's rate (`host_adam_params_per_s` / ranks a node), and its other passes
+              (`HOST_STEP_BYTES` − 28 a parameter) at the memory rate that AdamW reached (28
+              bytes a parameter) — with the updated parameters copied back (e·n at h2d) range
+              by range: the longer of the two
 
-Step time = the largest stage total; its terms sum to it. Not modelled: the embedding's and
-the head's (LM head, loss) non-matmul work, and without a calibrated profile the blocks' too
-(the table's rates absorb what they can), the per-step Python of the engine (gradient norm,
-clipping, zero_grad), contention between groups sharing a link, stragglers, data loading, the
-first step's compilation.
+Step time = the largest stage total; its terms sum to it. Not modelled: the embedding's
+gather and its gradient, ln_f, the attention-probability dropout, the engine's per-step
+Python, contention between groups sharing a link, stragglers, data loading, the first step's
+compilation; a block measured eager is used as it is for a compiled run (and vice versa).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
 from megalite.model.gpt2 import flops_per_token
-from megalite.plan.devices import DeviceProfile
+from megalite.parallel.param_spec import padded_vocab_size
+from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
 from megalite.plan.links import GroupLink, group_links
 
-TERMS = ("compute", "recompute", "non_matmul", "tp", "offload", "bubble", "pp", "dp", "embedding",
-         "optimizer", "offload_optimizer")
+TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "offload",
+         "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
+
+# Bytes of device-memory traffic per logit element of the loss, (forward, backward), by
+# implementation: the one place the `head_loss` term takes them from. They model
+# `megalite.model.gpt2.GPT2.loss` as it was when the H100 figures (tests/fixtures/gpu/) were
+# measured (5f08fbc): a chunked loss that upcasts per chunk changes these counts — when it
+# lands, add its entry and point `loss_implementation` at it, keeping these (the H100 runs in
+# tests/fixtures/gpu/ name "eager" and "compiled": what they ran). Each kernel is counted as
+# reading its inputs and writing its outputs once per pass over [b·s, V]:
+#   eager           F.cross_entropy(logits[:, :V].float()): forward the upcast (read 2,
+#                   write 4), log-softmax (a max pass, a sum-exp pass, the write pass: read
+#                   4 + 4 + 4, write 4); backward the NLL gradient (a zero-filled fp32
+#                   [b·s, V]: write 4), log-softmax's backward (a row-sum pass, then read the
+#                   gradient and the output, write: 4 + 4 + 4 + 4), the upcast's (read 4,
+#                   write 2), the slice's into the padded vocabulary (zeros, copy: 2 + 2 + 2)
+#   compiled        train.compile with tp 1: the slice, upcast and log-softmax fused by
+#                   Inductor: forward reads the bf16 logits for the max and the sum of
+#                   exponentials (2 + 2; they are saved as they are), backward reads them
+#                   again and writes the bf16 gradient (2 + 2)
+#   vocab_parallel  tp > 1 (megalite.parallel.tensor): forward the upcast (2 + 4), max (4),
+#                   the shifted copy (4 + 4), exp (4 + 4), sum (4), the in-place division
+#                   (4 + 4); backward the in-place scale (4 + 4) and the upcast's (4 + 2)
+LOSS_BYTES_PER_LOGIT: Dict[str, Tuple[int, int]] = {
+    "eager": (22, 32), "compiled": (4, 4), "vocab_parallel": (38, 14)}
+# The engine's step per owned parameter on the device (megalite.parallel.zero): the global
+# norm (read the fp32 gradient: 4), clipping (foreach multiply: read and write, 8), fused
+# AdamW (read parameter, gradient and both moments, write parameter and moments: 28); + the
+# fp32 master -> model-dtype copy (4 + e) where the model is not fp32, + zeroing the gradients
+# (4 bytes each, `zero_grad`).
+OPTIMIZER_BYTES = 4 + 8 + 28
+# The host step of offload.optimizer per offloaded parameter: the same passes on the host
+# (norm 4, clipping 8, AdamW 28, the model-dtype cast 4 + e, zeroing 4): HOST_STEP_BYTES + e
+HOST_STEP_BYTES = 4 + 8 + 28 + 4 + 4
+HOST_ADAM_BYTES = 28  # what the measured host AdamW rate moves a parameter
+
+
+def dropout_bytes(e: int) -> int:
+    """Device-memory bytes a dropout site moves per element, forward + backward (eager
+    `native_dropout`): read the input, write the output and a 1-byte mask; backward read the
+    gradient and the mask, write the gradient."""
+    return 4 * e + 2
+
+
+def loss_implementation(cfg: Config, layout: Layout) -> str:
+    """Which loss the run computes (a key of LOSS_BYTES_PER_LOGIT)."""
+    if layout.tp_size > 1:
+        return "vocab_parallel"
+    return "compiled" if cfg.train.compile else "eager"
+
+
+def dropout_on(cfg: Config) -> bool:
+    """Whether the run's residual dropout is on (the blocks' `resid_pdrop`)."""
+    return cfg.model.resid_pdrop > 0
 
 
 @dataclass
@@ -172,38 +242,90 @@ def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, 
     return m * (max(0.0, g - t_f) + max(0.0, g + reduce / m - t_b))
 
 
+def _loss_elements(cfg: Config, layout: Layout, tokens: int) -> float:
+    """Logit elements a rank's loss passes over per micro-batch: the real vocabulary (tp 1:
+    the loss slices the padding off) or this rank's padded slice (vocab-parallel)."""
+    m, tp = cfg.model, layout.tp_size
+    return tokens * (m.vocab_size if tp == 1 else padded_vocab_size(m.vocab_size, tp) / tp)
+
+
+def _dropout_pass_s(cfg: Config, layout: Layout, profile: DeviceProfile, tokens: int,
+                    e: int) -> float:
+    """Seconds a block pass gains (or, negative, loses) against the measured block's because
+    the run's residual dropout is on where the measurement's was off (or the reverse)."""
+    measured = fits_dropout(profile.block_fits)
+    if measured is None or not profile.hbm_gbps or (measured > 0) == dropout_on(cfg):
+        return 0.0
+    per_site = tokens * cfg.model.n_embd / (layout.tp_size if layout.sequence_parallel else 1)
+    sign = 1 if dropout_on(cfg) else -1
+    return sign * 2 * per_site * dropout_bytes(e) / (profile.hbm_gbps * 1e9)
+
+
+def host_step_s_per_param(profile: DeviceProfile, e: int, ranks_per_node: int
+                          ) -> Optional[float]:
+    """Seconds of offload.optimizer's host step per offloaded parameter on one of
+    `ranks_per_node` ranks (module docstring); None where the profile does not price it."""
+    rate = profile.host_adam_per_rank(ranks_per_node)
+    return None if not rate else (HOST_STEP_BYTES + e) / HOST_ADAM_BYTES / rate
+
+
+def device_step_s_per_param(profile: DeviceProfile, e: int) -> Optional[float]:
+    """Seconds of the device's optimizer step per owned parameter (zeroing aside)."""
+    if not profile.hbm_gbps:
+        return None
+    return (OPTIMIZER_BYTES + (4 + e if e < 4 else 0)) / (profile.hbm_gbps * 1e9)
+
+
 def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                  links: Dict[str, GroupLink], k: int, chunks: List[range],
-                 flops: Dict[str, float]) -> Dict[str, float]:
+                 flops: Dict[str, float], ranks_per_node: int, loss: str) -> Dict[str, float]:
     t, lay = cfg.train, layout
     rate, m = profile.rate(lay.precision), lay.micro_batches(t.global_batch_size)
     e = 4 if lay.precision == "fp32" else 2
+    hbm = profile.hbm_gbps * 1e9 if profile.hbm_gbps else None
     tokens, tp, v = t.micro_batch_size * t.seq_len, lay.tp_size, lay.virtual_stages
     f_model = flops["model"] * tokens / tp / rate  # one micro-batch's forward
     f_re = flops["recompute"] * tokens / tp / rate
     blocks = sum(len(b) for b in chunks)
     rerun = sum(recomputed_layers(cfg, len(b)) for b in chunks)
-    block_pass = profile.block_fixed_s + profile.block_per_token_s * tokens / tp
-    t_f = f_model + blocks * block_pass / 3
-    t_b = 2 * f_model + f_re + (2 * blocks + rerun) * block_pass / 3
     place = lay.placement
     first = any(place.holds_first(k, c) for c in range(v))
     last = any(place.holds_last(k, c) for c in range(v))
+    block_pass = max(0.0, profile.block_pass_s(cfg.model.n_embd, tokens, tp)
+                     + _dropout_pass_s(cfg, lay, profile, tokens, e))
+    embed = 0.0  # the embedding's dropout site, which no measured block holds
+    if first and hbm and cfg.model.embd_pdrop > 0:
+        embed = tokens * cfg.model.n_embd / (tp if lay.sequence_parallel else 1) \
+            * dropout_bytes(e) / hbm
+    loss_f = loss_b = 0.0
+    if last and hbm:
+        fwd, bwd = LOSS_BYTES_PER_LOGIT[loss]
+        elements = _loss_elements(cfg, lay, tokens)
+        loss_f, loss_b = fwd * elements / hbm, bwd * elements / hbm
+    accumulate = 0.0  # per micro-batch, in the backward
+    if hbm:
+        per_param = e + 8 + (4 + 12 / lay.dp_size if lay.shards_gradients else 0)
+        accumulate = per_param * stage.params / hbm
+    t_f = f_model + blocks * block_pass / 3 + embed / 3 + loss_f
+    t_b = 2 * f_model + f_re + (2 * blocks + rerun) * block_pass / 3 + 2 * embed / 3 \
+        + loss_b + accumulate
     terms = dict.fromkeys(TERMS, 0.0)
     terms["compute"], terms["recompute"] = m * 3 * f_model, m * f_re
-    terms["non_matmul"] = m * (blocks + rerun / 3) * block_pass
+    terms["non_matmul"] = m * ((blocks + rerun / 3) * block_pass + embed)
+    terms["head_loss"] = m * (loss_f + loss_b)
+    terms["grad_accumulate"] = m * accumulate
     if tp > 1:  # all-reduces; with SP all-gathers and reduce-scatters, 6 : 4 a block
         wire, count = stage.comm["tp"], m * _tp_collectives(cfg, lay, chunks, first, last)
         terms["tp"] = _ring_time(wire, count, links["tp"], tp) if not lay.sequence_parallel \
             else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
             + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
-    if cfg.offload.activations and profile.host_link_gbps:
+    if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
         act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
                                      cfg.model.n_head, tp, lay.sequence_parallel, e,
                                      cfg.model.resid_pdrop > 0)
-        copy = sum(offloaded_layers(cfg, len(b)) for b in chunks) * act \
-            / (profile.host_link_gbps * 1e9)
-        terms["offload"] = m * (max(0.0, copy - t_f) + max(0.0, copy - t_b))
+        saved = sum(offloaded_layers(cfg, len(b)) for b in chunks) * act
+        out, back = saved / (profile.d2h_gbps * 1e9), saved / (profile.h2d_gbps * 1e9)
+        terms["offload"] = m * (max(0.0, out - t_f) + max(0.0, back - t_b))
     if lay.pp_size > 1:
         scatter = tp if tp > 1 and not lay.sequence_parallel else 1
         x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
@@ -216,31 +338,36 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
         terms["embedding"] = _ring_time(stage.comm["embedding"], 1, links["embedding"], 2)
     owned = stage.params / (lay.dp_size if lay.shards_optimizer else 1)
     host = cfg.offload.optimizer * owned
-    adam = 28 + (e if e < 4 else 0)  # bytes per element: AdamW reads and writes
-    if profile.hbm_gbps:
-        terms["optimizer"] = adam * (owned - host) / (profile.hbm_gbps * 1e9)
-    if host and profile.host_link_gbps and profile.host_memory_gbps:
-        link = profile.host_link_gbps * 1e9
+    if hbm:
+        zeroed = stage.params if not lay.shards_gradients else owned - host
+        terms["optimizer"] = (device_step_s_per_param(profile, e) * (owned - host)
+                              + 4 * zeroed / hbm)
+    host_s = host_step_s_per_param(profile, e, ranks_per_node)
+    if host and host_s and profile.h2d_gbps and profile.d2h_gbps:
         copies = m if lay.shards_gradients else 1
-        terms["offload_optimizer"] = copies * max(0.0, 4 * host / link - t_b) + max(
-            adam * host / (profile.host_memory_gbps * 1e9), e * host / link)
+        terms["offload_optimizer"] = copies * max(
+            0.0, 4 * host / (profile.d2h_gbps * 1e9) - t_b) + max(
+            host_s * host, e * host / (profile.h2d_gbps * 1e9))
     return terms
 
 
 def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfile,
-            gpus_per_node: int) -> Prediction:
+            gpus_per_node: int, loss: Optional[str] = None) -> Prediction:
     """The predicted step of `layout` on `profile`; `stages`: per pipeline stage its
     parameters per rank and wire bytes per group (`Plan.stages`, or
-    `megalite.plan.traffic.stage_traffic`)."""
+    `megalite.plan.traffic.stage_traffic`); `loss`: a key of LOSS_BYTES_PER_LOGIT to model
+    (default the run's, `loss_implementation`: a measurement of an older loss names its own)."""
     links = group_links(layout, profile, gpus_per_node)
     flops = stage_forward_flops(cfg, layout)
     chunks = layout.stage_blocks()
-    stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k])
+    loss = loss or loss_implementation(cfg, layout)
+    stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k],
+                           min(gpus_per_node, layout.world_size), loss)
               for k in range(layout.pp_size)]
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
-    busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["tp"] + s["offload"]
-            for s in stages]
+    busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["head_loss"]
+            + s["grad_accumulate"] + s["tp"] + s["offload"] for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
     totals = [sum(s.values()) for s in stages]

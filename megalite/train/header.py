@@ -64,6 +64,7 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "micro_batches": layout.micro_batches(t.global_batch_size),
         "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
                   "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
+        "dropout_on": any(p > 0 for p in (m.resid_pdrop, m.embd_pdrop, m.attn_pdrop)),  # model.*_pdrop
         "vocab_size": m.vocab_size, "padded_vocab_size": model.padded_vocab,
         "tokenizer_vocab_size": data_meta["vocab_size"],
         "parameters": num_parameters(m),

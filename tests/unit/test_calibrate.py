@@ -113,7 +113,15 @@ def test_damaged_profiles_are_refused(tmp_path):
     (lambda p: p.update(memory_bytes="80GB"), "memory_bytes='80GB': must be a positive integer"),
     (lambda p: p["sweep"][0].update(op="broadcast"), r"sweep\[0\].op='broadcast'"),
     (lambda p: p.update(matmul_sweep=[]), "matmul_sweep=.*non-empty"),
-], ids=["no_links", "zero_rate", "unknown_dtype", "negative_bw", "memory_str", "op", "no_mm"])
+    (lambda p: p.update(hbm_gbps=0), "hbm_gbps=0: must be"),
+    (lambda p: p.update(host_link={"h2d_gbps": 50.0}), r"host_link.d2h_gbps=None"),
+    (lambda p: p.update(host_adam={"params_per_s": 1e9, "threads": 0}), "host_adam.threads=0"),
+    (lambda p: p.update(block_overhead={"fixed_s": 1e-3, "per_token_s": 1e-9}),
+     "block_overhead.n_embd=None"),
+    (lambda p: p.update(block_overhead={"fixed_s": 1e-3, "per_token_s": 1e-9, "n_embd": 64,
+                                        "dropout": 1.5}), r"block_overhead.dropout=1.5"),
+], ids=["no_links", "zero_rate", "unknown_dtype", "negative_bw", "memory_str", "op", "no_mm",
+        "hbm", "host_link", "host_adam", "block_width", "block_dropout"])
 def test_ill_typed_profiles_are_refused(tmp_path, edit, message):
     path = _written(tmp_path, edit)
     with pytest.raises(ProfileError, match=f"{path}: invalid device profile: .*{message}"):
@@ -151,3 +159,46 @@ def test_calibrate_refuses_bad_sizes_before_measuring(capsys, tmp_path):
         main(["--calibrate", "--output", str(tmp_path / "p.json"), "train.seq_len=0"])
     assert e.value.code == 2 and "train.seq_len=0" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_measured_host_figures_replace_the_tables(tmp_path):
+    """A profile that measured HBM, the pinned copies and the host AdamW is planned with them;
+    one that did not takes its device's table entry's (an H100 here)."""
+    from dataclasses import replace
+
+    from megalite.plan.devices import BY_NAME, load_profile_file
+
+    h100 = {**synthetic_profile(), "device": "NVIDIA H100 80GB HBM3"}
+    save_profile(tmp_path / "table.json", h100)
+    tabled = load_profile_file(tmp_path / "table.json")
+    entry = BY_NAME["h100-80gb"]
+    assert (tabled.hbm_gbps, tabled.h2d_gbps, tabled.d2h_gbps, tabled.host_adam_params_per_s,
+            tabled.block_fits) == (entry.hbm_gbps, entry.h2d_gbps, entry.d2h_gbps,
+                                   entry.host_adam_params_per_s, entry.block_fits)
+    measured = {**h100, "hbm_gbps": 3000.0, "host_link": {"h2d_gbps": 40.0, "d2h_gbps": 30.0},
+                "host_adam": {"params_per_s": 2e9, "threads": 8},
+                "block_overhead": {"fixed_s": 1e-3, "per_token_s": 1e-8, "n_embd": 64,
+                                   "dropout": 0.0, "compiled": True}}
+    save_profile(tmp_path / "measured.json", measured)
+    p = load_profile_file(tmp_path / "measured.json")
+    assert (p.hbm_gbps, p.h2d_gbps, p.d2h_gbps, p.host_adam_params_per_s, p.host_threads) == \
+        (3000.0, 40.0, 30.0, 2e9, 8)
+    (fit,) = p.block_fits
+    assert (fit.n_embd, fit.dropout, fit.compiled) == (64, 0.0, True)
+    assert p.host_adam_per_rank(4) == 0.5e9 and replace(p, host_adam_params_per_s=None) \
+        .host_adam_per_rank(4) is None
+
+
+def test_host_adam_rate_on_this_host():
+    """The fused (or foreach) CPU AdamW over a small model, on the threads asked for; torch's
+    thread count is put back."""
+    import torch
+
+    from megalite.plan.calibrate_host import measure_host_adam, rank_threads
+
+    before = torch.get_num_threads()
+    got = measure_host_adam(1, numel=80_000)
+    assert got["params_per_s"] > 0 and got["threads"] == 1 and got["kind"] in ("fused",
+                                                                               "foreach")
+    assert torch.get_num_threads() == before
+    assert rank_threads(1) >= rank_threads(10**6) == 1

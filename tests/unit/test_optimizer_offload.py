@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
 from megalite.parallel import offload as offload_module
 from megalite.parallel.norms import squares_fp32_rows, squares_fp64
-from megalite.plan.fit import FitCosts, cheapest_fit
+from megalite.plan.devices import device_profile
+from megalite.plan.fit import cheapest_fit
 from megalite.plan.memory import make_plan
+from megalite.plan.time_model import predict
 from megalite.train.build import build_trainer
 from megalite.train.host_memory import check_host_memory
 from megalite.train.host_threads import host_threads_per_rank, set_host_threads
@@ -75,22 +78,28 @@ def test_plan_places_the_fraction_on_the_host():
 def test_cheapest_fit_names_the_cheapest_placement_that_fits():
     """gpt2-xl on one 12 GiB device: only offloading all of the optimizer state fits (one
     rank: no ZeRO; recompute frees activations, not the 18 GiB of state); at 20 GiB the
-    cheapest mix depends on the rates (free PCIe and host AdamW: offload alone); at 80 GiB it
-    fits as it is; at 6 GiB nothing does."""
+    cheapest mix depends on the rates, which are the time model's on the profile given (free
+    copies and host AdamW: offload alone); at 80 GiB it fits as it is; at 6 GiB nothing
+    does."""
     cfg = load_config(["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=1",
                        "train.global_batch_size=8"])
     layout = Layout.from_config(cfg, 1, "cuda")
-    gib = 2**30
-    assert cheapest_fit(cfg, layout, 80 * gib).overrides == ()
-    assert cheapest_fit(cfg, layout, 6 * gib) is None
-    fit = cheapest_fit(cfg, layout, 12 * gib)
+    gib, h100 = 2**30, device_profile("h100-80gb")
+    assert cheapest_fit(cfg, layout, 80 * gib, h100).overrides == ()
+    assert cheapest_fit(cfg, layout, 6 * gib, h100) is None
+    fit = cheapest_fit(cfg, layout, 12 * gib, h100)
     assert fit.overrides == ("offload.optimizer=1",) and fit.device_bytes <= 12 * gib
     changed = load_config(["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=1",
                            "train.global_batch_size=8", *fit.overrides])
     assert make_plan(changed, layout).peak.bytes["total"] == fit.device_bytes
-    free = FitCosts(pcie_bytes_per_s=1e18, host_adam_per_s=1e18)
+    # the added time is the time model's difference of the two predicted steps
+    plan = make_plan(changed, layout)
+    assert fit.added_s == pytest.approx(
+        predict(changed, layout, plan.stages, h100, 1).step_s
+        - predict(cfg, layout, make_plan(cfg, layout).stages, h100, 1).step_s)
+    free = replace(h100, h2d_gbps=1e9, d2h_gbps=1e9, host_adam_params_per_s=1e18)
     assert cheapest_fit(cfg, layout, 20 * gib, free).overrides[0].startswith("offload.")
-    mixed = cheapest_fit(cfg, layout, 20 * gib)
+    mixed = cheapest_fit(cfg, layout, 20 * gib, h100)
     assert mixed.device_bytes <= 20 * gib and mixed.added_s > 0
 
 

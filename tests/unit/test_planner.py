@@ -7,6 +7,7 @@ import itertools
 import json
 import sys
 from dataclasses import replace
+from typing import Optional
 
 import pytest
 
@@ -16,12 +17,27 @@ from megalite.config.layout import Layout, validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import load_config
 from megalite.model.gpt2 import flops_per_token
-from megalite.plan.devices import BY_NAME, DeviceProfile, Link, device_profile
+from megalite.parallel.param_spec import padded_vocab_size
+from megalite.plan.devices import (
+    BY_NAME,
+    BlockFit,
+    DeviceProfile,
+    Link,
+    block_pass_s,
+    device_profile,
+)
 from megalite.plan.dims import layer_activation_bytes
 from megalite.plan.memory import make_plan
 from megalite.plan.search import NothingFits, memory_lower_bound, search
 from megalite.plan.space import Choice, apply_choice
-from megalite.plan.time_model import predict, stage_forward_flops
+from megalite.plan.time_model import (
+    HOST_ADAM_BYTES,
+    HOST_STEP_BYTES,
+    LOSS_BYTES_PER_LOGIT,
+    dropout_bytes,
+    predict,
+    stage_forward_flops,
+)
 from megalite.plan.traffic import stage_traffic
 from megalite.train.metrics import table_peak
 
@@ -39,7 +55,7 @@ SCHEMA = {"format": "megalite-device-profile", "version": 1, "name": "synthetic"
 
 
 def synthetic(bus: float = 10.0, latency: float = 0.0, tflops: float = 1.0,
-              hbm: float = 100.0) -> DeviceProfile:
+              hbm: Optional[float] = 100.0) -> DeviceProfile:
     """A profile file's dict (the agreed schema), with the test's rates, and an HBM figure
     (which files do not carry) for the optimizer term."""
     d = {**SCHEMA, "matmul_tflops": {"bf16": tflops, "fp32": tflops},
@@ -114,7 +130,8 @@ def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
     dp = ["zero=0", "train.global_batch_size=8", "train.micro_batch_size=4"]
     _, _, slow = planned(dp, 2, synthetic(bus=1.0, tflops=1e-4))  # backward >> all-reduce
     assert slow.terms["dp"] == 0
-    _, layout, fast = planned(dp, 2, synthetic(bus=1.0, tflops=1e3))
+    # no HBM figure: the backward is its FLOPs alone (no loss, no gradient accumulation)
+    _, layout, fast = planned(dp, 2, synthetic(bus=1.0, tflops=1e3, hbm=None))
     assert fast.terms["dp"] > 0  # the reduction outlasts the backward: the rest is exposed
     cfg = load_config(SMALL + dp)
     plan = make_plan(cfg, layout)
@@ -129,7 +146,8 @@ def test_bubble_term_is_the_schedules_formula(v, m, schedule):
     over = ["pp=2", f"parallel.virtual_stages={v}", f"train.global_batch_size={m}",
             "train.micro_batch_size=1", f"parallel.schedule={schedule}"]
     cfg, layout, pred = planned(over, 2, synthetic(bus=1e6))
-    busy = [sum(t[k] for k in ("compute", "recompute", "tp", "offload"))
+    busy = [sum(t[k] for k in ("compute", "recompute", "non_matmul", "head_loss",
+                               "grad_accumulate", "tp", "offload"))
             for t in pred.stage_terms]
     p = 2
     beta = (p - 1) / (v * m + p - 1) if schedule == "auto" else \
@@ -173,7 +191,7 @@ def test_non_matmul_term_is_the_calibrated_block_time_per_pass():
 
     over = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.recompute=true",
             "train.recompute_layers=1"]
-    profile = replace(synthetic(), block_fixed_s=1e-3, block_per_token_s=1e-6)
+    profile = replace(synthetic(), block_fits=(BlockFit(64, 1e-3, 1e-6),))  # SMALL's width
     cfg, _, pred = planned(over, 1, profile)
     tokens = 2 * cfg.train.seq_len
     # m = 4 micro-batches, 4 blocks a pass, the recomputed block's re-run a third of one
@@ -186,13 +204,74 @@ def test_non_matmul_term_is_the_calibrated_block_time_per_pass():
     assert fit_nonnegative_line([2, 4], [1, 4])[0] == 0  # through the origin
 
 
+def test_block_time_between_and_beyond_the_measured_widths():
+    """Two measured widths: each its own fit; between them the interpolation in the width;
+    beyond them the nearest, its per-token part scaled with the width; tp splits the
+    per-token part."""
+    fits = (BlockFit(100, 1e-3, 1e-6), BlockFit(200, 3e-3, 2e-6))
+    assert block_pass_s(fits, 100, 10) == pytest.approx(1e-3 + 1e-5)
+    assert block_pass_s(fits, 200, 10) == pytest.approx(3e-3 + 2e-5)
+    assert block_pass_s(fits, 150, 10) == pytest.approx((1e-3 + 1e-5 + 3e-3 + 2e-5) / 2)
+    assert block_pass_s(fits, 400, 10) == pytest.approx(3e-3 + 4e-5)  # 2e-6 x 400/200
+    assert block_pass_s(fits, 50, 10) == pytest.approx(1e-3 + 0.5e-5)
+    assert block_pass_s(fits, 200, 10, tp=2) == pytest.approx(3e-3 + 1e-5)
+    assert block_pass_s((), 200, 10) == 0
+
+
+def test_dropout_unlike_the_measured_blocks_is_added_or_taken_off():
+    """A block measured with dropout on predicts a run without it by taking off the residual
+    dropout's traffic (2 sites of tokens x h at 4e + 2 bytes), and the reverse."""
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    measured_on = replace(synthetic(), block_fits=(BlockFit(64, 1e-3, 1e-6, dropout=0.1),))
+    cfg, _, off = planned(over, 1, measured_on)  # SMALL: dropout 0
+    tokens, h = 2 * cfg.train.seq_len, cfg.model.n_embd
+    site = tokens * h * dropout_bytes(2) / 100e9
+    blocks, m = 4, 4
+    assert off.terms["non_matmul"] == pytest.approx(
+        m * blocks * (1e-3 + 1e-6 * tokens - 2 * site))
+    _, _, on = planned(over + ["model.resid_pdrop=0.1"], 1, measured_on)
+    assert on.terms["non_matmul"] == pytest.approx(m * blocks * (1e-3 + 1e-6 * tokens))
+    measured_off = replace(measured_on, block_fits=(BlockFit(64, 1e-3, 1e-6, dropout=0.0),))
+    _, _, added = planned(over + ["model.resid_pdrop=0.1", "model.embd_pdrop=0.1"], 1,
+                          measured_off)
+    assert added.terms["non_matmul"] == pytest.approx(
+        m * (blocks * (1e-3 + 1e-6 * tokens + 2 * site) + site))  # + the embedding's
+    unknown = replace(measured_on, block_fits=(BlockFit(64, 1e-3, 1e-6),))
+    _, _, same = planned(over, 1, unknown)
+    assert same.terms["non_matmul"] == pytest.approx(m * blocks * (1e-3 + 1e-6 * tokens))
+
+
+def test_loss_gradient_accumulation_and_optimizer_are_memory_traffic():
+    """head_loss: the logits' elements x the implementation's bytes over HBM, on the last
+    stage only; grad_accumulate: e + 8 bytes a parameter a micro-batch; optimizer: the
+    engine's step bytes over the owned parameters + their zeroing."""
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    cfg, layout, eager = planned(over, 1, synthetic())
+    tokens, v = 2 * cfg.train.seq_len, cfg.model.vocab_size
+    m, hbm = 4, 100e9
+    assert eager.terms["head_loss"] == pytest.approx(m * tokens * v * sum(
+        LOSS_BYTES_PER_LOGIT["eager"]) / hbm)
+    _, _, compiled = planned(over + ["train.compile=true"], 1, synthetic())
+    assert compiled.terms["head_loss"] == pytest.approx(m * tokens * v * sum(
+        LOSS_BYTES_PER_LOGIT["compiled"]) / hbm)
+    params = make_plan(cfg, layout).stages[0].params
+    assert eager.terms["grad_accumulate"] == pytest.approx(m * params * (2 + 8) / hbm)
+    assert eager.terms["optimizer"] == pytest.approx(params * (40 + 6 + 4) / hbm)
+    _, _, pp = planned(over + ["pp=2"], 2, synthetic())
+    assert pp.stage_terms[0]["head_loss"] == 0 and pp.stage_terms[1]["head_loss"] > 0
+    _, _, vp = planned(over + ["tp=2"], 2, synthetic())
+    assert vp.terms["head_loss"] == pytest.approx(m * tokens * padded_vocab_size(v, 2) / 2 * sum(
+        LOSS_BYTES_PER_LOGIT["vocab_parallel"]) / hbm)
+
+
 def test_activation_offload_copies_hide_behind_longer_compute():
     over = ["train.global_batch_size=8", "train.micro_batch_size=2", "offload.activations=true",
             "offload.activations_layers=2"]
-    slow = replace(synthetic(tflops=1e-4), host_link_gbps=1.0)  # compute >> the copies
+    slow = replace(synthetic(tflops=1e-4), h2d_gbps=1.0, d2h_gbps=1.0)  # compute >> copies
     cfg, layout, hidden = planned(over, 1, slow)
     assert hidden.terms["offload"] == 0
-    fast = replace(synthetic(tflops=1e3), host_link_gbps=1.0)
+    # no HBM figure: forward and backward are their FLOPs alone
+    fast = replace(synthetic(tflops=1e3, hbm=None), h2d_gbps=1.0, d2h_gbps=1.0)
     _, _, exposed = planned(over, 1, fast)
     copy = 2 * layer_activation_bytes(cfg.train.seq_len, 2, cfg.model.n_embd,
                                       cfg.model.n_head, 1, False, 2) / 1e9  # 2 blocks, out
@@ -269,7 +348,8 @@ def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_la
     every or some blocks' activation offload and optimizer offload fractions; and with the
     schedule held at zb-v (`fixed`), the best zb-v layout, valid."""
     cfg = load_config(SMALL + ["train.global_batch_size=8"])
-    base = replace(synthetic(latency=1e-5), host_link_gbps=0.02, host_memory_gbps=1.0,
+    base = replace(synthetic(latency=1e-5), h2d_gbps=0.02, d2h_gbps=0.02,
+                   host_adam_params_per_s=1e9 / 30,
                    op_links={"intra_node": {"all_gather": Link(40.0, 1e-6),  # faster than the
                                             "reduce_scatter": Link(5.0, 2e-5)}})  # link: bounds
     everything = brute_force(cfg, 4, base, 2)
@@ -378,13 +458,22 @@ def test_a_calibrated_profile_file_plans_and_the_table_gives_calibrate_its_links
 
 def test_offloaded_optimizer_moves_adamw_to_the_host():
     over = ["zero=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
-    profile = replace(synthetic(tflops=1e-4), host_link_gbps=4.0, host_memory_gbps=50.0)
+    profile = replace(synthetic(tflops=1e-4), h2d_gbps=4.0, d2h_gbps=4.0,
+                      host_adam_params_per_s=2e9)
     _, _, kept = planned(over, 2, profile)
     cfg, layout, off = planned(over + ["offload.optimizer=1"], 2, profile)
     assert kept.terms["optimizer"] > 0 and kept.terms["offload_optimizer"] == 0
-    assert off.terms["optimizer"] == 0
-    owned = make_plan(cfg, layout).stages[0].params / 2
+    params = make_plan(cfg, layout).stages[0].params
+    owned = params / 2
+    assert off.terms["optimizer"] == pytest.approx(4 * params / 100e9)  # zeroing, zero 1
     # the gradient copy hides behind the (slow) backward; the host step is the longer of
-    # AdamW at host memory bandwidth and the parameters' copy back
-    assert off.terms["offload_optimizer"] == pytest.approx(
-        max(30 * owned / 50e9, 2 * owned / 4e9))
+    # its passes (AdamW at the rank's share of the node's rate, 2 ranks a node; the other
+    # passes at AdamW's memory rate) and the parameters' copy back
+    host = (HOST_STEP_BYTES + 2) / HOST_ADAM_BYTES / (2e9 / 2)
+    assert off.terms["offload_optimizer"] == pytest.approx(max(host * owned, 2 * owned / 4e9))
+    # one rank a node has the node's host to itself
+    _, _, alone = planned(over + ["offload.optimizer=1"], 2, profile, per_node=1)
+    assert alone.terms["offload_optimizer"] == pytest.approx(max(host / 2 * owned,
+                                                                 2 * owned / 4e9))
+
+

@@ -1,0 +1,57 @@
+"""The offload benchmark's bookkeeping (megalite/bench/offload.py): one variant alive at a
+time in an order that rebuilds the baseline, ratios against the baselines around each
+variant, waits taken from the trainer's step timers."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megalite.bench.offload import build_order, parse_variants, time_variant, with_ratios
+from megalite.train.metrics import Peak
+from megalite.train.timers import StepTimers
+
+
+def test_the_baseline_is_rebuilt_between_variants():
+    cuda = parse_variants(None, cuda=True)
+    assert len(cuda) == 6 and parse_variants(None, cuda=False) == [(0.0, False), (0.5, False),
+                                                                   (1.0, False)]
+    names = [name for name, _, _ in build_order(cuda, 2)]
+    base = "optimizer=0"
+    assert names == [base, "optimizer=0.5", "optimizer=1", base, "optimizer=0 activations",
+                     "optimizer=0.5 activations", base, "optimizer=1 activations", base]
+    assert [n for n, _, _ in build_order(parse_variants(["1", "0:act"], True), 1)] == \
+        [base, "optimizer=1", base, "optimizer=0 activations", base]
+    with pytest.raises(SystemExit, match="F or F:act"):
+        parse_variants(["2"], True)
+
+
+def test_ratios_are_against_the_baselines_around_and_drift_shows():
+    rows = [{"order": 0, "variant": "optimizer=0", "step_s": 1.0},
+            {"order": 1, "variant": "optimizer=1", "step_s": 3.0},
+            {"order": 2, "variant": "optimizer=0", "step_s": 2.0},
+            {"order": 3, "variant": "optimizer=0.5", "error": "out of memory"}]
+    out = with_ratios(rows, 4, 2, 1000, None, 8, Peak(None, "test"))
+    assert out[1]["ratio"] == pytest.approx(3.0 / 1.5)  # the mean of 1.0 before, 2.0 after
+    assert out[0]["ratio"] == 1.0 and out[2]["ratio"] == 1.0
+    assert all(r["baseline_spread"] == 2.0 for r in out)
+    assert "ratio" not in out[3] and out[3]["error"] == "out of memory"
+
+
+def test_one_variant_is_built_timed_and_its_waits_counted():
+    """`time_variant` warms up, resets the step timers, and reports the `offload_wait` phase
+    per timed step (on CUDA those marks are CUDA events: the device's stalls count)."""
+    built = []
+
+    def make():
+        timers = StepTimers(torch.device("cpu"))
+
+        def step():
+            with timers.phase("offload_wait"):
+                time.sleep(0.01)
+        built.append(step)
+        return step, timers
+    got = time_variant(make, torch.device("cpu"), warmup=2, steps=3)
+    assert len(built) == 1 and len(got["times_s"]) == 3
+    assert 0.01 <= got["offload_wait_s"] <= got["step_s"] * 1.5
