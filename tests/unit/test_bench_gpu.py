@@ -13,19 +13,11 @@ import time
 
 import pytest
 
-from megalite.bench import gpu
-from megalite.bench.gpu import (
-    FULL,
-    REDUCED,
-    mfu_specs,
-    parse_pytest,
-    read_metrics,
-    render_markdown,
-    run_command,
-    summarize_launch,
-    train_overrides,
-    worker_args,
-)
+from megalite.bench import gpu, gpu_session
+from megalite.bench.gpu_mfu import mfu_specs, train_overrides, worker_args
+from megalite.bench.gpu_report import render_markdown
+from megalite.bench.gpu_runs import json_lines, parse_pytest, read_metrics, run_command, summarize_launch
+from megalite.bench.gpu_sizes import FULL, PARTS, REDUCED, RESILIENCE_OFF
 
 
 def test_the_full_forms_runs_in_priority_order():
@@ -37,7 +29,7 @@ def test_the_full_forms_runs_in_priority_order():
         (path, p, c) for path in ("bench", "launch") for p in ("gpt2", "gpt2-xl")
         for c in (True, False)}
     assert specs[-1].resilience is False and all(s.resilience for s in specs[:-1])
-    assert len(specs) == 10 and gpu.PARTS[:2] == ("cuda-tests", "mfu")
+    assert len(specs) == 10 and PARTS[:2] == ("cuda-tests", "mfu")
     assert [s.id for s in mfu_specs(REDUCED)] == [
         "bench tiny eager", "launch tiny eager dropout 0", "launch tiny eager",
         "launch tiny eager dropout 0 no resilience checks"]
@@ -56,7 +48,7 @@ def test_every_command_of_the_form_parses(sizes):
     device = "cpu" if sizes is REDUCED else "cuda"
     for spec in mfu_specs(sizes):
         overrides = train_overrides(sizes, spec)
-        cfg, _ = validated_config(overrides + gpu.RESILIENCE_OFF + [
+        cfg, _ = validated_config(overrides + RESILIENCE_OFF + [
             "log.wandb=false", "log.progress=false", "train.eval_every=0", "log.every=1",
             "checkpoint.every=2", "checkpoint.async_save=true", "resilience.rerun=on_nan",
             "resilience.rerun_deterministic=false"], 1, 1, device)
@@ -78,7 +70,7 @@ def test_parsing_pytest_worker_and_metrics(tmp_path):
     assert got["failures"] == ["tests/unit/test_cuda.py::test_x"]
     assert parse_pytest("20 skipped in 0.97s")["skipped"] == 20
     assert parse_pytest("ERROR collecting\n1 error in 2.0s")["errors"] == 1
-    assert gpu.json_lines('noise\n{"step_s": 1.5}\n{bad\n') == [{"step_s": 1.5}]
+    assert json_lines('noise\n{"step_s": 1.5}\n{bad\n') == [{"step_s": 1.5}]
     path = tmp_path / "metrics.jsonl"
     header = {"run": {"dropout_on": True, "plan": {"stages": [{"bytes": {"total": 4e9}}]}}}
     records = [{"step": i, "step_time_s": t, "mfu": 0.5, "tokens_per_s": 100.0,
@@ -132,10 +124,11 @@ def test_a_failing_part_and_the_budget_do_not_stop_the_report(tmp_path, monkeypa
         clock.now += 4.0
 
     monkeypatch.setattr(gpu, "time", clock)
-    monkeypatch.setattr(gpu.GpuBench, "cuda_tests", broken)
-    monkeypatch.setattr(gpu.GpuBench, "mfu", slow)
-    monkeypatch.setattr(gpu.GpuBench, "offload", slow)
-    monkeypatch.setattr(gpu, "machine_header", lambda *a: {"started": "now", "gpu": None})
+    monkeypatch.setattr(gpu_session, "time", clock)
+    monkeypatch.setitem(gpu.RUNNERS, "cuda-tests", broken)
+    monkeypatch.setitem(gpu.RUNNERS, "mfu", slow)
+    monkeypatch.setitem(gpu.RUNNERS, "offload", slow)
+    monkeypatch.setattr(gpu_session, "machine_header", lambda *a: {"started": "now", "gpu": None})
     args = argparse.Namespace(out=str(tmp_path / "r"), budget_s=10.0, parts="cuda-tests,mfu,"
                               "offload,calibrate", data=None, reduced=True, mfu_runs=0)
     body = gpu.run(args)

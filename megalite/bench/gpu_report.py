@@ -1,0 +1,133 @@
+"""`megalite-bench gpu`'s report: the parts' rows written as they come to report.json and
+report.md, the machine and versions in the header."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, List, Optional
+
+
+@dataclass
+class Part:
+    name: str
+    limit_s: float = 0.0
+    status: str = "not run"
+    seconds: float = 0.0
+    rows: List[dict] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    commands: List[str] = field(default_factory=list)
+
+
+class Report:
+    """report.json and report.md in `out`, rewritten after every row."""
+
+    def __init__(self, out: Path, header: dict):
+        self.out, self.header = out, header
+        self.parts: Dict[str, Part] = {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def part(self, name: str) -> Part:
+        return self.parts.setdefault(name, Part(name))
+
+    def write(self) -> None:
+        body = {"header": self.header, "parts": [vars(p) for p in self.parts.values()]}
+        _atomic(self.out / "report.json", json.dumps(body, indent=1, default=str) + "\n")
+        _atomic(self.out / "report.md", render_markdown(body))
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return " ".join(f"{k} {_cell(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    return str(value).replace("|", "/").replace("\n", " ")
+
+
+def render_markdown(body: dict) -> str:
+    h = body["header"]
+    lines = [f"# megalite-bench gpu — {h.get('started', '')}", ""]
+    lines += [f"- {k}: {_cell(v)}" for k, v in h.items() if k != "started"]
+    for p in body["parts"]:
+        lines += ["", f"## {p['name']} — {p['status']} ({p['seconds']:.0f} s of a {p['limit_s']:.0f} s "
+                  "limit)", ""]
+        rows = p["rows"]
+        if rows:
+            keys: List[str] = []
+            for r in rows:
+                keys += [k for k in r if k not in keys and k not in ("steps_s", "overrides",
+                                                                        "checkpoint_blocked_s")]
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+        lines += [""] + [f"- {n}" for n in p["notes"]] if p["notes"] else []
+        if p["commands"]:
+            lines += ["", "Commands:", ""] + [f"    {c}" for c in p["commands"]]
+    return "\n".join(lines) + "\n"
+
+
+def machine_header(reduced: bool, budget_s: float, python: str) -> dict:
+    """The machine and versions, without creating a CUDA context in this process (which
+    would hold GPU memory the runs need): nvidia-smi, else a short subprocess."""
+    import torch
+
+    header = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "reduced": reduced, "budget_s": budget_s, "host": platform.node(),
+              "host_cores": os.cpu_count(), "python": platform.python_version(),
+              "torch": torch.__version__, "cuda": torch.version.cuda,
+              "megalite": _megalite_version()}
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=15).stdout.strip().splitlines()
+            if out:
+                name, memory, driver = [x.strip() for x in out[0].split(",")][:3]
+                header.update(gpu=name, gpu_memory=memory, driver=driver, gpus=len(out))
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    if "gpu" not in header:
+        header["gpu"] = None if reduced else _gpu_name(python)
+    return header
+
+
+def _gpu_name(python: str) -> Optional[str]:
+    try:
+        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.get_device_name() "
+                              "if torch.cuda.is_available() else '')"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+        return out or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _megalite_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("megalite")
+    except PackageNotFoundError:
+        v = "not installed"
+    root = Path(__file__).resolve().parents[2]
+    if (root / ".git").exists() and shutil.which("git"):
+        try:
+            commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+            v += f" ({root}: {commit})"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return v
