@@ -17,6 +17,7 @@ from megalite.bench import (
     checkpoint_index,
     flight,
     loader,
+    loss,
     offload,
     pipeline,
     plan,
@@ -38,6 +39,8 @@ BENCHMARKS = {
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
+    "loss": (loss, "the loss alone: the old fp32 cross-entropy vs the chunked one, peak bytes "
+                   "(measured and planned) and time"),
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
