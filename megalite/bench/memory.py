@@ -23,7 +23,7 @@ tensors, rounded up to the allocator's 512-byte blocks).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -87,25 +87,36 @@ def _replay(prof) -> List[Tuple[int, int]]:
     return timeline
 
 
-def live_tensor_bytes(device: Optional[torch.device] = None) -> int:
-    """Bytes of the distinct storages of every tensor alive now on `device` (the CPU by
-    default; CUDA: the caching allocator's `memory_allocated`): the baseline of a step whose
-    own peak `PeakBytes` measures. Found through Python's garbage collector, after a
-    collection: at a step's boundary every tensor (parameters, flat buffers, optimizer state)
-    is reachable from Python."""
+def live_storages(device: Optional[torch.device] = None) -> Dict[int, int]:
+    """{address: bytes} of the distinct storages of every tensor alive now on `device` (the
+    CPU by default), found through Python's garbage collector after a collection."""
     import gc
 
     device = torch.device("cpu") if device is None else torch.device(device)
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device)
-    storages = {}
+    storages: Dict[int, int] = {}
     for obj in gc.get_objects():
+        # type(): isinstance would read __class__, which some of the collector's objects
+        # warn on
         if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type \
-                and not obj.is_meta:  # (type(): isinstance would read __class__, which
-            #                              some of the collector's objects warn on)
+                and not obj.is_meta:
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = max(storage.nbytes(),
                                                storages.get(storage.data_ptr(), 0))
-    return sum(storages.values())
+    return storages
+
+
+def live_tensor_bytes(device: Optional[torch.device] = None,
+                      before: Optional[Dict[int, int]] = None) -> int:
+    """Bytes of the tensors alive now on `device` (`live_storages`; CUDA: the caching
+    allocator's `memory_allocated`), less those already alive in `before` (a
+    `live_storages()` taken earlier: what the process held before the measured run was
+    built): the baseline of a step whose own peak `PeakBytes` measures. At a step's boundary
+    every tensor of a run (parameters, flat buffers, optimizer state) is reachable from
+    Python."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    before = before or {}
+    return sum(n for ptr, n in live_storages(device).items() if ptr not in before)

@@ -21,6 +21,7 @@ from megalite.bench import (
     offload,
     pipeline,
     plan,
+    plan_memory,
     plan_table1,
     prepare,
     rerun,
@@ -45,6 +46,8 @@ BENCHMARKS = {
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
     "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
+    "plan-memory": (plan_memory, "the memory plan's peak vs the peak live bytes of real "
+                                 "training steps (CPU or GPU, one or more ranks)"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
     "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "
