@@ -19,9 +19,11 @@ from megalite.bench import (
     flight,
     gpu,
     loader,
+    loss,
     offload,
     pipeline,
     plan,
+    plan_memory,
     plan_table1,
     prepare,
     rerun,
@@ -40,10 +42,14 @@ BENCHMARKS = {
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
+    "loss": (loss, "the loss alone: the old fp32 cross-entropy vs the chunked one, peak bytes "
+                   "(measured and planned) and time"),
     "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
                        "order), open files at 2,000 shards"),
     "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
     "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
+    "plan-memory": (plan_memory, "the memory plan's peak vs the peak live bytes of real "
+                                 "training steps (CPU or GPU, one or more ranks)"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
     "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "

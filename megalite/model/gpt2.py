@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config.schema import ModelConfig
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.attention import kernel_region
+from megalite.parallel.cross_entropy import cross_entropy
 from megalite.parallel.group import Group, single_rank_group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 from megalite.parallel.rng import RNGTracker
@@ -42,7 +43,6 @@ from megalite.parallel.tensor import (
     column_parallel_linear,
     gather_vocab,
     sequence_chunk,
-    vocab_parallel_cross_entropy,
 )
 
 RegionFactory = Callable[[], contextlib.AbstractContextManager]
@@ -179,12 +179,11 @@ class GPT2(nn.Module):
             name: self._spec(name, module) for name, module in self._param_owners().items()}
         if compile:
             # Each block's forward is compiled (fusing LayerNorm, GELU, residual adds, the
-            # attention reshapes); module hooks (ZeRO-3 gathering) stay in eager Python.
+            # attention reshapes); module hooks (ZeRO-3 gathering) stay in eager Python. The
+            # loss is not: chunked (`megalite.parallel.cross_entropy`), it holds in eager what
+            # the compiled fp32 loss held (the logits and their gradient, plus one chunk)
             for block in self.transformer.h.values():
                 block.forward = torch.compile(block.forward)
-            if last and tp_group.size == 1:
-                # the loss reads the bf16 logits once: slice, upcast and log-softmax fused
-                self.loss = torch.compile(self.loss)
 
     # --- parameter metadata -------------------------------------------------------------
 
@@ -268,35 +267,29 @@ class GPT2(nn.Module):
         """Last stage: ln_f and the LM head -> this rank's vocabulary slice [s, b, V/tp]."""
         return self.lm_head(self.transformer.ln_f(x))
 
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy [N] (fp32) of this rank's logits [N, V/tp] and the targets
+        [N]: the chunked, vocab-parallel loss (`megalite.parallel.cross_entropy`; with tp = 1
+        a group of one). Padded vocabulary columns never count; no fp32 copy of the whole
+        logits is made."""
+        return cross_entropy(logits, targets, self.tp_group,
+                             self.tp_group.rank * logits.shape[-1], self.cfg.vocab_size)
+
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]. Padded
-        vocabulary columns never count. Without TP, PyTorch's fused cross-entropy on the real
-        columns; with TP, the vocab-parallel one (logits stay split)."""
-        logits = logits.reshape(-1, logits.shape[-1])
-        targets = labels.t().reshape(-1)
-        if self.tp_group.size == 1:
-            return F.cross_entropy(logits[:, :self.cfg.vocab_size].float(), targets)
-        return vocab_parallel_cross_entropy(
-            logits, targets, self.tp_group, self.tp_group.rank * logits.shape[-1],
-            self.cfg.vocab_size).mean()
+        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]."""
+        return self.token_losses(logits.reshape(-1, logits.shape[-1]),
+                                 labels.t().reshape(-1)).mean()
 
     def sequence_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of each sequence [b] (fp64) over the positions whose label
         is >= 0; a negative label (-100) marks a position that does not count (padding, or a
         token that is only context). logits [s, b, V/tp], labels [b, s]. Per token the same
-        cross-entropy as `loss` (with TP the vocab-parallel one: logits stay split)."""
+        cross-entropy as `loss`."""
         s, b = logits.shape[:2]
-        logits = logits.reshape(-1, logits.shape[-1])
         targets = labels.t().reshape(-1)
         counted = targets >= 0
-        targets = targets.clamp(min=0)
-        if self.tp_group.size == 1:
-            per_token = F.cross_entropy(logits[:, :self.cfg.vocab_size].float(), targets,
-                                        reduction="none")
-        else:
-            per_token = vocab_parallel_cross_entropy(
-                logits, targets, self.tp_group, self.tp_group.rank * logits.shape[-1],
-                self.cfg.vocab_size)
+        per_token = self.token_losses(logits.reshape(-1, logits.shape[-1]),
+                                      targets.clamp(min=0))
         per_token = torch.where(counted, per_token, torch.zeros_like(per_token))
         return per_token.view(s, b).double().sum(dim=0)
 

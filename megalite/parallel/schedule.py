@@ -302,6 +302,17 @@ def peak_live_bytes(pp: int, stage: int, m: int, v: int, chunk_bytes: List[float
                for counts in _live_peaks(pp, stage, m, v, schedule))
 
 
+def unwaited_sends(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto") -> int:
+    """Tensors `stage` has sent in rounds that receive nothing, up to its last forward: a
+    backend whose sends report completion only once waited for (gloo) keeps them until the
+    end of the step (`PendingBatch`; NCCL reports completion, and they go as they are sent),
+    so they are alive at the stage's last activation peak."""
+    rounds = plan_rounds(pp, m, v, False, schedule)[stage]
+    last = max((i for i, r in enumerate(rounds) if r.op is not None and r.op.kind is F),
+               default=-1)
+    return sum(len(r.sends) for r in rounds[:last + 1] if r.sends and not r.recvs)
+
+
 @lru_cache(maxsize=4096)
 def _live_peaks(pp: int, stage: int, m: int, v: int, schedule: str = "auto"
                 ) -> Tuple[Tuple[int, ...], ...]:

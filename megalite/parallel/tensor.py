@@ -8,9 +8,10 @@ All TP/SP communication goes through the five autograd regions of `megalite.para
                            backward instead of kept) -> x W_r^T + b_r
     RowParallelLinear      x_r W_r^T -> reduce_from_tp (or reduce_scatter_to_seq with SP) -> + b
     VocabParallelEmbedding rows of this rank's vocab slice -> reduce_from_tp / reduce_scatter
-    vocab_parallel_cross_entropy   logits stay split over the vocabulary: max, target logit
-                                   and sum of exponentials are reduced across TP, never the
-                                   logits themselves.
+
+The loss on logits split over the vocabulary (max, target logit and sum of exponentials
+reduced across TP, never the logits themselves; in chunks of tokens) is
+`megalite.parallel.cross_entropy`.
 
 Zero-bubble schedules split each backward into B (input gradient) and W (weight gradient, run
 later): the layers here take a `weight_grad_queue` (`megalite.parallel.weight_grad`); without
@@ -24,7 +25,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -183,58 +183,6 @@ class VocabParallelEmbedding(nn.Module):
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return regions.reduce_scatter_to_seq(out, self.tp_group) if self.sequence_parallel \
             else regions.reduce_from_tp(out, self.tp_group)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of logits split over the vocabulary.
-
-    loss_i = log sum_j exp(z_ij - m_i) - (z_i,t_i - m_i), m_i = max_j z_ij, with the max, the
-    target logit and the sum of exponentials each all-reduced across TP (three messages of one
-    number per token). Columns at or beyond `vocab_size` (padding) are excluded: they get
-    probability 0, hence gradient 0. Backward: dL/dz = softmax(z) - onehot(t), scaled by the
-    incoming per-token gradient, computed on this rank's slice only.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, group: Group, vocab_start: int, vocab_size: int):
-        logits = logits.float()
-        cols = logits.shape[-1]
-        if vocab_start + cols > vocab_size:  # this slice holds padded columns
-            pad = torch.arange(vocab_start, vocab_start + cols, device=logits.device) >= vocab_size
-            logits = logits.masked_fill(pad, float("-inf"))
-        logits_max = logits.max(dim=-1).values
-        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-        local_t = target - vocab_start
-        outside = (local_t < 0) | (local_t >= cols)
-        local_t = local_t.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        reduced = torch.stack([target_logit, sum_exp])  # one message for both sums
-        comm.all_reduce(reduced, group)
-        target_logit, sum_exp = reduced[0], reduced[1]
-        loss = sum_exp.log() - target_logit
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_t, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_t] -= (~outside).to(grad.dtype)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group,
-                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """Per-token losses [n] from this rank's logits [n, V/tp] (columns vocab_start ...) and the
-    targets [n]; `vocab_size` is the real (unpadded) vocabulary."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)
 
 
 def gather_vocab(logits: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:

@@ -3,11 +3,10 @@ theoretical memory report, with ZeRO's placement vocabulary).
 
 For every pipeline stage, per rank (Ψ = parameter elements of the rank's TP slice of the stage,
 vocabulary padded; N = DP size; t = TP size; m = micro-batches per step; e = bytes of the
-compute dtype, 2 for bf16 and fp16, 4 for fp32):
+compute dtype, 2 for bf16 and fp16, 4 for fp32; C = V/t padded columns; n = s·b tokens):
 
   P, G, O    `model_state_bytes` (the ZeRO table, `zero_table()`): parameters e·Ψ, fp32
-              gradients 4·Ψ, AdamW moments 8·Ψ + fp32 master 4·Ψ where e < 4; /N where sharded;
-              zero 2/3 also stage (REDUCTIONS_IN_FLIGHT + 1) full fp32 buckets (the largest)
+              gradients 4·Ψ, AdamW moments 8·Ψ + fp32 master 4·Ψ where e < 4; /N where sharded
   A activations   per micro-batch × micro-batches in flight, min(pp − stage, m) under 1F1B;
               interleaved (v chunks): the peak over the stage's order of the alive chunks'
               bytes (`megalite.parallel.schedule.peak_live_bytes`)
@@ -15,22 +14,56 @@ compute dtype, 2 for bf16 and fp16, 4 for fp32):
                 e·sbh(4 + 12/t)   TP         e·sbh·16/t   TP + SP
                 + 16·s'b (LayerNorm mean/rstd) + 4·(a/t)·sb (attention log-sum-exp)
                 + 2·s'bh (residual dropout masks, resid_pdrop > 0)      s' = s/t with SP
-              recompute: e·s'bh per recomputed layer (the block input) + one layer's full
-              set (the layer being re-run); train.recompute_layers = r: r layers of each stage
-              recomputed, the others keep their full set
+              SDPA's math kernel (attention dropout on a CPU, train.attention=math): no
+                log-sum-exp, + 3·e·b(a/t)s² (probabilities, dropout mask, dropped) + 2·e·sbh/t
+              recompute: e·s'bh per recomputed layer (the block input); one layer's full set
+              while it is re-run (the backward moment); train.recompute_layers = r: r layers
+              of each stage recomputed, the others keep their full set
               first stage: token ids 8·sb (+ embedding dropout mask); last stage: ln_f input and
-              output e·s'bh each, the targets 8·sb, the loss's fp32 probabilities 4·sb·V/t
+              output e·s'bh each, its statistics 8·s'b, and what the chunked loss saves: the
+              logits e·n·C and 17 bytes a token (21 with TP) (`megalite.plan.dims.loss_bytes`)
               offload.activations: the offloaded layers' full sets (`offloaded_layers` per
               chunk) move to host memory (`StagePlan.host`, weighted by the micro-batches in
               flight alike); the device keeps the received input of a chunk whose first layer
               is offloaded (the schedule holds it for its gradient, e·s'bh) and 2 layers' full
               sets in transit (a block being copied out, or restored plus the prefetched one)
-  ZeRO-3 working set: the gathered units, ≈ 2 of the largest (current + prefetch) × e (+ one
-              block per further chunk, whose last unit stays gathered), or the whole stage e·Ψ
-              with parallel.reshard_after_forward=false
 
-Not counted: the CUDA context and library workspaces, allocator fragmentation, communication
-staging buffers, the gradient of the parameter being folded into G, compiled-graph buffers.
+The peak: what is alive at each moment where a stage's memory can peak, the largest of them
+(`StagePlan.moments`, `peak_at`; `bytes` lists the peak moment's terms, which add up to its
+total; W = the moment's working bytes):
+
+  forward         P + G + O + A (the last forward in flight done) + the loss's forward chunk
+                  (4·R·C, R = min(n, `chunk_rows(C)`) tokens) + zero 2/3's reductions of the
+                  previous backward, folded in only before the next backward
+  loss backward   P + G + O + A + the gradient of the logits e·n·C + one fp32 chunk 4·R·C
+                  (a stage without the loss: the received gradient e·s'bh); no staging
+  backward        P + G + O + the staging of each bucket as it fills and launches
+                  (`zero_table.staging_alive`) beside what is still saved then (A less the
+                  loss's bytes and the blocks already done, + a re-run block's full set) and,
+                  while blocks remain, a block's backward: GELU's gradient e·s·b·f/t beyond the
+                  block's saved set, the head's weight gradient e·C·h where the stage also holds
+                  the embedding (autograd accumulates the tied parameter's two gradients once),
+                  the received gradient; zero-bubble schedules: a W's weight gradients of its
+                  chunk, all computed before autograd accumulates them
+  optimizer step  P + G + O + AdamW's temporaries: none on CUDA (fused AdamW); on a CPU,
+                  foreach AdamW's sqrt(v) of its larger parameter group (4 bytes an element)
+                  and, before it, `_foreach_norm`'s fp64 copy of the largest piece (8 bytes)
+
+  ZeRO-3 gathered: the chunk's last unit, kept from its forward into its backward (the LM
+              head at the loss), the unit running and the one prefetched in the backward, a
+              tied embedding kept until its gradient is whole, + one block per further chunk;
+              or every unit, e·Ψ, with parallel.reshard_after_forward=false (N = 1 as well:
+              the engine gathers by copying)
+  staging     zero 2/3: a filling bucket's fp32 gradient 4B, each launched reduce-scatter's
+              input (4B, kept by the collective until waited for; not at N = 1) and output
+              (4B/N), at most REDUCTIONS_IN_FLIGHT launched; zero 1: the outputs 4B/N of the
+              step's last backward; on a CPU gloo's reduce-scatter also copies its input (4B)
+  CPU         the tensors a pipeline stage sent in rounds that receive nothing stay until the
+              step's end (gloo reports a send complete only once waited for)
+
+Not counted: the CUDA context and library workspaces (cuBLAS, the attention kernels'
+accumulators), allocator fragmentation and block rounding, compiled-graph buffers, the Python
+heap. What a run measures against it: docs/planner.md (CPU, every moment; the H100 runs).
 
 Communication per optimizer step and rank, ring wire bytes as `megalite.parallel.comm` counts
 them (all-reduce 2(n−1)/n·S, reduce-scatter / all-gather (n−1)/n·S, send S), with S = e·sbh
@@ -54,18 +87,19 @@ a full activation:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
-from megalite.parallel.schedule import max_in_flight, peak_live_bytes
+from megalite.parallel.schedule import max_in_flight, peak_live_bytes, unwaited_sends
 from megalite.plan.chunks import stage_ends, ties_over_stages
-from megalite.plan.dims import Dims, dims, ring
-from megalite.plan.offload import apply_offload, optimizer_placement
+from megalite.plan.dims import Dims, dims
+from megalite.plan.offload import apply_offload, optimizer_placement, owned_elements
 from megalite.plan.stage_terms import StageSums, add_chunk, stage_comm
 from megalite.plan.zero_table import (
     grad_staging_bytes,
     model_state_bytes,
+    staging_alive,
 )
 
 GIB = 2**30
@@ -82,6 +116,9 @@ class StagePlan:
     host: Dict[str, float] = field(default_factory=dict)  # host memory: activations
     #                                                       optimizer total (plan_offload.py)
     pcie: Dict[str, float] = field(default_factory=dict)  # offload copies per step: d2h h2d
+    peak_at: str = "loss backward"  # the moment whose bytes `bytes` lists (MOMENTS)
+    moments: Dict[str, Dict[str, float]] = field(default_factory=dict)  # every moment's bytes
+    declared_staging: float = 0.0  # zero 2/3: the staging the engine declares (its bound)
 
 
 @dataclass
@@ -98,7 +135,8 @@ class Plan:
     def as_dict(self) -> dict:
         return {"layout": self.layout, "placement": self.placement,
                 "stages": [{"stage": s.stage, "layers": s.layers, "params": s.params,
-                            "in_flight": s.in_flight, "bytes": s.bytes, "host": s.host,
+                            "in_flight": s.in_flight, "bytes": s.bytes, "peak_at": s.peak_at,
+                            "host": s.host,
                             "pcie": s.pcie, "comm": s.comm}
                            for s in self.stages]}
 
@@ -121,7 +159,7 @@ class Plan:
                  "placement over DP: " + ", ".join(f"{k} {v}" for k, v in self.placement.items()),
                  f"{'stage':>5} {'layers':>6} {'params/rank':>12} {'P ' + unit:>7} "
                  f"{'G ' + unit:>7} {'O ' + unit:>7} {'A ' + unit:>7} {'(in flight)':>11} "
-                 f"{'Z3 ' + unit:>7} {'total ' + unit:>9} "
+                 f"{'Z3 ' + unit:>7} {'W ' + unit:>7} {'total ' + unit:>9} {'peak at':>14} "
                  f"{'tp GB':>8} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"
                  + (f" {'host ' + unit:>8} {'PCIe GB':>8}" if offload else "")]
         for s in self.stages:
@@ -131,12 +169,15 @@ class Plan:
                 f"{(b['grads'] + b['grad_staging']) / scale:>7.2f} "
                 f"{b['optimizer'] / scale:>7.2f} "
                 f"{b['activations'] / scale:>7.2f} {s.in_flight:>11} "
-                f"{b['zero3_gathered'] / scale:>7.2f} "
-                f"{b['total'] / scale:>9.2f} {c['tp'] / 1e9:>8.3f} {c['pp'] / 1e9:>7.3f} "
+                f"{b['zero3_gathered'] / scale:>7.2f} {b['working'] / scale:>7.2f} "
+                f"{b['total'] / scale:>9.2f} {s.peak_at:>14} {c['tp'] / 1e9:>8.3f} "
+                f"{c['pp'] / 1e9:>7.3f} "
                 f"{c['dp'] / 1e9:>7.3f} {c['embedding'] / 1e9:>7.3f}"
                 + (f" {s.host['total'] / scale:>8.2f} "
                    f"{(s.pcie['d2h'] + s.pcie['h2d']) / 1e9:>8.3f}" if offload else ""))
-        lines.append("GB = 1e9 bytes sent per rank per optimizer step (ring wire bytes)"
+        lines.append("each stage's bytes at the moment its memory peaks (peak at: forward, loss "
+                     "backward, backward, optimizer step); W = that moment's working bytes; "
+                     "GB = 1e9 bytes sent per rank per optimizer step (ring wire bytes)"
                      + ("; host = offloaded optimizer state and activations per rank (host "
                         "memory), PCIe = their copies both ways per step" if offload else ""))
         return "\n".join(lines)
@@ -148,34 +189,135 @@ def memory_warning(plan: Plan, device_bytes: int) -> Optional[str]:
     if worst.bytes["total"] <= device_bytes:
         return None
     return (f"the plan estimates {worst.bytes['total'] / GIB:.1f} GiB per rank on pipeline "
-            f"stage {worst.stage}, more than the device's {device_bytes / GIB:.1f} GiB: expect an "
-            "out-of-memory error; raise zero, tp or pp, set train.recompute=true or lower "
-            "train.micro_batch_size (megalite-plan shows the parts)")
+            f"stage {worst.stage} (at its {worst.peak_at}), more than the device's "
+            f"{device_bytes / GIB:.1f} GiB: expect an out-of-memory error; raise zero, tp or pp, "
+            "set train.recompute=true or lower train.micro_batch_size (megalite-plan shows the "
+            "parts)")
+
+
+MOMENTS = ("forward", "loss backward", "backward", "optimizer step")
 
 
 def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
-    pp, dp, v = lay.pp_size, lay.dp_size, lay.virtual_stages
+    pp, v = lay.pp_size, lay.virtual_stages
     schedule = d.cfg.parallel.schedule if pp > 1 else "auto"  # the order whose peaks count
     sums, ends = StageSums(), stage_ends(slices, k)
     for e, blocks in zip(ends, chunk_blocks):
         add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
-    state = {**model_state_bytes(lay, sums.psi, d.e),
-             "grad_staging": grad_staging_bytes(d, [(e, len(blocks))
-                                               for e, blocks in zip(ends, chunk_blocks)]),
-             "activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule)
-             + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)}
-    state["zero3_gathered"] = 0.0 if not lay.shards_parameters or dp == 1 else (
-        d.e * (2 * sums.largest_unit + (v - 1) * d.layer_params)
-        if d.cfg.parallel.reshard_after_forward else d.e * sums.psi * ring(dp))
+    chunks = [(e, len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
+    states = model_state_bytes(lay, sums.psi, d.e)
+    activations = peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule) \
+        + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)
     host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host, schedule)}
-    pcie = apply_offload(d.cfg, lay, sums.psi, d.e, d.micro, state, host, sum(sums.chunk_host))
-    state["total"] = sum(state.values())
+    pcie = apply_offload(d.cfg, lay, sums.psi, d.e, d.micro, states, host,
+                         sum(sums.chunk_host))
     host["total"] = sum(host.values())
+    # gloo: the tensors sent in rounds that receive nothing are kept until the step's end
+    sent = unwaited_sends(pp, k, d.micro, v, schedule) * d.e * d.s_local \
+        * d.cfg.train.micro_batch_size * d.cfg.model.n_embd / _scatter(lay) \
+        if pp > 1 and lay.device_type != "cuda" else 0.0
+    moments = _moments(d, sums, chunks, states, activations, sent)
+    peak_at = max(MOMENTS, key=lambda name: moments[name]["total"])
     tied = pp > 1 and ties_over_stages(slices, k)
-    return StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
-                     max_in_flight(pp, k, d.micro, v, schedule), state, stage_comm(d, sums, tied),
-                     host, pcie)
+    plan = StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
+                     max_in_flight(pp, k, d.micro, v, schedule), dict(moments[peak_at]),
+                     stage_comm(d, sums, tied), host, pcie)
+    plan.peak_at, plan.moments = peak_at, moments
+    plan.declared_staging = grad_staging_bytes(d, chunks)
+    return plan
+
+
+def _scatter(lay) -> int:
+    """With TP and no SP a pipeline transfer is 1/tp of the activation (gathered after)."""
+    return lay.tp_size if lay.tp_size > 1 and not lay.sequence_parallel else 1
+
+
+def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
+             activations: float, sent: float) -> Dict[str, Dict[str, float]]:
+    """What the stage's rank holds at each moment where its memory can peak (the module
+    docstring): the model states always; activations, ZeRO-2/3 staging, ZeRO-3's gathered
+    units and the working bytes of the moment (`sent`: pipeline sends a CPU backend keeps
+    until the step's end)."""
+    lay, e, v = d.layout, d.e, d.layout.virtual_stages
+    loss_last = any(ends.last for ends, _ in chunks)
+    timeline, pending = staging_alive(d, chunks)
+    layer = d.layer_params
+    t = d.cfg.train
+    block = e * t.seq_len * t.micro_batch_size * d.cfg.model.ffn_size / lay.tp_size
+    if not lay.shards_parameters:
+        gathered = {name: 0.0 for name in MOMENTS}
+    elif not d.cfg.parallel.reshard_after_forward:  # every unit, from its first use
+        gathered = {name: e * sums.psi for name in MOMENTS[:3]}
+        gathered["optimizer step"] = 0.0
+    else:  # the chunk's last unit (kept from forward into backward), + another chunk's each
+        end = d.vocab // lay.tp_size * d.cfg.model.n_embd if loss_last else layer
+        gathered = {"forward": e * (end + (v - 1) * layer),
+                    "loss backward": e * (end + (layer if not loss_last else 0)
+                                          + (v - 1) * layer),
+                    # the unit running and the one prefetched; the tied embedding of a stage
+                    # that holds both ends stays gathered until its gradient is whole
+                    "backward": e * (2 * layer + sums.tied_head + (v - 1) * layer),
+                    "optimizer step": 0.0}
+    freed = min(sums.chunk_freed)  # the loss's saved bytes, freed before weights' gradients
+    # a stage without the loss runs its backward from a received gradient (e·s'bh)
+    received = 0.0 if loss_last else e * d.s_local * t.micro_batch_size * d.cfg.model.n_embd
+    # during the backward: each bucket's staging beside what is still saved by then (the
+    # loss's bytes and the blocks already done freed; a recomputed block re-run) and, while
+    # blocks remain, a block's working bytes (below)
+    rerun = max(sums.chunk_rerun)
+    block_work = e * sums.tied_head + (block if sums.blocks else 0.0) + received
+    if lay.pp_size > 1 and d.cfg.parallel.schedule in ("zb-h1", "zb-v"):
+        # a W holds all its chunk's weight gradients at once before handing them to
+        # autograd's accumulation (`megalite.parallel.weight_grad.run_weight_grads`)
+        block_work = max(block_work, e * max(sums.chunk_weight_grads) + received)
+
+    def during_backward(staged: float, c: int, done: int, units: float
+                        ) -> Tuple[float, float, float, float]:
+        remaining = done < len(sums.chunk_blocks[c])
+        return (staged, activations - freed - sum(sums.chunk_blocks[c][:done])
+                + (rerun if remaining else 0.0), block_work if remaining else 0.0,
+                gathered["backward"] if not lay.shards_parameters
+                or not d.cfg.parallel.reshard_after_forward else e * units)
+
+    staged, left, working, gathered["backward"] = max(
+        (during_backward(*point) for point in timeline), key=sum,
+        default=(0.0, activations - freed + rerun, block_work, gathered["backward"]))
+    moments = {
+        "forward": {"grad_staging": pending, "activations": activations,
+                    "working": max(sums.chunk_forward_work) + sent},
+        "loss backward": {"grad_staging": 0.0, "activations": activations,
+                          "working": max(sums.chunk_backward_work) + sent},
+        # a block's backward: the gradient of the MLP's hidden activation beside its input
+        # (GELU's backward; e·s·b·f/t more than the block's saved set); the head's weight
+        # gradient of a stage that also holds the embedding waits in autograd for the
+        # embedding's, to be accumulated once
+        "backward": {"grad_staging": staged, "activations": left, "working": working + sent},
+        "optimizer step": {"grad_staging": 0.0, "activations": 0.0,
+                           "working": _optimizer_work(d, sums)},
+    }
+    out = {}
+    for name, terms in moments.items():
+        out[name] = {**states, "grad_staging": terms["grad_staging"],
+                     "activations": terms["activations"], "zero3_gathered": gathered[name],
+                     "working": terms["working"]}
+        out[name]["total"] = sum(out[name].values())
+    return out
+
+
+def _optimizer_work(d: Dims, sums: StageSums) -> float:
+    """The optimizer step's temporaries on the device. CUDA: none (fused AdamW; the fp64
+    gradient norm of `_foreach_norm` accumulates without copies). CPU: foreach AdamW's
+    sqrt(v) of one parameter group (4 bytes per element of the larger group: the decayed
+    matrices and embeddings, or the rest) and, before it, the fp64 copy `_foreach_norm`
+    makes of one piece at a time for the gradient norm (8 bytes per element of the largest)."""
+    if d.layout.device_type == "cuda":
+        return 0.0
+    lay = d.layout
+    owned = owned_elements(lay, 1.0) * (1 - d.cfg.offload.optimizer)
+    group = max(sums.decayed, sums.psi - sums.decayed) * owned
+    piece = sums.largest_param * (owned if lay.shards_optimizer else 1)
+    return max(4 * group, 8 * piece)
 
 
 def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:

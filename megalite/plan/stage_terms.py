@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.plan.dims import Dims, offloaded_layers, recomputed_layers, ring
+from megalite.model.activation_offload import offloaded_blocks
+from megalite.plan.dims import Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
 
 
 @dataclass
@@ -21,6 +22,21 @@ class StageSums:
     tp_per_micro: float = 0.0  # TP wire bytes per micro-batch
     chunk_act: List[float] = field(default_factory=list)  # activation bytes per chunk
     chunk_host: List[float] = field(default_factory=list)  # of which offloaded to host
+    # per chunk: the working bytes at the end of its forward and at the start of its
+    # backward beyond the saved ones (the loss's chunk, the gradient of the logits; the
+    # received gradient), and what its backward frees before the parameters' gradients
+    # arrive (the loss's saved bytes)
+    chunk_forward_work: List[float] = field(default_factory=list)
+    chunk_backward_work: List[float] = field(default_factory=list)
+    chunk_freed: List[float] = field(default_factory=list)
+    chunk_rerun: List[float] = field(default_factory=list)  # a recomputed layer's full set
+    chunk_weight_grads: List[int] = field(default_factory=list)  # a W's gradient elements
+    # per chunk, each block's device activation bytes, in backward order (the last first)
+    chunk_blocks: List[List[float]] = field(default_factory=list)
+    blocks: int = 0  # transformer blocks
+    decayed: int = 0  # parameter elements with weight decay (matrices, embeddings)
+    largest_param: int = 0  # elements of the largest parameter
+    tied_head: int = 0  # elements of a head that is this stage's own embedding (pp = 1, zb-v)
 
 
 def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
@@ -30,26 +46,46 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     head_copy = last and not first if head_copy is None else head_copy
     m, t, tp, sp = d.cfg.model, d.cfg.train, d.layout.tp_size, d.layout.sequence_parallel
     h, s, b, e = m.n_embd, t.seq_len, t.micro_batch_size, d.e
+    f, vocab_rows = m.ffn_size, d.vocab // tp
     sums.psi += n * d.layer_params
+    sums.blocks += n
     sums.replicated += n * 6 * h  # LayerNorms and the row-parallel biases
+    sums.decayed += n * (4 * h * h + 2 * f * h) // tp
+    # zero-bubble schedules: a W computes the weight gradients of the chunk's matmuls (its
+    # blocks' linears with their column-parallel biases, the token embedding, the head)
+    sums.chunk_weight_grads.append(n * ((4 * h * h + 2 * f * h + 3 * h + f) // tp)
+                                   + (vocab_rows * h if first or (last and head_copy) else 0))
+    sums.largest_param = max(sums.largest_param, (max(3 * h, f) * h // tp) if n else 0,
+                             vocab_rows * h if first or last else 0)
     if first:
-        sums.psi += d.vocab // tp * h + m.n_positions * h
+        sums.psi += vocab_rows * h + m.n_positions * h
         sums.replicated += m.n_positions * h
+        sums.decayed += vocab_rows * h + m.n_positions * h
     if last:
-        sums.psi += 2 * h + (d.vocab // tp * h if head_copy else 0)
+        sums.psi += 2 * h + (vocab_rows * h if head_copy else 0)
         sums.replicated += 2 * h
+        sums.decayed += vocab_rows * h if head_copy else 0
+        sums.tied_head = 0 if head_copy else vocab_rows * h
     sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
                             d.vocab // tp * h if (first or last) else 0)
     recomputed = recomputed_layers(d.cfg, n)
-    act = (recomputed * e * d.s_local * b * h + (n - recomputed) * d.layer_act_full
-           + (d.layer_act_full if recomputed else 0))
+    act = recomputed * e * d.s_local * b * h + (n - recomputed) * d.layer_act_full
+    # a recomputed layer's full set exists only while it is re-run, in the backward
+    sums.chunk_rerun.append(d.layer_act_full if recomputed else 0.0)
     if first:
         act += 8 * s * b + (d.s_local * b * h if m.embd_pdrop > 0 else 0)
-    if last:
-        act += 2 * e * d.s_local * b * h + 8 * d.s_local * b + 8 * s * b + 4 * s * b * (
-            m.vocab_size if tp == 1 else d.vocab // tp) + (s * b if tp > 1 else 0)
+    loss = loss_bytes(s * b, vocab_rows, e, tp) if last else None
+    if last:  # ln_f's input and output, its statistics, what the loss saves
+        act += 2 * e * d.s_local * b * h + 8 * d.s_local * b + loss["saved"]
+    sums.chunk_forward_work.append(loss["forward"] if last else 0.0)
+    sums.chunk_backward_work.append(loss["backward"] if last else e * d.s_local * b * h)
+    sums.chunk_freed.append(loss["saved"] if last else 0.0)
     offloaded = offloaded_layers(d.cfg, n)
     host = offloaded * d.layer_act_full
+    on_host = offloaded_blocks(n, recomputed, d.cfg.offload.activations_layers) \
+        if offloaded else range(0)
+    sums.chunk_blocks.append([e * d.s_local * b * h if i < recomputed else 0.0 if i in on_host
+                              else d.layer_act_full for i in reversed(range(n))])
     if offloaded and not recomputed and not first:
         # the first block's input, copied to host, stays on the device too: the schedule
         # holds the received activation for its gradient

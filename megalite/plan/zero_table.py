@@ -80,27 +80,104 @@ def chunk_param_sizes(d: Dims, first: bool, last: bool, n: int,
     return sizes
 
 
-def grad_staging_bytes(d: Dims, chunks: List[Tuple[ChunkEnds, int]]) -> float:
-    """Zero 2/3's full-size fp32 gradient staging (`ZeroEngine.grad_staging_bytes`): the
-    largest bucket (zero 3: unit) padded to N, REDUCTIONS_IN_FLIGHT + 1 of them. `chunks`:
-    (`megalite.plan.chunks.ChunkEnds`, blocks) per chunk of the stage."""
-    lay = d.layout
-    if not lay.shards_gradients:
-        return 0.0
-    largest = 0
+def _bucket_numels(d: Dims, chunks: List[Tuple[ChunkEnds, int]]) -> List[int]:
+    """Elements of each of the stage's buckets (zero 3: units) as the engine makes them."""
+    return [numel for chunk in _backward_buckets(d, chunks) for numel, *_ in chunk]
+
+
+def _backward_buckets(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
+                      ) -> List[List[Tuple[int, int, int, int]]]:
+    """Per chunk, its buckets (zero 3: units) in the order a backward fills them, each as
+    (elements, the chunk's blocks whose backward is done when its first gradient arrives,
+    and when its last does, zero 3's gathered parameter elements then: the unit, the one
+    prefetched, a stage's tied embedding kept for the head and, with v chunks, v - 1 other
+    chunks' last units)."""
+    lay, out = d.layout, []
+    tied = any(ends.last and not ends.head_copy for ends, _ in chunks)
     for ends, n in chunks:
         first, last, head_copy = ends.first, ends.last, ends.head_copy
-        sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied)
         if lay.shards_parameters:  # units: wte, wpe, each block, ln_f, the LM head
             h, vocab = d.cfg.model.n_embd, d.vocab // lay.tp_size * d.cfg.model.n_embd
-            numels = ([vocab, d.cfg.model.n_positions * h] if first else []) \
-                + ([d.layer_params] if n else []) + ([2 * h] if last else []) \
-                + ([vocab] if head_copy else [])
-        else:
-            by_name = dict((name, s) for name, s, _ in sizes)
-            groups = bucket_groups(sizes, d.cfg.parallel.bucket_mb * 2**20 / 4,
-                                   tied_alone=lay.pp_size > 1)
-            numels = [sum(by_name[name] for name in g) for g in groups]
-        largest = max(largest, max(numels))
-    dp = lay.dp_size
-    return (REDUCTIONS_IN_FLIGHT + 1) * 4 * max(dp, -(-largest // dp) * dp)
+            layer, wpe = d.layer_params, d.cfg.model.n_positions * h
+            others = (lay.virtual_stages - 1) * layer + (vocab if tied else 0)
+            before = [layer if i else wpe if first else 0 for i in range(n)]  # prefetched
+            units = ([(vocab, 0, 0, vocab + 2 * h + others)] if head_copy else []) \
+                + ([(2 * h, 0, 0, 2 * h + (layer if n else 0) + others)] if last else []) \
+                + [(layer, n - 1 - i, n - 1 - i, layer + before[i] + others)
+                   for i in reversed(range(n))] \
+                + ([(wpe, n, n, wpe + vocab + others - (vocab if tied else 0)),
+                    (vocab, n, n, vocab + others - (vocab if tied else 0))] if first else [])
+            out.append(units)
+            continue
+        sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied)
+        by_name = dict((name, s) for name, s, _ in sizes)
+        groups = bucket_groups(sizes, d.cfg.parallel.bucket_mb * 2**20 / 4,
+                               tied_alone=lay.pp_size > 1)
+        out.append([(sum(by_name[name] for name in g), *_blocks_done(g, n), 0)
+                    for g in groups])
+    return out
+
+
+def _blocks_done(names: List[str], n: int) -> Tuple[int, int]:
+    """Blocks of an n-block chunk whose backward is done when the first and when the last
+    gradient of a bucket of `names` arrive (`chunk_param_sizes`' names: h{block}.{i}, ln_f,
+    lm_head, wte, wpe; the embeddings' come after every block's)."""
+    blocks = [int(name[1:name.index(".")]) for name in names if name.startswith("h")]
+    embedding = any(name in ("wte", "wpe") for name in names)
+    first = n - 1 - max(blocks) if blocks else n if embedding else 0
+    last = n if embedding else n - 1 - min(blocks) if blocks else 0
+    return first, last
+
+
+def _padded(numel: int, dp: int) -> int:
+    return max(dp, -(-numel // dp) * dp)
+
+
+def grad_staging_bytes(d: Dims, chunks: List[Tuple[ChunkEnds, int]]) -> float:
+    """Zero 2/3's full-size fp32 gradient staging as the engine declares it
+    (`ZeroEngine.grad_staging_bytes`): the largest bucket (zero 3: unit) padded to N,
+    REDUCTIONS_IN_FLIGHT + 1 of them. `chunks`: (`megalite.plan.chunks.ChunkEnds`, blocks)
+    per chunk of the stage. What is alive when: `staging_alive`."""
+    if not d.layout.shards_gradients:
+        return 0.0
+    return (REDUCTIONS_IN_FLIGHT + 1) * 4 * _padded(max(_bucket_numels(d, chunks)),
+                                                    d.layout.dp_size)
+
+
+def staging_alive(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
+                  ) -> Tuple[List[Tuple[float, int, int, float]], float]:
+    """The DP reductions' staging: (the bytes alive as each bucket starts filling and as it
+    launches, its chunk, the blocks of that chunk whose backward is done by then, zero 3's
+    gathered parameter elements then), in backward order; and the bytes alive during the
+    next forward. Per bucket of B elements (padded to N), R = REDUCTIONS_IN_FLIGHT:
+
+      zero 2/3  filling: its full fp32 gradient, 4B; launched: a reduce-scatter holds its
+                input until it is waited for (4B: the collective keeps it, NCCL's tensor
+                stashing or gloo's work; not at N = 1, where the copy needs no collective)
+                and its output (4B/N); at most R at once (the oldest is folded in before
+                another launches); the backward's last R are folded in only before the next
+                backward (`ZeroEngine.before_backward`): alive through the next forward
+      zero 1    in the step's last backward each bucket's reduce-scatter output (4B/N, its
+                input is the kept gradient), all alive until the step's gradient sync
+      CPU       gloo's reduce-scatter works on a copy of its input (4B more while it runs;
+                N > 1)
+    """
+    lay = d.layout
+    if not lay.shards_optimizer:
+        return [], 0.0
+    dp, r = lay.dp_size, REDUCTIONS_IN_FLIGHT
+    copy = 1 if lay.device_type != "cuda" and dp > 1 else 0
+    timeline, pending = [], 0.0
+    for c, buckets in enumerate(_backward_buckets(d, chunks)):
+        full = [4 * _padded(numel, dp) for numel, *_ in buckets]
+        if not lay.shards_gradients:  # zero 1
+            for j, (b, (_, _, done, gathered)) in enumerate(zip(full, buckets)):
+                timeline.append((sum(full[:j + 1]) / dp + copy * b, c, done, gathered))
+            continue
+        launched = [b * (1 if dp > 1 else 0) + b / dp for b in full]
+        for j, (b, (_, first, last, gathered)) in enumerate(zip(full, buckets)):
+            timeline.append((b + sum(launched[max(0, j - r):j]), c, first, gathered))
+            timeline.append((b * (1 + copy) + b / dp + sum(launched[max(0, j - r + 1):j]),
+                             c, last, gathered))
+        pending = max(pending, sum(launched[-r:]))
+    return timeline, pending
