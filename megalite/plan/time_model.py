@@ -89,12 +89,15 @@ TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "
          "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
 
 # Bytes of device-memory traffic per logit element of the loss, (forward, backward), by
-# implementation: the one place the `head_loss` term takes them from. They model
-# `megalite.model.gpt2.GPT2.loss` as it was when the H100 figures (tests/fixtures/gpu/) were
-# measured (5f08fbc): a chunked loss that upcasts per chunk changes these counts — when it
-# lands, add its entry and point `loss_implementation` at it, keeping these (the H100 runs in
-# tests/fixtures/gpu/ name "eager" and "compiled": what they ran). Each kernel is counted as
-# reading its inputs and writing its outputs once per pass over [b·s, V]:
+# implementation: the one place the `head_loss` term takes them from. "chunked" is the loss
+# megalite computes now (`megalite.parallel.cross_entropy`, at every tp, compiled or not); the
+# others model `GPT2.loss` as it was when the H100 figures (tests/fixtures/gpu/) were measured
+# (5f08fbc), and those runs name them ("eager", "compiled": what they ran). Each kernel is
+# counted as reading its inputs and writing its outputs once per pass over [b·s, V]:
+#   chunked         forward per chunk the upcast (read 2, write 4), the max (4), the in-place
+#                   shift (4 + 4), exp (4 + 4), the sum (4); backward per chunk the upcast
+#                   (2 + 4), the in-place shift, exp and scale (3 x (4 + 4)), the copy into the
+#                   gradient of the logits' dtype (4 + 2) — e = 2 logits (bf16/fp16)
 #   eager           F.cross_entropy(logits[:, :V].float()): forward the upcast (read 2,
 #                   write 4), log-softmax (a max pass, a sum-exp pass, the write pass: read
 #                   4 + 4 + 4, write 4); backward the NLL gradient (a zero-filled fp32
@@ -105,11 +108,11 @@ TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "
 #                   Inductor: forward reads the bf16 logits for the max and the sum of
 #                   exponentials (2 + 2; they are saved as they are), backward reads them
 #                   again and writes the bf16 gradient (2 + 2)
-#   vocab_parallel  tp > 1 (megalite.parallel.tensor): forward the upcast (2 + 4), max (4),
+#   vocab_parallel  tp > 1 (the former megalite.parallel.tensor one): forward the upcast (2 + 4), max (4),
 #                   the shifted copy (4 + 4), exp (4 + 4), sum (4), the in-place division
 #                   (4 + 4); backward the in-place scale (4 + 4) and the upcast's (4 + 2)
 LOSS_BYTES_PER_LOGIT: Dict[str, Tuple[int, int]] = {
-    "eager": (22, 32), "compiled": (4, 4), "vocab_parallel": (38, 14)}
+    "chunked": (30, 36), "eager": (22, 32), "compiled": (4, 4), "vocab_parallel": (38, 14)}
 # The engine's step per owned parameter on the device (megalite.parallel.zero): the global
 # norm (read the fp32 gradient: 4), clipping (foreach multiply: read and write, 8), fused
 # AdamW (read parameter, gradient and both moments, write parameter and moments: 28); + the
@@ -130,10 +133,9 @@ def dropout_bytes(e: int) -> int:
 
 
 def loss_implementation(cfg: Config, layout: Layout) -> str:
-    """Which loss the run computes (a key of LOSS_BYTES_PER_LOGIT)."""
-    if layout.tp_size > 1:
-        return "vocab_parallel"
-    return "compiled" if cfg.train.compile else "eager"
+    """Which loss the run computes (a key of LOSS_BYTES_PER_LOGIT): the chunked loss, at any tp
+    and with or without train.compile (which no longer wraps it)."""
+    return "chunked"
 
 
 def dropout_on(cfg: Config) -> bool:
