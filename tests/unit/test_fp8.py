@@ -6,6 +6,7 @@ tests/integration/test_fp8.py."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -183,6 +184,10 @@ def test_fp8_and_bf16_runs_resume_each_others_checkpoints(tiny_data, tmp_path, f
     for _ in range(3):
         trainer.train_step()
     saved = trainer.save()
+    header = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])["run"]
+    assert header["fp8"] == (None if first == "none" else {
+        "recipe": first, "peak_tflops_fp8": None, "mfu_against": "bf16 peak",
+        "source": "cpu: FP8 emulated (fp8.emulate), no FP8 peak"})
     masters = [p.detach().clone() for p, _, _ in trainer.engine.main_params]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     continued = [trainer.train_step()[0] for _ in range(2)]
@@ -196,3 +201,26 @@ def test_fp8_and_bf16_runs_resume_each_others_checkpoints(tiny_data, tmp_path, f
     after = [resumed.train_step()[0] for _ in range(2)]
     for a, b in zip(after, continued):
         assert math.isclose(a, b, rel_tol=1e-2) and a != b, (first, then, after, continued)
+
+
+def test_the_planner_prices_the_fp8_linears_at_the_fp8_rate():
+    """The blocks' linears (2·(4h² + 2h·f) FLOPs a token a block, forward) at the profile's
+    fp8 rate, everything else (attention, LM head) at bf16's; a profile without an fp8 rate
+    (a CPU) prices them at its precision's. The table names the FP8 peak beside bf16's."""
+    from dataclasses import replace
+
+    from megalite.plan.devices import BY_NAME, table_peak_tflops
+    from tests.unit.test_planner import planned, synthetic
+
+    over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+    fast = replace(synthetic(), matmul_tflops={"bf16": 1.0, "fp32": 1.0, "fp8": 2.0})
+    cfg, _, bf16 = planned(over, 1, fast)
+    _, _, fp8 = planned(over + ["fp8.recipe=tensorwise"], 1, fast)
+    h, f, s, n = cfg.model.n_embd, cfg.model.ffn_size, cfg.train.seq_len, cfg.model.n_layer
+    linears = 3 * 2 * (4 * h * h + 2 * h * f) * n * 8 * s / 1e12  # the step's, at 1 TFLOP/s
+    assert fp8.terms["compute"] == pytest.approx(bf16.terms["compute"] - linears / 2, rel=1e-12)
+    _, _, no_rate = planned(over + ["fp8.recipe=tensorwise"], 1, synthetic())
+    assert no_rate.terms["compute"] == bf16.terms["compute"]
+    assert BY_NAME["h100-80gb"].rate("fp8") > BY_NAME["h100-80gb"].rate("bf16")
+    assert "fp8" not in BY_NAME["a100-80gb"].matmul_tflops
+    assert table_peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == (1979.0, "H100")
