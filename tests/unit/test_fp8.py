@@ -224,3 +224,19 @@ def test_the_planner_prices_the_fp8_linears_at_the_fp8_rate():
     assert BY_NAME["h100-80gb"].rate("fp8") > BY_NAME["h100-80gb"].rate("bf16")
     assert "fp8" not in BY_NAME["a100-80gb"].matmul_tflops
     assert table_peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == (1979.0, "H100")
+
+
+@pytest.mark.parametrize("form", ["full", "reduced"])
+def test_the_gpu_bench_fp8_runs_validate(form):
+    """megalite-bench gpu's fp8 part: each run's overrides validate for one rank on its
+    device (gpt2-xl's dimensions are multiples of 16; the reduced form emulates on CPU)."""
+    from megalite.bench.gpu_fp8 import RECIPES, fp8_overrides, loss_gap
+    from megalite.bench.gpu_sizes import FULL, REDUCED
+    from megalite.train.preflight import validated_config
+
+    sizes = FULL if form == "full" else REDUCED
+    for recipe in RECIPES:
+        cfg, _ = validated_config(fp8_overrides(sizes, recipe), 1, 1,
+                                  "cuda" if form == "full" else "cpu")
+        assert cfg.fp8.recipe == recipe and cfg.train.compile == (form == "full")
+    assert loss_gap([2.0, 3.3], [2.0, 3.0]) == pytest.approx(0.1)
