@@ -25,6 +25,10 @@ that fails or times out does not stop the rest:
   checkpoint   an async checkpoint's blocked time in the launch path (gpt2)
   rerun        resilience.rerun=on_nan with and without resilience.rerun_deterministic
                (gpt2, launch path): what deterministic algorithms cost
+  fp8          gpt2-xl compiled, launch path, in bf16 and with fp8.recipe=tensorwise and
+               rowwise: tokens/s over bf16's, the loss against bf16's step by step, peak
+               memory against the plan (`megalite.bench.gpu_fp8`; alone: --parts fp8
+               --budget-s 540)
 
 Launch-path runs are stopped once their timed steps are in metrics.jsonl (before the final
 checkpoint every run writes: gpt2-xl's is 19 GB, not what is measured); the first steps
@@ -42,6 +46,7 @@ import os
 import time
 from datetime import datetime, timezone
 
+from megalite.bench.gpu_fp8 import RECIPES, fp8
 from megalite.bench.gpu_mfu import mfu, mfu_specs
 from megalite.bench.gpu_parts import calibrate, checkpoint, cuda_tests, offload, rerun
 from megalite.bench.gpu_session import GpuSession
@@ -50,7 +55,7 @@ from megalite.bench.gpu_sizes import PARTS, Sizes
 # --- the command ---------------------------------------------------------------------------
 
 RUNNERS = {"cuda-tests": cuda_tests, "mfu": mfu, "offload": offload, "calibrate": calibrate,
-           "checkpoint": checkpoint, "rerun": rerun}  # PARTS' order is the priority
+           "checkpoint": checkpoint, "rerun": rerun, "fp8": fp8}  # PARTS' order: priority
 
 
 def add_arguments(p) -> None:
@@ -122,4 +127,6 @@ def _part_limit(s: Sizes, name: str) -> float:
         return sum(s.limits[f"{r.path}-compiled" if r.compile else r.path] for r in mfu_specs(s))
     if name == "rerun":
         return 2 * s.limits["rerun"]
+    if name == "fp8":
+        return len(RECIPES) * s.limits["launch-compiled" if s.compiles[0] else "launch"]
     return s.limits[name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-PARTS = ("cuda-tests", "mfu", "offload", "calibrate", "checkpoint", "rerun")
+PARTS = ("cuda-tests", "mfu", "offload", "calibrate", "checkpoint", "rerun", "fp8")
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
 RESILIENCE_OFF = ["resilience.check_every=0", "resilience.straggler_report_every=0",
                   "resilience.hang_dump=false", "resilience.hang_signal=null"]

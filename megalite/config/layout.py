@@ -13,11 +13,12 @@ that join sections or involve the world size, before launch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from megalite.config.errors import fail
+from megalite.config.fp8 import check_fp8
 from megalite.config.inject import check_inject
 from megalite.config.schedule_rules import check_schedule, expected_bubble, groups_micro_batches
 from megalite.config.schema import ATTENTION_CUDA_ONLY, Config, check_sections
@@ -38,6 +39,7 @@ class GpuInfo:
 
     name: str
     bf16: bool  # compute capability >= 8.0 (Ampere on); V100, T4 have none
+    capability: Optional[Tuple[int, int]] = None  # (major, minor); FP8 needs >= (8, 9)
 
 
 def resolved_precision(precision: str, device_type: str, bf16: bool = True) -> str:
@@ -181,6 +183,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
         check_inject(cfg, world_size, resolved_precision(cfg.precision, device_type,
                                                          gpu is None or gpu.bf16))
     warnings += _check_offload(cfg, device_type) + cfg.offload.messages(device_type)
+    warnings += check_fp8(cfg, device_type, gpu and gpu.name, gpu and gpu.capability)
     return warnings
 
 

@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from megalite.config.errors import fail
+from megalite.config.fp8 import Fp8Config
 from megalite.config.sections import (
     CheckpointConfig,
     EvalConfig,
@@ -278,6 +279,7 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
 def register_configs() -> None:
@@ -326,7 +328,8 @@ def check_sections(cfg: Config) -> None:
     if cfg.layout not in ("manual", "auto"):
         fail("layout", cfg.layout, "use manual (the sizes given) or auto (the planner's choice)")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,
-                    cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience, cfg.planner):
+                    cfg.checkpoint, cfg.eval, cfg.offload, cfg.resilience, cfg.planner,
+                    cfg.fp8):
         section.check()
     cfg.resilience.check_with_exit_signal(cfg.train.exit_signal)
     data_sources(cfg.data)  # raises on a malformed data.blend

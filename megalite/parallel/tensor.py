@@ -19,6 +19,9 @@ one they compute both at once, as plain autograd does.
 
 Weights are stored as nn.Linear does, [out, in]; the `ParamSpec` of each parameter says how it
 relates to the global tensor (see `megalite.parallel.param_spec`).
+
+A linear whose `fp8` names a recipe (`megalite.parallel.fp8.use_fp8`) runs its products in
+FP8 (`megalite.parallel.fp8`), inside the same communication regions.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.parallel import comm, regions
+from megalite.parallel.fp8 import Fp8Linear, fp8_linear
 from megalite.parallel.group import Group
 from megalite.parallel.weight_grad import (
     WeightGradQueue,
@@ -106,8 +110,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
         self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
+        self.fp8: Optional[str] = None  # an FP8 recipe (megalite.parallel.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            sp = self.sequence_parallel and self.tp_group.size > 1
+            layer = Fp8Linear(self.fp8, self.tp_group, column=True, gather=sp)
+            return fp8_linear(x if sp else regions.copy_to_tp(x, self.tp_group), self.weight,
+                              self.bias, layer, self.weight_grad_queue)
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
                                       self.sequence_parallel, self.weight_grad_queue)
 
@@ -142,11 +152,16 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
+        self.fp8: Optional[str] = None  # an FP8 recipe (megalite.parallel.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         queue = self.weight_grad_queue
-        y = F.linear(x, self.weight) if queue is None else \
-            split_linear(x, self.weight, None, queue)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, None, Fp8Linear(self.fp8, self.tp_group, column=False),
+                           queue)
+        else:
+            y = F.linear(x, self.weight) if queue is None else \
+                split_linear(x, self.weight, None, queue)
         y = regions.reduce_scatter_to_seq(y, self.tp_group) if self.sequence_parallel \
             else regions.reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y

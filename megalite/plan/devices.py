@@ -4,7 +4,11 @@
 Per entry:
 
   peak_tflops_bf16   data-sheet dense bf16 tensor peak (V100: fp16): the MFU denominator
-  matmul_tflops      *achievable* matmul TFLOP/s by dtype: the planner's compute rate
+  peak_tflops_fp8    data-sheet dense FP8 tensor peak (e4m3, no sparsity), on the GPUs with
+                     FP8 matmuls (compute capability >= 8.9): named beside MFU in an FP8 run,
+                     never its denominator (docs/fp8.md)
+  matmul_tflops      *achievable* matmul TFLOP/s by dtype: the planner's compute rate ("fp8":
+                     the FP8 linears of `fp8.recipe`; an estimate everywhere, below)
   block_fits         a transformer block's forward + backward beyond its matmul FLOPs
                      (LayerNorms, GELU, dropout, residual adds, the attention kernel's time
                      beyond its FLOPs at the matmul rate, launches), `BlockFit`s at the widths
@@ -39,6 +43,10 @@ Where the numbers come from:
   scaled by 3,350 / its HBM bandwidth (the non-matmul work is memory-bound), the H100 host's
   AdamW, copies at ~80% of its host link. `scripts/plan.py --calibrate` on the machine
   replaces every measured field (`--profile FILE`).
+- the **fp8** matmul rate of every GPU that has one, the H100 too: an estimate, its dense FP8
+  data-sheet peak at the H100's measured bf16 fraction (nothing has measured FP8 matmuls
+  on a GPU yet; `--calibrate` does not time them). The MI300X's FP8 (e4m3fnuz) is not the
+  format megalite casts to (e4m3fn): no FP8 entry.
 
 Link figures are typical of nccl-tests on such nodes (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s,
 HDR 200 Gb/s ~23 GB/s, NDR 400 Gb/s ~45 GB/s per rail), not promises. `cpu` is a rough
@@ -56,6 +64,7 @@ GIB = 2**30
 
 # --- one H100 80GB HBM3 (SXM), measured at main 5f08fbc (tests/fixtures/gpu/) ----------------
 H100_PEAK_TFLOPS = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}  # data sheet, dense
+H100_PEAK_FP8_TFLOPS = 1979.0  # data sheet, dense e4m3
 # matmul_rates() over both files' six MLP shapes each (tests/unit/test_time_model_h100.py
 # recomputes these from the files)
 H100_MATMUL_TFLOPS = {"bf16": 661.2514465060702, "fp16": 645.8824259403674,
@@ -133,6 +142,7 @@ class DeviceProfile:
     inter_node: Link = Link(1.0, 1e-5)
     gpus_per_node: int = 8
     peak_tflops_bf16: Optional[float] = None  # data sheet: MFU's denominator
+    peak_tflops_fp8: Optional[float] = None  # data sheet, dense FP8: named beside MFU
     hbm_gbps: Optional[float] = None
     h2d_gbps: Optional[float] = None  # pinned host -> device
     d2h_gbps: Optional[float] = None  # device -> pinned host
@@ -194,6 +204,7 @@ class DeviceProfile:
                    intra_node=link("intra_node"), inter_node=link("inter_node"),
                    gpus_per_node=int(d["gpus_per_node"]),
                    peak_tflops_bf16=known.peak_tflops_bf16 if known else None,
+                   peak_tflops_fp8=known.peak_tflops_fp8 if known else None,
                    hbm_gbps=measured(d.get("hbm_gbps"), "hbm_gbps"),
                    h2d_gbps=measured(host_link.get("h2d_gbps"), "h2d_gbps"),
                    d2h_gbps=measured(host_link.get("d2h_gbps"), "d2h_gbps"),
@@ -213,17 +224,18 @@ def _optional(value) -> Optional[float]:
 
 def _gpu(name: str, match: str, peak: float, fp32: float, mem: float, hbm: float,
          intra: Tuple[float, float], inter: Tuple[float, float], host: float,
-         per_node: int = 8) -> DeviceProfile:
-    """An entry derived from its data sheet the H100's way (module docstring): an estimate."""
+         per_node: int = 8, fp8: Optional[float] = None) -> DeviceProfile:
+    """An entry derived from its data sheet the H100's way (module docstring): an estimate.
+    `fp8`: the dense FP8 peak, where the GPU has FP8 matmuls."""
     ratio = {d: H100_MATMUL_TFLOPS[d] / H100_PEAK_TFLOPS[d] for d in H100_MATMUL_TFLOPS}
     scale = H100_HBM_GBPS / hbm
     return DeviceProfile(
         name=name, device=f"NVIDIA {match}" if not match.startswith("MI") else f"AMD {match}",
         memory_bytes=int(mem * GIB),
         matmul_tflops={"bf16": peak * ratio["bf16"], "fp16": peak * ratio["fp16"],
-                       "fp32": fp32 * ratio["fp32"]},
+                       "fp32": fp32 * ratio["fp32"], **fp8_rate(fp8)},
         intra_node=Link(*intra), inter_node=Link(*inter), gpus_per_node=per_node,
-        peak_tflops_bf16=peak, hbm_gbps=hbm, h2d_gbps=host, d2h_gbps=host,
+        peak_tflops_bf16=peak, peak_tflops_fp8=fp8, hbm_gbps=hbm, h2d_gbps=host, d2h_gbps=host,
         host_adam_params_per_s=H100_HOST_ADAM_PARAMS_PER_S, host_threads=H100_HOST_THREADS,
         match=(match,),
         block_fits=tuple(replace(f, fixed_s=f.fixed_s * scale, per_token_s=f.per_token_s * scale)
@@ -236,13 +248,23 @@ def _h100_sxm() -> DeviceProfile:
     """The entry measured on one H100 80GB HBM3 (module docstring)."""
     return DeviceProfile(
         name="h100-80gb", device="NVIDIA H100", memory_bytes=80 * GIB,
-        matmul_tflops=dict(H100_MATMUL_TFLOPS), intra_node=Link(*NVLINK4),
-        inter_node=Link(*NDR), gpus_per_node=8, peak_tflops_bf16=H100_PEAK_TFLOPS["bf16"],
+        matmul_tflops={**H100_MATMUL_TFLOPS, **fp8_rate(H100_PEAK_FP8_TFLOPS)},
+        intra_node=Link(*NVLINK4), inter_node=Link(*NDR), gpus_per_node=8,
+        peak_tflops_bf16=H100_PEAK_TFLOPS["bf16"], peak_tflops_fp8=H100_PEAK_FP8_TFLOPS,
         hbm_gbps=H100_HBM_GBPS, h2d_gbps=50.0, d2h_gbps=50.0,
         host_adam_params_per_s=H100_HOST_ADAM_PARAMS_PER_S, host_threads=H100_HOST_THREADS,
         match=("H100",), block_fits=H100_BLOCK_FITS,
         source="table (H100: matmul, block and host AdamW rates measured on one H100 80GB "
-               "HBM3 at 5f08fbc; HBM, copies and links data-sheet or typical)")
+               "HBM3 at 5f08fbc; HBM, copies and links data-sheet or typical; fp8 an "
+               "estimate)")
+
+
+def fp8_rate(peak: Optional[float]) -> Dict[str, float]:
+    """The estimated achievable FP8 matmul rate ({"fp8": TFLOP/s}, {} without FP8): the
+    dense FP8 peak at the H100's measured bf16 fraction of its peak (module docstring)."""
+    if peak is None:
+        return {}
+    return {"fp8": peak * H100_MATMUL_TFLOPS["bf16"] / H100_PEAK_TFLOPS["bf16"]}
 
 
 NVLINK3, NVLINK4, NVLINK5 = (230.0, 1.5e-5), (360.0, 1.5e-5), (720.0, 1.5e-5)
@@ -252,18 +274,18 @@ HDR, NDR = (23.0, 3e-5), (45.0, 3e-5)
 # Order matters for device-name matching: more specific names first (an "H100 PCIe" must not
 # match plain "H100"; "L40S" before "L40" before "L4").
 DEVICES: Tuple[DeviceProfile, ...] = (
-    _gpu("h100-pcie", "H100 PCIe", 756.0, 51.0, 80, 2000, PCIE5, NDR, 50),
-    _gpu("h100-nvl", "H100 NVL", 835.0, 60.0, 94, 3900, PCIE5, NDR, 50),
+    _gpu("h100-pcie", "H100 PCIe", 756.0, 51.0, 80, 2000, PCIE5, NDR, 50, fp8=1513.0),
+    _gpu("h100-nvl", "H100 NVL", 835.0, 60.0, 94, 3900, PCIE5, NDR, 50, fp8=1671.0),
     _h100_sxm(),
-    _gpu("h200", "H200", 989.0, 67.0, 139.8, 4800, NVLINK4, NDR, 50),
-    _gpu("gh200", "GH200", 989.0, 67.0, 96, 4000, NVLINK4, NDR, 450, per_node=4),
-    _gpu("b200", "B200", 2250.0, 80.0, 180, 8000, NVLINK5, NDR, 50),
+    _gpu("h200", "H200", 989.0, 67.0, 139.8, 4800, NVLINK4, NDR, 50, fp8=1979.0),
+    _gpu("gh200", "GH200", 989.0, 67.0, 96, 4000, NVLINK4, NDR, 450, per_node=4, fp8=1979.0),
+    _gpu("b200", "B200", 2250.0, 80.0, 180, 8000, NVLINK5, NDR, 50, fp8=4500.0),
     _gpu("a100-80gb", "A100", 312.0, 19.5, 80, 2039, NVLINK3, HDR, 25),
     _gpu("a100-40gb", "A100", 312.0, 19.5, 40, 1555, NVLINK3, HDR, 25),
     _gpu("a800", "A800", 312.0, 19.5, 80, 2039, (155.0, 1.5e-5), HDR, 25),
-    _gpu("l40s", "L40S", 362.0, 91.6, 48, 864, PCIE4, HDR, 25),
-    _gpu("l40", "L40", 181.0, 90.5, 48, 864, PCIE4, HDR, 25),
-    _gpu("l4", "L4", 121.0, 30.3, 24, 300, PCIE4, HDR, 25),
+    _gpu("l40s", "L40S", 362.0, 91.6, 48, 864, PCIE4, HDR, 25, fp8=733.0),
+    _gpu("l40", "L40", 181.0, 90.5, 48, 864, PCIE4, HDR, 25, fp8=362.0),
+    _gpu("l4", "L4", 121.0, 30.3, 24, 300, PCIE4, HDR, 25, fp8=242.0),
     _gpu("a10g", "A10G", 70.0, 31.2, 24, 600, PCIE4, HDR, 25),
     _gpu("a10", "A10", 125.0, 31.2, 24, 600, PCIE4, HDR, 25),
     _gpu("v100", "V100", 125.0, 15.7, 32, 900, (130.0, 1.5e-5), (11.0, 3e-5), 12),  # fp16
@@ -301,11 +323,14 @@ def table_entry_for(device_name: str, memory_bytes: Optional[int] = None
     return None
 
 
-def table_peak_tflops(device_name: str) -> Tuple[Optional[float], Optional[str]]:
-    """(data-sheet dense bf16 peak, the table key it matched) of a device name, or (None,
-    None)."""
+def table_peak_tflops(device_name: str, dtype: str = "bf16"
+                      ) -> Tuple[Optional[float], Optional[str]]:
+    """(data-sheet dense `dtype` peak (bf16 or fp8), the table key it matched) of a device
+    name, or (None, None)."""
     d = table_entry_for(device_name)
-    return (d.peak_tflops_bf16, d.match[0]) if d else (None, None)
+    if d is None:
+        return None, None
+    return (d.peak_tflops_fp8 if dtype == "fp8" else d.peak_tflops_bf16), d.match[0]
 
 
 def device_profile(name: str) -> DeviceProfile:

@@ -210,6 +210,8 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     device_type, bf16 = device_kind(profile)
     precision = Layout.from_config(replace(cfg, tp=1, pp=1), 1, device_type, bf16).precision
     e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
+    if cfg.fp8.recipe != "none" and "fp8" in profile.matmul_tflops:  # still a lower bound
+        rate = max(rate, profile.rate("fp8"))
     s = _Search(cfg, world, profile, gpus_per_node)
     # offloads only where they save device memory and the profile prices their copies
     offloads = device_type == "cuda" and profile.prices_offload()

@@ -7,7 +7,9 @@ bandwidth, e the bytes of a model-dtype element:
   compute     m · 3·F_k·b·s / (t·R)       F_k = model FLOPs per token of the stage's forward: 2 ×
               its blocks' parameters + 4·h·s per block (attention scores and values), the
               last stage 2·(V·h + 2h) (LM head, ln_f): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
-              accounting (`flops_per_token`). Backward = 2 forwards.
+              accounting (`flops_per_token`). Backward = 2 forwards. With fp8.recipe the
+              blocks' linears (2·(4h² + 2h·f) a block) run at the profile's fp8 rate
+              (`matmul_seconds`; the casts to FP8 are not modelled: unmeasured)
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
   non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +
@@ -176,20 +178,35 @@ def _block_params(cfg: Config) -> int:
 
 def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     """Per stage, forward FLOPs per token of the whole (untensor-split) stage: `model` and
-    the `recompute` re-run."""
+    the `recompute` re-run; `fp8`, `fp8_recompute`: of which the FP8 linears' (fp8.recipe)."""
     m, s = cfg.model, cfg.train.seq_len
     block = 2 * _block_params(cfg) + 4 * m.n_embd * s
+    linears = 2 * (4 * m.n_embd ** 2 + 2 * m.n_embd * m.ffn_size) if cfg.fp8.recipe != "none" \
+        else 0
     place = layout.placement
     out = []
     for k, chunks in enumerate(layout.stage_blocks()):
-        model = recompute = 0.0
+        model = recompute = fp8 = fp8_recompute = 0.0
         for c, blocks in enumerate(chunks):
+            rerun = recomputed_layers(cfg, len(blocks))
             model += len(blocks) * block
-            recompute += recomputed_layers(cfg, len(blocks)) * block
+            recompute += rerun * block
+            fp8 += len(blocks) * linears
+            fp8_recompute += rerun * linears
             if place.holds_last(k, c):
                 model += 2 * (m.vocab_size * m.n_embd + 2 * m.n_embd)
-        out.append({"model": model, "recompute": recompute})
+        out.append({"model": model, "recompute": recompute, "fp8": fp8,
+                    "fp8_recompute": fp8_recompute})
     return out
+
+
+def matmul_seconds(flops: float, fp8_flops: float, profile: DeviceProfile, precision: str
+                   ) -> float:
+    """Seconds of `flops` matmul FLOPs of which `fp8_flops` run in FP8: those at the profile's
+    fp8 rate where it has one (else, as on a CPU's emulation, at the precision's rate)."""
+    rate = profile.rate(precision)
+    fp8_rate = profile.rate("fp8") if fp8_flops and "fp8" in profile.matmul_tflops else rate
+    return (flops - fp8_flops) / rate + fp8_flops / fp8_rate
 
 
 def _ring_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int,
@@ -282,12 +299,14 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                  links: Dict[str, GroupLink], k: int, chunks: List[range],
                  flops: Dict[str, float], ranks_per_node: int, loss: str) -> Dict[str, float]:
     t, lay = cfg.train, layout
-    rate, m = profile.rate(lay.precision), lay.micro_batches(t.global_batch_size)
+    m = lay.micro_batches(t.global_batch_size)
     e = 4 if lay.precision == "fp32" else 2
     hbm = profile.hbm_gbps * 1e9 if profile.hbm_gbps else None
     tokens, tp, v = t.micro_batch_size * t.seq_len, lay.tp_size, lay.virtual_stages
-    f_model = flops["model"] * tokens / tp / rate  # one micro-batch's forward
-    f_re = flops["recompute"] * tokens / tp / rate
+    f_model = matmul_seconds(flops["model"], flops["fp8"], profile, lay.precision) \
+        * tokens / tp  # one micro-batch's forward
+    f_re = matmul_seconds(flops["recompute"], flops["fp8_recompute"], profile,
+                          lay.precision) * tokens / tp
     blocks = sum(len(b) for b in chunks)
     rerun = sum(recomputed_layers(cfg, len(b)) for b in chunks)
     place = lay.placement

@@ -30,6 +30,7 @@ from megalite.model.gpt2 import flops_per_token
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
+from megalite.parallel.fp8 import use_fp8
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
@@ -224,6 +225,7 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
                             recompute_layers=cfg.train.recompute_layers, offload=offload)
+    use_fp8(model, cfg.fp8.recipe)
     if runtime.device.type == "meta":
         return model
     init_state = _init_state(cfg, runtime) if cfg.init_from else None

@@ -16,7 +16,7 @@ from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan.memory import make_plan
-from megalite.train.metrics import MetricsWriter, Peak
+from megalite.train.metrics import MetricsWriter, Peak, fp8_peak
 from megalite.train.runtime import Runtime
 
 
@@ -71,6 +71,7 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "flops_per_token": flops_per_token(m, t.seq_len),
         "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
         "peak_tflops_per_device": peak.tflops, "peak_source": peak.source,
+        "fp8": fp8_peak(cfg.fp8.recipe, rt.device),
         "device": str(rt.device), "compute_dtype": str(rt.compute_dtype),
         "seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size,
         "global_batch_size": t.global_batch_size,

@@ -5,7 +5,8 @@ with model FLOPs per token from `megalite.model.gpt2.flops_per_token` (6N + 12·
 comes from, in order: `log.peak_tflops`; a table of known accelerators (dense bf16 tensor-core
 peaks from the vendors' data sheets, the device table of `megalite.plan.devices`
 (shared with the planner)); on CPU a measured fp32 matmul peak. An unknown accelerator
-gets no number: MFU is reported as null rather than against a guess.
+gets no number: MFU is reported as null rather than against a guess. An FP8 run's MFU is
+against the same dense bf16 peak, its dense FP8 peak named beside it (the header's `fp8`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ def table_peak(device_name: str) -> Peak:
     if tflops is not None:
         return Peak(tflops, f"table: {device_name} dense bf16 ({key})")
     return Peak(None, f"unknown device {device_name!r}: set log.peak_tflops to report MFU")
+
+
+def fp8_peak(recipe: str, device: torch.device) -> Optional[dict]:
+    """An FP8 run's header entry: the recipe and the device's dense FP8 data-sheet peak, named
+    beside MFU, which stays against the dense bf16 peak (`peak_tflops_per_device`) so that
+    FP8 and bf16 runs compare; None without FP8."""
+    if recipe == "none":
+        return None
+    if device.type != "cuda":
+        return {"recipe": recipe, "peak_tflops_fp8": None, "mfu_against": "bf16 peak",
+                "source": f"{device.type}: FP8 emulated (fp8.emulate), no FP8 peak"}
+    name = torch.cuda.get_device_name(device)
+    tflops, key = table_peak_tflops(name, "fp8")
+    return {"recipe": recipe, "peak_tflops_fp8": tflops, "mfu_against": "bf16 peak",
+            "source": f"table: {name} dense FP8 ({key})" if tflops is not None
+            else f"no FP8 peak in the device table for {name!r}"}
 
 
 def peak_tflops(device: torch.device, override: Optional[float]) -> Peak:

@@ -53,12 +53,13 @@ def local_gpus() -> Optional[int]:
 
 
 def local_gpu() -> Optional[GpuInfo]:
-    """What this node's GPUs can do (the first one's name and bf16 support), None without
-    CUDA. bf16 by compute capability >= 8.0: `is_bf16_supported()` also answers True where
-    bf16 is only emulated."""
+    """What this node's GPUs can do (the first one's name, bf16 support and compute
+    capability), None without CUDA. bf16 by compute capability >= 8.0:
+    `is_bf16_supported()` also answers True where bf16 is only emulated."""
     if not torch.cuda.is_available():
         return None
-    return GpuInfo(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0)[0] >= 8)
+    capability = torch.cuda.get_device_capability(0)
+    return GpuInfo(torch.cuda.get_device_name(0), capability[0] >= 8, capability)
 
 
 def run_layout(cfg: Config) -> Layout:

@@ -55,7 +55,8 @@ def test_the_table_h100_entry_is_the_calibrated_profiles():
     assert matmul_rates(files[0]["matmul_sweep"] + files[1]["matmul_sweep"]) == \
         pytest.approx(H100_MATMUL_TFLOPS, rel=1e-12)
     entry = BY_NAME["h100-80gb"]
-    assert entry.matmul_tflops == H100_MATMUL_TFLOPS and entry.block_fits == H100_BLOCK_FITS
+    measured = {k: v for k, v in entry.matmul_tflops.items() if k != "fp8"}  # fp8: estimated
+    assert measured == H100_MATMUL_TFLOPS and entry.block_fits == H100_BLOCK_FITS
     fits = {f.n_embd: f for f in H100_BLOCK_FITS}
     for d in files:
         block = d["block_overhead"]
