@@ -17,10 +17,19 @@ optimizer, else Ψ), n = f·Ψ_o offloaded elements and e the compute dtype's by
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Sequence
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
+from megalite.model.activation_offload import IN_TRANSIT
+
+# Host bytes a parameter of offload.optimizer's passes move (`optimizer_offload_s`): the
+# norm's squares (read the gradient), zero 2/3's fold (read the staging, read and write the
+# gradient), the fused AdamW (read parameter, gradient and both moments, write parameter and
+# moments: what the measured host AdamW rate moves); the cast reads 4 and writes e.
+HOST_NORM_BYTES = 4
+HOST_FOLD_BYTES = 12
+HOST_ADAM_BYTES = 28
 
 
 def owned_elements(layout: Layout, psi: float) -> float:
@@ -55,3 +64,94 @@ def optimizer_placement(cfg: Config, base: str) -> str:
     master = "fp32 master weights and moments"
     share = "all" if f == 1 else f"{f:.0%} of the owned range"
     return f"{base}, offloaded ({share}: {master}) to host memory"
+
+
+def activation_copies_exposed(offloaded: Sequence[bool], forward_s: float, backward_s: float,
+                              after_s: float, out_s: float, in_s: float,
+                              in_transit: int = IN_TRANSIT) -> float:
+    """Seconds one micro-batch's forward + backward of a chunk's blocks lasts beyond its
+    compute when `offloaded[i]` says block i's activations go to the host: the schedule
+    `megalite.model.activation_offload` runs, on one compute stream and two copy streams
+    (out, back), simulated. Each block's forward takes `forward_s`, its backward `backward_s`;
+    `after_s`: the chunk's compute between its last block's forward and that block's backward
+    (the head and the loss); a block's copies take `out_s` out and `in_s` back.
+
+    Forward: block j starts once at most in_transit − 1 + (the kept blocks from j on) of the
+    offloaded blocks' copies out are unfinished; an offloaded block's copy out starts after
+    its forward and the copy before it. Backward, at block j (every block after it done):
+    offloaded blocks up to j not yet back are restored, last first, while fewer than
+    in_transit + (the kept blocks after j) are in transit (copies out unfinished + restored
+    blocks not yet passed) — each restore starting once the compute stream is there, the
+    block's copy out is done and the restore before it is; block j's own restore happens
+    regardless; its backward starts when its restore is done."""
+    n = len(offloaded)
+    kept_from = [sum(1 for o in offloaded[i:] if not o) for i in range(n + 1)]
+    t, out_end, copy_free = 0.0, {}, 0.0
+    for j in range(n):
+        pending = sorted(e for e in out_end.values() if e > t)
+        allowed = in_transit - 1 + kept_from[j]
+        if len(pending) > allowed:
+            t = pending[len(pending) - allowed - 1]  # the CPU waited for the oldest
+        t += forward_s
+        if offloaded[j]:
+            copy_free = max(t, copy_free) + out_s
+            out_end[j] = copy_free
+    t += after_s
+    back: Dict[int, float] = {}  # block -> its restore's end
+    live: set = set()
+    restore_free = 0.0
+
+    def restore(i: int, now: float) -> None:
+        nonlocal restore_free
+        restore_free = max(now, restore_free, out_end[i]) + in_s
+        back[i] = restore_free
+        live.add(i)
+
+    for j in reversed(range(n)):
+        live -= {i for i in live if i > j}
+        room = in_transit + kept_from[j + 1] - len(live) \
+            - sum(1 for e in out_end.values() if e > t)
+        for i in reversed(range(j + 1)):
+            if offloaded[i] and i not in back:
+                if room <= 0 and i != j:
+                    break
+                restore(i, t)
+                room -= 1
+        if offloaded[j]:
+            t = max(t, back[j])
+        t += backward_s
+    return max(0.0, t - n * (forward_s + backward_s) - after_s)
+
+
+def optimizer_offload_s(n: float, m: int, sharded_grads: bool, e: int, t_f: float,
+                        t_b: float, d2h_gbps: float, h2d_gbps: float, host_rate: float,
+                        last_elements: float, window: bool) -> Dict[str, float]:
+    """Seconds per step offload.optimizer adds, by part, as `megalite.parallel.offload` runs it
+    (`n` offloaded elements of one rank; `host_rate`: the host AdamW's parameters a second
+    for this rank; the host's other passes at the memory rate AdamW reached,
+    HOST_ADAM_BYTES a parameter; `t_f`, `t_b`: one micro-batch's forward and backward):
+
+      gradients  each bucket's copy (4 bytes an element at d2h) issued as its reduction is
+                 launched and the worker's passes over it (zero 0/1: the norm's squares, 4;
+                 zero 2/3: each micro-batch's fold, 12) under that micro-batch's backward:
+                 what exceeds it, + the last bucket's copy and squares, which come after the
+                 backward (`last_elements`: the last gradient to complete, the tied
+                 embedding's on the first stage); zero 2/3 square after the last fold
+      step       the host AdamW (28) and the cast to the model dtype (4 + e) range by range,
+                 each range's copy back (e at h2d) under the next range's update: the longer
+                 of the two, less the next forward's first micro-batch, which waits for each
+                 block's own range (`window`; none where zero 1/2 gather the parameters in
+                 the step)"""
+    per_byte = 1.0 / (HOST_ADAM_BYTES * host_rate)  # host seconds a byte
+    d2h, h2d = d2h_gbps * 1e9, h2d_gbps * 1e9
+    squares = HOST_NORM_BYTES * n * per_byte
+    if sharded_grads:
+        fold = HOST_FOLD_BYTES * n * per_byte
+        gradients = m * max(0.0, max(4 * n / d2h, fold) - t_b) + squares
+    else:
+        gradients = max(0.0, max(4 * n / d2h, squares) - t_b)
+    last = min(n, last_elements)
+    gradients += 4 * last / d2h + HOST_NORM_BYTES * last * per_byte
+    update = (HOST_ADAM_BYTES + 4 + e) * n * per_byte
+    step = max(0.0, max(update, e * n / h2d) - (t_f if window else 0.0))
+    return {"gradients": gradients, "step": step}
