@@ -8,7 +8,9 @@ against foreach, on `--adam-params` fp32 parameters (the host half of offload.op
 alternating calls so machine noise hits both.
 
 Step time: the real training path (GPT2 stage -> pipeline schedule -> ZeRO engine, one
-rank) at offload.optimizer 0 / 0.5 / 1 (and, on CUDA, activation offload off / on). One
+rank) at offload.optimizer 0 / 0.5 / 1 (and, on CUDA, activation offload off / on: every
+block; `--variants F:act:K` the first K blocks; `--act-fit-gib G` adds the planner's choice
+for a G GiB device, the fewest first blocks under which the plan fits). One
 variant is alive at a time — built, warmed up, timed, freed — so a gpt2-xl sweep fits one
 80 GB GPU (every variant's model and engine at once would need ~112 GB of state before any
 activation); the no-offload baseline is rebuilt and timed again every `--baseline-every`
@@ -68,9 +70,14 @@ def add_arguments(p) -> None:
     p.add_argument("--baseline-every", type=int, default=2,
                    help="time a rebuilt no-offload baseline after every N variants (and at "
                    "the start and end): drift shows as the baselines' spread")
-    p.add_argument("--variants", nargs="+", default=None, metavar="F[:act]",
-                   help="only these variants, e.g. 0.5 1 0:act 1:act (default: optimizer 0 / "
-                   "0.5 / 1, with activation offload off and, on CUDA, on)")
+    p.add_argument("--variants", nargs="+", default=None, metavar="F[:act[:K]]",
+                   help="only these variants, e.g. 0.5 1 0:act 1:act 0:act:8 (K: the first K "
+                   "blocks' activations only; default: optimizer 0 / 0.5 / 1, with "
+                   "activation offload off and, on CUDA, of every block)")
+    p.add_argument("--act-fit-gib", type=float, default=None, metavar="GIB",
+                   help="also the planner's activation offload for a device of GIB GiB: the "
+                   "fewest first blocks under which the plan fits (megalite.plan.fit), "
+                   "optimizer offload off")
     p.add_argument("--skip-adam", action="store_true", help="skip the host AdamW throughput")
     p.add_argument("--torchao", type=int, default=1, choices=[0, 1],
                    help="on CUDA, also torchao's CPUOffloadOptimizer where importable")
@@ -97,9 +104,11 @@ def host_adamw_throughput(numel: int, steps: int, warmup: int) -> Dict[str, floa
 
 
 def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
-            activations: bool, batches):
+                  activations: bool, batches, layers: Optional[int] = None):
+    """One variant's step (model, engine, schedule on one rank) and its step timers:
+    offload.optimizer=`fraction`, activation offload of every block or the first `layers`."""
     topo = build_topology(1, 1, 1)
-    offload = ActivationOffload(device) if activations else None
+    offload = ActivationOffload(device, layers) if activations else None
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group, offload=offload)
     init_parameters(model, seed=0)
@@ -179,31 +188,60 @@ def _largest_fitting(mcfg, device, dtype, precision, seq: int, candidates: List[
     raise SystemExit(f"no micro-batch of {candidates} fits without offload")
 
 
-Variant = Tuple[str, Optional[float], bool]  # (name, optimizer fraction or None: torchao, act)
+Variant = Tuple[str, Optional[float], bool, Optional[int]]  # (name, optimizer fraction or
+#                                             None: torchao, activations, their first K blocks)
 
 
-def variant_name(fraction: float, activations: bool) -> str:
-    return f"optimizer={fraction:g}" + (" activations" if activations else "")
+def variant_name(fraction: float, activations: bool, layers: Optional[int] = None) -> str:
+    return f"optimizer={fraction:g}" + (" activations" if activations else "") + (
+        f"(first {layers})" if activations and layers is not None else "")
 
 
-def parse_variants(texts: Optional[List[str]], cuda: bool) -> List[Tuple[float, bool]]:
-    """(fraction, activations) of `--variants` (F or F:act), or the default sweep."""
+def parse_variants(texts: Optional[List[str]], cuda: bool
+                   ) -> List[Tuple[float, bool, Optional[int]]]:
+    """(fraction, activations, first K blocks or None: all) of `--variants` (F, F:act or
+    F:act:K), or the default sweep."""
     if not texts:
-        return [(f, a) for a in ((False, True) if cuda else (False,)) for f in FRACTIONS]
+        return [(f, a, None) for a in ((False, True) if cuda else (False,)) for f in FRACTIONS]
     out = []
     for text in texts:
         fraction, _, act = text.partition(":")
-        if act not in ("", "act") or not 0 <= float(fraction) <= 1:
-            raise SystemExit(f"--variants {text!r}: F or F:act with F in [0, 1]")
-        out.append((float(fraction), act == "act"))
+        act, _, layers = act.partition(":")
+        ok = act in ("", "act") and (not layers or (act and layers.isdigit() and int(layers)))
+        if not ok or not 0 <= float(fraction) <= 1:
+            raise SystemExit(f"--variants {text!r}: F, F:act or F:act:K with F in [0, 1], K "
+                             "a positive number of blocks")
+        out.append((float(fraction), act == "act", int(layers) if layers else None))
     return out
 
 
-def build_order(variants: List[Tuple[float, bool]], baseline_every: int) -> List[Variant]:
+def planned_activation_layers(preset_overrides: List[str], seq: int, micro_batch: int, m: int,
+                              gib: float) -> Optional[int]:
+    """The planner's activation offload for one GPU of `gib` GiB at this bench's shapes (bf16,
+    dropout 0, zero 0): the fewest first blocks under which the plan fits
+    (`megalite.plan.fit.fewest_offloaded_blocks`; None: every block, or nothing fits —
+    SystemExit)."""
+    from megalite.plan.fit import fewest_offloaded_blocks
+
+    cfg = load_config(preset_overrides + [
+        "model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0",
+        f"train.seq_len={seq}", f"train.micro_batch_size={micro_batch}",
+        f"train.global_batch_size={micro_batch * m}"])
+    layout = Layout.from_config(cfg, 1, "cuda", True)
+    found = fewest_offloaded_blocks(cfg, layout,
+                                    lambda p: p.peak.bytes["total"] <= gib * 2**30)
+    if found is None:
+        raise SystemExit(f"--act-fit-gib {gib:g}: no activation offload fits the plan")
+    return found[0].offload.activations_layers
+
+
+def build_order(variants: List[Tuple[float, bool, Optional[int]]], baseline_every: int
+                ) -> List[Variant]:
     """The order variants are built and timed in, one alive at a time: the no-offload
     baseline first, again after every `baseline_every` others, and last."""
-    base: Variant = (variant_name(0.0, False), 0.0, False)
-    others = [(variant_name(f, a), f, a) for f, a in variants if (f, a) != (0.0, False)]
+    base: Variant = (variant_name(0.0, False), 0.0, False, None)
+    others = [(variant_name(f, a, k), f, a, k) for f, a, k in variants
+              if (f, a) != (0.0, False)]
     order, since = [base], 0
     for v in others:
         if since == max(1, baseline_every):
@@ -249,17 +287,25 @@ def step_times(args, device) -> List[dict]:
     mb = _largest_fitting(mcfg, device, dtype, precision, seq, args.micro_batch or [2]) \
         if cuda else (args.micro_batch or [2])[0]
     peak = peak_tflops(device, None) if cuda else Peak(None, "not on CPU")
-    order = build_order(parse_variants(getattr(args, "variants", None), cuda),
-                     getattr(args, "baseline_every", 2))
+    variants = parse_variants(getattr(args, "variants", None), cuda)
     rows = []
     for m in args.micro_batches:
+        wanted = list(variants)
+        if getattr(args, "act_fit_gib", None):
+            layers = planned_activation_layers(
+                [f"model={preset}"] if preset else small, seq, mb, m, args.act_fit_gib)
+            print(f"megalite-bench offload: the planner's activation offload for "
+                  f"{args.act_fit_gib:g} GiB at micro-batch {mb} x {m}: "
+                  f"offload.activations_layers={layers}", flush=True)
+            wanted.append((0.0, True, layers))
+        order = build_order(wanted, getattr(args, "baseline_every", 2))
         batches = random_batches(mcfg.vocab_size, mb, seq, m, device)
         tokens = mb * seq * m
         timed_rows = []
-        for i, (name, fraction, act) in enumerate(order):
-            def make(fraction=fraction, act=act):
+        for i, (name, fraction, act, layers) in enumerate(order):
+            def make(fraction=fraction, act=act, layers=layers):
                 return build_variant(mcfg, device, dtype, precision, mb, seq, fraction, act,
-                               batches)
+                                     batches, layers)
             try:
                 got = time_variant(make, device, args.warmup, args.steps)
             except torch.cuda.OutOfMemoryError as e:

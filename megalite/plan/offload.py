@@ -1,7 +1,10 @@
 """The plan's offload terms (`megalite.plan.memory._stage_plan` applies them to each stage): what
 `offload.optimizer = f` moves from the device to host memory, and the PCIe bytes per step of
 both offloads — the numbers `megalite.parallel.offload` and `megalite.model.activation_offload`
-hold and copy.
+hold and copy — and the time model's two offload terms (`megalite.plan.time_model`): what
+activation offload's copies add to a chunk's forward and backward, its schedule simulated
+(`activation_copies_exposed`), and what offload.optimizer's copies and host passes add
+(`optimizer_offload_s`), both at a device profile's rates.
 
 With Ψ_o = the elements of the rank's owned optimizer range (Ψ/N where ZeRO shards the
 optimizer, else Ψ), n = f·Ψ_o offloaded elements and e the compute dtype's bytes:
