@@ -25,7 +25,8 @@ at the largest micro-batch of `--micro-batch` that fits without offload. On CUDA
 `CPUOffloadOptimizer` (fp32 parameters under bf16 autocast, as torchao documents it) runs the
 same model and batches, also alone, where torchao is importable: it is optional and not a
 megalite dependency; a GPU machine without network needs its wheel carried along
-(`pip download torchao` where there is network, `pip install torchao-*.whl` there). On CPU
+(`pip download --no-deps torchao` where there is network, `pip install --no-deps
+torchao-*.whl` there). On CPU
 host = device: offload moves nothing and saves nothing, so the step-time ratio there is the
 bookkeeping's cost (the extra copies and the host AdamW in pieces), not PCIe's.
 """
@@ -44,7 +45,7 @@ from megalite.config.schema import OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.gpt2 import GPT2, flops_per_token
 from megalite.model.init import init_parameters
-from megalite.parallel.offload import build_adamw
+from megalite.parallel.host_range import build_adamw
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine

@@ -44,8 +44,9 @@ from megalite.parallel import comm
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated
+from megalite.parallel.host_range import build_adamw
 from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
-from megalite.parallel.offload import OptimizerOffload, build_adamw
+from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.param_gather import OverlappedParamGather
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import Zero3Gathering, unit_groups

@@ -20,6 +20,7 @@ optimizer, else Ψ), n = f·Ψ_o offloaded elements and e the compute dtype's by
 """
 from __future__ import annotations
 
+import bisect
 from typing import Dict, Sequence
 
 from megalite.config.layout import Layout
@@ -88,17 +89,20 @@ def activation_copies_exposed(offloaded: Sequence[bool], forward_s: float, backw
     block's copy out is done and the restore before it is; block j's own restore happens
     regardless; its backward starts when its restore is done."""
     n = len(offloaded)
-    kept_from = [sum(1 for o in offloaded[i:] if not o) for i in range(n + 1)]
-    t, out_end, copy_free = 0.0, {}, 0.0
+    kept_from = [0] * (n + 1)
+    for i in reversed(range(n)):
+        kept_from[i] = kept_from[i + 1] + (not offloaded[i])
+    t, out_end, ends, copy_free = 0.0, {}, [], 0.0  # ends: the copies out's, ascending
     for j in range(n):
-        pending = sorted(e for e in out_end.values() if e > t)
+        first = bisect.bisect_right(ends, t)  # ends[first:] still running
         allowed = in_transit - 1 + kept_from[j]
-        if len(pending) > allowed:
-            t = pending[len(pending) - allowed - 1]  # the CPU waited for the oldest
+        if len(ends) - first > allowed:
+            t = ends[len(ends) - allowed - 1]  # the CPU waited for the oldest
         t += forward_s
         if offloaded[j]:
             copy_free = max(t, copy_free) + out_s
             out_end[j] = copy_free
+            ends.append(copy_free)
     t += after_s
     back: Dict[int, float] = {}  # block -> its restore's end
     live: set = set()
@@ -113,7 +117,7 @@ def activation_copies_exposed(offloaded: Sequence[bool], forward_s: float, backw
     for j in reversed(range(n)):
         live -= {i for i in live if i > j}
         room = in_transit + kept_from[j + 1] - len(live) \
-            - sum(1 for e in out_end.values() if e > t)
+            - (len(ends) - bisect.bisect_right(ends, t))
         for i in reversed(range(j + 1)):
             if offloaded[i] and i not in back:
                 if room <= 0 and i != j:

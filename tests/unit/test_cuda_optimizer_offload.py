@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalite.config.schema import ModelConfig, OptimConfig
-from megalite.parallel import offload as offload_module
+from megalite.parallel import host_range
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -105,11 +105,11 @@ def test_gradient_copies_start_during_the_backward_and_parameters_return_in_orde
         r.optimizer.step = (lambda r=r, s=opt_step: (events.append(("step",
                                                                      offload.order.index(r))),
                                                       s())[1])
-    fold = offload_module._fold
+    fold = host_range.fold
     with mock.patch.object(offload, "on_launched", spy_launched), \
             mock.patch.object(offload, "_to_device", spy_to_device), \
             mock.patch.object(schedule, "train_step", spy_train_step), \
-            mock.patch.object(offload_module, "_fold", lambda *a: (
+            mock.patch.object(host_range, "fold", lambda *a: (
                 folds.append(threading.current_thread().name), fold(*a))[1]):
         schedule.train_step(_batches())
         engine.finish_grad_sync()

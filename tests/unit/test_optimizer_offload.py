@@ -17,7 +17,7 @@ import torch
 from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
-from megalite.parallel import offload as offload_module
+from megalite.parallel import host_range
 from megalite.parallel.norms import squares_fp32_rows, squares_fp64
 from megalite.plan.devices import device_profile
 from megalite.plan.fit import cheapest_fit
@@ -207,8 +207,8 @@ def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path, 
     a step: zero 2 copies each reduced gradient to the host and sums them there, on the fold
     thread, not the training thread."""
     folds = []
-    fold = offload_module._fold
-    monkeypatch.setattr(offload_module, "_fold", lambda *a: (
+    fold = host_range.fold
+    monkeypatch.setattr(host_range, "fold", lambda *a: (
         folds.append(threading.current_thread().name), fold(*a))[1])
     two = ["train.global_batch_size=4"]
     reference = _steps(_trainer(tiny_data, tmp_path / "ref", *two), 3)
