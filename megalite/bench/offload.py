@@ -28,13 +28,16 @@ megalite dependency; a GPU machine without network needs its wheel carried along
 (`pip download --no-deps torchao` where there is network, `pip install --no-deps
 torchao-*.whl` there). On CPU
 host = device: offload moves nothing and saves nothing, so the step-time ratio there is the
-bookkeeping's cost (the extra copies and the host AdamW in pieces), not PCIe's.
+bookkeeping's cost (the extra copies and the host AdamW in pieces), not PCIe's; it is also
+reported in CPU seconds of the process per step (`cpu_ratio`: every thread, the offload
+worker's included), which a shared machine's other jobs move far less than wall time.
 """
 from __future__ import annotations
 
 import gc
 import json
 import statistics
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -256,7 +259,8 @@ def build_order(variants: List[Tuple[float, bool, Optional[int]]], baseline_ever
 def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers]]], device,
               warmup: int, steps: int) -> dict:
     """Build one variant, warm it up, time `steps` steps, free it: median seconds, offload
-    waits per step, peak device memory."""
+    waits per step, peak device memory; on CPU also the median CPU seconds of the process
+    per step (`cpu_s`: what other jobs on a shared machine barely move, unlike wall time)."""
     reset_peak(device)
     step = clock = None
     try:
@@ -267,10 +271,17 @@ def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimer
         if clock is not None:
             clock.reset()
         reset_peak(device)
-        times = [timed(step, device) for _ in range(steps)]
+        times, cpu = [], []
+        for _ in range(steps):
+            c0 = time.process_time()
+            times.append(timed(step, device))
+            cpu.append(time.process_time() - c0)
         wait = clock.take()["offload_wait"] / steps if clock is not None else None
-        return {"step_s": statistics.median(times), "times_s": times, "offload_wait_s": wait,
-                "peak_memory_gib": peak_memory(device) / 2**30}
+        got = {"step_s": statistics.median(times), "times_s": times, "offload_wait_s": wait,
+               "peak_memory_gib": peak_memory(device) / 2**30}
+        if device.type == "cpu":  # every thread of the process, the offload worker's too
+            got["cpu_s"] = statistics.median(cpu)
+        return got
     finally:
         del step, clock
         _free(device)
@@ -331,23 +342,28 @@ def step_times(args, device) -> List[dict]:
 
 def with_ratios(timed_rows: List[dict], m: int, mb: int, tokens: int, mcfg, seq: int,
                  peak: Peak) -> List[dict]:
-    """Each row's ratio to the mean of the baselines timed just before and after it; the
-    baselines' spread (max / min) on every row: the drift of the run."""
+    """Each row's ratio to the mean of the baselines timed just before and after it (on
+    CPU also `cpu_ratio`, of the CPU seconds); the baselines' spread (max / min) on every
+    row: the drift of the run."""
     base_name = variant_name(0.0, False)
-    bases = [(r["order"], r["step_s"]) for r in timed_rows
-             if r["variant"] == base_name and "step_s" in r]
-    spread = max(b for _, b in bases) / min(b for _, b in bases) if bases else None
+    bases = [r for r in timed_rows if r["variant"] == base_name and "step_s" in r]
+    spread = max(b["step_s"] for b in bases) / min(b["step_s"] for b in bases) \
+        if bases else None
+
+    def around(r: dict, key: str) -> float:
+        before = [b[key] for b in bases if b["order"] <= r["order"]][-1:]
+        after = [b[key] for b in bases if b["order"] >= r["order"]][:1]
+        return statistics.mean(before + after)
     out = []
     for r in timed_rows:
         row = {"m": m, "micro_batch": mb, **{k: v for k, v in r.items() if k != "times_s"},
                "baseline_spread": spread}
         if "step_s" in r and bases:
-            before = [b for o, b in bases if o <= r["order"]][-1:]
-            after = [b for o, b in bases if o >= r["order"]][:1]
-            around = statistics.mean(before + after)
-            row.update(ratio=r["step_s"] / around, tokens_per_s=tokens / r["step_s"],
+            row.update(ratio=r["step_s"] / around(r, "step_s"), tokens_per_s=tokens / r["step_s"],
                        mfu=None if peak.tflops is None else
                        tokens / r["step_s"] * flops_per_token(mcfg, seq) / (peak.tflops * 1e12))
+            if "cpu_s" in r and all("cpu_s" in b for b in bases):
+                row["cpu_ratio"] = r["cpu_s"] / around(r, "cpu_s")
         out.append(row)
     return out
 
@@ -373,9 +389,11 @@ def run(args) -> List[dict]:
             continue
         wait = "" if row.get("offload_wait_s") is None else \
             f"  offload wait {row['offload_wait_s'] * 1e3:7.1f} ms"
+        cpu = "" if "cpu_ratio" not in row else \
+            f"  cpu {row['cpu_s'] * 1e3:7.1f} ms x{row['cpu_ratio']:.2f}"
         print(f"m={row['m']} mb={row['micro_batch']} {row['variant']:<30} "
               f"{row['step_s'] * 1e3:9.1f} ms/step  x{row.get('ratio', float('nan')):.2f}"
-              f"{wait}  peak {row['peak_memory_gib']:.2f} GiB  "
+              f"{cpu}{wait}  peak {row['peak_memory_gib']:.2f} GiB  "
               f"{row.get('tokens_per_s', 0):,.0f} tok/s  (baselines' spread "
               f"x{row['baseline_spread'] or float('nan'):.3f})")
     if args.out:

@@ -45,12 +45,13 @@ def test_variant_names_parse_back_and_the_planned_variant_is_the_planners():
 
 
 def test_ratios_are_against_the_baselines_around_and_drift_shows():
-    rows = [{"order": 0, "variant": "optimizer=0", "step_s": 1.0},
-            {"order": 1, "variant": "optimizer=1", "step_s": 3.0},
-            {"order": 2, "variant": "optimizer=0", "step_s": 2.0},
+    rows = [{"order": 0, "variant": "optimizer=0", "step_s": 1.0, "cpu_s": 0.5},
+            {"order": 1, "variant": "optimizer=1", "step_s": 3.0, "cpu_s": 1.2},
+            {"order": 2, "variant": "optimizer=0", "step_s": 2.0, "cpu_s": 0.7},
             {"order": 3, "variant": "optimizer=0.5", "error": "out of memory"}]
     out = with_ratios(rows, 4, 2, 1000, None, 8, Peak(None, "test"))
     assert out[1]["ratio"] == pytest.approx(3.0 / 1.5)  # the mean of 1.0 before, 2.0 after
+    assert out[1]["cpu_ratio"] == pytest.approx(1.2 / 0.6)  # CPU seconds alike
     assert out[0]["ratio"] == 1.0 and out[2]["ratio"] == 1.0
     assert all(r["baseline_spread"] == 2.0 for r in out)
     assert "ratio" not in out[3] and out[3]["error"] == "out of memory"
@@ -72,3 +73,4 @@ def test_one_variant_is_built_timed_and_its_waits_counted():
     got = time_variant(make, torch.device("cpu"), warmup=2, steps=3)
     assert len(built) == 1 and len(got["times_s"]) == 3
     assert 0.01 <= got["offload_wait_s"] <= got["step_s"] * 1.5
+    assert 0 <= got["cpu_s"] < 0.01  # asleep: the process spent next to no CPU
