@@ -21,11 +21,13 @@ optimizer, else Ψ), n = f·Ψ_o offloaded elements and e the compute dtype's by
 from __future__ import annotations
 
 import bisect
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.model.activation_offload import IN_TRANSIT
+from megalite.plan.devices import DeviceProfile
+from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
 
 # Host bytes a parameter of offload.optimizer's passes move (`optimizer_offload_s`): the
 # norm's squares (read the gradient), zero 2/3's fold (read the staging, read and write the
@@ -162,3 +164,42 @@ def optimizer_offload_s(n: float, m: int, sharded_grads: bool, e: int, t_f: floa
     update = (HOST_ADAM_BYTES + 4 + e) * n * per_byte
     step = max(0.0, max(update, e * n / h2d) - (t_f if window else 0.0))
     return {"gradients": gradients, "step": step}
+
+
+def activation_offload_s(cfg: Config, lay: Layout, profile: DeviceProfile, k: int,
+                          chunks: List[range], e: int, block: Tuple[float, float],
+                          after_last: float) -> float:
+    """What activation offload's copies add to one micro-batch of stage k: the runtime's
+    schedule simulated per chunk (`activation_copies_exposed`); `block`, a block's (forward,
+    backward) seconds; `after_last`, the compute between the forward of the model's last
+    block and its backward (head and loss, on the chunk that holds them)."""
+    t = cfg.train
+    act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
+                                 cfg.model.n_head, lay.tp_size, lay.sequence_parallel, e,
+                                 cfg.model.resid_pdrop > 0)
+    out, back = act / (profile.d2h_gbps * 1e9), act / (profile.h2d_gbps * 1e9)
+    exposed = 0.0
+    for c, chunk in enumerate(chunks):
+        n = len(chunk)
+        off = offloaded_layers(cfg, n)
+        # the recomputed blocks first, then the offloaded, then the kept
+        flags = [True] * off + [False] * (n - recomputed_layers(cfg, n) - off)
+        after = after_last if lay.placement.holds_last(k, c) else 0.0
+        exposed += activation_copies_exposed(flags, *block, after, out, back)
+    return exposed
+
+
+def optimizer_offload_term(cfg: Config, lay: Layout, profile: DeviceProfile, host: float,
+                            host_rate: float, m: int, e: int, t_f: float, t_b: float,
+                            first: bool) -> float:
+    """offload.optimizer's term for a stage with `host` offloaded elements
+    (`optimizer_offload_s`): the last bucket reduced is the tied embedding's on the first
+    stage, a full bucket elsewhere; the host step hides under the next forward unless zero
+    1/2 gather the parameters in the step."""
+    last = (cfg.model.vocab_size * cfg.model.n_embd / lay.tp_size if first
+            else cfg.parallel.bucket_mb * 2**20 / 4) * cfg.offload.optimizer
+    window = not (lay.shards_optimizer and not lay.shards_parameters
+                  and not cfg.parallel.overlap_param_gather)
+    parts = optimizer_offload_s(host, m, lay.shards_gradients, e, t_f, t_b, profile.d2h_gbps,
+                                profile.h2d_gbps, host_rate, last, window)
+    return parts["gradients"] + parts["step"]

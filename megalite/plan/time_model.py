@@ -92,13 +92,9 @@ from megalite.config.schema import Config
 from megalite.model.gpt2 import flops_per_token
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import DeviceProfile, fits_dropout
-from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
+from megalite.plan.dims import recomputed_layers
 from megalite.plan.links import GroupLink, group_links
-from megalite.plan.offload import (
-    HOST_ADAM_BYTES,
-    activation_copies_exposed,
-    optimizer_offload_s,
-)
+from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
 
 TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "offload",
          "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
@@ -332,25 +328,12 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
             else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
             + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
-        act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
-                                     cfg.model.n_head, tp, lay.sequence_parallel, e,
-                                     cfg.model.resid_pdrop > 0)
-        block_flops = 2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len  # a token
-        block_f = block_flops * tokens / tp / rate + block_pass / 3
-        block_b = 2 * block_flops * tokens / tp / rate + 2 * block_pass / 3 \
-            + accumulate / max(1, blocks)
-        head = max(0.0, f_model - blocks * block_flops * tokens / tp / rate)
-        exposed = 0.0
-        for c, chunk in enumerate(chunks):
-            n = len(chunk)
-            rec = recomputed_layers(cfg, n)
-            off = offloaded_layers(cfg, n)
-            flags = [True] * off + [False] * (n - rec - off)  # after the recomputed ones
-            after = 3 * head + loss_f + loss_b if place.holds_last(k, c) else 0.0
-            exposed += activation_copies_exposed(flags, block_f, block_b, after,
-                                                 act / (profile.d2h_gbps * 1e9),
-                                                 act / (profile.h2d_gbps * 1e9))
-        terms["offload"] = m * exposed
+        matmuls = (2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len) * tokens / tp / rate
+        block = (matmuls + block_pass / 3,
+                 2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
+        head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward
+        terms["offload"] = m * activation_offload_s(cfg, lay, profile, k, chunks, e, block,
+                                                     3 * head + loss_f + loss_b)
     if lay.pp_size > 1:
         scatter = tp if tp > 1 and not lay.sequence_parallel else 1
         x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
@@ -369,14 +352,8 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                               + 4 * zeroed / hbm)
     host_rate = profile.host_adam_per_rank(ranks_per_node)
     if host and host_rate and profile.h2d_gbps and profile.d2h_gbps:
-        last = (cfg.model.vocab_size * cfg.model.n_embd / tp if first
-                else cfg.parallel.bucket_mb * 2**20 / 4) * cfg.offload.optimizer
-        window = not (lay.shards_optimizer and not lay.shards_parameters
-                      and not cfg.parallel.overlap_param_gather)
-        parts = optimizer_offload_s(host, m, lay.shards_gradients, e, t_f, t_b,
-                                    profile.d2h_gbps, profile.h2d_gbps, host_rate, last,
-                                    window)
-        terms["offload_optimizer"] = parts["gradients"] + parts["step"]
+        terms["offload_optimizer"] = optimizer_offload_term(cfg, lay, profile, host, host_rate,
+                                                             m, e, t_f, t_b, first)
     return terms
 
 
