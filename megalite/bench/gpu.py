@@ -18,8 +18,10 @@ that fails or times out does not stop the rest:
                the launch path once more at the benchmark's dropout (0) and once without the
                resilience defaults' checks, and per phase (`step_phases_s`) the launch path
                less the benchmark at equal dropout
-  offload      `megalite-bench offload` on gpt2-xl: optimizer 0 / 0.5 / 1 × activations off /
-               on, one variant alive at a time, against the planner's prediction
+  offload      `megalite-bench offload` on gpt2-xl, micro-batch 8 × 4: no offload,
+               offload.optimizer=1, activation offload of every block and the planner's
+               fewest blocks for a 44 GiB device, torchao's CPUOffloadOptimizer where it
+               imports; one variant alive at a time, against the planner's prediction
   calibrate    `megalite-plan --calibrate` at gpt2-xl's shapes, then the planner's prediction
                with that profile (and the table's) against every step the mfu part measured
   checkpoint   an async checkpoint's blocked time in the launch path (gpt2)

@@ -4,6 +4,7 @@ resilience.rerun_deterministic's cost."""
 from __future__ import annotations
 
 import json
+import re
 from typing import List, Optional, Tuple
 
 from megalite.bench.gpu_mfu import RunSpec, train_overrides
@@ -13,12 +14,15 @@ from megalite.bench.gpu_session import GpuSession, planned
 from megalite.bench.gpu_sizes import NO_DROPOUT
 
 
-def variant_of(name: str) -> Tuple[Optional[float], bool]:
-    """(fraction, activations) of an offload bench variant's name (None: not megalite's)."""
+def variant_of(name: str) -> Tuple[Optional[float], bool, Optional[int]]:
+    """(fraction, activations, their first K blocks or None: all) of an offload bench
+    variant's name (fraction None: not megalite's)."""
     if not name.startswith("optimizer="):
-        return None, False
+        return None, False, None
     words = name.split()
-    return float(words[0].split("=")[1]), "activations" in words
+    layers = re.search(r"activations\(first (\d+)\)", name)
+    return float(words[0].split("=")[1]), "activations" in name, \
+        int(layers.group(1)) if layers else None
 
 
 def cuda_tests(bench: GpuSession, part: Part) -> None:
@@ -59,7 +63,7 @@ def offload(bench: GpuSession, part: Part) -> None:
         row = {k: r.get(k) for k in ("variant", "micro_batch", "m", "step_s", "ratio",
                                      "offload_wait_s", "peak_memory_gib", "mfu",
                                      "baseline_spread", "error")}
-        fraction, activations = variant_of(r.get("variant", ""))
+        fraction, activations, layers = variant_of(r.get("variant", ""))
         if fraction is not None and r.get("step_s"):
             mb, m = r["micro_batch"], r["m"]
             _, predicted = planned([f"model={preset}", *NO_DROPOUT,
@@ -67,6 +71,8 @@ def offload(bench: GpuSession, part: Part) -> None:
                                      f"train.global_batch_size={mb * m}",
                                      f"offload.optimizer={fraction:g}",
                                      f"offload.activations={str(activations).lower()}",
+                                     *([f"offload.activations_layers={layers}"]
+                                       if layers else []),
                                      *s.device], bench.table, bench.args.reduced)
             row.update(predicted_s=predicted, predicted_over_measured=predicted / r["step_s"]
                        if predicted else None)

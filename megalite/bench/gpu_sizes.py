@@ -40,11 +40,12 @@ FULL = Sizes(
     micro_batch={"gpt2": 16, "gpt2-xl": 16}, micro_batches=4, seq_len=1024,
     compiles=(True, False), bench_steps=3, bench_warmup=2, launch_skip=2, launch_steps=3,
     preset_dropout=[], big="gpt2-xl", small="gpt2",
-    offload=["--preset", "gpt2-xl", "--micro-batch", "8", "--micro-batches", "2", "--steps",
-             "2", "--warmup", "1", "--baseline-every", "3", "--skip-adam"],
+    offload=["--preset", "gpt2-xl", "--micro-batch", "8", "--micro-batches", "4", "--steps",
+             "2", "--warmup", "1", "--baseline-every", "2", "--skip-adam",
+             "--variants", "1", "0:act", "--act-fit-gib", "44"],
     calibrate=["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=4"],
     limits={"cuda-tests": 90, "bench": 90, "bench-compiled": 150, "launch": 90,
-            "launch-compiled": 150, "offload": 170, "calibrate": 90, "checkpoint": 80,
+            "launch-compiled": 150, "offload": 200, "calibrate": 90, "checkpoint": 80,
             "rerun": 70, "prepare": 90},
     device=[])
 

@@ -8,7 +8,9 @@ against foreach, on `--adam-params` fp32 parameters (the host half of offload.op
 alternating calls so machine noise hits both.
 
 Step time: the real training path (GPT2 stage -> pipeline schedule -> ZeRO engine, one
-rank) at offload.optimizer 0 / 0.5 / 1 (and, on CUDA, activation offload off / on). One
+rank) at offload.optimizer 0 / 0.5 / 1 (and, on CUDA, activation offload off / on: every
+block; `--variants F:act:K` the first K blocks; `--act-fit-gib G` adds the planner's choice
+for a G GiB device, the fewest first blocks under which the plan fits). One
 variant is alive at a time — built, warmed up, timed, freed — so a gpt2-xl sweep fits one
 80 GB GPU (every variant's model and engine at once would need ~112 GB of state before any
 activation); the no-offload baseline is rebuilt and timed again every `--baseline-every`
@@ -23,15 +25,19 @@ at the largest micro-batch of `--micro-batch` that fits without offload. On CUDA
 `CPUOffloadOptimizer` (fp32 parameters under bf16 autocast, as torchao documents it) runs the
 same model and batches, also alone, where torchao is importable: it is optional and not a
 megalite dependency; a GPU machine without network needs its wheel carried along
-(`pip download torchao` where there is network, `pip install torchao-*.whl` there). On CPU
+(`pip download --no-deps torchao` where there is network, `pip install --no-deps
+torchao-*.whl` there). On CPU
 host = device: offload moves nothing and saves nothing, so the step-time ratio there is the
-bookkeeping's cost (the extra copies and the host AdamW in pieces), not PCIe's.
+bookkeeping's cost (the extra copies and the host AdamW in pieces), not PCIe's; it is also
+reported in CPU seconds of the process per step (`cpu_ratio`: every thread, the offload
+worker's included), which a shared machine's other jobs move far less than wall time.
 """
 from __future__ import annotations
 
 import gc
 import json
 import statistics
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -42,7 +48,7 @@ from megalite.config.schema import OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.gpt2 import GPT2, flops_per_token
 from megalite.model.init import init_parameters
-from megalite.parallel.offload import build_adamw
+from megalite.parallel.host_range import build_adamw
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
@@ -68,9 +74,14 @@ def add_arguments(p) -> None:
     p.add_argument("--baseline-every", type=int, default=2,
                    help="time a rebuilt no-offload baseline after every N variants (and at "
                    "the start and end): drift shows as the baselines' spread")
-    p.add_argument("--variants", nargs="+", default=None, metavar="F[:act]",
-                   help="only these variants, e.g. 0.5 1 0:act 1:act (default: optimizer 0 / "
-                   "0.5 / 1, with activation offload off and, on CUDA, on)")
+    p.add_argument("--variants", nargs="+", default=None, metavar="F[:act[:K]]",
+                   help="only these variants, e.g. 0.5 1 0:act 1:act 0:act:8 (K: the first K "
+                   "blocks' activations only; default: optimizer 0 / 0.5 / 1, with "
+                   "activation offload off and, on CUDA, of every block)")
+    p.add_argument("--act-fit-gib", type=float, default=None, metavar="GIB",
+                   help="also the planner's activation offload for a device of GIB GiB: the "
+                   "fewest first blocks under which the plan fits (megalite.plan.fit), "
+                   "optimizer offload off")
     p.add_argument("--skip-adam", action="store_true", help="skip the host AdamW throughput")
     p.add_argument("--torchao", type=int, default=1, choices=[0, 1],
                    help="on CUDA, also torchao's CPUOffloadOptimizer where importable")
@@ -97,9 +108,11 @@ def host_adamw_throughput(numel: int, steps: int, warmup: int) -> Dict[str, floa
 
 
 def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
-            activations: bool, batches):
+                  activations: bool, batches, layers: Optional[int] = None):
+    """One variant's step (model, engine, schedule on one rank) and its step timers:
+    offload.optimizer=`fraction`, activation offload of every block or the first `layers`."""
     topo = build_topology(1, 1, 1)
-    offload = ActivationOffload(device) if activations else None
+    offload = ActivationOffload(device, layers) if activations else None
     with torch.device(device):
         model = GPT2(mcfg, topo.tp_group, offload=offload)
     init_parameters(model, seed=0)
@@ -179,31 +192,60 @@ def _largest_fitting(mcfg, device, dtype, precision, seq: int, candidates: List[
     raise SystemExit(f"no micro-batch of {candidates} fits without offload")
 
 
-Variant = Tuple[str, Optional[float], bool]  # (name, optimizer fraction or None: torchao, act)
+Variant = Tuple[str, Optional[float], bool, Optional[int]]  # (name, optimizer fraction or
+#                                             None: torchao, activations, their first K blocks)
 
 
-def variant_name(fraction: float, activations: bool) -> str:
-    return f"optimizer={fraction:g}" + (" activations" if activations else "")
+def variant_name(fraction: float, activations: bool, layers: Optional[int] = None) -> str:
+    return f"optimizer={fraction:g}" + (" activations" if activations else "") + (
+        f"(first {layers})" if activations and layers is not None else "")
 
 
-def parse_variants(texts: Optional[List[str]], cuda: bool) -> List[Tuple[float, bool]]:
-    """(fraction, activations) of `--variants` (F or F:act), or the default sweep."""
+def parse_variants(texts: Optional[List[str]], cuda: bool
+                   ) -> List[Tuple[float, bool, Optional[int]]]:
+    """(fraction, activations, first K blocks or None: all) of `--variants` (F, F:act or
+    F:act:K), or the default sweep."""
     if not texts:
-        return [(f, a) for a in ((False, True) if cuda else (False,)) for f in FRACTIONS]
+        return [(f, a, None) for a in ((False, True) if cuda else (False,)) for f in FRACTIONS]
     out = []
     for text in texts:
         fraction, _, act = text.partition(":")
-        if act not in ("", "act") or not 0 <= float(fraction) <= 1:
-            raise SystemExit(f"--variants {text!r}: F or F:act with F in [0, 1]")
-        out.append((float(fraction), act == "act"))
+        act, _, layers = act.partition(":")
+        ok = act in ("", "act") and (not layers or (act and layers.isdigit() and int(layers)))
+        if not ok or not 0 <= float(fraction) <= 1:
+            raise SystemExit(f"--variants {text!r}: F, F:act or F:act:K with F in [0, 1], K "
+                             "a positive number of blocks")
+        out.append((float(fraction), act == "act", int(layers) if layers else None))
     return out
 
 
-def build_order(variants: List[Tuple[float, bool]], baseline_every: int) -> List[Variant]:
+def planned_activation_layers(preset_overrides: List[str], seq: int, micro_batch: int, m: int,
+                              gib: float) -> Optional[int]:
+    """The planner's activation offload for one GPU of `gib` GiB at this bench's shapes (bf16,
+    dropout 0, zero 0): the fewest first blocks under which the plan fits
+    (`megalite.plan.fit.fewest_offloaded_blocks`; None: every block, or nothing fits —
+    SystemExit)."""
+    from megalite.plan.fit import fewest_offloaded_blocks
+
+    cfg = load_config(preset_overrides + [
+        "model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0",
+        f"train.seq_len={seq}", f"train.micro_batch_size={micro_batch}",
+        f"train.global_batch_size={micro_batch * m}"])
+    layout = Layout.from_config(cfg, 1, "cuda", True)
+    found = fewest_offloaded_blocks(cfg, layout,
+                                    lambda p: p.peak.bytes["total"] <= gib * 2**30)
+    if found is None:
+        raise SystemExit(f"--act-fit-gib {gib:g}: no activation offload fits the plan")
+    return found[0].offload.activations_layers
+
+
+def build_order(variants: List[Tuple[float, bool, Optional[int]]], baseline_every: int
+                ) -> List[Variant]:
     """The order variants are built and timed in, one alive at a time: the no-offload
     baseline first, again after every `baseline_every` others, and last."""
-    base: Variant = (variant_name(0.0, False), 0.0, False)
-    others = [(variant_name(f, a), f, a) for f, a in variants if (f, a) != (0.0, False)]
+    base: Variant = (variant_name(0.0, False), 0.0, False, None)
+    others = [(variant_name(f, a, k), f, a, k) for f, a, k in variants
+              if (f, a) != (0.0, False)]
     order, since = [base], 0
     for v in others:
         if since == max(1, baseline_every):
@@ -217,7 +259,8 @@ def build_order(variants: List[Tuple[float, bool]], baseline_every: int) -> List
 def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers]]], device,
               warmup: int, steps: int) -> dict:
     """Build one variant, warm it up, time `steps` steps, free it: median seconds, offload
-    waits per step, peak device memory."""
+    waits per step, peak device memory; on CPU also the median CPU seconds of the process
+    per step (`cpu_s`: what other jobs on a shared machine barely move, unlike wall time)."""
     reset_peak(device)
     step = clock = None
     try:
@@ -228,10 +271,17 @@ def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimer
         if clock is not None:
             clock.reset()
         reset_peak(device)
-        times = [timed(step, device) for _ in range(steps)]
+        times, cpu = [], []
+        for _ in range(steps):
+            c0 = time.process_time()
+            times.append(timed(step, device))
+            cpu.append(time.process_time() - c0)
         wait = clock.take()["offload_wait"] / steps if clock is not None else None
-        return {"step_s": statistics.median(times), "times_s": times, "offload_wait_s": wait,
-                "peak_memory_gib": peak_memory(device) / 2**30}
+        got = {"step_s": statistics.median(times), "times_s": times, "offload_wait_s": wait,
+               "peak_memory_gib": peak_memory(device) / 2**30}
+        if device.type == "cpu":  # every thread of the process, the offload worker's too
+            got["cpu_s"] = statistics.median(cpu)
+        return got
     finally:
         del step, clock
         _free(device)
@@ -249,17 +299,25 @@ def step_times(args, device) -> List[dict]:
     mb = _largest_fitting(mcfg, device, dtype, precision, seq, args.micro_batch or [2]) \
         if cuda else (args.micro_batch or [2])[0]
     peak = peak_tflops(device, None) if cuda else Peak(None, "not on CPU")
-    order = build_order(parse_variants(getattr(args, "variants", None), cuda),
-                     getattr(args, "baseline_every", 2))
+    variants = parse_variants(getattr(args, "variants", None), cuda)
     rows = []
     for m in args.micro_batches:
+        wanted = list(variants)
+        if getattr(args, "act_fit_gib", None):
+            layers = planned_activation_layers(
+                [f"model={preset}"] if preset else small, seq, mb, m, args.act_fit_gib)
+            print(f"megalite-bench offload: the planner's activation offload for "
+                  f"{args.act_fit_gib:g} GiB at micro-batch {mb} x {m}: "
+                  f"offload.activations_layers={layers}", flush=True)
+            wanted.append((0.0, True, layers))
+        order = build_order(wanted, getattr(args, "baseline_every", 2))
         batches = random_batches(mcfg.vocab_size, mb, seq, m, device)
         tokens = mb * seq * m
         timed_rows = []
-        for i, (name, fraction, act) in enumerate(order):
-            def make(fraction=fraction, act=act):
+        for i, (name, fraction, act, layers) in enumerate(order):
+            def make(fraction=fraction, act=act, layers=layers):
                 return build_variant(mcfg, device, dtype, precision, mb, seq, fraction, act,
-                               batches)
+                                     batches, layers)
             try:
                 got = time_variant(make, device, args.warmup, args.steps)
             except torch.cuda.OutOfMemoryError as e:
@@ -284,23 +342,28 @@ def step_times(args, device) -> List[dict]:
 
 def with_ratios(timed_rows: List[dict], m: int, mb: int, tokens: int, mcfg, seq: int,
                  peak: Peak) -> List[dict]:
-    """Each row's ratio to the mean of the baselines timed just before and after it; the
-    baselines' spread (max / min) on every row: the drift of the run."""
+    """Each row's ratio to the mean of the baselines timed just before and after it (on
+    CPU also `cpu_ratio`, of the CPU seconds); the baselines' spread (max / min) on every
+    row: the drift of the run."""
     base_name = variant_name(0.0, False)
-    bases = [(r["order"], r["step_s"]) for r in timed_rows
-             if r["variant"] == base_name and "step_s" in r]
-    spread = max(b for _, b in bases) / min(b for _, b in bases) if bases else None
+    bases = [r for r in timed_rows if r["variant"] == base_name and "step_s" in r]
+    spread = max(b["step_s"] for b in bases) / min(b["step_s"] for b in bases) \
+        if bases else None
+
+    def around(r: dict, key: str) -> float:
+        before = [b[key] for b in bases if b["order"] <= r["order"]][-1:]
+        after = [b[key] for b in bases if b["order"] >= r["order"]][:1]
+        return statistics.mean(before + after)
     out = []
     for r in timed_rows:
         row = {"m": m, "micro_batch": mb, **{k: v for k, v in r.items() if k != "times_s"},
                "baseline_spread": spread}
         if "step_s" in r and bases:
-            before = [b for o, b in bases if o <= r["order"]][-1:]
-            after = [b for o, b in bases if o >= r["order"]][:1]
-            around = statistics.mean(before + after)
-            row.update(ratio=r["step_s"] / around, tokens_per_s=tokens / r["step_s"],
+            row.update(ratio=r["step_s"] / around(r, "step_s"), tokens_per_s=tokens / r["step_s"],
                        mfu=None if peak.tflops is None else
                        tokens / r["step_s"] * flops_per_token(mcfg, seq) / (peak.tflops * 1e12))
+            if "cpu_s" in r and all("cpu_s" in b for b in bases):
+                row["cpu_ratio"] = r["cpu_s"] / around(r, "cpu_s")
         out.append(row)
     return out
 
@@ -326,9 +389,11 @@ def run(args) -> List[dict]:
             continue
         wait = "" if row.get("offload_wait_s") is None else \
             f"  offload wait {row['offload_wait_s'] * 1e3:7.1f} ms"
+        cpu = "" if "cpu_ratio" not in row else \
+            f"  cpu {row['cpu_s'] * 1e3:7.1f} ms x{row['cpu_ratio']:.2f}"
         print(f"m={row['m']} mb={row['micro_batch']} {row['variant']:<30} "
               f"{row['step_s'] * 1e3:9.1f} ms/step  x{row.get('ratio', float('nan')):.2f}"
-              f"{wait}  peak {row['peak_memory_gib']:.2f} GiB  "
+              f"{cpu}{wait}  peak {row['peak_memory_gib']:.2f} GiB  "
               f"{row.get('tokens_per_s', 0):,.0f} tok/s  (baselines' spread "
               f"x{row['baseline_spread'] or float('nan'):.3f})")
     if args.out:

@@ -257,10 +257,8 @@ class GPT2(nn.Module):
         recomputed = self.recomputed_blocks()
         if index < recomputed and self.training and torch.is_grad_enabled():
             return recompute_block(block, x, self.rng)
-        if chain is not None and index in offloaded_blocks(len(self.blocks), recomputed,
-                                                           chain.offload.layers):
-            with chain.block(block):
-                return block(x)
+        if chain is not None:  # offloaded or not: the chain keeps the blocks in transit
+            return chain.run(index, block, x)
         return block(x)
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +295,9 @@ class GPT2(nn.Module):
                 per_sequence: bool = False) -> torch.Tensor:
         x = self.embed(inputs) if self.first else inputs
         offloading = self.offload is not None and self.training and torch.is_grad_enabled()
-        chain = self.offload.chain() if offloading else None
+        chain = self.offload.chain(offloaded_blocks(
+            len(self.blocks), self.recomputed_blocks(), self.offload.layers),
+            len(self.blocks)) if offloading else None
         for index, block in enumerate(self.transformer.h.values()):
             x = self._run_block(index, block, x, chain)
         if not self.last:

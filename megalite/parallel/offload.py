@@ -9,40 +9,55 @@ over the whole model. The device keeps its part [lo, cut) as before; for the hos
 keeps only what the forward needs, the model-dtype parameters (and under zero 0/1 the whole
 fp32 gradient it accumulates anyway; under zero 2/3 its reduced gradient shrinks to [lo, cut)).
 
-On CUDA two streams meet: the compute stream (forward, backward, device AdamW) and one side
-stream for every copy. No step ever blocks the CPU on the compute stream:
+Three actors: the training thread (it queues compute and copies and never waits for a copy
+it does not need yet), one side stream for every copy (CUDA) and one host worker thread
+(`megalite-offload`) that runs the host's work range by range, in the order it was queued:
 
-    backward   as soon as a bucket's DP reduction completes (`on_reduced`), the side stream
-               waits for that reduction's own end event — not the compute stream, which is
-               already running later blocks' backward — and copies the host part of the
-               reduced gradient device -> host (zero 0/1: once per step, into the host
-               gradient; zero 2/3: every micro-batch, into a staging buffer). Zero 2/3's host
-               sums (staging added into the gradient, in the order the device adds its part,
-               so the sums are the same) run on a worker thread (`_fold`), off the training
-               thread: the backward hook only issues the copy and queues the fold
-    grad sync  every copy landed and folded (`drain`); the tied embedding's sum and SP's TP
-               sum include the host pieces (`megalite.parallel.grad_sums`)
-    norm       the global norm counts host and device pieces alike; the trainer's finiteness
-               verdict (train.max_bad_steps, the fp16 scaler's overflow skip) and the clip
-               factor are decided before anything steps: a skipped step touches neither side
-    step       the device AdamW is queued on the compute stream while the host steps range
-               by range in the order the next forward uses them; each range's updated
-               parameters (cast to the model dtype on the host) go host -> device on the side
-               stream while the next range steps; the side stream first waits for the event
-               `drain` recorded (the backward's last read of the parameters), not for the
-               device AdamW. `step` returns without waiting for the copies
-    next use   each block's parameters wait for their own copy, on the device, where they are
-               next read (`params_needed`: a forward pre-hook on every sharding unit; before
-               zero 1/2's all-gather of each bucket; before zero 3's gather of each unit), so
-               the first blocks compute while the last ranges are still on the link. Zero 1/2
-               with overlap_param_gather launches each bucket's gather from a stream that waits
-               for that bucket's copy (`gather_after_copy`); without it the gathers are part
-               of the step, so the next forward starts after the last copy
+    backward   as soon as a bucket's DP reduction is *launched* (`on_launched`, from the
+               engine's `_launch`: zero 0/1 during the last micro-batch's backward, zero 2/3
+               during every micro-batch's), the side stream waits for that reduction only —
+               NCCL: `Work.wait()` under the side stream; a group of one: the compute
+               stream as it is at that moment, i.e. the bucket's last gradient — and copies
+               the host part device -> host (zero 0/1: straight into the host gradient,
+               which the copy overwrites whole, so it is never zeroed; zero 2/3: into a
+               staging buffer). The worker then waits for that copy's event and, zero 2/3,
+               folds it into the host gradient (the step's first fold copies, later ones
+               add: the device's order of sums, without a memset), and, once the range's
+               gradient is final, takes the squares of its counted pieces for the global
+               norm (`squares_fp32_rows`) — all of it while the backward goes on. On CPU
+               with a collective in flight the copy waits for the reduction's completion
+               (`on_reduced`): there is no stream to order it after the collective
+    grad sync  `drain`: every range's copies landed, folded and squared (the CPU waits for
+               the worker: normally only the last bucket's copy is still running); the tied
+               embedding's sum and SP's TP sum then include the host pieces
+               (`megalite.parallel.grad_sums`), and the pieces they change are the only
+               host pieces whose squares the training thread takes (`grad_norm`)
+    norm       host squares (precomputed) + device squares: the trainer's finiteness verdict
+               (train.max_bad_steps, the fp16 scaler's overflow skip) and the clip factor
+               are decided before anything steps: a skipped step touches neither side
+    step       `step(coef, lr)` queues one task per range on the worker, in the order the
+               next forward reads them, and returns: the host AdamW with the clip (and fp16's
+               unscale) folded in — fused AdamW's `grad_scale` = 1/coef divides the gradient
+               inside the update, one pass instead of a separate multiply — then the cast to
+               the model dtype, then the range's host -> device copy on the side stream
+               (ordered after the backward's last read of the parameters, the event `drain`
+               recorded) and its event. The device AdamW is queued on the compute stream
+               meanwhile
+    next use   each block's parameters are waited for where they are next read
+               (`params_needed`: a forward pre-hook on every sharding unit; before zero 1/2's
+               all-gather of each bucket; before zero 3's gather of each unit): the CPU waits
+               until the worker has issued that range's copy (normally long done for the
+               first blocks), then the compute stream — not the CPU — waits for the copy's
+               event. So the next forward's first blocks compute while the host still steps
+               the last ranges. Whoever reads the host state (checkpoints, the parameter
+               norm, the replica check: `ZeroEngine.main_params`) waits for the host step
+               first (`step_done`)
 
-On CPU host = device: the same buffers, copies and fold thread exist (real copies between
-separate tensors, no streams), which exercises the path and saves nothing. The time blocked on
-copies — the CPU waiting for a fold or a copy, or on CUDA the compute stream waiting for a
-parameter copy — is the step phase `offload_wait` (`megalite.train.timers`).
+On CPU host = device: the same buffers, copies and worker exist (real copies between
+separate tensors, no streams), which exercises the path and saves nothing. The time the
+training thread is blocked on the offload — waiting for the worker or, on CUDA, the compute
+stream waiting for a parameter copy — is the step phase `offload_wait`
+(`megalite.train.timers`).
 """
 from __future__ import annotations
 
@@ -51,93 +66,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.nn as nn
 
-from megalite.parallel.flat import Segment
-
-
-def host_adamw_kind() -> str:
-    """'fused' where this PyTorch has the fused CPU AdamW kernel (2.4+), else 'foreach'."""
-    try:
-        p = nn.Parameter(torch.zeros(1))
-        torch.optim.AdamW([p], fused=True)
-        return "fused"
-    except (RuntimeError, TypeError):
-        return "foreach"
-
-
-def build_adamw(pieces: List[nn.Parameter], decays: List[bool], cfg, kind: str
-                ) -> torch.optim.AdamW:
-    """AdamW over `pieces` (decay / no-decay groups by `decays`), `kind` fused or foreach."""
-    groups = [g for g in ({"params": [p for p, d in zip(pieces, decays) if d],
-                           "weight_decay": cfg.weight_decay},
-                          {"params": [p for p, d in zip(pieces, decays) if not d],
-                           "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             **{kind: True})
-
-
-def _host_zeros(numel: int, dtype: torch.dtype, pinned: bool, host: torch.device
-                ) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, device=host, pin_memory=pinned)
-
-
-class HostRange:
-    """The offloaded part [cut, hi) of one bucket's owned range [lo, hi) in host memory."""
-
-    def __init__(self, bucket, cut: int, pinned: bool, host: torch.device):
-        self.bucket, self.cut, self.offset = bucket, cut, cut - bucket.lo
-        numel = bucket.hi - cut
-        self.accumulate = bucket.reduction.every_micro_batch  # zero 2/3: a sum of copies
-        self.main = _host_zeros(numel, torch.float32, pinned, host)  # fp32 master weights
-        self.main.copy_(bucket.main[self.offset:])
-        self.grad = _host_zeros(numel, torch.float32, pinned, host)
-        self.staging = _host_zeros(numel, torch.float32, pinned, host) if self.accumulate \
-            else self.grad  # zero 0/1: the step's one copy lands in the gradient itself
-        dtype = bucket.param_region.dtype
-        self.cast = None if dtype == torch.float32 else _host_zeros(numel, dtype, pinned, host)
-        self.pieces: List[nn.Parameter] = []
-        self.decays: List[bool] = []
-        self.optimizer: Optional[torch.optim.AdamW] = None
-        self.copied_in = None  # CUDA: the event of the last copy into `staging`
-        self.folding: Optional[Future] = None  # zero 2/3: the fold of that copy, queued
-        self.copied_out = None  # CUDA: the event of the last copy of the parameters out
-
-    def piece(self, seg: Segment) -> nn.Parameter:
-        """The master piece of `seg` (inside [cut, hi)), its gradient in the host gradient."""
-        a, b = seg.flat_lo - self.cut, seg.flat_hi - self.cut
-        piece = nn.Parameter(self.main[a:b])
-        piece.grad = self.grad[a:b]
-        self.pieces.append(piece)
-        self.decays.append(seg.spec.weight_decay)
-        return piece
-
-    def nbytes(self) -> int:
-        tensors = [self.main, self.grad] + ([self.staging] if self.accumulate else []) \
-            + ([self.cast] if self.cast is not None else [])
-        moments = 2 * 4 * self.main.numel()  # exp_avg, exp_avg_sq (fp32)
-        return sum(t.numel() * t.element_size() for t in tensors) + moments
-
-
-def _fold(r: HostRange, copied) -> None:
-    """The fold thread's task: once the copy into `r.staging` landed, add it to the host
-    gradient (tasks run one at a time in the order queued: each range's sums keep the
-    device's order)."""
-    if copied is not None:
-        copied.synchronize()
-    r.grad.add_(r.staging)
+from megalite.parallel import host_range
+from megalite.parallel.host_range import HostRange, build_adamw, host_adamw_kind
 
 
 def _wait_reduction_on(work, stream) -> bool:
     """Make `stream` wait for the collective behind `work` (a `megalite.parallel.comm`
-    handle: on NCCL, `Work.wait()` blocks the *current* stream on the collective's end event,
-    and blocking it a second time after the compute stream did is harmless). False for a
-    group of one, whose 'reduction' ran on the compute stream. Waited through the handle, so
-    a failure is a CommError naming the group and the flight recorder sees it."""
+    handle): on NCCL, `Work.wait()` blocks the *current* stream on the collective's end event
+    and returns. False for a group of one, whose 'reduction' ran on the compute stream. The
+    backend's handle is waited on directly, at the launch: the engine's own wait when the
+    reduction is folded (`ZeroEngine._complete`) is the one the flight recorder, the wait
+    timers and CommError see (this one completes nothing and can only enqueue)."""
     if getattr(work, "work", None) is None:
         return False
     with torch.cuda.stream(stream):
-        work.wait()
+        work.work.wait()
     return True
 
 
@@ -183,10 +127,10 @@ class OptimizerOffload:
                       if id(b) in self.ranges]
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
         self.h2d_bytes = 0
-        self._folder: Optional[ThreadPoolExecutor] = None  # zero 2/3's fold thread (lazy)
+        self._worker: Optional[ThreadPoolExecutor] = None  # the host's tasks (lazy)
         self._params_free = None  # CUDA: recorded by `drain` after the backward was queued
-        # buckets whose parameter copy the device has not waited for yet (CPU: True)
-        self.pending: Dict[int, object] = {}
+        # buckets whose parameter copy the device has not waited for yet
+        self.pending: Dict[int, HostRange] = {}
         for unit, mine in unit_buckets(chunks, buckets):
             mine = [b for b in mine if id(b) in self.ranges]
             if mine:  # first of the unit's pre-hooks (ahead of ZeRO-3's gather)
@@ -217,61 +161,108 @@ class OptimizerOffload:
         for r in self.ranges.values():
             if r.pieces:
                 r.optimizer = build_adamw(r.pieces, r.decays, cfg, kind)
+                r.fused = kind == "fused"
         return [r.optimizer for r in self.ranges.values() if r.optimizer is not None]
+
+    def count_in_norm(self, bucket, grad: torch.Tensor) -> None:
+        """`grad` (a host gradient piece of `bucket`'s range) counts in the global norm and
+        no sum after the reduction changes it: the worker squares it once it is final."""
+        self.ranges[id(bucket)].norm_pieces.append(grad)
 
     def _waiting(self):
         return self.timers.phase("offload_wait") if self.timers is not None \
             else contextlib.nullcontext()
 
+    def _submit(self, fn: Callable, *args) -> Future:
+        """Queue `fn(*args)` on the host worker (one thread: tasks run in the order queued;
+        each spreads over the rank's intra-op threads, as torch.set_num_threads gave them)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="megalite-offload")
+        return self._worker.submit(fn, *args)
+
+    def _wait(self, future: Optional[Future]) -> None:
+        """The CPU waits for a worker task (timed as offload_wait when it has to); a failed
+        task raises here."""
+        if future is None:
+            return
+        if not future.done():
+            with self._waiting():
+                future.result()
+        future.result()
+
     # --- gradients: device -> host ----------------------------------------------------
 
-    def on_reduced(self, bucket, reduced: torch.Tensor, work) -> None:
-        """A bucket's DP reduction completed (`reduced`: its owned range's reduced gradient,
-        `work`: the reduction's handle): start copying the host part on the side stream,
-        ordered after that reduction only; zero 2/3: queue its fold into the host gradient."""
+    def on_launched(self, bucket, work, reduced: torch.Tensor,
+                    source: Optional[torch.Tensor] = None) -> None:
+        """`bucket`'s DP reduction was just launched (`work`: its handle; `reduced`: the
+        tensor holding its owned range's reduced gradient once it completes; `source`: the
+        gradient it reduces): copy the host part device -> host — on CUDA now, on the side
+        stream, after that reduction only; on CPU now when nothing is in flight (a group of
+        one), else once it completed (`on_reduced`). CUDA: `source` is held until the
+        reduction completed on the compute stream: NCCL releases a collective's stashed
+        input at its first `wait()` (here, the side stream's), and the compute stream may
+        reuse memory nobody holds before it waited itself."""
         r = self.ranges.get(id(bucket))
         if r is None:
             return
-        self._settle(r)  # zero 2/3: the last fold has read `staging` (long done by now)
+        if getattr(work, "work", None) is None:  # a group of one: reduced already
+            self._copy_in(r, reduced, work)
+        elif self.cuda:
+            r.in_flight.append((work, source))
+            self._copy_in(r, reduced, work)
+        else:
+            r.in_flight.append((work, None))  # CPU: the result exists once it completed
+            r.deferred += 1
+
+    def on_reduced(self, bucket, reduced: torch.Tensor, work) -> None:
+        """A bucket's DP reduction completed (`ZeroEngine._complete`, the compute stream
+        ordered after it): CPU: the copy `on_launched` deferred until the result existed;
+        CUDA: the reduced gradient's source is let go."""
+        r = self.ranges.get(id(bucket))
+        if r is None or not any(w is work for w, _ in r.in_flight):
+            return
+        r.in_flight = [(w, t) for w, t in r.in_flight if w is not work]
+        if not self.cuda:
+            r.deferred -= 1
+            self._copy_in(r, reduced, None)
+
+    def _copy_in(self, r: HostRange, reduced: torch.Tensor, work) -> None:
+        self._wait(r.stepped)  # the last host step has read `grad` (a step ago)
+        self._wait(r.inbound)  # zero 2/3: the last fold has read `staging` (a micro-batch ago)
         src = reduced[r.offset:]
+        copied = None
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             if not _wait_reduction_on(work, self.stream):
-                self.stream.wait_stream(compute)
+                self.stream.wait_stream(compute)  # the bucket's gradient, as queued so far
             with torch.cuda.stream(self.stream):
                 r.staging.copy_(src, non_blocking=True)
-                r.copied_in = self.stream.record_event()
+                copied = self.stream.record_event()
             src.record_stream(self.stream)  # the compute stream may not reuse it before
         else:
             r.staging.copy_(src)
-        if r.accumulate:
-            if self._folder is None:
-                self._folder = ThreadPoolExecutor(1, thread_name_prefix="megalite-offload")
-            r.folding = self._folder.submit(_fold, r, r.copied_in)
-            r.copied_in = None
+        r.inbound = self._submit(host_range.arrived, r, copied, not r.accumulate)
         self.d2h_bytes += 4 * src.numel()
 
-    def _settle(self, r: HostRange) -> None:
-        """`r`'s last copy in has landed (and zero 2/3: been folded in); the CPU waits."""
-        if r.folding is not None:
-            if not r.folding.done():
-                with self._waiting():
-                    r.folding.result()
-            r.folding, folding = None, r.folding
-            folding.result()  # a failed fold raises here
-        if r.copied_in is not None:
-            if not r.copied_in.query():
-                with self._waiting():
-                    r.copied_in.synchronize()
-            r.copied_in = None
-
     def drain(self) -> None:
-        """Every copy landed and folded into the host gradients (after the step's last
-        reduction); on CUDA also marks where the backward's reads of the parameters end."""
+        """After the step's last reduction: every copy landed, folded and squared (zero 2/3:
+        the ranges' sums final, their squares taken now). On CUDA also marks where the
+        backward's reads of the parameters end."""
         for r in self.ranges.values():
-            self._settle(r)
+            if r.in_flight:
+                raise RuntimeError("offload: a bucket's reduction was never completed")
+            if r.accumulate:
+                r.inbound = self._submit(host_range.finalize, r)
+        for r in self.ranges.values():
+            self._wait(r.inbound)
         if self.cuda:
             self._params_free = torch.cuda.current_stream(self.device).record_event()
+
+    def grad_squares(self) -> Optional[torch.Tensor]:
+        """The squares (fp64, CPU) of every counted host piece no sum changed after `drain`:
+        what the worker took as each range's gradient became final."""
+        parts = [r.squares for r in self.ranges.values() if r.squares is not None]
+        return torch.stack(parts).sum() if parts else None
 
     def sum_tied(self, bucket, group, all_reduce) -> None:
         """`all_reduce` over `group` of the tied embedding bucket's reduced gradient, every
@@ -293,42 +284,70 @@ class OptimizerOffload:
             r.grad.copy_(both[r.offset:])
 
     def zero_grad(self) -> None:
+        """Nothing to zero on the host: zero 0/1's next copy overwrites each gradient whole,
+        zero 2/3's next first fold copies (queued, so it follows this step's tasks)."""
         for r in self.ranges.values():
-            self._settle(r)
-            r.grad.zero_()
+            if r.accumulate:
+                r.inbound = self._submit(host_range.mark_fresh, r)
 
     # --- parameters: host step, host -> device --------------------------------------------
 
-    def step(self) -> None:
-        """Host AdamW range by range in forward order, each range's parameters sent to the
-        device while the next steps; returns without waiting for the copies (the next
-        reader of each bucket's parameters waits for its own: `params_needed`)."""
+    def step(self, coef: Optional[float], lr: float) -> None:
+        """Queue each range's host step on the worker in forward order and return: AdamW
+        with the gradients multiplied by `coef` (the clip factor over the loss scale; None:
+        1) inside the update, the cast, the copy to the device. The next reader of each
+        bucket's parameters waits for its own (`params_needed`)."""
         if self.cuda and self._params_free is not None:
-            self.stream.wait_event(self._params_free)
+            self.stream.wait_event(self._params_free)  # the backward's last read of them
         for r in self.order:
-            self._copied_out(r)  # the last copy has read `main` / `cast` (a step ago)
-            if r.optimizer is not None:
-                r.optimizer.step()
-            self._to_device(r)
+            r.stepped = self._submit(self._update, r, coef, lr)
+            self.pending[id(r.bucket)] = r
+            self.h2d_bytes += r.main.numel() * (r.main if r.cast is None else r.cast
+                                                ).element_size()
+
+    def _update(self, r: HostRange, coef: Optional[float], lr: float) -> None:
+        """The worker's host step of one range (see `step`)."""
+        self._copied_out(r)  # the last copy has read `main` / `cast` (a step ago)
+        opt = r.optimizer
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if coef is not None and coef != 1.0 and r.fused:
+                # fused AdamW divides each gradient by grad_scale in its one pass
+                opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+            elif coef is not None and coef != 1.0:
+                torch._foreach_mul_([p.grad for p in r.pieces], coef)
+            try:
+                opt.step()
+            finally:
+                opt.__dict__.pop("grad_scale", None)
+        self._to_device(r)
 
     def params_to_device(self) -> None:
         """The device parameters from the host masters (after a checkpoint load)."""
+        self.copies_done()
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for r in self.order:
-            self._copied_out(r)
             self._to_device(r)
+            self.pending[id(r.bucket)] = r
+            self.h2d_bytes += r.main.numel() * (r.main if r.cast is None else r.cast
+                                                ).element_size()
+
+    def step_done(self) -> None:
+        """The CPU waits until the host step has finished (before reading host state)."""
+        for r in self.order:
+            self._wait(r.stepped)
 
     def copies_done(self) -> None:
         """The CPU waits until no copy reads the host masters (before a load writes them)."""
+        self.step_done()
         for r in self.order:
             self._copied_out(r)
 
     def _copied_out(self, r: HostRange) -> None:
         if r.copied_out is not None:
-            if not r.copied_out.query():
-                with self._waiting():
-                    r.copied_out.synchronize()
+            r.copied_out.synchronize()
             r.copied_out = None
 
     def _to_device(self, r: HostRange) -> None:
@@ -343,8 +362,11 @@ class OptimizerOffload:
                 r.copied_out = self.stream.record_event()
         else:
             dst.copy_(src)
-        self.pending[id(r.bucket)] = r.copied_out if self.cuda else True
-        self.h2d_bytes += src.numel() * src.element_size()
+
+    def _issued(self, r: HostRange):
+        """The CPU waits until the worker issued `r`'s copy; returns its CUDA event."""
+        self._wait(r.stepped)
+        return r.copied_out
 
     def gather_after_copy(self, bucket, gather: Callable[[], object]):
         """Zero 1/2 with parallel.overlap_param_gather: launch `bucket`'s all-gather (`gather`,
@@ -352,7 +374,8 @@ class OptimizerOffload:
         host -> device copy, from `gather_stream`, so the compute stream does not wait for
         every copy: the next forward waits, unit by unit, for the gathers it reaches (their
         handles' `wait`). NCCL orders a collective after the stream current at its launch."""
-        copied = self.pending.pop(id(bucket), None)
+        r = self.pending.pop(id(bucket), None)
+        copied = None if r is None else self._issued(r)
         if not self.cuda:
             return gather()  # CPU: the copy already happened
         self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -362,11 +385,15 @@ class OptimizerOffload:
             return gather()
 
     def params_needed(self, buckets) -> None:
-        """`buckets`' parameters are about to be read (a forward, a gather): on CUDA the
-        current stream waits for their copies still pending — on the device, the CPU goes
-        on. Each copy is waited for once; later calls find nothing pending."""
+        """`buckets`' parameters are about to be read (a forward, a gather): the CPU waits
+        until the worker issued their copies still pending, then on CUDA the current stream
+        waits for them — on the device, the CPU goes on. Each copy is waited for once; later
+        calls find nothing pending."""
         for b in buckets:
-            copied = self.pending.pop(id(b), None)
+            r = self.pending.pop(id(b), None)
+            if r is None:
+                continue
+            copied = self._issued(r)
             if copied is not None and self.cuda:
                 with self._waiting():
                     torch.cuda.current_stream(self.device).wait_event(copied)

@@ -44,8 +44,9 @@ from megalite.parallel import comm
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated
+from megalite.parallel.host_range import build_adamw
 from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
-from megalite.parallel.offload import OptimizerOffload, build_adamw
+from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.param_gather import OverlappedParamGather
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import Zero3Gathering, unit_groups
@@ -118,18 +119,18 @@ class ZeroEngine(EngineState):
         offloaded piece's: views of host tensors, stepped by the host AdamW of its bucket).
         `self.optimizer` is the device's (None when everything is offloaded)."""
         pieces, decays = [], []
-        self.main_params: List[Tuple[nn.Parameter, Segment, Bucket]] = []
+        self._main_params: List[Tuple[nn.Parameter, Segment, Bucket]] = []
         for b in self.buckets:
             host = None if self.offload is None else self.offload.range_of(b)
             for seg in b.segments:
                 if host is not None and seg.flat_lo >= host.cut:
-                    self.main_params.append((host.piece(seg), seg, b))
+                    self._main_params.append((host.piece(seg), seg, b))
                     continue
                 piece = nn.Parameter(b.region_view(b.main, seg))
                 piece.grad = b.region_view(b.main_grad, seg)
                 pieces.append(piece)
                 decays.append(seg.spec.weight_decay)
-                self.main_params.append((piece, seg, b))
+                self._main_params.append((piece, seg, b))
         kind = "fused" if self.buckets[0].main_grad.device.type == "cuda" else "foreach"
         self.optimizer = build_adamw(pieces, decays, cfg, kind) if pieces else None
         self.optimizers = ([self.optimizer] if pieces else []) + (
@@ -137,9 +138,29 @@ class ZeroEngine(EngineState):
         self._optimizer_of = {id(p): o for o in self.optimizers
                               for g in o.param_groups for p in g["params"]}
         self._on_host = [self._optimizer_of[id(p)] is not self.optimizer
-                         for p, _, _ in self.main_params]  # offloaded pieces
-        self._norm_grads = self._norm_split([p.grad for p, _, _ in self.main_params])
-        self._all_grads = [p.grad for p, _, _ in self.main_params]
+                         for p, _, _ in self._main_params]  # offloaded pieces
+        self._norm_grads = self._norm_split([p.grad for p, _, _ in self._main_params])
+        self._device_grads = [p.grad for (p, _, _), host in zip(self._main_params,
+                                                                  self._on_host) if not host]
+        if self.offload is not None:  # host pieces no later sum changes: squared by the
+            rest = []                 # offload's worker as their gradients become final
+            for (p, seg, b), host in zip(self._main_params, self._on_host):
+                if not host or not self._counted(seg):
+                    continue
+                if b.tied or (self.sequence_parallel and seg.spec.tp_replicated):
+                    rest.append(p.grad)  # summed after the reduction: squared in grad_norm
+                else:
+                    self.offload.count_in_norm(b, p.grad)
+            self._norm_grads = (self._norm_grads[0], rest)
+
+    @property
+    def main_params(self) -> List[Tuple[nn.Parameter, Segment, Bucket]]:
+        """(fp32 master piece, its segment, its bucket) of every owned range, device and host
+        (offload.optimizer: once the host step queued by the last `clip_and_step` is done, so
+        whoever reads them — checkpoints, norms, the replica check — reads the update)."""
+        if self.offload is not None:
+            self.offload.step_done()
+        return self._main_params
 
     def _counted(self, seg: Segment) -> bool:
         """Whether this rank counts `seg` in a global norm: the tied embedding's second copy
@@ -202,11 +223,14 @@ class ZeroEngine(EngineState):
 
     def _launch(self, bucket: Bucket) -> None:
         """Start `bucket`'s DP reduction, after telling the grad_launching listeners."""
-        if self.grad_launching:
-            grad = bucket.grad_full if bucket.grad_full is not None else bucket._full_temp()
-            for listener in self.grad_launching:
-                listener(bucket, grad)
+        grad = bucket.grad_full if bucket.grad_full is not None else bucket._full_temp()
+        for listener in self.grad_launching:
+            listener(bucket, grad)
         bucket.launch()
+        if self.offload is not None:  # the host part's copy, ordered after this reduction
+            work, out = bucket.pending[-1]
+            self.offload.on_launched(bucket, work, bucket.main_grad if out is None else out,
+                                     grad)
 
     def grad_staging_bytes(self) -> int:
         """Zero 2/3's declared staging: the full-size fp32 gradients of the buckets being
@@ -223,7 +247,7 @@ class ZeroEngine(EngineState):
         for reduced, work in bucket.complete():
             for listener in self.bucket_reduced:
                 listener(bucket, reduced)
-            if self.offload is not None:  # its copy waits for this reduction only
+            if self.offload is not None:  # CPU: a copy that waited for this reduction
                 self.offload.on_reduced(bucket, reduced, work)
 
     def finish_grad_sync(self) -> None:
@@ -251,29 +275,35 @@ class ZeroEngine(EngineState):
         """Of tensors laid out like `main_params`, those this rank counts in a global norm:
         (the device's, the host's)."""
         counted = [(t, host) for t, host, (_, seg, _) in zip(tensors, self._on_host,
-                                                             self.main_params)
+                                                             self._main_params)
                    if self._counted(seg)]
         return [t for t, host in counted if not host], [t for t, host in counted if host]
 
-    def _global_norm(self, pieces: Tuple[List, List]) -> torch.Tensor:
+    def _global_norm(self, pieces: Tuple[List, List],
+                     host_squares: Optional[torch.Tensor] = None) -> torch.Tensor:
         """L2 norm over the whole model of (device, host) tensors laid out like the master
         pieces, each element counted once (see the module docstring). The device's pieces
         accumulate in fp64 from the elements up (DeepSpeed's fp64 norm), so the result does
         not move with how a layout cuts the model into pieces; offloaded pieces, on the host
         CPU where fp64 is ~20x slower, in fp32 over rows of 1024 elements with the rows'
-        squares summed in fp64 (`squares_fp32_rows`: ~1e-8 relative); the DP /
-        model-parallel all-reduces in fp64. Returns an fp64 scalar."""
+        squares summed in fp64 (`squares_fp32_rows`: ~1e-8 relative; `host_squares`: those
+        of further host pieces, taken already); the DP / model-parallel all-reduces in fp64.
+        Returns an fp64 scalar."""
         device_pieces, host_pieces = pieces
         device = self.buckets[0].main_grad.device
         sq = squares_fp64(device_pieces, device) + squares_fp32_rows(host_pieces, device)
+        if host_squares is not None:
+            sq = sq + host_squares.to(device)
         if self.layout.shards_optimizer:
             comm.all_reduce(sq, self.topo.dp_group)
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient of the whole model."""
-        return self._global_norm(self._norm_grads)
+        """Global L2 norm of the gradient of the whole model (offload.optimizer: most host
+        pieces' squares were taken by the offload's worker during the backward)."""
+        return self._global_norm(self._norm_grads, None if self.offload is None
+                                 else self.offload.grad_squares())
 
     def param_norm(self) -> torch.Tensor:
         """Global L2 norm of the fp32 master weights (Megatron's --log-params-norm)."""
@@ -285,25 +315,26 @@ class ZeroEngine(EngineState):
         parameters brought up to date. Returns the pre-clipping norm.
 
         `grad_scale`: the factor the gradients carry (fp16 loss scaling); they are divided by
-        it in the same pass as the clipping, and `norm`, if given, is the unscaled norm."""
+        it in the same pass as the clipping, and `norm`, if given, is the unscaled norm.
+        offload.optimizer: the host pieces' factor goes into their AdamW's one pass (queued
+        on the offload's worker, `OptimizerOffload.step`); this returns before it ran."""
         if norm is None:
             norm = self.grad_norm() / grad_scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
         if grad_scale != 1.0:
             coef = 1.0 / grad_scale if coef is None else coef / grad_scale
         if coef is not None:
-            if isinstance(coef, torch.Tensor):
-                coef = coef.to(torch.float32)  # the gradients' dtype
-            for grads in by_device(self._all_grads).values():
-                torch._foreach_mul_(grads, coef.to(grads[0].device)
-                                    if isinstance(coef, torch.Tensor) else coef)
+            coef = coef.to(torch.float32) if isinstance(coef, torch.Tensor) else \
+                torch.tensor(coef, dtype=torch.float32)  # the gradients' dtype
+            for grads in by_device(self._device_grads).values():
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         if self.optimizer is not None:
             self.optimizer.step()  # on CUDA queued: the host steps meanwhile
         if self.offload is not None:
-            self.offload.step()
+            self.offload.step(None if coef is None else coef.item(), lr)
         if self.param_gather is not None:  # waited for by the next forward, unit by unit
             self.param_gather.launch(None if self.offload is None
                                      else self.offload.gather_after_copy)

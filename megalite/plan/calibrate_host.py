@@ -6,7 +6,7 @@ the time model's memory-bound and offload terms (`megalite.plan.time_model`).
 - `host_link` (CUDA): pinned host -> device and device -> host copies of `COPY_BYTES`, each
   direction alone, best of a few: activation and optimizer offload's copies.
 - `host_adam`: PyTorch's CPU AdamW (fused where this PyTorch has it, as offload.optimizer
-  uses: `megalite.parallel.offload.host_adamw_kind`) over `ADAM_PARAMS` fp32 parameters, on
+  uses: `megalite.parallel.host_range.host_adamw_kind`) over `ADAM_PARAMS` fp32 parameters, on
   the threads a rank of the node gets (its cores' share, as `megalite.train.host_threads`
   gives offload); the node's rate is the slowest rank's × the ranks of the node (all of them
   measure at once, as they would step). On CPU the host is the device: not measured.
@@ -21,7 +21,7 @@ from typing import Callable, Dict
 import torch
 
 from megalite.config.schema import OptimConfig
-from megalite.parallel.offload import build_adamw, host_adamw_kind
+from megalite.parallel.host_range import build_adamw, host_adamw_kind
 
 HBM_BYTES = 1 << 30  # copied per timing (read + written: twice that)
 COPY_BYTES = 1 << 28  # 256 MiB each way

@@ -7,6 +7,13 @@ which every pipeline stage's planned total (`megalite.plan.memory.make_plan`) is
 `device_bytes`, and returns the one with the smallest estimated added time per step. Pure: it
 reads the configuration and plans, nothing else.
 
+Activation offload is tried as its fewest blocks that fit (`fewest_offloaded_blocks`: the
+first k of each chunk, `offload.activations_layers=k`, k found by bisection — more offloaded
+blocks only lower the plan and only add copies): the first blocks' copies hide under the
+forward and backward of the blocks kept after them as far as the copy rates allow, so the
+fewest that fit are the cheapest, and every block (`offload.activations=true` alone) is
+offered only where nothing less fits.
+
 The added time of a candidate is the time model's (`megalite.plan.time_model.predict`, on the
 caller's device profile): its predicted step less the layout's, so a placement is charged as
 the planner charges it everywhere — ZeRO's extra DP traffic beyond what the backward hides,
@@ -27,6 +34,7 @@ from typing import Callable, List, Optional, Tuple
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.plan.devices import DeviceProfile
+from megalite.plan.dims import recomputed_layers
 from megalite.plan.memory import Plan, make_plan
 from megalite.plan.time_model import predict
 
@@ -48,7 +56,7 @@ class Suggestion:
                 "s more per step)")
 
 
-Change = Tuple[str, Callable[[Config, Layout], Tuple[Config, Layout]]]
+Change = Tuple[str, Optional[Callable[[Config, Layout], Tuple[Config, Layout]]]]
 
 
 def _changes(cfg: Config, layout: Layout) -> List[List[Change]]:
@@ -66,9 +74,6 @@ def _changes(cfg: Config, layout: Layout) -> List[List[Change]]:
         return lambda c, lo: (replace(c, train=replace(c.train, recompute=True,
                                                        recompute_layers=r)), lo)
 
-    def activations(c, lo):
-        return replace(c, offload=replace(c.offload, activations=True)), lo
-
     blocks = cfg.model.n_layer // (layout.pp_size * layout.virtual_stages)
     groups = [
         [(f"zero={z}", zero(z)) for z in range(layout.zero_stage + 1, 4)]
@@ -79,8 +84,44 @@ def _changes(cfg: Config, layout: Layout) -> List[List[Change]]:
         [(f"train.recompute=true train.recompute_layers={r}", recompute(r))
          for r in range((t.recompute_layers or 0) + 1, blocks)]
         + [("train.recompute=true", recompute(None))],
-        [] if cfg.offload.activations else [("offload.activations=true", activations)]]
+        [] if cfg.offload.activations else [(ACTIVATIONS, None)]]  # its own search
     return [g for g in groups if g]
+
+
+ACTIVATIONS = "offload.activations=true"  # with the fewest blocks that fit (cheapest_fit)
+
+
+def offloadable_blocks(cfg: Config, layout: Layout) -> int:
+    """The most blocks a chunk can offload: its blocks (the largest chunk) after the
+    recomputed ones."""
+    chunks = [len(b) for stage in layout.stage_blocks() for b in stage]
+    return max(n - recomputed_layers(cfg, n) for n in chunks)
+
+
+def fewest_offloaded_blocks(cfg: Config, layout: Layout, fits: Callable[[Plan], bool]
+                            ) -> Optional[Tuple[Config, Plan]]:
+    """`cfg` with activation offload of the fewest first blocks of each chunk
+    (`offload.activations_layers`; None: every block, where only that fits) under which its
+    plan `fits`, and that plan; None when even every block does not."""
+    most = offloadable_blocks(cfg, layout)
+
+    def with_blocks(k: int) -> Config:
+        return replace(cfg, offload=replace(cfg.offload, activations=True,
+                                            activations_layers=None if k >= most else k))
+    if most < 1:
+        return None
+    full = make_plan(with_blocks(most), layout)
+    if not fits(full):
+        return None
+    lo, hi, plan = 0, most, full  # fits(hi), not known at lo (k = 0 is no offload)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        candidate = make_plan(with_blocks(mid), layout)
+        if fits(candidate):
+            hi, plan = mid, candidate
+        else:
+            lo = mid
+    return with_blocks(hi), plan
 
 
 def cheapest_fit(cfg: Config, layout: Layout, device_bytes: float, profile: DeviceProfile,
@@ -107,14 +148,25 @@ def cheapest_fit(cfg: Config, layout: Layout, device_bytes: float, profile: Devi
         for chosen in itertools.combinations(groups, size):
             for picks in itertools.product(*chosen):
                 changed, changed_layout = cfg, layout
-                for _, apply in picks:
-                    changed, changed_layout = apply(changed, changed_layout)
-                plan = make_plan(changed, changed_layout)
-                if not fits(plan):
-                    continue
+                for text, apply in picks:
+                    if text != ACTIVATIONS:
+                        changed, changed_layout = apply(changed, changed_layout)
+                if any(text == ACTIVATIONS for text, _ in picks):
+                    found = fewest_offloaded_blocks(changed, changed_layout, fits)
+                    if found is None:
+                        continue
+                    changed, plan = found
+                else:
+                    plan = make_plan(changed, changed_layout)
+                    if not fits(plan):
+                        continue
                 added = max(0.0, predict(changed, changed_layout, plan.stages, profile,
                                          per_node).step_s - step)
                 if best is None or added < best.added_s:
                     overrides = tuple(w for text, _ in picks for w in text.split())
+                    k = changed.offload.activations_layers
+                    if k is not None and changed.offload.activations and \
+                            not cfg.offload.activations:
+                        overrides += (f"offload.activations_layers={k}",)
                     best = Suggestion(overrides, added, plan.peak.bytes["total"], host(plan))
     return best

@@ -26,6 +26,7 @@ from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight
 from megalite.plan.devices import DeviceProfile
 from megalite.plan.dims import layer_activation_bytes, recomputed_layers
+from megalite.plan.fit import fewest_offloaded_blocks
 from megalite.plan.links import group_links
 from megalite.plan.memory import GIB, Plan, make_plan
 from megalite.plan.space import (
@@ -184,12 +185,26 @@ class _Search:
 
     def planned(self, c: Choice, cfg: Config, layout: Layout, pred: Prediction
                 ) -> Optional[Ranked]:
-        """The memory plan of a predicted candidate; None when some stage does not fit."""
+        """The memory plan of a predicted candidate; None when some stage does not fit. A
+        fitting candidate with activation offload takes the fewest first blocks that fit
+        (`fewest_offloaded_blocks`: the space tries a few counts; fewer offloaded blocks
+        are never slower in the time model, and their copies hide under the blocks kept on
+        the device)."""
         plan = make_plan(cfg, layout)
         self.result.points.append((plan.peak.bytes["total"], pred.step_s, "planned"))
-        if plan.peak.bytes["total"] > self.profile.memory_bytes:
+        memory = self.profile.memory_bytes
+        if plan.peak.bytes["total"] > memory:
             self.too_big(c.family, plan.peak.bytes["total"])
             return None
+        if c.offload:
+            found = fewest_offloaded_blocks(cfg, layout,
+                                            lambda p: p.peak.bytes["total"] <= memory)
+            fewest = None if found is None else found[0].offload.activations_layers
+            if found is not None and fewest != cfg.offload.activations_layers:
+                cfg, plan = found
+                c = replace(c, offload_layers=fewest)
+                pred = predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
+                               self.gpus_per_node)
         return Ranked(c, cfg, layout, plan, pred)
 
     def too_big(self, family: str, need: float) -> None:
@@ -226,6 +241,10 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     walk.heap = True
     while queue and len(s.result.best) < top:
         key, n, c, predicted, grid, cell = heapq.heappop(queue)
+        if isinstance(predicted, Ranked):  # planned, its offload count refined: as fast
+            if all(r.choice != predicted.choice for r in s.result.best):  # as it may be
+                s.result.best.append(predicted)
+            continue
         if not isinstance(predicted, tuple):  # its memory bound: not predicted yet
             predicted = s.predicted(c)
             if predicted is not None:
@@ -234,13 +253,19 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
                 walk.not_fitting(grid, *cell)
             continue
         ranked = s.planned(c, *predicted)
-        if ranked is not None:
-            s.result.best.append(ranked)
-        else:
+        if ranked is None:
             walk.not_fitting(grid, *cell)
+        elif ranked.prediction.step_s < key:  # fewer offloaded blocks: queued at its time
+            heapq.heappush(queue, (ranked.prediction.step_s, n, ranked.choice, ranked, grid,
+                                   cell))
+        elif all(r.choice != ranked.choice for r in s.result.best):
+            s.result.best.append(ranked)
     for key, _, c, predicted, _, _ in queue:  # not planned: their bounds
-        s.result.points.append((memory_lower_bound(cfg, c, e), key, "predicted")
-                               if isinstance(predicted, tuple) else (predicted, key, "bound"))
+        if isinstance(predicted, Ranked):
+            s.result.points.append((predicted.peak_bytes, key, "planned"))
+        else:
+            s.result.points.append((memory_lower_bound(cfg, c, e), key, "predicted")
+                                   if isinstance(predicted, tuple) else (predicted, key, "bound"))
     if not s.result.best:
         for family, (_, c) in walk.smallest.items():  # the plan's figure for the least-need one
             predicted = s.predicted(c)

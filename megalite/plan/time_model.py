@@ -35,9 +35,15 @@ bandwidth, e the bytes of a model-dtype element:
               with SP 6 all-gathers : 4 reduce-scatters a block (each kind at its own fit
               where a calibrated profile has one: `op_links`; pp: send/recv, dp: all-reduce,
               reduce-scatter, all-gather, embedding: all-reduce)
-  offload     activation offload's copies (offloaded blocks' saved bytes, out in forward at
-              d2h, back in backward at h2d) on a side stream: only what exceeds the
-              micro-batch's forward / backward time is exposed
+  offload     activation offload's copies (`megalite.plan.offload.activation_copies_exposed`:
+              the runtime's schedule of each chunk's blocks on the compute stream and the
+              two copy streams, simulated per micro-batch): each offloaded block's saved
+              bytes out at d2h under the forward, back at h2d under the backward, with at
+              most IN_TRANSIT blocks in transit beyond the room of the chunk's kept blocks;
+              what the copies add to the chunk's forward + backward, × m. A block's time is
+              its FLOPs at R + a third of `block_pass` (forward), twice the FLOPs + two
+              thirds (backward, + the gradient accumulation's share); the head and the loss
+              are the compute between the last block's forward and its backward
   bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
               (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p),
               (p−1)/(6m+p−1) for ZB-V (m ≥ (3p−1)/2; v = 2 in a V, so stage 0 holds the
@@ -60,13 +66,17 @@ bandwidth, e the bytes of a model-dtype element:
               (the fp64-accumulated norm, clipping, fused AdamW, the master -> model-dtype
               copy) over Ψ_dev = the owned range less offload.optimizer's share, + the
               gradients zeroed (4 bytes each), over B
-  offload_optimizer   offload.optimizer = f (n = f·Ψ_owned): fp32 gradient copies to the host
-              as reductions complete (4n per reduction at d2h, during the backward: what
-              exceeds it), then the host step — the fused host AdamW at the rank's share of
-              the node's rate (`host_adam_params_per_s` / ranks a node), and its other passes
-              (`HOST_STEP_BYTES` − 28 a parameter) at the memory rate that AdamW reached (28
-              bytes a parameter) — with the updated parameters copied back (e·n at h2d) range
-              by range: the longer of the two
+  offload_optimizer   offload.optimizer = f (n = f·Ψ_owned), as `megalite.parallel.offload`
+              runs it (`megalite.plan.offload.optimizer_offload_s`): the gradient copies (4n
+              per reduction at d2h) and the host worker's passes over them (the norm's
+              squares; zero 2/3 each micro-batch's fold) under the backward, what exceeds it,
+              + the last bucket's copy and squares after it; then the host step — the fused
+              host AdamW at the rank's share of the node's rate (`host_adam_params_per_s` /
+              ranks a node) and the cast (4 + e bytes a parameter at the memory rate AdamW
+              reached, 28 bytes a parameter) range by range, the copies back (e·n at h2d)
+              under the next range's update — less the next forward's first micro-batch,
+              which waits block by block for its own ranges (not with zero 1/2's gather in
+              the step)
 
 Step time = the largest stage total; its terms sum to it. Not modelled: the embedding's
 gather and its gradient, ln_f, the attention-probability dropout, the engine's per-step
@@ -84,8 +94,9 @@ from megalite.config.schema import Config
 from megalite.model.gpt2 import flops_per_token
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import DeviceProfile, fits_dropout
-from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
+from megalite.plan.dims import recomputed_layers
 from megalite.plan.links import GroupLink, group_links
+from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
 
 TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "offload",
          "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
@@ -121,11 +132,7 @@ LOSS_BYTES_PER_LOGIT: Dict[str, Tuple[int, int]] = {
 # fp32 master -> model-dtype copy (4 + e) where the model is not fp32, + zeroing the gradients
 # (4 bytes each, `zero_grad`).
 OPTIMIZER_BYTES = 4 + 8 + 28
-# The host step of offload.optimizer per offloaded parameter: the same passes on the host
-# (norm 4, clipping 8, AdamW 28, the model-dtype cast 4 + e, zeroing 4): HOST_STEP_BYTES + e
-HOST_STEP_BYTES = 4 + 8 + 28 + 4 + 4
-HOST_ADAM_BYTES = 28  # what the measured host AdamW rate moves a parameter
-
+# offload.optimizer's host passes: `megalite.plan.offload` (HOST_*_BYTES)
 
 def dropout_bytes(e: int) -> int:
     """Device-memory bytes a dropout site moves per element, forward + backward (eager
@@ -283,9 +290,10 @@ def _dropout_pass_s(cfg: Config, layout: Layout, profile: DeviceProfile, tokens:
 def host_step_s_per_param(profile: DeviceProfile, e: int, ranks_per_node: int
                           ) -> Optional[float]:
     """Seconds of offload.optimizer's host step per offloaded parameter on one of
-    `ranks_per_node` ranks (module docstring); None where the profile does not price it."""
+    `ranks_per_node` ranks: the fused AdamW and the cast to the model dtype (4 + e bytes at
+    AdamW's memory rate); None where the profile does not price it."""
     rate = profile.host_adam_per_rank(ranks_per_node)
-    return None if not rate else (HOST_STEP_BYTES + e) / HOST_ADAM_BYTES / rate
+    return None if not rate else (HOST_ADAM_BYTES + 4 + e) / HOST_ADAM_BYTES / rate
 
 
 def device_step_s_per_param(profile: DeviceProfile, e: int) -> Optional[float]:
@@ -341,12 +349,12 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
             else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
             + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
-        act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
-                                     cfg.model.n_head, tp, lay.sequence_parallel, e,
-                                     cfg.model.resid_pdrop > 0)
-        saved = sum(offloaded_layers(cfg, len(b)) for b in chunks) * act
-        out, back = saved / (profile.d2h_gbps * 1e9), saved / (profile.h2d_gbps * 1e9)
-        terms["offload"] = m * (max(0.0, out - t_f) + max(0.0, back - t_b))
+        matmuls = (2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len) * tokens / tp / rate
+        block = (matmuls + block_pass / 3,
+                 2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
+        head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward
+        terms["offload"] = m * activation_offload_s(cfg, lay, profile, k, chunks, e, block,
+                                                     3 * head + loss_f + loss_b)
     if lay.pp_size > 1:
         scatter = tp if tp > 1 and not lay.sequence_parallel else 1
         x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
@@ -363,12 +371,10 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
         zeroed = stage.params if not lay.shards_gradients else owned - host
         terms["optimizer"] = (device_step_s_per_param(profile, e) * (owned - host)
                               + 4 * zeroed / hbm)
-    host_s = host_step_s_per_param(profile, e, ranks_per_node)
-    if host and host_s and profile.h2d_gbps and profile.d2h_gbps:
-        copies = m if lay.shards_gradients else 1
-        terms["offload_optimizer"] = copies * max(
-            0.0, 4 * host / (profile.d2h_gbps * 1e9) - t_b) + max(
-            host_s * host, e * host / (profile.h2d_gbps * 1e9))
+    host_rate = profile.host_adam_per_rank(ranks_per_node)
+    if host and host_rate and profile.h2d_gbps and profile.d2h_gbps:
+        terms["offload_optimizer"] = optimizer_offload_term(cfg, lay, profile, host, host_rate,
+                                                             m, e, t_f, t_b, first)
     return terms
 
 

@@ -49,6 +49,10 @@ WORLD_4 = {
     "pp4 zb-h1": ["pp=4", "parallel.schedule=zb-h1"],
     "pp4 zb-v": ["pp=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2"],
     "pp4 interleaved v2": ["pp=4", "parallel.virtual_stages=2"],
+    "pp4 zb-v optimizer offload": ["pp=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                                   "offload.optimizer=0.5"],
+    "pp4 activation offload first 1": ["pp=4", "offload.activations=true",
+                                       "offload.activations_layers=1"],
 }
 WORLD_8 = {
     "tp2 sp pp2 dp2 zero1": ["tp=2", "sp=true", "pp=2", "zero=1"],

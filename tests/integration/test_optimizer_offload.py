@@ -8,10 +8,12 @@ memory, the side stream and the overlap order)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megalite.config.layout import Layout
 from megalite.config.schema import load_config
 from megalite.plan.memory import make_plan
+from megalite.testing.spawn import run_ranks
 from tests.conftest import TINY
 from tests.layouts import (
     FP32_NO_DROPOUT,
@@ -66,3 +68,117 @@ def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
                 got = sum(_wire_bytes(c, group) for c in mine) / len(mine)
                 assert got == pytest.approx(stage.comm[group], rel=0.02, abs=64), \
                     (layout, stage.stage, group)
+
+
+def _order_of_events(rank, world, tiny_data, run_dir):
+    """Zero 0 at dp 1 (the GPU benchmark's layout), 2 micro-batches a step, several buckets,
+    everything offloaded: three steps A, B, C recorded by hooks — every gradient's arrival
+    (the engine's post-accumulate hook), each bucket's copy to the host being issued, the
+    host updates on the worker (the last one held until the next forward has started), the
+    step returning, the next forward's waits for each bucket's parameters — and the same
+    steps without offload (losses, norms, parameters)."""
+    import threading
+
+    from megalite.config.layout import validate
+    from megalite.config.schema import load_config
+    from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
+
+    def trainer_of(name, *extra):
+        cfg = load_config(TINY + FP32_NO_DROPOUT + [
+            f"data.dir={tiny_data}", "train.micro_batch_size=1", "train.global_batch_size=2",
+            "parallel.bucket_mb=0.05", *extra])
+        validate(cfg, world)
+        return build_trainer(cfg, init_runtime(cfg), f"{run_dir}/{name}")
+
+    trainer = trainer_of("offload", "offload.optimizer=1")
+    engine, offload = trainer.engine, trainer.engine.offload
+    index = {id(r.bucket): i for i, r in enumerate(offload.order)}  # forward order
+    owner = {id(p): index[id(b)] for b in engine.buckets for p in b.params}
+    events, gate, armed = [], [None], [False]
+    on_grad, on_launched, issued = engine._on_grad, offload.on_launched, offload._issued
+    engine._on_grad = lambda p: (events.append(("grad", owner[id(p)])), on_grad(p))[1]
+    offload.on_launched = lambda b, *a: (events.append(("copy", index[id(b)])),
+                                         on_launched(b, *a))[1]
+    offload._issued = lambda r: (events.append(("wait", index[id(r.bucket)])), issued(r))[1]
+    last = len(offload.order) - 1
+    for i, r in enumerate(offload.order):
+        def update(i=i, step=r.optimizer.step):
+            events.append(("update", i, threading.current_thread().name))
+            if i == last and gate[0] is not None:  # hold the last update until the next
+                if not gate[0].wait(timeout=60):   # forward has started
+                    events.append(("gate timed out",))
+            step()
+            events.append(("updated", i))
+        r.optimizer.step = update
+    def forward_started(module, args) -> None:
+        events.append(("forward",))
+        if gate[0] is not None:
+            gate[0].set()
+
+    trainer.model.chunks[0].sharding_units()[0].register_forward_pre_hook(forward_started)
+    clip_and_step, train_step = engine.clip_and_step, trainer.schedule.train_step
+    def step(*a, **k):
+        if armed[0] and gate[0] is None:  # step B's: held until step C's forward
+            gate[0] = threading.Event()
+        out = clip_and_step(*a, **k)
+        events.append(("step returned",))
+        return out
+
+    engine.clip_and_step = step
+    trainer.schedule.train_step = lambda *a, **k: (train_step(*a, **k),
+                                                   events.append(("backward ended",)))[0]
+    losses = [trainer.train_step()]  # step A: AdamW's state exists
+    trainer.engine.wait_for_params()
+    events.clear()
+    armed[0] = True
+    losses += [trainer.train_step(), trainer.train_step()]  # B, C
+    trainer.engine.wait_for_params()
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    plain = trainer_of("plain")
+    plain_losses = [plain.train_step() for _ in range(3)]
+    plain.engine.wait_for_params()
+    return (events, len(offload.order), losses, params, plain_losses,
+            [p.detach().clone() for p in plain.model.parameters()])
+
+
+@pytest.mark.distributed
+def test_gradients_leave_during_the_backward_and_the_host_step_leaves_the_thread(
+        tiny_data, tmp_path):
+    """On a spawned rank (zero 0, dp 1, offload.optimizer=1): each bucket's copy to the host
+    is issued during the backward, right after that bucket's last gradient arrived (before
+    the next bucket's first), not after it; the host updates run on the offload worker in
+    forward order; the step returns, and the next forward waits for the first bucket and
+    starts, while the last bucket's host update has not finished (it is held until that
+    forward starts: a step that updated on the training thread would time out); the update
+    of bucket i comes before the wait for bucket i + 1. The three steps equal the run
+    without offload (losses, norms, every parameter)."""
+    (events, n, losses, params, plain_losses, plain_params), = run_ranks(
+        _order_of_events, 1, args=(tiny_data, str(tmp_path)), timeout_s=300)
+    assert n >= 4 and ("gate timed out",) not in events
+    at = {e: i for i, e in reversed(list(enumerate(events)))}  # first occurrence
+    ended = events.index(("backward ended",))  # step B's backward
+    backward = events[:ended]
+    copies = [i for i, e in enumerate(backward) if e[0] == "copy"]
+    assert sorted(backward[i][1] for i in copies) == list(range(n))  # each bucket once
+    last_grad = max(i for i, e in enumerate(backward) if e[0] == "grad")
+    assert sum(i < last_grad for i in copies) >= n - 1  # during the backward
+    for i in copies:  # right after its own bucket's last gradient
+        b = backward[i][1]
+        assert backward[i - 1] == ("grad", b), (b, backward[i - 1])
+        assert all(e != ("grad", b) for e in backward[i:])
+    updates = [e for e in events if e[0] == "update"]
+    assert [e[1] for e in updates] == list(range(n)) + list(range(n))  # steps B and C
+    assert all(e[2].startswith("megalite-offload") for e in updates)
+    returned = at[("step returned",)]  # step B's
+    later = {e: returned + i for i, e in reversed(list(enumerate(events[returned:])))}
+    done_last = at[("updated", n - 1)]
+    assert returned < done_last
+    assert later[("wait", 0)] < later[("forward",)] < done_last  # the next forward started
+    for i in range(n - 1):
+        assert at[("update", i, updates[i][2])] < later[("wait", i + 1)]
+    for (loss, norm), (loss_p, norm_p) in zip(losses, plain_losses):
+        assert loss == pytest.approx(loss_p, rel=1e-5) and norm == pytest.approx(norm_p,
+                                                                                 rel=1e-5)
+    for p, q in zip(params, plain_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -241,3 +241,102 @@ def test_plan_moves_the_offloaded_layers_to_host():
     assert on.bytes["activations"] + on.host["total"] == off.bytes["activations"] + 2 * layer
     assert plans[1].placement["A"] == "offloaded (the first 1 block per stage) to host memory"
     assert "host MiB" in plans[1].table() and "host" not in plans[0].table().splitlines()[2]
+
+
+class _PendingCopy:
+    """A stand-in for the CUDA event of a block's copies out (CPU copies are done at once):
+    pending until the CPU synchronizes on it or the test declares every copy done."""
+
+    def __init__(self, block: int, log: list, done: list):
+        self.block, self.log, self.done, self.waited = block, log, done, False
+
+    def query(self) -> bool:
+        return self.waited or self.done[0]
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.log.append(("wait out", self.block))
+
+
+def _budget_run(layers, done_after_forward: bool):
+    """A 4-block model offloading `layers` (None: all) with copies out that stay pending
+    (`done_after_forward`: all done once the forward ends): the events of the forward
+    (each block's start, waits for copies out) and backward (`reached`, restores, unpacks),
+    each with the blocks in transit then; and whether the gradients equal the plain run's."""
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layer": 4})
+    offload = ActivationOffload(torch.device("cpu"), layers)
+    model = GPT2(cfg, offload=offload).train()
+    plain = GPT2(cfg).train()
+    init_parameters(plain, seed=0)
+    model.load_state_dict(plain.state_dict())
+    log, done, events = [], [False], []
+
+    def pending_event(self):
+        events.append(_PendingCopy(len(events), log, done))
+        return events[-1]
+
+    def note(kind, i):
+        log.append((kind, i, offload.in_transit()))
+        if kind == "restore":  # its restore waited (on the device) for its copies out
+            events[i].waited = True
+
+    for i, block in enumerate(model.transformer.h.values()):
+        block.register_forward_pre_hook(lambda m, a, i=i: note("forward", i))
+    saved, chain = activation_offload._SavedBlock, activation_offload.BlockChain
+    restore, unpack, reached = saved.restore, saved.unpack, chain.reached
+    with mock.patch.object(ActivationOffload, "_copied_out_event", pending_event), \
+            mock.patch.object(saved, "restore", lambda self: (restore(self), note(
+                "restore", self.index))[0]), \
+            mock.patch.object(saved, "unpack", lambda self, h: (note("unpack", self.index),
+                                                                unpack(self, h))[1]), \
+            mock.patch.object(chain, "reached", lambda self, j: (note("reached", j),
+                                                                  reached(self, j))[1]):
+        loss = model(*_batch())
+        done[0] = done_after_forward
+        loss.backward()
+    plain(*_batch()).backward()
+    same = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                           plain.parameters()))
+    return log, offload, same
+
+
+def test_every_block_offloaded_stays_within_the_blocks_in_transit():
+    """Every block offloaded, copies out slow (pending until waited for): before each
+    block's forward the CPU waits for the oldest copy out so that at most IN_TRANSIT - 1
+    are in flight (block j waits for block j - 2's); in the backward, restores and pending
+    copies out never exceed IN_TRANSIT blocks, each block comes back once, last first, and
+    the block before is restored while the current one runs its backward (depth 1). The
+    gradients are the run's without offload."""
+    log, offload, same = _budget_run(None, done_after_forward=False)
+    assert same and offload.restored == 0
+    n = activation_offload.IN_TRANSIT
+    forwards = [e for e in log if e[0] == "forward"]
+    assert all(t <= n - 1 for _, _, t in forwards), forwards
+    for j in range(n, 4):  # block j's forward after the wait for block j - n's copy out
+        assert log.index(("wait out", j - n)) < log.index(forwards[j])
+    backward = log[_first(log, "reached", 3):]
+    assert all(e[2] <= n for e in backward if e[0] in ("restore", "unpack"))
+    assert [e[1] for e in backward if e[0] == "restore"] == [3, 2, 1, 0]
+    for b in range(3):  # block b restored before block b + 1's backward is done
+        assert _first(backward, "restore", b) < _first(backward, "reached", b)
+        assert _first(backward, "unpack", b + 1) < _first(backward, "restore", b - 1) \
+            if b else True  # ... and not more than one block ahead
+
+
+def _first(log, kind, i) -> int:
+    return next(n for n, e in enumerate(log) if e[:2] == (kind, i))
+
+
+def test_first_blocks_offloaded_copy_under_the_later_blocks():
+    """offload.activations_layers=2 of 4, copies out done by the end of the forward: the
+    forward never waits (the 2 blocks kept on the device leave room), and both offloaded
+    blocks are restored, last first, as soon as the backward reaches the chunk's last block
+    — before the kept blocks' backward, within IN_TRANSIT — not when their own backward
+    starts. The gradients are the run's without offload."""
+    log, offload, same = _budget_run(2, done_after_forward=True)
+    assert same and offload.waits_for_room == 0
+    kinds = [e[:2] for e in log]
+    assert [i for k, i in kinds if k == "restore"] == [1, 0]
+    assert kinds.index(("reached", 3)) < kinds.index(("restore", 1)) < \
+        kinds.index(("restore", 0)) < kinds.index(("reached", 2))
+    assert all(t <= activation_offload.IN_TRANSIT for k, _, t in log if k == "restore")

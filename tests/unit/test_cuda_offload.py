@@ -1,5 +1,6 @@
-"""Activation offload on CUDA: pinned host buffers, copies on a side stream, device memory
-freed after the forward, the same gradients. Skipped on machines without a GPU (CI); run on
+"""Activation offload on CUDA: pinned host buffers, copies out and back on two side streams,
+device memory freed after the forward and bounded by the blocks in transit during the step,
+the same gradients. Skipped on machines without a GPU (CI); run on
 one with `python -m pytest tests/unit/test_cuda_offload.py`."""
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ def test_copies_go_to_pinned_memory_on_a_side_stream():
     from megalite.model import activation_offload
 
     _, offloaded, offload = _models(torch.bfloat16)
-    assert offload.stream is not None and offload.stream != torch.cuda.current_stream()
+    current = torch.cuda.current_stream()
+    assert offload.d2h is not None and offload.h2d is not None
+    assert len({offload.d2h, offload.h2d, current}) == 3
     hosts, restored = [], []
     copy_out = activation_offload._SavedBlock._copy_out
 
@@ -91,6 +94,27 @@ def test_copies_go_to_pinned_memory_on_a_side_stream():
     assert hosts and all(h.is_pinned() and h.device.type == "cpu" for h in hosts)
     assert restored and all(d.type == "cuda" for d in restored)
     assert offload.held_bytes == 0
+
+
+def test_the_step_peak_is_bounded_by_the_blocks_in_transit():
+    """Every block offloaded (4): the peak device memory of a forward + backward is below
+    the plain run's by at least 4 - IN_TRANSIT - 0.5 blocks' activations (the copies out
+    are waited for before more than IN_TRANSIT blocks are on the device; restores are
+    bounded alike)."""
+    from megalite.model.activation_offload import IN_TRANSIT
+    from megalite.plan.dims import layer_activation_bytes
+
+    peaks = []
+    for model in _models()[:2]:
+        x, y = _batch()
+        _settled_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(x, y).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    layer = layer_activation_bytes(S, B, CFG.n_embd, CFG.n_head, 1, False, 4)
+    assert peaks[1] <= peaks[0] - (CFG.n_layer - IN_TRANSIT - 0.5) * layer, (peaks, layer)
 
 
 def test_training_steps_with_offload_track_the_run_without():

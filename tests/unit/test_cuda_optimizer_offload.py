@@ -1,7 +1,7 @@
 """Optimizer offload on CUDA: the host state in pinned memory, gradient copies on a side
-stream issued during the backward (zero 2) and summed on the fold thread, the host steps and
-parameter copies interleaved in forward order, the step returning before the copies are
-waited for (the next forward waits per block), fp32 parameters equal to the run without
+stream issued during the backward (zero 2) and summed on the offload's worker, the host
+steps and parameter copies interleaved in forward order on the worker, the step returning
+before the copies are waited for (the next forward waits per block), fp32 parameters equal to the run without
 offload and bf16 training that tracks it. Skipped on machines without a GPU (CI); run on one
 with `python -m pytest tests/unit/test_cuda_optimizer_offload.py`."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megalite.config.schema import ModelConfig, OptimConfig
-from megalite.parallel import offload as offload_module
+from megalite.parallel import host_range
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -72,19 +72,20 @@ def test_host_state_is_pinned_and_copies_use_a_side_stream():
 
 def test_gradient_copies_start_during_the_backward_and_parameters_return_in_order():
     """zero 3, several units, 2 micro-batches: some device->host copies are issued before
-    the backward ends, each ordered after its own reduction, and folded on the fold thread;
-    in the step each bucket's host AdamW is followed by its copy back, in forward order,
-    before the next bucket steps; the step returns with every copy still to be waited for,
-    and the next forward's gathers wait for each (all are consumed by the end of it)."""
+    the backward ends, each ordered after its own reduction, and folded on the offload's
+    worker; in the step each bucket's host AdamW is followed by its copy back, in forward
+    order, before the next bucket steps (on the worker); the step returns with every copy
+    still to be waited for, and the next forward's gathers wait for each (all are consumed
+    by the end of it)."""
     _, engine, schedule = _engine(1.0, zero=3)
     offload = engine.offload
     assert len(offload.order) >= 4
     events, in_backward, folds = [], [False], []
-    on_reduced, to_device = offload.on_reduced, offload._to_device
+    on_launched, to_device = offload.on_launched, offload._to_device
 
-    def spy_reduced(bucket, reduced, work):
+    def spy_launched(bucket, work, reduced):
         events.append(("d2h", in_backward[0]))
-        on_reduced(bucket, reduced, work)
+        on_launched(bucket, work, reduced)
 
     def spy_to_device(r):
         events.append(("h2d", offload.order.index(r)))
@@ -104,17 +105,18 @@ def test_gradient_copies_start_during_the_backward_and_parameters_return_in_orde
         r.optimizer.step = (lambda r=r, s=opt_step: (events.append(("step",
                                                                      offload.order.index(r))),
                                                       s())[1])
-    fold = offload_module._fold
-    with mock.patch.object(offload, "on_reduced", spy_reduced), \
+    fold = host_range.fold
+    with mock.patch.object(offload, "on_launched", spy_launched), \
             mock.patch.object(offload, "_to_device", spy_to_device), \
             mock.patch.object(schedule, "train_step", spy_train_step), \
-            mock.patch.object(offload_module, "_fold", lambda *a: (
+            mock.patch.object(host_range, "fold", lambda *a: (
                 folds.append(threading.current_thread().name), fold(*a))[1]):
         schedule.train_step(_batches())
         engine.finish_grad_sync()
         engine.clip_and_step(1e-3, 1.0)
         assert set(offload.pending) == {id(r.bucket) for r in offload.order}
         engine.zero_grad()
+        offload.step_done()  # the worker's events all in before the next step's
         schedule.train_step(_batches())
         assert not offload.pending  # every block waited for its copy in the forward
         engine.finish_grad_sync()

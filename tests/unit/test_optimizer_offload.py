@@ -17,7 +17,7 @@ import torch
 from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
-from megalite.parallel import offload as offload_module
+from megalite.parallel import host_range
 from megalite.parallel.norms import squares_fp32_rows, squares_fp64
 from megalite.plan.devices import device_profile
 from megalite.plan.fit import cheapest_fit
@@ -148,7 +148,8 @@ def test_host_norm_is_fp32_rows_summed_in_fp64():
 
 def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_data, tmp_path):
     """Each bucket's last half is offloaded into tensors of its own (the copies are real, also
-    on CPU); a non-finite gradient (patched into one host piece's gradient after the copies)
+    on CPU); a non-finite gradient in a host piece (patched into the device gradient's host
+    part as the reduction launches, so the copy carries it and the worker's squares see it)
     skips the step: the host masters and moments, the device masters and the parameters
     stay as they were."""
     trainer = _trainer(tiny_data, tmp_path / "a", "offload.optimizer=0.5",
@@ -169,13 +170,12 @@ def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_d
         "optimizer_offload_host_bytes": 16 * host, "optimizer_offload_pcie_bytes": 8 * host}
     r = offload.order[0]
     before = _state(trainer)
-    drain = offload.drain
 
-    def poisoned_drain():
-        drain()
-        r.grad[0] = float("nan")
+    def poison(bucket, grad):
+        if bucket is r.bucket:
+            grad[r.cut] = float("nan")  # the first element of the host part
 
-    offload.drain = poisoned_drain
+    engine.grad_launching.append(poison)
     loss, norm = trainer.train_step()
     assert loss is None and math.isnan(norm) and trainer.skipped_steps == 1
     for a, b in zip(before, _state(trainer)):
@@ -185,6 +185,7 @@ def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_d
 def _state(trainer) -> list:
     """Every master piece (host and device) with its AdamW state, and every parameter."""
     engine = trainer.engine
+    engine.wait_for_params()  # offload: the host step may still run when train_step returns
     return [t.clone() for p, _, _ in engine.main_params
             for t in [p.detach(), *engine.adam_state(p).values()]] + \
         [p.detach().clone() for p in trainer.model.parameters()]
@@ -194,6 +195,7 @@ def _steps(trainer, steps):
     out = []
     for _ in range(steps):
         loss, norm = trainer.train_step()
+        trainer.engine.wait_for_params()  # offload: the host step may still be running
         out.append((loss, norm, [p.detach().clone() for p in trainer.model.parameters()]))
     return out
 
@@ -205,8 +207,8 @@ def test_checkpoints_move_between_offloaded_and_plain_runs(tiny_data, tmp_path, 
     a step: zero 2 copies each reduced gradient to the host and sums them there, on the fold
     thread, not the training thread."""
     folds = []
-    fold = offload_module._fold
-    monkeypatch.setattr(offload_module, "_fold", lambda *a: (
+    fold = host_range.fold
+    monkeypatch.setattr(host_range, "fold", lambda *a: (
         folds.append(threading.current_thread().name), fold(*a))[1])
     two = ["train.global_batch_size=4"]
     reference = _steps(_trainer(tiny_data, tmp_path / "ref", *two), 3)

@@ -28,11 +28,10 @@ from megalite.plan.devices import (
 )
 from megalite.plan.dims import layer_activation_bytes
 from megalite.plan.memory import make_plan
+from megalite.plan.offload import HOST_ADAM_BYTES, activation_copies_exposed
 from megalite.plan.search import NothingFits, memory_lower_bound, search
 from megalite.plan.space import Choice, apply_choice
 from megalite.plan.time_model import (
-    HOST_ADAM_BYTES,
-    HOST_STEP_BYTES,
     LOSS_BYTES_PER_LOGIT,
     dropout_bytes,
     predict,
@@ -264,18 +263,26 @@ def test_loss_gradient_accumulation_and_optimizer_are_memory_traffic():
 
 
 def test_activation_offload_copies_hide_behind_longer_compute():
+    """The schedule's simulation (`activation_copies_exposed`, blocks of forward 1 s and
+    backward 2 s): one offloaded block alone cannot overlap anything (its copy back waits for
+    its copy out: out + in exposed); the first of four offloaded, copies of 2 s each way,
+    hides under the forward and the backward of the three kept after it; every block
+    offloaded with copies longer than the compute is paced by the copies. In the time model
+    slow compute hides the copies of 2 of 4 blocks, fast compute exposes them."""
+    assert activation_copies_exposed([True], 1, 2, 0, 5, 5) == 10
+    assert activation_copies_exposed([True, False, False, False], 1, 2, 0, 2, 2) == 0
+    paced = activation_copies_exposed([True] * 4, 1, 1, 0, 4, 4)
+    assert paced >= 4 * 4 + 4 * 4 - 8 - 2 * 4  # out and back, less what the compute covers
     over = ["train.global_batch_size=8", "train.micro_batch_size=2", "offload.activations=true",
             "offload.activations_layers=2"]
     slow = replace(synthetic(tflops=1e-4), h2d_gbps=1.0, d2h_gbps=1.0)  # compute >> copies
     cfg, layout, hidden = planned(over, 1, slow)
     assert hidden.terms["offload"] == 0
-    # no HBM figure: forward and backward are their FLOPs alone
     fast = replace(synthetic(tflops=1e3, hbm=None), h2d_gbps=1.0, d2h_gbps=1.0)
     _, _, exposed = planned(over, 1, fast)
-    copy = 2 * layer_activation_bytes(cfg.train.seq_len, 2, cfg.model.n_embd,
-                                      cfg.model.n_head, 1, False, 2) / 1e9  # 2 blocks, out
-    forward = exposed.terms["compute"] / 3 / 4  # per micro-batch (m = 4)
-    assert exposed.terms["offload"] == pytest.approx(4 * (2 * copy - 3 * forward), rel=1e-9)
+    copy = layer_activation_bytes(cfg.train.seq_len, 2, cfg.model.n_embd,
+                                  cfg.model.n_head, 1, False, 2) / 1e9  # a block, one way
+    assert 4 * 2 * copy < exposed.terms["offload"] <= 4 * 4 * copy  # m = 4: out, back
 
 
 def test_recompute_adds_one_forward():
@@ -465,14 +472,82 @@ def test_offloaded_optimizer_moves_adamw_to_the_host():
     params = make_plan(cfg, layout).stages[0].params
     owned = params / 2
     assert off.terms["optimizer"] == pytest.approx(4 * params / 100e9)  # zeroing, zero 1
-    # the gradient copy hides behind the (slow) backward; the host step is the longer of
-    # its passes (AdamW at the rank's share of the node's rate, 2 ranks a node; the other
-    # passes at AdamW's memory rate) and the parameters' copy back
-    host = (HOST_STEP_BYTES + 2) / HOST_ADAM_BYTES / (2e9 / 2)
-    assert off.terms["offload_optimizer"] == pytest.approx(max(host * owned, 2 * owned / 4e9))
+    # the gradient copies hide behind the (slow) backward but the last bucket's (the tied
+    # embedding, the last gradient to complete) and its squares; the host step is the longer
+    # of AdamW + the cast (at the rank's share of the node's rate, 2 ranks a node) and the
+    # parameters' copy back, not hidden: zero 1 gathers the parameters in the step
+    last = cfg.model.vocab_size * cfg.model.n_embd
+    tail = 4 * last / 4e9 + 4 * last / (HOST_ADAM_BYTES * 2e9 / 2)
+    host = (HOST_ADAM_BYTES + 4 + 2) / HOST_ADAM_BYTES / (2e9 / 2)
+    assert off.terms["offload_optimizer"] == pytest.approx(
+        tail + max(host * owned, 2 * owned / 4e9))
     # one rank a node has the node's host to itself
     _, _, alone = planned(over + ["offload.optimizer=1"], 2, profile, per_node=1)
-    assert alone.terms["offload_optimizer"] == pytest.approx(max(host / 2 * owned,
-                                                                 2 * owned / 4e9))
+    tail_alone = 4 * last / 4e9 + 4 * last / (HOST_ADAM_BYTES * 2e9)
+    assert alone.terms["offload_optimizer"] == pytest.approx(
+        tail_alone + max(host / 2 * owned, 2 * owned / 4e9))
+    # with the gather overlapping the next forward, the (slow) forward hides the host step
+    _, _, overlapped = planned(over + ["offload.optimizer=1",
+                                       "parallel.overlap_param_gather=true"], 2, profile)
+    assert overlapped.terms["offload_optimizer"] == pytest.approx(tail)
 
 
+
+
+def test_cheapest_fit_offloads_the_fewest_first_blocks_that_fit():
+    """8 blocks, one device, copies fast against slow compute (they hide), recompute and the
+    host AdamW expensive: the suggestion is activation offload of the fewest first blocks
+    under which the plan fits (each fewer does not; no added time), every block
+    (`offload.activations=true` alone) only where nothing less fits, and no activation
+    offload below that. With copies far slower than the compute those blocks' copies are
+    exposed, and recompute is the cheaper suggestion."""
+    from megalite.plan.fit import cheapest_fit
+
+    base = ["model.n_layer=8", "train.global_batch_size=8", "train.micro_batch_size=8"]
+    cfg = load_config(SMALL + base)
+    layout = Layout.from_config(cfg, 1, "cuda")
+    profile = replace(synthetic(tflops=1e-3), h2d_gbps=100.0, d2h_gbps=100.0,
+                      host_adam_params_per_s=1.0)
+
+    def total(k):
+        c = load_config(SMALL + base + ["offload.activations=true"]
+                        + ([] if k is None else [f"offload.activations_layers={k}"]))
+        return make_plan(c, layout).peak.bytes["total"]
+
+    layer = layer_activation_bytes(32, 8, 64, 4, 1, False, 2)
+    limit = make_plan(cfg, layout).peak.bytes["total"] - 2.5 * layer
+    fit = cheapest_fit(cfg, layout, limit, profile, 1)
+    k = int(fit.overrides[-1].split("=")[1])
+    assert fit.overrides == ("offload.activations=true", f"offload.activations_layers={k}")
+    assert total(k) <= limit < total(k - 1) and 1 < k < 8 and fit.added_s == 0
+    everything = cheapest_fit(cfg, layout, total(None), profile, 1)
+    assert everything.overrides == ("offload.activations=true",)
+    below = cheapest_fit(cfg, layout, total(None) - 1, profile, 1)  # recompute, if anything
+    assert below is None or not any(o.startswith("offload.act") for o in below.overrides)
+    slow_copies = replace(profile, h2d_gbps=1e-5, d2h_gbps=1e-5)
+    assert cheapest_fit(cfg, layout, limit, slow_copies, 1).overrides[0] == \
+        "train.recompute=true"  # the copies no longer hide: recomputing is cheaper
+    changed = load_config(SMALL + base + list(fit.overrides))
+    plan = make_plan(changed, layout)
+    assert predict(changed, layout, plan.stages, slow_copies, 1).terms["offload"] > 0
+
+
+def test_layout_search_refines_activation_offload_to_the_fewest_blocks():
+    """layout=auto's search (8 blocks a chunk: the space tries 2, 4, 6 and all of them) on a
+    device 2.5 blocks' activations short: the fastest layout offloads the fewest first
+    blocks that fit — 5, a count the space does not list — as cheapest_fit does."""
+    from megalite.plan.fit import cheapest_fit
+
+    base = ["model.n_layer=8", "train.global_batch_size=8", "train.micro_batch_size=8"]
+    cfg = load_config(SMALL + base)
+    layout = Layout.from_config(cfg, 1, "cuda")
+    layer = layer_activation_bytes(32, 8, 64, 4, 1, False, 2)
+    limit = int(make_plan(cfg, layout).peak.bytes["total"] - 2.5 * layer)
+    profile = replace(synthetic(tflops=1e-3), h2d_gbps=100.0, d2h_gbps=100.0,
+                      host_adam_params_per_s=1.0, memory_bytes=limit)
+    best = search(cfg, 1, profile, 1, top=2, fixed={"micro_batch_size": 8}).best
+    assert best[0].choice.offload and best[0].choice.offload_layers == 5
+    assert not best[0].choice.recompute and best[0].peak_bytes <= limit
+    assert best[0].prediction.step_s < best[1].prediction.step_s
+    assert cheapest_fit(cfg, layout, limit, profile, 1).overrides[-1] == \
+        "offload.activations_layers=5"

@@ -100,16 +100,27 @@ def test_bench_and_launch_paths_differ_by_the_dropout_the_model_prices():
 
 
 def test_the_offload_sweep_with_one_cost_model():
-    """The six offload variants (gpt2-xl eager, micro-batch 8 x 4) on the table's H100 entry:
-    each within 25% (the optimizer-only ones are the furthest, under by 13-19%: the host
-    step's passes at AdamW's memory rate are an estimate), and in the measured order."""
+    """The six offload variants (gpt2-xl eager, micro-batch 8 x 4) on the table's H100 entry,
+    in the measured order. They were measured at 5f08fbc, before the optimizer offload's
+    gradient copies moved into the backward and its host step onto a worker (the time model
+    now prices that schedule): without optimizer offload, and with activation offload of
+    every block (copy-bound: at pp 1 the copies out of one micro-batch and back of the
+    next never overlap, on one stream or two), within 10%; the optimizer-only variants
+    below what the old serial step took (the passes it no longer makes) and above the step
+    without offload."""
     off = MEASURED["offload"]
     steps = []
+    plain = next(v["step_s"] for v in off["variants"]
+                 if not v["optimizer"] and not v["activations"])
     for v in off["variants"]:
         pred = predicted(BY_NAME["h100-80gb"], off["overrides"] + [
             f"offload.optimizer={v['optimizer']}",
             f"offload.activations={str(v['activations']).lower()}"], off["loss"])
-        assert abs(pred.step_s / v["step_s"] - 1) <= 0.25, (v, pred.step_s, pred.terms)
+        if v["optimizer"] and not v["activations"]:
+            assert plain < pred.step_s < v["step_s"], (v, pred.step_s, pred.terms)
+        else:
+            assert abs(pred.step_s / v["step_s"] - 1) <= TOLERANCE, (v, pred.step_s,
+                                                                     pred.terms)
         steps.append((pred.step_s, v["step_s"]))
     assert sorted(range(6), key=lambda i: steps[i][0]) == \
         sorted(range(6), key=lambda i: steps[i][1])
