@@ -349,7 +349,9 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
             else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
             + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
-        matmuls = (2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len) * tokens / tp / rate
+        fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
+        matmuls = matmul_seconds(2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len,
+                                 fp8_block, profile, lay.precision) * tokens / tp
         block = (matmuls + block_pass / 3,
                  2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
         head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward
