@@ -213,7 +213,10 @@ def attach_resilience(trainer: Trainer, resumed: Optional[dict] = None) -> None:
     if res.hang_dump:  # every group's collectives recorded; dumps while `fit` trains
         if rt.device.type == "cuda":  # PyTorch's NCCL flight recorder dumps to hang/nccl/
             set_nccl_flight_env(trainer.run_dir)
-        recorder = FlightRecorder(topo.rank, res.hang_history)
+        train_s, checkpoint_s = res.hang_thresholds(trainer.cfg.parallel.timeout_s,
+                                                    trainer.cfg.checkpoint.timeout_s)
+        recorder = FlightRecorder(topo.rank, res.hang_history, hang_after_s=train_s,
+                                  thresholds={topo.checkpoint_group.name: checkpoint_s})
         topo.counter.flight = topo.checkpoint_group.counter.flight = recorder
         trainer.hang_watch = HangWatch(recorder, trainer.run_dir, topo.rank, topo.world_size,
                                        res.hang_wait_s, res.hang_signal, default_store())

@@ -25,3 +25,12 @@ class DeviceClock:
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         return end - start
+
+
+def stream_point():
+    """An event recorded on the current CUDA stream now (no timing: the lighter kind): its
+    `query()` says whether the stream has passed this point. What the flight recorder judges
+    a CUDA collective's arrival and completion by (`megalite.parallel.calls`)."""
+    e = torch.cuda.Event()
+    e.record()
+    return e

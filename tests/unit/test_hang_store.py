@@ -36,11 +36,13 @@ class CountingStore:
 
 
 def _watch(tmp_path, rank, world, store, wait_s=0.3):
-    rec = FlightRecorder(rank=rank, history=4)
+    rec = FlightRecorder(rank=rank, history=4, hang_after_s=600.0)
     group = Group(name="dp", ranks=list(range(min(world, 8))), rank=rank, pg=None,
                   counter=single_rank_group("dp").counter)
     rec.done(rec.started("all_reduce", group, 8))
-    return HangWatch(rec, tmp_path, rank, world, wait_s=wait_s, signal_name=None, store=store)
+    watch = HangWatch(rec, tmp_path, rank, world, wait_s=wait_s, signal_name=None, store=store)
+    watch.recorder_group = group
+    return watch
 
 
 def _ops(store, fn) -> int:
@@ -51,11 +53,15 @@ def _ops(store, fn) -> int:
 
 def test_store_operations_per_look_answer_and_collect_do_not_grow_with_the_world(tmp_path):
     """As the docstring of hang_store says: a look 1, answering one request 3 (+ the look),
-    collecting all answers 2 — on 2 ranks as on 4,096."""
+    collecting all answers 2 — on 2 ranks as on 4,096. The watch's look at its own recorder
+    (what completed, what is stuck) makes none."""
     counts = {}
     for world in (2, 4096):
         store = CountingStore(dist.HashStore())
         watch = _watch(tmp_path / str(world), 1, world, store)
+        pending = watch.recorder.started("all_reduce", watch.recorder_group, 8)
+        watch.recorder.waiting(pending)  # in flight, not stuck: the watch's own look at the
+        assert _ops(store, watch._look_at_recorder) == 0  # recorder needs no store
         look = _ops(store, watch._answer)  # no request yet
         req = {"kind": "signal", "rank": 0, "what": "x", "time": 0.0, "n": None}
         n = HangExchange(store.store).post(req)  # posted by rank 0, not counted here
