@@ -192,9 +192,9 @@ def send_recv(sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Ten
     if flight is not None:
         nbytes = sum(_nbytes(op.tensor) for op in ops)
         entry = flight.started("send/recv", group, nbytes,
-                               peers=[ranks[p] for p in {p for _, p in sends + recvs}])
+                               peers=sorted({ranks[p] for _, p in sends + recvs}))
     if cuda:
-        before = None if counter.waits is not None else stream_point()
+        before = stream_point() if entry is not None and counter.waits is None else None
         works = run_guarded("send/recv", group, lambda: dist.batch_isend_irecv(ops), entry)
         if entry is not None:  # NCCL's works report completion as it happens
             before, _ = events_around(group, before)

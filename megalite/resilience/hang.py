@@ -66,6 +66,7 @@ from megalite.resilience.flight import (
 )
 from megalite.resilience.hang_report import compact, summarize
 from megalite.resilience.hang_store import HangExchange
+from megalite.utils.clock import bind_cuda_device, thread_cuda_device
 from megalite.utils.log import get_logger
 
 WHAT_CHARS = 600  # of an error message put in a request
@@ -164,8 +165,8 @@ class HangWatch:
         if not faulthandler.is_enabled():
             faulthandler.enable(all_threads=True)
             self._restore.append(faulthandler.disable)
-        self._thread = threading.Thread(target=self._watch, name="megalite-hang-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(thread_cuda_device(),),
+                                        name="megalite-hang-watch", daemon=True)
         self._thread.start()
         return self
 
@@ -194,9 +195,13 @@ class HangWatch:
                                  lambda *_: None if woken else self._signalled.set())
         self._restore.append(lambda: signal.signal(self.signum, previous))
 
-    def _watch(self) -> None:
+    def _watch(self, cuda_device) -> None:
+        """Look every `poll_s` (at once on a signal): at this rank's operations, at the
+        signal, at the other ranks' requests. On CUDA it queries the recorder's probes on the
+        device of the thread that started it (`cuda_device`), set first."""
         import select
 
+        bind_cuda_device(cuda_device)
         while not self._stop.is_set():
             ready, _, _ = select.select([self._wake_r], [], [], self.poll_s)
             if self._stop.is_set():
@@ -361,11 +366,12 @@ class HangWatch:
         if not numbers:
             return
         reqs = self.exchange.requests(numbers)
-        for r in reqs:
-            if r["kind"] == "resolved":
-                self._resolved(r["of"])
-        numbers = [r["n"] for r in reqs if r["kind"] != "resolved"]
-        reqs = [r for r in reqs if r["kind"] != "resolved"]
+        resolved = {r["of"] for r in reqs if r["kind"] == "resolved"}
+        for n in resolved:
+            self._resolved(n)
+        # (a stuck request resolved already is not answered: its requester has its summary)
+        reqs = [r for r in reqs if r["kind"] != "resolved" and r["n"] not in resolved]
+        numbers = [r["n"] for r in reqs]
         if not reqs:
             return
         failures = [r for r in reqs if r["kind"] in EVIDENCE]
