@@ -152,3 +152,23 @@ def test_nccl_flight_recorder_variables_leave_the_users_alone(tmp_path):
     assert env == {"TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
     assert (tmp_path / "hang" / "nccl").is_dir()
     assert nccl_flight_env({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}, tmp_path) == {}
+
+
+def test_a_stuck_request_resolved_before_a_rank_looked_is_not_answered(tmp_path):
+    """Rank 0's stuck operation completed after all before rank 1's watch looked: rank 1
+    sees the stuck request and its `resolved` in one look and writes no dump (a failure's
+    would stay in hang/ as the evidence of a hang that resolved); a later request is
+    answered as before."""
+    store = dist.HashStore()
+    watch = _watch(tmp_path, 1, 2, store)
+    exchange = HangExchange(store)
+    stuck = exchange.post({"kind": "stuck", "rank": 0, "what": "x", "time": 0.0, "n": None})
+    exchange.post({"kind": "resolved", "rank": 0, "what": "y", "time": 0.0, "n": None,
+                   "of": stuck})
+    watch._answer()
+    assert not (tmp_path / "hang").exists() and not watch.failure_dumped
+    assert store.add(f"acks/{stuck}", 0) == 0
+    later = exchange.post({"kind": "signal", "rank": 0, "what": "z", "time": 0.0, "n": None})
+    watch._answer()
+    assert store.add(f"acks/{later}", 0) == 1
+    assert (tmp_path / "hang" / "live" / "rank00001.json").exists()
