@@ -11,16 +11,18 @@ Each step of `fit` runs both: megalite's step (its `train_step` and the rest of 
 around it: metrics lines every `log.every` steps, the checks when due, the stop request) and
 torch's, in alternating order (A B B A ...), each started from a barrier; a step's time is the
 slowest rank's. `--repeats R` runs the whole comparison R times, each in a fresh world, and
-reports each run's ratio (median torch step / median megalite step: > 1, megalite faster) and
-their median.
+reports each run's ratio (median torch step / median megalite step: > 1, megalite faster),
+its paired ratio (the median over steps of torch's step / megalite's step of the same step
+of fit: the two ran within a second of each other, under the same load), and their medians.
 
 `--costs` measures, on the same 2 ranks, what each watching feature costs per operation on
 the pipeline's point-to-point path: a ping-pong of one-batch rounds (a send and a receive of
 an activation-sized tensor, posted as the schedule posts a round, waited for at once) with
 the defaults' instruments (the flight recorder, the wait timing, both) against none, A B B A,
-the difference per batch; and the hang watch's look at the recorder (`FlightRecorder.poll`
-over full rings, the work of one look; the watch makes one every min(2, hang_wait_s / 4) s,
-in its own thread).
+the difference per batch. Before it, each feature's own work per operation in this process
+(`instrument_costs`: the recorder's calls for a collective and for a pipeline batch, the wait
+timing's wrapper, and the hang watch's look at full rings, `FlightRecorder.poll`, which the
+watch makes every min(2, hang_wait_s / 4) s in its own thread).
 
     python scripts/bench.py pipeline-launch --steps 40 --repeats 5
     python scripts/bench.py pipeline-launch --costs
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.bench.on_off import prepared_corpus
-from megalite.bench.pipeline import _pipelining
+from megalite.bench.pipeline import torch_pipeline_step
 from megalite.testing.spawn import run_ranks
 
 # what differs from pretrain's defaults: no wandb / progress bar (a benchmark's output), no
@@ -58,7 +60,7 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
     trainer = build_trainer(cfg, init_runtime(cfg), Path(root))
     topo = trainer.topo
     m = trainer.layout.micro_batches(cfg.train.global_batch_size)
-    torch_step = _pipelining(cfg.model, topo, trainer.stages[topo.coords.pp_rank], m)
+    torch_step = torch_pipeline_step(cfg.model, topo, trainer.stages[topo.coords.pp_rank], m)
     last = {}
     next_step = trainer.batches.next_step
 
@@ -70,6 +72,7 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
     times = {"megalite": [], "torch": []}
     losses = {"megalite": [], "torch": []}
     state = {"n": 0, "exit": None}
+    rest: List[float] = []  # fit's loop around train_step (metrics lines, checks, ...)
     train_step = trainer.train_step
 
     def both():
@@ -79,6 +82,7 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
         n, now = state["n"], time.perf_counter()
         if state["exit"] is not None:  # the rest of fit's loop after the previous step
             times["megalite"][-1] += now - state["exit"]
+            rest.append(now - state["exit"])
         order = ("megalite", "torch") if n % 4 in (0, 3) else ("torch", "megalite")
         result = None
         for contender in order:
@@ -96,7 +100,7 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
     trainer.train_step = both
     trainer.fit()
     times["megalite"][-1] += time.perf_counter() - state["exit"]  # (the last step's save)
-    out = {}
+    out = {"fit_loop_s": statistics.median(rest[warmup:])}
     for name in times:  # the slowest rank's, step by step
         t = torch.tensor(times[name][warmup:-1], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -111,7 +115,9 @@ def _run_once(args, data: str, root: str) -> dict:
     res = run_ranks(_launch_path, args.world, args=(data, root, args.overrides, args.warmup,
                                                     args.steps), timeout_s=3600)[0]
     mega, ref = statistics.median(res["megalite"]), statistics.median(res["torch"])
-    return {"megalite_s": mega, "torch_s": ref, "ratio": ref / mega,
+    paired = statistics.median(t / m for t, m in zip(res["torch"], res["megalite"]))
+    return {"megalite_s": mega, "torch_s": ref, "ratio": ref / mega, "paired": paired,
+            "fit_loop_s": res["fit_loop_s"],
             "loss_rel_diff": abs(res["megalite_loss"] - res["torch_loss"])
             / abs(res["torch_loss"])}
 
@@ -146,27 +152,72 @@ def _ping_pong(rank: int, world: int, numel: int, batches: int, warmup: int) -> 
             if block >= warmup:
                 per_batch[name].append((time.perf_counter() - t0) / batches)
     counter.flight = counter.waits = None
-    look = _look_seconds(recorder, topo)
-    return {"per_batch": {k: statistics.median(v) for k, v in per_batch.items()},
-            "look_s": look}
+    return {"per_batch": {k: statistics.median(v) for k, v in per_batch.items()}}
 
 
-def _look_seconds(recorder, topo, looks: int = 2000) -> float:
-    """One look of the hang watch at a recorder whose rings are full (every group of the
-    topology): `poll` marks what completed and finds what is stuck."""
-    from megalite.resilience.flight import FlightRecorder
-
-    rec = FlightRecorder(recorder.rank, recorder.history, hang_after_s=600.0)
-    for group in topo.groups.values():
-        for _ in range(rec.history):
-            rec.done(rec.started("all_reduce", group, 1024))
+def _per_call(fn, calls: int = 50000) -> float:
+    """Seconds per call of `fn`, less an empty loop's."""
     t0 = time.perf_counter()
-    for _ in range(looks):
-        rec.poll(time.time())
-    return (time.perf_counter() - t0) / looks
+    for _ in range(calls):
+        pass
+    bare = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(5):  # the best of 5: the machine's noise only adds
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0 - bare)
+    return best / calls
+
+
+def instrument_costs(calls: int = 50000) -> dict:
+    """Each watching feature's own work per operation, in this process (no communication):
+    what the wrapper adds to a call on CPU; seconds, the best of 5 x `calls` calls (a look:
+    `calls` / 25)."""
+    from megalite.parallel.group import CollectiveWaits, Group, single_rank_group
+    from megalite.resilience.flight import FlightRecorder
+    from megalite.utils.clock import DeviceClock
+
+    group = Group(name="pp", ranks=[0, 1], rank=0, pg=None,
+                  counter=single_rank_group("pp").counter)
+    rec = FlightRecorder(0, 32, hang_after_s=480.0)
+    waits = CollectiveWaits(DeviceClock(torch.device("cpu")))
+
+    def collective():  # a blocking collective: launched, waited for, done at its return
+        entry = rec.started("all_reduce", group, 1024)
+        rec.waiting(entry)
+        rec.done(entry)
+
+    def batch():  # a pipeline batch: posted (no probe on gloo), waited for, done
+        entry = rec.started("send/recv", group, 1024, peers=[1])
+        rec.waiting(entry)
+        rec.done(entry)
+
+    def noop():
+        return None
+
+    timed = _per_call(lambda: waits.timed(noop), calls) - _per_call(noop, calls)
+    for g in range(6):  # a look at full rings of a pp 2 rank's groups
+        grp = Group(name=f"g{g}", ranks=[0, 1], rank=0, pg=None, counter=group.counter)
+        for _ in range(32):
+            rec.done(rec.started("all_reduce", grp, 8))
+    return {"flight_collective": _per_call(collective, calls),
+            "flight_batch": _per_call(batch, calls), "wait_timing": timed,
+            "look": _per_call(lambda: rec.poll(time.time()), max(1, calls // 25))}
 
 
 def _costs(args) -> None:
+    costs = instrument_costs()
+    print("each feature's own work per operation, in this process (best of 5 x 50,000 calls)")
+    print("| feature | per operation |")
+    print("|---|---|")
+    print(f"| flight recorder, a collective (launched, waited for, done) | "
+          f"{costs['flight_collective'] * 1e6:.2f} µs |")
+    print(f"| flight recorder, a pipeline batch (posted, waited for, done) | "
+          f"{costs['flight_batch'] * 1e6:.2f} µs |")
+    print(f"| wait timing (CPU: two perf_counter reads) | {costs['wait_timing'] * 1e6:.2f} µs |")
+    print(f"| hang watch: one look at 6 full rings (in its own thread, every 2 s) | "
+          f"{costs['look'] * 1e6:.1f} µs |")
     numel = args.activation_numel
     res = run_ranks(_ping_pong, 2, args=(numel, args.batches, 2), timeout_s=3600)[0]
     base = res["per_batch"]["none"]
@@ -177,8 +228,6 @@ def _costs(args) -> None:
     print("|---|---|---|")
     for name, sec in res["per_batch"].items():
         print(f"| {name} | {sec * 1e6:.1f} | {(sec - base) * 1e6:+.2f} µs |")
-    print(f"hang watch: one look at full rings (every group, {32} entries each): "
-          f"{res['look_s'] * 1e6:.1f} µs, in its own thread every min(2, hang_wait_s / 4) s")
 
 
 def run(args) -> None:
@@ -192,15 +241,18 @@ def run(args) -> None:
               f"pretrain's defaults + {' '.join(BENCH_OVERRIDES + args.overrides)}; "
               f"{args.warmup} warmup + {args.steps} timed steps a run, {args.repeats} runs",
               flush=True)
-        print("| run | megalite s/step | torch s/step | torch / megalite | loss rel diff, "
-              "step 1 |")
-        print("|---|---|---|---|---|")
+        print("| run | megalite s/step | torch s/step | torch / megalite | paired | loss rel "
+              "diff, step 1 | fit's loop around a step (rank 0, median) |")
+        print("|---|---|---|---|---|---|---|")
         for i in range(args.repeats):
             row = _run_once(args, data, f"{tmp}/run{i}")
-            ratios.append(row["ratio"])
+            ratios.append((row["ratio"], row["paired"]))
             print(f"| {i + 1} | {row['megalite_s']:.4f} | {row['torch_s']:.4f} | "
-                  f"{row['ratio']:.3f} | {row['loss_rel_diff']:.1e} |", flush=True)
-    print(f"median ratio over {len(ratios)} runs: {statistics.median(ratios):.3f}")
+                  f"{row['ratio']:.3f} | {row['paired']:.3f} | {row['loss_rel_diff']:.1e} | "
+                  f"{row['fit_loop_s'] * 1e3:.2f} ms |", flush=True)
+    print(f"median over {len(ratios)} runs: torch / megalite "
+          f"{statistics.median(r for r, _ in ratios):.3f}, paired "
+          f"{statistics.median(p for _, p in ratios):.3f}")
 
 
 def add_arguments(parser) -> None:

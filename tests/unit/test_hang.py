@@ -249,3 +249,17 @@ def test_each_group_gets_the_same_fraction_of_its_own_timeout():
     assert res.hang_thresholds(600.0, 3600.0) == (300.0, 1800.0)
     res = load_config([]).resilience  # null: 0.8 of each
     assert res.hang_thresholds(600.0, 3600.0) == pytest.approx((480.0, 2880.0))
+
+
+def test_the_watching_features_own_work_is_measured_per_operation():
+    """`megalite-bench pipeline-launch --costs`' in-process part (docs/hangs.md, what watching
+    costs): the recorder's calls for a collective and a pipeline batch, the wait timing and a
+    look of the watch, at a few calls each."""
+    import math
+
+    from megalite.bench.launch_pipeline import instrument_costs
+
+    costs = instrument_costs(calls=200)
+    assert set(costs) == {"flight_collective", "flight_batch", "wait_timing", "look"}
+    assert all(math.isfinite(v) and v < 1e-2 for v in costs.values()), costs
+    assert costs["flight_collective"] > 0 and costs["flight_batch"] > 0 and costs["look"] > 0
