@@ -155,7 +155,10 @@ def _megalite(cfg, topo, blocks, o, schedule_name="auto"):
     return step
 
 
-def _pipelining(cfg, topo, blocks, m, schedule_name="auto"):
+def torch_pipeline_step(cfg, topo, blocks, m, schedule_name="auto"):
+    """torch.distributed.pipelining's schedule `schedule_name` over a stage of this rank's
+    `blocks` built and initialised apart (`SEED`), then the clipping and AdamW step
+    megalite's engine takes: a function of one step's micro-batches."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -250,7 +253,7 @@ def _compare(topo, cfg, split, m: int, o: dict, g: torch.Generator, name: str = 
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in words]
     fns = {"megalite": _megalite(cfg, topo, blocks, o, name)}
     if m >= pp:  # Schedule1F1B raises "Number of microbatches must be >= stages" otherwise
-        fns["torch"] = _pipelining(cfg, topo, blocks, m, name)
+        fns["torch"] = torch_pipeline_step(cfg, topo, blocks, m, name)
     saved = {n: SavedActivationBytes() for n in fns}
     peaks = {n: 0 for n in fns}
     times = {n: [] for n in fns}

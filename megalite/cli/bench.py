@@ -18,6 +18,7 @@ from megalite.bench import (
     checkpoint_index,
     flight,
     gpu,
+    launch_pipeline,
     loader,
     loss,
     offload,
@@ -40,6 +41,9 @@ BENCHMARKS = {
     "checkpoint-index": (checkpoint_index, "the checkpoint index a resuming rank reads, at N "
                          "simulated ranks"),
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
+    "pipeline-launch": (launch_pipeline, "pp through the launch path (build_trainer, fit, the "
+                        "resilience defaults on) against torch's Schedule1F1B; --costs: "
+                        "the watching features' cost per operation"),
     "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
     "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
     "loss": (loss, "the loss alone: the old fp32 cross-entropy vs the chunked one, peak bytes "

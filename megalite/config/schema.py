@@ -332,6 +332,7 @@ def check_sections(cfg: Config) -> None:
                     cfg.fp8):
         section.check()
     cfg.resilience.check_with_exit_signal(cfg.train.exit_signal)
+    cfg.resilience.check_with_timeout(cfg.parallel.timeout_s)
     data_sources(cfg.data)  # raises on a malformed data.blend
 
 

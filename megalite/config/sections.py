@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megalite.config.errors import fail
 from megalite.config.inject import parse_inject
@@ -150,6 +150,7 @@ class OffloadConfig:
 
 
 HANG_SIGNALS = ("SIGUSR1", "SIGUSR2", None)
+HANG_AFTER_FRACTION = 0.8  # resilience.hang_after_s=null: this fraction of a group's timeout
 
 
 @dataclass
@@ -176,6 +177,11 @@ class ResilienceConfig:
     #   the rank that noticed names the ranks that did not arrive (hang/summary.txt)
     hang_history: int = 32  # collectives remembered per group and rank
     hang_wait_s: float = 10.0  # how long the rank that noticed waits for the others' dumps
+    hang_after_s: Optional[float] = None  # an operation (collective, pipeline transfer, object
+    #   collective) of a training group not complete this long after its launch is a hang:
+    #   every rank dumps before NCCL's watchdog (parallel.timeout_s) ends the processes; must be
+    #   below parallel.timeout_s. The checkpoint group gets the same fraction of its own
+    #   timeout (checkpoint.timeout_s). null: HANG_AFTER_FRACTION (0.8) of each group's timeout
     hang_signal: Optional[str] = "SIGUSR2"  # SIGUSR1 | SIGUSR2 | null: sent to any rank of a
     #   live run, every rank dumps and training goes on
     rerun: str = "off"  # off | on_nan | on_spike: re-execute a suspicious step before its
@@ -220,6 +226,28 @@ class ResilienceConfig:
         if self.hang_signal not in HANG_SIGNALS:
             fail("resilience.hang_signal", self.hang_signal,
                  "use SIGUSR1 or SIGUSR2, or null (no dump on a signal)")
+        after = self.hang_after_s
+        if after is not None and (isinstance(after, bool) or not (after > 0 and
+                                                                  math.isfinite(after))):
+            fail("resilience.hang_after_s", after, "must be a positive number of seconds below "
+                 "parallel.timeout_s (e.g. 480 of 600), or null (0.8 of each group's timeout)")
+
+    def check_with_timeout(self, timeout_s: float) -> None:
+        """The hang threshold fires before the collective timeout (NCCL's watchdog)."""
+        if self.hang_after_s is not None and self.hang_after_s >= timeout_s:
+            fail("resilience.hang_after_s", self.hang_after_s,
+                 f"must be below parallel.timeout_s={timeout_s:g}: a hang is dumped before "
+                 "the timeout ends the processes (NCCL's watchdog); e.g. "
+                 f"{HANG_AFTER_FRACTION * timeout_s:g}, or null")
+
+    def hang_thresholds(self, timeout_s: float, checkpoint_timeout_s: float
+                        ) -> Tuple[float, float]:
+        """(seconds, seconds): the hang threshold of the training groups (timeout `timeout_s`,
+        parallel.timeout_s) and of the checkpoint group (checkpoint.timeout_s): the same
+        fraction of each group's own timeout."""
+        fraction = HANG_AFTER_FRACTION if self.hang_after_s is None \
+            else self.hang_after_s / timeout_s
+        return fraction * timeout_s, fraction * checkpoint_timeout_s
 
     def check_with_exit_signal(self, exit_signal: Optional[str]) -> None:
         """The dump signal must not be the one that stops the run (`train.exit_signal`)."""

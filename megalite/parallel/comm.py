@@ -27,8 +27,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.calls import Done, call, launch
+from megalite.parallel.calls import Done, events_around, launch, run_guarded, wait_for
 from megalite.parallel.group import Group
+from megalite.utils.clock import stream_point
 
 
 def _ring(n: int) -> float:
@@ -51,7 +52,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
         nbytes = _nbytes(tensor)
         group.counter.record(group.name, "all_reduce", nbytes, 2 * _ring(group.size) * nbytes)
         work = launch("all_reduce", group, nbytes, lambda: dist.all_reduce(
-            tensor, op=op, group=group.pg, async_op=async_op), async_op)
+            tensor, op=op, group=group.pg, async_op=async_op), async_op, tensor.is_cuda)
         if async_op:
             return work
     return Done() if async_op else tensor
@@ -66,7 +67,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     nbytes = _nbytes(input)
     group.counter.record(group.name, "reduce_scatter", nbytes, _ring(group.size) * nbytes)
     work = launch("reduce_scatter", group, nbytes, lambda: _reduce_scatter_single(
-        output, input, op=op, group=group.pg, async_op=async_op), async_op)
+        output, input, op=op, group=group.pg, async_op=async_op), async_op, input.is_cuda)
     return work if async_op else output
 
 
@@ -78,7 +79,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     nbytes = _nbytes(output)
     group.counter.record(group.name, "all_gather", nbytes, _ring(group.size) * nbytes)
     work = launch("all_gather", group, nbytes, lambda: _all_gather_single(
-        output, input, group=group.pg, async_op=async_op), async_op)
+        output, input, group=group.pg, async_op=async_op), async_op, input.is_cuda)
     return work if async_op else output
 
 
@@ -88,7 +89,8 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.T
         nbytes = _nbytes(tensor)
         group.counter.record(group.name, "broadcast", nbytes, _ring(group.size) * nbytes)
         launch("broadcast", group, nbytes,
-                lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg))
+               lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg),
+               cuda=tensor.is_cuda)
     return tensor
 
 
@@ -145,8 +147,12 @@ class PendingBatch:
     gloo's operations report completion only once waited for). It holds the sent tensors
     until then."""
 
-    def __init__(self, works, group: Group, sent: List[torch.Tensor], entry=None):
+    __slots__ = ("_works", "_group", "_sent", "_entry", "_cuda")
+
+    def __init__(self, works, group: Group, sent: List[torch.Tensor], entry=None,
+                 cuda: bool = False):
         self._works, self._group, self._sent, self._entry = list(works), group, sent, entry
+        self._cuda = cuda
 
     def done(self) -> bool:
         if self._works and all(w.is_completed() for w in self._works):
@@ -156,7 +162,8 @@ class PendingBatch:
     def wait(self) -> None:
         works, self._works = self._works, []
         if works:
-            call("send/recv", self._group, lambda: [w.wait() for w in works], self._entry)
+            wait_for("send/recv", self._group, lambda: [w.wait() for w in works],
+                     self._entry, self._cuda)
         self._sent = []
 
 
@@ -164,18 +171,39 @@ def send_recv(sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Ten
               group: Group, async_op: bool = False) -> Optional[PendingBatch]:
     """Batched point-to-point: post every isend and irecv at once (so two neighbours that
     exchange tensors cannot deadlock), then wait for all, or with `async_op` return the
-    `PendingBatch` to wait on. Peers are indices into `group`."""
-    ops = [dist.P2POp(dist.isend, t, group.ranks[peer], group=group.pg) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, group.ranks[peer], group=group.pg) for t, peer in recvs]
-    for t, _ in sends:
-        group.counter.record(group.name, "send", _nbytes(t), _nbytes(t))
-    flight, entry = group.counter.flight, None
-    if flight is not None and ops:
-        entry = flight.started("send/recv", group, sum(_nbytes(t) for t, _ in sends + recvs),
-                               peers=sorted({group.ranks[p] for _, p in sends + recvs}))
-    works = call("send/recv", group, lambda: dist.batch_isend_irecv(ops), entry,
-                  blocking=False) if ops else []
-    batch = PendingBatch(works, group, [t for t, _ in sends], entry)
+    `PendingBatch` to wait on. Peers are indices into `group`.
+
+    Counted once per batch (the bytes of its sends, one call per send), recorded by the flight
+    recorder once per batch, with its peers. Posting is not timed on CPU (gloo posts without
+    waiting for the peer); on CUDA it is (NCCL may block there, e.g. creating the pair's
+    communicator at the first transfer)."""
+    if not (sends or recvs):
+        return PendingBatch([], group, []) if async_op else None
+    ranks, pg = group.ranks, group.pg
+    ops = [dist.P2POp(dist.isend, t, ranks[peer], group=pg) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, ranks[peer], group=pg) for t, peer in recvs]
+    sent = [t for t, _ in sends]
+    counter = group.counter
+    if sent:
+        nbytes = sum(_nbytes(t) for t in sent)
+        counter.record(group.name, "send", nbytes, nbytes, calls=len(sent))
+    cuda = ops[0].tensor.is_cuda
+    flight, entry = counter.flight, None
+    if flight is not None:
+        nbytes = sum(_nbytes(op.tensor) for op in ops)
+        entry = flight.started("send/recv", group, nbytes,
+                               peers=sorted({ranks[p] for _, p in sends + recvs}))
+    if cuda:
+        before = stream_point() if entry is not None and counter.waits is None else None
+        works = run_guarded("send/recv", group, lambda: dist.batch_isend_irecv(ops), entry)
+        if entry is not None:  # NCCL's works report completion as it happens
+            before, _ = events_around(group, before)
+            flight.arrives_when(entry, before)
+            flight.complete_when(entry, list(works))
+    else:
+        works = run_guarded("send/recv", group, lambda: dist.batch_isend_irecv(ops), entry,
+                            timed=False)
+    batch = PendingBatch(works, group, sent, entry, cuda)
     if async_op:
         return batch
     batch.wait()

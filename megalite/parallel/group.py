@@ -76,10 +76,10 @@ class CommCounter:
     waits: Optional[CollectiveWaits] = field(default=None, repr=False, compare=False)
     flight: Optional[object] = field(default=None, repr=False, compare=False)  # FlightRecorder
 
-    def record(self, group: str, op: str, payload: int, wire: float) -> None:
+    def record(self, group: str, op: str, payload: int, wire: float, calls: int = 1) -> None:
         with self.lock:
             s = self.stats[(group, op)]
-            s.calls += 1
+            s.calls += calls
             s.bytes += payload
             s.wire_bytes += wire
 

@@ -141,7 +141,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                    timeout_s: Optional[float] = None,
                    checkpoint_timeout_s: Optional[float] = None,
                    waits: Optional[CollectiveWaits] = None,
-                   flight: Optional[object] = None) -> Topology:
+                   flight: Optional[object] = None, alone: bool = False) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
     Its calls are counted in one `CommCounter`, which times them in `waits` and reports them
     to the flight recorder `flight` where given (`megalite.parallel.group`); the checkpoint
@@ -151,9 +151,15 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
     the same order and keeps the handles of the groups it belongs to. The checkpoint group is a
     gloo group of all ranks with `checkpoint_timeout_s` (a separate communicator, so a
     background save's collectives cannot interleave with the training thread's).
+
+    `alone`: a world of this process only (tp = pp = dp = 1) even inside a launched job, e.g.
+    the serial reference one rank of `megalite-selftest` computes while the others wait: no
+    process group is created or used.
     """
     world = tp * pp * dp
-    initialized = dist.is_available() and dist.is_initialized()
+    if alone and world != 1:
+        raise ValueError(f"alone: a world of one process, not tp*pp*dp = {tp}*{pp}*{dp}")
+    initialized = not alone and dist.is_available() and dist.is_initialized()
     if initialized and dist.get_world_size() != world:
         raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {tp}*{pp}*{dp}")
     if rank is None:

@@ -7,10 +7,13 @@
                    waits in collectives, compared with its peers' every
                    `resilience.straggler_report_every` steps
     flight.py      the flight recorder: each rank's last collectives per process group, with
-                   their sequence numbers (`megalite.parallel.comm` reports every call)
-    hang.py        hang dumps (`resilience.hang_dump`): on a failed or timed-out collective,
-                   or on `resilience.hang_signal`, every rank writes its thread stacks and
-                   last collectives to <run dir>/hang/
+                   their sequence numbers, judged done by completion (Work.is_completed(),
+                   CUDA events), not by a call's return (`megalite.parallel.calls` reports
+                   every call)
+    hang.py        hang dumps (`resilience.hang_dump`): on an operation not complete after
+                   resilience.hang_after_s, a failed or timed-out collective, or on
+                   `resilience.hang_signal`, every rank writes its thread stacks and last
+                   collectives to <run dir>/hang/
     hang_report.py the summary of the dumps: the ranks that did not arrive, and the group
 
 The trainer (`megalite.train.trainer`) calls the checks after the optimizer step and trains

@@ -1,9 +1,15 @@
-"""Hang dumps (`resilience.hang_dump`): when a collective fails or times out on one rank (a peer
-that stopped participating makes its group's collective run into `parallel.timeout_s`), every
-rank that can writes `<run dir>/hang/rank<r>.json` — the Python stack of each of its threads
-and its flight recorder (`megalite.resilience.flight`: the last collectives per group, with
-their sequence numbers) — and the rank that noticed writes `<run dir>/hang/summary.txt`,
+"""Hang dumps (`resilience.hang_dump`): when an operation of one rank is not complete after its
+group's threshold (`resilience.hang_after_s`, judged by completion: the flight recorder's
+probes, looked at by the watch thread, `megalite.resilience.flight`), or when a collective
+fails or times out (gloo raises at `parallel.timeout_s`), every rank that can writes
+`<run dir>/hang/rank<r>.json` — the Python stack of each of its threads and its flight
+recorder (the last operations per group, with their sequence numbers and how far they
+arrived and completed) — and the rank that noticed writes `<run dir>/hang/summary.txt`,
 naming the ranks that did not arrive and the group (`megalite.resilience.hang_report`).
+Under NCCL, where a collective does not raise but the watchdog ends the process at the
+timeout, the threshold's dump is the one written: before the process is torn down. A stuck
+operation that completes after all turns its dump into a live one (moved to hang/live/, every
+rank told by a `resolved` request) and training goes on.
 
 How the ranks learn of it: through the store every rank already shares
 (`megalite.resilience.hang_store`: keys scoped by the request's number; no store operation per
@@ -48,12 +54,23 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from megalite.resilience.flight import FlightRecorder
+from megalite.resilience.flight import (
+    ENDED_AT,
+    FAILED,
+    OP,
+    PEERS,
+    SEQ,
+    STARTED_AT,
+    STUCK,
+    FlightRecorder,
+)
 from megalite.resilience.hang_report import compact, summarize
 from megalite.resilience.hang_store import HangExchange
+from megalite.utils.clock import bind_cuda_device, thread_cuda_device
 from megalite.utils.log import get_logger
 
 WHAT_CHARS = 600  # of an error message put in a request
+EVIDENCE = ("failure", "stuck")  # requests whose dumps go to hang/ (a live one's: hang/live/)
 STORE_GRACE_S = 5.0  # beyond hang_wait_s, for the store calls of a failing rank's request
 
 
@@ -131,6 +148,8 @@ class HangWatch:
         self._restore: list = []
         self._active = False  # inside the context (`fit`): the other ranks watch too
         self._warned = False
+        self._stuck: Optional[tuple] = None  # (entry, request, helper thread) of this rank's
+        #                                      stuck operation while its dump is the evidence
         recorder.on_failure = self.on_failure
 
     # --- the watch ---------------------------------------------------------------------
@@ -146,8 +165,8 @@ class HangWatch:
         if not faulthandler.is_enabled():
             faulthandler.enable(all_threads=True)
             self._restore.append(faulthandler.disable)
-        self._thread = threading.Thread(target=self._watch, name="megalite-hang-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(thread_cuda_device(),),
+                                        name="megalite-hang-watch", daemon=True)
         self._thread.start()
         return self
 
@@ -176,9 +195,13 @@ class HangWatch:
                                  lambda *_: None if woken else self._signalled.set())
         self._restore.append(lambda: signal.signal(self.signum, previous))
 
-    def _watch(self) -> None:
+    def _watch(self, cuda_device) -> None:
+        """Look every `poll_s` (at once on a signal): at this rank's operations, at the
+        signal, at the other ranks' requests. On CUDA it queries the recorder's probes on the
+        device of the thread that started it (`cuda_device`), set first."""
         import select
 
+        bind_cuda_device(cuda_device)
         while not self._stop.is_set():
             ready, _, _ = select.select([self._wake_r], [], [], self.poll_s)
             if self._stop.is_set():
@@ -188,6 +211,7 @@ class HangWatch:
                 if self.signum is not None and self.signum in received:
                     self._signalled.set()
             try:
+                self._look_at_recorder()
                 if self._signalled.is_set():
                     self._signalled.clear()
                     name = signal.Signals(self.signum).name
@@ -217,6 +241,9 @@ class HangWatch:
         ask every rank to, and write the summary; once per process. Outside the context
         (set-up, resume: the others do not watch) only this rank's dump."""
         req = self._new_request("failure", f"{description} failed: {error}")
+        stuck = self._stuck
+        if stuck is not None:  # the hang was dumped as stuck: its summary first
+            stuck[2].join(timeout=self.wait_s + STORE_GRACE_S)
         with self._lock:  # first this rank's own dump, which needs no store
             if self.failure_dumped:
                 return
@@ -229,6 +256,72 @@ class HangWatch:
                                   name="megalite-hang-request", daemon=True)
         helper.start()
         helper.join(timeout=self.wait_s + STORE_GRACE_S)
+
+    # --- an operation not complete after its group's threshold (`FlightRecorder.poll`) ------
+
+    def _look_at_recorder(self) -> None:
+        """The watch's look at this rank's own operations (no store traffic): what completed,
+        what is stuck; a stuck dump whose operation completed after all becomes a live one."""
+        stuck = self.recorder.poll(time.time())
+        if self._stuck is not None:
+            self._resolve_if_completed()
+        if stuck:
+            self.on_stuck(*stuck[0])
+
+    def on_stuck(self, name: str, ranks: List[int], threshold: float, entry: list) -> None:
+        """An operation of this rank is not complete `threshold` seconds after its launch
+        (under NCCL its peers' watchdogs are about to end the processes): dump, ask every rank
+        to, and write the summary to hang/ — as a failure does, but before the process is
+        torn down. The request runs in a helper thread: this watch goes on answering."""
+        kind = f"p2p #{entry[SEQ]}" if entry[PEERS] is not None else f"#{entry[SEQ]}"
+        age = time.time() - entry[STARTED_AT]
+        req = self._new_request("stuck", (
+            f"{entry[OP]} {kind} on the {name} group (global ranks {ranks}) not complete "
+            f"{age:.1f} s after its launch (the group's hang threshold: {threshold:g} s, "
+            "resilience.hang_after_s)"))
+        with self._lock:
+            if self.failure_dumped:  # this hang is dumped already (another rank asked first):
+                entry[STUCK] = False  # judged again once that dump is resolved
+                return
+            self.failure_dumped = True
+            self.failure_state = compact(self._dump(req, failure=True))
+        if not self._active:
+            return
+        helper = threading.Thread(target=self._ask_logged, args=(req, self.failure_state),
+                                  name="megalite-hang-request", daemon=True)
+        self._stuck = (entry, req, helper)
+        helper.start()
+
+    def _resolve_if_completed(self) -> None:
+        """The stuck operation completed after all (and its request is answered): its dump
+        and summary move to hang/live/, every rank is told to move its own (a `resolved`
+        request), and training goes on; a later hang dumps again."""
+        entry, req, helper = self._stuck
+        if entry[FAILED]:  # it failed: the dump stays the failure's evidence
+            self._stuck = None
+            return
+        if entry[ENDED_AT] is None or helper.is_alive():
+            return
+        self._stuck = None
+        with self._lock:
+            self._to_live([dump_name(self.rank), "summary.txt", "summary.json"])
+            self.failure_dumped, self.failure_state = False, None
+        if self.exchange is not None and req["n"] is not None:
+            resolved = self._new_request("resolved", f"request {req['n']} completed after all")
+            resolved["of"] = req["n"]
+            self._number(resolved)
+        get_logger().warning(
+            f"hang dump: {req['what'].split(' not complete')[0]} completed after all, "
+            f"{entry[ENDED_AT] - entry[STARTED_AT]:.1f} s after its launch: the dump is a "
+            f"live one now ({self.dir / 'live'}); training goes on")
+
+    def _to_live(self, names: List[str]) -> None:
+        """Move this rank's evidence files to hang/live/ (the caller holds `_lock`)."""
+        live = self._dir(failure=False)
+        live.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if (self.dir / name).exists():
+                os.replace(self.dir / name, live / name)
 
     def _ask_logged(self, req: dict, state: dict) -> None:
         try:
@@ -273,7 +366,15 @@ class HangWatch:
         if not numbers:
             return
         reqs = self.exchange.requests(numbers)
-        failures = [r for r in reqs if r["kind"] == "failure"]
+        resolved = {r["of"] for r in reqs if r["kind"] == "resolved"}
+        for n in resolved:
+            self._resolved(n)
+        # (a stuck request resolved already is not answered: its requester has its summary)
+        reqs = [r for r in reqs if r["kind"] != "resolved" and r["n"] not in resolved]
+        numbers = [r["n"] for r in reqs]
+        if not reqs:
+            return
+        failures = [r for r in reqs if r["kind"] in EVIDENCE]
         with self._lock:
             if failures and self.failure_dumped:
                 state = self.failure_state
@@ -284,6 +385,14 @@ class HangWatch:
                     self.failure_dumped, self.failure_state = True, state
         for n in numbers:
             self.exchange.answer(n, state)
+
+    def _resolved(self, n: int) -> None:
+        """Request `n` (a stuck operation) completed after all: this rank's dump for it, if
+        that is its evidence, moves to hang/live/."""
+        with self._lock:
+            if self.failure_state is not None and self.failure_state["request"].get("n") == n:
+                self._to_live([dump_name(self.rank)])
+                self.failure_dumped, self.failure_state = False, None
 
     def _dir(self, failure: bool) -> Path:
         """A failure's dumps in hang/, a live dump's in hang/live/: a signal never overwrites

@@ -28,15 +28,22 @@ def compact(state: dict) -> dict:
     """What the summary needs of a dump: per group the counters, the collectives waited for
     and the last one; the main thread's innermost frames. Idempotent."""
     groups = [{"group": g["group"], "ranks": g["ranks"], "started": g["started"],
-               "p2p_started": g["p2p_started"],
-               "waiting": g["waiting"] if "waiting" in g else
-               [e for e in g["last"] if e["waiting"] and e["ended_at"] is None],
+               "arrived": g.get("arrived", g["started"]),
+               "completed": g.get("completed"), "p2p_started": g["p2p_started"],
+               "p2p_with": g.get("p2p_with", {}),
+               "waiting": g["waiting"] if "waiting" in g else _pending(g["last"]),
                "last": g["last"][-1:]} for g in state["groups"]]
     main = [frames for name, frames in state.get("stacks", {}).items()
             if name.startswith("MainThread ")]
     keep = ("rank", "world_size", "host", "pid", "time", "request", "failure")
     return {**{k: state[k] for k in keep}, "groups": groups,
             "where": main[0][-WHERE_FRAMES:] if main else state.get("where", [])}
+
+
+def _pending(entries: List[dict]) -> List[dict]:
+    """The operations not complete at the dump: those a thread waits for, and (in dumps that
+    judge completion, with `stuck` in their entries) every operation launched and not done."""
+    return [e for e in entries if e["ended_at"] is None and ("stuck" in e or e["waiting"])]
 
 
 def _key(g: dict) -> Tuple[str, Tuple[int, ...]]:
@@ -55,8 +62,14 @@ def find_waits(states: Dict[int, dict]) -> List[dict]:
     for r, st in sorted(states.items()):
         for key, g in index[r].items():
             for e in g["waiting"]:
-                behind = {}
-                if "peers" in e:  # point-to-point: blocked by a peer not transferring with it
+                behind, launched = {}, {}
+                if "peer_seq" in e:  # point-to-point: the n-th batch between two stages is
+                    for p, n in e["peer_seq"].items():  # the same round on both
+                        theirs = index.get(int(p), {}).get(key)
+                        posted = theirs["p2p_with"].get(str(r), 0) if theirs else 0
+                        if int(p) not in states or posted < n:
+                            behind[int(p)] = None if int(p) not in states else posted
+                elif "peers" in e:  # (older dumps) blocked by a peer not transferring with it
                     for p in e["peers"]:
                         theirs = index.get(p, {}).get(key)
                         back = theirs and any("peers" in w and r in w["peers"]
@@ -64,16 +77,19 @@ def find_waits(states: Dict[int, dict]) -> List[dict]:
                         if not back:
                             behind[p] = None if p not in states else \
                                 (theirs["p2p_started"] if theirs else 0)
-                else:
+                else:  # a collective: its members that have not arrived at it
                     for p in g["ranks"]:
                         theirs = index.get(p, {}).get(key)
-                        started = theirs["started"] if theirs else 0
-                        if p != r and (p not in states or started < e["seq"]):
-                            behind[p] = None if p not in states else started
+                        arrived = theirs["arrived"] if theirs else 0
+                        if p != r and (p not in states or arrived < e["seq"]):
+                            behind[p] = None if p not in states else arrived
+                            if theirs and theirs["started"] != arrived:  # CUDA: launched,
+                                launched[p] = theirs["started"]  # its device not there yet
                 waits.append({"rank": r, "group": g["group"], "ranks": g["ranks"],
                               "op": e["op"], "seq": e["seq"], "p2p": "peers" in e,
                               "waited_s": round(st["time"] - e["started_at"], 3),
-                              "behind": behind})
+                              "stuck": bool(e.get("stuck")), "behind": behind,
+                              "launched": launched})
     return waits
 
 
@@ -120,8 +136,7 @@ def _text(s: dict, states: Dict[int, dict]) -> str:
     for w in s["waits"]:
         if not w["behind"]:
             continue
-        peers = ", ".join(f"rank {p} (" + ("no dump" if n is None else
-                                          f"launched {n} there") + ")"
+        peers = ", ".join(f"rank {p} (" + _where(w, p, n) + ")"
                           for p, n in w["behind"].items())
         seq = f"{'p2p ' if w['p2p'] else ''}#{w['seq']}"
         lines.append(f"  rank {w['rank']} waited {w['waited_s']:.1f} s in {w['op']} {seq} on "
@@ -133,6 +148,17 @@ def _text(s: dict, states: Dict[int, dict]) -> str:
             lines += ["    " + line.rstrip().replace("\n", "\n    ")
                       for line in states[r]["where"]]
     return "\n".join(lines)
+
+
+def _where(w: dict, p, n: Optional[int]) -> str:
+    if n is None:
+        return "no dump"
+    if w["p2p"]:
+        return f"posted {n} transfer rounds with it"
+    launched = w.get("launched", {}).get(p, w.get("launched", {}).get(str(p)))
+    if launched is not None:
+        return f"launched {launched} there, its device at {n}"
+    return f"launched {n} there"
 
 
 def load_dumps(hang_dir: Path) -> Tuple[Dict[int, dict], int, Optional[dict]]:

@@ -101,8 +101,17 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
         # straggler reports: the time each rank waits inside collectives
         waits=CollectiveWaits(DeviceClock(device)) if res.straggler_report_every else None,
         # hang dumps: every group's last collectives (the hang watch reads them)
-        flight=FlightRecorder(rank, res.hang_history) if res.hang_dump else None)
+        flight=_flight_recorder(cfg, rank) if res.hang_dump else None)
     return Runtime(layout=layout, topology=topo, device=device, local_rank=local_rank)
+
+
+def _flight_recorder(cfg: Config, rank: int) -> FlightRecorder:
+    """The hang dumps' recorder: an operation is stuck `resilience.hang_after_s` after its
+    launch (the checkpoint group's threshold the same fraction of checkpoint.timeout_s)."""
+    train_s, checkpoint_s = cfg.resilience.hang_thresholds(cfg.parallel.timeout_s,
+                                                           cfg.checkpoint.timeout_s)
+    return FlightRecorder(rank, cfg.resilience.hang_history, hang_after_s=train_s,
+                          thresholds={"checkpoint": checkpoint_s})
 
 
 def shutdown(runtime: Optional[Runtime] = None) -> None:

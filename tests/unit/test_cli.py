@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
             "export": "export_hf", "generate": "generate", "bench": "bench",
             "verify_rank": "verify_rank", "evaluate": "evaluate",
-            "plot": "plot", "hang_report": "hang_report"}
+            "plot": "plot", "hang_report": "hang_report", "selftest": "selftest"}
 
 
 def declared_scripts() -> dict:

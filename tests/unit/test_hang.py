@@ -3,16 +3,25 @@ participating makes its peer's collective time out; every rank writes its stacks
 collectives, and the summary names the missing rank and the group. A signal dumps a live run."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import pytest
+import torch.distributed as dist
 
 from megalite.config.errors import ConfigError
 from megalite.config.schema import check_sections, load_config
 from megalite.parallel.group import Group, single_rank_group
-from megalite.resilience.flight import FlightRecorder
+from megalite.resilience.flight import (
+    ARRIVAL,
+    ENDED_AT,
+    PROBE,
+    STARTED_AT,
+    STUCK,
+    FlightRecorder,
+)
 from megalite.resilience.hang import HangWatch
 from megalite.resilience.hang_report import load_dumps, summarize
 
@@ -120,3 +129,137 @@ def test_outside_the_watch_a_failure_dumps_the_failing_rank_alone(tmp_path):
 def test_bad_hang_settings_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=rf"^{key}="):
         check_sections(load_config(overrides))
+
+
+class FakeWork:
+    """A work handle whose completion the test decides (NCCL's: it may never complete)."""
+
+    def __init__(self, completed: bool = False):
+        self.completed = completed
+        self.asked = 0
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return self.completed
+
+
+class FakeEvent:
+    """A CUDA event on a stream that has (or has not) reached it."""
+
+    def __init__(self, reached: bool = False):
+        self.reached = reached
+
+    def query(self) -> bool:
+        return self.reached
+
+
+def _entries(rec, group):
+    return {g["group"]: g for g in rec.snapshot()}[group]
+
+
+def test_completion_is_judged_by_the_probe_not_by_a_return():
+    """The recorder's state machine against a work handle that never completes: launched and
+    returned is not done; past the group's threshold it is stuck, reported once; its probe
+    firing later makes it done (and the probe is dropped); a blocking host call is done when
+    it returns; a gloo point-to-point batch nobody waits for is not judged; an arrival event
+    not reached yet keeps the device behind its launches."""
+    rec = FlightRecorder(rank=0, history=8, hang_after_s=1.0, thresholds={"checkpoint": 5.0})
+    dp, ckpt = _group("dp", [0, 1], 0), _group("checkpoint", [0, 1], 0)
+    pp = _group("pp", [0, 1], 0)
+    rec.done(rec.started("all_reduce", dp, 8))  # #1: a blocking host call (gloo) that returned
+    work = FakeWork()
+    entry = rec.started("all_reduce", dp, 8)  # #2: NCCL's async all-reduce, waited for:
+    rec.complete_when(entry, work)            # wait() returned, the work has not completed
+    t0 = entry[STARTED_AT]
+    assert rec.poll(t0 + 0.5) == [] and work.asked == 1
+    assert _entries(rec, "dp")["completed"] == 1 and _entries(rec, "dp")["started"] == 2
+    (stuck,) = rec.poll(t0 + 1.5)  # past dp's threshold: stuck, once
+    assert stuck[:3] == ("dp", [0, 1], 1.0) and stuck[3] is entry and entry[STUCK]
+    assert rec.poll(t0 + 2.0) == []
+    slow = rec.started("barrier", ckpt, 0)  # the checkpoint group's own threshold (5 s)
+    rec.waiting(slow)
+    assert rec.poll(slow[STARTED_AT] + 2.0) == []
+    assert [s[0] for s in rec.poll(slow[STARTED_AT] + 6.0)] == ["checkpoint"]
+    batch = rec.started("send/recv", pp, 32, peers=[1])  # gloo: no probe, nobody waits yet
+    assert rec.poll(batch[STARTED_AT] + 10) == [] and batch[ENDED_AT] is None
+    rec.waiting(batch)  # a thread blocks in its wait: judged from its launch
+    assert [s[3] for s in rec.poll(batch[STARTED_AT] + 10)] == [batch]
+    rec.done(batch)
+    assert _entries(rec, "pp")["p2p_with"] == {"1": 1}
+    work.completed = True  # it completes after all
+    assert rec.poll(t0 + 3.0) == [] and entry[ENDED_AT] == t0 + 3.0 and entry[PROBE] is None
+    assert _entries(rec, "dp")["completed"] == 2
+    event = FakeEvent()  # CUDA: launched, the stream not at it yet (a kernel before it runs)
+    late = rec.started("all_reduce", dp, 8)
+    rec.arrives_when(late, event)
+    rec.complete_when(late, FakeWork())
+    dp_now = _entries(rec, "dp")
+    assert (dp_now["started"], dp_now["arrived"], dp_now["completed"]) == (3, 2, 2)
+    event.reached = True
+    assert _entries(rec, "dp")["arrived"] == 3
+    rec.poll(time.time())
+    assert late[ARRIVAL] is None  # dropped once reached
+
+
+def test_a_stuck_operation_is_dumped_and_becomes_a_live_dump_when_it_completes(tmp_path):
+    """In one process over an in-memory store: rank 0's all-reduce never completes (rank 1
+    launched fewer there); rank 0's watch dumps, rank 1's answers, the summary in hang/
+    names rank 1. The all-reduce completing after all moves both dumps and the summary to
+    hang/live/ (a `resolved` request): nothing is left as a failure's evidence."""
+    store = dist.HashStore()
+    recs = [FlightRecorder(rank=r, history=8, hang_after_s=0.2) for r in (0, 1)]
+    groups = [_group("dp", [0, 1], r) for r in (0, 1)]
+    for rec, group in zip(recs, groups):
+        rec.done(rec.started("all_reduce", group, 8))
+    work = FakeWork()
+    rec0_entry = recs[0].started("all_reduce", groups[0], 8)
+    recs[0].complete_when(rec0_entry, work)
+    watches = [HangWatch(rec, tmp_path / "run", r, 2, wait_s=2.0, signal_name=None,
+                         store=store) for r, rec in enumerate(recs)]
+    hang = tmp_path / "run" / "hang"
+    with watches[0], watches[1]:
+        wait_for((hang / "summary.json").exists, "no summary of the stuck all-reduce")
+        summary = json.loads((hang / "summary.json").read_text())
+        dumps = sorted(p.name for p in hang.glob("rank*.json"))
+        work.completed = True
+        wait_for((hang / "live" / "summary.json").exists, "the dump did not become live")
+        wait_for(lambda: not (hang / "rank00001.json").exists(), "rank 1 kept its dump")
+    assert summary["request"]["kind"] == "stuck" and summary["did_not_arrive"] == [1], summary
+    assert "not complete" in summary["request"]["what"] and "#2" in summary["request"]["what"]
+    (wait,) = summary["waits"]
+    assert wait["rank"] == 0 and wait["stuck"] and wait["behind"] == {"1": 1}, wait
+    assert dumps == ["rank00000.json", "rank00001.json"]
+    assert not any(hang.glob("rank*.json")) and not (hang / "summary.txt").exists()
+    assert sorted(p.name for p in (hang / "live").iterdir()) == [
+        "rank00000.json", "rank00001.json", "summary.json", "summary.txt"]
+    assert not watches[0].failure_dumped and not watches[1].failure_dumped
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["resilience.hang_after_s=600"], "resilience.hang_after_s"),  # = parallel.timeout_s
+    (["resilience.hang_after_s=20", "parallel.timeout_s=10"], "resilience.hang_after_s"),
+    (["resilience.hang_after_s=0"], "resilience.hang_after_s")])
+def test_a_hang_threshold_not_below_the_timeout_is_refused(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}="):
+        check_sections(load_config(overrides))
+
+
+def test_each_group_gets_the_same_fraction_of_its_own_timeout():
+    res = load_config(["resilience.hang_after_s=300"]).resilience
+    assert res.hang_thresholds(600.0, 3600.0) == (300.0, 1800.0)
+    res = load_config([]).resilience  # null: 0.8 of each
+    assert res.hang_thresholds(600.0, 3600.0) == pytest.approx((480.0, 2880.0))
+
+
+def test_the_watching_features_own_work_is_measured_per_operation():
+    """`megalite-bench pipeline-launch --costs`' in-process part (docs/hangs.md, what watching
+    costs): the recorder's calls for a collective and a pipeline batch, the wait timing and a
+    look of the watch, at a few calls each."""
+    import math
+
+    from megalite.bench.launch_pipeline import instrument_costs
+
+    costs = instrument_costs(calls=200)
+    assert set(costs) == {"flight_collective", "flight_batch", "wait_timing", "look"}
+    assert all(math.isfinite(v) and v < 1e-2 for v in costs.values()), costs
+    assert costs["flight_collective"] > 0 and costs["flight_batch"] > 0 and costs["look"] > 0

@@ -36,11 +36,13 @@ class CountingStore:
 
 
 def _watch(tmp_path, rank, world, store, wait_s=0.3):
-    rec = FlightRecorder(rank=rank, history=4)
+    rec = FlightRecorder(rank=rank, history=4, hang_after_s=600.0)
     group = Group(name="dp", ranks=list(range(min(world, 8))), rank=rank, pg=None,
                   counter=single_rank_group("dp").counter)
     rec.done(rec.started("all_reduce", group, 8))
-    return HangWatch(rec, tmp_path, rank, world, wait_s=wait_s, signal_name=None, store=store)
+    watch = HangWatch(rec, tmp_path, rank, world, wait_s=wait_s, signal_name=None, store=store)
+    watch.recorder_group = group
+    return watch
 
 
 def _ops(store, fn) -> int:
@@ -51,11 +53,15 @@ def _ops(store, fn) -> int:
 
 def test_store_operations_per_look_answer_and_collect_do_not_grow_with_the_world(tmp_path):
     """As the docstring of hang_store says: a look 1, answering one request 3 (+ the look),
-    collecting all answers 2 — on 2 ranks as on 4,096."""
+    collecting all answers 2 — on 2 ranks as on 4,096. The watch's look at its own recorder
+    (what completed, what is stuck) makes none."""
     counts = {}
     for world in (2, 4096):
         store = CountingStore(dist.HashStore())
         watch = _watch(tmp_path / str(world), 1, world, store)
+        pending = watch.recorder.started("all_reduce", watch.recorder_group, 8)
+        watch.recorder.waiting(pending)  # in flight, not stuck: the watch's own look at the
+        assert _ops(store, watch._look_at_recorder) == 0  # recorder needs no store
         look = _ops(store, watch._answer)  # no request yet
         req = {"kind": "signal", "rank": 0, "what": "x", "time": 0.0, "n": None}
         n = HangExchange(store.store).post(req)  # posted by rank 0, not counted here
@@ -146,3 +152,23 @@ def test_nccl_flight_recorder_variables_leave_the_users_alone(tmp_path):
     assert env == {"TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
     assert (tmp_path / "hang" / "nccl").is_dir()
     assert nccl_flight_env({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}, tmp_path) == {}
+
+
+def test_a_stuck_request_resolved_before_a_rank_looked_is_not_answered(tmp_path):
+    """Rank 0's stuck operation completed after all before rank 1's watch looked: rank 1
+    sees the stuck request and its `resolved` in one look and writes no dump (a failure's
+    would stay in hang/ as the evidence of a hang that resolved); a later request is
+    answered as before."""
+    store = dist.HashStore()
+    watch = _watch(tmp_path, 1, 2, store)
+    exchange = HangExchange(store)
+    stuck = exchange.post({"kind": "stuck", "rank": 0, "what": "x", "time": 0.0, "n": None})
+    exchange.post({"kind": "resolved", "rank": 0, "what": "y", "time": 0.0, "n": None,
+                   "of": stuck})
+    watch._answer()
+    assert not (tmp_path / "hang").exists() and not watch.failure_dumped
+    assert store.add(f"acks/{stuck}", 0) == 0
+    later = exchange.post({"kind": "signal", "rank": 0, "what": "z", "time": 0.0, "n": None})
+    watch._answer()
+    assert store.add(f"acks/{later}", 0) == 1
+    assert (tmp_path / "hang" / "live" / "rank00001.json").exists()
