@@ -210,7 +210,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     activations = peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule) \
         + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)
     host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host, schedule)}
-    pcie = apply_offload(d.cfg, lay, sums.psi, d.e, d.micro, states, host,
+    pcie = apply_offload(d.cfg.offload.optimizer, lay, sums.psi, d.e, d.micro, states, host,
                          sum(sums.chunk_host))
     host["total"] = sum(host.values())
     # gloo: the tensors sent in rounds that receive nothing are kept until the step's end
@@ -339,8 +339,8 @@ def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
     return {
         "P": "sharded-with-gather" if layout.shards_parameters and dp > 1 else "replicated",
         "G": "sharded" if layout.shards_gradients and dp > 1 else "replicated",
-        "O": optimizer_placement(cfg, "sharded" if layout.shards_optimizer and dp > 1
-                                 else "replicated"),
+        "O": optimizer_placement(cfg.offload.optimizer, "sharded"
+                                 if layout.shards_optimizer and dp > 1 else "replicated"),
         "A": activations,
     }
 
@@ -348,6 +348,7 @@ def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
 def make_plan(cfg: Config, layout: Layout) -> Plan:
     """The estimate for `cfg` under `layout` (which need not be this process's: the planner
     makes layouts for world sizes it does not run on)."""
+    placements = _placements(cfg, layout)
     d = dims(cfg, layout)
     stages = [_stage_plan(d, k, chunk_blocks) for k, chunk_blocks in enumerate(
         layout.stage_blocks())]
@@ -359,4 +360,4 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
                  "offload_optimizer": cfg.offload.optimizer,
                  "dtype": layout.precision, "micro_batch": t.micro_batch_size,
                  "seq_len": t.seq_len, "micro_batches": d.micro}
-    return Plan(described, _placements(cfg, layout), stages)
+    return Plan(described, placements, stages)

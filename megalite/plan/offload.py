@@ -43,13 +43,12 @@ def owned_elements(layout: Layout, psi: float) -> float:
     return psi / (layout.dp_size if layout.shards_optimizer else 1)
 
 
-def apply_offload(cfg: Config, layout: Layout, psi: float, e: int, micro: int,
+def apply_offload(f: float, layout: Layout, psi: float, e: int, micro: int,
                   state: Dict[str, float], host: Dict[str, float],
                   activations_per_micro: float) -> Dict[str, float]:
-    """Move offload.optimizer's share of `state` (device bytes by kind) into `host`, and
-    return the PCIe bytes per step by direction. `activations_per_micro`: the host bytes
+    """Move the share `f` (offload.optimizer) of `state` (device bytes by kind) into `host`,
+    and return the PCIe bytes per step by direction. `activations_per_micro`: the host bytes
     one micro-batch's offloaded activations take (over the stage's chunks)."""
-    f = cfg.offload.optimizer
     n = f * owned_elements(layout, psi)
     sharded_grads = layout.shards_gradients
     state["optimizer"] *= 1 - f
@@ -62,9 +61,9 @@ def apply_offload(cfg: Config, layout: Layout, psi: float, e: int, micro: int,
             "h2d": e * n + micro * activations_per_micro}
 
 
-def optimizer_placement(cfg: Config, base: str) -> str:
-    """The O placement with offload.optimizer (`base`: replicated or sharded over DP)."""
-    f = cfg.offload.optimizer
+def optimizer_placement(f: float, base: str) -> str:
+    """The O placement with the share `f` offloaded (offload.optimizer; `base`: replicated
+    or sharded over DP)."""
     if not f:
         return base
     master = "fp32 master weights and moments"
