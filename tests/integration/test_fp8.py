@@ -1,7 +1,7 @@
 """FP8 layouts on real ranks against the serial FP8 run (fp32 parameters, dropout 0,
 `fp8.emulate` on CPU), six layouts in one 4-rank launch: tp2 + SP (with the replica checks
 every step; rowwise with recompute), pp2 + zero 3 with activation offload, pp2 under ZB-H1
-with recompute, interleaved (2 chunks a stage) and ZB-V on 4 layers. Each rank's TP bytes
+with recompute, interleaved (2 chunks a stage, with recompute) and ZB-V on 4 layers. Each rank's TP bytes
 are the plan's to the byte, the amax all-reduces (and a recomputed block's) included.
 
 Where a scale spans a tensor or contraction split over TP its amax is reduced over the group,
@@ -34,12 +34,13 @@ LEARNING = ["train.micro_batch_size=2", "train.global_batch_size=8", "optim.lr=1
 FOUR = ["model.n_layer=4"]  # two chunks a stage
 # the replica checks every step in the first (DP replicas and TP's replicated parameters
 # compared: FP8's products are as deterministic as bf16's); recompute's re-run FP8 forward
-# (its amax all-reduces too) in the second; zero-bubble's deferred FP8 weight gradients
+# (its amax all-reduces too) in the second, tensorwise's kept amaxes with it in the fifth;
+# zero-bubble's deferred FP8 weight gradients
 RUNS = [("tensorwise", ["tp=2", "sp=true", "resilience.check_every=1"]),
         ("rowwise", ["tp=2", "sp=true", "train.recompute=true"]),
         ("tensorwise", ["pp=2", "zero=3", "offload.activations=true"]),
         ("rowwise", ["pp=2", "parallel.schedule=zb-h1", "train.recompute=true"]),
-        ("tensorwise", ["pp=2", "parallel.virtual_stages=2", *FOUR]),
+        ("tensorwise", ["pp=2", "parallel.virtual_stages=2", "train.recompute=true", *FOUR]),
         ("tensorwise", ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", *FOUR])]
 STEPS = 3
 FIRST_STEP = {"loss": 1e-6, "norm": 2e-5}
