@@ -8,9 +8,10 @@ from pathlib import Path
 
 from megalite.config.errors import ConfigError
 from megalite.config.schema import check_sections, load_config
+from megalite.plan.auto import search_recipes
 from megalite.plan.devices import DeviceProfile
 from megalite.plan.report import explicit_layout_keys, plot_search, ranking_table
-from megalite.plan.search import NothingFits, search
+from megalite.plan.search import NothingFits
 from megalite.utils.extras import install_hint, missing
 
 
@@ -29,15 +30,20 @@ def run_search(args, profile: DeviceProfile, per_node: int) -> int:
         return 2
     fixed = explicit_layout_keys(args.overrides, cfg)
     try:
-        result = search(cfg, args.world_size, profile, per_node, top=args.top, fixed=fixed)
+        result, recipes = search_recipes(cfg, args.world_size, profile, per_node, args.top,
+                                         fixed)
     except NothingFits as e:
         print(f"megalite: {e}", file=sys.stderr)
         return 4
+    except ConfigError as e:  # fp8.recipe=auto on a profile without FP8
+        print(f"megalite: bad configuration: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:  # e.g. the profile has no rate for the run's precision
         print(f"megalite: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"fixed": fixed, "valid": result.valid, "costed": result.costed,
+        print(json.dumps({"fixed": fixed, "fp8_recipes_step_s": recipes,
+                          "valid": result.valid, "costed": result.costed,
                           "too_big_bytes": result.too_big, "invalid": result.invalid,
                           "best": [{"overrides": r.choice.overrides(),
                                     "peak_bytes": r.peak_bytes,
@@ -45,6 +51,10 @@ def run_search(args, profile: DeviceProfile, per_node: int) -> int:
                                    for r in result.best]}, indent=1))
     else:
         print(ranking_table(result, profile, args.world_size, per_node, fixed))
+        if recipes:
+            print(f"fp8.recipe=auto: {result.best[0].config.fp8.recipe} (fastest layout "
+                  "predicted: " + ", ".join(f"{r} {t * 1e3:.3g} ms" for r, t in recipes.items())
+                  + " a step)")
     if args.plot:
         plot_search(result, profile, Path(args.plot))
         print(f"plot: {args.plot}", file=sys.stderr)

@@ -24,6 +24,10 @@ stays in the parameters' dtype).
 The function saves its high-precision input and weight (as the bf16 linear does; under
 ZeRO-3 the weight is a view of the regathered storage) and casts them again in backward along
 the backward products' contraction dimensions: the FP8 copies live only for one product.
+Tensorwise, a tensor's scale does not depend on the product it enters (one amax over all its
+elements), so the forward keeps x's and W's amaxes (two fp32 scalars) for the backward and dy's
+serves both backward products: each amax is taken, and reduced over TP, once per micro-batch
+— the same scales, so the same FP8 bits, as taking them again.
 The weight gradient leaves the product in the parameters' dtype and is accumulated as before
 (ZeRO's fp32 main gradients). Embeddings, the LM head, the loss and LayerNorms never come here.
 """
@@ -70,29 +74,40 @@ class Fp8Linear:
         return self.group if split and self.group.size > 1 else None
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, group: Optional[Group]
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """t [R, C] -> (t in `dtype`, the fp32 inverse scale: a scalar, or [R, 1] with `rowwise`).
-    The scale maps the amax (of the tensor, or of each row), max-reduced over `group`, onto
-    the format's largest finite value; the product is computed in fp32 before the cast (one
-    fp32 staging copy of t at a time, 4 bytes an element, besides the 1-byte result)."""
-    t = t.contiguous()
+def amax_of(t: torch.Tensor, rowwise: bool, group: Optional[Group]) -> torch.Tensor:
+    """The fp32 amax of t [R, C] (a scalar, or [R, 1] with `rowwise`), max-reduced over
+    `group`."""
     amax = (t.abs().amax(dim=-1, keepdim=True) if rowwise else t.abs().amax()).float()
     if group is not None:
         comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
+    return amax
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, group: Optional[Group],
+             amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """t [R, C] -> (t in `dtype`, the fp32 inverse scale: a scalar, or [R, 1] with `rowwise`).
+    The scale maps the amax (`amax_of`, unless given), onto the format's largest finite
+    value; the product is computed in fp32 before the cast (one fp32 staging copy of t at a
+    time, 4 bytes an element, besides the 1-byte result)."""
+    t = t.contiguous()
+    amax = amax_of(t, rowwise, group) if amax is None else amax
     top = torch.finfo(dtype).max
     scale = top / amax.clamp(min=AMAX_FLOOR)
     staged = t.to(torch.float32, copy=True).mul_(scale).clamp_(-top, top)  # one fp32 copy
     return staged.to(dtype), scale.reciprocal()
 
 
+Amaxes = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
 def scaled_product(a: torch.Tensor, b: torch.Tensor, dtypes: Tuple[torch.dtype, torch.dtype],
                    layer: Fp8Linear, groups: Tuple[Optional[Group], Optional[Group]],
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T in FP8 (both scaled along K), fp32 accumulation, in `out_dtype`.
-    cuBLAS's row-wise kernels write bf16 only: there the result is cast afterwards."""
-    a8, scale_a = quantize(a, dtypes[0], layer.rowwise, groups[0])
-    b8, scale_b = quantize(b, dtypes[1], layer.rowwise, groups[1])
+                   out_dtype: torch.dtype, amaxes: Amaxes = (None, None)) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T in FP8 (both scaled along K), fp32 accumulation, in `out_dtype`
+    (`amaxes`: the operands' amaxes where known). cuBLAS's row-wise kernels write bf16 only:
+    there the result is cast afterwards."""
+    a8, scale_a = quantize(a, dtypes[0], layer.rowwise, groups[0], amaxes[0])
+    b8, scale_b = quantize(b, dtypes[1], layer.rowwise, groups[1], amaxes[1])
     if layer.rowwise:
         scale_b = scale_b.t().contiguous()
     mm_dtype = torch.bfloat16 if layer.rowwise and a.is_cuda else out_dtype
@@ -100,18 +115,27 @@ def scaled_product(a: torch.Tensor, b: torch.Tensor, dtypes: Tuple[torch.dtype, 
     return out.to(out_dtype)
 
 
+def tensor_amaxes(layer: Fp8Linear, tensors, groups) -> Amaxes:
+    """Tensorwise: each tensor's amax over `groups` (kept for the products it enters again);
+    rowwise: none (a row's scale depends on the product's contraction)."""
+    if layer.rowwise:
+        return None, None
+    return tuple(amax_of(t, False, g) for t, g in zip(tensors, groups))
+
+
 def _weight_grads(layer: Fp8Linear, grad: torch.Tensor, x: torch.Tensor,
-                  dtype: torch.dtype, has_bias: bool
+                  dtype: torch.dtype, has_bias: bool, amaxes: Amaxes
                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """dW = dy^T x (contraction over tokens, never split over TP: a sequence shard x is
-    gathered first) and db = sum dy, in the parameters' `dtype`."""
+    gathered first) and db = sum dy, in the parameters' `dtype`; `amaxes`: dy's and x's
+    (tensorwise), or none."""
     total = comm.gather_seq(x, layer.group) if layer.gather else x
     g2 = grad.reshape(-1, grad.shape[-1])
     x2 = total.reshape(-1, total.shape[-1])
     grad_w = scaled_product(
         g2.t(), x2.t(), (layer.grad_dtype, E4M3), layer,
         (layer.amax_group(layer.column, False), layer.amax_group(not layer.column, False)),
-        dtype)
+        dtype, amaxes)
     return grad_w, g2.sum(0).to(dtype) if has_bias else None
 
 
@@ -128,8 +152,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         total = comm.gather_seq(x, layer.group) if layer.gather else x
         row = not layer.column  # the row-parallel input and contraction are split over TP
-        y = scaled_product(total.reshape(-1, total.shape[-1]), weight, (E4M3, E4M3), layer,
-                           (layer.amax_group(row, row), layer.amax_group(True, row)), x.dtype)
+        x2 = total.reshape(-1, total.shape[-1])
+        groups = (layer.amax_group(row, row), layer.amax_group(True, row))
+        ctx.amaxes = tensor_amaxes(layer, (x2, weight), groups)  # x's, W's (tensorwise)
+        y = scaled_product(x2, weight, (E4M3, E4M3), layer, groups, x.dtype, ctx.amaxes)
         y = y.view(*total.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
 
@@ -138,9 +164,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         layer = ctx.layer
         column = layer.column  # the column-parallel dy and dx's contraction are split over TP
-        grad_x = scaled_product(
-            grad.reshape(-1, grad.shape[-1]), weight.t(), (layer.grad_dtype, E4M3), layer,
-            (layer.amax_group(column, column), layer.amax_group(True, column)), x.dtype)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        groups = (layer.amax_group(column, column), layer.amax_group(True, column))
+        x_amax, w_amax = ctx.amaxes
+        dy_amax = tensor_amaxes(layer, (g2,), groups[:1])[0]
+        grad_x = scaled_product(g2, weight.t(), (layer.grad_dtype, E4M3), layer, groups,
+                                x.dtype, (dy_amax, w_amax))
         grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
         if layer.gather:
             grad_x = comm.reduce_scatter_seq(grad_x, layer.group)
@@ -148,12 +177,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             w, b = ctx.params
 
             def weight_grads():  # keeps the shard x, gathered again at the W
-                grad_w, grad_b = _weight_grads(layer, grad, x, w.dtype, b is not None)
+                grad_w, grad_b = _weight_grads(layer, grad, x, w.dtype, b is not None,
+                                               (dy_amax, x_amax))
                 return [(w, grad_w)] + ([] if b is None else [(b, grad_b)])
 
             defer_or_run(ctx.queue, weight_grads)
             return grad_x, None, None, None, None, None
-        grad_w, grad_b = _weight_grads(layer, grad, x, weight.dtype, ctx.has_bias)
+        grad_w, grad_b = _weight_grads(layer, grad, x, weight.dtype, ctx.has_bias,
+                                       (dy_amax, x_amax))
         return grad_x, grad_w, grad_b, None, None, None
 
 

@@ -2,7 +2,10 @@
 with, as a pure function of (configuration, world size, device profile, ranks per node, the
 layout keys given explicitly) — never of a measurement taken at launch, so every rank and every
 restart picks the same one. The layout keys given on the command line are held fixed and the
-search covers the rest."""
+search covers the rest. With fp8.recipe=auto it also chooses the blocks' matmuls: the search
+runs once in bf16 and once with tensorwise FP8 (the time model prices rowwise no faster: the
+same casts, larger amax all-reduces) and the faster predicted fastest layout wins; a profile
+without an FP8 matmul rate (no FP8 peak in the device table, a CPU) is refused."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -18,7 +21,9 @@ from megalite.plan.devices import (
     table_entry_for,
 )
 from megalite.plan.report import explicit_layout_keys, ranking_table
-from megalite.plan.search import NothingFits, search
+from megalite.plan.search import NothingFits, SearchResult, search
+
+FP8_CHOICES = ("none", "tensorwise")  # what fp8.recipe=auto chooses between
 
 
 @dataclass
@@ -63,19 +68,51 @@ def run_profile(cfg: Config, gpu: Optional[GpuInfo], memory_bytes: Optional[int]
     return entry
 
 
+def search_recipes(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
+                   top: int, fixed: Optional[Dict[str, object]] = None
+                   ) -> Tuple[SearchResult, Dict[str, float]]:
+    """`search`; with fp8.recipe=auto, the search of each of FP8_CHOICES whose fastest layout
+    is predicted faster, and each one's predicted step seconds (empty otherwise; a recipe
+    with no layout that fits is left out). ConfigError naming fp8.recipe when `profile` has
+    no FP8 matmul rate; NothingFits when no recipe's layout fits."""
+    if cfg.fp8.recipe != "auto":
+        return search(cfg, world, profile, gpus_per_node, top=top, fixed=fixed), {}
+    if "fp8" not in profile.matmul_tflops:
+        fail("fp8.recipe", "auto", f"the planner's device {profile.name} has no FP8 matmul "
+             "rate (FP8 needs compute capability >= 8.9: H100, H200, L4, L40S, ...; a "
+             "calibrated profile of such a GPU measures it): use fp8.recipe=none")
+    results, refusal = {}, None
+    for recipe in FP8_CHOICES:
+        try:
+            results[recipe] = search(replace(cfg, fp8=replace(cfg.fp8, recipe=recipe)), world,
+                                     profile, gpus_per_node, top=top, fixed=fixed)
+        except NothingFits as e:
+            refusal = e
+    if not results:
+        raise refusal
+    times = {r: res.best[0].prediction.step_s for r, res in results.items()}
+    return results[min(times, key=times.__getitem__)], times
+
+
 def resolve_layout(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
                    fixed: Dict[str, object]) -> Tuple[Config, AutoLayout]:
-    """The configuration with the chosen layout and what to record about the choice;
-    ConfigError naming `layout` (and the keys held fixed) when no layout fits."""
+    """The configuration with the chosen layout (and, with fp8.recipe=auto, recipe) and what
+    to record about the choice; ConfigError naming `layout` (and the keys held fixed) when no
+    layout fits."""
     try:
-        result = search(cfg, world, profile, gpus_per_node, top=3, fixed=fixed)
+        result, recipes = search_recipes(cfg, world, profile, gpus_per_node, 3, fixed)
     except NothingFits as e:
         held = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "nothing held fixed"
         fail("layout", "auto", f"({held}) {e}")
     best = result.best[0]
     chosen = replace(best.config, layout="auto")
     why = ranking_table(result, profile, world, gpus_per_node, fixed)
-    return chosen, AutoLayout(best.choice.overrides(), fixed, profile.name, gpus_per_node,
+    overrides = best.choice.overrides()
+    if recipes:
+        overrides.append(f"fp8.recipe={chosen.fp8.recipe}")
+        why += "\nfp8.recipe=auto chose " + chosen.fp8.recipe + " (fastest layout predicted: " \
+            + ", ".join(f"{r} {t * 1e3:.3g} ms" for r, t in recipes.items()) + " a step)"
+    return chosen, AutoLayout(overrides, fixed, profile.name, gpus_per_node,
                               best.prediction.as_dict(), best.peak_bytes, why)
 
 

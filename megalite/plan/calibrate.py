@@ -4,9 +4,11 @@ format `megalite.plan.profile_file`).
 
 - Matmul rate at the model's shapes: the MLP's two products, [s·b, h] x [h, 4h] and
   [s·b, 4h] x [4h, h] (s·b = train.seq_len x train.micro_batch_size tokens per micro-batch), in
-  every dtype the device computes in (CUDA: fp32, fp16, and bf16 from compute capability 8.0;
-  CPU: fp32 and bf16). A dtype's rate is the shapes' FLOPs over their best times (2·m·n·k FLOPs
-  a product); under several ranks, the slowest rank's.
+  every dtype the device computes in (CUDA: fp32, fp16, bf16 from compute capability 8.0 and
+  fp8 from 8.9: `torch._scaled_mm` on e4m3 operands with unit scales, bf16 output, the
+  product fp8.recipe runs — the casts are not in it; CPU: fp32 and bf16). A dtype's rate
+  is the shapes' FLOPs over their best times (2·m·n·k FLOPs a product); under several
+  ranks, the slowest rank's.
 - Under torchrun with more than one rank: a short collective sweep (all-reduce, all-gather,
   reduce-scatter, send/recv around a ring) per group size, like nccl-tests, over nccl on CUDA
   and gloo on CPU. Intra-node groups are consecutive ranks of one node (LOCAL_WORLD_SIZE ranks
@@ -29,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megalite.config.fp8 import FP8_CAPABILITY
 from megalite.config.layout import PRECISION_DTYPES
 from megalite.plan.calibrate_block import measure_block_overhead
 from megalite.plan.calibrate_host import (
@@ -60,8 +63,9 @@ def matmul_shapes(n_embd: int, ffn_size: int, tokens: int) -> List[Tuple[int, in
 def device_dtypes(device: torch.device) -> List[str]:
     if device.type != "cuda":
         return ["fp32", "bf16"]
-    major = torch.cuda.get_device_capability(device)[0]
-    return ["fp32", "fp16"] + (["bf16"] if major >= 8 else [])
+    capability = torch.cuda.get_device_capability(device)
+    return ["fp32", "fp16"] + (["bf16"] if capability[0] >= 8 else []) \
+        + (["fp8"] if tuple(capability) >= FP8_CAPABILITY else [])
 
 
 def _sync(device: torch.device) -> None:
@@ -69,26 +73,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_matmul(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                budget_s: float = 0.2, max_timings: int = 8) -> float:
-    """Best seconds per product over up to `max_timings` timings within about `budget_s`; a
-    timing spans enough products (at least one) to last a millisecond, so that launch overhead
-    on a GPU does not count as compute. fp32 on CUDA runs as torch is set (TF32 off by
-    default, as in megalite's runs)."""
+def _product(m: int, n: int, k: int, dtype: str, device: torch.device) -> Callable[[], object]:
+    """C[m, n] = A[m, k] @ B[k, n] in `dtype` (a key of PRECISION_DTYPES, or fp8: e4m3
+    operands, B column-major as cuBLAS's FP8 kernels take it, unit fp32 scales, bf16 out)."""
     g = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(m, k, generator=g, device=device).to(dtype)
-    b = torch.randn(k, n, generator=g, device=device).to(dtype)
-    a @ b  # warm-up (kernel choice, BLAS threads, cuBLAS handle)
+    a = torch.randn(m, k, generator=g, device=device)
+    b = torch.randn(k, n, generator=g, device=device)
+    if dtype != "fp8":
+        a, b = a.to(PRECISION_DTYPES[dtype]), b.to(PRECISION_DTYPES[dtype])
+        return lambda: a @ b
+    e4m3, one = torch.float8_e4m3fn, torch.ones((), device=device)
+    a8, b8 = a.to(e4m3), b.t().contiguous().to(e4m3).t()
+    return lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+
+
+def time_matmul(m: int, n: int, k: int, dtype: str, device: torch.device,
+                budget_s: float = 0.2, max_timings: int = 8) -> float:
+    """Best seconds per product (`_product`) over up to `max_timings` timings within about
+    `budget_s`; a timing spans enough products (at least one) to last a millisecond, so that
+    launch overhead on a GPU does not count as compute. fp32 on CUDA runs as torch is set
+    (TF32 off by default, as in megalite's runs)."""
+    product = _product(m, n, k, dtype, device)
+    product()  # warm-up (kernel choice, BLAS threads, cuBLAS handle)
     _sync(device)
     t0 = time.perf_counter()
-    a @ b
+    product()
     _sync(device)
     calls = max(1, min(100, int(1e-3 / max(time.perf_counter() - t0, 1e-9))))
     best, start = math.inf, time.perf_counter()
     for _ in range(max_timings):
         t0 = time.perf_counter()
         for _ in range(calls):
-            a @ b
+            product()
         _sync(device)
         best = min(best, (time.perf_counter() - t0) / calls)
         if time.perf_counter() - start > budget_s:
@@ -102,7 +118,7 @@ def measure_matmuls(shapes: Sequence[Tuple[int, int, int]], dtypes: Sequence[str
     out = []
     for dtype in dtypes:
         for m, n, k in shapes:
-            seconds = time_matmul(m, n, k, PRECISION_DTYPES[dtype], device)
+            seconds = time_matmul(m, n, k, dtype, device)
             out.append({"m": m, "n": n, "k": k, "dtype": dtype,
                         "tflops": 2 * m * n * k / seconds / 1e12})
     return out

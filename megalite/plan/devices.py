@@ -45,7 +45,8 @@ Where the numbers come from:
   replaces every measured field (`--profile FILE`).
 - the **fp8** matmul rate of every GPU that has one, the H100 too: an estimate, its dense FP8
   data-sheet peak at the H100's measured bf16 fraction (nothing has measured FP8 matmuls
-  on a GPU yet; `--calibrate` does not time them). The MI300X's FP8 (e4m3fnuz) is not the
+  on a GPU yet; `--calibrate` times `torch._scaled_mm` on a GPU of compute capability >= 8.9
+  into a profile's `fp8` rate, a path not yet run). The MI300X's FP8 (e4m3fnuz) is not the
   format megalite casts to (e4m3fn): no FP8 entry.
 
 Link figures are typical of nccl-tests on such nodes (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s,

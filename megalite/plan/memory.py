@@ -33,8 +33,11 @@ The peak: what is alive at each moment where a stage's memory can peak, the larg
 total; W = the moment's working bytes):
 
   forward         P + G + O + A (the last forward in flight done) + the loss's forward chunk
-                  (4·R·C, R = min(n, `chunk_rows(C)`) tokens) + zero 2/3's reductions of the
-                  previous backward, folded in only before the next backward
+                  (4·R·C, R = min(n, `chunk_rows(C)`) tokens), or fp8.recipe's largest
+                  forward product's copies if larger (`megalite.plan.fp8_terms`: the casts'
+                  fp32 staging and FP8 operands; on a CPU the emulated kernel's fp32 copies)
+                  + zero 2/3's reductions of the previous backward, folded in only before the
+                  next backward
   loss backward   P + G + O + A + the gradient of the logits e·n·C + one fp32 chunk 4·R·C
                   (a stage without the loss: the received gradient e·s'bh); no staging
   backward        P + G + O + the staging of each bucket as it fills and launches
@@ -43,8 +46,9 @@ total; W = the moment's working bytes):
                   while blocks remain, a block's backward: GELU's gradient e·s·b·f/t beyond the
                   block's saved set, the head's weight gradient e·C·h where the stage also holds
                   the embedding (autograd accumulates the tied parameter's two gradients once),
-                  the received gradient; zero-bubble schedules: a W's weight gradients of its
-                  chunk, all computed before autograd accumulates them
+                  the received gradient, + fp8.recipe's largest dx or dW product's copies;
+                  zero-bubble schedules: a W's weight gradients of its chunk, all computed
+                  before autograd accumulates them
   optimizer step  P + G + O + AdamW's temporaries: none on CUDA (fused AdamW); on a CPU,
                   foreach AdamW's sqrt(v) of its larger parameter group (4 bytes an element)
                   and, before it, `_foreach_norm`'s fp64 copy of the largest piece (8 bytes)
@@ -94,6 +98,7 @@ from megalite.config.schema import Config
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes, unwaited_sends
 from megalite.plan.chunks import stage_ends, ties_over_stages
 from megalite.plan.dims import Dims, dims
+from megalite.plan.fp8_terms import fp8_working_bytes
 from megalite.plan.offload import apply_offload, optimizer_placement, owned_elements
 from megalite.plan.stage_terms import StageSums, add_chunk, stage_comm
 from megalite.plan.zero_table import (
@@ -266,7 +271,10 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     # loss's bytes and the blocks already done freed; a recomputed block re-run) and, while
     # blocks remain, a block's working bytes (below)
     rerun = max(sums.chunk_rerun)
-    block_work = e * sums.tied_head + (block if sums.blocks else 0.0) + received
+    fp8 = fp8_working_bytes(d.cfg, lay, e) if sums.blocks else {"forward": 0.0,
+                                                                 "backward": 0.0}
+    block_work = e * sums.tied_head + (block + fp8["backward"] if sums.blocks else 0.0) \
+        + received
     if lay.pp_size > 1 and d.cfg.parallel.schedule in ("zb-h1", "zb-v"):
         # a W holds all its chunk's weight gradients at once before handing them to
         # autograd's accumulation (`megalite.parallel.weight_grad.run_weight_grads`)
@@ -285,7 +293,7 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
         default=(0.0, activations - freed + rerun, block_work, gathered["backward"]))
     moments = {
         "forward": {"grad_staging": pending, "activations": activations,
-                    "working": max(sums.chunk_forward_work) + sent},
+                    "working": max(max(sums.chunk_forward_work), fp8["forward"]) + sent},
         "loss backward": {"grad_staging": 0.0, "activations": activations,
                           "working": max(sums.chunk_backward_work) + sent},
         # a block's backward: the gradient of the MLP's hidden activation beside its input

@@ -2,7 +2,7 @@
 
     {"format": "megalite-device-profile", "version": 1,
      "name": str, "device": str, "memory_bytes": int, "gpus_per_node": int,
-     "matmul_tflops": {"bf16"|"fp16"|"fp32": float},          # achievable, the dtypes measured
+     "matmul_tflops": {"bf16"|"fp16"|"fp32"|"fp8": float},   # achievable, the dtypes measured
      "links": {"intra_node": {"bus_gbps": float, "latency_s": float},
                "inter_node": {"bus_gbps": float, "latency_s": float}},
      "op_links": {"intra_node": {op: {"bus_gbps", "latency_s"}}, "inter_node": {...}},
@@ -41,7 +41,7 @@ from megalite.utils.durable import fsync_dir
 
 FORMAT = "megalite-device-profile"
 VERSION = 1
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: torch._scaled_mm, e4m3 operands
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINKS = ("intra_node", "inter_node")
 

@@ -8,7 +8,9 @@ micro-batch size that divides the per-replica batch; the pipeline schedule: 1F1B
 with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`), or, with pp > 1
 and 2·pp ≤ n_layer, ZB-V (`parallel.schedule=zb-v`: v = 2 in a V, m need not be a multiple of
 pp) — neither with train.compile or activation offload, which the launch refuses with them
-(`megalite.config.schedule_rules`); recompute off, of every
+(`megalite.config.schedule_rules`); with fp8.recipe, only the tp and micro-batch sizes whose
+FP8 products' dimensions are multiples of 16 (`megalite.config.fp8.fp8_dims_refusal`, the
+launch's rule); recompute off, of every
 block, or of the first r blocks of each chunk (`train.recompute_layers`) for r in
 `partial_counts` of the chunk's blocks (a quarter, half and three quarters of them, rounded,
 each at least 1 and fewer than all); on GPUs, offload.activations off, or on for every block
@@ -24,9 +26,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.schedule_rules import ZERO_BUBBLE
 from megalite.config.schema import Config
 
+DIM_PROBE = 16  # a micro-batch whose tokens are a multiple of 16: the weights' dimensions alone
 PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
 OPTIMIZER_SHARES = (0.5, 1.0)  # offload.optimizer fractions tried (besides 0)
 
@@ -194,8 +198,11 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
     m, t = cfg.model, cfg.train
     held = list(fixed.items())
     fractions = optimizer_options(cfg, offloads)
+    fp8 = cfg.fp8.recipe != "none"
     for tp in _divisors(world):
         if m.n_head % tp or m.n_embd % tp or m.ffn_size % tp:
+            continue
+        if fp8 and fp8_dims_refusal(m, tp, t.seq_len, DIM_PROBE):
             continue
         for pp in _divisors(world // tp):
             if pp > m.n_layer:
@@ -208,6 +215,8 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
                 for zero in (range(4) if dp > 1 else (0,)):
                     for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
                         for mb in _divisors(t.global_batch_size // dp):
+                            if fp8 and fp8_dims_refusal(m, tp, t.seq_len, mb):
+                                continue
                             micro = t.global_batch_size // (mb * dp)
                             runs = [x for x in schedules
                                     if not (x == "auto" and v > 1 and micro % pp)]

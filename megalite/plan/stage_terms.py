@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 
 from megalite.model.activation_offload import offloaded_blocks
 from megalite.plan.dims import Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
+from megalite.plan.fp8_terms import amax_reductions
 
 
 @dataclass
@@ -99,6 +100,9 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
         per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
             (4 * 2 * r * full, 2 * r * full)
         sums.tp_per_micro += n * per_layer + recomputed * rerun
+        # fp8.recipe: the amax all-reduces (fp32) of each block and re-run
+        sums.tp_per_micro += 2 * r * 4 * (n * amax_reductions(d.cfg, tp)[1]
+                                          + recomputed * amax_reductions(d.cfg, tp, True)[1])
         if first:
             sums.tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
         if last:

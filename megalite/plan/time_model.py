@@ -9,7 +9,7 @@ bandwidth, e the bytes of a model-dtype element:
               last stage 2·(V·h + 2h) (LM head, ln_f): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
               accounting (`flops_per_token`). Backward = 2 forwards. With fp8.recipe the
               blocks' linears (2·(4h² + 2h·f) a block) run at the profile's fp8 rate
-              (`matmul_seconds`; the casts to FP8 are not modelled: unmeasured)
+              (`matmul_seconds`; the casts to FP8 are in non_matmul)
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
   non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +
@@ -22,7 +22,10 @@ bandwidth, e the bytes of a model-dtype element:
               b·s·h (/t with SP) elements at `DROPOUT_BYTES(e)` each over B (the attention
               probabilities' dropout, inside the SDPA kernel, is not modelled); the first
               stage adds the embedding's site. A recomputed block's re-run costs a third; it
-              is compute: a third in the forward, the rest in the backward
+              is compute: a third in the forward, the rest in the backward. fp8.recipe adds
+              the casts' memory traffic, `cast_traffic_bytes` a block (and a re-run's
+              forward third) over B (`megalite.plan.fp8_terms`: eager, or fused with
+              train.compile; an estimate, unmeasured on a GPU)
   head_loss   last stage: m · b·s·V_t · `LOSS_BYTES_PER_LOGIT[impl]` / B: the loss's
               memory-bound work on the logits (the upcast, softmax and its gradient; the LM
               head's matmul is in compute, not here), V_t = the vocabulary (tp 1) or a rank's
@@ -34,7 +37,10 @@ bandwidth, e the bytes of a model-dtype element:
               layer's critical path (megalite does not overlap TP collectives); all-reduces,
               with SP 6 all-gathers : 4 reduce-scatters a block (each kind at its own fit
               where a calibrated profile has one: `op_links`; pp: send/recv, dp: all-reduce,
-              reduce-scatter, all-gather, embedding: all-reduce)
+              reduce-scatter, all-gather, embedding: all-reduce); fp8.recipe's amax
+              all-reduces (16 scalars a block tensorwise, 8 vectors rowwise:
+              `megalite.plan.fp8_terms.amax_reductions`) at the all-reduce fit, their
+              latency dominating
   offload     activation offload's copies (`megalite.plan.offload.activation_copies_exposed`:
               the runtime's schedule of each chunk's blocks on the compute stream and the
               two copy streams, simulated per micro-batch): each offloaded block's saved
@@ -95,6 +101,7 @@ from megalite.model.gpt2 import flops_per_token
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
+from megalite.plan.fp8_terms import amax_reductions, cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
 
@@ -335,6 +342,8 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     if hbm:
         per_param = e + 8 + (4 + 12 / lay.dp_size if lay.shards_gradients else 0)
         accumulate = per_param * stage.params / hbm
+    if hbm:  # fp8.recipe's casts: a third in the forward, as a block pass
+        block_pass += cast_traffic_bytes(cfg, tp, e) / hbm
     t_f = f_model + blocks * block_pass / 3 + embed / 3 + loss_f
     t_b = 2 * f_model + f_re + (2 * blocks + rerun) * block_pass / 3 + 2 * embed / 3 \
         + loss_b + accumulate
@@ -344,10 +353,16 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     terms["head_loss"] = m * (loss_f + loss_b)
     terms["grad_accumulate"] = m * accumulate
     if tp > 1:  # all-reduces; with SP all-gathers and reduce-scatters, 6 : 4 a block
-        wire, count = stage.comm["tp"], m * _tp_collectives(cfg, lay, chunks, first, last)
+        (amax, elements), (amax_re, elements_re) = amax_reductions(cfg, tp), \
+            amax_reductions(cfg, tp, True)
+        amax_wire = m * 2 * (tp - 1) / tp * 4 * (blocks * elements + rerun * elements_re)
+        wire, count = stage.comm["tp"] - amax_wire, \
+            m * _tp_collectives(cfg, lay, chunks, first, last)
         terms["tp"] = _ring_time(wire, count, links["tp"], tp) if not lay.sequence_parallel \
             else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
             + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
+        terms["tp"] += _ring_time(amax_wire, m * (blocks * amax + rerun * amax_re),
+                                  links["tp"], tp)
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
         fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
         matmuls = matmul_seconds(2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len,

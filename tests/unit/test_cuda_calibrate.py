@@ -43,4 +43,9 @@ def test_single_process_calibration_on_cuda_writes_host_figures(tmp_path, monkey
     save_profile(tmp_path / "p.json", profile)
     loaded = load_profile_file(tmp_path / "p.json")
     assert loaded.hbm_gbps == profile["hbm_gbps"] and loaded.prices_offload()
+    # FP8 matmuls (compute capability >= 8.9): their rate measured and loaded (not compared
+    # with bf16's: small products; written, not yet run on a GPU)
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    assert ("fp8" in loaded.matmul_tflops) == fp8
+    assert not fp8 or loaded.rate("fp8") > 0
     assert loaded.block_fits[0].n_embd == 128

@@ -15,7 +15,15 @@ import torch
 from megalite.config.errors import ConfigError
 from megalite.config.layout import GpuInfo, validate
 from megalite.config.schema import load_config
-from megalite.parallel.fp8 import E4M3, E5M2, Fp8Linear, quantize, scaled_product, use_fp8
+from megalite.parallel.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Linear,
+    fp8_linear,
+    quantize,
+    scaled_product,
+    use_fp8,
+)
 from megalite.parallel.group import single_rank_group
 from megalite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.weight_grad import (
@@ -92,6 +100,26 @@ def test_fp8_linears_track_the_bf16_linears(recipe):
     assert all(g.dtype == torch.bfloat16 for g in got)
     assert 0 < float((y.float() - ref_y.float()).norm() / ref_y.float().norm()) < 0.08
     assert max(rel) < 0.1 and min(rel) > 0, rel  # measured: 0.01 - 0.075
+
+
+@pytest.mark.parametrize("column", [True, False])
+def test_tensorwise_scales_kept_from_forward_give_the_same_bits(column):
+    """Tensorwise, the layer takes x's and W's amaxes in forward and dy's once in backward:
+    output, dx and dW bitwise equal to the three products each taking its operands' amaxes
+    itself."""
+    torch.manual_seed(2)
+    layer = Fp8Linear("tensorwise", single_rank_group("tp"), column)
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    dy = torch.randn(32, 48)
+    y = fp8_linear(x, w, None, layer)
+    y.backward(dy)
+    none = (None, None)
+    assert torch.equal(y, scaled_product(x, w, (E4M3, E4M3), layer, none, torch.float32))
+    assert torch.equal(x.grad, scaled_product(dy, w.t(), (E5M2, E4M3), layer, none,
+                                              torch.float32))
+    assert torch.equal(w.grad, scaled_product(dy.t(), x.t(), (E5M2, E4M3), layer, none,
+                                              torch.float32))
 
 
 def test_fp8_weight_gradient_deferred_by_zero_bubble_equals_the_immediate_one():
