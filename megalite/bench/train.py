@@ -25,7 +25,8 @@ import torch
 from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 from megalite.config.layout import PRECISION_DTYPES, Layout
 from megalite.config.schema import ATTENTION_CHOICES, OptimConfig, load_config
-from megalite.model.gpt2 import GPT2, flops_per_token
+from megalite.model.families import flops_per_token
+from megalite.model.gpt2 import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker

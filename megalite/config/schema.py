@@ -38,11 +38,16 @@ ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
 
 
 
+ARCHS = ("gpt2", "llama")  # model.arch: the model families (megalite.model.families)
+
+
 @dataclass
 class ModelConfig:
-    """GPT-2 shape, with `transformers.GPT2Config` field names."""
+    """The model's family and shape, with `transformers.GPT2Config` field names (a Llama's
+    `LlamaConfig` names in the comments)."""
 
     name: str = "tiny"  # preset name, for the record (the shape below is what counts)
+    arch: str = "gpt2"  # model family: gpt2 | llama (docs/models.md)
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -54,12 +59,24 @@ class ModelConfig:
     attn_pdrop: float = 0.1
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+    tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2: always)
 
     @property
     def ffn_size(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    @classmethod
+    def from_record(cls, record: dict) -> "ModelConfig":
+        """The config a checkpoint's meta.json recorded (`dataclasses.asdict`; a key an
+        older megalite did not write takes its default)."""
+        return cls(**record)
+
     def check(self) -> None:
+        if self.arch not in ARCHS:
+            fail("model.arch", self.arch, f"use one of {', '.join(ARCHS)}")
+        if self.arch == "gpt2" and not self.tie_word_embeddings:
+            fail("model.tie_word_embeddings", self.tie_word_embeddings,
+                 "GPT-2's LM head is its token embedding: set true (or model.arch=llama)")
         for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
             if getattr(self, key) < 1:
                 fail(f"model.{key}", getattr(self, key), "must be a positive integer")

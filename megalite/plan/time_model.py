@@ -6,7 +6,8 @@ bandwidth, e the bytes of a model-dtype element:
 
   compute     m · 3·F_k·b·s / (t·R)       F_k = model FLOPs per token of the stage's forward: 2 ×
               its blocks' parameters + 4·h·s per block (attention scores and values), the
-              last stage 2·(V·h + 2h) (LM head, ln_f): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
+              last stage the head's (GPT-2 2·(V·h + 2h): LM head, ln_f; the family's
+              `head_forward_flops_per_token`): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
               accounting (`flops_per_token`). Backward = 2 forwards.
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
@@ -79,10 +80,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
-from megalite.model.gpt2 import flops_per_token
+from megalite.model.families import family, flops_per_token
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import DeviceProfile, fits_dropout
-from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
+from megalite.plan.dims import offloaded_layers, recomputed_layers
 from megalite.plan.links import GroupLink, group_links
 
 TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "offload",
@@ -169,16 +170,12 @@ class Prediction:
                 f"  ms per step: {split}")
 
 
-def _block_params(cfg: Config) -> int:
-    h, f = cfg.model.n_embd, cfg.model.ffn_size
-    return 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-
-
 def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     """Per stage, forward FLOPs per token of the whole (untensor-split) stage: `model` and
     the `recompute` re-run."""
     m, s = cfg.model, cfg.train.seq_len
-    block = 2 * _block_params(cfg) + 4 * m.n_embd * s
+    fam = family(m)
+    block = 2 * fam.block_parameters(m) + 4 * m.n_embd * s
     place = layout.placement
     out = []
     for k, chunks in enumerate(layout.stage_blocks()):
@@ -187,7 +184,7 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
             model += len(blocks) * block
             recompute += recomputed_layers(cfg, len(blocks)) * block
             if place.holds_last(k, c):
-                model += 2 * (m.vocab_size * m.n_embd + 2 * m.n_embd)
+                model += fam.head_forward_flops_per_token(m)
         out.append({"model": model, "recompute": recompute})
     return out
 
@@ -322,9 +319,9 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
             else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
             + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
-        act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
-                                     cfg.model.n_head, tp, lay.sequence_parallel, e,
-                                     cfg.model.resid_pdrop > 0)
+        act = family(cfg.model).layer_activation_bytes(
+            cfg.model, t.seq_len, t.micro_batch_size, tp, lay.sequence_parallel, e,
+            cfg.model.resid_pdrop > 0)
         saved = sum(offloaded_layers(cfg, len(b)) for b in chunks) * act
         out, back = saved / (profile.d2h_gbps * 1e9), saved / (profile.h2d_gbps * 1e9)
         terms["offload"] = m * (max(0.0, out - t_f) + max(0.0, back - t_b))
