@@ -97,11 +97,12 @@ def rank_file(name: str, rank: int) -> str:
 def written_range(piece: StatePiece, topo: Topology) -> Optional[Tuple[int, int]]:
     """The part [a, b) of this rank's owned range of a piece that it writes, or None. Every
     element is written once: not by the tied embedding's second copy, not by TP ranks other
-    than 0 for TP-replicated tensors; a range that DP replicas all hold (zero 0) is written by
-    the replica that zero >= 1 would give it (`StatePiece.dp_share`), so a save uses every
+    than 0 for TP-replicated tensors nor by the later ranks sharing a TP slice
+    (`ParamSpec.tp_writer`); a range that DP replicas all hold (zero 0) is written by the
+    replica that zero >= 1 would give it (`StatePiece.dp_share`), so a save uses every
     replica's bandwidth and a resume under zero >= 1 on the same dp reads its own file."""
     spec = piece.spec
-    if spec.tied_copy or (spec.tp_replicated and topo.coords.tp_rank != 0):
+    if spec.tied_copy or not spec.tp_writer(topo.coords.tp_rank):
         return None
     a, b = piece.dp_share
     return (a, b) if a < b else None

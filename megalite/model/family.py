@@ -150,10 +150,11 @@ class Family:
 
 
 def local_numel(spec: ParamSpec, tp: int) -> int:
-    """Elements of one TP rank's slice of `spec` (its padded shape, split `tp` ways)."""
+    """Elements of one TP rank's slice of `spec` (its padded shape, split `tp` ways, or
+    tp / tp_replicas ways where TP ranks share slices)."""
     shape = list(spec.padded_shape())
     if spec.tp_dim is not None:
-        shape[spec.tp_dim] //= tp
+        shape[spec.tp_dim] //= spec.tp_chunks(tp, 0)[0]
     return math.prod(shape)
 
 
