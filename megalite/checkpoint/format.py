@@ -81,8 +81,8 @@ CRC_BLOCK_BYTES = 2**20  # format 4: a CRC32 per block of this many bytes of a r
 #                          resume verifies the blocks its reads touch: smaller blocks waste less
 #                          where its ranges end mid-block; meta.json lists ~1 per MiB of state)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner",
-              "tie_word_embeddings")
+SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_kv_head", "n_positions", "vocab_size",
+              "n_inner", "tie_word_embeddings", "rope_theta")
 # meta.json's own entries, the checkpoint's record (format 3 wrote "pieces" where format 5
 # writes "tensors"); every other entry is a stateful part's (`megalite.checkpoint.state`)
 RECORD_KEYS = ("format_version", "consumed_samples", "adam_step", "layout", "model", "config",
@@ -265,13 +265,15 @@ def shape_mismatch(theirs: dict, cfg: ModelConfig, where: str,
                    keys: Tuple[str, ...] = SHAPE_KEYS) -> Optional[str]:
     """What is wrong, if anything, between a checkpoint's model (meta.json's "model", trained
     by `where`) and `cfg`: the first differing key of `keys`, named with both values. The MLP
-    size counts, not how it was written (n_inner=null is 4 * n_embd); a key an older megalite
-    did not record has its default (a GPT-2 then)."""
+    size counts, not how it was written (n_inner=null is 4 * n_embd, n_kv_head=null n_head); a
+    key an older megalite did not record has its default (a GPT-2 then)."""
     defaults = ModelConfig()
     for key in keys:
         ours, recorded = getattr(cfg, key), theirs.get(key, getattr(defaults, key))
         if key == "n_inner":
             same = cfg.ffn_size == (recorded if recorded is not None else 4 * theirs.get("n_embd"))
+        elif key == "n_kv_head":
+            same = cfg.kv_heads == (recorded if recorded is not None else theirs.get("n_head"))
         else:
             same = recorded == ours
         if not same:

@@ -8,8 +8,9 @@ from megalite.config.schema import ModelConfig
 from megalite.model.causal_lm import CausalLM
 from megalite.model.family import Family
 from megalite.model.gpt2 import GPT2
+from megalite.model.llama import Llama
 
-STAGES: Dict[str, type] = {"gpt2": GPT2}
+STAGES: Dict[str, type] = {"gpt2": GPT2, "llama": Llama}
 FAMILIES: Dict[str, Family] = {arch: stage.family for arch, stage in STAGES.items()}
 
 
