@@ -16,6 +16,7 @@ from megalite.testing.spawn import run_ranks
 from tests.conftest import random_hf_llama
 from tests.layouts import (
     assert_equal,
+    close,
     from_step,
     serial_global,
     train_in_process,
@@ -121,11 +122,11 @@ def serial(tiny_data, tmp_path_factory):
 
 def test_layouts_equal_serial_and_resume_under_another_layout(tiny_data, tmp_path, serial):
     ckpt = tmp_path / "ckpt"
-    two = {"tp2 sp": ("kv2", ["tp=2", "sp=true"]),
+    two = {"tp2 sp, activation offload": ("kv2", ["tp=2", "sp=true", "offload.activations=true"]),
            "tp2 sp replicated kv": ("kv1", ["tp=2", "sp=true", *KV1, f"checkpoint.dir={ckpt}"]),
-           "tp2 replicated kv": ("kv1", ["tp=2", *KV1]),
+           "tp2 replicated kv, recompute": ("kv1", ["tp=2", *KV1, "train.recompute=true"]),
            "pp2 zb-v": ("kv2", ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2"]),
-           "dp2 zero3": ("kv2", ["zero=3"])}
+           "dp2 zero3, optimizer offload": ("kv2", ["zero=3", "offload.optimizer=0.5"])}
     results = train_layouts(tmp_path / "w2", 2, [_common(tiny_data, *extra)
                                                  for _, extra in two.values()],
                             steps=STEPS, save_at=SAVE_AT)
@@ -158,3 +159,36 @@ def _assert_export_is_serial(ckpt, out, weights):
     assert set(hf) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(hf[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+DEFAULTS_IN_RUN = ["checkpoint.every=2", "resilience.check_every=2",
+                   "resilience.straggler_report_every=2", "train.eval_every=2",
+                   "train.eval_steps=1", f"train.max_steps={STEPS}"]
+
+
+def _fit(rank, world, cfg, run_dir):
+    """A run as `pretrain.py` makes it: validated, built, trained by `fit()`."""
+    from megalite.config.layout import validate
+    from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
+
+    validate(cfg, world)
+    trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
+    records = trainer.fit()
+    return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
+            trainer.replicas.checks)
+
+
+def test_fit_with_the_defaults_on_equals_serial(tiny_data, tmp_path, serial):
+    """tp2 + SP with the KV head replicated, trained by `fit()` with the default-on services
+    in the run (checkpoints, replica checks, straggler reports, validation): its losses and
+    grad norms equal the serial run's, and the replica checks (steps 2, 4, 6) pass."""
+    from tests.layouts import composed
+
+    cfg = composed(_common(tiny_data, *KV1, "tp=2", "sp=true", *DEFAULTS_IN_RUN,
+                           f"checkpoint.dir={tmp_path}/ckpt"))
+    for losses, norms, checks in run_ranks(_fit, 2, args=(cfg, str(tmp_path)), timeout_s=600):
+        assert checks == STEPS // 2
+        for s in range(STEPS):
+            assert close(losses[s], serial["kv1"]["losses"][s], 1e-5), (s, losses)
+            assert close(norms[s], serial["kv1"]["norms"][s], 1e-5), (s, norms)
