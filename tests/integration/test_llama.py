@@ -1,8 +1,9 @@
 """The Llama family on real gloo ranks: logits equal transformers' `LlamaForCausalLM` under tp2 +
 SP and pp2; training equals the serial run (fp32, dropout 0: losses, grad norms, validation
 loss, every parameter slice after every step) under tp2 + SP with the KV heads split and with
-them replicated (n_kv_head = 1 < tp), pp2 zb-v, dp2 zero 3 and one combined layout (tp2 + SP,
-pp2 zb-h1, replicated KV heads) that resumes from another layout's checkpoint; the same
+them replicated (n_kv_head = 1 < tp), pp2 zb-v, dp2 zero 3, and two 4-rank layouts with the KV
+head replicated (tp2 + SP + pp2 zb-h1, tp2 + SP + dp2 zero 3) that resume from the tp2
+layout's checkpoint; the same
 checkpoint resumed serially (tp2 -> tp1: the shared KV slices read once) and exported to
 transformers."""
 from __future__ import annotations
@@ -137,8 +138,9 @@ def test_layouts_equal_serial_and_resume_under_another_layout(tiny_data, tmp_pat
     expected = from_step(serial["kv1"], SAVE_AT)
     combined = _common(tiny_data, *KV1, "tp=2", "sp=true", "pp=2", "parallel.schedule=zb-h1",
                        *resume)
-    (ranks,) = train_layouts(tmp_path / "w4", 4, [combined], steps=STEPS - SAVE_AT)
-    assert_equal(expected, ranks)
+    zero3 = _common(tiny_data, *KV1, "tp=2", "sp=true", "zero=3", *resume)
+    for ranks in train_layouts(tmp_path / "w4", 4, [combined, zero3], steps=STEPS - SAVE_AT):
+        assert_equal(expected, ranks)
     assert_equal(expected, [train_in_process(tmp_path / "r1", _common(tiny_data, *KV1, *resume),
                                              STEPS - SAVE_AT)])
     _assert_export_is_serial(ckpt / f"step_{SAVE_AT:08d}", tmp_path / "hf",
