@@ -71,6 +71,9 @@ class ParamSums:
     split: int  # of which split over TP (what a zero-bubble W computes the gradient of)
     largest: int  # elements of the largest one
     units: List[int]  # each parameter's elements, in registration order
+    # slots of the TP-shared slices' gradient sum (`sum_tp_shares`): tp / tp_replicas slots of
+    # each shared parameter's elements (grouped-query attention's K, V with tp > n_kv_head)
+    shared_slots: int = 0
 
 
 def param_sums(specs: Specs, tp: int) -> ParamSums:
@@ -79,7 +82,9 @@ def param_sums(specs: Specs, tp: int) -> ParamSums:
                      replicated=sum(n for n, s in sizes if s.tp_replicated),
                      decayed=sum(n for n, s in sizes if s.weight_decay),
                      split=sum(n for n, s in sizes if not s.tp_replicated),
-                     largest=max((n for n, _ in sizes), default=0), units=[n for n, _ in sizes])
+                     largest=max((n for n, _ in sizes), default=0), units=[n for n, _ in sizes],
+                     shared_slots=sum(n * tp // s.tp_replicas for n, s in sizes
+                                      if s.tp_replicas > 1))
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ a full activation:
        reduce-scatter), as
        it stops once the saved tensors are rebuilt (before the MLP's reduction); the embedding, the
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
-       TP-replicated gradients per step
+       TP-replicated gradients per step; KV heads shared by k TP ranks (tp > n_kv_head): one
+       all-reduce per step of tp/k slots of their fp32 gradients
   pp   per micro-batch and chunk: the activation forward and its gradient backward, e·s'bh
        each (a chunk that starts / ends the model receives / sends none); with TP and no SP
        1/t of it, the receiver all-gathering the rest over TP (+ (t−1)/t·e·sbh per received

@@ -16,6 +16,7 @@ class StageSums:
 
     psi: int = 0  # parameter elements
     replicated: int = 0  # of which TP-replicated (norms, row-parallel biases, wpe)
+    shared_slots: int = 0  # the TP-shared slices' gradient-sum buffer (`ParamSums`)
     largest_unit: int = 0  # ZeRO-3's largest gathered unit
     kept_units: int = 0  # ZeRO-3 units kept gathered from forward into backward
     sends: float = 0.0  # point-to-point tensors per micro-batch
@@ -51,6 +52,7 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     sums.psi += n * d.layer_params
     sums.blocks += n
     sums.replicated += n * d.block.replicated  # norms and the row-parallel biases
+    sums.shared_slots += n * d.block.shared_slots  # KV heads shared by TP ranks
     sums.decayed += n * d.block.decayed
     # zero-bubble schedules: a W computes the weight gradients of the chunk's matmuls (its
     # blocks' TP-split parameters, the token embedding, the head)
@@ -120,6 +122,7 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
     scatter = tp if tp > 1 and not lay.sequence_parallel and pp > 1 else 1
     tp_bytes = micro * sums.tp_per_micro + (
         2 * r * 4 * sums.replicated / shard if lay.sequence_parallel else 0) + (
+        2 * r * 4 * sums.shared_slots / shard) + (
         micro * sums.sends * r * d.full if scatter > 1 else 0) if tp > 1 else 0.0
     pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
                      * d.cfg.model.n_embd) / scatter if pp > 1 else 0.0

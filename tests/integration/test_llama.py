@@ -18,6 +18,7 @@ from tests.conftest import random_hf_llama
 from tests.layouts import (
     assert_equal,
     close,
+    composed,
     from_step,
     serial_global,
     train_in_process,
@@ -131,20 +132,49 @@ def test_layouts_equal_serial_and_resume_under_another_layout(tiny_data, tmp_pat
     results = train_layouts(tmp_path / "w2", 2, [_common(tiny_data, *extra)
                                                  for _, extra in two.values()],
                             steps=STEPS, save_at=SAVE_AT)
-    for (name, (reference, _)), ranks in zip(two.items(), results):
+    for (name, (reference, extra)), ranks in zip(two.items(), results):
         assert_equal(serial[reference], ranks)
+        _assert_plan(_common(tiny_data, *extra), 2, ranks)
 
     resume = [f"checkpoint.resume={ckpt / f'step_{SAVE_AT:08d}'}"]
     expected = from_step(serial["kv1"], SAVE_AT)
     combined = _common(tiny_data, *KV1, "tp=2", "sp=true", "pp=2", "parallel.schedule=zb-h1",
                        *resume)
     zero3 = _common(tiny_data, *KV1, "tp=2", "sp=true", "zero=3", *resume)
-    for ranks in train_layouts(tmp_path / "w4", 4, [combined, zero3], steps=STEPS - SAVE_AT):
+    for run, ranks in zip((combined, zero3), train_layouts(tmp_path / "w4", 4, [combined, zero3],
+                                                           steps=STEPS - SAVE_AT)):
         assert_equal(expected, ranks)
+        _assert_plan(run, 4, ranks)
     assert_equal(expected, [train_in_process(tmp_path / "r1", _common(tiny_data, *KV1, *resume),
                                              STEPS - SAVE_AT)])
     _assert_export_is_serial(ckpt / f"step_{SAVE_AT:08d}", tmp_path / "hf",
                              serial_global(serial["kv1"], SAVE_AT - 1))
+
+
+def _assert_plan(overrides, world, ranks):
+    """The plan of the layout against what its ranks measured: parameters per rank, model-state
+    bytes, and each group's wire bytes per step (the mean over a stage's ranks, as
+    tests/integration/test_plan.py compares GPT-2's; the shared KV heads' gradient sum in tp)."""
+    from megalite.config.layout import Layout
+    from megalite.plan.memory import make_plan
+
+    cfg = composed(overrides)
+    plan = make_plan(cfg, Layout.from_config(cfg, world, "cpu"))
+    for res in ranks:
+        stage = plan.stages[res["coords"][1]]
+        assert res["local_numel"] == stage.params, overrides
+        for kind, got in res["bytes"].items():
+            assert got == pytest.approx(stage.bytes[kind], rel=0.01), (overrides, kind)
+    # zb-v's pp bytes are left out: the plan counts the V's turn on the last stage (local, no
+    # transfer) as two sends, for every family
+    groups = ("tp", "dp") if cfg.parallel.schedule == "zb-v" else ("tp", "pp", "dp")
+    for stage in plan.stages:
+        mine = [r for r in ranks if r["coords"][1] == stage.stage]
+        for group in groups:
+            got = sum(sum(v["wire_bytes"] for k, v in r["step_comm"].items()
+                          if k.startswith(group + "/")) for r in mine) / len(mine)
+            assert got == pytest.approx(stage.comm[group], rel=0.02, abs=64), \
+                (overrides, stage.stage, group, got, stage.comm[group])
 
 
 def _assert_export_is_serial(ckpt, out, weights):
@@ -185,8 +215,6 @@ def test_fit_with_the_defaults_on_equals_serial(tiny_data, tmp_path, serial):
     """tp2 + SP with the KV head replicated, trained by `fit()` with the default-on services
     in the run (checkpoints, replica checks, straggler reports, validation): its losses and
     grad norms equal the serial run's, and the replica checks (steps 2, 4, 6) pass."""
-    from tests.layouts import composed
-
     cfg = composed(_common(tiny_data, *KV1, "tp=2", "sp=true", *DEFAULTS_IN_RUN,
                            f"checkpoint.dir={tmp_path}/ckpt"))
     for losses, norms, checks in run_ranks(_fit, 2, args=(cfg, str(tmp_path)), timeout_s=600):
