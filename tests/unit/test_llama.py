@@ -17,6 +17,12 @@ from megalite.model.hf_llama import from_hf_state_dict
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.llama import RMSNorm
 from tests.conftest import random_hf_gpt2, random_hf_llama
+from tests.unit.test_hellaswag import (
+    assert_scores,
+    serial_trainer,
+    transformers_scores,
+    write_hellaswag,
+)
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 GQA = ModelConfig(name="gqa", arch="llama", n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
@@ -166,3 +172,21 @@ def test_bad_llama_configs_are_refused_before_launch(overrides, message):
         return
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world)
+
+
+def test_hellaswag_scores_equal_transformers(tiny_data, tmp_path):
+    """HellaSwag during training scores a Llama as LlamaForCausalLM does on the same random
+    weights (its export): per-ending losses, counts, acc and acc_norm."""
+    llama = ["model.arch=llama", "model.n_kv_head=2", "model.n_inner=96",
+             "model.tie_word_embeddings=false"]
+    writer = serial_trainer(tiny_data, tmp_path / "random", *llama)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in writer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    checkpoint = writer.save()
+    data = write_hellaswag(tmp_path / "hellaswag.jsonl")
+    run = serial_trainer(tiny_data, tmp_path / "run", *llama, f"init_from={checkpoint}",
+                         f"eval.hellaswag={data}", "eval.hellaswag_examples=7",
+                         "train.micro_batch_size=8", "train.eval_every=1000")
+    assert_scores(run.evaluate_hellaswag(), transformers_scores(checkpoint, 7, seq_len=32))
