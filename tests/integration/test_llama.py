@@ -1,7 +1,7 @@
 """The Llama family on real gloo ranks: logits equal transformers' `LlamaForCausalLM` under tp2 +
 SP and pp2; training equals the serial run (fp32, dropout 0: losses, grad norms, validation
 loss, every parameter slice after every step) under tp2 + SP with the KV heads split and with
-them replicated (n_kv_head = 1 < tp), pp2 zb-v, dp2 zero 3, and two 4-rank layouts with the KV
+them replicated (n_kv_head = 1 < tp), pp2 zb-v, pp2 interleaved, dp2 zero 3, and two 4-rank layouts with the KV
 head replicated (tp2 + SP + pp2 zb-h1, tp2 + SP + dp2 zero 3) that resume from the tp2
 layout's checkpoint; the same
 checkpoint resumed serially (tp2 -> tp1: the shared KV slices read once) and exported to
@@ -128,6 +128,7 @@ def test_layouts_equal_serial_and_resume_under_another_layout(tiny_data, tmp_pat
            "tp2 sp replicated kv": ("kv1", ["tp=2", "sp=true", *KV1, f"checkpoint.dir={ckpt}"]),
            "tp2 replicated kv, recompute": ("kv1", ["tp=2", *KV1, "train.recompute=true"]),
            "pp2 zb-v": ("kv2", ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2"]),
+           "pp2 interleaved": ("kv2", ["pp=2", "parallel.virtual_stages=2"]),
            "dp2 zero3, optimizer offload": ("kv2", ["zero=3", "offload.optimizer=0.5"])}
     results = train_layouts(tmp_path / "w2", 2, [_common(tiny_data, *extra)
                                                  for _, extra in two.values()],
