@@ -1,11 +1,11 @@
 """The Llama family on real gloo ranks: logits equal transformers' `LlamaForCausalLM` under tp2 +
 SP and pp2; training equals the serial run (fp32, dropout 0: losses, grad norms, validation
 loss, every parameter slice after every step) under tp2 + SP with the KV heads split and with
-them replicated (n_kv_head = 1 < tp), pp2 zb-v, pp2 interleaved, dp2 zero 3, and two 4-rank layouts with the KV
-head replicated (tp2 + SP + pp2 zb-h1, tp2 + SP + dp2 zero 3) that resume from the tp2
-layout's checkpoint; the same
-checkpoint resumed serially (tp2 -> tp1: the shared KV slices read once) and exported to
-transformers."""
+them replicated (n_kv_head = 1 < tp), pp2 zb-v, pp2 interleaved, dp2 zero 3, and two 4-rank
+layouts with the KV head replicated (tp2 + SP + pp2 zb-h1, tp2 + SP + dp2 zero 3) that resume
+from the tp2 layout's checkpoint; the same checkpoint resumed serially (tp2 -> tp1: the shared
+KV slices read once) and exported to transformers; each layout against the plan; `fit()` with
+the default-on services."""
 from __future__ import annotations
 
 import pytest
