@@ -114,3 +114,20 @@ def shard_arrays(shards) -> list:
     import numpy as np
 
     return [np.fromfile(p, dtype=shards.dtype) for p in shards.paths]
+
+
+def random_hf_llama(model_cfg, seed: int = 0):
+    """A `transformers.LlamaForCausalLM` of `model_cfg`'s shape in eval mode with every
+    parameter random (RMSNorm weights too: a fresh one has unit norms, under which a mapping
+    that swaps the two norms of a block would still match)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from megalite.model.hf_llama import hf_config
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_config(model_cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model

@@ -175,7 +175,7 @@ def run(args) -> List[dict]:
                                          for i in range(2)],
                      "async_published_s": max(r["async_published_s"] for r in res)})
         if n_params is None:
-            from megalite.model.gpt2 import num_parameters
+            from megalite.model.families import num_parameters
 
             n_params = num_parameters(load_config([f"model={args.preset}"]).model)
         if not args.dir:

@@ -29,7 +29,7 @@ import torch
 
 from megalite.bench.train import megalite_parts, random_batches
 from megalite.config.schema import load_config
-from megalite.model.gpt2 import flops_per_token
+from megalite.model.families import flops_per_token
 from megalite.train.metrics import peak_memory_bytes, peak_tflops
 from megalite.utils.clock import DeviceClock
 

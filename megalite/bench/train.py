@@ -1,12 +1,14 @@
-"""Single-device training throughput: megalite against `transformers.GPT2LMHeadModel`.
+"""Single-device training throughput: megalite against `transformers`' model of the same family
+(`GPT2LMHeadModel`, `LlamaForCausalLM`).
 
 Both train the same shapes on the same batches with AdamW (decay on matrices, global-norm
 clipping at 1.0, fused on CUDA) and mixed precision on CUDA: megalite keeps bf16 parameters
 with fp32 master weights and fp32 gradient accumulation in its engine (Megatron's scheme);
 transformers runs as its Trainer does with bf16=True (fp32 parameters under bf16 autocast).
-megalite runs its real training path: GPT2 stage -> pipeline schedule (pp = 1) -> ZeRO engine
-(zero = 0). Reported per configuration: tokens/s, model TFLOP/s and MFU (6N + 12·L·h·s FLOPs
-per token, the device's dense bf16 peak), peak memory, and the ratio megalite / transformers.
+megalite runs its real training path: the family's stage -> pipeline schedule (pp = 1) -> ZeRO
+engine (zero = 0). Reported per configuration: tokens/s, model TFLOP/s and MFU (6N + 12·L·h·s
+FLOPs per token as the family counts them, the device's dense bf16 peak), peak memory, and the
+ratio megalite / transformers.
 
 On CPU the two alternate step by step (noise hits both); on CUDA each runs alone, one after
 the other, in the same process. `--micro-batch` takes candidates, largest first: the first
@@ -25,7 +27,7 @@ import torch
 from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 from megalite.config.layout import PRECISION_DTYPES, Layout
 from megalite.config.schema import ATTENTION_CHOICES, OptimConfig, load_config
-from megalite.model.gpt2 import GPT2, flops_per_token
+from megalite.model.families import causal_lm, family, flops_per_token
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
@@ -46,8 +48,8 @@ def megalite_parts(mcfg, device, micro_batch: int, seq: int, recompute: bool, co
     topo = build_topology(1, 1, 1)
     rng = RNGTracker(0, 0, 0, 0, device)
     with torch.device(device):
-        model = GPT2(mcfg, topo.tp_group, rng=rng, recompute=recompute, compile=compile,
-                     attention=attention, recompute_layers=recompute_layers)
+        model = causal_lm(mcfg, tp_group=topo.tp_group, rng=rng, recompute=recompute,
+                          compile=compile, attention=attention, recompute_layers=recompute_layers)
     init_parameters(model, seed=0)
     engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig())
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
@@ -71,14 +73,13 @@ def megalite_step(mcfg, device, micro_batch: int, seq: int, recompute: bool, com
 
 
 def transformers_step(mcfg, device, compile: bool) -> Callable[[Batches], None]:
-    from transformers import GPT2LMHeadModel
+    import transformers
 
-    from megalite.model.hf import hf_config
-
+    mapping = family(mcfg).hf
     torch.manual_seed(0)
-    hf_cfg = hf_config(mcfg)
+    hf_cfg = mapping.hf_config(mcfg)
     hf_cfg._attn_implementation = "sdpa"  # the same attention kernel as megalite
-    model = GPT2LMHeadModel(hf_cfg).to(device).train()
+    model = getattr(transformers, mapping.model_class)(hf_cfg).to(device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -258,6 +259,6 @@ def add_arguments(parser) -> None:
                         help="after timing, profile one step of each configuration: print the "
                         "top kernels, write a Chrome trace per configuration into DIR")
     parser.add_argument("--reference", type=int, default=1, choices=[0, 1],
-                        help="also run transformers.GPT2LMHeadModel (default 1)")
+                        help="also run transformers' model of the family (default 1)")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

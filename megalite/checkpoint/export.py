@@ -3,10 +3,10 @@
 A checkpoint of any layout (tp, pp, dp, zero; see `megalite.checkpoint.format`) holds the fp32
 master weights in pieces; `read_global_state` rebuilds the global tensors. From there:
 
-    export_hf(ckpt, out_dir)   a `transformers` GPT-2 directory (config.json, model.safetensors,
-                               generation_config.json, tokenizer files) that
-                               GPT2LMHeadModel / AutoTokenizer.from_pretrained load
-    load_model(ckpt)           the serial megalite GPT2 (tp = pp = 1) with the checkpoint's weights
+    export_hf(ckpt, out_dir)   a `transformers` directory of the model's family (config.json,
+                               model.safetensors, generation_config.json, tokenizer files) that
+                               GPT2LMHeadModel / LlamaForCausalLM and AutoTokenizer load
+    load_model(ckpt)           the serial megalite stage (tp = pp = 1) with the checkpoint's weights
     load_tokenizer(ckpt)       the tokenizer the run's data was tokenized with
 
 `ckpt` is a checkpoint directory (`step_NNNNNNNN/` holding meta.json) or a checkpoint root
@@ -27,8 +27,9 @@ from megalite.checkpoint.format import read_global_state, read_meta
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
 from megalite.config.schema import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
-from megalite.model.gpt2 import GPT2
-from megalite.model.hf import save_hf
+from megalite.model.causal_lm import CausalLM
+from megalite.model.families import causal_lm
+from megalite.model.hf_io import save_hf
 from megalite.model.init import load_global_state
 
 
@@ -38,7 +39,7 @@ class ExportError(CheckpointNotFound):
 
 def model_config(ckpt: Path) -> ModelConfig:
     """The model shape recorded in a checkpoint's meta.json."""
-    return ModelConfig(**read_meta(resolve_checkpoint(ckpt))["model"])
+    return ModelConfig.from_record(read_meta(resolve_checkpoint(ckpt))["model"])
 
 
 def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
@@ -74,18 +75,20 @@ def load_tokenizer(ckpt: Path, override: Optional[str] = None):
     return tokenizer
 
 
-def load_model(ckpt: Path, device: str = "cpu") -> GPT2:
-    """The serial GPT2 holding the checkpoint's weights, in eval mode; `ckpt` is a checkpoint
-    or a checkpoint directory (its latest complete checkpoint)."""
+def load_model(ckpt: Path, device: str = "cpu") -> CausalLM:
+    """The serial model (of the checkpoint's family) holding the checkpoint's weights, in
+    eval mode; `ckpt` is a checkpoint or a checkpoint directory (its latest complete
+    checkpoint)."""
     ckpt = resolve_checkpoint(ckpt)
     with torch.device(device):
-        model = GPT2(model_config(ckpt))
+        model = causal_lm(model_config(ckpt))
     load_global_state(model, read_global_state(ckpt))
     return model.eval()
 
 
 def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = False) -> Path:
-    """Write checkpoint `ckpt` as a `transformers` GPT-2 directory `out_dir`.
+    """Write checkpoint `ckpt` as a `transformers` directory `out_dir` (GPT2LMHeadModel or
+    LlamaForCausalLM, by the checkpoint's `model.arch`).
 
     Everything is written to a temporary sibling directory that replaces `out_dir` only when
     complete. An existing non-empty `out_dir` is an error unless `force`; `out_dir` may never

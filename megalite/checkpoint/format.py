@@ -81,7 +81,8 @@ CRC_BLOCK_BYTES = 2**20  # format 4: a CRC32 per block of this many bytes of a r
 #                          resume verifies the blocks its reads touch: smaller blocks waste less
 #                          where its ranges end mid-block; meta.json lists ~1 per MiB of state)
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-SHAPE_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner")
+SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_kv_head", "n_positions", "vocab_size",
+              "n_inner", "tie_word_embeddings", "rope_theta")
 # meta.json's own entries, the checkpoint's record (format 3 wrote "pieces" where format 5
 # writes "tensors"); every other entry is a stateful part's (`megalite.checkpoint.state`)
 RECORD_KEYS = ("format_version", "consumed_samples", "adam_step", "layout", "model", "config",
@@ -96,11 +97,12 @@ def rank_file(name: str, rank: int) -> str:
 def written_range(piece: StatePiece, topo: Topology) -> Optional[Tuple[int, int]]:
     """The part [a, b) of this rank's owned range of a piece that it writes, or None. Every
     element is written once: not by the tied embedding's second copy, not by TP ranks other
-    than 0 for TP-replicated tensors; a range that DP replicas all hold (zero 0) is written by
-    the replica that zero >= 1 would give it (`StatePiece.dp_share`), so a save uses every
+    than 0 for TP-replicated tensors nor by the later ranks sharing a TP slice
+    (`ParamSpec.tp_writer`); a range that DP replicas all hold (zero 0) is written by the
+    replica that zero >= 1 would give it (`StatePiece.dp_share`), so a save uses every
     replica's bandwidth and a resume under zero >= 1 on the same dp reads its own file."""
     spec = piece.spec
-    if spec.tied_copy or (spec.tp_replicated and topo.coords.tp_rank != 0):
+    if spec.tied_copy or not spec.tp_writer(topo.coords.tp_rank):
         return None
     a, b = piece.dp_share
     return (a, b) if a < b else None
@@ -263,11 +265,15 @@ def shape_mismatch(theirs: dict, cfg: ModelConfig, where: str,
                    keys: Tuple[str, ...] = SHAPE_KEYS) -> Optional[str]:
     """What is wrong, if anything, between a checkpoint's model (meta.json's "model", trained
     by `where`) and `cfg`: the first differing key of `keys`, named with both values. The MLP
-    size counts, not how it was written (n_inner=null is 4 * n_embd)."""
+    size counts, not how it was written (n_inner=null is 4 * n_embd, n_kv_head=null n_head); a
+    key an older megalite did not record has its default (a GPT-2 then)."""
+    defaults = ModelConfig()
     for key in keys:
-        ours, recorded = getattr(cfg, key), theirs.get(key)
+        ours, recorded = getattr(cfg, key), theirs.get(key, getattr(defaults, key))
         if key == "n_inner":
             same = cfg.ffn_size == (recorded if recorded is not None else 4 * theirs.get("n_embd"))
+        elif key == "n_kv_head":
+            same = cfg.kv_heads == (recorded if recorded is not None else theirs.get("n_head"))
         else:
             same = recorded == ours
         if not same:

@@ -37,8 +37,13 @@ class Piece(NamedTuple):
 
 
 def spec_record(spec: ParamSpec, tp: int) -> dict:
-    return {"shape": list(spec.shape), "tp_dim": spec.tp_dim, "tp_interleave": spec.tp_interleave,
-            "padded_rows": spec.padded_rows, "tp": tp}
+    """How the writer cut a tensor; `tp_replicas` only where TP ranks share slices (a key an
+    older reader would ignore, but it reads no model that has such tensors)."""
+    record = {"shape": list(spec.shape), "tp_dim": spec.tp_dim,
+              "tp_interleave": spec.tp_interleave, "padded_rows": spec.padded_rows, "tp": tp}
+    if spec.tp_replicas > 1:
+        record["tp_replicas"] = spec.tp_replicas
+    return record
 
 
 @dataclass
@@ -53,7 +58,7 @@ class TensorIndex:
     def from_record(cls, name: str, record: dict) -> "TensorIndex":
         rec = record["spec"]
         spec = ParamSpec(name, tuple(rec["shape"]), rec["tp_dim"], rec["tp_interleave"],
-                         rec["padded_rows"])
+                         rec["padded_rows"], tp_replicas=rec.get("tp_replicas", 1))
         pieces = {kind: sorted(Piece(*p) for p in ps) for kind, ps in record["pieces"].items()}
         return cls(name, spec, rec["tp"], pieces)
 
@@ -65,7 +70,7 @@ class TensorIndex:
         pieces without a gap, so reading cannot fail halfway (after the ranks agreed)."""
         numel = int(np.prod(self.spec.local_shape(self.tp)))
         for kind, pieces in self.pieces.items():
-            for rank in range(self.tp if self.spec.tp_dim is not None else 1):
+            for rank in writer_ranks(self.spec, self.tp):
                 end = 0
                 for p in (p for p in pieces if p.tp_rank == rank):
                     size = files.get(p.file, {}).get("bytes", -1)
@@ -76,6 +81,11 @@ class TensorIndex:
                     raise CheckpointError(f"{where}: the pieces of {self.name} ({kind}, TP "
                                           f"rank {rank}) do not cover it or lie outside their "
                                           "file")
+
+
+def writer_ranks(spec: ParamSpec, tp: int) -> range:
+    """The TP ranks that wrote a tensor's slices (`ParamSpec.tp_writer`)."""
+    return range(0, tp, spec.tp_replicas) if spec.tp_dim is not None else range(1)
 
 
 def index_records(pieces: List[dict]) -> Dict[str, dict]:

@@ -10,7 +10,9 @@ and every other axis is whole. So a flattened slice, viewed as (outer, axis, inn
 the product of the dims before d and inner of those after, maps onto the writer's slices in runs:
 for each outer index o and each stretch of axis indices that stays inside one chunk of the
 reader and one chunk of a writer, the elements (o·A + j)·inner ... are contiguous on both sides.
-Rows past the logical size (the padding) are read from nobody: they stay zero.
+Rows past the logical size (the padding) are read from nobody: they stay zero. A slice that k TP
+ranks share (`ParamSpec.tp_replicas`) is cut tp / k ways, chunk r // k on rank r, and was
+written by the first of its k ranks.
 
 This lets a resume under a changed TP size read exactly its own elements of the checkpoint
 (O(its share) per rank) instead of rebuilding every global tensor of its stage.
@@ -47,6 +49,8 @@ def _chunks(spec: ParamSpec, tp: int, rank: int) -> List[Tuple[int, int, int]]:
     _, padded, logical, k = _axis(spec)
     if spec.tp_dim is None:
         tp, rank = 1, 0
+    else:
+        tp, rank = spec.tp_chunks(tp, rank)
     block, c = padded // k, padded // (k * tp)
     out = []
     for b in range(k):
@@ -61,8 +65,8 @@ def axis_segments(reader: ParamSpec, tp: int, rank: int, writer: ParamSpec, writ
                   ) -> List[Tuple[int, int, int, int]]:
     """(reader local start, writer rank, writer local start, length) along the split axis:
     the reader's chunks cut where they cross writers' chunks."""
-    writers = [(w, *chunk) for w in range(writer_tp if writer.tp_dim is not None else 1)
-               for chunk in _chunks(writer, writer_tp, w)]
+    ranks = range(0, writer_tp, writer.tp_replicas) if writer.tp_dim is not None else range(1)
+    writers = [(w, *chunk) for w in ranks for chunk in _chunks(writer, writer_tp, w)]
     segments = []
     for local, g, n in _chunks(reader, tp, rank):
         for w, w_local, w_g, w_n in writers:
@@ -98,6 +102,7 @@ def runs(reader: ParamSpec, tp: int, rank: int, writer: ParamSpec, writer_tp: in
 
 
 def same_split_axis(reader: ParamSpec, writer: ParamSpec) -> bool:
-    """The two specs cut the same axis into the same blocks (only tp and padding may differ)."""
+    """The two specs cut the same axis into the same blocks (only tp, padding and the TP
+    ranks sharing a slice may differ)."""
     return reader.tp_dim == writer.tp_dim and reader.tp_interleave == writer.tp_interleave \
         and reader.shape == writer.shape

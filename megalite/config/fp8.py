@@ -30,9 +30,18 @@ class Fp8Config:
             fail("fp8.recipe", self.recipe, f"use one of {', '.join(RECIPES)}")
 
 
-def fp8_linears(n_embd: int, ffn: int, tp: int) -> List[Tuple[str, str, int, str, int]]:
+def fp8_linears(n_embd: int, ffn: int, tp: int, arch: str = "gpt2"
+                ) -> List[Tuple[str, str, int, str, int]]:
     """(layer, key of its input dimension, local input size, key of its output dimension,
-    local output size) of each FP8 linear of a GPT-2 block: one TP rank's weight."""
+    local output size) of each FP8 linear of a block of `arch` (model.arch): one TP rank's
+    weight. Llama's q/k/v projections are not FP8 linears (megalite.model.llama.Projection)."""
+    if arch == "llama":
+        return [("model.layers.*.self_attn.o_proj", "model.n_embd / tp", n_embd // tp,
+                 "model.n_embd", n_embd),
+                ("model.layers.*.mlp.gate_up_proj", "model.n_embd", n_embd,
+                 "2 * model.n_inner / tp", 2 * ffn // tp),
+                ("model.layers.*.mlp.down_proj", "model.n_inner / tp", ffn // tp,
+                 "model.n_embd", n_embd)]
     return [("transformer.h.*.attn.c_attn", "model.n_embd", n_embd,
              "3 * model.n_embd / tp", 3 * n_embd // tp),
             ("transformer.h.*.attn.c_proj", "model.n_embd / tp", n_embd // tp,
@@ -76,7 +85,7 @@ def fp8_dims_refusal(model, tp: int, seq_len: int, micro_batch: int) -> Optional
     weight's input and output sizes) and the tokens of a micro-batch (the weight gradient's
     contraction): the first dimension that is not a multiple of DIM_MULTIPLE, or None."""
     for layer, in_key, in_size, out_key, out_size in fp8_linears(model.n_embd, model.ffn_size,
-                                                                 tp):
+                                                                 tp, model.arch):
         for key, size in ((in_key, in_size), (out_key, out_size)):
             if size % DIM_MULTIPLE:
                 return (f"{layer}: {key} = {size} (tp={tp}, one rank's weight) is not a "

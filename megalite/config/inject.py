@@ -17,7 +17,9 @@ quoting on a command line, the second is a quoted Hydra string.)
     kind    transient: only the step's first execution (a re-execution computes right);
             persistent: every computation this rank does at that step, re-executions and
             recomputations of another replica's micro-batches included
-    tensor  the parameter's global name (default transformer.h.0.ln_1.weight)
+    tensor  the parameter's global name (default: the first block's first norm weight,
+            transformer.h.0.ln_1.weight for GPT-2, model.layers.0.input_layernorm.weight for
+            Llama: the model family's `probe_tensor`)
     index   the element of the parameter (flat, in this rank's shard; default 0)
     bit     the bit of the element's binary representation (default: the top exponent bit,
             30 of an fp32, 14 of a bf16 or fp16 parameter: 1.0 becomes inf); parameters are
@@ -46,7 +48,7 @@ class InjectSpec:
     step: int
     target: str = "param"
     kind: str = "transient"
-    tensor: str = "transformer.h.0.ln_1.weight"
+    tensor: Optional[str] = None  # None: the family's default (`parse_inject`)
     index: int = 0
     bit: Optional[int] = None  # None: the top exponent bit of the element
 
@@ -55,8 +57,9 @@ class InjectSpec:
         return width - 2 if self.bit is None else self.bit
 
 
-def parse_inject(spec: str) -> InjectSpec:
-    """The drill `spec` names (ConfigError naming resilience.inject when malformed)."""
+def parse_inject(spec: str, default_tensor: Optional[str] = None) -> InjectSpec:
+    """The drill `spec` names (ConfigError naming resilience.inject when malformed); a drill
+    that names no tensor targets `default_tensor` (the model family's `probe_tensor`)."""
     fields = {}
     for item in re.split(r"[,/]", str(spec)):
         parts = re.split(r"[=:]", item, maxsplit=1)
@@ -74,6 +77,7 @@ def parse_inject(spec: str) -> InjectSpec:
                 fields[key] = int(fields[key])
             except ValueError:
                 fail(KEY, spec, f"{key}={fields[key]!r} must be an integer; {EXAMPLE}")
+    fields.setdefault("tensor", default_tensor)
     parsed = InjectSpec(**fields)
     if parsed.rank < 0 or parsed.step < 1 or parsed.index < 0 or not 0 <= parsed.bit_in(64) < 64:
         fail(KEY, spec, "needs rank >= 0, step >= 1, index >= 0 and 0 <= bit < 64 (the "

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from megalite.config.errors import fail
 from megalite.config.fp8 import Fp8Config
+from megalite.config.model import ModelConfig
 from megalite.config.sections import (
     CheckpointConfig,
     EvalConfig,
@@ -38,43 +39,6 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
 
 
-
-@dataclass
-class ModelConfig:
-    """GPT-2 shape, with `transformers.GPT2Config` field names."""
-
-    name: str = "tiny"  # preset name, for the record (the shape below is what counts)
-    n_layer: int = 4
-    n_embd: int = 128
-    n_head: int = 4
-    n_positions: int = 256
-    vocab_size: int = 50257
-    n_inner: Optional[int] = None  # MLP hidden size; None = 4 * n_embd (as in HF)
-    resid_pdrop: float = 0.1
-    embd_pdrop: float = 0.1
-    attn_pdrop: float = 0.1
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
-
-    @property
-    def ffn_size(self) -> int:
-        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
-
-    def check(self) -> None:
-        for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
-            if getattr(self, key) < 1:
-                fail(f"model.{key}", getattr(self, key), "must be a positive integer")
-        for key in ("layer_norm_epsilon", "initializer_range"):
-            if not getattr(self, key) > 0:
-                fail(f"model.{key}", getattr(self, key), "must be > 0 (GPT-2 uses "
-                      f"{getattr(ModelConfig, key)})")
-        if self.n_inner is not None and self.n_inner < 1:
-            fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
-        if self.n_embd % self.n_head != 0:
-            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
-        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
 
 @dataclass
 class DataConfig:
@@ -265,8 +229,9 @@ class Config:
     layout: str = "manual"  # manual (tp, pp, zero, ... as given) | auto: the planner's fastest
     #                         predicted layout for the world size (docs/planner.md), the layout
     #                         keys given on the command line held fixed
-    init_from: Optional[str] = None  # weights to start from: HF GPT2LMHeadModel directory or hub
-    #                                  id, or a megalite checkpoint (weights only, step 0)
+    init_from: Optional[str] = None  # weights to start from: a transformers directory or hub id
+    #                                  of model.arch's family (GPT2LMHeadModel, LlamaForCausalLM),
+    #                                  or a megalite checkpoint (weights only, step 0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

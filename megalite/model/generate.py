@@ -1,4 +1,4 @@
-"""Autoregressive sampling from a serial GPT2 (tp = pp = 1): the simplest proof that a
+"""Autoregressive sampling from a serial model stage (tp = pp = 1, any family): the simplest proof that a
 checkpoint is a language model.
 
 No KV cache: every new token re-runs the model on the last `n_positions` tokens (a sliding
@@ -14,11 +14,11 @@ from typing import List, Optional
 
 import torch
 
-from megalite.model.gpt2 import GPT2
+from megalite.model.causal_lm import CausalLM
 
 
 @torch.no_grad()
-def generate(model: GPT2, ids: List[int], max_new_tokens: int, temperature: float = 1.0,
+def generate(model: CausalLM, ids: List[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
              vocab_size: Optional[int] = None, eos_token_id: Optional[int] = None) -> List[int]:
     """`ids` (at least one token) followed by up to `max_new_tokens` sampled tokens, the last

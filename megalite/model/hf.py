@@ -1,4 +1,5 @@
-"""Mapping between `transformers.GPT2LMHeadModel` and megalite's GPT-2 state.
+"""Mapping between `transformers.GPT2LMHeadModel` and megalite's GPT-2 state (GPT-2's
+`HFMapping`; reading and writing transformers directories for any family: `megalite.model.hf_io`).
 
 HF GPT-2 stores its linear layers as `Conv1D` with weight [in, out]; megalite uses nn.Linear
 [out, in], so the mapping is: same names, Conv1D weights transposed, HF's attention-mask
@@ -7,7 +8,6 @@ embedding (`lm_head.weight` is `transformer.wte.weight`).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Dict, Optional
 
 import torch
@@ -83,59 +83,28 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                               f"has {key}={ours[0]!r}; its weights would compute another model")
 
 
-def check_init_from(source: str, cfg: ModelConfig) -> None:
-    """Before launch: `source` has a GPT-2 config (config.json only, no weights read) that
-    matches the model config."""
-    from transformers import GPT2Config
+class GPT2Mapping:
+    """GPT-2's `transformers` mapping (`megalite.model.family.HFMapping`)."""
 
-    try:
-        hf_cfg = GPT2Config.from_pretrained(source)
-    except OSError as e:
-        raise ConfigError(f"init_from={source!r}: no GPT-2 config.json there ({e}); give a "
-                          "directory written by save_pretrained or a hub id such as gpt2") from e
-    check_shape_matches(cfg, hf_cfg, source)
+    model_type, model_class, display, hub_example = "gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2"
 
+    def hf_config(self, cfg: ModelConfig, bos_token_id: Optional[int] = None,
+                  eos_token_id: Optional[int] = None):
+        return hf_config(cfg, bos_token_id, eos_token_id)
 
-def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Read GPT2LMHeadModel weights from a local directory or a hub id, as megalite names."""
-    from transformers import GPT2LMHeadModel
+    def from_hf_state_dict(self, hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return from_hf_state_dict(hf_sd)
 
-    try:
-        hf = GPT2LMHeadModel.from_pretrained(source, torch_dtype=torch.float32)
-    except OSError as e:
-        raise ConfigError(f"init_from={source!r}: cannot load a GPT2LMHeadModel from it ({e}); "
-                          "give a directory written by save_pretrained or a hub id such as gpt2"
-                          ) from e
-    check_shape_matches(cfg, hf.config, source)
-    return from_hf_state_dict(hf.state_dict())
+    def to_hf_state_dict(self, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return to_hf_state_dict(sd)
+
+    def check_config(self, cfg: ModelConfig, hf_cfg, source: str) -> None:
+        check_shape_matches(cfg, hf_cfg, source)
+
+    def derived(self, name: str) -> bool:
+        """A key of the transformers state that megalite's state does not hold: the
+        attention-mask buffers and the tied LM head."""
+        return name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight"
 
 
-def save_hf(sd: Dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
-            tokenizer_dir: Optional[Path] = None) -> Path:
-    """Write a `transformers` GPT-2 directory (config.json, generation_config.json,
-    model.safetensors, and the tokenizer files with its special token ids in the configs)."""
-    from transformers import AutoTokenizer, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else None
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id} \
-        if tokenizer is not None else {}
-    hf = GPT2LMHeadModel(hf_config(cfg, **ids))
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(sd), strict=False)
-    missing = [m for m in missing if not m.endswith((".attn.bias", ".attn.masked_bias"))
-               and m != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(f"state does not map onto GPT2LMHeadModel: missing {missing}, "
-                         f"unexpected {unexpected}")
-    out_dir = Path(out_dir)
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        hf.save_pretrained(out_dir, safe_serialization=True)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-    if tokenizer is not None:
-        tokenizer.model_max_length = cfg.n_positions  # the model's context, for truncation=True
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+GPT2_MAPPING = GPT2Mapping()

@@ -1,23 +1,22 @@
-"""GPT-2 weight initialisation that is the same in every parallel layout.
+"""Weight initialisation that is the same in every parallel layout, for any model family.
 
 Each parameter's *global* value is drawn from its own generator, seeded by the run seed and the
 parameter's global name, and each rank keeps its TP slice of it (`ParamSpec.shard`). Block 7's
 weights are thus the same whether block 7 sits on pipeline stage 0 or 3, whole or split over
-TP ranks, and the two copies of the tied embedding start equal. Memory: one global tensor at a
+TP ranks, and the two copies of a tied embedding start equal. Memory: one global tensor at a
 time.
 
-Values (GPT-2 paper §2.3; HF `_init_weights`): weights N(0, 0.02), biases 0, LayerNorm (1, 0),
-and the residual output projections (`attn.c_proj`, `mlp.c_proj`) N(0, 0.02 / sqrt(2 n_layer))
-so the residual stream's variance does not grow with depth. Vocabulary padding rows are 0.
+Values: the family's (`Family.initial_value`; GPT-2: weights N(0, 0.02), biases 0, LayerNorm
+(1, 0), the residual output projections N(0, 0.02 / sqrt(2 n_layer)); Llama: weights
+N(0, 0.02), RMSNorms 1). Vocabulary padding rows are 0.
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import torch
 
-from megalite.model.gpt2 import GPT2
+from megalite.model.causal_lm import CausalLM
 from megalite.parallel.param_spec import ParamSpec
 
 
@@ -27,24 +26,17 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     return g
 
 
-def global_init_value(spec: ParamSpec, model: GPT2, seed: int, device: torch.device
+def global_init_value(spec: ParamSpec, model: CausalLM, seed: int, device: torch.device
                       ) -> torch.Tensor:
-    cfg = model.cfg
-    leaf = spec.name.rsplit(".", 1)[-1]
-    owner = spec.name.rsplit(".", 2)[-2]
-    if owner.startswith("ln_"):
-        return torch.full(spec.shape, 1.0 if leaf == "weight" else 0.0, device=device)
-    if leaf == "bias":
-        return torch.zeros(spec.shape, device=device)
-    std = cfg.initializer_range
-    if owner == "c_proj":
-        std /= math.sqrt(2 * cfg.n_layer)
+    initial = model.family.initial_value(model.cfg, spec.name)
+    if initial.std is None:
+        return torch.full(spec.shape, initial.fill, device=device)
     return torch.empty(spec.shape, device=device).normal_(
-        0.0, std, generator=_generator(seed, spec.name, device))
+        0.0, initial.std, generator=_generator(seed, spec.name, device))
 
 
 @torch.no_grad()
-def init_parameters(model: GPT2, seed: int) -> None:
+def init_parameters(model: CausalLM, seed: int) -> None:
     tp, tp_rank = model.tp_group.size, model.tp_group.rank
     for name, param in model.named_parameters():
         spec = model.param_specs[name]
@@ -53,7 +45,7 @@ def init_parameters(model: GPT2, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_global_state(model: GPT2, state: dict) -> None:
+def load_global_state(model: CausalLM, state: dict) -> None:
     """Copy this rank's slices of global tensors (HF names, nn.Linear orientation, unpadded
     vocabulary) into the stage; every parameter of the stage must be present."""
     tp, tp_rank = model.tp_group.size, model.tp_group.rank

@@ -8,10 +8,14 @@
                      gradients of TP-replicated parameters (LayerNorms, row-parallel biases)
                      are partial sums: one all-reduce over TP of all of them, host pieces
                      through the device
+    TP-shared        a slice several TP ranks hold alike (`ParamSpec.tp_replicas` = k:
+                     grouped-query attention's KV heads with tp > n_kv_head) gets from each of
+                     the k the gradient of its own query heads: summed over the k, in one
+                     all-reduce over TP of a buffer with a slot per group of k
 
-The two sets are disjoint (the tied embedding is vocabulary-parallel, never TP-replicated), so
-their order does not change a sum; the tied one comes first because under zero 0/1 it relies on
-the device's gradient still holding the host part's values as copied.
+The three sets are disjoint (the tied embedding is vocabulary-parallel, never TP-replicated or
+shared), so their order does not change a sum; the tied one comes first because under zero 0/1
+it relies on the device's gradient still holding the host part's values as copied.
 """
 from __future__ import annotations
 
@@ -47,3 +51,25 @@ def sum_tp_replicated(main_params: List, group: Group, device: torch.device) -> 
     comm.all_reduce(flat, group)
     for g, summed in zip(pieces, flat.split([g.numel() for g in pieces])):
         g.copy_(summed)
+
+
+def sum_tp_shares(main_params: List, group: Group, device: torch.device) -> None:
+    """Sum the gradients of the master pieces of TP-shared slices (`ParamSpec.tp_replicas` =
+    k > 1) over the k TP ranks that hold each slice: every TP rank of a (pp, dp) position has
+    the same pieces (equal local shapes, equal buckets, equal ZeRO ranges), so rank r writes
+    its values into slot r // k of a zero buffer with tp / k slots, one all-reduce over TP
+    sums each slot over its k ranks, and rank r reads its slot back."""
+    pieces = [(p.grad, s.spec.tp_replicas) for p, s, _ in main_params if s.spec.tp_replicas > 1]
+    if not pieces:
+        return
+    k = pieces[0][1]
+    if any(r != k for _, r in pieces):
+        raise ValueError(f"TP-shared parameters with different tp_replicas: "
+                         f"{sorted({r for _, r in pieces})}")
+    flat = torch.cat([g.reshape(-1).to(device) for g, _ in pieces])
+    slots = flat.new_zeros(group.size // k, flat.numel())
+    slots[group.rank // k] = flat
+    comm.all_reduce(slots, group)
+    mine = slots[group.rank // k]
+    for (g, _), summed in zip(pieces, mine.split([g.numel() for g, _ in pieces])):
+        g.copy_(summed.view_as(g))

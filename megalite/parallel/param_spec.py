@@ -7,7 +7,14 @@ read these specs and need no special cases:
 - `tp_dim=None`: replicated over the TP group (LayerNorm, row-parallel biases, wpe).
 - `tp_dim=d`: split into `tp` equal chunks along dim d. With `tp_interleave=k` the dim is k
   stacked blocks, each split separately — HF's fused `c_attn` is [q | k | v] along the output
-  dim, and TP rank r holds [q_r | k_r | v_r] so that its heads stay whole.
+  dim, and TP rank r holds [q_r | k_r | v_r] so that its heads stay whole (Llama's fused
+  [gate | up] likewise).
+- `tp_replicas=k`: dim d is split into tp / k chunks only, chunk c held alike by the k TP ranks
+  c·k ... c·k + k − 1 (grouped-query attention with tp > n_kv_head: the ranks whose query heads
+  read one KV head all hold it, as Megatron replicates query groups). Each of the k computes
+  its own part of the gradient (from its query heads); the engine sums them
+  (`megalite.parallel.grad_sums.sum_tp_shares`), and norms and checkpoints count the first of
+  the k only (`tp_writer`).
 - `padded_rows=P`: dim 0 is zero-padded from the logical size to P before splitting (the
   vocabulary, padded to a multiple of 128·tp so each TP rank gets an equal, aligned slice).
 - `tied=True`: the token embedding that the LM head shares (both copies when the pipeline puts
@@ -32,10 +39,23 @@ class ParamSpec:
     padded_rows: Optional[int] = None
     tied: bool = False
     tied_copy: bool = False
+    tp_replicas: int = 1
 
     @property
     def tp_replicated(self) -> bool:
         return self.tp_dim is None
+
+    def tp_writer(self, tp_rank: int) -> bool:
+        """Whether TP rank `tp_rank` holds the first copy of its slice (the one counted in
+        norms and written to checkpoints): rank 0 of a TP-replicated tensor, the first of each
+        group of `tp_replicas`, every rank of a plain split."""
+        if self.tp_dim is None:
+            return tp_rank == 0
+        return tp_rank % self.tp_replicas == 0
+
+    def tp_chunks(self, tp: int, tp_rank: int) -> Tuple[int, int]:
+        """(the distinct chunks dim `tp_dim` is cut into at `tp`, the one `tp_rank` holds)."""
+        return tp // self.tp_replicas, tp_rank // self.tp_replicas
 
     @property
     def weight_decay(self) -> bool:
@@ -50,10 +70,12 @@ class ParamSpec:
     def local_shape(self, tp: int) -> Tuple[int, ...]:
         shape = list(self.padded_shape())
         if self.tp_dim is not None:
-            if shape[self.tp_dim] % (tp * self.tp_interleave):
+            parts = self.tp_chunks(tp, 0)[0]
+            if tp % self.tp_replicas or shape[self.tp_dim] % (parts * self.tp_interleave):
                 raise ValueError(f"{self.name}: dim {self.tp_dim} of {tuple(shape)} does not "
-                                 f"split into {self.tp_interleave} x tp={tp} equal parts")
-            shape[self.tp_dim] //= tp
+                                 f"split into {self.tp_interleave} x {parts} equal parts "
+                                 f"(tp={tp}, {self.tp_replicas} ranks a part)")
+            shape[self.tp_dim] //= parts
         return tuple(shape)
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
@@ -68,14 +90,16 @@ class ParamSpec:
             raise ValueError(f"{self.name}: expected global shape {self.shape}, got "
                              f"{tuple(full.shape)}")
         full = self.pad(full)
-        if self.tp_dim is None or tp == 1:
+        parts, part = self.tp_chunks(tp, tp_rank)
+        if self.tp_dim is None or parts == 1:
             return full
         blocks = full.chunk(self.tp_interleave, dim=self.tp_dim)
-        return torch.cat([b.chunk(tp, dim=self.tp_dim)[tp_rank] for b in blocks],
+        return torch.cat([b.chunk(parts, dim=self.tp_dim)[part] for b in blocks],
                          dim=self.tp_dim)
 
     def unshard(self, pieces: List[torch.Tensor]) -> torch.Tensor:
         """The global (logical, unpadded) tensor from every TP rank's piece, in rank order."""
+        pieces = pieces[::self.tp_replicas] if len(pieces) > 1 else pieces
         if self.tp_dim is None or len(pieces) == 1:
             full = pieces[0]
         else:

@@ -6,6 +6,8 @@ All TP/SP communication goes through the five autograd regions of `megalite.para
 
     ColumnParallelLinear   x -> copy_to_tp (or gather_from_seq with SP, re-gathered in
                            backward instead of kept) -> x W_r^T + b_r
+    column_parallel_linears  the same for several weights of one input (Llama's q, k, v):
+                           one copy_to_tp / all-gather, one x W_i^T each
     RowParallelLinear      x_r W_r^T -> reduce_from_tp (or reduce_scatter_to_seq with SP) -> + b
     VocabParallelEmbedding rows of this rank's vocab slice -> reduce_from_tp / reduce_scatter
 
@@ -25,7 +27,7 @@ FP8 (`megalite.parallel.fp8`), inside the same communication regions.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -89,6 +91,57 @@ def _sequence_parallel_linear(x, weight, bias, group: Group,
         return _SequenceParallelLinear.apply(x, weight, bias, group)
     return _SequenceParallelLinear.apply(x, weight.detach(), None if bias is None else
                                          bias.detach(), group, (weight, bias), queue)
+
+
+class _SequenceParallelLinears(torch.autograd.Function):
+    """y_i = all_gather_seq(x) W_i^T for several weights of one input: `_SequenceParallelLinear`
+    with the gathered input shared — one all-gather in forward, one more in backward (or in
+    W, split), and one reduce-scatter of dx = Σ_i dy_i W_i — as one fused weight would have,
+    while each W_i stays a parameter of its own (its own spec: grouped-query attention's K and
+    V may be shared by TP ranks where Q is split)."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, params, queue, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.params, ctx.queue = group, params, queue
+        total = comm.gather_seq(x, group)
+        return tuple(F.linear(total, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        group = ctx.group
+        grad_x = sum(g.matmul(w) for g, w in zip(grads, weights))
+        grad_x = comm.reduce_scatter_seq(grad_x, group)
+        if ctx.queue is not None:  # split: the parameters came in detached
+            params, shard = ctx.params, x
+
+            def weight_grads():
+                total = comm.gather_seq(shard, group)
+                return [pair for g, w in zip(grads, params)
+                        for pair in linear_weight_grads(g, total, w, None)]
+            defer_or_run(ctx.queue, weight_grads)
+            return (grad_x, None, None, None) + (None,) * len(weights)
+        total = comm.gather_seq(x, group).reshape(-1, x.shape[-1])
+        grad_ws = [g.reshape(-1, g.shape[-1]).t().matmul(total) for g in grads]
+        return (grad_x, None, None, None, *grad_ws)
+
+
+def column_parallel_linears(x: torch.Tensor, weights: List[torch.Tensor], group: Group,
+                            sequence_parallel: bool,
+                            queue: Optional[WeightGradQueue] = None) -> List[torch.Tensor]:
+    """x W_i^T for each of `weights` (column-parallel, no biases), the input copied to TP (or,
+    with SP, gathered along the sequence) once for all of them; with `queue` (a zero-bubble
+    schedule) the weight gradients can be deferred to the schedule's W."""
+    if sequence_parallel and group.size > 1:
+        if queue is None:
+            return list(_SequenceParallelLinears.apply(x, group, None, None, *weights))
+        return list(_SequenceParallelLinears.apply(x, group, list(weights), queue,
+                                                   *[w.detach() for w in weights]))
+    x = regions.copy_to_tp(x, group)
+    if queue is not None:
+        return [split_linear(x, w, None, queue) for w in weights]
+    return [F.linear(x, w) for w in weights]
 
 
 class ColumnParallelLinear(nn.Module):

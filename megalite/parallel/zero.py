@@ -43,7 +43,7 @@ from megalite.config.schema import OptimConfig
 from megalite.parallel import comm
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
 from megalite.parallel.flat import Segment
-from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated
+from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated, sum_tp_shares
 from megalite.parallel.host_range import build_adamw
 from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
 from megalite.parallel.offload import OptimizerOffload
@@ -164,9 +164,10 @@ class ZeroEngine(EngineState):
 
     def _counted(self, seg: Segment) -> bool:
         """Whether this rank counts `seg` in a global norm: the tied embedding's second copy
-        never, TP-replicated tensors on TP rank 0 only."""
+        never, TP-replicated tensors on TP rank 0 only, TP-shared slices on the first rank
+        of each group that holds them (`ParamSpec.tp_writer`)."""
         spec = seg.spec
-        return not spec.tied_copy and (self.topo.coords.tp_rank == 0 or not spec.tp_replicated)
+        return not spec.tied_copy and spec.tp_writer(self.topo.coords.tp_rank)
 
     # --- gradient flow ------------------------------------------------------------------
 
@@ -268,6 +269,7 @@ class ZeroEngine(EngineState):
         if self.sequence_parallel:
             sum_tp_replicated(self.main_params, self.topo.tp_group,
                               self.buckets[0].main_grad.device)
+        sum_tp_shares(self.main_params, self.topo.tp_group, self.buckets[0].main_grad.device)
         if self.zero3 is not None:
             self.zero3.end_of_step()
 

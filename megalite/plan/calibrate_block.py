@@ -1,11 +1,12 @@
 """What a transformer block's forward + backward costs beyond its matmul FLOPs, measured by
-`scripts/plan.py --calibrate` for the planner's `non_matmul` term.
+`scripts/plan.py --calibrate` for the planner's `non_matmul` term (a block of the model's family).
 
 The time model counts a block's forward as 2·P_block + 4·h·s FLOPs a token at the achievable
 matmul rate R (backward 2 forwards). A real block also runs LayerNorms, GELU, the attention
 softmax, residual adds, dropout, autograd's bookkeeping and, per operation, a kernel launch or
 (on CPU) the dispatcher's Python and C++ overhead — work the FLOP count does not see. This
-module times a real `megalite.model.gpt2.Block` (tp 1, the model's width, heads, MLP and
+module times a real block of the model's family (`megalite.model.families.make_block`: tp 1,
+the model's width, heads, MLP and
 sequence length) forward + backward at two token counts T1 = s·b and T2 = 2·s·b (b =
 train.micro_batch_size), takes off the FLOP count at R, and fits the rest per block pass as
 
@@ -32,15 +33,13 @@ import torch
 
 from megalite.config.layout import PRECISION_DTYPES
 from megalite.config.schema import ModelConfig
-from megalite.model.gpt2 import Block
+from megalite.model.families import family, make_block
 from megalite.parallel.group import single_rank_group
 
 
-def block_forward_flops_per_token(n_embd: int, ffn_size: int, seq_len: int) -> float:
+def block_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """2·P_block + 4·h·s: the time model's forward FLOPs per token of one block."""
-    h, f = n_embd, ffn_size
-    params = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-    return 2 * params + 4 * h * seq_len
+    return 2 * family(model).block_parameters(model) + 4 * model.n_embd * seq_len
 
 
 def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
@@ -50,8 +49,9 @@ def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
     dropout on) over up to `max_timings` timings within about `budget_s` (after a warm-up
     pass, which compiles it with `compile`, as train.compile compiles each block's forward)."""
     torch.manual_seed(0)
-    block = Block(model, single_rank_group("tp"), False, contextlib.nullcontext,
-                  contextlib.nullcontext).to(device=device, dtype=dtype)
+    block = make_block(model, tp_group=single_rank_group("tp"), sp=False,
+                       tp_region=contextlib.nullcontext,
+                       residual_region=contextlib.nullcontext).to(device=device, dtype=dtype)
     if compile:
         block.forward = torch.compile(block.forward)
     x = torch.randn(seq_len, batch, model.n_embd, device=device, dtype=dtype,
@@ -95,7 +95,7 @@ def measure_block_overhead(model: ModelConfig, seq_len: int, micro_batch: int, d
     `rate_tflops` measured for it; it records the block's width, its dropout (the time model
     corrects a run whose dropout differs) and whether it was compiled."""
 
-    flops = 3 * block_forward_flops_per_token(model.n_embd, model.ffn_size, seq_len)
+    flops = 3 * block_forward_flops_per_token(model, seq_len)
     batches = (micro_batch, 2 * micro_batch)
     tokens = [seq_len * b for b in batches]
     seconds = [time_block(model, seq_len, b, PRECISION_DTYPES[dtype], device, compile=compile)

@@ -1,37 +1,24 @@
 """The sizes every term of a layout's plan is built from (`megalite.plan.memory`'s docstring
 has the formulas): the compute dtype's bytes, the padded vocabulary, the residual stream's
-positions per rank, the micro-batches, one block's activation bytes and parameters per TP rank,
-and how many of a chunk's blocks are recomputed or offloaded."""
+positions per rank, the micro-batches, one block's activation bytes and parameters per TP rank
+(the model family's: `megalite.model.family`), and how many of a chunk's blocks are recomputed
+or offloaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, List
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.model.activation_offload import offloaded_blocks
+from megalite.model.families import family
+from megalite.model.family import Family, Specs, local_numel
 from megalite.parallel.cross_entropy import chunk_rows
 from megalite.parallel.param_spec import padded_vocab_size
 
 
 def ring(n: int) -> float:
     return (n - 1) / n
-
-
-def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, e: int,
-                           dropout: bool = False, math_attention: bool = False) -> float:
-    """Bytes one transformer layer keeps for backward per micro-batch (the module docstring's
-    formula): e·sbh(4 + 12/t), or e·sbh·16/t with SP, + LayerNorm statistics, the attention
-    log-sum-exp and, with dropout, the residual dropout masks. `math_attention`: SDPA's math
-    kernel (attention dropout on a CPU, or train.attention=math), which keeps no log-sum-exp
-    but the probabilities, their dropout mask and the dropped probabilities (3·e·b(a/t)s²)
-    and the scaled q and k (2·e·sbh/t)."""
-    s_local = s // t if sp else s
-    main = e * s * b * h * (16 / t if sp else 4 + 12 / t)
-    heads = a // t
-    attention = 3 * e * b * heads * s * s + 2 * e * s * b * h / t if math_attention \
-        else 4 * heads * s * b
-    return main + 16 * s_local * b + attention + (2 * s_local * b * h if dropout else 0)
 
 
 def math_attention(cfg: Config, layout: Layout) -> bool:
@@ -75,6 +62,32 @@ def offloaded_layers(cfg: Config, stage_layers: int) -> int:
 
 
 @dataclass(frozen=True)
+class ParamSums:
+    """What a list of parameters (a family's spec list) adds up to on one TP rank."""
+
+    numel: int  # elements
+    replicated: int  # of which TP-replicated (norms, row-parallel biases, positions)
+    decayed: int  # of which with weight decay (matrices, embeddings)
+    split: int  # of which split over TP (what a zero-bubble W computes the gradient of)
+    largest: int  # elements of the largest one
+    units: List[int]  # each parameter's elements, in registration order
+    # slots of the TP-shared slices' gradient sum (`sum_tp_shares`): tp / tp_replicas slots of
+    # each shared parameter's elements (grouped-query attention's K, V with tp > n_kv_head)
+    shared_slots: int = 0
+
+
+def param_sums(specs: Specs, tp: int) -> ParamSums:
+    sizes = [(local_numel(s, tp), s) for _, s in specs]
+    return ParamSums(numel=sum(n for n, _ in sizes),
+                     replicated=sum(n for n, s in sizes if s.tp_replicated),
+                     decayed=sum(n for n, s in sizes if s.weight_decay),
+                     split=sum(n for n, s in sizes if not s.tp_replicated),
+                     largest=max((n for n, _ in sizes), default=0), units=[n for n, _ in sizes],
+                     shared_slots=sum(n * tp // s.tp_replicas for n, s in sizes
+                                      if s.tp_replicas > 1))
+
+
+@dataclass(frozen=True)
 class Dims:
     """The sizes every term of a plan is built from."""
 
@@ -87,19 +100,25 @@ class Dims:
     layer_act_full: float  # activation bytes one layer keeps (no recompute)
     layer_params: int  # parameter elements of one block on one TP rank
     full: float  # bytes of one full activation [s, b, h]
+    family: Family  # the model's family: its parameter lists and activation terms
+    block: ParamSums  # one block's parameters on one TP rank
+    embeddings: ParamSums  # the first stage's (the token embedding first)
+    final_norm: ParamSums  # the last stage's final norm
 
 
 def dims(cfg: Config, layout: Layout) -> Dims:
     m, t, tp = cfg.model, cfg.train, layout.tp_size
     e = 4 if layout.precision == "fp32" else 2
-    h, f = m.n_embd, m.ffn_size
+    fam = family(m)
     return Dims(
         cfg=cfg, layout=layout, e=e, vocab=padded_vocab_size(m.vocab_size, tp),
         s_local=layout.activation_seq_len(t.seq_len),
         micro=layout.micro_batches(t.global_batch_size),
-        layer_act_full=layer_activation_bytes(t.seq_len, t.micro_batch_size, h, m.n_head, tp,
-                                              layout.sequence_parallel, e, m.resid_pdrop > 0,
-                                              math_attention(cfg, layout)),
-        layer_params=(4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h
-                      + (f * h + f) // tp + h * f // tp + h),
-        full=e * t.seq_len * t.micro_batch_size * h)
+        layer_act_full=fam.layer_activation_bytes(m, t.seq_len, t.micro_batch_size, tp,
+                                                  layout.sequence_parallel, e,
+                                                  m.resid_pdrop > 0, math_attention(cfg, layout)),
+        layer_params=fam.block_numel(m, tp),
+        full=e * t.seq_len * t.micro_batch_size * m.n_embd, family=fam,
+        block=param_sums(fam.block_specs(m, 0, tp), tp),
+        embeddings=param_sums(fam.first_specs(m, tp), tp),
+        final_norm=param_sums(fam.final_norm_specs(m, tp), tp))

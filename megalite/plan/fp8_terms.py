@@ -56,7 +56,7 @@ def products(cfg, tp: int, tokens: int) -> Dict[str, List[Product]]:
     """The FP8 products of one block's linears on a TP rank: {"forward": [...], "backward":
     [...]} (dx and dW)."""
     out: Dict[str, List[Product]] = {"forward": [], "backward": []}
-    for _, _, k, _, n in fp8_linears(cfg.model.n_embd, cfg.model.ffn_size, tp):
+    for _, _, k, _, n in fp8_linears(cfg.model.n_embd, cfg.model.ffn_size, tp, cfg.model.arch):
         out["forward"].append((tokens * k, n * k, tokens * n, False, False))
         out["backward"] += [(tokens * n, k * n, tokens * k, False, True),
                             (n * tokens, k * tokens, n * k, True, True)]

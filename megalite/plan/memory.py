@@ -77,7 +77,8 @@ a full activation:
        reduce-scatter), as
        it stops once the saved tensors are rebuilt (before the MLP's reduction); the embedding, the
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
-       TP-replicated gradients per step
+       TP-replicated gradients per step; KV heads shared by k TP ranks (tp > n_kv_head): one
+       all-reduce per step of tp/k slots of their fp32 gradients
   pp   per micro-batch and chunk: the activation forward and its gradient backward, e·s'bh
        each (a chunk that starts / ends the model receives / sends none); with TP and no SP
        1/t of it, the receiver all-gathering the rest over TP (+ (t−1)/t·e·sbh per received
@@ -207,7 +208,8 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
     pp, v = lay.pp_size, lay.virtual_stages
     schedule = d.cfg.parallel.schedule if pp > 1 else "auto"  # the order whose peaks count
-    sums, ends = StageSums(), stage_ends(slices, k)
+    tied_family = d.family.tied(d.cfg.model)
+    sums, ends = StageSums(), stage_ends(slices, k, tied_family)
     for e, blocks in zip(ends, chunk_blocks):
         add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
     chunks = [(e, len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
@@ -224,7 +226,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
         if pp > 1 and lay.device_type != "cuda" else 0.0
     moments = _moments(d, sums, chunks, states, activations, sent)
     peak_at = max(MOMENTS, key=lambda name: moments[name]["total"])
-    tied = pp > 1 and ties_over_stages(slices, k)
+    tied = pp > 1 and ties_over_stages(slices, k, tied_family)
     plan = StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
                      max_in_flight(pp, k, d.micro, v, schedule), dict(moments[peak_at]),
                      stage_comm(d, sums, tied), host, pcie)
@@ -249,7 +251,8 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     timeline, pending = staging_alive(d, chunks)
     layer = d.layer_params
     t = d.cfg.train
-    block = e * t.seq_len * t.micro_batch_size * d.cfg.model.ffn_size / lay.tp_size
+    block = d.family.block_backward_bytes(d.cfg.model, t.seq_len, t.micro_batch_size,
+                                          lay.tp_size, e)
     if not lay.shards_parameters:
         gathered = {name: 0.0 for name in MOMENTS}
     elif not d.cfg.parallel.reshard_after_forward:  # every unit, from its first use

@@ -26,8 +26,9 @@ from typing import Dict, List, Sequence, Tuple
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.model.activation_offload import IN_TRANSIT
+from megalite.model.families import family
 from megalite.plan.devices import DeviceProfile
-from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
+from megalite.plan.dims import offloaded_layers, recomputed_layers
 
 # Host bytes a parameter of offload.optimizer's passes move (`optimizer_offload_s`): the
 # norm's squares (read the gradient), zero 2/3's fold (read the staging, read and write the
@@ -173,9 +174,9 @@ def activation_offload_s(cfg: Config, lay: Layout, profile: DeviceProfile, k: in
     backward) seconds; `after_last`, the compute between the forward of the model's last
     block and its backward (head and loss, on the chunk that holds them)."""
     t = cfg.train
-    act = layer_activation_bytes(t.seq_len, t.micro_batch_size, cfg.model.n_embd,
-                                 cfg.model.n_head, lay.tp_size, lay.sequence_parallel, e,
-                                 cfg.model.resid_pdrop > 0)
+    act = family(cfg.model).layer_activation_bytes(
+        cfg.model, t.seq_len, t.micro_batch_size, lay.tp_size, lay.sequence_parallel, e,
+        cfg.model.resid_pdrop > 0)
     out, back = act / (profile.d2h_gbps * 1e9), act / (profile.h2d_gbps * 1e9)
     exposed = 0.0
     for c, chunk in enumerate(chunks):

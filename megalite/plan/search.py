@@ -22,10 +22,12 @@ from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
+from megalite.model.families import family
+from megalite.model.family import local_numel
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight
 from megalite.plan.devices import DeviceProfile
-from megalite.plan.dims import layer_activation_bytes, recomputed_layers
+from megalite.plan.dims import recomputed_layers
 from megalite.plan.fit import fewest_offloaded_blocks
 from megalite.plan.links import group_links
 from megalite.plan.memory import GIB, Plan, make_plan
@@ -118,12 +120,12 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
     nothing)."""
     mc, t = cfg.model, cfg.train
-    h, f, vocab = mc.n_embd, mc.ffn_size, padded_vocab_size(mc.vocab_size, c.tp)
-    layer = 4 * h + (3 * h * h + 3 * h) // c.tp + h * h // c.tp + h + (f * h + f) // c.tp \
-        + h * f // c.tp + h
-    embeddings = vocab // c.tp * h + mc.n_positions * h
+    fam = family(mc)
+    h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
+    layer = fam.block_numel(mc, c.tp)
+    embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
-    head_copy = vocab // c.tp * h if c.pp > 1 and not v_shape else 0
+    head_copy = vocab // c.tp * h if not fam.tied(mc) or (c.pp > 1 and not v_shape) else 0
     average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
     lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, zero_stage=c.zero)
     kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
@@ -141,8 +143,8 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
         if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
                                              - recomputed)
-    full = layer_activation_bytes(t.seq_len, c.micro_batch_size, h, mc.n_head, c.tp, c.sp,
-                                  e, mc.resid_pdrop > 0)
+    full = fam.layer_activation_bytes(mc, t.seq_len, c.micro_batch_size, c.tp, c.sp, e,
+                                      mc.resid_pdrop > 0)
     s_local = t.seq_len // c.tp if c.sp else t.seq_len
     per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
         + (layers - recomputed - offloaded) * full

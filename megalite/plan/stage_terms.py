@@ -16,7 +16,8 @@ class StageSums:
     """What a stage's chunks add up to."""
 
     psi: int = 0  # parameter elements
-    replicated: int = 0  # of which TP-replicated (LayerNorms, row-parallel biases, wpe)
+    replicated: int = 0  # of which TP-replicated (norms, row-parallel biases, wpe)
+    shared_slots: int = 0  # the TP-shared slices' gradient-sum buffer (`ParamSums`)
     largest_unit: int = 0  # ZeRO-3's largest gathered unit
     kept_units: int = 0  # ZeRO-3 units kept gathered from forward into backward
     sends: float = 0.0  # point-to-point tensors per micro-batch
@@ -47,25 +48,27 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     head_copy = last and not first if head_copy is None else head_copy
     m, t, tp, sp = d.cfg.model, d.cfg.train, d.layout.tp_size, d.layout.sequence_parallel
     h, s, b, e = m.n_embd, t.seq_len, t.micro_batch_size, d.e
-    f, vocab_rows = m.ffn_size, d.vocab // tp
+    vocab_rows = d.vocab // tp
+    head = vocab_rows * h if last and head_copy else 0  # the head's own parameter
     sums.psi += n * d.layer_params
     sums.blocks += n
-    sums.replicated += n * 6 * h  # LayerNorms and the row-parallel biases
-    sums.decayed += n * (4 * h * h + 2 * f * h) // tp
+    sums.replicated += n * d.block.replicated  # norms and the row-parallel biases
+    sums.shared_slots += n * d.block.shared_slots  # KV heads shared by TP ranks
+    sums.decayed += n * d.block.decayed
     # zero-bubble schedules: a W computes the weight gradients of the chunk's matmuls (its
-    # blocks' linears with their column-parallel biases, the token embedding, the head)
-    sums.chunk_weight_grads.append(n * ((4 * h * h + 2 * f * h + 3 * h + f) // tp)
-                                   + (vocab_rows * h if first or (last and head_copy) else 0))
-    sums.largest_param = max(sums.largest_param, (max(3 * h, f) * h // tp) if n else 0,
+    # blocks' TP-split parameters, the token embedding, the head)
+    sums.chunk_weight_grads.append(n * d.block.split + (d.embeddings.split if first else 0)
+                                   + head)
+    sums.largest_param = max(sums.largest_param, d.block.largest if n else 0,
                              vocab_rows * h if first or last else 0)
     if first:
-        sums.psi += vocab_rows * h + m.n_positions * h
-        sums.replicated += m.n_positions * h
-        sums.decayed += vocab_rows * h + m.n_positions * h
+        sums.psi += d.embeddings.numel
+        sums.replicated += d.embeddings.replicated
+        sums.decayed += d.embeddings.decayed
     if last:
-        sums.psi += 2 * h + (vocab_rows * h if head_copy else 0)
-        sums.replicated += 2 * h
-        sums.decayed += vocab_rows * h if head_copy else 0
+        sums.psi += d.final_norm.numel + head
+        sums.replicated += d.final_norm.replicated
+        sums.decayed += head
         sums.tied_head = 0 if head_copy else vocab_rows * h
     sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
                             d.vocab // tp * h if (first or last) else 0)
@@ -123,6 +126,7 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
     scatter = tp if tp > 1 and not lay.sequence_parallel and pp > 1 else 1
     tp_bytes = micro * sums.tp_per_micro + (
         2 * r * 4 * sums.replicated / shard if lay.sequence_parallel else 0) + (
+        2 * r * 4 * sums.shared_slots / shard) + (
         micro * sums.sends * r * d.full if scatter > 1 else 0) if tp > 1 else 0.0
     pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
                      * d.cfg.model.n_embd) / scatter if pp > 1 else 0.0

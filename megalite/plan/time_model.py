@@ -6,10 +6,11 @@ bandwidth, e the bytes of a model-dtype element:
 
   compute     m · 3·F_k·b·s / (t·R)       F_k = model FLOPs per token of the stage's forward: 2 ×
               its blocks' parameters + 4·h·s per block (attention scores and values), the
-              last stage 2·(V·h + 2h) (LM head, ln_f): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
+              last stage the head's (GPT-2 2·(V·h + 2h): LM head, ln_f; the family's
+              `head_forward_flops_per_token`): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
               accounting (`flops_per_token`). Backward = 2 forwards. With fp8.recipe the
-              blocks' linears (2·(4h² + 2h·f) a block) run at the profile's fp8 rate
-              (`matmul_seconds`; the casts to FP8 are in non_matmul)
+              blocks' linears (2 × the family's `fp8_linear_parameters` a block) run at the
+              profile's fp8 rate (`matmul_seconds`; the casts to FP8 are in non_matmul)
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
   non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +
@@ -97,7 +98,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
-from megalite.model.gpt2 import flops_per_token
+from megalite.model.families import family, flops_per_token
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
@@ -185,18 +186,13 @@ class Prediction:
                 f"  ms per step: {split}")
 
 
-def _block_params(cfg: Config) -> int:
-    h, f = cfg.model.n_embd, cfg.model.ffn_size
-    return 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-
-
 def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     """Per stage, forward FLOPs per token of the whole (untensor-split) stage: `model` and
     the `recompute` re-run; `fp8`, `fp8_recompute`: of which the FP8 linears' (fp8.recipe)."""
     m, s = cfg.model, cfg.train.seq_len
-    block = 2 * _block_params(cfg) + 4 * m.n_embd * s
-    linears = 2 * (4 * m.n_embd ** 2 + 2 * m.n_embd * m.ffn_size) if cfg.fp8.recipe != "none" \
-        else 0
+    fam = family(m)
+    block = 2 * fam.block_parameters(m) + 4 * m.n_embd * s
+    linears = 2 * fam.fp8_linear_parameters(m) if cfg.fp8.recipe != "none" else 0
     place = layout.placement
     out = []
     for k, chunks in enumerate(layout.stage_blocks()):
@@ -208,7 +204,7 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
             fp8 += len(blocks) * linears
             fp8_recompute += rerun * linears
             if place.holds_last(k, c):
-                model += 2 * (m.vocab_size * m.n_embd + 2 * m.n_embd)
+                model += fam.head_forward_flops_per_token(m)
         out.append({"model": model, "recompute": recompute, "fp8": fp8,
                     "fp8_recompute": fp8_recompute})
     return out
@@ -365,8 +361,9 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                                   links["tp"], tp)
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
         fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
-        matmuls = matmul_seconds(2 * _block_params(cfg) + 4 * cfg.model.n_embd * t.seq_len,
-                                 fp8_block, profile, lay.precision) * tokens / tp
+        block_flops = 2 * family(cfg.model).block_parameters(cfg.model) \
+            + 4 * cfg.model.n_embd * t.seq_len
+        matmuls = matmul_seconds(block_flops, fp8_block, profile, lay.precision) * tokens / tp
         block = (matmuls + block_pass / 3,
                  2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
         head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward

@@ -27,8 +27,9 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
     out = []
     for k, chunks in enumerate(layout.stage_blocks()):
         sums = StageSums()
-        for e, blocks in zip(stage_ends(place, k), chunks):
+        tied_family = d.family.tied(cfg.model)
+        for e, blocks in zip(stage_ends(place, k, tied_family), chunks):
             add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
-        tied = layout.pp_size > 1 and ties_over_stages(place, k)
+        tied = layout.pp_size > 1 and ties_over_stages(place, k, tied_family)
         out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied)))
     return out

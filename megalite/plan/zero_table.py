@@ -63,20 +63,22 @@ def zero_table() -> str:
 def chunk_param_sizes(d: Dims, first: bool, last: bool, n: int,
                       head_copy: Optional[bool] = None, tied: bool = True
                       ) -> List[Tuple[str, int, bool]]:
-    """(name, elements on one TP rank, tied) of a chunk's parameters in GPT2's registration
-    order (what the engine buckets; a test holds it to the model). `head_copy`: the LM head
-    is a parameter of its own (default: last and not first); `tied`: the embedding's spec is
-    tied (not zb-v's stage 0, where head and embedding are one parameter)."""
-    m, tp = d.cfg.model, d.layout.tp_size
-    h, f, v = m.n_embd, m.ffn_size, d.vocab // tp
-    sizes = [("wte", v * h, tied), ("wpe", m.n_positions * h, False)] if first else []
-    block = [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp,
-             h * f // tp, h]
-    sizes += [(f"h{i}.{j}", size, False) for i in range(n) for j, size in enumerate(block)]
+    """(name, elements on one TP rank, tied) of a chunk's parameters in the stage's
+    registration order (the family's spec lists: what the engine buckets; a test holds it to
+    the model): `embedding.<j>` (the token embedding first), `h<block>.<j>`, `final.<j>` (the
+    final norm), `lm_head`. `head_copy`: the LM head is a parameter of its own (default: last
+    and not first); `tied`: the embedding's spec is tied (not zb-v's stage 0, where head and
+    embedding are one parameter, nor an untied family's)."""
+    v, h = d.vocab // d.layout.tp_size, d.cfg.model.n_embd
+    tied_family = d.family.tied(d.cfg.model)
+    sizes = [(f"embedding.{j}", size, tied and tied_family and j == 0)
+             for j, size in enumerate(d.embeddings.units)] if first else []
+    sizes += [(f"h{i}.{j}", size, False) for i in range(n)
+              for j, size in enumerate(d.block.units)]
     if last:
-        sizes += [("ln_f.w", h, False), ("ln_f.b", h, False)]
+        sizes += [(f"final.{j}", size, False) for j, size in enumerate(d.final_norm.units)]
         copy = not first if head_copy is None else head_copy
-        sizes += [("lm_head", v * h, True)] if copy else []
+        sizes += [("lm_head", v * h, tied_family)] if copy else []
     return sizes
 
 
@@ -96,18 +98,8 @@ def _backward_buckets(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
     tied = any(ends.last and not ends.head_copy for ends, _ in chunks)
     for ends, n in chunks:
         first, last, head_copy = ends.first, ends.last, ends.head_copy
-        if lay.shards_parameters:  # units: wte, wpe, each block, ln_f, the LM head
-            h, vocab = d.cfg.model.n_embd, d.vocab // lay.tp_size * d.cfg.model.n_embd
-            layer, wpe = d.layer_params, d.cfg.model.n_positions * h
-            others = (lay.virtual_stages - 1) * layer + (vocab if tied else 0)
-            before = [layer if i else wpe if first else 0 for i in range(n)]  # prefetched
-            units = ([(vocab, 0, 0, vocab + 2 * h + others)] if head_copy else []) \
-                + ([(2 * h, 0, 0, 2 * h + (layer if n else 0) + others)] if last else []) \
-                + [(layer, n - 1 - i, n - 1 - i, layer + before[i] + others)
-                   for i in reversed(range(n))] \
-                + ([(wpe, n, n, wpe + vocab + others - (vocab if tied else 0)),
-                    (vocab, n, n, vocab + others - (vocab if tied else 0))] if first else [])
-            out.append(units)
+        if lay.shards_parameters:  # units: the embeddings, each block, the norm, the LM head
+            out.append(_zero3_units(d, ends, n, tied))
             continue
         sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied)
         by_name = dict((name, s) for name, s, _ in sizes)
@@ -118,12 +110,32 @@ def _backward_buckets(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
     return out
 
 
+def _zero3_units(d: Dims, ends: ChunkEnds, n: int, tied: bool
+                 ) -> List[Tuple[int, int, int, int]]:
+    """A chunk's ZeRO-3 units in backward order (`_backward_buckets`): the LM head, the final
+    norm, each block, the embeddings (each its own unit: GPT-2's wte and wpe, Llama's
+    embed_tokens), with what is gathered when each is reduced (it, the unit prefetched after
+    it, a stage's tied embedding, v - 1 other chunks' last units)."""
+    lay = d.layout
+    vocab = d.vocab // lay.tp_size * d.cfg.model.n_embd
+    layer, norm, first = d.layer_params, d.final_norm.numel, d.embeddings.units
+    others = (lay.virtual_stages - 1) * layer + (vocab if tied else 0)
+    kept = vocab if tied else 0  # the tied embedding, counted in `others`, is the unit itself
+    before = [layer if i else first[-1] if ends.first else 0 for i in range(n)]  # prefetched
+    return ([(vocab, 0, 0, vocab + norm + others)] if ends.head_copy else []) \
+        + ([(norm, 0, 0, norm + (layer if n else 0) + others)] if ends.last else []) \
+        + [(layer, n - 1 - i, n - 1 - i, layer + before[i] + others)
+           for i in reversed(range(n))] \
+        + ([(first[j], n, n, first[j] + (first[j - 1] if j else 0) + others - kept)
+            for j in reversed(range(len(first)))] if ends.first else [])
+
+
 def _blocks_done(names: List[str], n: int) -> Tuple[int, int]:
     """Blocks of an n-block chunk whose backward is done when the first and when the last
-    gradient of a bucket of `names` arrive (`chunk_param_sizes`' names: h{block}.{i}, ln_f,
-    lm_head, wte, wpe; the embeddings' come after every block's)."""
+    gradient of a bucket of `names` arrive (`chunk_param_sizes`' names: h{block}.{i},
+    final.{i}, lm_head, embedding.{i}; the embeddings' come after every block's)."""
     blocks = [int(name[1:name.index(".")]) for name in names if name.startswith("h")]
-    embedding = any(name in ("wte", "wpe") for name in names)
+    embedding = any(name.startswith("embedding.") for name in names)
     first = n - 1 - max(blocks) if blocks else n if embedding else 0
     last = n if embedding else n - 1 - min(blocks) if blocks else 0
     return first, last

@@ -10,6 +10,7 @@ import torch
 from megalite.config.errors import fail
 from megalite.config.inject import KEY, parse_inject
 from megalite.config.layout import Layout
+from megalite.model.families import family
 from megalite.model.stage import build_stage
 from megalite.parallel.group import CommCounter, Group
 from megalite.parallel.topology import coords_of
@@ -20,7 +21,7 @@ def check_inject_target(cfg, layout: Layout) -> None:
     pipeline stage has other blocks, or not the embeddings / ln_f / the head) or the element
     is beyond its copy (its TP shard)."""
     spec = cfg.resilience.inject
-    parsed = parse_inject(spec)
+    parsed = parse_inject(spec, family(cfg.model).probe_tensor)
     numels = rank_parameters(cfg, layout, parsed.rank)
     if parsed.tensor not in numels:
         fail(KEY, spec, f"rank {parsed.rank} holds no parameter {parsed.tensor} (its pipeline "

@@ -26,7 +26,7 @@ from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.eval.choice import ChoiceEval
 from megalite.eval.hellaswag import load_choices
 from megalite.model.activation_offload import ActivationOffload
-from megalite.model.gpt2 import flops_per_token
+from megalite.model.families import flops_per_token
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm

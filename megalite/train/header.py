@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megalite.config.schema import Config
 from megalite.eval.choice import ChoiceEval
-from megalite.model.gpt2 import flops_per_token, num_parameters
+from megalite.model.families import family
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.zero import ZeroEngine
@@ -62,14 +62,15 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "layout": layout.as_dict(),
         "stages": [[[r.start, r.stop] for r in chunks] for chunks in layout.stage_blocks()],
         "micro_batches": layout.micro_batches(t.global_batch_size),
-        "model": {"name": m.name, "n_layer": m.n_layer, "n_embd": m.n_embd,
-                  "n_head": m.n_head, "n_positions": m.n_positions, "ffn_size": m.ffn_size},
+        "model": {"name": m.name, "arch": m.arch, "n_layer": m.n_layer, "n_embd": m.n_embd,
+                  "n_head": m.n_head, "n_positions": m.n_positions,
+                  "ffn_size": m.ffn_size, "tie_word_embeddings": m.tie_word_embeddings},
         "dropout_on": any(p > 0 for p in (m.resid_pdrop, m.embd_pdrop, m.attn_pdrop)),  # model.*_pdrop
         "vocab_size": m.vocab_size, "padded_vocab_size": model.padded_vocab,
         "tokenizer_vocab_size": data_meta["vocab_size"],
-        "parameters": num_parameters(m),
-        "flops_per_token": flops_per_token(m, t.seq_len),
-        "flops_formula": "6N + 12*L*h*s (N = parameters except position embedding)",
+        "parameters": family(m).num_parameters(m),
+        "flops_per_token": family(m).flops_per_token(m, t.seq_len),
+        "flops_formula": family(m).flops_formula(),
         "peak_tflops_per_device": peak.tflops, "peak_source": peak.source,
         "fp8": fp8_peak(cfg.fp8.recipe, rt.device),
         "device": str(rt.device), "compute_dtype": str(rt.compute_dtype),

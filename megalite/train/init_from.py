@@ -1,5 +1,6 @@
-"""Where a run's starting weights come from (`init_from`): a `transformers` GPT-2 (a directory
-written by save_pretrained, or a hub id), or a megalite checkpoint, weights only (Megatron's
+"""Where a run's starting weights come from (`init_from`): a `transformers` model of the
+configured family (GPT2LMHeadModel, LlamaForCausalLM: a directory written by save_pretrained,
+or a hub id), or a megalite checkpoint, weights only (Megatron's
 --finetune): the run starts at step 0 with fresh AdamW moments and data position, in any
 layout. `checkpoint.resume` is the other thing: it continues a run where it stopped.
 """
@@ -15,7 +16,7 @@ from megalite.checkpoint.format import SHAPE_KEYS, read_global_state, read_meta,
 from megalite.checkpoint.resolve import find_checkpoint
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
-from megalite.model import hf
+from megalite.model import hf_io
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:
@@ -25,10 +26,10 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
     if ckpt is None:
         if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
             raise ConfigError(f"init_from={source!r}: this directory holds neither a "
-                              "transformers GPT-2 (config.json) nor a megalite checkpoint "
+                              "transformers model (config.json) nor a megalite checkpoint "
                               "(meta.json, or a checkpoint.dir with a complete step_N); give one "
                               "of those or a hub id such as gpt2")
-        hf.check_init_from(source, cfg)
+        hf_io.check_init_from(source, cfg)
         return
     try:
         theirs = read_meta(ckpt)["model"]
@@ -51,6 +52,6 @@ def load_init_state(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     from; a megalite checkpoint's files are verified (size, CRC32) as they are read."""
     ckpt = find_checkpoint(source)
     if ckpt is None:
-        return hf.load_hf_state_dict(source, cfg)
+        return hf_io.load_hf_state_dict(source, cfg)
     check_init_from(source, cfg)
     return read_global_state(ckpt, "param")

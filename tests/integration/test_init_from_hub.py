@@ -18,9 +18,9 @@ from tests.layouts import FP32_NO_DROPOUT
 
 
 def _from_hub(rank, world, tiny_data, run_dir, local_copy):
-    from megalite.model import hf
+    from megalite.model import hf_io
 
-    calls, load = [], hf.load_hf_state_dict
+    calls, load = [], hf_io.load_hf_state_dict
 
     def hub(source, cfg):
         assert source == "someone/tiny-gpt2", source  # a hub id: no such local path
@@ -30,7 +30,7 @@ def _from_hub(rank, world, tiny_data, run_dir, local_copy):
         calls.append((start, time.monotonic()))
         return state
 
-    hf.load_hf_state_dict = hub
+    hf_io.load_hf_state_dict = hub
     cfg = load_config(TINY + FP32_NO_DROPOUT + [f"data.dir={tiny_data}", "zero=1",
                                                 "init_from=someone/tiny-gpt2"])
     validate(cfg, world)

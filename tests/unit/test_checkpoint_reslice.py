@@ -18,6 +18,9 @@ SPECS = {
                                                padded_vocab_size(300, tp, 8)),
     "replicated": lambda tp: ParamSpec("ln.weight", (8,)),
     "replicated 2-D": lambda tp: ParamSpec("wpe.weight", (5, 4)),
+    # 2 KV heads: split at tp <= 2, each shared by tp / 2 ranks at tp = 4 (grouped-query)
+    "KV heads shared": lambda tp: ParamSpec("k_proj.weight", (4, 6), 0,
+                                            tp_replicas=max(1, tp // 2)),
 }
 
 

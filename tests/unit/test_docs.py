@@ -23,7 +23,7 @@ WITH_LAUNCHES = {"README.md", "docker/README.md", "scripts/slurm/README.md",
                  "scripts/slurm/pretrain.sbatch", "conf/config.yaml", "docs/index.md",
                  "docs/getting-started.md", "docs/clusters.md", "docs/data.md",
                  "docs/planner.md", "docs/evaluation.md", "docs/rerun.md",
-                 "docs/observability.md"}
+                 "docs/observability.md", "docs/models.md"}
 CONFIG_PAGE = "docs/configuration.md"  # the configuration reference
 ZERO_PAGE = "docs/zero.md"  # where `zero_table()` is shown
 README_MAX_LINES = 260

@@ -79,13 +79,14 @@ def transformers_scores(checkpoint: Path, examples: int, seq_len: int
                         ) -> Tuple[torch.Tensor, torch.Tensor, float, float]:
     """Per-ending summed losses and token counts, acc and acc_norm computed directly: the
     checkpoint exported to `transformers` (megalite's HF export), each context + ending
-    unpadded through GPT2LMHeadModel, cut to its last seq_len + 1 tokens."""
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    unpadded through the family's transformers model (GPT2LMHeadModel, LlamaForCausalLM), cut
+    to its last seq_len + 1 tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exported = checkpoint.parent.parent / "hf"
     if not exported.exists():
         export_hf(checkpoint, exported)
-    model = GPT2LMHeadModel.from_pretrained(exported).eval()
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
     tok = AutoTokenizer.from_pretrained(exported)
     losses, counts = [], []
     for ctx, endings in zip(CONTEXTS[:examples], ENDINGS[:examples]):

@@ -16,7 +16,8 @@ from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import load_config
-from megalite.model.gpt2 import flops_per_token
+from megalite.model.families import flops_per_token
+from megalite.model.gpt2_family import layer_activation_bytes
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import (
     BY_NAME,
@@ -26,7 +27,6 @@ from megalite.plan.devices import (
     block_pass_s,
     device_profile,
 )
-from megalite.plan.dims import layer_activation_bytes
 from megalite.plan.memory import make_plan
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_copies_exposed
 from megalite.plan.search import NothingFits, memory_lower_bound, search

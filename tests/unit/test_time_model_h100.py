@@ -16,6 +16,7 @@ import pytest
 
 from megalite.cli.validated import config_for_world
 from megalite.config.layout import Layout
+from megalite.config.schema import ModelConfig
 from megalite.plan.calibrate import matmul_rates
 from megalite.plan.calibrate_block import block_forward_flops_per_token, fit_nonnegative_line
 from megalite.plan.devices import (
@@ -61,7 +62,7 @@ def test_the_table_h100_entry_is_the_calibrated_profiles():
     for d in files:
         block = d["block_overhead"]
         h = block["n_embd"]
-        flops = 3 * block_forward_flops_per_token(h, 4 * h, block["seq_len"])
+        flops = 3 * block_forward_flops_per_token(ModelConfig(n_embd=h), block["seq_len"])
         rest = [s - flops * t / (H100_MATMUL_TFLOPS["bf16"] * 1e12)
                 for s, t in zip(block["seconds"], block["tokens"])]
         fixed, per_token = fit_nonnegative_line(block["tokens"], rest)

@@ -20,6 +20,12 @@ GPT_175B = ["model=gpt2-xl", "model.name=gpt-175b", "model.n_layer=96", "model.n
             "model.n_head=96", "model.n_positions=2048", "tp=8", "pp=16", "sp=true", "zero=1",
             "train.seq_len=2048", "train.micro_batch_size=1",
             "train.global_batch_size=1536"]  # tp=8 pp=16 dp=32 at N = 4,096
+LLAMA3_8B = ["model=llama3-8b", "tp=8", "pp=4", "sp=true", "zero=1", "train.seq_len=4096",
+             "train.micro_batch_size=1", "train.global_batch_size=1024"]  # tp=8 pp=4 dp=128
+# tp=16 > n_kv_head=8: each KV head replicated over 2 TP ranks; zero 3, zero-bubble W
+LLAMA32_1B_SHARED_KV = ["model=llama3.2-1b", "tp=16", "pp=2", "sp=true", "zero=3",
+                        "parallel.schedule=zb-h1", "train.seq_len=2048",
+                        "train.micro_batch_size=1", "train.global_batch_size=256"]
 # (world size, rank, overrides, device kind): zero 0-3, TP with SP, PP with virtual stages
 # (interleaved), uneven edge stages, fp32 and bf16, up to N = 4,096. At N = 4,096 the ranks
 # are not the last DP rank, whose ranges hold the buffers' padding (see the test below).
@@ -41,6 +47,8 @@ CASES = [
     (4096, 0, GPT2_XL, "cuda"),
     (4096, 0, GPT_175B, "cuda"),
     (4096, 4095, GPT_175B, "cuda"),
+    (4096, 4095, LLAMA3_8B, "cuda"),
+    (4096, 17, LLAMA32_1B_SHARED_KV, "cuda"),
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from megalite.model.gpt2 import LMHead
+from megalite.model.causal_lm import LMHead
 from megalite.parallel.group import single_rank_group
 from megalite.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megalite.parallel.weight_grad import (

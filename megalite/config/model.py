@@ -1,0 +1,127 @@
+"""The `model` section: a model's family (`model.arch`) and shape, with `transformers`' GPT2Config
+field names (a Llama's LlamaConfig names in the comments), and the rules a shape keeps by itself
+(the rules that involve the layout, such as tp and the KV heads, are `megalite.config.layout`'s).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from megalite.config.errors import fail
+
+ARCHS = ("gpt2", "llama")  # model.arch: the model families (megalite.model.families)
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3's frequency scaling of rotary positions (LlamaConfig.rope_scaling with
+    rope_type "llama3"; `megalite.model.rope`). Llama 3.1/3.2's values are the defaults."""
+
+    rope_type: str = "llama3"
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def check(self) -> None:
+        if self.rope_type != "llama3":
+            fail("model.rope_scaling.rope_type", self.rope_type,
+                 "megalite's Llama scales RoPE as Llama 3 does: use llama3 (or rope_scaling=null)")
+        for key in ("factor", "low_freq_factor", "original_max_position_embeddings"):
+            if not getattr(self, key) > 0:
+                fail(f"model.rope_scaling.{key}", getattr(self, key), "must be > 0")
+        if not self.high_freq_factor > self.low_freq_factor:
+            fail("model.rope_scaling.high_freq_factor", self.high_freq_factor,
+                 f"must be > model.rope_scaling.low_freq_factor={self.low_freq_factor}")
+
+
+@dataclass
+class ModelConfig:
+    """The model's family and shape (docs/models.md)."""
+
+    name: str = "tiny"  # preset name, for the record (the shape below is what counts)
+    arch: str = "gpt2"  # model family: gpt2 | llama
+    n_layer: int = 4  # num_hidden_layers
+    n_embd: int = 128  # hidden_size
+    n_head: int = 4  # num_attention_heads
+    n_kv_head: Optional[int] = None  # num_key_value_heads (llama); None = n_head
+    n_positions: int = 256  # max_position_embeddings
+    vocab_size: int = 50257
+    n_inner: Optional[int] = None  # MLP hidden size (intermediate_size); None = 4 * n_embd
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1  # attention_dropout
+    layer_norm_epsilon: float = 1e-5  # rms_norm_eps
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2: always)
+    rope_theta: float = 10000.0  # llama: the rotary base
+    rope_scaling: Optional[RopeScaling] = None  # llama: Llama 3's RoPE scaling, or none
+
+    @property
+    def ffn_size(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention; n_head where not set)."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ModelConfig":
+        """The config a checkpoint's meta.json recorded (`dataclasses.asdict`; a key an
+        older megalite did not write takes its default)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in record.items() if k in known}
+        if isinstance(values.get("rope_scaling"), dict):
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        return cls(**values)
+
+    def check(self) -> None:
+        if self.arch not in ARCHS:
+            fail("model.arch", self.arch, f"use one of {', '.join(ARCHS)}")
+        for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
+            if getattr(self, key) < 1:
+                fail(f"model.{key}", getattr(self, key), "must be a positive integer")
+        for key in ("layer_norm_epsilon", "initializer_range"):
+            if not getattr(self, key) > 0:
+                fail(f"model.{key}", getattr(self, key), "must be > 0 (GPT-2 uses "
+                     f"{getattr(ModelConfig, key)})")
+        if self.n_inner is not None and self.n_inner < 1:
+            fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
+        if self.n_embd % self.n_head != 0:
+            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
+        if self.arch == "gpt2":
+            self._check_gpt2()
+        else:
+            self._check_llama()
+
+    def _check_gpt2(self) -> None:
+        """GPT-2 has one setting of what a Llama may vary."""
+        if not self.tie_word_embeddings:
+            fail("model.tie_word_embeddings", self.tie_word_embeddings,
+                 "GPT-2's LM head is its token embedding: set true (or model.arch=llama)")
+        if self.kv_heads != self.n_head:
+            fail("model.n_kv_head", self.n_kv_head, "GPT-2 has no grouped-query attention: "
+                 "set null (or model.arch=llama)")
+        if self.rope_scaling is not None:
+            fail("model.rope_scaling", self.rope_scaling, "GPT-2 has learned positions, no "
+                 "rotary ones: set null (or model.arch=llama)")
+
+    def _check_llama(self) -> None:
+        if self.n_kv_head is not None and self.n_kv_head < 1:
+            fail("model.n_kv_head", self.n_kv_head, "must be a positive integer or null "
+                 "(= model.n_head)")
+        if self.n_head % self.kv_heads:
+            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            fail("model.n_kv_head", self.n_kv_head, f"must divide model.n_head={self.n_head} "
+                 f"(each KV head serves n_head / n_kv_head query heads): use one of {divisors}")
+        if (self.n_embd // self.n_head) % 2:
+            fail("model.n_head", self.n_head, f"head_dim = n_embd / n_head = "
+                 f"{self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
+        if not self.rope_theta > 0:
+            fail("model.rope_theta", self.rope_theta, "must be > 0 (Llama 3 uses 500000)")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check()

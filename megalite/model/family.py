@@ -1,0 +1,174 @@
+"""The model family interface: what a family (GPT-2, Llama) supplies to the machinery the
+families share — the tensor-parallel layers, the pipeline stage (`megalite.model.causal_lm`),
+the engine, the checkpoints and the plan — so that none of those asks which family it runs.
+
+A family supplies:
+
+    stage_class           its pipeline stage (a `CausalLM`: embeddings, blocks, final norm,
+                          head; the forward, loss and recompute are shared)
+    block_specs / first_specs / last_specs
+                          its parameters' `ParamSpec`s, in the order the stage registers them
+                          (names = transformers' names; global shape; how TP splits each):
+                          the stage's `param_specs` and the plan's parameter lists (ZeRO's
+                          buckets, Ψ, ZeRO-3's units) are both made from them
+    initial_value         how a parameter starts (GPT-2: N(0, 0.02), residual projections
+                          scaled, LayerNorms (1, 0); Llama: N(0, 0.02), RMSNorms 1)
+    num_parameters, flops_per_token, block_parameters, head_forward_flops_per_token
+                          the FLOPs the metrics, the header and the time model count
+    layer_activation_bytes, block_backward_bytes
+                          the memory plan's activation terms of one block
+    hf                    the mapping to and from `transformers` (`HFMapping`)
+    probe_tensor          the fault drill's default tensor (the first block's first norm)
+
+`megalite.model.families.family(cfg)` gives the family of a `ModelConfig` (`model.arch`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol, Tuple
+
+import torch
+
+from megalite.config.schema import ModelConfig
+from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
+
+Specs = List[Tuple[str, ParamSpec]]  # (the name in the stage's module tree, its spec)
+
+
+class HFMapping(Protocol):
+    """A family's mapping between megalite's global state and a `transformers` model."""
+
+    model_type: str  # config.json's model_type
+    model_class: str  # the transformers class (GPT2LMHeadModel, LlamaForCausalLM)
+    display: str  # the family's name in messages (GPT-2, Llama)
+    hub_example: str  # a hub id of the family, for messages
+
+    def hf_config(self, cfg: ModelConfig, bos_token_id: Optional[int] = None,
+                  eos_token_id: Optional[int] = None): ...
+
+    def to_hf_state_dict(self, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]: ...
+
+    def from_hf_state_dict(self, hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]: ...
+
+    def check_config(self, cfg: ModelConfig, hf_cfg, source: str) -> None: ...
+
+    def derived(self, name: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Initial:
+    """A parameter's starting value: `fill` everywhere, or N(0, std) when std is set."""
+
+    fill: float = 0.0
+    std: Optional[float] = None
+
+
+class Family:
+    """One model family (module docstring). Subclasses set the class attributes and
+    implement the spec lists, initialisation and FLOP / activation terms."""
+
+    name: str = ""
+    probe_tensor: str = ""
+    embedding_module: str = ""  # the token embedding's module path in a stage
+    stage_class: type = object
+    hf: HFMapping
+
+    # --- parameters ---------------------------------------------------------------------
+
+    def tied(self, cfg: ModelConfig) -> bool:
+        """Whether the LM head is the token embedding (`model.tie_word_embeddings`)."""
+        return cfg.tie_word_embeddings
+
+    def block_specs(self, cfg: ModelConfig, index: int, tp: int) -> Specs:
+        raise NotImplementedError
+
+    def first_specs(self, cfg: ModelConfig, tp: int) -> Specs:
+        """The first stage's parameters (the embeddings)."""
+        raise NotImplementedError
+
+    def final_norm_specs(self, cfg: ModelConfig, tp: int) -> Specs:
+        """The final norm's parameters (the last stage's, before the head)."""
+        raise NotImplementedError
+
+    def last_specs(self, cfg: ModelConfig, tp: int) -> Specs:
+        """The last stage's parameters: the final norm and the LM head (under a tied
+        embedding the head is a `tied_copy`, registered only where the stage lacks the
+        embedding)."""
+        return self.final_norm_specs(cfg, tp) + [self.head_spec(cfg, tp)]
+
+    def head_spec(self, cfg: ModelConfig, tp: int) -> Tuple[str, ParamSpec]:
+        """The LM head's (name, spec): its own vocab-parallel parameter (`lm_head.weight`), or
+        under a tied embedding a `tied_copy` of the token embedding's spec."""
+        name, spec = self.first_specs(cfg, tp)[0]
+        if self.tied(cfg):
+            return "lm_head.weight", ParamSpec(spec.name, spec.shape, tp_dim=0,
+                                               padded_rows=spec.padded_rows, tied=True,
+                                               tied_copy=True)
+        return "lm_head.weight", ParamSpec("lm_head.weight", spec.shape, tp_dim=0,
+                                           padded_rows=spec.padded_rows)
+
+    def token_embedding_spec(self, cfg: ModelConfig, name: str, tp: int) -> ParamSpec:
+        """The token embedding's spec: vocab-parallel, the vocabulary padded to 128·tp."""
+        return ParamSpec(name, (cfg.vocab_size, cfg.n_embd), tp_dim=0,
+                         padded_rows=padded_vocab_size(cfg.vocab_size, tp), tied=self.tied(cfg))
+
+    def initial_value(self, cfg: ModelConfig, name: str) -> Initial:
+        raise NotImplementedError
+
+    def block_numel(self, cfg: ModelConfig, tp: int) -> int:
+        """Parameter elements of one block on one TP rank."""
+        return sum(local_numel(s, tp) for _, s in self.block_specs(cfg, 0, tp))
+
+    # --- FLOPs and activations ----------------------------------------------------------
+
+    def num_parameters(self, cfg: ModelConfig) -> int:
+        raise NotImplementedError
+
+    def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
+        raise NotImplementedError
+
+    def flops_formula(self) -> str:
+        raise NotImplementedError
+
+    def block_parameters(self, cfg: ModelConfig) -> int:
+        """One block's parameters (tp = 1): the time model's 2·P_block FLOPs a token."""
+        raise NotImplementedError
+
+    def fp8_linear_parameters(self, cfg: ModelConfig) -> int:
+        """One block's weights (tp = 1) in the column- and row-parallel linears, the matmuls
+        fp8.recipe runs in FP8 (`megalite.parallel.fp8`)."""
+        raise NotImplementedError
+
+    def head_forward_flops_per_token(self, cfg: ModelConfig) -> int:
+        """The last stage's forward FLOPs a token beyond its blocks (the LM head, the norm)."""
+        raise NotImplementedError
+
+    def layer_activation_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, sp: bool,
+                               e: int, dropout: bool = False,
+                               math_attention: bool = False) -> float:
+        raise NotImplementedError
+
+    def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
+        """What a block's backward holds beyond its saved set (the MLP's gradients)."""
+        raise NotImplementedError
+
+
+def local_numel(spec: ParamSpec, tp: int) -> int:
+    """Elements of one TP rank's slice of `spec` (its padded shape, split `tp` ways, or
+    tp / tp_replicas ways where TP ranks share slices)."""
+    shape = list(spec.padded_shape())
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] //= spec.tp_chunks(tp, 0)[0]
+    return math.prod(shape)
+
+
+def attention_bytes(s: int, b: int, h: int, heads: int, t: int, e: int,
+                    math_attention: bool) -> float:
+    """What SDPA keeps beyond its inputs and output per micro-batch on one rank: the flash and
+    memory-efficient kernels the log-sum-exp (4 bytes a query head and position), the math
+    kernel (attention dropout on a CPU, train.attention=math) the probabilities, their dropout
+    mask and the dropped probabilities (3·e·b(a/t)s²) and the scaled q and k (2·e·sbh/t)."""
+    if math_attention:
+        return 3 * e * b * heads * s * s + 2 * e * s * b * h / t
+    return 4 * heads * s * b

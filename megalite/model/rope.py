@@ -1,0 +1,60 @@
+"""Rotary position embedding (Su et al. 2021), as `transformers`' Llama computes it: the
+rotate-half convention (a head's first half of dimensions paired with its second half, not
+interleaved pairs), inverse frequencies θ^(-2i/d) from `model.rope_theta`, and Llama 3's
+frequency scaling where `model.rope_scaling` names it (rope_type "llama3": wavelengths above
+original_max_position_embeddings / low_freq_factor divided by `factor`, those below
+original / high_freq_factor kept, the band between interpolated smoothly).
+
+The inverse frequencies are computed on the CPU in fp32, as transformers does, and moved to
+the model's device: the same bits wherever the model lives. cos and sin are made per forward
+from the positions 0..s-1 (the whole sequence: with sequence parallelism q and k come out of a
+column-parallel projection of the gathered sequence) in fp32, then cast to the activations'
+dtype (transformers' order of operations).
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from megalite.config.model import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] fp32 on the CPU: θ^(-2i/d), Llama 3-scaled where configured."""
+    dim = cfg.n_embd // cfg.n_head
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def cos_sin(inv_freq: torch.Tensor, length: int, dtype: torch.dtype
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] of positions 0..length-1, in `dtype`."""
+    positions = torch.arange(length, device=inv_freq.device, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq[None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., s, head_dim] rotated by position: x·cos + rotate_half(x)·sin."""
+    return x * cos + rotate_half(x) * sin
