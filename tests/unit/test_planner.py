@@ -32,12 +32,11 @@ from megalite.plan.offload import HOST_ADAM_BYTES, activation_copies_exposed
 from megalite.plan.search import NothingFits, memory_lower_bound, search
 from megalite.plan.space import Choice, apply_choice
 from megalite.plan.time_model import (
-    LOSS_BYTES_PER_LOGIT,
-    dropout_bytes,
     predict,
     stage_forward_flops,
 )
 from megalite.plan.traffic import stage_traffic
+from megalite.plan.traffic_bytes import LOSS_BYTES_PER_LOGIT, dropout_bytes
 from megalite.train.metrics import table_peak
 
 SMALL = ["model.n_layer=4", "model.n_embd=64", "model.n_head=4", "model.n_positions=64",
