@@ -89,15 +89,24 @@ def fp8_working_bytes(cfg, layout, e: int) -> Dict[str, float]:
 
 def amax_reductions(cfg, tp: int, rerun: bool = False) -> Tuple[int, float]:
     """(all-reduces, fp32 elements reduced) of one block per micro-batch over TP; `rerun`:
-    a recomputed block's forward re-run. (0, 0) at tp 1 or without fp8.recipe."""
+    a recomputed block's forward re-run. (0, 0) at tp 1 or without fp8.recipe. Per FP8
+    linear of the family's block (`fp8_linears`; row-parallel: its input split over TP):
+    tensorwise, the forward reduces a column-parallel W's amax and a row-parallel x's and
+    W's, the backward a column-parallel dy's (x's and W's are kept); rowwise, a
+    row-parallel forward reduces x's rows (tokens) and W's rows (its outputs), a
+    column-parallel dx dy's rows and Wᵀ's rows (its inputs)."""
     recipe = cfg.fp8.recipe
     if tp == 1 or recipe == "none":
         return 0, 0.0
-    tokens, h = cfg.train.seq_len * cfg.train.micro_batch_size, cfg.model.n_embd
-    if recipe == "tensorwise":  # forward 1 + 2 a pair of linears; backward 1
-        return (6, 6.0) if rerun else (8, 8.0)
-    # rowwise: the row-parallel forward's x and W rows; the column-parallel dx's dy and Wᵀ
-    return (4, 2.0 * (tokens + h)) if rerun else (8, 4.0 * (tokens + h))
+    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    linears = fp8_linears(cfg.model.n_embd, cfg.model.ffn_size, tp, cfg.model.arch)
+    rows = [out for _, in_key, _, _, out in linears if "/ tp" in in_key]
+    columns = [inp for _, in_key, inp, _, _ in linears if "/ tp" not in in_key]
+    if recipe == "tensorwise":
+        count = len(columns) + 2 * len(rows) + (0 if rerun else len(columns))
+        return count, float(count)
+    reduced = [tokens + out for out in rows] + ([] if rerun else [tokens + inp for inp in columns])
+    return 2 * len(reduced), float(sum(reduced))
 
 
 def cast_traffic_bytes(cfg, tp: int, e: int) -> float:

@@ -39,9 +39,9 @@ bandwidth, e the bytes of a model-dtype element:
               with SP 6 all-gathers : 4 reduce-scatters a block (each kind at its own fit
               where a calibrated profile has one: `op_links`; pp: send/recv, dp: all-reduce,
               reduce-scatter, all-gather, embedding: all-reduce); fp8.recipe's amax
-              all-reduces (16 scalars a block tensorwise, 8 vectors rowwise:
-              `megalite.plan.fp8_terms.amax_reductions`) at the all-reduce fit, their
-              latency dominating
+              all-reduces (GPT-2: 8 scalars a block tensorwise, 8 vectors rowwise; per
+              FP8 linear: `megalite.plan.fp8_terms.amax_reductions`) at the all-reduce
+              fit, their latency dominating
   offload     activation offload's copies (`megalite.plan.offload.activation_copies_exposed`:
               the runtime's schedule of each chunk's blocks on the compute stream and the
               two copy streams, simulated per micro-batch): each offloaded block's saved
