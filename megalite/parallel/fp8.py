@@ -29,7 +29,8 @@ elements), so the forward keeps x's and W's amaxes (two fp32 scalars) for the ba
 serves both backward products: each amax is taken, and reduced over TP, once per micro-batch
 — the same scales, so the same FP8 bits, as taking them again.
 The weight gradient leaves the product in the parameters' dtype and is accumulated as before
-(ZeRO's fp32 main gradients). Embeddings, the LM head, the loss and LayerNorms never come here.
+(ZeRO's fp32 main gradients). Embeddings, the LM head, the loss, the norms and Llama's q/k/v projections
+(`megalite.model.llama.Projection`) never come here.
 """
 from __future__ import annotations
 

@@ -26,14 +26,16 @@ may not exist (unmeasured; the plan keeps the eager bound).
 Amax all-reduces over TP (tp > 1), a block per micro-batch: where a scale spans a tensor
 (tensorwise) or a contraction (rowwise) split over TP (`Fp8Linear.amax_group`):
 
-  tensorwise  8 scalars: the forward's W (column-parallel), x and W (row-parallel) for each
-              of the two pairs, and the column-parallel dy in backward (its amax serves dx and
-              dW; x's and W's are kept from the forward)
-  rowwise     8 vectors: the row-parallel forward's x rows (n) and W rows (h), the column-
-              parallel dx's dy rows (n) and Wᵀ rows (h), for each of the two pairs
+  tensorwise  per FP8 linear of the family's block (`fp8_linears`): the forward's W
+              (column-parallel), x and W (row-parallel), and the column-parallel dy in
+              backward (its amax serves dx and dW; x's and W's are kept from the forward):
+              GPT-2's two pairs 8 scalars, Llama's o_proj + gate_up_proj + down_proj 6
+  rowwise     the row-parallel forward's x rows (n) and W rows (its outputs), the column-
+              parallel dx's dy rows (n) and Wᵀ rows (its inputs): GPT-2 8 vectors, Llama 6
   recompute   a re-run forward stops once its saved tensors are rebuilt (torch's early stop),
-              after the MLP's output projection (a custom function's tensors are saved when
-              its forward returns): the forward's 6 scalars, or 4 vectors (2(n + h))
+              after the block's last linear (a custom function's tensors are saved when its
+              forward returns): the forward's reductions only (GPT-2 6 scalars or 4 vectors,
+              2(n + h); Llama 5 or 4)
 
 Each is one fp32 all-reduce, 2(t−1)/t·4 bytes an element on the wire: latency-bound.
 

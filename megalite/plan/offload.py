@@ -28,7 +28,7 @@ from megalite.config.schema import Config
 from megalite.model.activation_offload import IN_TRANSIT
 from megalite.model.families import family
 from megalite.plan.devices import DeviceProfile
-from megalite.plan.dims import offloaded_layers, recomputed_layers
+from megalite.plan.dims import math_attention, offloaded_layers, recomputed_layers
 
 # Host bytes a parameter of offload.optimizer's passes move (`optimizer_offload_s`): the
 # norm's squares (read the gradient), zero 2/3's fold (read the staging, read and write the
@@ -176,7 +176,7 @@ def activation_offload_s(cfg: Config, lay: Layout, profile: DeviceProfile, k: in
     t = cfg.train
     act = family(cfg.model).layer_activation_bytes(
         cfg.model, t.seq_len, t.micro_batch_size, lay.tp_size, lay.sequence_parallel, e,
-        cfg.model.resid_pdrop > 0)
+        cfg.model.resid_pdrop > 0, math_attention(cfg, lay))  # the memory plan's host bytes
     out, back = act / (profile.d2h_gbps * 1e9), act / (profile.h2d_gbps * 1e9)
     exposed = 0.0
     for c, chunk in enumerate(chunks):
