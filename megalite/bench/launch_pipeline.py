@@ -60,7 +60,8 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
     trainer = build_trainer(cfg, init_runtime(cfg), Path(root))
     topo = trainer.topo
     m = trainer.layout.micro_batches(cfg.train.global_batch_size)
-    torch_step = torch_pipeline_step(cfg.model, topo, trainer.stages[topo.coords.pp_rank], m)
+    torch_step = torch_pipeline_step(cfg.model, topo,
+                                     trainer.layout.stage_blocks()[topo.coords.pp_rank], m)
     last = {}
     next_step = trainer.batches.next_step
 

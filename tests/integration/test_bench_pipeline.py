@@ -37,3 +37,24 @@ def test_bench_pipeline_toy():
     for r in rows:
         assert 0.0 <= r["bubble"] < 1.0
         assert r["loss_last"] < r["loss_first"]  # the same batch, three AdamW steps
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_pipeline_launch_toy(tiny_data, capsys):
+    """megalite-bench pipeline-launch: pretrain's build_trainer and fit at pp 2 (the defaults
+    on) side by side with torch's Schedule1F1B over the same stages and batches: one run, the
+    same first loss."""
+    from megalite.bench import launch_pipeline
+
+    parser = argparse.ArgumentParser()
+    launch_pipeline.add_arguments(parser)
+    launch_pipeline.run(parser.parse_args([
+        "--steps", "2", "--warmup", "1", "--repeats", "1", "--data", str(tiny_data),
+        "--overrides", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+        "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4"]))
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
+    assert len(row) == 1
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0  # megalite's and torch's s/step
+    assert float(cells[5]) < 1e-5  # the same first loss
