@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 from typing import Dict, List
 
-import datasets
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -24,7 +23,11 @@ PREPARE_BATCH = 16  # documents per tokenized batch in the preparation tests: ma
 
 @pytest.fixture
 def hf_cache_in_tmp(tmp_path, monkeypatch):
-    """`load_dataset` of local files writes its Arrow cache under tmp, not ~/.cache."""
+    """`load_dataset` of local files writes its Arrow cache under tmp, not ~/.cache. `datasets`
+    is imported here, not at the top: conftest registers this module as a plugin, and the CUDA
+    tests (`megalite-bench gpu` on a machine with torch but without `datasets`) must collect."""
+    import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 

@@ -88,11 +88,32 @@ def run_command(cmd: Sequence[str], limit_s: float, cwd: Optional[Path] = None,
                output, timed_out, stopped)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen, gone_within_s: float = 60.0) -> None:
+    """SIGKILL the run's whole process group and wait until none of its processes is alive.
+    Waiting for the launcher alone is not enough: torchrun's workers are reparented when it
+    dies and release their GPU memory as they exit, so the next run would start beside a
+    dying rank's 69 GiB (seen on an H200: the next gpt2-xl run out of memory at its first
+    backward)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return
+    deadline = time.monotonic() + gone_within_s
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def group_members(pgid: int) -> List[int]:
+    """The live (not zombie) processes of process group `pgid`, read from /proc (Linux)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process exited while we looked
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
 
 
 # --- parsing what the commands print -------------------------------------------------------

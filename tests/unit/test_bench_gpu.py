@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import pytest
 
-from megalite.bench import gpu, gpu_session
+from megalite.bench import gpu, gpu_runs, gpu_session
 from megalite.bench.gpu_mfu import mfu_specs, train_overrides, worker_args
 from megalite.bench.gpu_report import render_markdown
-from megalite.bench.gpu_runs import json_lines, parse_pytest, read_metrics, run_command, summarize_launch
+from megalite.bench.gpu_runs import (
+    group_members,
+    json_lines,
+    parse_pytest,
+    read_metrics,
+    run_command,
+    summarize_launch,
+)
 from megalite.bench.gpu_sizes import FULL, PARTS, REDUCED, RESILIENCE_OFF
 
 
@@ -105,6 +113,24 @@ def test_a_command_is_killed_at_its_limit_or_once_it_has_its_steps(tmp_path):
     assert failed.rc == 3 and not failed.ok and failed.status() == "failed (exit status 3)"
 
 
+def test_a_stopped_run_returns_only_once_its_workers_are_gone(tmp_path, monkeypatch):
+    """A rank that outlives its launcher (as torchrun's workers do, releasing GPU memory as they
+    exit) is waited for: the next run must not start beside it. The kill is made to reach the
+    launcher alone, so the worker lingers 2 s after it, as a dying CUDA process does."""
+    monkeypatch.setattr(gpu_runs.os, "killpg", lambda pgid, sig: os.kill(pgid, sig))
+    marker = tmp_path / "up"
+    launcher = ("import os, pathlib, subprocess, sys, time; "
+                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2)'], "
+                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+                f"print(os.getpid(), flush=True); pathlib.Path({str(marker)!r}).touch(); "
+                "time.sleep(60)")
+    pids = []
+    ran = run_command([sys.executable, "-c", launcher], 30.0, on_line=pids.append,
+                      stop_when=marker.exists)
+    assert ran.stopped and pids
+    assert group_members(int(pids[0])) == []
+
+
 def test_a_failing_part_and_the_budget_do_not_stop_the_report(tmp_path, monkeypatch):
     """A part that raises is reported failed and the next runs; once the budget is spent the
     rest are reported cut; report.json and report.md hold every part."""
@@ -140,3 +166,15 @@ def test_a_failing_part_and_the_budget_do_not_stop_the_report(tmp_path, monkeypa
     assert "## mfu — ok" in text and "| run | step_s | phases_s |" in text
     assert json.loads((tmp_path / "r" / "report.json").read_text())["parts"][1]["rows"]
     assert render_markdown({"header": {}, "parts": []}).startswith("# megalite-bench gpu")
+
+
+def test_the_test_plugins_load_without_datasets(monkeypatch):
+    """The GPU machine has torch and transformers but not `datasets`: the plugin conftest
+    registers (tests/data_fixtures.py) must still load there, or no CUDA test collects."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises
+    path = Path(__file__).parents[1] / "data_fixtures.py"
+    spec = importlib.util.spec_from_file_location("data_fixtures_without_datasets", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
