@@ -1,0 +1,219 @@
+"""Causal attention over a sequence sharded across the context-parallel (CP) group.
+
+Each CP rank holds two chunks of every sequence (`context_shard`: chunks r and 2·cp − 1 − r of
+2·cp) and computes attention for its own queries against the keys of the whole sequence. Two
+ways, `parallel.cp_comm`:
+
+  allgather  K and V are all-gathered over CP (one collective, only the KV heads: cheap under
+             grouped-query attention) and each local query chunk attends to the keys up to its
+             own chunk through SDPA with a boolean mask; in backward the gathered K/V
+             gradients are reduce-scattered back to their owners. Llama 3's choice (Dubey et
+             al. 2024, §3.3.2).
+  ring       K/V blocks travel around the CP ring (cp − 1 sends, each posted before the block
+             in hand is computed) and the partial results are merged by their log-sum-exp
+             (Liu et al. 2023, Ring Attention; the online softmax of Milakov & Gimelshein 2018):
+             for partial outputs (o₁, l₁), (o₂, l₂) over disjoint key sets,
+                 l = log(e^l₁ + e^l₂),   o = o₁·e^(l₁ − l) + o₂·e^(l₂ − l).
+             Backward passes the blocks round again, each with its dK/dV accumulator, which
+             arrives back at the block's owner after cp sends (the FlashAttention-2 backward per
+             block: P = exp(S − lse), dV = Pᵀ·dO, dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)),
+             dQ = dS·K·scale, dK = dSᵀ·Q·scale).
+
+Both skip the (query chunk, key chunk) pairs that causality masks entirely: a chunk attends
+to the chunks before it in full and to itself causally. The ring's per-block product is the
+math form (scores of one chunk pair at a time, accumulated in fp32 or the inputs' fp64), not a fused kernel.
+
+Tensors are [batch, heads, local tokens, head dim]; q has `hq` heads, k and v `hk` (hq a
+multiple of hk: grouped-query attention, each KV head serving hq / hk query heads).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megalite.parallel import context_shard
+from megalite.parallel.comm import all_gather, reduce_scatter, send_recv
+from megalite.parallel.group import Group
+
+CP_COMMS = ("allgather", "ring")
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+                 comm: str = "allgather", scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole CP-sharded sequence."""
+    if comm not in CP_COMMS:
+        raise ValueError(f"parallel.cp_comm={comm!r}: use one of {', '.join(CP_COMMS)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if group.size == 1:
+        return _sdpa(q, k, v, None, scale, causal=True)
+    if comm == "allgather":
+        return _allgather_attention(q, k, v, group, scale)
+    return _RingAttention.apply(q, k, v, group, scale)
+
+
+def _sdpa(q, k, v, mask, scale, causal=False):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+# --- all-gather ------------------------------------------------------------------------------
+
+class _GatherSequence(torch.autograd.Function):
+    """[b, h, L, d] local -> [b, h, cp·L, d] in the sequence's order (all-gather over CP);
+    backward: the gradient's owners' chunks, summed over CP (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        local = x.permute(2, 0, 1, 3).contiguous()  # sequence first: the collectives' dim 0
+        out = local.new_empty((local.shape[0] * group.size, *local.shape[1:]))
+        all_gather(out, local, group)
+        return context_shard.unshard(out, group.size, dim=0).permute(1, 2, 0, 3)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        full = context_shard.reshard(grad.permute(2, 0, 1, 3), group.size, dim=0).contiguous()
+        out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
+        reduce_scatter(out, full, group)
+        return out.permute(1, 2, 0, 3), None
+
+
+def _allgather_attention(q, k, v, group: Group, scale: float) -> torch.Tensor:
+    hk = k.shape[1]
+    kv = _GatherSequence.apply(torch.cat([k, v], dim=1), group)
+    k_all, v_all = kv[:, :hk], kv[:, hk:]
+    c = q.shape[2] // 2
+    outs = []
+    for i, j in enumerate(context_shard.chunk_ids(group.size, group.rank)):
+        q_pos = torch.arange(j * c, (j + 1) * c, device=q.device)
+        k_pos = torch.arange((j + 1) * c, device=q.device)  # keys after chunk j: all masked
+        mask = k_pos[None, :] <= q_pos[:, None]
+        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, :(j + 1) * c],
+                          v_all[:, :, :(j + 1) * c], mask, scale))
+    return torch.cat(outs, dim=2)
+
+
+# --- ring ------------------------------------------------------------------------------------
+
+def _pairs(cp: int, q_rank: int, kv_rank: int) -> List[Tuple[int, int, bool]]:
+    """(local query chunk, key chunk of the block, causal) for the pairs with any work."""
+    pairs = []
+    for qi, qj in enumerate(context_shard.chunk_ids(cp, q_rank)):
+        for ki, kj in enumerate(context_shard.chunk_ids(cp, kv_rank)):
+            if kj <= qj:
+                pairs.append((qi, ki, kj == qj))
+    return pairs
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """Scores of one chunk pair in the accumulation dtype, [b, hq, c, c]; k already expanded
+    to hq heads."""
+    s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    return s
+
+
+def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _fold(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of `_expand`: sum each KV head's query-head group."""
+    if group == 1:
+        return x
+    b, h, n, d = x.shape
+    return x.view(b, h // group, group, n, d).sum(2)
+
+
+def _merge(o, lse, o_blk, lse_blk):
+    new = torch.logaddexp(lse, lse_blk)
+    return o * torch.exp(lse - new)[..., None] + o_blk * torch.exp(lse_blk - new)[..., None], new
+
+
+def _ring_step(group: Group, sends, recvs):
+    """Post this step's ring transfers (to the next rank, from the previous)."""
+    n, r = group.size, group.rank
+    return send_recv([(t, (r + 1) % n) for t in sends], [(t, (r - 1) % n) for t in recvs],
+                     group, async_op=True)
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group: Group, scale: float):
+        n, r, hk = group.size, group.rank, k.shape[1]
+        g, c = q.shape[1] // hk, q.shape[2] // 2
+        qc = q.split(c, dim=2)
+        out = [_acc(torch.zeros_like(qc[0])) for _ in range(2)]
+        lse = [torch.full_like(o[..., 0], float("-inf")) for o in out]
+        block = torch.cat([k, v], dim=1).contiguous()
+        for step in range(n):
+            nxt = torch.empty_like(block) if step < n - 1 else None
+            pending = _ring_step(group, [block], [nxt]) if nxt is not None else None
+            kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
+            for qi, ki, causal in _pairs(n, r, (r - step) % n):
+                s = _scores(qc[qi], kb[ki], causal, scale)
+                lse_blk = torch.logsumexp(s, dim=-1)
+                o_blk = torch.matmul(torch.exp(s - lse_blk[..., None]), _acc(vb[ki]))
+                out[qi], lse[qi] = _merge(out[qi], lse[qi], o_blk, lse_blk)
+            if pending is not None:
+                pending.wait()
+                block = nxt
+        out_t = torch.cat(out, dim=2)
+        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out_t, torch.cat(lse, dim=2))
+        return out_t.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, r, hk = group.size, group.rank, k.shape[1]
+        g, c = q.shape[1] // hk, q.shape[2] // 2
+        dout = _acc(dout)
+        delta = (dout * out).sum(-1)  # rowsum(dO ∘ O)
+        qc, doc = q.split(c, dim=2), dout.split(c, dim=2)
+        lsec, deltac = lse.split(c, dim=2), delta.split(c, dim=2)
+        dq = [_acc(torch.zeros_like(qc[0])) for _ in range(2)]
+        block = torch.cat([k, v], dim=1).contiguous()
+        dblock = _acc(torch.zeros_like(block))
+        for step in range(n):
+            nxt = torch.empty_like(block) if step < n - 1 else None
+            pending = _ring_step(group, [block], [nxt]) if nxt is not None else None
+            kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
+            dk = [_acc(torch.zeros_like(kb[0])) for _ in range(2)]
+            dv = [_acc(torch.zeros_like(kb[0])) for _ in range(2)]
+            for qi, ki, causal in _pairs(n, r, (r - step) % n):
+                p = torch.exp(_scores(qc[qi], kb[ki], causal, scale) - lsec[qi][..., None])
+                dv[ki] += torch.matmul(p.transpose(-1, -2), doc[qi])
+                ds = p * (torch.matmul(doc[qi], _acc(vb[ki]).transpose(-1, -2))
+                          - deltac[qi][..., None])
+                dq[qi] += torch.matmul(ds, _acc(kb[ki])) * scale
+                dk[ki] += torch.matmul(ds.transpose(-1, -2), _acc(qc[qi])) * scale
+            dblock += torch.cat([_fold(torch.cat(dk, dim=2), g), _fold(torch.cat(dv, dim=2), g)],
+                                dim=1)
+            arrived = torch.empty_like(dblock)  # the next block's accumulator, one rank back
+            _ring_step(group, [dblock], [arrived]).wait()
+            dblock = arrived
+            if pending is not None:
+                pending.wait()
+                block = nxt
+        dk_own, dv_own = dblock.split(hk, dim=1)
+        return (torch.cat(dq, dim=2).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype),
+                None, None)
