@@ -22,14 +22,14 @@ import shutil
 from pathlib import Path
 from typing import Dict, List
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.format import Reader, read_meta, verify_ranges
+from megalite.checkpoint.format import read_meta
 from megalite.checkpoint.resolve import resolve_checkpoint
+from megalite.checkpoint.tensor_reads import read_tensors, tensor_sizes
 from megalite.checkpoint.titan_names import from_titan, is_model_key, titan_tensors
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
@@ -46,26 +46,6 @@ def share(sizes: Dict[str, int], parts: int, part: int) -> List[str]:
         owner[name] = p
         loads[p] += sizes[name]
     return [n for n in sizes if owner[n] == part]
-
-
-def read_tensors(ckpt: Path, meta: dict, names: List[str]) -> Dict[str, torch.Tensor]:
-    """Whole global tensors `names` (fp32 master weights), reading and checking only the byte
-    ranges (and CRC blocks) that hold them."""
-    reader = Reader(ckpt, meta)
-    plans = {}
-    for name in names:
-        spec = reader.index.tensor(name).spec
-        whole = type(spec)(name, spec.shape, spec.tp_dim, spec.tp_interleave)
-        numel = int(np.prod(spec.shape))
-        plans[name] = (reader.reads(whole, "param", 1, 0, 0, numel), numel, spec.shape)
-    by_file: Dict[str, list] = {}
-    for reads, _, _ in plans.values():
-        for file, offset, n, _ in reads:
-            by_file.setdefault(file, []).append((offset, 4 * n))
-    for file, ranges in by_file.items():
-        verify_ranges(ckpt, file, meta["files"][file], ranges)
-    return {name: reader.read(reads, numel).view(shape)
-            for name, (reads, numel, shape) in plans.items()}
 
 
 def _checked_out_dir(ckpt: Path, out_dir: Path, force: bool) -> None:
@@ -89,10 +69,7 @@ def export_dcp(ckpt, out_dir, force: bool = False) -> Path:
     _checked_out_dir(ckpt, out_dir, force)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    reader = Reader(ckpt, meta)
-    sizes = {n: int(np.prod(reader.index.tensor(n).spec.shape)) for n in reader.index.names()
-             if reader.has(n, "param")}
-    mine = read_tensors(ckpt, meta, share(sizes, world, rank))
+    mine = read_tensors(ckpt, meta, share(tensor_sizes(ckpt, meta), world, rank))
     state = {k: v for name, t in mine.items() for k, v in titan_tensors(name, t, cfg)}
     tmp = out_dir.with_name(f".{out_dir.name}.dcp-partial")
     if rank == 0:
