@@ -56,17 +56,19 @@ def plan_shards(shapes: Dict[str, Tuple[int, ...]], cfg: ModelConfig, max_shard_
 
 
 def check_names(shapes: Dict[str, Tuple[int, ...]], cfg: ModelConfig, hf_cfg) -> None:
-    """The tensors written are exactly the `transformers` model's (built on the meta device)."""
+    """The tensors written are the `transformers` model's (built on the meta device) but the
+    ones it derives (a tied head, buffers)."""
     import transformers
 
     mapping = family(cfg).hf
     with torch.device("meta"):
         model = getattr(transformers, mapping.model_class)(hf_cfg)
-    want = {k for k in model.state_dict() if not mapping.derived(k)}
+    want = set(model.state_dict())
     have = {k for n, s in shapes.items() for k in hf_shapes(n, s, cfg)}
-    if want != have:
+    missing = sorted(k for k in want - have if not mapping.derived(k))
+    if missing or have - want:
         raise ValueError(f"the checkpoint does not map onto {mapping.model_class}: missing "
-                         f"{sorted(want - have)}, unexpected {sorted(have - want)}")
+                         f"{missing}, unexpected {sorted(have - want)}")
 
 
 def _replace_write(path: Path, write) -> None:
