@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Dict, List
 
@@ -77,7 +78,9 @@ def export_dcp(ckpt, out_dir, force: bool = False) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     if distributed:
         dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
+    with warnings.catch_warnings():  # alone: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
     if rank == 0:  # dcp.save returns after every rank's files and the .metadata are written
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
@@ -116,7 +119,9 @@ def read_titan_state(path, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     if found is None:
         raise CheckpointError(f"{path}: no DCP checkpoint (.metadata) there")
     state = {k: torch.empty(size, dtype=torch.float32) for k, size in titan_shapes(found).items()}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(found)), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(found)), no_dist=True)
     return from_titan(state, cfg)
 
 

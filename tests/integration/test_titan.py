@@ -105,7 +105,8 @@ def test_torchtitan_checkpoints_both_ways(tiny_data, tmp_path, monkeypatch):
     from megalite.testing.spawn import run_ranks
 
     titan = titan_model()
-    dcp.save(ModelWrapper(titan).state_dict(), checkpoint_id=str(tmp_path / "titan" / "step-10"))
+    dcp.save(ModelWrapper(titan).state_dict(), checkpoint_id=str(tmp_path / "titan" / "step-10"),
+             no_dist=True)
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
     ref = titan_logits(titan, ids)
 
@@ -131,13 +132,14 @@ def test_torchtitan_checkpoints_both_ways(tiny_data, tmp_path, monkeypatch):
     back = titan_model(seed=1)
     wrapper = ModelWrapper(back)
     state = wrapper.state_dict()
-    dcp.load(state, checkpoint_id=str(tmp_path / "exported"))
+    dcp.load(state, checkpoint_id=str(tmp_path / "exported"), no_dist=True)
     wrapper.load_state_dict(state)
     assert (titan_logits(back, ids) - ref).abs().max().item() <= 1e-5
     original = titan.state_dict()
     assert all(torch.equal(t, original[k]) for k, t in back.state_dict().items())
 
-    dcp.save(ModelWrapper(back).state_dict(), checkpoint_id=str(tmp_path / "titan2" / "step-0"))
+    dcp.save(ModelWrapper(back).state_dict(), checkpoint_id=str(tmp_path / "titan2" / "step-0"),
+             no_dist=True)
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000000"
     ours, again = read_global_state(ckpt), read_titan_state(tmp_path / "titan2", cfg)
     assert ours.keys() == again.keys()
