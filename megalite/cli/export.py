@@ -8,7 +8,8 @@ torchtitan's Llama 3 DCP checkpoint (docs/checkpoints.md).
     torchrun --nproc-per-node 4 -m megalite.cli.export CKPT OUT --format dcp   # torchtitan
 
 (`python scripts/export_hf.py ...` in a checkout is the same command.) Writes config.json,
-model.safetensors, generation_config.json and the tokenizer the run's data was prepared with
+model.safetensors (or model-0000N-of-0000M.safetensors and model.safetensors.index.json),
+generation_config.json and the tokenizer the run's data was prepared with
 (`<data.dir>/tokenizer`; data.dir is taken from the checkpoint and a relative one is relative
 to the launch directory, or give --tokenizer DIR). Then
 
