@@ -35,7 +35,7 @@ CHILD = """
 import json, resource, sys, time
 cap, mode, ckpt, out, shard, tok = int(sys.argv[1]), *sys.argv[2:5], int(sys.argv[5]), sys.argv[6]
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-import safetensors.torch, transformers  # noqa: F401 (in every mode: the floor)
+import safetensors.torch, transformers  # imported in every mode: the floor
 from megalite.checkpoint.export import export_hf
 from megalite.checkpoint.format import read_global_state
 start, error = time.perf_counter(), None
