@@ -31,11 +31,18 @@ def _offline() -> bool:
 
 
 def local_snapshot(source: str) -> str:
-    """The directory holding `source`: itself if it is one, else the hub id's cached snapshot
-    (downloaded into the cache first unless offline)."""
+    """The directory holding `source`: itself if it is one (or no hub id at all), else the hub
+    id's cached snapshot (downloaded into the cache first unless offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return source  # a path (that read_hf_config names when it holds no config.json)
     if Path(source).is_dir():
         return source
-    from huggingface_hub import snapshot_download
 
     try:  # online, snapshot_download itself falls back to the cache when the hub is unreachable
         return snapshot_download(source, allow_patterns=WEIGHT_FILES,
