@@ -4,8 +4,11 @@ A checkpoint of any layout (tp, pp, dp, zero; see `megalite.checkpoint.format`) 
 master weights in pieces; `read_global_state` rebuilds the global tensors. From there:
 
     export_hf(ckpt, out_dir)   a `transformers` directory of the model's family (config.json,
-                               model.safetensors, generation_config.json, tokenizer files) that
-                               GPT2LMHeadModel / LlamaForCausalLM and AutoTokenizer load
+                               model.safetensors or shards of at most max_shard_size bytes and
+                               their index, generation_config.json, tokenizer files) that
+                               GPT2LMHeadModel / LlamaForCausalLM and AutoTokenizer load; written
+                               a shard at a time from the rank files (`checkpoint.hf_stream`),
+                               by one process or in parts by several
     load_model(ckpt)           the serial megalite stage (tp = pp = 1) with the checkpoint's weights
     load_tokenizer(ckpt)       the tokenizer the run's data was tokenized with
 
@@ -19,17 +22,17 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from megalite.checkpoint.format import read_global_state, read_meta
+from megalite.checkpoint.hf_stream import write_hf_dir
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
 from megalite.config.schema import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.causal_lm import CausalLM
 from megalite.model.families import causal_lm
-from megalite.model.hf_io import save_hf
 from megalite.model.init import load_global_state
 
 
@@ -86,13 +89,22 @@ def load_model(ckpt: Path, device: str = "cpu") -> CausalLM:
     return model.eval()
 
 
-def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = False) -> Path:
-    """Write checkpoint `ckpt` as a `transformers` directory `out_dir` (GPT2LMHeadModel or
-    LlamaForCausalLM, by the checkpoint's `model.arch`).
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' max_shard_size="5GB"
 
-    Everything is written to a temporary sibling directory that replaces `out_dir` only when
-    complete. An existing non-empty `out_dir` is an error unless `force`; `out_dir` may never
-    contain the checkpoint or the tokenizer it is made from. Returns the checkpoint exported.
+
+def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = False,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, part: Tuple[int, int] = (0, 1)
+              ) -> Path:
+    """Write checkpoint `ckpt` as a `transformers` directory `out_dir` (GPT2LMHeadModel or
+    LlamaForCausalLM, by the checkpoint's `model.arch`), in safetensors shards of at most
+    `max_shard_bytes`.
+
+    Alone (`part` = (0, 1)) everything is written to a temporary sibling directory that
+    replaces `out_dir` only when complete. As part i of n > 1 (processes sharing `out_dir`)
+    the shards are written into `out_dir` itself and the last part to finish writes the index
+    (`checkpoint.hf_stream`). An existing non-empty `out_dir` is an error unless `force` (or
+    a part of n > 1); `out_dir` may never contain the checkpoint or the tokenizer it is made
+    from. Returns the checkpoint exported.
     """
     ckpt = resolve_checkpoint(ckpt)
     out_dir = Path(out_dir)
@@ -103,17 +115,20 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
                               "pick another output directory")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force and part[1] == 1:
         raise ExportError(f"{out_dir}: exists and is not empty; pick a new directory, or "
                           "replace it with --force")
     load_tokenizer(ckpt, str(tok_dir))  # checked against the model before anything is written
-    state = read_global_state(ckpt)
+    if part[1] > 1:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_hf_dir(ckpt, read_meta(ckpt), out_dir, tok_dir, max_shard_bytes, part)
+        return ckpt
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_hf(state, model_config(ckpt), tmp, tok_dir)
+        write_hf_dir(ckpt, read_meta(ckpt), tmp, tok_dir, max_shard_bytes)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)

@@ -27,9 +27,11 @@ The package: `format` (this file: the layout on disk, reading and verifying it),
 `save` (snapshots and the publication protocol), `async_save` (saves in the background),
 `load` (restore into any layout, agreed over the ranks), `resolve` (which checkpoint a path or
 `checkpoint.resume` names), `state` (the run's stateful parts besides tensors, listed once),
-`export` (to `transformers`). The engine hands its state over as pieces
-(`ZeroEngine.state_pieces`, `load_state_piece`); the progress, sampler, loss scaler, rerun
-statistics and RNG through their `state_dict()`, walked as one list (`state.RunState`).
+`export` (to `transformers`; written a shard at a time by `hf_stream` from `tensor_reads`),
+`dcp_export` (torchtitan's DCP both ways, names and rotary layout in `titan_names`). The
+engine hands its state over as pieces (`ZeroEngine.state_pieces`, `load_state_piece`); the
+progress, sampler, loss scaler, rerun statistics and RNG through their `state_dict()`, walked
+as one list (`state.RunState`).
 
 Format policy: a new key in meta.json that an older reader ignores needs no version bump; a
 change an old reader would misread bumps FORMAT_VERSION, and the reader keeps accepting every

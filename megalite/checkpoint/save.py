@@ -100,7 +100,7 @@ def take_snapshot(engine, state: SavedState, cfg: Config, topo: Topology,
                     engine.layout.as_dict())
 
 
-class _BlockCRC:
+class BlockCRC:
     """CRC32 of a file written as a stream: the whole file's, and one per block of
     `CRC_BLOCK_BYTES` (format 4), so a reader can verify just the blocks it reads."""
 
@@ -131,7 +131,7 @@ def _write_rank_files(tmp: Path, snap: Snapshot, rank: int) -> dict:
     the run state's per-rank parts (the RNG's); returns their sizes and CRC32s (the data
     file's per block too)."""
     data_file = f"rank{rank:05d}.bin"
-    crc = _BlockCRC(CRC_BLOCK_BYTES)  # read at call time: a test may shrink it
+    crc = BlockCRC(CRC_BLOCK_BYTES)  # read at call time: a test may shrink it
     with open(tmp / data_file, "wb") as f:
         for t in snap.tensors:
             raw = t.to("cpu", torch.float32).contiguous().numpy().data

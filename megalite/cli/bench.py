@@ -18,6 +18,7 @@ from megalite.bench import (
     checkpoint_index,
     flight,
     gpu,
+    hf_export,
     launch_pipeline,
     loader,
     loss,
@@ -40,6 +41,8 @@ BENCHMARKS = {
     "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
     "checkpoint-index": (checkpoint_index, "the checkpoint index a resuming rank reads, at N "
                          "simulated ranks"),
+    "hf-export": (hf_export, "the streaming transformers export's peak RSS vs shard size, on a "
+                  "model larger than the memory cap (and the whole-model read under it)"),
     "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
     "pipeline-launch": (launch_pipeline, "pp through the launch path (build_trainer, fit, the "
                         "resilience defaults on) against torch's Schedule1F1B; --costs: "

@@ -12,6 +12,7 @@ import torch
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.model.families import FAMILIES, family, family_of_model_type
+from megalite.model.hub_cache import local_snapshot
 
 
 def _architecture_check(source: str, cfg: ModelConfig, model_type: Optional[str]) -> None:
@@ -33,8 +34,9 @@ def read_hf_config(source: str, cfg: ModelConfig):
     from transformers import AutoConfig
 
     mapping = family(cfg).hf
+    local = local_snapshot(source)  # a hub id through huggingface_hub's cache
     try:
-        hf_cfg = AutoConfig.from_pretrained(source)
+        hf_cfg = AutoConfig.from_pretrained(local)
     except (OSError, ValueError) as e:
         raise ConfigError(f"init_from={source!r}: no {mapping.display} config.json there ({e}); "
                           "give a directory written by save_pretrained or a hub id such as "
@@ -59,7 +61,7 @@ def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]
     mapping.check_config(cfg, hf_cfg, source)
     try:
         hf = getattr(transformers, mapping.model_class).from_pretrained(
-            source, torch_dtype=torch.float32)
+            local_snapshot(source), torch_dtype=torch.float32)
     except OSError as e:
         raise ConfigError(f"init_from={source!r}: cannot load a {mapping.model_class} from it "
                           f"({e}); give a directory written by save_pretrained or a hub id"

@@ -1,8 +1,9 @@
 """Where a run's starting weights come from (`init_from`): a `transformers` model of the
 configured family (GPT2LMHeadModel, LlamaForCausalLM: a directory written by save_pretrained,
-or a hub id), or a megalite checkpoint, weights only (Megatron's
---finetune): the run starts at step 0 with fresh AdamW moments and data position, in any
-layout. `checkpoint.resume` is the other thing: it continues a run where it stopped.
+or a hub id), a megalite checkpoint, or torchtitan's Llama 3 DCP checkpoint
+(`megalite.checkpoint.dcp_export`), weights only (Megatron's --finetune): the run starts at
+step 0 with fresh AdamW moments and data position, in any layout. `checkpoint.resume` is the
+other thing: it continues a run where it stopped.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Dict
 
 import torch
 
+from megalite.checkpoint.dcp_export import check_titan_shapes, find_dcp, read_titan_state
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.format import SHAPE_KEYS, read_global_state, read_meta, shape_mismatch
 from megalite.checkpoint.resolve import find_checkpoint
@@ -22,12 +24,16 @@ from megalite.model import hf_io
 def check_init_from(source: str, cfg: ModelConfig) -> None:
     """Before launch: `source` holds weights of the configured model shape (reads configs and
     meta.json only); names the first mismatch."""
+    if find_dcp(source) is not None:
+        check_titan_shapes(source, cfg, source)
+        return
     ckpt = find_checkpoint(source)
     if ckpt is None:
         if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
             raise ConfigError(f"init_from={source!r}: this directory holds neither a "
                               "transformers model (config.json) nor a megalite checkpoint "
-                              "(meta.json, or a checkpoint.dir with a complete step_N); give one "
+                              "(meta.json, or a checkpoint.dir with a complete step_N) nor a "
+                              "DCP checkpoint (.metadata); give one "
                               "of those or a hub id such as gpt2")
         hf_io.check_init_from(source, cfg)
         return
@@ -50,6 +56,9 @@ def is_hub_id(source: str) -> bool:
 def load_init_state(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """The global weights (HF names, nn.Linear layout, fp32, vocabulary unpadded) to start
     from; a megalite checkpoint's files are verified (size, CRC32) as they are read."""
+    if find_dcp(source) is not None:
+        check_titan_shapes(source, cfg, source)
+        return read_titan_state(source, cfg)
     ckpt = find_checkpoint(source)
     if ckpt is None:
         return hf_io.load_hf_state_dict(source, cfg)

@@ -109,6 +109,40 @@ def test_exports_of_different_layouts_agree(exported):
 
 
 @pytest.mark.distributed
+def test_export_streams_shards_in_parts_that_transformers_loads(runs, exported, tmp_path):
+    """Shards of at most 150 kB written by two parts (`--part 1/2` then `0/2`, as two processes
+    would): named and indexed as transformers writes them, complete only when the last part is
+    done, and the model transformers loads from them is bitwise the one-file export's."""
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+
+    out, limit = runs / "hf_sharded", 150_000
+    for part in ("1/2", "0/2"):
+        assert not (out / "model.safetensors.index.json").exists()  # incomplete until the last
+        code, _, err = run_script("export_hf.py", checkpoint(runs / "tp2pp2"), out,
+                                  "--max-shard-size", "150KB", "--part", part)
+        assert code == 0, err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    assert shards == [f"model-{j:05d}-of-{len(shards):05d}.safetensors"
+                      for j in range(1, len(shards) + 1)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    total = 0
+    for name in shards:
+        with safe_open(out / name, "pt") as f:
+            sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+        nbytes = sum(4 * torch.Size(s).numel() for s in sizes)
+        assert nbytes <= limit or len(sizes) == 1  # a tensor over the limit is a shard alone
+        total += nbytes
+    assert index["metadata"]["total_size"] == total
+    sharded = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    single = GPT2LMHeadModel.from_pretrained(exported["tp2pp2"]).state_dict()
+    assert sharded.keys() == single.keys()
+    assert all(torch.equal(sharded[k], single[k]) for k in single)
+
+
+@pytest.mark.distributed
 def test_export_refuses_to_overwrite_unless_forced(runs, tmp_path):
     ckpt = checkpoint(runs / "serial")
     out = tmp_path / "out"
