@@ -29,7 +29,8 @@ An entry's states (a list of fields, cheaper than an object per operation):
 
     launched ──(CUDA: its arrival event fires)──> arrived ──> done
         │  (on CPU a launch is an arrival)            │
-        │                                            └──> failed (the call raised)
+        │                                            └──> failed (the call raised, or its
+        │                                                 probe's Work ended with an error)
         └── not done `hang_after_s` after its launch, its group's threshold: stuck
             (reported once by `poll`; the hang watch dumps; if it completes after all the
             watch turns that dump into a live one)
@@ -58,16 +59,45 @@ from collections import deque
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 # an entry's fields, in a list (cheaper than an object per collective)
-SEQ, OP, NBYTES, STARTED_AT, ENDED_AT, WAITING, FAILED, PEERS, PROBE, ARRIVAL, STUCK = range(11)
+(SEQ, OP, NBYTES, STARTED_AT, ENDED_AT, WAITING, FAILED, PEERS, PROBE, ARRIVAL, STUCK,
+ ERROR) = range(12)
 
 
 def fired(probe) -> bool:
-    """Whether a completion probe reports completion: a torch `Work` (`is_completed`), a CUDA
-    event (`query`), or a list of them (all)."""
+    """Whether a completion probe reports an end: a torch `Work` (`is_completed`), a CUDA
+    event (`query`), or a list of them (all). NCCL's `isCompleted` is true for an errored or
+    timed-out work too (`exception() || finishedGPUExecution`): see `probe_error`."""
     if isinstance(probe, list):
         return all(fired(p) for p in probe)
     query = getattr(probe, "is_completed", None) or probe.query
     return bool(query())
+
+
+def probe_error(probe) -> Optional[str]:
+    """Of a probe that fired: the error of its `Work` (or of the first of a list's works)
+    whose `exception()` is set — a failed or timed-out NCCL collective, which `is_completed`
+    reports as ended — or whose `exception()` raises; None for a completion."""
+    for p in (probe if isinstance(probe, list) else [probe]):
+        if getattr(p, "is_completed", None) is None:
+            continue  # a CUDA event: no error to read
+        try:
+            error = p.exception()
+        except Exception as e:  # noqa: BLE001 - a work that cannot say is not a success
+            return f"its Work's exception() raised {e!r}"
+        if error is not None:
+            return str(error)
+    return None
+
+
+def look(probe) -> Tuple[bool, Optional[str]]:
+    """(whether `probe` fired, the error it ended with): a probe whose query raises (a
+    sticky CUDA error) has ended, failed — one look never raises."""
+    try:
+        if not fired(probe):
+            return False, None
+    except Exception as e:  # noqa: BLE001 - judged, not raised: the watch goes on
+        return True, f"its probe raised {e!r}"
+    return True, probe_error(probe)
 
 
 class _Track:
@@ -130,7 +160,8 @@ class FlightRecorder:
                 peer_seq = {}
                 for p in peers:
                     peer_seq[p] = with_[p] = with_.get(p, 0) + 1
-            entry = [seq, op, nbytes, now, None, False, False, peer_seq, None, arrival, False]
+            entry = [seq, op, nbytes, now, None, False, False, peer_seq, None, arrival, False,
+                     None]
             track.ring.append(entry)
         return entry
 
@@ -163,15 +194,16 @@ class FlightRecorder:
         """The operation failed or timed out (still marked waiting: the rank was waiting for
         it); the hang watch, if any, dumps."""
         if entry is not None:
-            entry[FAILED] = True
+            entry[FAILED], entry[ERROR] = True, str(error)
             entry[PROBE] = None
         if self.on_failure is not None:
             self.on_failure(description, error)
 
     def poll(self, now: float) -> List[Tuple[str, List[int], float, list]]:
-        """One look (the hang watch's thread): entries whose probe has fired are done; returns
-        the operations newly stuck — (group name, global ranks, its threshold, entry), oldest
-        first — each reported once."""
+        """One look (the hang watch's thread): entries whose probe has fired are done, or
+        failed where the probe's Work holds an error (`probe_error`: FAILED set, the error in
+        ERROR); returns the operations newly stuck or newly failed — (group name, global
+        ranks, its threshold, entry), oldest first — each reported once."""
         with self.lock:
             tracks = [(t.name, t.ranks, t.hang_after_s, list(t.ring))
                       for t in self._tracks.values()]
@@ -181,11 +213,17 @@ class FlightRecorder:
                 if e[ENDED_AT] is not None or e[FAILED]:
                     continue
                 probe = e[PROBE]
-                if probe is not None and fired(probe):
-                    e[ENDED_AT], e[PROBE], e[ARRIVAL] = now, None, None
+                ended, error = (False, None) if probe is None else look(probe)
+                if ended:
+                    e[PROBE], e[ARRIVAL] = None, None
+                    if error is None:
+                        e[ENDED_AT] = now
+                    else:
+                        e[FAILED], e[ERROR] = True, error
+                        stuck.append((name, ranks, threshold, e))
                     continue
                 arrival = e[ARRIVAL]
-                if arrival is not None and fired(arrival):
+                if arrival is not None and look(arrival)[0]:
                     e[ARRIVAL] = None
                 judged = probe is not None or e[WAITING]
                 if (judged and threshold is not None and not e[STUCK]
@@ -209,7 +247,7 @@ class FlightRecorder:
                 arrival = e[ARRIVAL]
                 if e[ENDED_AT] is None:
                     completed = min(completed, e[SEQ] - 1)
-                    if arrival is not None and not fired(arrival):
+                    if arrival is not None and not look(arrival)[0]:
                         arrived = min(arrived, e[SEQ] - 1)
             out.append({"group": name, "ranks": ranks, "started": started, "arrived": arrived,
                         "completed": completed, "p2p_started": p2p,
@@ -222,6 +260,8 @@ def _entry_dict(e: list) -> dict:
     out = {"seq": e[SEQ], "op": e[OP], "bytes": e[NBYTES], "started_at": e[STARTED_AT],
            "ended_at": e[ENDED_AT], "waiting": e[WAITING], "failed": e[FAILED],
            "stuck": e[STUCK]}
+    if e[ERROR] is not None:
+        out["error"] = e[ERROR]
     if e[PEERS] is not None:
         out["peers"] = sorted(e[PEERS])
         out["peer_seq"] = {str(p): n for p, n in sorted(e[PEERS].items())}
