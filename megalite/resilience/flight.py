@@ -19,6 +19,9 @@ Per group the recorder keeps
                  last one. Every member of a group launches the same collectives on it in the
                  same order, so a member whose number is lower than its peers' has not arrived
     ring         the last `history` of them, a bounded deque: O(1) per call
+    pinned       entries pushed out of the ring while not complete (at most `history`,
+                 oldest dropped first), kept until they complete (a failed one stays): a stuck
+                 collective stays judged and counted behind hundreds of later ones
 
 and per point-to-point batch (pipeline send/recv, their own sequence `p2p_started`, since the
 stages of a pipeline exchange different numbers of them) how many batches this rank has
@@ -104,7 +107,7 @@ class _Track:
     """One group's counters and ring."""
 
     __slots__ = ("group", "name", "ranks", "started", "p2p_started", "p2p_with", "ring",
-                 "hang_after_s")
+                 "pinned", "hang_after_s")
 
     def __init__(self, group, history: int, hang_after_s: Optional[float]):
         self.group = group  # referenced: the id() it is keyed by stays unique
@@ -113,7 +116,16 @@ class _Track:
         self.p2p_started = 0
         self.p2p_with: Dict[int, int] = {}
         self.ring: deque = deque(maxlen=history)
+        self.pinned: deque = deque(maxlen=history)
         self.hang_after_s = hang_after_s
+
+    def entries(self) -> list:
+        """The pinned entries and the ring's, oldest first (the caller holds the lock); a
+        pinned entry is let go once it completed."""
+        if self.pinned:
+            self.pinned = deque((e for e in self.pinned if e[ENDED_AT] is None),
+                                maxlen=self.pinned.maxlen)
+        return list(self.pinned) + list(self.ring)
 
 
 class FlightRecorder:
@@ -162,7 +174,10 @@ class FlightRecorder:
                     peer_seq[p] = with_[p] = with_.get(p, 0) + 1
             entry = [seq, op, nbytes, now, None, False, False, peer_seq, None, arrival, False,
                      None]
-            track.ring.append(entry)
+            ring = track.ring
+            if len(ring) == ring.maxlen and ring[0][ENDED_AT] is None:
+                track.pinned.append(ring[0])  # not complete (or failed): kept out of the ring
+            ring.append(entry)
         return entry
 
     @staticmethod
@@ -205,7 +220,7 @@ class FlightRecorder:
         ERROR); returns the operations newly stuck or newly failed — (group name, global
         ranks, its threshold, entry), oldest first — each reported once."""
         with self.lock:
-            tracks = [(t.name, t.ranks, t.hang_after_s, list(t.ring))
+            tracks = [(t.name, t.ranks, t.hang_after_s, t.entries())
                       for t in self._tracks.values()]
         stuck = []
         for name, ranks, threshold, ring in tracks:
@@ -237,7 +252,7 @@ class FlightRecorder:
         """Every group's counters and ring (oldest first), as JSON-ready dicts."""
         with self.lock:
             tracks = [(t.name, t.ranks, t.started, t.p2p_started, dict(t.p2p_with),
-                       list(t.ring)) for t in self._tracks.values()]
+                       t.entries()) for t in self._tracks.values()]
         out = []
         for name, ranks, started, p2p, with_, ring in tracks:
             arrived, completed = started, started

@@ -209,6 +209,27 @@ def test_completion_is_judged_by_the_probe_not_by_a_return():
     assert late[ARRIVAL] is None  # dropped once reached
 
 
+def test_an_incomplete_collective_is_not_evicted_by_later_ones():
+    """History 4: an all-reduce that does not complete, then 10 completed ones on its group:
+    it stays in the snapshot (the group's completed counter stops before it) and is judged
+    stuck past the threshold; once it completes it is let go."""
+    rec = FlightRecorder(rank=0, history=4, hang_after_s=1.0)
+    dp = _group("dp", [0, 1], 0)
+    work = FakeWork()
+    slow = rec.started("reduce_scatter", dp, 8)
+    rec.complete_when(slow, work)
+    for _ in range(10):
+        rec.done(rec.started("all_reduce", dp, 8))
+    dp_now = _entries(rec, "dp")
+    assert dp_now["started"] == 11 and dp_now["completed"] == 0
+    assert [e["seq"] for e in dp_now["last"]] == [1, 8, 9, 10, 11]
+    assert [s[3] for s in rec.poll(slow[STARTED_AT] + 2.0)] == [slow]
+    work.completed = True
+    rec.poll(time.time())
+    dp_now = _entries(rec, "dp")
+    assert dp_now["completed"] == 11 and [e["seq"] for e in dp_now["last"]] == [8, 9, 10, 11]
+
+
 class RaisingProbe:
     """A probe whose query raises (a sticky CUDA error), or a Work whose `exception()`
     raises."""
