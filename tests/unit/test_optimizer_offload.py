@@ -167,6 +167,26 @@ def test_the_offload_worker_thread_works_on_the_engines_cuda_device(monkeypatch,
     assert seen == ([] if bound is None else [(bound, worker)])
 
 
+def test_a_failed_host_update_raises_before_its_parameters_are_read(tiny_data, tmp_path):
+    """The last bucket's host AdamW raises (patched on the rank): the step that queued it
+    returns (it does not wait for the host step); the next step raises that error before
+    reading the bucket, and so does reading the host state for a checkpoint."""
+    trainer = _trainer(tiny_data, tmp_path / "a", "offload.optimizer=1")
+    assert trainer.train_step()[0] is not None
+    trainer.engine.offload.step_done()  # that step's host updates ran
+    last = trainer.engine.offload.order[-1]
+
+    def broken():
+        raise RuntimeError("host AdamW failed")
+
+    last.optimizer.step = broken
+    trainer.train_step()  # queued the failing update and returned
+    with pytest.raises(RuntimeError, match="host AdamW failed"):
+        trainer.engine.main_params
+    with pytest.raises(RuntimeError, match="host AdamW failed"):
+        trainer.train_step()
+
+
 def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_data, tmp_path):
     """Each bucket's last half is offloaded into tensors of its own (the copies are real, also
     on CPU); a non-finite gradient in a host piece (patched into the device gradient's host
