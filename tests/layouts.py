@@ -50,6 +50,9 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
     for _ in range(steps):
         before = counter.snapshot()
         loss, norm = trainer.train_step()
+        # overlap_param_gather: the next forward would wait (and, with offload.optimizer,
+        # launch the gathers of the buckets still stepping: counted with the step's bytes)
+        trainer.engine.wait_for_params()
         step_comm = counter.delta(counter.snapshot(), before)
         offload_peaks.append(None if offload is None else offload.take_peak())
         in_flight.append(trainer.schedule.peak_in_flight)
@@ -58,7 +61,6 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
         losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
         norms.append(norm)
         param_norms.append(trainer.engine.param_norm().item())
-        trainer.engine.wait_for_params()  # overlap_param_gather: the next forward would wait
         masters_cast.append(_parameters_are_masters_cast(trainer.engine))
         ctx = gathered_parameters(zero3) if zero3 is not None else contextlib.nullcontext()
         with ctx:

@@ -11,7 +11,8 @@ fp32 gradient it accumulates anyway; under zero 2/3 its reduced gradient shrinks
 
 Three actors: the training thread (it queues compute and copies and never waits for a copy
 it does not need yet), one side stream for every copy (CUDA) and one host worker thread
-(`megalite-offload`) that runs the host's work range by range, in the order it was queued:
+(`megalite-offload`, on the engine's CUDA device; let go at the end of `fit`) that runs the
+host's work range by range, in the order it was queued:
 
     backward   as soon as a bucket's DP reduction is *launched* (`on_launched`, from the
                engine's `_launch`: zero 0/1 during the last micro-batch's backward, zero 2/3
@@ -29,7 +30,8 @@ it does not need yet), one side stream for every copy (CUDA) and one host worker
                (`on_reduced`): there is no stream to order it after the collective
     grad sync  `drain`: every range's copies landed, folded and squared (the CPU waits for
                the worker: normally only the last bucket's copy is still running); the tied
-               embedding's sum and SP's TP sum then include the host pieces
+               embedding's sum, SP's TP sum and the TP-shared KV heads' sum then
+               include the host pieces
                (`megalite.parallel.grad_sums`), and the pieces they change are the only
                host pieces whose squares the training thread takes (`grad_norm`)
     norm       host squares (precomputed) + device squares: the trainer's finiteness verdict
@@ -69,6 +71,7 @@ import torch
 
 from megalite.parallel import host_range
 from megalite.parallel.host_range import HostRange, build_adamw, host_adamw_kind
+from megalite.utils.clock import bind_cuda_device
 
 
 def _wait_reduction_on(work, stream) -> bool:
@@ -176,9 +179,27 @@ class OptimizerOffload:
     def _submit(self, fn: Callable, *args) -> Future:
         """Queue `fn(*args)` on the host worker (one thread: tasks run in the order queued;
         each spreads over the rank's intra-op threads, as torch.set_num_threads gave them)."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="megalite-offload")
+        if self._worker is None:  # on the engine's CUDA device (`bind_cuda_device`), not 0
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="megalite-offload",
+                                              initializer=bind_cuda_device,
+                                              initargs=(self._cuda_index(),))
         return self._worker.submit(fn, *args)
+
+    def _cuda_index(self) -> Optional[int]:
+        """The index of the engine's CUDA device (None on CPU): the worker's event syncs,
+        event destruction and stream switches run there; on a thread's default device 0
+        they would make a CUDA context on GPU 0 from every other local rank."""
+        if not self.cuda:
+            return None
+        return self.device.index if self.device.index is not None \
+            else torch.cuda.current_device()
+
+    def close(self) -> None:
+        """Let the worker thread go once its queued tasks ran (the end of `fit`); a later
+        task starts a new one."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def _wait(self, future: Optional[Future]) -> None:
         """The CPU waits for a worker task (timed as offload_wait when it has to); a failed
@@ -367,6 +388,15 @@ class OptimizerOffload:
         """The CPU waits until the worker issued `r`'s copy; returns its CUDA event."""
         self._wait(r.stepped)
         return r.copied_out
+
+    def stepping(self, bucket) -> bool:
+        """Whether `bucket`'s parameter copy from the host is still to be waited for."""
+        return id(bucket) in self.pending
+
+    def stepped(self, bucket) -> bool:
+        """Whether the worker has run `bucket`'s host step (its copy issued): no wait."""
+        r = self.ranges.get(id(bucket))
+        return r is None or r.stepped is None or r.stepped.done()
 
     def gather_after_copy(self, bucket, gather: Callable[[], object]):
         """Zero 1/2 with parallel.overlap_param_gather: launch `bucket`'s all-gather (`gather`,

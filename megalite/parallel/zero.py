@@ -109,6 +109,7 @@ class ZeroEngine(EngineState):
                                             self.buckets[0].main_grad.device, offload_timers)
             if self.zero3 is not None:  # each unit's gather waits for its parameters' copy
                 self.zero3.params_needed = self.offload.params_needed
+                self.zero3.params_ready = self.offload.stepped
         self._build_optimizer(optim)
 
     # --- optimizer ----------------------------------------------------------------------
@@ -147,7 +148,8 @@ class ZeroEngine(EngineState):
             for (p, seg, b), host in zip(self._main_params, self._on_host):
                 if not host or not self._counted(seg):
                     continue
-                if b.tied or (self.sequence_parallel and seg.spec.tp_replicated):
+                if (b.tied or (self.sequence_parallel and seg.spec.tp_replicated)
+                        or seg.spec.tp_replicas > 1):  # (KV heads shared over TP ranks)
                     rest.append(p.grad)  # summed after the reduction: squared in grad_norm
                 else:
                     self.offload.count_in_norm(b, p.grad)
@@ -319,7 +321,9 @@ class ZeroEngine(EngineState):
         `grad_scale`: the factor the gradients carry (fp16 loss scaling); they are divided by
         it in the same pass as the clipping, and `norm`, if given, is the unscaled norm.
         offload.optimizer: the host pieces' factor goes into their AdamW's one pass (queued
-        on the offload's worker, `OptimizerOffload.step`); this returns before it ran."""
+        on the offload's worker, `OptimizerOffload.step`); this returns before it ran (zero
+        1/2 with overlap_param_gather: the gathers of buckets still stepping are deferred to
+        the next forward, `OverlappedParamGather`)."""
         if norm is None:
             norm = self.grad_norm() / grad_scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
@@ -328,6 +332,10 @@ class ZeroEngine(EngineState):
         if coef is not None:
             coef = coef.to(torch.float32) if isinstance(coef, torch.Tensor) else \
                 torch.tensor(coef, dtype=torch.float32)  # the gradients' dtype
+        # the host's factor read before the device's AdamW is queued: read after it, it would
+        # wait for that AdamW too (the norm it comes from was synced by the finiteness check)
+        host_coef = None if self.offload is None or coef is None else coef.item()
+        if coef is not None:
             for grads in by_device(self._device_grads).values():
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
         for optimizer in self.optimizers:
@@ -336,10 +344,13 @@ class ZeroEngine(EngineState):
         if self.optimizer is not None:
             self.optimizer.step()  # on CUDA queued: the host steps meanwhile
         if self.offload is not None:
-            self.offload.step(None if coef is None else coef.item(), lr)
+            self.offload.step(host_coef, lr)
         if self.param_gather is not None:  # waited for by the next forward, unit by unit
-            self.param_gather.launch(None if self.offload is None
-                                     else self.offload.gather_after_copy)
+            if self.offload is None:
+                self.param_gather.launch()
+            else:  # a bucket whose host part still steps: gathered where first needed
+                self.param_gather.launch(self.offload.gather_after_copy,
+                                         self.offload.stepping, self.offload.stepped)
         else:
             for b in self.buckets:
                 if self.offload is not None and b.gathers_params:

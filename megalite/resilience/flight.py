@@ -19,6 +19,9 @@ Per group the recorder keeps
                  last one. Every member of a group launches the same collectives on it in the
                  same order, so a member whose number is lower than its peers' has not arrived
     ring         the last `history` of them, a bounded deque: O(1) per call
+    pinned       entries pushed out of the ring while not complete (at most `history`,
+                 oldest dropped first), kept until they complete (a failed one stays): a stuck
+                 collective stays judged and counted behind hundreds of later ones
 
 and per point-to-point batch (pipeline send/recv, their own sequence `p2p_started`, since the
 stages of a pipeline exchange different numbers of them) how many batches this rank has
@@ -29,7 +32,8 @@ An entry's states (a list of fields, cheaper than an object per operation):
 
     launched ──(CUDA: its arrival event fires)──> arrived ──> done
         │  (on CPU a launch is an arrival)            │
-        │                                            └──> failed (the call raised)
+        │                                            └──> failed (the call raised, or its
+        │                                                 probe's Work ended with an error)
         └── not done `hang_after_s` after its launch, its group's threshold: stuck
             (reported once by `poll`; the hang watch dumps; if it completes after all the
             watch turns that dump into a live one)
@@ -58,23 +62,52 @@ from collections import deque
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 # an entry's fields, in a list (cheaper than an object per collective)
-SEQ, OP, NBYTES, STARTED_AT, ENDED_AT, WAITING, FAILED, PEERS, PROBE, ARRIVAL, STUCK = range(11)
+(SEQ, OP, NBYTES, STARTED_AT, ENDED_AT, WAITING, FAILED, PEERS, PROBE, ARRIVAL, STUCK,
+ ERROR) = range(12)
 
 
 def fired(probe) -> bool:
-    """Whether a completion probe reports completion: a torch `Work` (`is_completed`), a CUDA
-    event (`query`), or a list of them (all)."""
+    """Whether a completion probe reports an end: a torch `Work` (`is_completed`), a CUDA
+    event (`query`), or a list of them (all). NCCL's `isCompleted` is true for an errored or
+    timed-out work too (`exception() || finishedGPUExecution`): see `probe_error`."""
     if isinstance(probe, list):
         return all(fired(p) for p in probe)
     query = getattr(probe, "is_completed", None) or probe.query
     return bool(query())
 
 
+def probe_error(probe) -> Optional[str]:
+    """Of a probe that fired: the error of its `Work` (or of the first of a list's works)
+    whose `exception()` is set — a failed or timed-out NCCL collective, which `is_completed`
+    reports as ended — or whose `exception()` raises; None for a completion."""
+    for p in (probe if isinstance(probe, list) else [probe]):
+        if getattr(p, "is_completed", None) is None:
+            continue  # a CUDA event: no error to read
+        try:
+            error = p.exception()
+        except Exception as e:  # noqa: BLE001 - a work that cannot say is not a success
+            return f"its Work's exception() raised {e!r}"
+        if error is not None:
+            return str(error)
+    return None
+
+
+def look(probe) -> Tuple[bool, Optional[str]]:
+    """(whether `probe` fired, the error it ended with): a probe whose query raises (a
+    sticky CUDA error) has ended, failed — one look never raises."""
+    try:
+        if not fired(probe):
+            return False, None
+    except Exception as e:  # noqa: BLE001 - judged, not raised: the watch goes on
+        return True, f"its probe raised {e!r}"
+    return True, probe_error(probe)
+
+
 class _Track:
     """One group's counters and ring."""
 
     __slots__ = ("group", "name", "ranks", "started", "p2p_started", "p2p_with", "ring",
-                 "hang_after_s")
+                 "pinned", "hang_after_s")
 
     def __init__(self, group, history: int, hang_after_s: Optional[float]):
         self.group = group  # referenced: the id() it is keyed by stays unique
@@ -83,7 +116,16 @@ class _Track:
         self.p2p_started = 0
         self.p2p_with: Dict[int, int] = {}
         self.ring: deque = deque(maxlen=history)
+        self.pinned: deque = deque(maxlen=history)
         self.hang_after_s = hang_after_s
+
+    def entries(self) -> list:
+        """The pinned entries and the ring's, oldest first (the caller holds the lock); a
+        pinned entry is let go once it completed."""
+        if self.pinned:
+            self.pinned = deque((e for e in self.pinned if e[ENDED_AT] is None),
+                                maxlen=self.pinned.maxlen)
+        return list(self.pinned) + list(self.ring)
 
 
 class FlightRecorder:
@@ -130,8 +172,12 @@ class FlightRecorder:
                 peer_seq = {}
                 for p in peers:
                     peer_seq[p] = with_[p] = with_.get(p, 0) + 1
-            entry = [seq, op, nbytes, now, None, False, False, peer_seq, None, arrival, False]
-            track.ring.append(entry)
+            entry = [seq, op, nbytes, now, None, False, False, peer_seq, None, arrival, False,
+                     None]
+            ring = track.ring
+            if len(ring) == ring.maxlen and ring[0][ENDED_AT] is None:
+                track.pinned.append(ring[0])  # not complete (or failed): kept out of the ring
+            ring.append(entry)
         return entry
 
     @staticmethod
@@ -163,17 +209,18 @@ class FlightRecorder:
         """The operation failed or timed out (still marked waiting: the rank was waiting for
         it); the hang watch, if any, dumps."""
         if entry is not None:
-            entry[FAILED] = True
+            entry[FAILED], entry[ERROR] = True, str(error)
             entry[PROBE] = None
         if self.on_failure is not None:
             self.on_failure(description, error)
 
     def poll(self, now: float) -> List[Tuple[str, List[int], float, list]]:
-        """One look (the hang watch's thread): entries whose probe has fired are done; returns
-        the operations newly stuck — (group name, global ranks, its threshold, entry), oldest
-        first — each reported once."""
+        """One look (the hang watch's thread): entries whose probe has fired are done, or
+        failed where the probe's Work holds an error (`probe_error`: FAILED set, the error in
+        ERROR); returns the operations newly stuck or newly failed — (group name, global
+        ranks, its threshold, entry), oldest first — each reported once."""
         with self.lock:
-            tracks = [(t.name, t.ranks, t.hang_after_s, list(t.ring))
+            tracks = [(t.name, t.ranks, t.hang_after_s, t.entries())
                       for t in self._tracks.values()]
         stuck = []
         for name, ranks, threshold, ring in tracks:
@@ -181,11 +228,17 @@ class FlightRecorder:
                 if e[ENDED_AT] is not None or e[FAILED]:
                     continue
                 probe = e[PROBE]
-                if probe is not None and fired(probe):
-                    e[ENDED_AT], e[PROBE], e[ARRIVAL] = now, None, None
+                ended, error = (False, None) if probe is None else look(probe)
+                if ended:
+                    e[PROBE], e[ARRIVAL] = None, None
+                    if error is None:
+                        e[ENDED_AT] = now
+                    else:
+                        e[FAILED], e[ERROR] = True, error
+                        stuck.append((name, ranks, threshold, e))
                     continue
                 arrival = e[ARRIVAL]
-                if arrival is not None and fired(arrival):
+                if arrival is not None and look(arrival)[0]:
                     e[ARRIVAL] = None
                 judged = probe is not None or e[WAITING]
                 if (judged and threshold is not None and not e[STUCK]
@@ -199,7 +252,7 @@ class FlightRecorder:
         """Every group's counters and ring (oldest first), as JSON-ready dicts."""
         with self.lock:
             tracks = [(t.name, t.ranks, t.started, t.p2p_started, dict(t.p2p_with),
-                       list(t.ring)) for t in self._tracks.values()]
+                       t.entries()) for t in self._tracks.values()]
         out = []
         for name, ranks, started, p2p, with_, ring in tracks:
             arrived, completed = started, started
@@ -209,7 +262,7 @@ class FlightRecorder:
                 arrival = e[ARRIVAL]
                 if e[ENDED_AT] is None:
                     completed = min(completed, e[SEQ] - 1)
-                    if arrival is not None and not fired(arrival):
+                    if arrival is not None and not look(arrival)[0]:
                         arrived = min(arrived, e[SEQ] - 1)
             out.append({"group": name, "ranks": ranks, "started": started, "arrived": arrived,
                         "completed": completed, "p2p_started": p2p,
@@ -222,6 +275,8 @@ def _entry_dict(e: list) -> dict:
     out = {"seq": e[SEQ], "op": e[OP], "bytes": e[NBYTES], "started_at": e[STARTED_AT],
            "ended_at": e[ENDED_AT], "waiting": e[WAITING], "failed": e[FAILED],
            "stuck": e[STUCK]}
+    if e[ERROR] is not None:
+        out["error"] = e[ERROR]
     if e[PEERS] is not None:
         out["peers"] = sorted(e[PEERS])
         out["peer_seq"] = {str(p): n for p, n in sorted(e[PEERS].items())}

@@ -56,6 +56,7 @@ from typing import Dict, List, Optional
 
 from megalite.resilience.flight import (
     ENDED_AT,
+    ERROR,
     FAILED,
     OP,
     PEERS,
@@ -147,7 +148,7 @@ class HangWatch:
         self._thread: Optional[threading.Thread] = None
         self._restore: list = []
         self._active = False  # inside the context (`fit`): the other ranks watch too
-        self._warned = False
+        self._warned: set = set()  # the parts of a look that failed (warned once each)
         self._stuck: Optional[tuple] = None  # (entry, request, helper thread) of this rank's
         #                                      stuck operation while its dump is the evidence
         recorder.on_failure = self.on_failure
@@ -210,17 +211,25 @@ class HangWatch:
                 received = self._wake_r.recv(4096)
                 if self.signum is not None and self.signum in received:
                     self._signalled.set()
-            try:
-                self._look_at_recorder()
-                if self._signalled.is_set():
-                    self._signalled.clear()
-                    name = signal.Signals(self.signum).name
-                    self.request("signal", f"{name} received by rank {self.rank}")
-                self._answer()
-            except Exception as e:  # the watch must not die of a broken store
-                if not self._warned:  # (once: a store that is gone fails every look)
-                    self._warned = True
-                    get_logger().warning(f"hang watch on rank {self.rank}: {e!r}")
+            self._guarded("look at its operations", self._look_at_recorder)
+            if self._signalled.is_set():
+                self._signalled.clear()
+                name = signal.Signals(self.signum).name
+                self._guarded("signal dump", lambda: self.request(
+                    "signal", f"{name} received by rank {self.rank}"))
+            self._guarded("answer to the other ranks", self._answer)
+
+    def _guarded(self, what: str, part) -> None:
+        """One part of a look, on its own: a part that raises (a probe's sticky CUDA error, a
+        broken store) neither kills the watch nor stops the other parts — the rank still
+        answers its peers and dumps on a signal. Warned once per part (a store that is gone
+        fails every look)."""
+        try:
+            part()
+        except Exception as e:  # noqa: BLE001 - the watch must not die
+            if what not in self._warned:
+                self._warned.add(what)
+                get_logger().warning(f"hang watch on rank {self.rank}: its {what} failed: {e!r}")
 
     # --- requests and answers ----------------------------------------------------------
 
@@ -261,11 +270,16 @@ class HangWatch:
 
     def _look_at_recorder(self) -> None:
         """The watch's look at this rank's own operations (no store traffic): what completed,
-        what is stuck; a stuck dump whose operation completed after all becomes a live one."""
+        what is stuck, what failed (a probe's Work with an error: NCCL reports it completed);
+        a stuck dump whose operation completed after all becomes a live one."""
         stuck = self.recorder.poll(time.time())
+        dumped_stuck = self._stuck
         if self._stuck is not None:
             self._resolve_if_completed()
-        if stuck:
+        failed = [s for s in stuck if s[3][FAILED]]
+        if failed:
+            self.on_probe_failed(*failed[0], dumped_stuck)
+        elif stuck:
             self.on_stuck(*stuck[0])
 
     def on_stuck(self, name: str, ranks: List[int], threshold: float, entry: list) -> None:
@@ -279,18 +293,57 @@ class HangWatch:
             f"{entry[OP]} {kind} on the {name} group (global ranks {ranks}) not complete "
             f"{age:.1f} s after its launch (the group's hang threshold: {threshold:g} s, "
             "resilience.hang_after_s)"))
+        helper = self._dump_and_ask(req)
+        if helper is None:  # this hang is dumped already (another rank asked first):
+            entry[STUCK] = False  # judged again once that dump is resolved
+            return
+        self._stuck = (entry, req, helper)
+        helper.start()
+
+    def _dump_and_ask(self, req: dict) -> Optional[threading.Thread]:
+        """This rank's evidence dump for `req` (none if one is its evidence already: None
+        returned) and, inside the context, the helper thread (not started) that asks every
+        rank to dump and writes the summary: the watch goes on answering meanwhile."""
         with self._lock:
-            if self.failure_dumped:  # this hang is dumped already (another rank asked first):
-                entry[STUCK] = False  # judged again once that dump is resolved
-                return
+            if self.failure_dumped:
+                return None
             self.failure_dumped = True
             self.failure_state = compact(self._dump(req, failure=True))
         if not self._active:
+            return threading.Thread(target=lambda: None)
+        return threading.Thread(target=self._ask_logged, args=(req, self.failure_state),
+                                name="megalite-hang-request", daemon=True)
+
+    def on_probe_failed(self, name: str, ranks: List[int], threshold: float, entry: list,
+                        dumped_stuck: Optional[tuple]) -> None:
+        """An operation's Work ended with an error (NCCL's watchdog timeout, a remote error:
+        `FlightRecorder.poll`): a failure, never a completion. Dumped and asked for as a
+        failure; where it was dumped as stuck already (`dumped_stuck`), that dump stays in
+        hang/ as its evidence and its summary is marked failed once written."""
+        kind = f"p2p #{entry[SEQ]}" if entry[PEERS] is not None else f"#{entry[SEQ]}"
+        what = (f"{entry[OP]} {kind} on the {name} group (global ranks {ranks}) failed "
+                f"{time.time() - entry[STARTED_AT]:.1f} s after its launch: {entry[ERROR]}")
+        get_logger().warning(f"hang watch on rank {self.rank}: {what}")
+        if dumped_stuck is not None and dumped_stuck[0] is entry:
+            marker = threading.Thread(target=self._mark_failed, args=(dumped_stuck[2], what),
+                                      name="megalite-hang-request", daemon=True)
+            marker.start()
             return
-        helper = threading.Thread(target=self._ask_logged, args=(req, self.failure_state),
-                                  name="megalite-hang-request", daemon=True)
-        self._stuck = (entry, req, helper)
-        helper.start()
+        helper = self._dump_and_ask(self._new_request("failure", what))
+        if helper is not None:
+            helper.start()
+
+    def _mark_failed(self, helper: threading.Thread, what: str) -> None:
+        """Once the stuck operation's summary is written (`helper` done), say in it that the
+        operation failed: its first line and the request's `failed` field."""
+        helper.join(timeout=self.wait_s + STORE_GRACE_S)
+        path = self.dir / "summary.json"
+        if not path.exists():
+            return
+        summary = json.loads(path.read_text())
+        summary["request"]["failed"] = what
+        text = (self.dir / "summary.txt").read_text()
+        write_summary(self.dir, f"failed: {what}\n{text}", summary, keep_first=False)
 
     def _resolve_if_completed(self) -> None:
         """The stuck operation completed after all (and its request is answered): its dump

@@ -89,7 +89,8 @@ def find_waits(states: Dict[int, dict]) -> List[dict]:
                               "op": e["op"], "seq": e["seq"], "p2p": "peers" in e,
                               "waited_s": round(st["time"] - e["started_at"], 3),
                               "stuck": bool(e.get("stuck")), "behind": behind,
-                              "launched": launched})
+                              "launched": launched, "failed": bool(e.get("failed")),
+                              "error": e.get("error")})
     return waits
 
 
@@ -134,6 +135,9 @@ def _text(s: dict, states: Dict[int, dict]) -> str:
         lines.append(f"{kind}: rank{'s' * (len(s['did_not_arrive']) > 1)} "
                      f"{', '.join(map(str, s['did_not_arrive']))} in {where}")
     for w in s["waits"]:
+        if w.get("failed"):
+            lines.append(f"  rank {w['rank']}: {w['op']} #{w['seq']} on {_describe(w)} "
+                         f"failed: {w.get('error')}")
         if not w["behind"]:
             continue
         peers = ", ".join(f"rank {p} (" + _where(w, p, n) + ")"

@@ -261,6 +261,8 @@ class Trainer:
             raise
         finally:
             self.batches.close()  # the token shards' descriptors (reopened if read again)
+            if self.engine.offload is not None:  # its worker thread (restarted if needed)
+                self.engine.offload.close()
         self.saver.close()
         if self.writer is not None:
             self.writer.close()

@@ -182,3 +182,103 @@ def test_gradients_leave_during_the_backward_and_the_host_step_leaves_the_thread
                                                                                  rel=1e-5)
     for p, q in zip(params, plain_params):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _host_step_overlaps(rank, world, tiny_data, run_dir):
+    """On each of 2 ranks, for zero 1 and 2 (with overlap_param_gather) and zero 3, offload
+    0.5, several buckets, 2 micro-batches a step: three steps, the second's last host update
+    (the range first used last) held until the forward of the unit before that range's first
+    unit has run. A step that waited for it — in the step, or in a gather or prefetch queued
+    before that forward — would hold it until the gate times out. Recorded in the second
+    step: the device AdamW having been queued (on CPU its own `.item()`s run inside), every
+    `.item()`, the host step being queued. And
+    the same steps without offload (losses, norms, parameters)."""
+    import threading
+
+    from megalite.config.layout import validate
+    from megalite.parallel.offload import unit_buckets
+    from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
+
+    def trainer_of(name, *extra):
+        cfg = load_config(TINY + FP32_NO_DROPOUT + [
+            f"data.dir={tiny_data}", "train.micro_batch_size=1", "train.global_batch_size=4",
+            "parallel.bucket_mb=0.05", *extra])
+        validate(cfg, world)
+        return build_trainer(cfg, init_runtime(cfg), f"{run_dir}/{name}")
+
+    out = {}
+    for zero in (1, 2, 3):
+        layout = [f"zero={zero}"] + (["parallel.overlap_param_gather=true"] if zero < 3 else [])
+        trainer = trainer_of(f"z{zero}", *layout, "offload.optimizer=0.5")
+        engine, offload = trainer.engine, trainer.engine.offload
+        last = offload.order[-1]
+        units = unit_buckets(trainer.model.chunks, engine.buckets)
+        first_use = next(i for i, (_, mine) in enumerate(units)
+                         if any(b is last.bucket for b in mine))
+        gate, armed, hold, events = threading.Event(), [False], [False], []
+        units[first_use - 1][0].register_forward_hook(lambda *_: gate.set(), prepend=True)
+
+        def held(step=last.optimizer.step):
+            if hold[0]:
+                hold[0] = False
+                if not gate.wait(timeout=60):
+                    events.append("gate timed out")
+            step()
+        last.optimizer.step = held
+        clip_and_step = engine.clip_and_step
+
+        def step_b(*a, **k):  # the second step's: held until the third step's forward
+            if armed[0]:
+                armed[0], hold[0] = False, True
+                gate.clear()
+            return clip_and_step(*a, **k)
+        engine.clip_and_step = step_b
+        device_step, host_step, item = engine.optimizer.step, offload.step, torch.Tensor.item
+        engine.optimizer.step = lambda *a: (device_step(*a), events.append("device AdamW"))[0]
+        offload.step = lambda *a: (events.append("host step"), host_step(*a))[1]
+        torch.Tensor.item = lambda t: (events.append("item"), item(t))[1]
+        try:
+            losses = [trainer.train_step()]
+            engine.wait_for_params()
+            events.clear()
+            armed[0] = True
+            losses += [trainer.train_step(), trainer.train_step()]
+            engine.wait_for_params()
+        finally:
+            torch.Tensor.item = item
+        plain = trainer_of(f"plain{zero}", *layout)
+        plain_losses = [plain.train_step() for _ in range(3)]
+        plain.engine.wait_for_params()
+        pairs = [(_masters(trainer), _masters(plain))]  # zero 3's parameters are freed
+        if zero < 3:
+            pairs += [(p.detach().clone(), q.detach().clone()) for p, q in
+                      zip(trainer.model.parameters(), plain.model.parameters())]
+        out[zero] = (first_use, events, losses, plain_losses, pairs)
+    return out
+
+
+def _masters(trainer) -> torch.Tensor:
+    """The rank's fp32 master range, device and host pieces in flat order."""
+    return torch.cat([p.detach().reshape(-1) for p, _, _ in trainer.engine.main_params])
+
+
+@pytest.mark.distributed
+def test_zero_1_2_3_return_from_the_step_before_the_host_step_ends(tiny_data, tmp_path):
+    """On 2 ranks at zero 1 and 2 (overlap_param_gather) and zero 3, offload 0.5: the host
+    update of the range used last is held until the forward before its first unit ran, and
+    the steps go on (no wait for it in the step, nor in an earlier gather or prefetch); no
+    `.item()` (a device sync) comes between the device AdamW being queued and the host step
+    being queued; the three steps equal the run without offload (losses, norms, the fp32
+    masters, every parameter at zero 1/2)."""
+    for out in run_ranks(_host_step_overlaps, 2, args=(tiny_data, str(tmp_path)),
+                         timeout_s=600):
+        for zero, (first_use, events, losses, plain_losses, params) in out.items():
+            assert first_use >= 1 and "gate timed out" not in events, (zero, events)
+            device, host = events.index("device AdamW"), events.index("host step")
+            assert device < host and "item" not in events[device:host], (zero, events)
+            for (loss, norm), (loss_p, norm_p) in zip(losses, plain_losses):
+                assert loss == pytest.approx(loss_p, rel=1e-5), zero
+                assert norm == pytest.approx(norm_p, rel=1e-5), zero
+            for p, q in params:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -102,7 +102,7 @@ def test_the_step_peak_is_bounded_by_the_blocks_in_transit():
     are waited for before more than IN_TRANSIT blocks are on the device; restores are
     bounded alike)."""
     from megalite.model.activation_offload import IN_TRANSIT
-    from megalite.plan.dims import layer_activation_bytes
+    from megalite.model.gpt2_family import layer_activation_bytes
 
     peaks = []
     for model in _models()[:2]:

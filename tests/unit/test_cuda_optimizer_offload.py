@@ -83,9 +83,9 @@ def test_gradient_copies_start_during_the_backward_and_parameters_return_in_orde
     events, in_backward, folds = [], [False], []
     on_launched, to_device = offload.on_launched, offload._to_device
 
-    def spy_launched(bucket, work, reduced):
+    def spy_launched(bucket, work, reduced, source=None):
         events.append(("d2h", in_backward[0]))
-        on_launched(bucket, work, reduced)
+        on_launched(bucket, work, reduced, source)
 
     def spy_to_device(r):
         events.append(("h2d", offload.order.index(r)))
@@ -93,10 +93,10 @@ def test_gradient_copies_start_during_the_backward_and_parameters_return_in_orde
 
     train_step = schedule.train_step
 
-    def spy_train_step(batches):
+    def spy_train_step(batches, *args):
         in_backward[0] = True
         try:
-            return train_step(batches)
+            return train_step(batches, *args)
         finally:
             in_backward[0] = False
 

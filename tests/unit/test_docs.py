@@ -173,12 +173,15 @@ def test_the_readme_stays_short():
 
 
 def test_ci_runs_the_documented_test_command():
-    """`.ci/run` runs the test command the README and the contributor's page show, verbatim."""
+    """`.ci/run` runs the test command the README and the contributor's page show, verbatim:
+    the whole suite, then the loss tests again on the AVX2 and plain CPU kernels."""
     script = [line for line in (REPO / ".ci/run").read_text().splitlines()
               if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert len(script) == 1, script
     command = script[0].strip()
-    assert command.startswith("pip install torch==") and command.endswith("python -m pytest -q")
+    assert command.startswith("pip install torch==") and "&& python -m pytest -q &&" in command
+    for capability in ("avx2", "default"):  # the CPU kernels other machines have
+        assert f"ATEN_CPU_CAPABILITY={capability} python -m pytest -q tests/" in command
     for doc in ("README.md", "docs/contributing.md"):
         shown = [line.strip() for line in (REPO / doc).read_text().splitlines()]
         assert command in shown, f"{doc} does not show .ci/run's command: {command}"

@@ -17,6 +17,8 @@ from megalite.parallel.group import Group, single_rank_group
 from megalite.resilience.flight import (
     ARRIVAL,
     ENDED_AT,
+    ERROR,
+    FAILED,
     PROBE,
     STARTED_AT,
     STUCK,
@@ -132,15 +134,21 @@ def test_bad_hang_settings_are_refused_naming_the_key(overrides, key):
 
 
 class FakeWork:
-    """A work handle whose completion the test decides (NCCL's: it may never complete)."""
+    """A work handle whose completion the test decides, with NCCL's semantics: it may never
+    complete, and `is_completed` is true for an errored or timed-out work too
+    (`exception() || finishedGPUExecution`), whose `exception()` holds the error."""
 
     def __init__(self, completed: bool = False):
         self.completed = completed
+        self.error = None
         self.asked = 0
 
     def is_completed(self) -> bool:
         self.asked += 1
-        return self.completed
+        return self.completed or self.error is not None
+
+    def exception(self):
+        return self.error
 
 
 class FakeEvent:
@@ -201,6 +209,70 @@ def test_completion_is_judged_by_the_probe_not_by_a_return():
     assert late[ARRIVAL] is None  # dropped once reached
 
 
+def test_an_incomplete_collective_is_not_evicted_by_later_ones():
+    """History 4: an all-reduce that does not complete, then 10 completed ones on its group:
+    it stays in the snapshot (the group's completed counter stops before it) and is judged
+    stuck past the threshold; once it completes it is let go."""
+    rec = FlightRecorder(rank=0, history=4, hang_after_s=1.0)
+    dp = _group("dp", [0, 1], 0)
+    work = FakeWork()
+    slow = rec.started("reduce_scatter", dp, 8)
+    rec.complete_when(slow, work)
+    for _ in range(10):
+        rec.done(rec.started("all_reduce", dp, 8))
+    dp_now = _entries(rec, "dp")
+    assert dp_now["started"] == 11 and dp_now["completed"] == 0
+    assert [e["seq"] for e in dp_now["last"]] == [1, 8, 9, 10, 11]
+    assert [s[3] for s in rec.poll(slow[STARTED_AT] + 2.0)] == [slow]
+    work.completed = True
+    rec.poll(time.time())
+    dp_now = _entries(rec, "dp")
+    assert dp_now["completed"] == 11 and [e["seq"] for e in dp_now["last"]] == [8, 9, 10, 11]
+
+
+class RaisingProbe:
+    """A probe whose query raises (a sticky CUDA error), or a Work whose `exception()`
+    raises."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def is_completed(self) -> bool:
+        if self.where == "query":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return True
+
+    def exception(self):
+        raise RuntimeError("no exception to read")
+
+
+def test_a_work_that_ended_with_an_error_is_failed_not_completed():
+    """NCCL's `is_completed` is true for an errored work: the recorder reads `exception()`:
+    set (or raising), the operation is failed, reported by `poll` once, never completed
+    (the group's completed counter stays below it, its entry names the error); a probe
+    whose query raises fails its operation and does not stop the look at the others."""
+    rec = FlightRecorder(rank=0, history=8, hang_after_s=100.0)
+    dp = _group("dp", [0, 1], 0)
+    work, ok = FakeWork(), FakeWork(completed=True)
+    errored = rec.started("all_reduce", dp, 8)
+    rec.complete_when(errored, work)
+    rec.complete_when(rec.started("all_reduce", dp, 8), ok)
+    work.error = RuntimeError("NCCL error: remote process exited")
+    (failed,) = rec.poll(time.time())
+    assert failed[0] == "dp" and failed[3] is errored and errored[FAILED]
+    assert errored[ENDED_AT] is None and "remote process exited" in errored[ERROR]
+    assert rec.poll(time.time()) == []  # once
+    dp_now = _entries(rec, "dp")
+    assert dp_now["completed"] == 0 and dp_now["started"] == 2  # #1 never completed
+    assert dp_now["last"][0]["failed"] and "remote" in dp_now["last"][0]["error"]
+    raising = [rec.started("all_reduce", dp, 8) for _ in range(2)]
+    rec.complete_when(raising[0], RaisingProbe("query"))
+    rec.complete_when(raising[1], RaisingProbe("exception"))
+    assert [s[3] for s in rec.poll(time.time())] == raising
+    assert all(e[FAILED] and e[ENDED_AT] is None for e in raising)
+    assert "illegal memory access" in raising[0][ERROR] and "raised" in raising[1][ERROR]
+
+
 def test_a_stuck_operation_is_dumped_and_becomes_a_live_dump_when_it_completes(tmp_path):
     """In one process over an in-memory store: rank 0's all-reduce never completes (rank 1
     launched fewer there); rank 0's watch dumps, rank 1's answers, the summary in hang/
@@ -233,6 +305,62 @@ def test_a_stuck_operation_is_dumped_and_becomes_a_live_dump_when_it_completes(t
     assert sorted(p.name for p in (hang / "live").iterdir()) == [
         "rank00000.json", "rank00001.json", "summary.json", "summary.txt"]
     assert not watches[0].failure_dumped and not watches[1].failure_dumped
+
+
+def _two_watches(tmp_path, hang_after_s):
+    """Ranks 0 and 1 over an in-memory store, each with one completed all-reduce on dp; rank
+    0 with a second one whose work the test decides. Returns (recorders, watches, work)."""
+    store = dist.HashStore()
+    recs = [FlightRecorder(rank=r, history=8, hang_after_s=hang_after_s) for r in (0, 1)]
+    groups = [_group("dp", [0, 1], r) for r in (0, 1)]
+    for rec, group in zip(recs, groups):
+        rec.done(rec.started("all_reduce", group, 8))
+    work = FakeWork()
+    recs[0].complete_when(recs[0].started("all_reduce", groups[0], 8), work)
+    watches = [HangWatch(rec, tmp_path / "run", r, 2, wait_s=2.0, signal_name=None,
+                         store=store) for r, rec in enumerate(recs)]
+    return recs, watches, work
+
+
+@pytest.mark.parametrize("when", ["after its stuck dump", "before the threshold"])
+def test_a_work_that_ended_with_an_error_is_a_failure_not_a_completion(tmp_path, when):
+    """NCCL's `is_completed` is true for an errored work (a watchdog timeout after the stuck
+    dump; a remote error before the threshold): the summary in hang/ names the operation
+    failed, both ranks' dumps stay in hang/ as the evidence, nothing moves to hang/live/."""
+    _, watches, work = _two_watches(tmp_path, 0.2 if when.startswith("after") else 100.0)
+    hang = tmp_path / "run" / "hang"
+    with watches[0], watches[1]:
+        if when.startswith("after"):
+            wait_for((hang / "summary.json").exists, "no summary of the stuck all-reduce")
+        work.error = RuntimeError("Watchdog caught collective operation timeout")
+        wait_for(lambda: (hang / "summary.json").exists() and "failed" in json.loads(
+            (hang / "summary.json").read_text())["request"].get(
+                "failed" if when.startswith("after") else "what", ""),
+            "the summary does not name the all-reduce failed")
+        time.sleep(0.5)  # a few more looks: nothing may move to hang/live/
+    text = (hang / "summary.txt").read_text()
+    assert "all_reduce #2 on the dp group" in text and "failed" in text
+    assert "Watchdog caught collective operation timeout" in text, text
+    assert sorted(p.name for p in hang.glob("rank*.json")) == ["rank00000.json",
+                                                               "rank00001.json"]
+    assert not (hang / "live").exists() or not any((hang / "live").iterdir())
+    assert watches[0].failure_dumped
+
+
+def test_a_look_that_raises_does_not_stop_the_rank_answering(tmp_path):
+    """Rank 1's look at its own operations raises at every poll (a sticky CUDA error in a
+    probe's query): its watch still answers rank 0's request, so the summary has both
+    ranks' dumps."""
+    recs, watches, _ = _two_watches(tmp_path, 100.0)
+
+    def broken(now):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    recs[1].poll = broken
+    with watches[0], watches[1]:
+        path = watches[0].request("signal", "a live dump asked by rank 0")
+    summary = json.loads(path.with_suffix(".json").read_text())
+    assert summary["dumps"] == [0, 1] and summary["no_dump"] == [], summary
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -146,6 +146,47 @@ def test_host_norm_is_fp32_rows_summed_in_fp64():
     assert abs(got / want - 1) < 1e-7 < abs(whole / want - 1)
 
 
+@pytest.mark.parametrize("device, bound", [(torch.device("cuda", 1), 1),
+                                           (torch.device("cpu"), None)])
+def test_the_offload_worker_thread_works_on_the_engines_cuda_device(monkeypatch, device, bound):
+    """The worker thread binds the engine's CUDA device before its first task (its event
+    syncs and stream switches would otherwise make a context on GPU 0, as the hang watch's
+    thread avoids): `torch.cuda.set_device` (patched: no GPU here) is called on the worker
+    thread, with the engine's device index, before any task runs; on CPU never."""
+    from megalite.parallel.offload import OptimizerOffload
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda index: calls.append((index, threading.current_thread().name)))
+    offload = OptimizerOffload.__new__(OptimizerOffload)  # only what the worker reads
+    offload.device, offload.cuda, offload._worker = device, device.type == "cuda", None
+    seen, worker = offload._submit(lambda: (list(calls), threading.current_thread().name)
+                                   ).result()
+    offload.close()
+    assert worker.startswith("megalite-offload") and offload._worker is None
+    assert seen == ([] if bound is None else [(bound, worker)])
+
+
+def test_a_failed_host_update_raises_before_its_parameters_are_read(tiny_data, tmp_path):
+    """The last bucket's host AdamW raises (patched on the rank): the step that queued it
+    returns (it does not wait for the host step); the next step raises that error before
+    reading the bucket, and so does reading the host state for a checkpoint."""
+    trainer = _trainer(tiny_data, tmp_path / "a", "offload.optimizer=1")
+    assert trainer.train_step()[0] is not None
+    trainer.engine.offload.step_done()  # that step's host updates ran
+    last = trainer.engine.offload.order[-1]
+
+    def broken():
+        raise RuntimeError("host AdamW failed")
+
+    last.optimizer.step = broken
+    trainer.train_step()  # queued the failing update and returned
+    with pytest.raises(RuntimeError, match="host AdamW failed"):
+        trainer.engine.main_params
+    with pytest.raises(RuntimeError, match="host AdamW failed"):
+        trainer.train_step()
+
+
 def test_the_fraction_of_every_owned_range_lives_in_separate_host_buffers(tiny_data, tmp_path):
     """Each bucket's last half is offloaded into tensors of its own (the copies are real, also
     on CPU); a non-finite gradient in a host piece (patched into the device gradient's host
