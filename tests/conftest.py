@@ -98,7 +98,7 @@ def random_hf_gpt2(model_cfg, seed: int = 0):
     import torch
     from transformers import GPT2LMHeadModel
 
-    from megalite.model.hf import hf_config
+    from megalite.model.gpt2.hf import hf_config
 
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(hf_config(model_cfg)).eval()
@@ -123,7 +123,7 @@ def random_hf_llama(model_cfg, seed: int = 0):
     import torch
     from transformers import LlamaForCausalLM
 
-    from megalite.model.hf_llama import hf_config
+    from megalite.model.llama.hf import hf_config
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(hf_config(model_cfg)).eval()

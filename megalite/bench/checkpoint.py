@@ -33,7 +33,7 @@ def _directory_bytes(path: Path) -> int:
 
 def _build(preset: str, dp: int, zero: int, root: Path, tp: int = 1):
     from megalite.config.layout import Layout
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.topology import build_topology
     from megalite.parallel.zero import ZeroEngine

@@ -47,7 +47,7 @@ from megalite.config.layout import Layout
 from megalite.config.schema import OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.families import flops_per_token
-from megalite.model.gpt2 import GPT2
+from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.host_range import build_adamw
 from megalite.parallel.pipeline import PipelineSchedule

@@ -57,7 +57,7 @@ from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble, resolve_schedule
 from megalite.config.schema import ModelConfig, OptimConfig
 from megalite.config.stage_partition import ChunkPlacement, stage_chunks
-from megalite.model.gpt2 import GPT2
+from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.model.stage import PipelineStage as Chunks
 from megalite.model.stage import build_stage

@@ -36,8 +36,8 @@ import torch
 
 from megalite.config.layout import Layout
 from megalite.config.schema import ModelConfig, OptimConfig
-from megalite.model.gpt2 import GPT2
-from megalite.model.gpt2_family import layer_activation_bytes
+from megalite.model.gpt2.family import layer_activation_bytes
+from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
@@ -65,7 +65,7 @@ def saved_activation_bytes(fn, params) -> int:
 
 def formulas(s: int, b: int, h: int, a: int, t: int, sp: bool, elem: int) -> Dict[str, float]:
     """Korthikanti's bytes per layer (2-byte activations, masks, scores) and this
-    implementation's (`megalite.model.gpt2_family.layer_activation_bytes`, `elem` bytes per element)."""
+    implementation's (`megalite.model.gpt2.family.layer_activation_bytes`, `elem` bytes per element)."""
     if sp:
         paper = s * b * h / t * (34 + 5 * a * s / h)
     else:

@@ -77,7 +77,7 @@ def _nbytes(tensors) -> int:
 
 def _make(name: str, mcfg, topo, batches, optim) -> Step:
     """Build one contender on a fresh, identically initialised GPT2."""
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
 
     model = GPT2(mcfg, topo.tp_group)

@@ -17,7 +17,7 @@ from megalite.checkpoint.export import ExportError, export_hf, load_model, model
 from megalite.data.loader import TokenShards, val_batches
 from megalite.eval.lm_harness import OFFLINE_VARIABLES
 from megalite.model.families import num_parameters
-from megalite.model.hf import hf_config
+from megalite.model.gpt2.hf import hf_config
 from tests.integration.test_pretrain import REPO, pretrain, read_metrics
 
 STEPS = 4

@@ -91,7 +91,7 @@ def test_logits_equal_transformers_under_tp2_sp_and_pp2():
     """fp32 logits within 1e-5 of LlamaForCausalLM's: GQA (2 KV heads for 8 query heads),
     rope_theta 500000 and Llama 3's scaling (positions past its original context of 16); in
     the same spawn, a block's saved activation bytes equal the plan's formula exactly."""
-    from megalite.model.hf_llama import from_hf_state_dict
+    from megalite.model.llama.hf import from_hf_state_dict
 
     cfg = ModelConfig(name="t", arch="llama", n_layer=2, n_embd=64, n_head=8, n_kv_head=2,
                       n_positions=64, vocab_size=300, n_inner=96, tie_word_embeddings=False,
@@ -184,7 +184,7 @@ def _assert_export_is_serial(ckpt, out, weights):
     from transformers import LlamaForCausalLM
 
     from megalite.checkpoint.export import export_hf
-    from megalite.model.hf_llama import to_hf_state_dict
+    from megalite.model.llama.hf import to_hf_state_dict
 
     export_hf(ckpt, out)
     hf = LlamaForCausalLM.from_pretrained(out).state_dict()

@@ -135,7 +135,7 @@ def test_layers_equal_their_serial_reference(tp):
 
 
 def _logits_vs_hf(rank, world, cfg, sp, state, ids, ref_logits, ref_loss):
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import load_global_state
 
     topo = build_topology(world, 1, 1)
@@ -151,7 +151,7 @@ def _logits_vs_hf(rank, world, cfg, sp, state, ids, ref_logits, ref_loss):
 @pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
 def test_gpt2_logits_equal_transformers_with_the_gpt2_vocabulary(tp, sp):
     """vocab 50257 is not divisible by tp: padded to 50432 / 50688, padding never shows."""
-    from megalite.model.hf import from_hf_state_dict
+    from megalite.model.gpt2.hf import from_hf_state_dict
 
     cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=50257,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -191,7 +191,7 @@ def test_training_equals_tp1(tiny_data, tmp_path, serial_run, tp):
 def _rng_regions(rank, world):
     """Masks drawn inside the TP region differ across TP ranks, outside they agree; a
     replicated activation after dropout stays identical on every TP rank."""
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.rng import RNGTracker
 
@@ -240,7 +240,7 @@ def test_dropout_run_is_reproducible_from_its_seed(tiny_data, tmp_path):
 
 def _activation_bytes(rank, world):
     from megalite.bench.tensor import formulas, saved_activation_bytes
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
 
     cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4, n_positions=32, vocab_size=256,

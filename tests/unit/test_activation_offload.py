@@ -16,8 +16,8 @@ from megalite.config.layout import Layout, validate
 from megalite.config.schema import ModelConfig, load_config
 from megalite.model import activation_offload
 from megalite.model.activation_offload import ActivationOffload, offloaded_blocks
-from megalite.model.gpt2 import GPT2
-from megalite.model.gpt2_family import layer_activation_bytes
+from megalite.model.gpt2.family import layer_activation_bytes
+from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.plan.memory import make_plan
 from megalite.train.host_memory import check_host_memory

@@ -16,7 +16,7 @@ CFG = ModelConfig(n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=1
 
 def _engine(compile: bool = False, dtype: torch.dtype = torch.bfloat16):
     from megalite.config.layout import PRECISION_DTYPES, Layout
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology
@@ -79,7 +79,7 @@ def test_peak_comes_from_the_device_table():
 
 @pytest.mark.parametrize("choice", ["flash", "cudnn", "efficient"])
 def test_attention_kernels_agree_with_math_in_bf16(choice):
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
 
     g = torch.Generator().manual_seed(3)

@@ -38,7 +38,7 @@ def test_cublas_scaled_products_are_the_dequantised_reference(recipe):
 
 def _losses(recipe: str, compile: bool):
     from megalite.config.layout import Layout
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.fp8 import use_fp8
     from megalite.parallel.pipeline import PipelineSchedule

@@ -20,7 +20,7 @@ S, B = 512, 8
 
 def _models(dtype=torch.float32):
     from megalite.model.activation_offload import ActivationOffload
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
 
     offload = ActivationOffload(torch.device("cuda"))

@@ -24,7 +24,7 @@ S, B = 256, 4
 
 def _engine(fraction: float, zero: int = 2, precision: str = "bf16", overlap: bool = False):
     from megalite.config.layout import Layout
-    from megalite.model.gpt2 import GPT2
+    from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.pipeline import PipelineSchedule
     from megalite.parallel.topology import build_topology

@@ -13,9 +13,9 @@ from megalite.config.model import ModelConfig, RopeScaling
 from megalite.config.schema import load_config
 from megalite.model.families import causal_lm, flops_per_token, num_parameters
 from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
-from megalite.model.hf_llama import from_hf_state_dict
 from megalite.model.init import init_parameters, load_global_state
-from megalite.model.llama import RMSNorm
+from megalite.model.llama.hf import from_hf_state_dict
+from megalite.model.llama.stage import RMSNorm
 from tests.conftest import random_hf_gpt2, random_hf_llama
 from tests.unit.test_hellaswag import (
     assert_scores,
@@ -128,7 +128,7 @@ def test_presets_have_transformers_parameter_counts(preset, parameters):
     counts as transformers builds them (on the meta device: no memory)."""
     from transformers import LlamaForCausalLM
 
-    from megalite.model.hf_llama import hf_config
+    from megalite.model.llama.hf import hf_config
 
     cfg = load_config([f"model={preset}"]).model
     with torch.device("meta"):

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.model.families import flops_per_token, num_parameters
-from megalite.model.gpt2 import GPT2
-from megalite.model.hf import from_hf_state_dict, hf_config
+from megalite.model.gpt2.hf import from_hf_state_dict, hf_config
+from megalite.model.gpt2.stage import GPT2
 from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
 from megalite.model.init import init_parameters, load_global_state
 from tests.conftest import random_hf_gpt2

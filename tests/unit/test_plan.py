@@ -10,7 +10,7 @@ import torch
 from megalite.bench.tensor import saved_activation_bytes
 from megalite.config.layout import Layout
 from megalite.config.schema import load_config
-from megalite.model.gpt2 import GPT2
+from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.plan.memory import make_plan
 from tests.conftest import TINY

@@ -17,7 +17,7 @@ from megalite.config.layout import Layout, validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import load_config
 from megalite.model.families import flops_per_token
-from megalite.model.gpt2_family import layer_activation_bytes
+from megalite.model.gpt2.family import layer_activation_bytes
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.devices import (
     BY_NAME,

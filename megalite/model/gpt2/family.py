@@ -1,13 +1,16 @@
 """GPT-2's side of the family interface (`megalite.model.family`): its parameters (names and
 TP splits of `transformers.GPT2LMHeadModel`), initialisation, FLOPs and activation terms. The
-modules are `megalite.model.gpt2`, the `transformers` mapping `megalite.model.hf`."""
+modules are `megalite.model.gpt2.stage`, the `transformers` mapping `megalite.model.gpt2.hf`."""
 from __future__ import annotations
 
 import math
+from typing import List
 
+from megalite.config.errors import fail
+from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
-from megalite.model import hf
 from megalite.model.family import Family, Initial, Specs, attention_bytes
+from megalite.model.gpt2 import hf
 from megalite.parallel.param_spec import ParamSpec
 
 
@@ -23,6 +26,26 @@ class GPT2Family(Family):
     probe_tensor = "transformer.h.0.ln_1.weight"
     embedding_module = "transformer.wte"
     hf = hf.GPT2_MAPPING
+
+    def check(self, cfg: ModelConfig) -> None:
+        """GPT-2 has one setting of what a Llama may vary."""
+        if not cfg.tie_word_embeddings:
+            fail("model.tie_word_embeddings", cfg.tie_word_embeddings,
+                 "GPT-2's LM head is its token embedding: set true (or model.arch=llama)")
+        if cfg.kv_heads != cfg.n_head:
+            fail("model.n_kv_head", cfg.n_kv_head, "GPT-2 has no grouped-query attention: "
+                 "set null (or model.arch=llama)")
+        if cfg.rope_scaling is not None:
+            fail("model.rope_scaling", cfg.rope_scaling, "GPT-2 has learned positions, no "
+                 "rotary ones: set null (or model.arch=llama)")
+
+    def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
+        h, f = cfg.n_embd, cfg.ffn_size
+        return [("transformer.h.*.attn.c_attn", "model.n_embd", h, "3 * model.n_embd / tp",
+                 3 * h // tp),
+                ("transformer.h.*.attn.c_proj", "model.n_embd / tp", h // tp, "model.n_embd", h),
+                ("transformer.h.*.mlp.c_fc", "model.n_embd", h, "model.n_inner / tp", f // tp),
+                ("transformer.h.*.mlp.c_proj", "model.n_inner / tp", f // tp, "model.n_embd", h)]
 
     def block_specs(self, cfg: ModelConfig, index: int, tp: int) -> Specs:
         h, f = cfg.n_embd, cfg.ffn_size
@@ -73,10 +96,6 @@ class GPT2Family(Family):
     def block_parameters(self, cfg: ModelConfig) -> int:
         h, f = cfg.n_embd, cfg.ffn_size
         return 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-
-    def fp8_linear_parameters(self, cfg: ModelConfig) -> int:
-        h, f = cfg.n_embd, cfg.ffn_size
-        return 4 * h * h + 2 * h * f  # c_attn, attn.c_proj, c_fc, mlp.c_proj
 
     def num_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (tied embedding once, no padding)."""

@@ -14,6 +14,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
+from megalite.model.family import HFMapping
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
@@ -83,28 +84,11 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                               f"has {key}={ours[0]!r}; its weights would compute another model")
 
 
-class GPT2Mapping:
-    """GPT-2's `transformers` mapping (`megalite.model.family.HFMapping`)."""
-
-    model_type, model_class, display, hub_example = "gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2"
-
-    def hf_config(self, cfg: ModelConfig, bos_token_id: Optional[int] = None,
-                  eos_token_id: Optional[int] = None):
-        return hf_config(cfg, bos_token_id, eos_token_id)
-
-    def from_hf_state_dict(self, hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return from_hf_state_dict(hf_sd)
-
-    def to_hf_state_dict(self, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return to_hf_state_dict(sd)
-
-    def check_config(self, cfg: ModelConfig, hf_cfg, source: str) -> None:
-        check_shape_matches(cfg, hf_cfg, source)
-
-    def derived(self, name: str) -> bool:
-        """A key of the transformers state that megalite's state does not hold: the
-        attention-mask buffers and the tied LM head."""
-        return name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight"
+def derived(name: str) -> bool:
+    """A key of the transformers state that megalite's state does not hold: the attention-mask
+    buffers and the tied LM head."""
+    return name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight"
 
 
-GPT2_MAPPING = GPT2Mapping()
+GPT2_MAPPING = HFMapping("gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2", hf_config, to_hf_state_dict,
+                         from_hf_state_dict, check_shape_matches, derived)

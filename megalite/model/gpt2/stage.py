@@ -17,8 +17,8 @@ of the token embedding as `lm_head.weight` (initialised identically; its gradien
 the first stage's over the embedding group).
 
 Each parameter has a `ParamSpec` in `model.param_specs` (global name, global shape, TP split;
-the family's lists, `megalite.model.gpt2_family`); weights use nn.Linear's [out, in] (HF's
-Conv1D stores [in, out]; `megalite.model.hf` transposes). The stage's shared part (head, loss,
+the family's lists, `megalite.model.gpt2.family`); weights use nn.Linear's [out, in] (HF's
+Conv1D stores [in, out]; `megalite.model.gpt2.hf` transposes). The stage's shared part (head, loss,
 recompute, offload): `megalite.model.causal_lm`.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import kernel_region
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
-from megalite.model.gpt2_family import GPT2_FAMILY
+from megalite.model.gpt2.family import GPT2_FAMILY
 from megalite.parallel.group import Group
 from megalite.parallel.tensor import (
     ColumnParallelLinear,

@@ -1,13 +1,15 @@
 """Llama's side of the family interface (`megalite.model.family`): its parameters (names and
 TP splits of `transformers.LlamaForCausalLM`, gate and up fused), initialisation, FLOPs and
-activation terms. The modules are `megalite.model.llama`, the mapping `megalite.model.hf_llama`."""
+activation terms. The modules are `megalite.model.llama.stage`, the mapping `megalite.model.llama.hf`."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
+from megalite.config.errors import fail
+from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
-from megalite.model import hf_llama
 from megalite.model.family import Family, Initial, Specs, attention_bytes
+from megalite.model.llama import hf as hf_llama
 from megalite.parallel.param_spec import ParamSpec
 
 
@@ -28,6 +30,47 @@ class LlamaFamily(Family):
     probe_tensor = "model.layers.0.input_layernorm.weight"
     embedding_module = "model.embed_tokens"
     hf = hf_llama.LLAMA_MAPPING
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Grouped-query attention's KV heads, rotary positions' even head size and base."""
+        if cfg.n_kv_head is not None and cfg.n_kv_head < 1:
+            fail("model.n_kv_head", cfg.n_kv_head, "must be a positive integer or null "
+                 "(= model.n_head)")
+        if cfg.n_head % cfg.kv_heads:
+            divisors = [d for d in range(1, cfg.n_head + 1) if cfg.n_head % d == 0]
+            fail("model.n_kv_head", cfg.n_kv_head, f"must divide model.n_head={cfg.n_head} "
+                 f"(each KV head serves n_head / n_kv_head query heads): use one of {divisors}")
+        if (cfg.n_embd // cfg.n_head) % 2:
+            fail("model.n_head", cfg.n_head, f"head_dim = n_embd / n_head = "
+                 f"{cfg.n_embd // cfg.n_head} must be even (RoPE rotates pairs)")
+        if not cfg.rope_theta > 0:
+            fail("model.rope_theta", cfg.rope_theta, "must be > 0 (Llama 3 uses 500000)")
+        if cfg.rope_scaling is not None:
+            cfg.rope_scaling.check()
+
+    def check_tp(self, cfg: ModelConfig, tp: int) -> None:
+        """TP splits the KV heads as it splits the query heads: n_kv_head / tp each when tp
+        <= n_kv_head; when tp > n_kv_head each KV head is replicated over the tp / n_kv_head
+        ranks whose query heads read it (Megatron's query groups), so n_kv_head must divide
+        tp."""
+        kv_heads = cfg.kv_heads
+        if tp <= kv_heads and kv_heads % tp:
+            fail("tp", tp, f"must divide model.n_kv_head={kv_heads} (TP splits the KV heads), "
+                 f"or be a multiple of it (each KV head replicated over tp / n_kv_head ranks)")
+        if tp > kv_heads and tp % kv_heads:
+            fail("tp", tp, f"is larger than model.n_kv_head={kv_heads} but not a multiple of "
+                 f"it; use a tp that divides {kv_heads} or a multiple of {kv_heads} (each KV "
+                 "head is then replicated over tp / n_kv_head TP ranks)")
+
+    def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
+        """o_proj, gate_up_proj, down_proj; the q/k/v projections stay in the model dtype
+        (`megalite.model.llama.stage.Projection`)."""
+        h, f = cfg.n_embd, cfg.ffn_size
+        return [("model.layers.*.self_attn.o_proj", "model.n_embd / tp", h // tp,
+                 "model.n_embd", h),
+                ("model.layers.*.mlp.gate_up_proj", "model.n_embd", h,
+                 "2 * model.n_inner / tp", 2 * f // tp),
+                ("model.layers.*.mlp.down_proj", "model.n_inner / tp", f // tp, "model.n_embd", h)]
 
     def block_specs(self, cfg: ModelConfig, index: int, tp: int) -> Specs:
         h, f, d = cfg.n_embd, cfg.ffn_size, cfg.n_embd // cfg.n_head
@@ -69,10 +112,6 @@ class LlamaFamily(Family):
     def block_parameters(self, cfg: ModelConfig) -> int:
         h, f, kv = cfg.n_embd, cfg.ffn_size, cfg.kv_heads * (cfg.n_embd // cfg.n_head)
         return 2 * h + h * h + 2 * kv * h + h * h + 3 * f * h
-
-    def fp8_linear_parameters(self, cfg: ModelConfig) -> int:
-        h, f = cfg.n_embd, cfg.ffn_size
-        return h * h + 3 * h * f  # o_proj, gate_up_proj, down_proj (q/k/v: Projection)
 
     def num_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (a tied embedding once, no padding)."""

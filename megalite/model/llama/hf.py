@@ -22,6 +22,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig, RopeScaling
+from megalite.model.family import HFMapping
 
 GATE_UP = ".mlp.gate_up_proj.weight"
 # LlamaConfig switches megalite's Llama has one setting of (accepted values; first = ours)
@@ -140,29 +141,12 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                               "model")
 
 
-class LlamaMapping:
-    """Llama's `transformers` mapping (`megalite.model.family.HFMapping`)."""
-
-    model_type, model_class, display = "llama", "LlamaForCausalLM", "Llama"
-    hub_example = "meta-llama/Llama-3.2-1B"
-
-    def hf_config(self, cfg: ModelConfig, bos_token_id: Optional[int] = None,
-                  eos_token_id: Optional[int] = None):
-        return hf_config(cfg, bos_token_id, eos_token_id)
-
-    def from_hf_state_dict(self, hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return from_hf_state_dict(hf_sd)
-
-    def to_hf_state_dict(self, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        return to_hf_state_dict(sd)
-
-    def check_config(self, cfg: ModelConfig, hf_cfg, source: str) -> None:
-        check_shape_matches(cfg, hf_cfg, source)
-
-    def derived(self, name: str) -> bool:
-        """A key of the transformers state megalite's state does not hold: a tied head (the
-        token embedding; an untied one is in the state), rotary buffers."""
-        return name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
+def derived(name: str) -> bool:
+    """A key of the transformers state megalite's state does not hold: a tied head (the token
+    embedding; an untied one is in the state), rotary buffers."""
+    return name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
 
 
-LLAMA_MAPPING = LlamaMapping()
+LLAMA_MAPPING = HFMapping("llama", "LlamaForCausalLM", "Llama", "meta-llama/Llama-3.2-1B",
+                          hf_config, to_hf_state_dict, from_hf_state_dict, check_shape_matches,
+                          derived)

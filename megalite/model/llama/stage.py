@@ -2,7 +2,7 @@
 Llama 3, Dubey et al. 2024), built from tensor-parallel layers; one instance is one pipeline
 stage (the shared part, `megalite.model.causal_lm`: head, loss, recompute, offload).
 
-Pre-RMSNorm blocks, rotary positions (`megalite.model.rope`: rope_theta, Llama 3's scaling),
+Pre-RMSNorm blocks, rotary positions (`megalite.model.llama.rope`: rope_theta, Llama 3's scaling),
 grouped-query attention (`n_kv_head` key/value heads shared by n_head / n_kv_head query heads
 each) through `scaled_dot_product_attention`, a SwiGLU MLP (down(silu(gate(x)) · up(x))), no
 biases, a final RMSNorm and an LM head of its own (or the token embedding, with
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import kernel_region
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
-from megalite.model.llama_family import LLAMA_FAMILY, kv_split
-from megalite.model.rope import apply_rotary, cos_sin, inverse_frequencies
+from megalite.model.llama.family import LLAMA_FAMILY, kv_split
+from megalite.model.llama.rope import apply_rotary, cos_sin, inverse_frequencies
 from megalite.parallel.group import Group
 from megalite.parallel.tensor import (
     ColumnParallelLinear,
