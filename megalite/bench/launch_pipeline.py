@@ -49,15 +49,12 @@ BENCH_OVERRIDES = ["log.wandb=false", "log.progress=false", "train.eval_every=0"
 
 def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[str],
                  warmup: int, steps: int) -> dict:
-    from megalite.config.layout import validate
     from megalite.config.schema import load_config
-    from megalite.train.build import build_trainer
-    from megalite.train.runtime import init_runtime
+    from megalite.train.launch import launch
 
     cfg = load_config([f"pp={world}", f"data.dir={data}", *BENCH_OVERRIDES,
                        f"train.max_steps={warmup + steps}", *overrides])
-    validate(cfg, world)
-    trainer = build_trainer(cfg, init_runtime(cfg), Path(root))
+    trainer = launch(cfg, world, Path(root)).trainer
     topo = trainer.topo
     m = trainer.layout.micro_batches(cfg.train.global_batch_size)
     torch_step = torch_pipeline_step(cfg.model, topo,

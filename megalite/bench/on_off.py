@@ -52,16 +52,13 @@ def trainer_overrides(args, layout: List[str], data: str, run_dir: str,
 
 def _each_layout(rank: int, world: int, args, layouts: List[List[str]], data: str, root: str,
                  extra: List[str], measure: Measure) -> List[dict]:
-    from megalite.config.layout import validate
     from megalite.config.schema import load_config
-    from megalite.train.build import build_trainer
-    from megalite.train.runtime import init_runtime
+    from megalite.train.launch import launch
 
     results = []
     for i, layout in enumerate(layouts):
         cfg = load_config(trainer_overrides(args, layout, data, f"{root}/{i}", extra))
-        validate(cfg, world)
-        trainer = build_trainer(cfg, init_runtime(cfg), Path(root) / str(i))
+        trainer = launch(cfg, world, Path(root) / str(i)).trainer
         results.append({"layout": " ".join(layout), **measure(trainer, args, rank)})
     return results
 

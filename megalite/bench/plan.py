@@ -37,16 +37,13 @@ def _overrides(args, layout: List[str], data: str, run_dir: str) -> List[str]:
 
 
 def _measure(rank: int, world: int, args, layouts: List[List[str]], data: str, root: str):
-    from megalite.config.layout import validate
     from megalite.config.schema import load_config
-    from megalite.train.build import build_trainer
-    from megalite.train.runtime import init_runtime
+    from megalite.train.launch import launch
 
     out = []
     for i, layout in enumerate(layouts):
         cfg = load_config(_overrides(args, layout, data, f"{root}/{world}-{i}"))
-        validate(cfg, world)
-        trainer = build_trainer(cfg, init_runtime(cfg), Path(root) / f"{world}-{i}")
+        trainer = launch(cfg, world, Path(root) / f"{world}-{i}").trainer
         times = []
         for n in range(args.warmup + args.steps):
             t0 = time.perf_counter()

@@ -42,11 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.config.layout import Layout, device_type_for, validate
+from megalite.config.layout import Layout, device_type_for
 from megalite.config.schema import Config
 from megalite.parallel import comm
 from megalite.parallel.topology import build_topology, group_ranks
-from megalite.train.build import build_trainer
+from megalite.train.launch import plan_launch
 from megalite.train.runtime import Runtime, init_runtime
 
 SELFTEST_MODEL = ["model.n_layer=4", "model.n_embd=64", "model.n_head=8",
@@ -271,7 +271,7 @@ def run_serial(cfg: Config, device: torch.device, run_dir: Path, steps: int) -> 
                                                         else torch.cuda.device_count()))
     runtime = Runtime(layout=layout, topology=build_topology(1, 1, 1, alone=True),
                       device=device)
-    trainer = build_trainer(cfg, runtime, run_dir)
+    trainer = plan_launch(cfg, 1, layout).build(runtime, run_dir, shared_run_dir=False).trainer
     trace = train_steps(trainer, steps)
     return {"trace": trace, "masters": serial_masters(trainer)}
 
@@ -330,11 +330,11 @@ def run_layout(cfg: Config, world: int, run_dir: Path, steps: int, serial: dict,
                ) -> dict:
     """Train `cfg`'s layout (validated) and compare with the serial run: the check's figure
     (largest over the ranks), what it was, the checkpoint written at `save_at`."""
-    validate(cfg, world)
-    runtime = init_runtime(cfg)
+    ready = plan_launch(cfg, world)
+    runtime = init_runtime(cfg, ready.layout)
     saved = None
     try:
-        trainer = build_trainer(cfg, runtime, run_dir)
+        trainer = ready.build(runtime, run_dir, shared_run_dir=False).trainer
         trace = train_steps(trainer, steps, save_at)
         saved = trace.saved
         figure, where = difference(trace, master_pieces(trainer), trainer, serial, first_step,
