@@ -26,13 +26,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from megalite.cli import NO_HYDRA_OUTPUT
+from megalite.cli.fault_exit import fit_or_exit, refuse_after_fault
 from megalite.cli.launch_env import export_launch_env, launch_env
 from megalite.config.errors import ConfigError
 from megalite.config.schema import CONF_DIR, check_presets, register_configs, to_config
 from megalite.data.errors import DataError
 from megalite.plan.auto import launch_layout
 from megalite.plan.memory import memory_warning
-from megalite.resilience.faults import fit_or_exit, refuse_after_fault
 from megalite.train.launch import plan_launch
 from megalite.train.preflight import local_ranks_from_env, preflight
 from megalite.train.runtime import local_gpu, local_gpus, shutdown, world_size_from_env

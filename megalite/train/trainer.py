@@ -45,7 +45,7 @@ from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
 from megalite.train.runtime import Runtime
-from megalite.train.step_guard import count_skipped, execute_step
+from megalite.train.step_guard import StepGuard
 from megalite.train.stop import StopRequest
 from megalite.train.timers import PHASES, StepTimers
 from megalite.utils.log import get_logger
@@ -90,10 +90,14 @@ class Trainer:
     rerun: Optional[RerunAttribution]  # resilience.rerun
     injector: Optional[FaultInjector]  # resilience.inject's drill
     # the loop's own
-    bad_in_a_row: int = field(default=0, init=False)  # skipped steps in a row
+    guard: StepGuard = field(init=False)  # executions, skip accounting, loss scale, drills
     last_batch_size: int = field(default=0, init=False)  # of the last step taken
     last_lr: float = field(default=0.0, init=False)
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.guard = StepGuard(self.schedule, self.engine, self.timers, self.progress,
+                               self.cfg.train.max_bad_steps, self.loss_scaler, self.injector)
 
     @property
     def rank(self) -> int:
@@ -190,7 +194,7 @@ class Trainer:
             self.rerun.before_step()
 
         def execute(execution: int, batches: list) -> Tuple[torch.Tensor, torch.Tensor]:
-            return self._execute(execution, batches, scale)
+            return self.guard.execute(execution, batches, scale)
 
         loss, norm = execute(0, micro_batches)
         finite = math.isfinite(norm.item())
@@ -203,17 +207,8 @@ class Trainer:
             self.engine.zero_grad()
         self.last_lr = lr
         self.progress.step += 1
-        self._count_non_finite(finite, skip)
+        self.guard.count_skipped(finite, skip)
         return (loss.item() if finite and not skip else None), norm.item()
-
-    def _execute(self, execution: int, micro_batches: list, scale: float
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One execution of the step (`megalite.train.step_guard.execute_step`)."""
-        return execute_step(self, execution, micro_batches, scale)
-
-    def _count_non_finite(self, finite: bool, data_skip: bool = False) -> None:
-        """Skipped steps and the loss scale (`megalite.train.step_guard.count_skipped`)."""
-        count_skipped(self, finite, data_skip)
 
     def val_batches(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of the fixed validation set, read at the first evaluation (a

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megalite.cli.fault_exit import fit_or_exit
 from megalite.config.layout import validate
 from megalite.config.schema import load_config
-from megalite.resilience.faults import HARDWARE_FAULT_EXIT, fit_or_exit
+from megalite.resilience.faults import HARDWARE_FAULT_EXIT
 from megalite.resilience.replicas import fingerprint
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
@@ -120,7 +121,7 @@ def _nondeterministic(rank, world, tiny_data, run_dir):
     apart (relative) from its first execution's, as kernels with atomics in the backward
     would: ranks of both DP replicas change their own results at once."""
     trainer = _trainer(tiny_data, run_dir, world, "zero=1", "resilience.rerun=on_nan")
-    suspicious, execute = trainer.rerun.detector.suspicious, trainer._execute
+    suspicious, execute = trainer.rerun.detector.suspicious, trainer.guard.execute
 
     def made_suspicious(values):
         return ["made suspicious by the test"] if trainer.step + 1 == 2 else suspicious(values)
@@ -130,7 +131,7 @@ def _nondeterministic(rank, world, tiny_data, run_dir):
         return (loss * (1 + 1e-3) if execution > 0 else loss), norm
 
     trainer.rerun.detector.suspicious = made_suspicious
-    trainer._execute = nondeterministic_execute
+    trainer.guard.execute = nondeterministic_execute
     code = _exit_code(trainer)
     log = Path(run_dir) / "resilience" / "nondeterminism.jsonl"
     return {"code": code, "step": trainer.step, "skipped": trainer.skipped_steps,

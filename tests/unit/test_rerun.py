@@ -242,28 +242,26 @@ def test_a_parameter_drill_under_zero3_is_refused_before_launch():
 def test_a_batch_skipped_as_bad_data_is_no_good_step_for_the_loss_scale():
     """fp16: the dynamic scale grows after `window` good steps in a row; a finite step that
     resilience.rerun skipped as bad data is not one of them (nor an overflow)."""
-    from types import SimpleNamespace
-
     from megalite.checkpoint.state import Progress
     from megalite.train.loss_scale import LossScaler
-    from megalite.train.step_guard import count_skipped
+    from megalite.train.step_guard import StepGuard
 
     scaler = LossScaler(scale=1024.0, min_scale=1.0, window=2)
-    trainer = SimpleNamespace(loss_scaler=scaler, progress=Progress(step=1), bad_in_a_row=0,
-                              step=1, cfg=SimpleNamespace(train=SimpleNamespace(max_bad_steps=5)))
-    count_skipped(trainer, finite=True)
-    count_skipped(trainer, finite=True, data_skip=True)
+    guard = StepGuard(None, None, None, Progress(step=1), max_bad_steps=5, loss_scaler=scaler)
+    guard.count_skipped(finite=True)
+    guard.count_skipped(finite=True, data_skip=True)
     assert (scaler.scale, scaler.good_steps) == (1024.0, 1)
-    assert (trainer.progress.skipped_steps, trainer.bad_in_a_row) == (1, 1)
-    count_skipped(trainer, finite=True)  # the second good step: the scale grows
-    assert (scaler.scale, scaler.good_steps, trainer.bad_in_a_row) == (2048.0, 0, 0)
+    assert (guard.progress.skipped_steps, guard.bad_in_a_row) == (1, 1)
+    guard.count_skipped(finite=True)  # the second good step: the scale grows
+    assert (scaler.scale, scaler.good_steps, guard.bad_in_a_row) == (2048.0, 0, 0)
 
 
 def test_a_run_dir_with_a_fault_verdict_is_refused_at_start(tmp_path, capsys):
     """scripts/pretrain.py's first check (`refuse_after_fault`): while
     <run dir>/resilience/fault.json exists the process exits with HARDWARE_FAULT_EXIT, naming
     the file, the fault and how to clear it; once moved aside it starts."""
-    from megalite.resilience.faults import refuse_after_fault, write_fault
+    from megalite.cli.fault_exit import refuse_after_fault
+    from megalite.resilience.faults import write_fault
 
     refuse_after_fault(tmp_path)  # no verdict: nothing happens
     path = write_fault(tmp_path, {"step": 5, "kind": "transient", "rank": 3, "node": "gpu08",
