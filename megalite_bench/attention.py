@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from megalite.bench.timing import timed
 from megalite.config.schema import load_config
 from megalite.model.attention import BACKENDS
+from megalite_bench.timing import timed
 
 
 def _inputs(b: int, heads: int, s: int, d: int, dtype, device, seed: int):

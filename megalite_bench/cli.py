@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megalite.bench import (
+from megalite_bench import (
     attention,
     checkpoint,
     checkpoint_index,

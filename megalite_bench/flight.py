@@ -12,9 +12,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from megalite.bench.on_off import CHECKS_OFF, describe, is_on, run_layouts
-from megalite.bench.on_off import add_arguments as add_common_arguments
 from megalite.resilience.flight import FlightRecorder
+from megalite_bench.on_off import CHECKS_OFF, describe, is_on, run_layouts
+from megalite_bench.on_off import add_arguments as add_common_arguments
 
 
 def _recorded(recorder) -> int:

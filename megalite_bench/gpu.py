@@ -11,7 +11,7 @@ that fails or times out does not stop the rest:
 
   cuda-tests   tests/unit/test_cuda*.py under pytest: passed / failed / skipped (from a
                checkout: the tests are not in the wheel)
-  mfu          the benchmark path (`megalite.bench.gpu_worker`: bench.py train's model, engine
+  mfu          the benchmark path (`megalite_bench.gpu_worker`: bench.py train's model, engine
                and schedule, timed by phase) and the launch path (`pretrain.py` under torchrun,
                one rank, metrics.jsonl) for gpt2 and gpt2-xl, eager and compiled; each run's
                peak memory against its plan (`make_plan`) and the device table's prediction;
@@ -29,7 +29,7 @@ that fails or times out does not stop the rest:
                (gpt2, launch path): what deterministic algorithms cost
   fp8          gpt2-xl compiled, launch path, in bf16 and with fp8.recipe=tensorwise and
                rowwise: tokens/s over bf16's, the loss against bf16's step by step, peak
-               memory against the plan (`megalite.bench.gpu_fp8`; alone: --parts fp8
+               memory against the plan (`megalite_bench.gpu_fp8`; alone: --parts fp8
                --budget-s 540)
 
 Launch-path runs are stopped once their timed steps are in metrics.jsonl (before the final
@@ -48,11 +48,11 @@ import os
 import time
 from datetime import datetime, timezone
 
-from megalite.bench.gpu_fp8 import RECIPES, fp8
-from megalite.bench.gpu_mfu import mfu, mfu_specs
-from megalite.bench.gpu_parts import calibrate, checkpoint, cuda_tests, offload, rerun
-from megalite.bench.gpu_session import GpuSession
-from megalite.bench.gpu_sizes import PARTS, Sizes
+from megalite_bench.gpu_fp8 import RECIPES, fp8
+from megalite_bench.gpu_mfu import mfu, mfu_specs
+from megalite_bench.gpu_parts import calibrate, checkpoint, cuda_tests, offload, rerun
+from megalite_bench.gpu_session import GpuSession
+from megalite_bench.gpu_sizes import PARTS, Sizes
 
 # --- the command ---------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from megalite.bench.gpu_mfu import RunSpec, fill, train_overrides
-from megalite.bench.gpu_report import Part
-from megalite.bench.gpu_session import GpuSession
-from megalite.bench.gpu_sizes import Sizes
+from megalite_bench.gpu_mfu import RunSpec, fill, train_overrides
+from megalite_bench.gpu_report import Part
+from megalite_bench.gpu_session import GpuSession
+from megalite_bench.gpu_sizes import Sizes
 
 RECIPES = ("none", "tensorwise", "rowwise")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from megalite.bench.gpu_report import Part
-from megalite.bench.gpu_runs import json_lines
-from megalite.bench.gpu_session import GpuSession, planned
-from megalite.bench.gpu_sizes import GIB, NO_DROPOUT, PHASES, RESILIENCE_OFF, Sizes
+from megalite_bench.gpu_report import Part
+from megalite_bench.gpu_runs import json_lines
+from megalite_bench.gpu_session import GpuSession, planned
+from megalite_bench.gpu_sizes import GIB, NO_DROPOUT, PHASES, RESILIENCE_OFF, Sizes
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def train_overrides(s: Sizes, spec: RunSpec) -> List[str]:
 
 
 def worker_args(s: Sizes, spec: RunSpec, reduced: bool) -> List[str]:
-    """`megalite.bench.gpu_worker`'s arguments for a bench-path run (always dropout 0, as
+    """`megalite_bench.gpu_worker`'s arguments for a bench-path run (always dropout 0, as
     `bench.py train` defaults to)."""
     return ["--model", *s.presets[spec.preset], "--micro-batch", str(s.micro_batch[spec.preset]),
             "--micro-batches", str(s.micro_batches), "--seq-len", str(s.seq_len), "--compile",
@@ -77,7 +77,7 @@ def mfu(bench: GpuSession, part: Part) -> None:
         row = {"run": spec.id, "path": spec.path, "preset": spec.preset,
                "compile": spec.compile, "dropout": spec.dropout}
         if spec.path == "bench":
-            cmd = [bench.python, "-m", "megalite.bench.gpu_worker",
+            cmd = [bench.python, "-m", "megalite_bench.gpu_worker",
                    *worker_args(s, spec, bench.args.reduced)]
             ran = bench.run(part, spec.id, cmd, limit)
             got = (json_lines(ran.output) or [{}])[-1]

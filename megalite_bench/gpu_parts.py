@@ -7,11 +7,11 @@ import json
 import re
 from typing import List, Optional, Tuple
 
-from megalite.bench.gpu_mfu import RunSpec, train_overrides
-from megalite.bench.gpu_report import Part
-from megalite.bench.gpu_runs import parse_pytest
-from megalite.bench.gpu_session import GpuSession, planned
-from megalite.bench.gpu_sizes import NO_DROPOUT
+from megalite_bench.gpu_mfu import RunSpec, train_overrides
+from megalite_bench.gpu_report import Part
+from megalite_bench.gpu_runs import parse_pytest
+from megalite_bench.gpu_session import GpuSession, planned
+from megalite_bench.gpu_sizes import NO_DROPOUT
 
 
 def variant_of(name: str) -> Tuple[Optional[float], bool, Optional[int]]:
@@ -51,7 +51,7 @@ def offload(bench: GpuSession, part: Part) -> None:
     def on_line(line: str) -> None:
         if line.startswith("{") and '"variant"' in line:
             rows.append(json.loads(line))
-    ran = bench.run(part, "offload", [bench.python, "-m", "megalite.cli.bench", "offload",
+    ran = bench.run(part, "offload", [bench.python, "-m", "megalite_bench.cli", "offload",
                                      *s.offload, "--out", str(out)],
                    s.limits["offload"], on_line=on_line)
     final = [r for r in json.loads(out.read_text()) if r.get("bench") == "step"] \

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from megalite.bench.gpu_sizes import PHASES
+from megalite_bench.gpu_sizes import PHASES
 
 
 @dataclass

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from megalite.bench.gpu_report import Part, Report, machine_header
-from megalite.bench.gpu_runs import Ran, read_metrics, run_command, summarize_launch
-from megalite.bench.gpu_sizes import FULL, REDUCED
+from megalite_bench.gpu_report import Part, Report, machine_header
+from megalite_bench.gpu_runs import Ran, read_metrics, run_command, summarize_launch
+from megalite_bench.gpu_sizes import FULL, REDUCED
 
 
 class GpuSession:

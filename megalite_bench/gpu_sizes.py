@@ -1,4 +1,4 @@
-"""What `megalite-bench gpu` runs (`megalite.bench.gpu`): its parts in order of priority, and
+"""What `megalite-bench gpu` runs (`megalite_bench.gpu`): its parts in order of priority, and
 the sizes of the full form (one GPU) and of the reduced one (tiny, CPU: the test suite's)."""
 from __future__ import annotations
 

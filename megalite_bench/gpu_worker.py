@@ -1,5 +1,5 @@
 """The benchmark path timed by phase, in a process of its own (`megalite-bench gpu` runs it
-with a time limit): `bench.py train`'s model, engine and schedule (`megalite.bench.train
+with a time limit): `bench.py train`'s model, engine and schedule (`megalite_bench.train
 .megalite_parts`: GPT2 stage -> pipeline schedule -> ZeRO engine, one rank, zero 0, random
 tokens already on the device), each step timed in the trainer's phases on the device's
 timeline (`megalite.utils.clock`: CUDA events on a GPU) so that it compares phase by phase
@@ -10,7 +10,7 @@ with the launch path's `step_phases_s`:
     optimizer         the global norm, clipping, AdamW, zero_grad (the launch path computes
                       the norm before its optimizer phase, in the step's execution)
 
-    python -m megalite.bench.gpu_worker --model model=gpt2-xl --micro-batch 16 \\
+    python -m megalite_bench.gpu_worker --model model=gpt2-xl --micro-batch 16 \\
         --micro-batches 4 --seq-len 1024 --compile 1 --dropout 0 --steps 3 --warmup 2
 
 Prints one JSON line: step_s and phases_s (medians of the timed steps), tokens/s, MFU, peak
@@ -27,11 +27,11 @@ from typing import List, Optional
 
 import torch
 
-from megalite.bench.train import megalite_parts, random_batches
 from megalite.config.schema import load_config
 from megalite.model.families import flops_per_token
 from megalite.train.metrics import peak_memory_bytes, peak_tflops
 from megalite.utils.clock import DeviceClock
+from megalite_bench.train import megalite_parts, random_batches
 
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
 

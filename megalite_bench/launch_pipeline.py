@@ -4,7 +4,7 @@ replica checks and straggler reports at their intervals), trained through `Train
 by side in one run with `torch.distributed.pipelining.Schedule1F1B` over the same chunks (a
 second copy of this rank's stage, the same initial weights) on the same micro-batches (the
 trainer's loader's, step by step), then the same tied-embedding sum, global-norm clipping and
-`torch.optim.AdamW` (megalite/bench/pipeline.py's contender). gloo ranks, tp = dp = 1, world =
+`torch.optim.AdamW` (megalite_bench/pipeline.py's contender). gloo ranks, tp = dp = 1, world =
 pp.
 
 Each step of `fit` runs both: megalite's step (its `train_step` and the rest of `fit`'s loop
@@ -38,9 +38,9 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from megalite.bench.on_off import prepared_corpus
-from megalite.bench.pipeline import torch_pipeline_step
 from megalite.testing.spawn import run_ranks
+from megalite_bench.on_off import prepared_corpus
+from megalite_bench.pipeline import torch_pipeline_step
 
 # what differs from pretrain's defaults: no wandb / progress bar (a benchmark's output), no
 # evaluation (not a training step; fit excludes it from throughput too)

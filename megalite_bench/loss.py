@@ -4,7 +4,7 @@
 
 Per path: the bytes its forward saves for backward, the peak live bytes of its forward and
 of forward + backward (tensors allocated by the loss: the logits themselves, made before,
-are not counted; the gradient of the logits is), both measured (`megalite.bench.memory`:
+are not counted; the gradient of the logits is), both measured (`megalite_bench.memory`:
 the profiler's allocation events on the CPU, the caching allocator's peak on a GPU) and as
 the memory plan counts them (`megalite.plan.dims.loss_bytes`; the old path: three fp32
 [N, V] buffers at its backward), and the median time of forward + backward (the paths'
@@ -20,13 +20,13 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from megalite.bench.memory import PeakBytes
-from megalite.bench.tensor import saved_activation_bytes
-from megalite.bench.timing import alternate
 from megalite.parallel.cross_entropy import chunk_rows, cross_entropy
 from megalite.parallel.group import single_rank_group
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.plan.dims import loss_bytes
+from megalite_bench.memory import PeakBytes
+from megalite_bench.tensor import saved_activation_bytes
+from megalite_bench.timing import alternate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -42,7 +42,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 from megalite.config.layout import Layout
 from megalite.config.schema import OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
@@ -56,6 +55,7 @@ from megalite.parallel.zero import ZeroEngine
 from megalite.train.host_threads import set_host_threads
 from megalite.train.metrics import Peak, peak_tflops
 from megalite.train.timers import StepTimers
+from megalite_bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 
 FRACTIONS = (0.0, 0.5, 1.0)
 

@@ -18,8 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import List, Sequence
 
-from megalite.bench.on_off import prepared_corpus
 from megalite.testing.spawn import run_ranks
+from megalite_bench.on_off import prepared_corpus
 
 LAYOUTS_2 = ["tp=2", "tp=2,sp=true", "pp=2,train.micro_batch_size=8", "pp=2", "zero=0",
              "zero=1", "zero=3", "zero=1,train.recompute=true",

@@ -1,5 +1,5 @@
 """The memory plan against real training steps: the peak live tensor bytes of each rank in its
-`--steps`-th step (what is alive before it, `megalite.bench.memory.live_tensor_bytes`, + the
+`--steps`-th step (what is alive before it, `megalite_bench.memory.live_tensor_bytes`, + the
 most the step's own allocations hold at once, `PeakBytes`: the CPU allocator's events replayed,
 or CUDA's `max_memory_allocated`), next to the plan's peak for its stage and the plan's bytes
 at every moment (`megalite.plan.memory`).
@@ -16,13 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List
 
-from megalite.bench.memory import PeakBytes, live_storages, live_tensor_bytes
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
 from megalite.plan.memory import MOMENTS, make_plan
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime, run_layout
+from megalite_bench.memory import PeakBytes, live_storages, live_tensor_bytes
 
 
 def _rank(rank: int, world: int, overrides: List[str], steps: int, run_dir: str

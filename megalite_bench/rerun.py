@@ -14,15 +14,15 @@ over the local gradient), and the median suspicious step relative to a step off 
 fault's step costs the first two executions of it before the run stops). `--control` runs
 the 'on' steps without the rerun too: its on/off is the noise of the comparison.
 
-The harness and the data: `megalite.bench.on_off`.
+The harness and the data: `megalite_bench.on_off`.
 """
 from __future__ import annotations
 
 import statistics
 import time
 
-from megalite.bench.on_off import CHECKS_OFF, describe, is_on, run_layouts
-from megalite.bench.on_off import add_arguments as add_common_arguments
+from megalite_bench.on_off import CHECKS_OFF, describe, is_on, run_layouts
+from megalite_bench.on_off import add_arguments as add_common_arguments
 
 
 def _timed_step(trainer) -> float:

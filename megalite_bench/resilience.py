@@ -16,7 +16,7 @@ timing one call around an empty one); and the overhead, ratio and amortised chec
 Every step ends with the host reading the gradient norm, so a step's time on CUDA is the
 device's.
 
-The harness (the alternation, the trainers, the data): `megalite.bench.on_off`.
+The harness (the alternation, the trainers, the data): `megalite_bench.on_off`.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import statistics
 import time
 from typing import List
 
-from megalite.bench.on_off import add_arguments as add_common_arguments
-from megalite.bench.on_off import describe, is_on, run_layouts
+from megalite_bench.on_off import add_arguments as add_common_arguments
+from megalite_bench.on_off import describe, is_on, run_layouts
 
 
 class _Switch:

@@ -24,7 +24,6 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megalite.bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 from megalite.config.layout import PRECISION_DTYPES, Layout
 from megalite.config.schema import ATTENTION_CHOICES, OptimConfig, load_config
 from megalite.model.families import causal_lm, family, flops_per_token
@@ -34,6 +33,7 @@ from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
 from megalite.train.metrics import peak_tflops
+from megalite_bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 
 Batches = List[Tuple[torch.Tensor, torch.Tensor]]
 
@@ -42,7 +42,7 @@ def megalite_parts(mcfg, device, micro_batch: int, seq: int, recompute: bool, co
                    attention: str = "auto", recompute_layers: Optional[int] = None
                    ) -> Tuple[PipelineSchedule, ZeroEngine]:
     """The benchmark path's schedule and engine: one rank, zero 0, the model in training mode
-    (`megalite.bench.gpu_worker` times its phases)."""
+    (`megalite_bench.gpu_worker` times its phases)."""
     precision = "bf16" if device.type == "cuda" else "fp32"
     dtype = PRECISION_DTYPES[precision]
     topo = build_topology(1, 1, 1)

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from megalite.bench import pipeline
+from megalite_bench import pipeline
 
 
 @pytest.mark.distributed
@@ -45,7 +45,7 @@ def test_bench_pipeline_launch_toy(tiny_data, capsys):
     """megalite-bench pipeline-launch: pretrain's build_trainer and fit at pp 2 (the defaults
     on) side by side with torch's Schedule1F1B over the same stages and batches: one run, the
     same first loss."""
-    from megalite.bench import launch_pipeline
+    from megalite_bench import launch_pipeline
 
     parser = argparse.ArgumentParser()
     launch_pipeline.add_arguments(parser)

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from megalite.bench import zero
+from megalite_bench import zero
 
 
 @pytest.mark.distributed

@@ -66,9 +66,9 @@ def _logits(rank, world, cfg, state, ids):
 def _activation_bytes(rank, world):
     """A block's saved bytes measured against `LlamaFamily.layer_activation_bytes` at tp2,
     with and without SP, KV heads split (2) and replicated (1)."""
-    from megalite.bench.tensor import saved_activation_bytes
     from megalite.model.families import causal_lm, family
     from megalite.model.init import init_parameters
+    from megalite_bench.tensor import saved_activation_bytes
 
     topo = build_topology(world, 1, 1)
     ids = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))

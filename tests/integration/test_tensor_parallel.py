@@ -239,9 +239,9 @@ def test_dropout_run_is_reproducible_from_its_seed(tiny_data, tmp_path):
 
 
 def _activation_bytes(rank, world):
-    from megalite.bench.tensor import formulas, saved_activation_bytes
     from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
+    from megalite_bench.tensor import formulas, saved_activation_bytes
 
     cfg = ModelConfig(n_layer=1, n_embd=64, n_head=4, n_positions=32, vocab_size=256,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -260,7 +260,7 @@ def _activation_bytes(rank, world):
 @pytest.mark.distributed
 def test_activation_memory_per_layer_matches_the_formula():
     """What autograd keeps per layer: e·sbh(4 + 12/t) with TP, e·sbh·16/t with TP + SP (plus
-    LayerNorm statistics and the attention log-sum-exp); megalite/bench/tensor.py derives it."""
+    LayerNorm statistics and the attention log-sum-exp); megalite_bench/tensor.py derives it."""
     for rank, by_sp in enumerate(run_ranks(_activation_bytes, 2)):
         for sp, (measured, formula) in by_sp.items():
             assert measured == pytest.approx(formula, rel=1e-9), (rank, sp, measured, formula)

@@ -1,4 +1,4 @@
-"""`megalite-bench gpu` (megalite/bench/gpu.py) without a GPU and without starting torch: the
+"""`megalite-bench gpu` (megalite_bench/gpu.py) without a GPU and without starting torch: the
 commands its full form would run are valid (parsed by the parsers that will read them), what
 it parses from pytest, the benchmark worker and metrics.jsonl, the time limits (a command is
 killed at its limit, or once it has what it was run for), and that a failing part or an
@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from megalite.bench import gpu, gpu_session
-from megalite.bench.gpu_mfu import mfu_specs, train_overrides, worker_args
-from megalite.bench.gpu_report import render_markdown
-from megalite.bench.gpu_runs import json_lines, parse_pytest, read_metrics, run_command, summarize_launch
-from megalite.bench.gpu_sizes import FULL, PARTS, REDUCED, RESILIENCE_OFF
+from megalite_bench import gpu, gpu_session
+from megalite_bench.gpu_mfu import mfu_specs, train_overrides, worker_args
+from megalite_bench.gpu_report import render_markdown
+from megalite_bench.gpu_runs import json_lines, parse_pytest, read_metrics, run_command, summarize_launch
+from megalite_bench.gpu_sizes import FULL, PARTS, REDUCED, RESILIENCE_OFF
 
 
 def test_the_full_forms_runs_in_priority_order():
@@ -40,10 +40,10 @@ def test_every_command_of_the_form_parses(sizes):
     """The launch path's overrides validate for one rank, the worker's and the offload
     bench's arguments parse, the calibration's overrides load: a renamed option or key fails
     here, not on a lent GPU."""
-    from megalite.bench.gpu_worker import parser as worker_parser
-    from megalite.cli.bench import BENCHMARKS
     from megalite.config.schema import check_sections, load_config
     from megalite.train.preflight import validated_config
+    from megalite_bench.cli import BENCHMARKS
+    from megalite_bench.gpu_worker import parser as worker_parser
 
     device = "cpu" if sizes is REDUCED else "cuda"
     for spec in mfu_specs(sizes):

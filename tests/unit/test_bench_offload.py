@@ -1,4 +1,4 @@
-"""The offload benchmark's bookkeeping (megalite/bench/offload.py): one variant alive at a
+"""The offload benchmark's bookkeeping (megalite_bench/offload.py): one variant alive at a
 time in an order that rebuilds the baseline, ratios against the baselines around each
 variant, waits taken from the trainer's step timers."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from megalite.bench.offload import build_order, parse_variants, time_variant, with_ratios
 from megalite.train.metrics import Peak
 from megalite.train.timers import StepTimers
+from megalite_bench.offload import build_order, parse_variants, time_variant, with_ratios
 
 
 def test_the_baseline_is_rebuilt_between_variants():
@@ -33,8 +33,8 @@ def test_variant_names_parse_back_and_the_planned_variant_is_the_planners():
     """The GPU report reads a variant's offloads back from its name; the planned variant is
     the fewest first blocks under which the plan fits the device (gpt2-xl, micro-batch 8 x
     4: its plan needs 46.5 GiB, 44 GiB takes 9 blocks)."""
-    from megalite.bench.gpu_parts import variant_of
-    from megalite.bench.offload import planned_activation_layers, variant_name
+    from megalite_bench.gpu_parts import variant_of
+    from megalite_bench.offload import planned_activation_layers, variant_name
 
     for v in [(0.5, False, None), (0.0, True, None), (1.0, True, 6)]:
         assert variant_of(variant_name(*v)) == v

@@ -1,4 +1,4 @@
-"""The offload benchmark on a GPU (megalite/bench/offload.py): each variant built, timed and
+"""The offload benchmark on a GPU (megalite_bench/offload.py): each variant built, timed and
 freed in turn (the device memory after a variant is what it was before it), the offload
 waits measured with CUDA events. Skipped without a GPU; `megalite-bench gpu` runs it.
 Written against CUDA semantics; not yet run on a GPU."""
@@ -11,8 +11,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_variants_are_freed_and_waits_are_device_time():
-    from megalite.bench.offload import build_variant, random_batches, time_variant
     from megalite.config.schema import load_config
+    from megalite_bench.offload import build_variant, random_batches, time_variant
 
     device = torch.device("cuda")
     mcfg = load_config(["model.n_layer=2", "model.n_embd=128", "model.n_head=4",

@@ -258,9 +258,9 @@ def test_the_planner_prices_the_fp8_linears_at_the_fp8_rate():
 def test_the_gpu_bench_fp8_runs_validate(form):
     """megalite-bench gpu's fp8 part: each run's overrides validate for one rank on its
     device (gpt2-xl's dimensions are multiples of 16; the reduced form emulates on CPU)."""
-    from megalite.bench.gpu_fp8 import RECIPES, fp8_overrides, loss_gap
-    from megalite.bench.gpu_sizes import FULL, REDUCED
     from megalite.train.preflight import validated_config
+    from megalite_bench.gpu_fp8 import RECIPES, fp8_overrides, loss_gap
+    from megalite_bench.gpu_sizes import FULL, REDUCED
 
     sizes = FULL if form == "full" else REDUCED
     for recipe in RECIPES:

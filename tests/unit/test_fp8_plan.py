@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.bench.memory import PeakBytes
 from megalite.config.errors import ConfigError
 from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.layout import validate
@@ -25,6 +24,7 @@ from megalite.plan.fp8_terms import (
 from megalite.plan.search import search
 from megalite.plan.space import candidates
 from megalite.plan.traffic import stage_traffic
+from megalite_bench.memory import PeakBytes
 from tests.unit.test_planner import SMALL, planned, synthetic
 
 TOKENS, K, N = 128, 64, 256

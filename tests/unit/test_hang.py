@@ -257,7 +257,7 @@ def test_the_watching_features_own_work_is_measured_per_operation():
     look of the watch, at a few calls each."""
     import math
 
-    from megalite.bench.launch_pipeline import instrument_costs
+    from megalite_bench.launch_pipeline import instrument_costs
 
     costs = instrument_costs(calls=200)
     assert set(costs) == {"flight_collective", "flight_batch", "wait_timing", "look"}

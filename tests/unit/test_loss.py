@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.bench.loss import fp32_loss_bytes, measure
 from megalite.parallel.cross_entropy import chunk_rows, cross_entropy
 from megalite.parallel.group import single_rank_group
 from megalite.plan.dims import loss_bytes
+from megalite_bench.loss import fp32_loss_bytes, measure
 
 VOCAB, PADDED = 2000, 2048
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.bench.tensor import saved_activation_bytes
 from megalite.config.layout import Layout
 from megalite.config.schema import load_config
 from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.plan.memory import make_plan
+from megalite_bench.tensor import saved_activation_bytes
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 
@@ -99,8 +99,8 @@ def test_the_plan_explains_the_h100_measurements():
     buffers at its backward) peaked at 17.40e9 bytes allocated; gpt2-xl compiled (the
     compiled loss saved the bf16 logits [n, V] and held their gradient at its backward:
     3.297e9 bytes at n = 16,384) at 69.39 GiB. Both peak at the loss's backward."""
-    from megalite.bench.loss import fp32_loss_bytes
     from megalite.plan.dims import loss_bytes
+    from megalite_bench.loss import fp32_loss_bytes
 
     n, vocab = 16 * 1024, 50257
     chunked = loss_bytes(n, 50304, 2, tp=1)  # what the plan now counts for the loss
