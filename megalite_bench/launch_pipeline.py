@@ -59,21 +59,12 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
     m = trainer.layout.micro_batches(cfg.train.global_batch_size)
     torch_step = torch_pipeline_step(cfg.model, topo,
                                      trainer.layout.stage_blocks()[topo.coords.pp_rank], m)
-    last = {}
-    next_step = trainer.batches.next_step
-
-    def batches(*args):  # the trainer's micro-batches, kept for torch's step
-        last["batches"] = next_step(*args)
-        return last["batches"]
-
-    trainer.batches.next_step = batches
     times = {"megalite": [], "torch": []}
     losses = {"megalite": [], "torch": []}
     state = {"n": 0, "exit": None}
     rest: List[float] = []  # fit's loop around train_step (metrics lines, checks, ...)
-    train_step = trainer.train_step
 
-    def both():
+    def both(train_step):
         """fit's step: megalite's and torch's, in the order of step n (A B B A ...); torch's
         on the micro-batches megalite's loader read last (this step's, or the previous one's
         where torch goes first)."""
@@ -90,13 +81,12 @@ def _launch_path(rank: int, world: int, data: str, root: str, overrides: List[st
                 result = train_step()
                 losses["megalite"].append(result[0] or 0.0)
             else:
-                losses["torch"].append(torch_step(last["batches"])[0])
+                losses["torch"].append(torch_step(trainer.last_micro_batches)[0])
             times[contender].append(time.perf_counter() - t0)
         state["n"], state["exit"] = n + 1, time.perf_counter()
         return result
 
-    trainer.train_step = both
-    trainer.fit()
+    trainer.fit(around_step=both)
     times["megalite"][-1] += time.perf_counter() - state["exit"]  # (the last step's save)
     out = {"fit_loop_s": statistics.median(rest[warmup:])}
     for name in times:  # the slowest rank's, step by step

@@ -40,7 +40,7 @@ def _measure(trainer, args, rank: int) -> dict:
     for n in range(args.warmup + args.steps):
         suspicious = n % args.suspicious_every == args.suspicious_every - 1
         on = suspicious or is_on(n)
-        trainer.rerun = rerun if on and not (args.control and not suspicious) else None
+        trainer.use_rerun(rerun if on and not (args.control and not suspicious) else None)
         if trainer.rerun is not None and tap not in listeners:
             listeners.append(tap)
         elif trainer.rerun is None and tap in listeners:
