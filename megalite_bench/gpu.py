@@ -9,7 +9,7 @@ installs, no network. The parts run in this order of priority, each in subproces
 own time limit (and never past the budget), so a cut run keeps the most important and a part
 that fails or times out does not stop the rest:
 
-  cuda-tests   tests/unit/test_cuda*.py under pytest: passed / failed / skipped (from a
+  cuda-tests   tests/unit/*/test_cuda*.py under pytest: passed / failed / skipped (from a
                checkout: the tests are not in the wheel)
   mfu          the benchmark path (`megalite_bench.gpu_worker`: bench.py train's model, engine
                and schedule, timed by phase) and the launch path (`pretrain.py` under torchrun,

@@ -21,7 +21,7 @@ TIERS = {"unit": False, "integration": True}  # directory -> its tests spawn ran
 def pytest_collection_modifyitems(items) -> None:
     """A test in the wrong tier stops the collection, naming it and the marker."""
     for item in items:
-        tier = item.path.parent.name
+        tier = next((p.name for p in item.path.parents if p.parent.name == "tests"), None)
         spawns = item.get_closest_marker("distributed") is not None
         if tier in TIERS and spawns != TIERS[tier]:
             raise pytest.UsageError(

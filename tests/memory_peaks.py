@@ -1,5 +1,5 @@
 """Real training steps' peak live tensor bytes next to the memory plan's peak: the helper the
-plan's tests share (tests/unit/test_plan.py in this process, tests/integration/test_plan.py on
+plan's tests share (tests/unit/plan/test_plan.py in this process, tests/integration/plan/test_plan.py on
 spawned gloo ranks).
 
 The peak is that of a run's second step (the first allocates AdamW's moments in its optimizer

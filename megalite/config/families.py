@@ -2,7 +2,7 @@
 launch (its shape rules, its tensor-parallel rule, its FP8 linears), so that nothing in
 `megalite.config` names a family. A family registers once (`register_family`): GPT-2's and
 Llama's in `megalite.model.families`, whose import `megalite/__init__.py` makes; a family of
-one's own registers the same way (tests/integration/test_third_family.py does)."""
+one's own registers the same way (tests/integration/model/test_third_family.py does)."""
 from __future__ import annotations
 
 from typing import Dict, List, Protocol, Tuple

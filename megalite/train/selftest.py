@@ -22,7 +22,7 @@ losses, gradient norms and parameter norms (relative) and the final fp32 master 
 (elementwise |a - b| / (|b| + atol / rel), which is <= rel exactly where
 `torch.testing.assert_close(rtol=rel, atol=atol)` passes): in fp32 rel 1e-5, atol 1e-6 as
 the test suite's layouts (tests/layouts.py); in bf16 / fp16 the mixed-precision tolerances
-(tests/integration/test_mixed_precision.py).
+(tests/integration/train/test_mixed_precision.py).
 
 The model and data are the self-test's own: `SELFTEST_MODEL` (4 blocks of 64, 8 heads,
 vocabulary 256, sequence 32) on synthetic token shards written to a temporary directory on
@@ -74,8 +74,8 @@ TOLERANCES = {
     "fp32": Tolerance(1e-5, 1e-6, "fp32: rel 1e-5, atol 1e-6 (tests/layouts.py)"),
     # the mixed-precision test's loss tolerance bounds all figures here: its norm and master
     # bounds (5e-2, 0.25 of the update) are looser than one number can state
-    "bf16": Tolerance(3e-3, 3e-3, "bf16: rel 3e-3 (tests/integration/test_mixed_precision.py)"),
-    "fp16": Tolerance(3e-3, 3e-3, "fp16: rel 3e-3 (tests/integration/test_mixed_precision.py)"),
+    "bf16": Tolerance(3e-3, 3e-3, "bf16: rel 3e-3 (tests/integration/train/test_mixed_precision.py)"),
+    "fp16": Tolerance(3e-3, 3e-3, "fp16: rel 3e-3 (tests/integration/train/test_mixed_precision.py)"),
 }
 
 

@@ -2,7 +2,7 @@
 not rot between the rare GPU sessions — the benchmark path's worker and the launch path
 (pretrain.py under torchrun) at equal dropout, their
 rows, the per-phase gap and the report files. (The other parts' commands are checked without
-running in tests/unit/test_bench_gpu.py; the whole reduced form, every part, took 2 min 44 s
+running in tests/unit/bench/test_bench_gpu.py; the whole reduced form, every part, took 2 min 44 s
 on the shared 2-core machine.)"""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.distributed

@@ -1,6 +1,6 @@
 """Checkpoints: resume under any layout, faults (truncated or corrupted files, half-written
-checkpoints, NaN steps, stuck peers). Kill-and-restart under torchrun: tests/integration/test_cluster.py;
-HF export and generation: tests/integration/test_export.py."""
+checkpoints, NaN steps, stuck peers). Kill-and-restart under torchrun: tests/integration/cli/test_cluster.py;
+HF export and generation: tests/integration/checkpoint/test_export.py."""
 from __future__ import annotations
 
 import time
@@ -20,7 +20,7 @@ from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
 from tests.conftest import TINY, serial_common
 from tests.layouts import FP32_NO_DROPOUT, assert_equal, from_step, train_layouts
-from tests.unit.test_checkpoint import checkpoint_overrides, serial_trainer
+from tests.unit.checkpoint.test_checkpoint import checkpoint_overrides, serial_trainer
 
 STEPS, SAVE_AT = 10, 5
 

@@ -23,7 +23,7 @@ import pytest
 
 from megalite.checkpoint.format import meta_crc32
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIXTURE = REPO / "tests" / "fixtures" / "ckpt_v3"
 TOLERANCE = 1e-5  # absolute, on the loss (about 5.4 here: 2e-6 relative)
 

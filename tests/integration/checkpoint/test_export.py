@@ -18,12 +18,12 @@ from megalite.data.loader import TokenShards, val_batches
 from megalite.eval.lm_harness import OFFLINE_VARIABLES
 from megalite.model.families import num_parameters
 from megalite.model.gpt2.hf import hf_config
-from tests.integration.test_pretrain import REPO, pretrain, read_metrics
+from tests.integration.cli.test_pretrain import REPO, pretrain, read_metrics
 
 STEPS = 4
 COMMON = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0", "model.attn_pdrop=0",
           f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "log.wandb=false",
-          "log.peak_tflops=1"]  # no CPU matmul peak measurement (tests/integration/test_pretrain.py has one)
+          "log.peak_tflops=1"]  # no CPU matmul peak measurement (test_pretrain.py has one)
 PROMPT = "def main("
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
-from tests.unit.test_cli import COMMANDS, REPO
+from tests.unit.cli.test_cli import COMMANDS, REPO
 
 
 @pytest.mark.distributed

@@ -26,7 +26,7 @@ import pytest
 from megalite.testing.spawn import free_port
 from tests.conftest import TINY
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # The parallel layout of the 4-worker job, as on a real cluster: TP inside an agent ("node"),
 # PP across the two agents, dp=1 (ranks 0-1 and 2-3 are the TP pairs of stages 0 and 1).

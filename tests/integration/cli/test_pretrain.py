@@ -12,7 +12,7 @@ from megalite.cli import export
 from tests.conftest import TINY
 from tests.wandb_log import history
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HEADER_KEYS = {"layout", "model", "vocab_size", "parameters", "flops_per_token", "flops_formula",
                "peak_tflops_per_device", "peak_source"}
 RECORD_KEYS = {"step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_verify_rank import GPT_175B
+from tests.unit.cli.test_verify_rank import GPT_175B
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.distributed

@@ -12,7 +12,7 @@ def test_an_installed_package_carries_its_configs(tmp_path):
     import zipfile
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(repo)],
                    check=True, cwd=tmp_path)

@@ -14,7 +14,7 @@ from megalite.data.loader import (
 from megalite.data.prepare import prepare, split_documents
 from tests.data_fixtures import assert_round_trip
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.usefixtures("hf_cache_in_tmp")
 

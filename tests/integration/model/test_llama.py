@@ -155,7 +155,7 @@ def test_layouts_equal_serial_and_resume_under_another_layout(tiny_data, tmp_pat
 def _assert_plan(overrides, world, ranks):
     """The plan of the layout against what its ranks measured: parameters per rank, model-state
     bytes, and each group's wire bytes per step (the mean over a stage's ranks, as
-    tests/integration/test_plan.py compares GPT-2's; the shared KV heads' gradient sum in tp)."""
+    tests/integration/plan/test_plan.py compares GPT-2's; the shared KV heads' gradient sum in tp)."""
     from megalite.config.layout import Layout
     from megalite.plan.memory import make_plan
 

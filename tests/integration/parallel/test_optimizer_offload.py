@@ -3,7 +3,7 @@ fraction f of each rank's owned range live in host memory and are stepped by the
 training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16 and
 fp16 track the run without offload; a skipped step (non-finite, fp16 overflow) changes
 nothing; checkpoints move between offloaded and plain runs. On CPU host = device: the copies
-are real copies between separate buffers (tests/unit/test_cuda_optimizer_offload.py covers pinned
+are real copies between separate buffers (tests/unit/parallel/test_cuda_optimizer_offload.py covers pinned
 memory, the side stream and the overlap order)."""
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_training_with_offload_equals_the_serial_run(tiny_data, tmp_path):
             for kind, got in res["bytes"].items():
                 assert got == pytest.approx(stage.bytes[kind], rel=0.01), (layout, kind)
             assert res["host_bytes"] == pytest.approx(stage.host["optimizer"], rel=0.01)
-        for stage in plan.stages:  # the mean over a stage's ranks, as tests/*/test_plan.py
+        for stage in plan.stages:  # the mean over a stage's ranks, as tests/*/*/test_plan.py
             mine = [r["step_comm"] for r in ranks if r["coords"][1] == stage.stage]
             for group in ("tp", "pp", "dp", "embedding"):
                 got = sum(_wire_bytes(c, group) for c in mine) / len(mine)

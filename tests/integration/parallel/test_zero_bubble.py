@@ -15,7 +15,7 @@ import torch
 from megalite.parallel.schedule import OpKind, max_in_flight
 from megalite.testing.spawn import run_ranks
 from tests.conftest import BF16_LEARNING, EIGHT_BLOCKS, FP16_LEARNING, pipeline_layout
-from tests.integration.test_mixed_precision import TOLERANCE
+from tests.integration.train.test_mixed_precision import TOLERANCE
 from tests.layouts import (
     PER_STEP,
     _many,

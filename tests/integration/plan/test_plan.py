@@ -1,7 +1,7 @@
 """The placement planner (megalite/plan/memory.py) against what runs measure: parameters per rank,
 model-state bytes and every group's wire bytes per step from real gloo runs, activation bytes
 from the tensors autograd saves. Three of the 8-rank runs also score HellaSwag, against the
-serial run (tests/unit/test_hellaswag.py)."""
+serial run (tests/unit/eval/test_hellaswag.py)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,7 @@ from megalite.config.schema import load_config
 from megalite.plan.memory import make_plan
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, train_layouts
-from tests.unit.test_hellaswag import hellaswag_overrides, serial_trainer
+from tests.unit.eval.test_hellaswag import hellaswag_overrides, serial_trainer
 
 LAYOUTS = [
     ["tp=2", "pp=2", "zero=1", "sp=true"],
@@ -99,7 +99,7 @@ def run_plan(*args):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "plan.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "plan.py"
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           timeout=120)
 
@@ -144,7 +144,7 @@ def test_plan_script_reports_checks_and_flags_memory():
 
 
 # The plan's peak against the peak live bytes of real training steps on 2 gloo ranks (one
-# spawn, the runs in turn; in-process runs: tests/unit/test_plan.py): (run, the moment each
+# spawn, the runs in turn; in-process runs: tests/unit/plan/test_plan.py): (run, the moment each
 # pipeline stage peaks at).
 SPAWNED_PEAKS = [
     # activations, 1F1B: stage 0 holds two micro-batches and the transfers gloo keeps

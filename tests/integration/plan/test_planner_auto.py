@@ -15,7 +15,7 @@ from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT, close
-from tests.unit.test_planner_auto import AUTO
+from tests.unit.plan.test_planner_auto import AUTO
 
 
 def _fit(rank, world, overrides, run_dir):

@@ -20,7 +20,7 @@ from typing import Optional
 
 import pytest
 
-from tests.unit.test_docker import DOCKERFILE, REPO
+from tests.unit.project.test_docker import DOCKERFILE, REPO
 
 
 def hadolint_binary() -> Optional[str]:

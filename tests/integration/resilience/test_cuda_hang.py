@@ -7,7 +7,7 @@ resilience.hang_after_s: every rank dumps, and the summary names rank 0, whose h
 all-reduce but whose device has not arrived at it (the arrival event recorded before the
 launch has not fired). The kernel ends, the all-reduce completes, the dumps become live ones.
 
-    python -m pytest -q tests/integration/test_cuda_hang.py     # on a machine with a GPU
+    python -m pytest -q tests/integration/resilience/test_cuda_hang.py     # on a machine with a GPU
 
 What this does not cover: NCCL between ranks (one GPU cannot run it)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megalite.testing.spawn import run_ranks
-from tests.unit.test_hang import wait_for
+from tests.unit.resilience.test_hang import wait_for
 
 STUCK_S = 8.0  # how long rank 0's stream is stuck in a kernel
 HANG_AFTER_S = 1.0

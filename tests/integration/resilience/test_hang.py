@@ -20,7 +20,7 @@ from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
-from tests.unit.test_hang import wait_for
+from tests.unit.resilience.test_hang import wait_for
 
 TIMEOUT_S = 3  # parallel.timeout_s: rank 0's dp collective raises after this long
 HANG_AFTER = 1.5  # resilience.hang_after_s: it is dumped as stuck after this long
@@ -156,7 +156,7 @@ def _stuck_scenarios(rank, world, run_dir):
     from megalite.resilience.flight import FlightRecorder
     from megalite.resilience.hang import HangWatch
     from megalite.resilience.hang_store import default_store
-    from tests.unit.test_hang_store import CountingStore
+    from tests.unit.resilience.test_hang_store import CountingStore
 
     topo = build_topology(1, 2, 2)
     out = {}

@@ -254,7 +254,7 @@ def test_a_rerun_that_differs_on_every_replica_is_non_determinism_not_a_fault(ru
     assert log[0]["largest_relative_difference"] == pytest.approx(1e-3, rel=1e-2), log
 
 
-SBATCH = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "pretrain.sbatch"
+SBATCH = Path(__file__).resolve().parents[3] / "scripts" / "slurm" / "pretrain.sbatch"
 
 
 def _sbatch(tmp_path: Path, srun_body: str, nodes: str = "gpu07\ngpu08"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.layouts import assert_equal, from_step, train_layouts
-from tests.unit.test_batch_rampup import RAMP
+from tests.unit.train.test_batch_rampup import RAMP
 
 
 @pytest.mark.distributed

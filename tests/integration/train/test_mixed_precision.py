@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.layouts import master_update_error, train_layouts
-from tests.unit.test_mixed_precision import LEARNING
+from tests.unit.train.test_mixed_precision import LEARNING
 
 LAYOUTS = [["tp=2", "sp=true", "zero=1"], ["pp=2", "zero=3"]]
 # measured at 6 steps (bf16 / fp16): loss 3.6e-4 / 3.5e-4, grad norm 1.0e-2 / 2.9e-3, master

@@ -11,7 +11,7 @@ from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
-from tests.unit.test_train import FP32_NO_DROPOUT
+from tests.unit.train.test_train import FP32_NO_DROPOUT
 
 
 def _train(rank, world, overrides, run_dir):

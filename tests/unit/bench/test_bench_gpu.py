@@ -2,7 +2,7 @@
 commands its full form would run are valid (parsed by the parsers that will read them), what
 it parses from pytest, the benchmark worker and metrics.jsonl, the time limits (a command is
 killed at its limit, or once it has what it was run for), and that a failing part or an
-exhausted budget does not stop the report. tests/integration/test_bench_gpu.py runs the
+exhausted budget does not stop the report. tests/integration/bench/test_bench_gpu.py runs the
 reduced form for real."""
 from __future__ import annotations
 
@@ -63,11 +63,11 @@ def test_every_command_of_the_form_parses(sizes):
 
 
 def test_parsing_pytest_worker_and_metrics(tmp_path):
-    out = "....F\nFAILED tests/unit/test_cuda.py::test_x - AssertionError: 1\n" \
+    out = "....F\nFAILED tests/unit/parallel/test_cuda.py::test_x - AssertionError: 1\n" \
           "===== 1 failed, 16 passed, 3 skipped in 35.21s =====\n"
     got = parse_pytest(out)
     assert (got["passed"], got["failed"], got["skipped"], got["seconds"]) == (16, 1, 3, 35.21)
-    assert got["failures"] == ["tests/unit/test_cuda.py::test_x"]
+    assert got["failures"] == ["tests/unit/parallel/test_cuda.py::test_x"]
     assert parse_pytest("20 skipped in 0.97s")["skipped"] == 20
     assert parse_pytest("ERROR collecting\n1 error in 2.0s")["errors"] == 1
     assert json_lines('noise\n{"step_s": 1.5}\n{bad\n') == [{"step_s": 1.5}]

@@ -1,6 +1,6 @@
 """Checkpoints: resume under any layout, faults (truncated or corrupted files, half-written
-checkpoints, NaN steps, stuck peers). Kill-and-restart under torchrun: tests/integration/test_cluster.py;
-HF export and generation: tests/integration/test_export.py."""
+checkpoints, NaN steps, stuck peers). Kill-and-restart under torchrun: tests/integration/cli/test_cluster.py;
+HF export and generation: tests/integration/checkpoint/test_export.py."""
 from __future__ import annotations
 
 import json

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
             "export": "export_hf", "generate": "generate", "bench": "bench",
             "verify_rank": "verify_rank", "evaluate": "evaluate",

@@ -212,7 +212,7 @@ def test_sampler_dp_slices_concatenate_to_the_serial_batch():
 
 
 def test_sampler_epochs_wrap_into_fresh_permutations():
-    """The order of runs from before "bijection-v1" (tests/unit/test_sample_order.py: the new one)."""
+    """The order of runs from before "bijection-v1" (tests/unit/data/test_sample_order.py: the new one)."""
     batches = take(ResumableSampler(10, 4, 0, 1, seed=7, order="permutation-v1"), 5)  # 2 epochs
     order = sum(batches, [])
     assert order[:10] == np.random.default_rng(7).permutation(10).tolist()

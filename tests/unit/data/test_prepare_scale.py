@@ -19,7 +19,7 @@ from megalite.data.writer import ShardWriter
 from tests.conftest import shard_arrays
 from tests.data_fixtures import json_config, shard_bytes
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.usefixtures("small_prepare_batches")
 

@@ -1,7 +1,7 @@
 """megalite-evaluate where the task's data cannot be fetched (no network: the Hub probe and
 `datasets.load_dataset` are patched): offline mode when the Hub does not answer, and one line
 naming the task and its dataset instead of a minute of retries and a traceback. The command on
-a real checkpoint with a local task is tests/integration/test_export.py's."""
+a real checkpoint with a local task is tests/integration/checkpoint/test_export.py's."""
 import os
 import shutil
 import urllib.error
@@ -13,7 +13,7 @@ import pytest
 from megalite.eval import lm_harness
 
 EVAL_EXTRA = "the eval extra: pip install -e '.[dev,eval]'"
-TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "data_v1" / "tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[2] / "fixtures" / "data_v1" / "tokenizer"
 
 # a task of the caller's own whose data is a Hub dataset (as lm-eval's hellaswag is Rowan/hellaswag)
 REMOTE_TASK = """task: remote_mc

@@ -1,6 +1,6 @@
 """HellaSwag during training (eval.hellaswag): the scores against a direct `transformers`
 computation on the same weights, the metrics they produce, and bad input refused before launch.
-The same scores under tp2 pp2 dp2 zero3 (with SP, with virtual stages): tests/*/test_plan.py,
+The same scores under tp2 pp2 dp2 zero3 (with SP, with virtual stages): tests/*/*/test_plan.py,
 whose 8-rank launch they share."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 host memory and come back, parameters never move, training equals the run without it (alone,
 with partial recompute, under pp2 with several micro-batches in flight, tp2 + SP, interleaved
 zero 3), and the plan's host bytes are what the hooks held. On CPU host = device: the same
-code path runs (tests/unit/test_cuda_offload.py covers pinned memory and the side stream)."""
+code path runs (tests/unit/model/test_cuda_offload.py covers pinned memory and the side stream)."""
 from __future__ import annotations
 
 from unittest import mock

@@ -1,7 +1,7 @@
 """Activation offload on CUDA: pinned host buffers, copies out and back on two side streams,
 device memory freed after the forward and bounded by the blocks in transit during the step,
 the same gradients. Skipped on machines without a GPU (CI); run on
-one with `python -m pytest tests/unit/test_cuda_offload.py`."""
+one with `python -m pytest tests/unit/model/test_cuda_offload.py`."""
 from __future__ import annotations
 
 from unittest import mock

@@ -17,7 +17,7 @@ from megalite.model.init import init_parameters, load_global_state
 from megalite.model.llama.hf import from_hf_state_dict
 from megalite.model.llama.stage import RMSNorm
 from tests.conftest import random_hf_gpt2, random_hf_llama
-from tests.unit.test_hellaswag import (
+from tests.unit.eval.test_hellaswag import (
     assert_scores,
     serial_trainer,
     transformers_scores,

@@ -1,6 +1,6 @@
 """The CUDA path: bf16 (or fp16, loss-scaled) parameters with fp32 master weights and
 moments, fused AdamW, SDPA's flash kernel, torch.compile. Skipped on machines without a GPU
-(CI); run on one with `python -m pytest tests/unit/test_cuda.py`."""
+(CI); run on one with `python -m pytest tests/unit/parallel/test_cuda.py`."""
 from __future__ import annotations
 
 import pytest

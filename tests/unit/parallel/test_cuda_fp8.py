@@ -1,8 +1,8 @@
 """FP8 on a GPU with FP8 matmuls (compute capability >= 8.9): cuBLAS's scaled products against
 the dequantised reference, and the tiny model training in bf16 and with each recipe, eager and
 compiled, from the same weights on the same batch. Skipped elsewhere (CI; the CPU tests of
-FP8 are tests/unit/test_fp8.py); run on such a GPU with `python -m pytest
-tests/unit/test_cuda_fp8.py` (megalite-bench gpu's cuda-tests part runs it)."""
+FP8 are tests/unit/parallel/test_fp8.py); run on such a GPU with `python -m pytest
+tests/unit/parallel/test_cuda_fp8.py` (megalite-bench gpu's cuda-tests part runs it)."""
 from __future__ import annotations
 
 import pytest

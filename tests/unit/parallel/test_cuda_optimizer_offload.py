@@ -3,7 +3,7 @@ stream issued during the backward (zero 2) and summed on the offload's worker, t
 steps and parameter copies interleaved in forward order on the worker, the step returning
 before the copies are waited for (the next forward waits per block), fp32 parameters equal to the run without
 offload and bf16 training that tracks it. Skipped on machines without a GPU (CI); run on one
-with `python -m pytest tests/unit/test_cuda_optimizer_offload.py`."""
+with `python -m pytest tests/unit/parallel/test_cuda_optimizer_offload.py`."""
 from __future__ import annotations
 
 import threading

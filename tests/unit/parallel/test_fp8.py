@@ -2,7 +2,7 @@
 scaled products against the dequantised reference, the layer's gradients, zero-bubble's
 deferred weight gradient, the refusals before launch, the tiny model's loss curve against
 bf16, and resuming across precisions. Parallel FP8 runs against the serial FP8 run:
-tests/integration/test_fp8.py."""
+tests/integration/parallel/test_fp8.py."""
 from __future__ import annotations
 
 import copy
@@ -238,7 +238,7 @@ def test_the_planner_prices_the_fp8_linears_at_the_fp8_rate():
     from dataclasses import replace
 
     from megalite.plan.devices import BY_NAME, table_peak_tflops
-    from tests.unit.test_planner import planned, synthetic
+    from tests.unit.plan.test_planner import planned, synthetic
 
     over = ["train.global_batch_size=8", "train.micro_batch_size=2"]
     fast = replace(synthetic(), matmul_tflops={"bf16": 1.0, "fp32": 1.0, "fp8": 2.0})

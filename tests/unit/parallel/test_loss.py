@@ -1,7 +1,7 @@
 """The chunked cross-entropy (megalite/parallel/cross_entropy.py) at tp = 1: equal to the fp32
 `F.cross_entropy` it replaced, in every dtype and chunking, and its peak bytes: the logits'
 gradient plus one fp32 chunk, where the old path held three fp32 [N, V] buffers. Across TP
-ranks: tests/integration/test_tensor_parallel.py; in the models: test_model.py (transformers
+ranks: tests/integration/parallel/test_tensor_parallel.py; in the models: test_model.py (transformers
 parity), the serial-parity tests of tests/integration."""
 from __future__ import annotations
 

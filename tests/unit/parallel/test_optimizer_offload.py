@@ -3,7 +3,7 @@ fraction f of each rank's owned range live in host memory and are stepped by the
 training equals the serial run without offload under zero 1/2/3, tp2 + SP and pp2; bf16 and
 fp16 track the run without offload; a skipped step (non-finite, fp16 overflow) changes
 nothing; checkpoints move between offloaded and plain runs. On CPU host = device: the copies
-are real copies between separate buffers (tests/unit/test_cuda_optimizer_offload.py covers pinned
+are real copies between separate buffers (tests/unit/parallel/test_cuda_optimizer_offload.py covers pinned
 memory, the side stream and the overlap order)."""
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ MIXED = {"bf16": [], "fp16": ["loss_scale.initial=32768", "loss_scale.window=1",
 def test_mixed_precision_with_offload_tracks_the_plain_run(tiny_data, tmp_path, precision):
     """bf16 / fp16 parameters, fp32 masters and moments on the host (cast to the model dtype
     there before the copy back): 6 steps track the plain run within
-    tests/*/test_mixed_precision.py's tolerances, and every parameter is its fp32 master cast
+    tests/*/*/test_mixed_precision.py's tolerances, and every parameter is its fp32 master cast
     down. fp16 (loss scaling, the host gradients unscaled with the device's): a step that
     overflows is skipped in both runs alike and changes neither host nor device state."""
     extra = [f"precision={precision}", "optim.lr=1e-2", "optim.warmup_steps=0",

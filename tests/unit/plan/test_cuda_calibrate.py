@@ -1,7 +1,7 @@
 """The calibration's CUDA measurements (megalite/plan/calibrate_host.py): HBM copy rate,
 pinned copies per direction, the host AdamW, and a profile that the planner loads with them
 (the block eager: compiling it would cost the GPU session a minute). Skipped without a GPU;
-`megalite-bench gpu` runs it (all tests/unit/test_cuda*.py). Written against CUDA semantics;
+`megalite-bench gpu` runs it (all tests/unit/*/test_cuda*.py). Written against CUDA semantics;
 not yet run on a GPU."""
 from __future__ import annotations
 

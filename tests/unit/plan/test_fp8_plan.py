@@ -25,7 +25,7 @@ from megalite.plan.search import search
 from megalite.plan.space import candidates
 from megalite.plan.traffic import stage_traffic
 from megalite_bench.memory import PeakBytes
-from tests.unit.test_planner import SMALL, planned, synthetic
+from tests.unit.plan.test_planner import SMALL, planned, synthetic
 
 TOKENS, K, N = 128, 64, 256
 

@@ -1,7 +1,7 @@
 """The placement planner (megalite/plan/memory.py) against what runs measure: parameters per rank,
 model-state bytes and every group's wire bytes per step from real gloo runs, activation bytes
 from the tensors autograd saves. Three of the 8-rank runs also score HellaSwag, against the
-serial run (tests/unit/test_hellaswag.py)."""
+serial run (tests/unit/eval/test_hellaswag.py)."""
 from __future__ import annotations
 
 import pytest

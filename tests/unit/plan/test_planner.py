@@ -442,7 +442,7 @@ def test_a_calibrated_profile_file_plans_and_the_table_gives_calibrate_its_links
                                                                                  tmp_path):
     from megalite.plan.devices import load_profile_file, table_links
     from megalite.plan.profile_file import save_profile
-    from tests.unit.test_calibrate import synthetic_profile
+    from tests.unit.plan.test_calibrate import synthetic_profile
 
     path = tmp_path / "gpu.json"
     save_profile(path, synthetic_profile())

@@ -30,7 +30,7 @@ from megalite.plan.devices import (
 from megalite.plan.memory import make_plan
 from megalite.plan.time_model import predict
 
-GPU = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
+GPU = Path(__file__).resolve().parents[2] / "fixtures" / "gpu"
 MEASURED = json.loads((GPU / "measured.json").read_text())
 TOLERANCE = 0.10
 

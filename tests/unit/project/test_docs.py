@@ -14,7 +14,7 @@ import pytest
 from megalite.config.layout import validate
 from megalite.config.schema import load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PAGES = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))  # the site
 DOCS = ["README.md", "docker/README.md", "scripts/slurm/README.md",
         "scripts/slurm/pretrain.sbatch", "conf/config.yaml", *PAGES]

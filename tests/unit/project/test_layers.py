@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megalite"
+PACKAGE = Path(__file__).resolve().parents[3] / "megalite"
 
 
 def _modules():

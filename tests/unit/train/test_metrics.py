@@ -1,6 +1,6 @@
 """What a run reports, in isolation: the peak FLOP/s table and metrics.jsonl as standard JSON.
 (End to end — loss, throughput, MFU, memory, communication in metrics.jsonl and wandb — in
-tests/integration/test_pretrain.py.)"""
+tests/integration/cli/test_pretrain.py.)"""
 import json
 
 import pytest

@@ -1,5 +1,5 @@
 """The end-of-run summary (megalite.train.summary) from made-up records; a real run's summary is
-checked in tests/integration/test_pretrain.py."""
+checked in tests/integration/cli/test_pretrain.py."""
 import importlib.machinery
 import shlex
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megalite.train.summary import render, summarize
 from megalite.utils import extras
-from tests.unit.test_cli import REPO
+from tests.unit.cli.test_cli import REPO
 
 RECORDS = [
     {"step": 10, "loss": 7.5, "val_loss": None, "mfu": 0.20},
