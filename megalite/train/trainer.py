@@ -258,7 +258,7 @@ class Trainer:
         caller's hook around each step (a benchmark times one beside it), called with
         `train_step` and returning its result."""
         try:
-            records = self._fit(around_step or _call)
+            records = self._fit(around_step or (lambda step: step()))
         except BaseException:
             with contextlib.suppress(Exception):  # the training error is the one to report
                 self.saver.close()
@@ -397,7 +397,3 @@ class _Interval:
             acc = self.comm.setdefault(key, {})
             for name, value in counts.items():
                 acc[name] = acc.get(name, 0) + value
-
-
-def _call(step: Callable):
-    return step()

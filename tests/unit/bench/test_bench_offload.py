@@ -10,7 +10,8 @@ import torch
 
 from megalite.train.metrics import Peak
 from megalite.train.timers import StepTimers
-from megalite_bench.offload import build_order, parse_variants, time_variant, with_ratios
+from megalite_bench.offload import time_variant, with_ratios
+from megalite_bench.offload_variants import build_order, parse_variants
 
 
 def test_the_baseline_is_rebuilt_between_variants():
@@ -34,7 +35,7 @@ def test_variant_names_parse_back_and_the_planned_variant_is_the_planners():
     the fewest first blocks under which the plan fits the device (gpt2-xl, micro-batch 8 x
     4: its plan needs 46.5 GiB, 44 GiB takes 9 blocks)."""
     from megalite_bench.gpu_parts import variant_of
-    from megalite_bench.offload import planned_activation_layers, variant_name
+    from megalite_bench.offload_variants import planned_activation_layers, variant_name
 
     for v in [(0.5, False, None), (0.0, True, None), (1.0, True, 6)]:
         assert variant_of(variant_name(*v)) == v
