@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from megalite.checkpoint.state import Progress
+from megalite.config.schema import TrainConfig
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.zero import ZeroEngine
 from megalite.resilience.inject import FaultInjector
@@ -35,7 +36,7 @@ class StepGuard:
     engine: ZeroEngine
     timers: StepTimers
     progress: Progress  # the step and the skipped steps (checkpointed)
-    max_bad_steps: int  # train.max_bad_steps
+    train: TrainConfig  # its max_bad_steps, read at each step
     loss_scaler: Optional[LossScaler] = None  # precision=fp16
     injector: Optional[FaultInjector] = None  # resilience.inject's drill
     bad_in_a_row: int = field(default=0, init=False)  # skipped steps in a row
@@ -69,12 +70,13 @@ class StepGuard:
         else:
             self.progress.skipped_steps += 1
             self.bad_in_a_row = 0 if absorbed else self.bad_in_a_row + 1
-        if self.bad_in_a_row >= self.max_bad_steps:
+        max_bad = self.train.max_bad_steps
+        if self.bad_in_a_row >= max_bad:
             at_floor = "" if scaler is None else (
                 f" at the dynamic loss scale's floor loss_scale.min={scaler.scale:g}"
                 if scaler.dynamic else f" at the static loss_scale.static={scaler.scale:g}")
             raise NonFiniteError(
                 f"{self.bad_in_a_row} steps in a row (up to step {self.progress.step}) had a "
                 f"non-finite loss or gradient{at_floor} (train.max_bad_steps="
-                f"{self.max_bad_steps}); lower optim.lr, check the data, or resume from an "
+                f"{max_bad}); lower optim.lr, check the data, or resume from an "
                 "earlier checkpoint")

@@ -98,7 +98,7 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.guard = StepGuard(self.schedule, self.engine, self.timers, self.progress,
-                               self.cfg.train.max_bad_steps, self.loss_scaler, self.injector)
+                               self.cfg.train, self.loss_scaler, self.injector)
 
     @property
     def rank(self) -> int:

@@ -243,11 +243,13 @@ def test_a_batch_skipped_as_bad_data_is_no_good_step_for_the_loss_scale():
     """fp16: the dynamic scale grows after `window` good steps in a row; a finite step that
     resilience.rerun skipped as bad data is not one of them (nor an overflow)."""
     from megalite.checkpoint.state import Progress
+    from megalite.config.schema import TrainConfig
     from megalite.train.loss_scale import LossScaler
     from megalite.train.step_guard import StepGuard
 
     scaler = LossScaler(scale=1024.0, min_scale=1.0, window=2)
-    guard = StepGuard(None, None, None, Progress(step=1), max_bad_steps=5, loss_scaler=scaler)
+    guard = StepGuard(None, None, None, Progress(step=1), TrainConfig(max_bad_steps=5),
+                      loss_scaler=scaler)
     guard.count_skipped(finite=True)
     guard.count_skipped(finite=True, data_skip=True)
     assert (scaler.scale, scaler.good_steps) == (1024.0, 1)
