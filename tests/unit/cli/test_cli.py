@@ -1,6 +1,7 @@
-"""The commands: console scripts declared in pyproject.toml, each a `main()` in megalite/cli/,
-scripts/*.py thin wrappers around them, and an installed package (a wheel, no checkout) that
-trains with the same run directory as the scripts."""
+"""The commands: console scripts declared in pyproject.toml, each a `main()` in megalite/cli/
+(megalite-bench's in megalite_bench/cli.py, the benchmarks' package), scripts/*.py thin
+wrappers around them, and an installed package (a wheel, no checkout) that trains with the
+same run directory as the scripts."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +16,11 @@ COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
             "plot": "plot", "hang_report": "hang_report", "selftest": "selftest"}
 
 
+def command_module(command: str) -> str:
+    """The module of a command's `main()`."""
+    return "megalite_bench.cli" if command == "bench" else f"megalite.cli.{command}"
+
+
 def declared_scripts() -> dict:
     tomllib = pytest.importorskip("tomllib")
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
@@ -23,10 +29,10 @@ def declared_scripts() -> dict:
 def test_every_command_is_an_entry_point_with_an_importable_main():
     import importlib
 
-    assert declared_scripts() == {f"megalite-{m.replace('_', '-')}": f"megalite.cli.{m}:main"
+    assert declared_scripts() == {f"megalite-{m.replace('_', '-')}": f"{command_module(m)}:main"
                                   for m in COMMANDS}
     for module in COMMANDS:
-        mod = importlib.import_module(f"megalite.cli.{module}")
+        mod = importlib.import_module(command_module(module))
         assert callable(mod.main), module
         assert 'if __name__ == "__main__":\n    main()' in Path(mod.__file__).read_text(), module
 
@@ -41,4 +47,4 @@ def test_scripts_are_documented_wrappers_of_the_commands(module, script):
     assert "sys.path" not in source, "the package is installed (pip install -e .)"
     imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert [(n.module, [a.name for a in n.names]) for n in imports] == \
-        [(f"megalite.cli.{module}", ["main"])]
+        [(command_module(module), ["main"])]
