@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.cli.selftest import BadInput, make_plan, parse_args, report_text
+from megalite.cli.selftest import parse_args, report_text
+from megalite.cli.selftest_plan import BadInput, make_plan
 from megalite.plan.devices import BY_NAME
 from megalite.plan.link_check import judge
 from megalite.train.selftest import crossing_groups, layout_checks, synthetic_data
