@@ -7,9 +7,9 @@ absolute times). One subcommand per benchmark; `--help` on each lists its option
     python scripts/bench.py gpu       # everything to measure on one GPU, ~6 minutes
 
 The `megalite-bench` command of an installed megalite (`pip install -e .`), whose code
-(megalite/cli/bench.py) this file runs.
+(megalite_bench/cli.py) this file runs.
 """
-from megalite.cli.bench import main
+from megalite_bench.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pretrain GPT-2 with megalite.
+"""Pretrain a GPT-2 or Llama model with megalite.
 
     torchrun --nproc_per_node=8 scripts/pretrain.py model=gpt2 train.seq_len=1024
     python scripts/pretrain.py                      # tiny preset on the embedded stdlib corpus

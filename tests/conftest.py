@@ -21,7 +21,7 @@ TIERS = {"unit": False, "integration": True}  # directory -> its tests spawn ran
 def pytest_collection_modifyitems(items) -> None:
     """A test in the wrong tier stops the collection, naming it and the marker."""
     for item in items:
-        tier = item.path.parent.name
+        tier = next((p.name for p in item.path.parents if p.parent.name == "tests"), None)
         spawns = item.get_closest_marker("distributed") is not None
         if tier in TIERS and spawns != TIERS[tier]:
             raise pytest.UsageError(
@@ -98,7 +98,7 @@ def random_hf_gpt2(model_cfg, seed: int = 0):
     import torch
     from transformers import GPT2LMHeadModel
 
-    from megalite.model.hf import hf_config
+    from megalite.model.gpt2.hf import hf_config
 
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(hf_config(model_cfg)).eval()
@@ -123,7 +123,7 @@ def random_hf_llama(model_cfg, seed: int = 0):
     import torch
     from transformers import LlamaForCausalLM
 
-    from megalite.model.hf_llama import hf_config
+    from megalite.model.llama.hf import hf_config
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(hf_config(model_cfg)).eval()

@@ -37,7 +37,7 @@ def small_prepare_batches(hf_cache_in_tmp, monkeypatch):
     monkeypatch.setattr(prepare_module, "DOCS_PER_BATCH", PREPARE_BATCH)
 
 
-# --- a stdlib corpus (tests/*/test_data.py) ---------------------------------------------------
+# --- a stdlib corpus (tests/*/*/test_data.py) ---------------------------------------------------
 
 NUM_DOCS = 60
 VAL_FRACTION = 0.1
@@ -71,7 +71,7 @@ def assert_round_trip(data_dir: Path, docs_per_split: Dict[str, List[str]]) -> N
         assert tokenizer.decode(tokens.tolist()) == expected
 
 
-# --- a made-up jsonl corpus and its tokenizer (tests/*/test_prepare_scale.py) ----------------
+# --- a made-up jsonl corpus and its tokenizer (tests/*/*/test_prepare_scale.py) ----------------
 
 SHARD_TOKENS = 600
 
@@ -112,7 +112,7 @@ def shard_bytes(data_dir: Path) -> dict:
             for s in ("train", "val")}
 
 
-# --- a second prepared directory (tests/*/test_blend.py) -------------------------------------
+# --- a second prepared directory (tests/*/*/test_blend.py) -------------------------------------
 
 @pytest.fixture(scope="module")
 def second_data(tiny_data, tmp_path_factory):

@@ -30,7 +30,7 @@ from tests.conftest import TINY
 # updates of ~1e-6 that differ between layouts (their sums round differently); 1e-6 keeps the
 # noise below the comparison's tolerance without touching any real gradient of these models.
 # log.peak_tflops: MFU's peak as given, instead of a CPU matmul measurement (~1 s of CPU in
-# every trainer built; tests/integration/test_pretrain.py covers the measured peak).
+# every trainer built; tests/integration/cli/test_pretrain.py covers the measured peak).
 FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0",
                    "model.attn_pdrop=0", "log.every=1", "log.wandb=false", "train.eval_every=0",
                    "optim.eps=1e-6", "log.peak_tflops=1"]

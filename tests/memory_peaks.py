@@ -1,12 +1,12 @@
 """Real training steps' peak live tensor bytes next to the memory plan's peak: the helper the
-plan's tests share (tests/unit/test_plan.py in this process, tests/integration/test_plan.py on
+plan's tests share (tests/unit/plan/test_plan.py in this process, tests/integration/plan/test_plan.py on
 spawned gloo ranks).
 
 The peak is that of a run's second step (the first allocates AdamW's moments in its optimizer
 step: from the second on every state is alive through a whole step): the bytes of every tensor
-of the run alive before it (`megalite.bench.memory.live_tensor_bytes`, found through the
+of the run alive before it (`megalite_bench.memory.live_tensor_bytes`, found through the
 garbage collector, less what the process held before the run was built) + the most bytes
-the step's own allocations hold at once (`megalite.bench.memory.PeakBytes`: the CPU
+the step's own allocations hold at once (`megalite_bench.memory.PeakBytes`: the CPU
 allocator's events recorded by the profiler, replayed in time order). Measuring one step
 keeps what gloo's worker thread frees out of the profiler's sight at the end of the first (a
 step's last gradient reduction) from counting."""
@@ -17,12 +17,12 @@ from typing import Dict, List
 
 import pytest
 
-from megalite.bench.memory import PeakBytes, live_storages, live_tensor_bytes
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
 from megalite.plan.memory import make_plan
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
+from megalite_bench.memory import PeakBytes, live_storages, live_tensor_bytes
 from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 

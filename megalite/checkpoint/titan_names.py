@@ -1,4 +1,4 @@
-"""torchtitan's Llama 3 state <-> megalite's Llama state (HF names, `megalite.model.hf_llama`).
+"""torchtitan's Llama 3 state <-> megalite's Llama state (HF names, `megalite.model.llama.hf`).
 
 torchtitan (0.3.0, `torchtitan.models.llama3`) names a block's tensors
 `layers.<i>.attention.qkv_linear.{wq,wk,wv}.weight`, `layers.<i>.attention.wo.weight`,
@@ -23,7 +23,7 @@ from typing import Dict, Iterator, Tuple
 import torch
 
 from megalite.config.schema import ModelConfig
-from megalite.model.hf_llama import GATE_UP
+from megalite.model.llama.hf import GATE_UP
 
 # megalite's per-block suffix (after `model.layers.<i>.`) -> torchtitan's (after `layers.<i>.`)
 BLOCK_NAMES = {

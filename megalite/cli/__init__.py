@@ -6,10 +6,12 @@ wrappers in scripts/ call them.
     megalite-plan       plan.py       memory and traffic of a layout   (scripts/plan.py)
     megalite-export     export.py     checkpoint -> transformers dir   (scripts/export_hf.py)
     megalite-generate   generate.py   sample text from a checkpoint    (scripts/generate.py)
-    megalite-bench      bench.py      benchmarks against references    (scripts/bench.py)
     megalite-verify-rank verify_rank.py  rank R of an N-rank layout, built (scripts/verify_rank.py)
     megalite-evaluate   evaluate.py   lm-eval harness on the export    (scripts/evaluate.py)
     megalite-plot       plot.py       runs' metrics.jsonl as a PNG     (scripts/plot.py)
+
+`megalite-bench` (benchmarks against references, scripts/bench.py) is the benchmarks'
+package's command: `megalite_bench/cli.py`, beside megalite/.
 
 Under torchrun: `torchrun --nproc_per_node=8 --no-python megalite-pretrain <overrides>`.
 """

@@ -1,4 +1,4 @@
-"""Pretrain GPT-2 with megalite.
+"""Pretrain a GPT-2 or Llama model with megalite.
 
     megalite-pretrain                               # tiny preset on the embedded stdlib corpus
     torchrun --nproc_per_node=8 --no-python megalite-pretrain model=gpt2 train.seq_len=1024
@@ -8,10 +8,12 @@ the same command.) Arguments are Hydra overrides of conf/config.yaml. The run di
 Hydra's output directory (`hydra.run.dir`); metrics.jsonl, pretrain.log (rank 0's log), the
 wandb run and (by default) checkpoints go there. The configuration is validated, the token
 shards (and the init_from and resume checkpoints' model shape) checked, before any process
-group is created. At the end rank 0 logs a summary: steps, tokens, final losses, mean MFU,
-where the metrics, wandb run and last checkpoint are, and the commands that generate from,
-export, plot and evaluate the run. A run directory holding resilience/fault.json (a hardware
-verdict, `megalite.resilience.faults`) is refused: exit 75, naming the file.
+group is created; the run starts through the one launch path (`megalite.train.launch`: the
+plan made once, logged here and written to the metrics header). At the end rank 0 logs a
+summary: steps, tokens, final losses, mean MFU, where the metrics, wandb run and last
+checkpoint are, and the commands that generate from, export, plot and evaluate the run. A run
+directory holding resilience/fault.json (a hardware verdict, `megalite.resilience.faults`) is
+refused: exit 75, naming the file.
 """
 from __future__ import annotations
 
@@ -24,16 +26,16 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from megalite.cli import NO_HYDRA_OUTPUT
+from megalite.cli.fault_exit import fit_or_exit, refuse_after_fault
 from megalite.cli.launch_env import export_launch_env, launch_env
 from megalite.config.errors import ConfigError
 from megalite.config.schema import CONF_DIR, check_presets, register_configs, to_config
 from megalite.data.errors import DataError
 from megalite.plan.auto import launch_layout
-from megalite.plan.memory import make_plan, memory_warning
-from megalite.resilience.faults import fit_or_exit, refuse_after_fault
-from megalite.train.build import broadcast_run_dir, build_trainer
+from megalite.plan.memory import memory_warning
+from megalite.train.launch import plan_launch
 from megalite.train.preflight import local_ranks_from_env, preflight
-from megalite.train.runtime import init_runtime, local_gpu, local_gpus, shutdown, world_size_from_env
+from megalite.train.runtime import local_gpu, local_gpus, shutdown, world_size_from_env
 from megalite.train.summary import trainer_summary
 from megalite.utils import log
 
@@ -70,19 +72,19 @@ def pretrain(node) -> None:
     except (ConfigError, DataError) as e:
         print(f"megalite: bad configuration: {e}", file=sys.stderr)
         sys.exit(2)
+    ready = plan_launch(cfg, world_size_from_env(), layout)  # the plan, made once
     if launch_rank() == 0:  # the layout's plan and warnings are the same on every rank
-        plan = make_plan(cfg, layout)
-        logger.info(plan.table())
+        logger.info(ready.plan.table())
         if layout.device_type == "cuda":
-            warnings.append(memory_warning(plan, torch.cuda.get_device_properties(0).total_memory))
+            warnings.append(memory_warning(ready.plan,
+                                           torch.cuda.get_device_properties(0).total_memory))
         for w in filter(None, warnings):
             logger.warning(w)
-    runtime = init_runtime(cfg, layout)
-    run_dir = broadcast_run_dir(Path(HydraConfig.get().runtime.output_dir).resolve(),
-                                runtime.topology)
+    run = ready.start(HydraConfig.get().runtime.output_dir,
+                      planner=auto.record() if auto else None)
+    runtime, trainer = run.runtime, run.trainer
     logger.info(f"{runtime.topology.describe()} device={runtime.device} "
-                f"run_dir={run_dir}")
-    trainer = build_trainer(cfg, runtime, run_dir, planner=auto.record() if auto else None)
+                f"run_dir={run.run_dir}")
     records = fit_or_exit(trainer)  # a hardware verdict exits with HARDWARE_FAULT_EXIT
     if runtime.topology.rank == 0:  # what happened and what next (megalite.train.summary)
         logger.info(trainer_summary(trainer, records))

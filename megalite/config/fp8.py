@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megalite.config.errors import fail
+from megalite.config.families import registered_family
 
 RECIPES = ("none", "tensorwise", "rowwise", "auto")
 FP8_CAPABILITY = (8, 9)  # Ada (L4, L40S, RTX 4090) and Hopper (H100, H200) on
@@ -28,26 +29,6 @@ class Fp8Config:
     def check(self) -> None:
         if self.recipe not in RECIPES:
             fail("fp8.recipe", self.recipe, f"use one of {', '.join(RECIPES)}")
-
-
-def fp8_linears(n_embd: int, ffn: int, tp: int, arch: str = "gpt2"
-                ) -> List[Tuple[str, str, int, str, int]]:
-    """(layer, key of its input dimension, local input size, key of its output dimension,
-    local output size) of each FP8 linear of a block of `arch` (model.arch): one TP rank's
-    weight. Llama's q/k/v projections are not FP8 linears (megalite.model.llama.Projection)."""
-    if arch == "llama":
-        return [("model.layers.*.self_attn.o_proj", "model.n_embd / tp", n_embd // tp,
-                 "model.n_embd", n_embd),
-                ("model.layers.*.mlp.gate_up_proj", "model.n_embd", n_embd,
-                 "2 * model.n_inner / tp", 2 * ffn // tp),
-                ("model.layers.*.mlp.down_proj", "model.n_inner / tp", ffn // tp,
-                 "model.n_embd", n_embd)]
-    return [("transformer.h.*.attn.c_attn", "model.n_embd", n_embd,
-             "3 * model.n_embd / tp", 3 * n_embd // tp),
-            ("transformer.h.*.attn.c_proj", "model.n_embd / tp", n_embd // tp,
-             "model.n_embd", n_embd),
-            ("transformer.h.*.mlp.c_fc", "model.n_embd", n_embd, "model.n_inner / tp", ffn // tp),
-            ("transformer.h.*.mlp.c_proj", "model.n_inner / tp", ffn // tp, "model.n_embd", n_embd)]
 
 
 def check_fp8(cfg, device_type: str, gpu_name: Optional[str],
@@ -81,11 +62,12 @@ def check_fp8(cfg, device_type: str, gpu_name: Optional[str],
 
 
 def fp8_dims_refusal(model, tp: int, seq_len: int, micro_batch: int) -> Optional[str]:
-    """Why FP8 products cannot take the local dimensions of every FP8 linear at `tp` (its
+    """Why FP8 products cannot take the local dimensions of every FP8 linear of the model's
+    family at `tp` (`FamilyRules.fp8_linears`: its
     weight's input and output sizes) and the tokens of a micro-batch (the weight gradient's
     contraction): the first dimension that is not a multiple of DIM_MULTIPLE, or None."""
-    for layer, in_key, in_size, out_key, out_size in fp8_linears(model.n_embd, model.ffn_size,
-                                                                 tp, model.arch):
+    linears = registered_family(model.arch).fp8_linears(model, tp)
+    for layer, in_key, in_size, out_key, out_size in linears:
         for key, size in ((in_key, in_size), (out_key, out_size)):
             if size % DIM_MULTIPLE:
                 return (f"{layer}: {key} = {size} (tp={tp}, one rank's weight) is not a "

@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalite.config.errors import fail
+from megalite.config.families import registered_family
 from megalite.config.fp8 import check_fp8
 from megalite.config.inject import check_inject
 from megalite.config.schedule_rules import check_schedule, expected_bubble, groups_micro_batches
@@ -211,19 +212,6 @@ def _check_device(cfg: Config, local_gpus: Optional[int], local_ranks: int) -> N
               "auto, flash or math")
 
 
-def _check_kv_heads(kv_heads: int, tp: int) -> None:
-    """TP splits the KV heads as it splits the query heads: n_kv_head / tp each when tp <=
-    n_kv_head; when tp > n_kv_head each KV head is replicated over the tp / n_kv_head ranks
-    whose query heads read it (Megatron's query groups), so n_kv_head must divide tp."""
-    if tp <= kv_heads and kv_heads % tp:
-        fail("tp", tp, f"must divide model.n_kv_head={kv_heads} (TP splits the KV heads), or "
-             f"be a multiple of it (each KV head replicated over tp / n_kv_head ranks)")
-    if tp > kv_heads and tp % kv_heads:
-        fail("tp", tp, f"is larger than model.n_kv_head={kv_heads} but not a multiple of it; "
-             f"use a tp that divides {kv_heads} or a multiple of {kv_heads} (each KV head is "
-             "then replicated over tp / n_kv_head TP ranks)")
-
-
 def _check_model_split(cfg: Config) -> None:
     """TP splits heads, the embedding and the MLP; PP (and its virtual stages) the blocks."""
     m, t = cfg.model, cfg.train
@@ -231,7 +219,7 @@ def _check_model_split(cfg: Config) -> None:
         fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
     if m.n_embd % cfg.tp:
         fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
-    _check_kv_heads(m.kv_heads, cfg.tp)
+    registered_family(m.arch).check_tp(m, cfg.tp)
     if m.ffn_size % cfg.tp:
         fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
     if t.seq_len > m.n_positions:

@@ -1,6 +1,7 @@
 """The `model` section: a model's family (`model.arch`) and shape, with `transformers`' GPT2Config
 field names (a Llama's LlamaConfig names in the comments), and the rules a shape keeps by itself
-(the rules that involve the layout, such as tp and the KV heads, are `megalite.config.layout`'s).
+(the rules a family adds are its own, asked through `megalite.config.families`; those that
+involve the layout are `megalite.config.layout`'s).
 """
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from megalite.config.errors import fail
-
-ARCHS = ("gpt2", "llama")  # model.arch: the model families (megalite.model.families)
+from megalite.config.families import registered_family
 
 
 @dataclass
 class RopeScaling:
     """Llama 3's frequency scaling of rotary positions (LlamaConfig.rope_scaling with
-    rope_type "llama3"; `megalite.model.rope`). Llama 3.1/3.2's values are the defaults."""
+    rope_type "llama3"; `megalite.model.llama.rope`). Llama 3.1/3.2's values are the defaults."""
 
     rope_type: str = "llama3"
     factor: float = 32.0
@@ -77,8 +77,7 @@ class ModelConfig:
         return cls(**values)
 
     def check(self) -> None:
-        if self.arch not in ARCHS:
-            fail("model.arch", self.arch, f"use one of {', '.join(ARCHS)}")
+        family = registered_family(self.arch)
         for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
             if getattr(self, key) < 1:
                 fail(f"model.{key}", getattr(self, key), "must be a positive integer")
@@ -93,35 +92,4 @@ class ModelConfig:
         for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
-        if self.arch == "gpt2":
-            self._check_gpt2()
-        else:
-            self._check_llama()
-
-    def _check_gpt2(self) -> None:
-        """GPT-2 has one setting of what a Llama may vary."""
-        if not self.tie_word_embeddings:
-            fail("model.tie_word_embeddings", self.tie_word_embeddings,
-                 "GPT-2's LM head is its token embedding: set true (or model.arch=llama)")
-        if self.kv_heads != self.n_head:
-            fail("model.n_kv_head", self.n_kv_head, "GPT-2 has no grouped-query attention: "
-                 "set null (or model.arch=llama)")
-        if self.rope_scaling is not None:
-            fail("model.rope_scaling", self.rope_scaling, "GPT-2 has learned positions, no "
-                 "rotary ones: set null (or model.arch=llama)")
-
-    def _check_llama(self) -> None:
-        if self.n_kv_head is not None and self.n_kv_head < 1:
-            fail("model.n_kv_head", self.n_kv_head, "must be a positive integer or null "
-                 "(= model.n_head)")
-        if self.n_head % self.kv_heads:
-            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
-            fail("model.n_kv_head", self.n_kv_head, f"must divide model.n_head={self.n_head} "
-                 f"(each KV head serves n_head / n_kv_head query heads): use one of {divisors}")
-        if (self.n_embd // self.n_head) % 2:
-            fail("model.n_head", self.n_head, f"head_dim = n_embd / n_head = "
-                 f"{self.n_embd // self.n_head} must be even (RoPE rotates pairs)")
-        if not self.rope_theta > 0:
-            fail("model.rope_theta", self.rope_theta, "must be > 0 (Llama 3 uses 500000)")
-        if self.rope_scaling is not None:
-            self.rope_scaling.check()
+        family.check(self)

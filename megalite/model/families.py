@@ -1,39 +1,54 @@
-"""The model families by `model.arch` (the interface: `megalite.model.family`), and what the
-shared code asks of a model through them: its stage, its parameter count and FLOPs."""
+"""The model families by `model.arch` (the interface: `megalite.model.family`; the registry the
+config asks: `megalite.config.families`), and what the shared code asks of a model through
+them: its stage, its parameter count and FLOPs. A family registers once, by its stage
+(`register`): GPT-2's and Llama's here; a family of one's own the same way."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict, Iterator, Optional, Type, Union
 
+from megalite.config.families import arch_names, register_family, registered_family
 from megalite.config.schema import ModelConfig
 from megalite.model.causal_lm import CausalLM
 from megalite.model.family import Family
-from megalite.model.gpt2 import GPT2
-from megalite.model.llama import Llama
+from megalite.model.gpt2.stage import GPT2
+from megalite.model.llama.stage import Llama
 
-STAGES: Dict[str, type] = {"gpt2": GPT2, "llama": Llama}
-FAMILIES: Dict[str, Family] = {arch: stage.family for arch, stage in STAGES.items()}
+_STAGES: Dict[str, Type[CausalLM]] = {}
+
+
+def register(stage: Type[CausalLM]) -> Family:
+    """Register the family of `stage` (a `CausalLM` whose `family` names it, `model.arch`):
+    the config's rules, the plan's terms, the HF mapping and the stage, in one call."""
+    family_ = stage.family
+    register_family(family_)
+    _STAGES[family_.name] = stage
+    return family_
 
 
 def family(cfg: Union[ModelConfig, str]) -> Family:
     """The family of a model config (its `arch`) or of an arch name."""
-    arch = cfg if isinstance(cfg, str) else cfg.arch
-    return FAMILIES[arch]
+    return registered_family(cfg if isinstance(cfg, str) else cfg.arch)
+
+
+def families() -> Iterator[Family]:
+    """The registered families, in registration order."""
+    return (registered_family(arch) for arch in arch_names())
 
 
 def family_of_model_type(model_type: Optional[str]) -> Optional[Family]:
     """The family whose `transformers` model has config.json's `model_type`, if any."""
-    return next((f for f in FAMILIES.values() if f.hf.model_type == model_type), None)
+    return next((f for f in families() if f.hf.model_type == model_type), None)
 
 
 def causal_lm(cfg: ModelConfig, **kwargs) -> CausalLM:
     """A stage of `cfg`'s family (`CausalLM`'s arguments); the whole model by default."""
-    return STAGES[cfg.arch](cfg, **kwargs)
+    return _STAGES[cfg.arch](cfg, **kwargs)
 
 
 def make_block(cfg: ModelConfig, **kwargs):
     """One block of `cfg`'s family, alone (`CausalLM.make_block`'s arguments): what
     `megalite.plan.calibrate_block` times."""
-    return STAGES[cfg.arch].make_block(cfg, **kwargs)
+    return _STAGES[cfg.arch].make_block(cfg, **kwargs)
 
 
 def num_parameters(cfg: ModelConfig) -> int:
@@ -44,3 +59,7 @@ def num_parameters(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token of the model at `seq_len` (the family's formula)."""
     return family(cfg).flops_per_token(cfg, seq_len)
+
+
+register(GPT2)
+register(Llama)

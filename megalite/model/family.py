@@ -2,10 +2,14 @@
 families share — the tensor-parallel layers, the pipeline stage (`megalite.model.causal_lm`),
 the engine, the checkpoints and the plan — so that none of those asks which family it runs.
 
-A family supplies:
+A family lives in its own folder (`megalite.model.gpt2`, `megalite.model.llama`): its
+stage (a `CausalLM` whose `family` is its `Family`: embeddings, blocks, final norm, head; the
+forward, loss and recompute are shared) and its `Family`, registered once through its stage
+(`megalite.model.families.register`). A family supplies:
 
-    stage_class           its pipeline stage (a `CausalLM`: embeddings, blocks, final norm,
-                          head; the forward, loss and recompute are shared)
+    check, check_tp, fp8_linears
+                          its config rules and FP8 linears (what `megalite.config` asks,
+                          `megalite.config.families`)
     block_specs / first_specs / last_specs
                           its parameters' `ParamSpec`s, in the order the stage registers them
                           (names = transformers' names; global shape; how TP splits each):
@@ -26,34 +30,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 
 Specs = List[Tuple[str, ParamSpec]]  # (the name in the stage's module tree, its spec)
 
 
-class HFMapping(Protocol):
-    """A family's mapping between megalite's global state and a `transformers` model."""
+@dataclass(frozen=True)
+class HFMapping:
+    """A family's mapping between megalite's global state and a `transformers` model: its
+    names, and the functions of its `hf` module."""
 
     model_type: str  # config.json's model_type
     model_class: str  # the transformers class (GPT2LMHeadModel, LlamaForCausalLM)
     display: str  # the family's name in messages (GPT-2, Llama)
     hub_example: str  # a hub id of the family, for messages
-
-    def hf_config(self, cfg: ModelConfig, bos_token_id: Optional[int] = None,
-                  eos_token_id: Optional[int] = None): ...
-
-    def to_hf_state_dict(self, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]: ...
-
-    def from_hf_state_dict(self, hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]: ...
-
-    def check_config(self, cfg: ModelConfig, hf_cfg, source: str) -> None: ...
-
-    def derived(self, name: str) -> bool: ...
+    # (cfg, bos_token_id=None, eos_token_id=None) -> the transformers config of a model shape
+    hf_config: Callable
+    to_hf_state_dict: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+    from_hf_state_dict: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+    check_config: Callable[[ModelConfig, object, str], None]  # (cfg, hf_cfg, source)
+    derived: Callable[[str], bool]  # a transformers key megalite's state does not hold
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,15 @@ class Family:
     name: str = ""
     probe_tensor: str = ""
     embedding_module: str = ""  # the token embedding's module path in a stage
-    stage_class: type = object
     hf: HFMapping
+
+    # --- config rules (`megalite.config.families.FamilyRules`) ------------------------------
+
+    def check(self, cfg: ModelConfig) -> None:
+        """The family's rules of a model shape beyond the shared ones (none by default)."""
+
+    def check_tp(self, cfg: ModelConfig, tp: int) -> None:
+        """The family's rules between its shape and tp beyond heads, hidden and MLP size."""
 
     # --- parameters ---------------------------------------------------------------------
 
@@ -135,10 +144,14 @@ class Family:
         """One block's parameters (tp = 1): the time model's 2·P_block FLOPs a token."""
         raise NotImplementedError
 
-    def fp8_linear_parameters(self, cfg: ModelConfig) -> int:
-        """One block's weights (tp = 1) in the column- and row-parallel linears, the matmuls
-        fp8.recipe runs in FP8 (`megalite.parallel.fp8`)."""
+    def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
+        """The block's column- and row-parallel linears, the matmuls fp8.recipe runs in FP8
+        (`megalite.parallel.fp8`), at `tp` (`megalite.config.families.Fp8Linear`)."""
         raise NotImplementedError
+
+    def fp8_linear_parameters(self, cfg: ModelConfig) -> int:
+        """One block's weights (tp = 1) in its FP8 linears."""
+        return sum(k * n for _, _, k, _, n in self.fp8_linears(cfg, 1))
 
     def head_forward_flops_per_token(self, cfg: ModelConfig) -> int:
         """The last stage's forward FLOPs a token beyond its blocks (the LM head, the norm)."""

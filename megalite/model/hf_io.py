@@ -1,5 +1,5 @@
 """`transformers` directories (or hub ids) read and written for any family, through the
-family's mapping (`Family.hf`: `megalite.model.hf` for GPT-2, `megalite.model.hf_llama` for
+family's mapping (`Family.hf`: `megalite.model.gpt2.hf` for GPT-2, `megalite.model.llama.hf` for
 Llama): the checks before launch (config.json only), the weights of `init_from`, and the
 export's directory."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
-from megalite.model.families import FAMILIES, family, family_of_model_type
+from megalite.model.families import families, family, family_of_model_type
 from megalite.model.hub_cache import local_snapshot
 
 
@@ -23,7 +23,7 @@ def _architecture_check(source: str, cfg: ModelConfig, model_type: Optional[str]
     other = family_of_model_type(model_type)
     remedy = (f"set model.arch={other.name} (or a {other.name} preset) to read it"
               if other is not None else "megalite reads " + ", ".join(
-                  f"{f.hf.model_class} (model.arch={f.name})" for f in FAMILIES.values()))
+                  f"{f.hf.model_class} (model.arch={f.name})" for f in families()))
     raise ConfigError(f"init_from={source!r}: a {model_type!r} model, but model.arch="
                       f"{cfg.arch} reads {mapping.model_class} ({mapping.model_type!r}); "
                       f"{remedy}")

@@ -66,7 +66,7 @@ GIB = 2**30
 # --- one H100 80GB HBM3 (SXM), measured at main 5f08fbc (tests/fixtures/gpu/) ----------------
 H100_PEAK_TFLOPS = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}  # data sheet, dense
 H100_PEAK_FP8_TFLOPS = 1979.0  # data sheet, dense e4m3
-# matmul_rates() over both files' six MLP shapes each (tests/unit/test_time_model_h100.py
+# matmul_rates() over both files' six MLP shapes each (tests/unit/plan/test_time_model_h100.py
 # recomputes these from the files)
 H100_MATMUL_TFLOPS = {"bf16": 661.2514465060702, "fp16": 645.8824259403674,
                       "fp32": 44.53164461817917}

@@ -122,3 +122,16 @@ def dims(cfg: Config, layout: Layout) -> Dims:
         block=param_sums(fam.block_specs(m, 0, tp), tp),
         embeddings=param_sums(fam.first_specs(m, tp), tp),
         final_norm=param_sums(fam.final_norm_specs(m, tp), tp))
+
+
+def tp_collectives(cfg: Config, layout: Layout, chunks: List[range], first: bool,
+                   last: bool) -> float:
+    """A stage's TP collectives per micro-batch (the plan's count: 4 all-reduces a layer, with
+    SP 6 all-gathers + 4 reduce-scatters; a recomputed layer's re-run 1, with SP 3; the
+    embedding and the head + loss a few more)."""
+    if layout.tp_size == 1:
+        return 0.0
+    layers = sum(len(b) for b in chunks)
+    rec = sum(recomputed_layers(cfg, len(b)) for b in chunks)
+    per_layer, rerun = ((10, 3) if layout.sequence_parallel else (4, 1))
+    return layers * per_layer + rec * rerun + 2 * first + 4 * last

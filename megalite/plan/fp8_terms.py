@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from megalite.config.fp8 import fp8_linears
+from megalite.model.families import family
 
 # (A, B, O, a copied, b copied): one product's operand and output elements
 Product = Tuple[int, int, int, bool, bool]
@@ -58,7 +58,7 @@ def products(cfg, tp: int, tokens: int) -> Dict[str, List[Product]]:
     """The FP8 products of one block's linears on a TP rank: {"forward": [...], "backward":
     [...]} (dx and dW)."""
     out: Dict[str, List[Product]] = {"forward": [], "backward": []}
-    for _, _, k, _, n in fp8_linears(cfg.model.n_embd, cfg.model.ffn_size, tp, cfg.model.arch):
+    for _, _, k, _, n in family(cfg.model).fp8_linears(cfg.model, tp):
         out["forward"].append((tokens * k, n * k, tokens * n, False, False))
         out["backward"] += [(tokens * n, k * n, tokens * k, False, True),
                             (n * tokens, k * tokens, n * k, True, True)]
@@ -101,7 +101,7 @@ def amax_reductions(cfg, tp: int, rerun: bool = False) -> Tuple[int, float]:
     if tp == 1 or recipe == "none":
         return 0, 0.0
     tokens = cfg.train.seq_len * cfg.train.micro_batch_size
-    linears = fp8_linears(cfg.model.n_embd, cfg.model.ffn_size, tp, cfg.model.arch)
+    linears = family(cfg.model).fp8_linears(cfg.model, tp)
     rows = [out for _, in_key, _, _, out in linears if "/ tp" in in_key]
     columns = [inp for _, in_key, inp, _, _ in linears if "/ tp" not in in_key]
     if recipe == "tensorwise":

@@ -240,33 +240,37 @@ def _scatter(lay) -> int:
     return lay.tp_size if lay.tp_size > 1 and not lay.sequence_parallel else 1
 
 
+def _zero3_gathered(d: Dims, sums: StageSums, loss_last: bool) -> Dict[str, float]:
+    """ZeRO-3's gathered parameter bytes at each moment (0 without ZeRO-3)."""
+    lay, e, v, layer = d.layout, d.e, d.layout.virtual_stages, d.layer_params
+    if not lay.shards_parameters:
+        return {name: 0.0 for name in MOMENTS}
+    if not d.cfg.parallel.reshard_after_forward:  # every unit, from its first use
+        gathered = {name: e * sums.psi for name in MOMENTS[:3]}
+        gathered["optimizer step"] = 0.0
+        return gathered
+    # the chunk's last unit (kept from forward into backward), + another chunk's each
+    end = d.vocab // lay.tp_size * d.cfg.model.n_embd if loss_last else layer
+    return {"forward": e * (end + (v - 1) * layer),
+            "loss backward": e * (end + (layer if not loss_last else 0) + (v - 1) * layer),
+            # the unit running and the one prefetched; the tied embedding of a stage that
+            # holds both ends stays gathered until its gradient is whole
+            "backward": e * (2 * layer + sums.tied_head + (v - 1) * layer),
+            "optimizer step": 0.0}
+
+
 def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
              activations: float, sent: float) -> Dict[str, Dict[str, float]]:
     """What the stage's rank holds at each moment where its memory can peak (the module
     docstring): the model states always; activations, ZeRO-2/3 staging, ZeRO-3's gathered
     units and the working bytes of the moment (`sent`: pipeline sends a CPU backend keeps
     until the step's end)."""
-    lay, e, v = d.layout, d.e, d.layout.virtual_stages
+    lay, e, t = d.layout, d.e, d.cfg.train
     loss_last = any(ends.last for ends, _ in chunks)
     timeline, pending = staging_alive(d, chunks)
-    layer = d.layer_params
-    t = d.cfg.train
     block = d.family.block_backward_bytes(d.cfg.model, t.seq_len, t.micro_batch_size,
                                           lay.tp_size, e)
-    if not lay.shards_parameters:
-        gathered = {name: 0.0 for name in MOMENTS}
-    elif not d.cfg.parallel.reshard_after_forward:  # every unit, from its first use
-        gathered = {name: e * sums.psi for name in MOMENTS[:3]}
-        gathered["optimizer step"] = 0.0
-    else:  # the chunk's last unit (kept from forward into backward), + another chunk's each
-        end = d.vocab // lay.tp_size * d.cfg.model.n_embd if loss_last else layer
-        gathered = {"forward": e * (end + (v - 1) * layer),
-                    "loss backward": e * (end + (layer if not loss_last else 0)
-                                          + (v - 1) * layer),
-                    # the unit running and the one prefetched; the tied embedding of a stage
-                    # that holds both ends stays gathered until its gradient is whole
-                    "backward": e * (2 * layer + sums.tied_head + (v - 1) * layer),
-                    "optimizer step": 0.0}
+    gathered = _zero3_gathered(d, sums, loss_last)
     freed = min(sums.chunk_freed)  # the loss's saved bytes, freed before weights' gradients
     # a stage without the loss runs its backward from a received gradient (e·s'bh)
     received = 0.0 if loss_last else e * d.s_local * t.micro_batch_size * d.cfg.model.n_embd

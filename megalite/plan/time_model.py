@@ -93,14 +93,14 @@ compilation; a block measured eager is used as it is for a compiled run (and vic
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
 from megalite.model.families import family, flops_per_token
 from megalite.plan.devices import DeviceProfile, fits_dropout
-from megalite.plan.dims import recomputed_layers
+from megalite.plan.dims import recomputed_layers, tp_collectives
 from megalite.plan.fp8_terms import amax_reductions, cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
@@ -183,19 +183,6 @@ def _ring_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: in
     group) — the kind's own fit where the profile has one (`op_links`), else the link's."""
     fit = link.of(op)
     return wire_bytes / (fit.bus_gbps * 1e9) + collectives * (ranks - 1) * fit.latency_s
-
-
-def _tp_collectives(cfg: Config, layout: Layout, chunks: List[range], first: bool,
-                    last: bool) -> float:
-    """A stage's TP collectives per micro-batch (the plan's count: 4 all-reduces a layer, with
-    SP 6 all-gathers + 4 reduce-scatters; a recomputed layer's re-run 1, with SP 3; the
-    embedding and the head + loss a few more)."""
-    if layout.tp_size == 1:
-        return 0.0
-    layers = sum(len(b) for b in chunks)
-    rec = sum(recomputed_layers(cfg, len(b)) for b in chunks)
-    per_layer, rerun = ((10, 3) if layout.sequence_parallel else (4, 1))
-    return layers * per_layer + rec * rerun + 2 * first + 4 * last
 
 
 def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, m: int,
@@ -297,27 +284,13 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     terms["non_matmul"] = m * ((blocks + rerun / 3) * block_pass + embed)
     terms["head_loss"] = m * (loss_f + loss_b)
     terms["grad_accumulate"] = m * accumulate
-    if tp > 1:  # all-reduces; with SP all-gathers and reduce-scatters, 6 : 4 a block
-        (amax, elements), (amax_re, elements_re) = amax_reductions(cfg, tp), \
-            amax_reductions(cfg, tp, True)
-        amax_wire = m * 2 * (tp - 1) / tp * 4 * (blocks * elements + rerun * elements_re)
-        wire, count = stage.comm["tp"] - amax_wire, \
-            m * _tp_collectives(cfg, lay, chunks, first, last)
-        terms["tp"] = _ring_time(wire, count, links["tp"], tp) if not lay.sequence_parallel \
-            else 0.6 * _ring_time(wire, count, links["tp"], tp, "all_gather") \
-            + 0.4 * _ring_time(wire, count, links["tp"], tp, "reduce_scatter")
-        terms["tp"] += _ring_time(amax_wire, m * (blocks * amax + rerun * amax_re),
-                                  links["tp"], tp)
+    if tp > 1:
+        terms["tp"] = _tp_term(cfg, lay, stage, links["tp"], chunks, first, last, m, blocks,
+                               rerun)
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
-        fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
-        block_flops = 2 * family(cfg.model).block_parameters(cfg.model) \
-            + 4 * cfg.model.n_embd * t.seq_len
-        matmuls = matmul_seconds(block_flops, fp8_block, profile, lay.precision) * tokens / tp
-        block = (matmuls + block_pass / 3,
-                 2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
-        head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward
-        terms["offload"] = m * activation_offload_s(cfg, lay, profile, k, chunks, e, block,
-                                                     3 * head + loss_f + loss_b)
+        terms["offload"] = m * _activation_offload(cfg, lay, profile, k, chunks, e, flops,
+                                                   block_pass, accumulate, f_model, loss_f,
+                                                   loss_b)
     if lay.pp_size > 1:
         scatter = tp if tp > 1 and not lay.sequence_parallel else 1
         x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
@@ -328,17 +301,60 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                               links["dp"], units)
     if stage.comm["embedding"]:
         terms["embedding"] = _ring_time(stage.comm["embedding"], 1, links["embedding"], 2)
+    terms["optimizer"], terms["offload_optimizer"] = _optimizer_terms(
+        cfg, lay, stage, profile, ranks_per_node, m, e, t_f, t_b, first)
+    return terms
+
+
+def _activation_offload(cfg: Config, lay: Layout, profile: DeviceProfile, k: int,
+                        chunks: List[range], e: int, flops: Dict[str, float],
+                        block_pass: float, accumulate: float, f_model: float,
+                        loss_f: float, loss_b: float) -> float:
+    """Activation offload's seconds a micro-batch from a block's and the head's times."""
+    tokens, tp = cfg.train.micro_batch_size * cfg.train.seq_len, lay.tp_size
+    blocks = sum(len(b) for b in chunks)
+    fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
+    block_flops = 2 * family(cfg.model).block_parameters(cfg.model) \
+        + 4 * cfg.model.n_embd * cfg.train.seq_len
+    matmuls = matmul_seconds(block_flops, fp8_block, profile, lay.precision) * tokens / tp
+    block = (matmuls + block_pass / 3,
+             2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
+    head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward
+    return activation_offload_s(cfg, lay, profile, k, chunks, e, block,
+                                3 * head + loss_f + loss_b)
+
+
+def _tp_term(cfg: Config, lay: Layout, stage, link: GroupLink, chunks: List[range],
+             first: bool, last: bool, m: int, blocks: int, rerun: int) -> float:
+    """TP's all-reduces (SP: all-gathers, reduce-scatters 6 : 4) and FP8's amax reductions."""
+    tp = lay.tp_size
+    (amax, elements), (amax_re, elements_re) = amax_reductions(cfg, tp), \
+        amax_reductions(cfg, tp, True)
+    amax_wire = m * 2 * (tp - 1) / tp * 4 * (blocks * elements + rerun * elements_re)
+    wire, count = stage.comm["tp"] - amax_wire, \
+        m * tp_collectives(cfg, lay, chunks, first, last)
+    term = _ring_time(wire, count, link, tp) if not lay.sequence_parallel \
+        else 0.6 * _ring_time(wire, count, link, tp, "all_gather") \
+        + 0.4 * _ring_time(wire, count, link, tp, "reduce_scatter")
+    return term + _ring_time(amax_wire, m * (blocks * amax + rerun * amax_re), link, tp)
+
+
+def _optimizer_terms(cfg: Config, lay: Layout, stage, profile: DeviceProfile,
+                     ranks_per_node: int, m: int, e: int, t_f: float, t_b: float,
+                     first: bool) -> Tuple[float, float]:
+    """(the device's optimizer step and zeroing, optimizer offload's exposed time)."""
+    hbm = profile.hbm_gbps * 1e9 if profile.hbm_gbps else None
     owned = stage.params / (lay.dp_size if lay.shards_optimizer else 1)
     host = cfg.offload.optimizer * owned
+    optimizer = offloaded = 0.0
     if hbm:
         zeroed = stage.params if not lay.shards_gradients else owned - host
-        terms["optimizer"] = (device_step_s_per_param(profile, e) * (owned - host)
-                              + 4 * zeroed / hbm)
+        optimizer = (device_step_s_per_param(profile, e) * (owned - host) + 4 * zeroed / hbm)
     host_rate = profile.host_adam_per_rank(ranks_per_node)
     if host and host_rate and profile.h2d_gbps and profile.d2h_gbps:
-        terms["offload_optimizer"] = optimizer_offload_term(cfg, lay, profile, host, host_rate,
-                                                             m, e, t_f, t_b, first)
-    return terms
+        offloaded = optimizer_offload_term(cfg, lay, profile, host, host_rate, m, e, t_f, t_b,
+                                           first)
+    return optimizer, offloaded
 
 
 def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfile,

@@ -3,7 +3,7 @@ zero 2/3's gradient staging bytes (`grad_staging_bytes`, from the parameters' si
 model's registration order, `chunk_param_sizes`, over the engine's buckets or units).
 
 The one home of this table: the plan's bytes (`megalite.plan.memory`), the engine tests and
-the docs' table (tests/unit/test_docs.py checks it equals `zero_table()`) are drawn from it.
+the docs' table (tests/unit/project/test_docs.py checks it equals `zero_table()`) are drawn from it.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@
 `scripts/slurm/pretrain.sbatch` watches for fault.json: it stops the job step (torchrun would
 otherwise restart the workers on the same nodes) and exits with HARDWARE_FAULT_EXIT. While
 fault.json exists, `scripts/pretrain.py` with that run directory refuses to start (exit
-HARDWARE_FAULT_EXIT, naming the file: `refuse_after_fault`), so a restart or requeue on the same
+HARDWARE_FAULT_EXIT, naming the file: `megalite.cli.fault_exit`), so a restart or requeue on the same
 node does not train on the faulty device. To clear it, once the node is excluded or repaired:
 move the file aside (`mv <run dir>/resilience/fault.json <run dir>/resilience/fault-<date>.json`,
 what pretrain.sbatch does on an allocation without the node) and start again.
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 from megalite.utils.durable import fsync_dir
-from megalite.utils.log import get_logger
 
 # EX_TEMPFAIL of sysexits.h: retry, elsewhere. Also the code of pretrain.sbatch on a fault.
 HARDWARE_FAULT_EXIT = 75
@@ -79,33 +77,3 @@ def append_line(run_dir: Path, name: str, record: dict) -> Path:
         f.flush()
         os.fsync(f.fileno())
     return path
-
-
-def refuse_after_fault(run_dir: Path) -> None:
-    """Exit with HARDWARE_FAULT_EXIT, naming the file, while `<run dir>/resilience/fault.json`
-    (a hardware verdict of an earlier attempt of this run) exists."""
-    path = resilience_dir(run_dir) / FAULT_FILE
-    if not path.exists():
-        return
-    try:
-        record = json.loads(path.read_text())
-        where = (f" at step {record.get('step')}: a {record.get('kind')} fault on rank "
-                 f"{record.get('rank')} (node {record.get('node')}, GPU {record.get('gpu')})")
-    except (OSError, ValueError, AttributeError):
-        where = ""
-    print(f"megalite: {path} exists: an earlier attempt of this run stopped on a hardware "
-          f"fault{where}. Not starting, so as not to train on that device again. Exclude its "
-          f"node (sbatch --exclude=<node>), then move the file aside (mv {path} "
-          f"{path.with_name('fault-cleared.json')}) and start again; checkpoint.resume=auto "
-          "continues from the last checkpoint.", file=sys.stderr)
-    sys.exit(HARDWARE_FAULT_EXIT)
-
-
-def fit_or_exit(trainer) -> Optional[list]:
-    """`trainer.fit()`; a hardware verdict ends the process with HARDWARE_FAULT_EXIT (the
-    error already logged, fault.json written)."""
-    try:
-        return trainer.fit()
-    except HardwareFaultError as e:
-        get_logger().error(str(e))
-        sys.exit(HARDWARE_FAULT_EXIT)

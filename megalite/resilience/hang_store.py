@@ -10,7 +10,7 @@ answer to one request is never read as an answer to another:
                   each, appended: the requester reads them all in one call
 
 Store operations (one round trip to the store's server each) — none grows with the world
-size (`tests/*/test_hang.py` counts them on an in-memory store for 2 and 4,096 ranks):
+size (`tests/*/*/test_hang.py` counts them on an in-memory store for 2 and 4,096 ranks):
 
     a watch thread's look for a new request         1   (`requests`)
     answering k new requests (usually k = 1)        1 + 2 k   (one multi_get, then per

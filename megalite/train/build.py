@@ -34,6 +34,7 @@ from megalite.parallel.fp8 import use_fp8
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
+from megalite.plan.memory import Plan, make_plan
 from megalite.resilience.hang import set_aside_old_dumps
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.header import build_writer
@@ -51,12 +52,13 @@ from megalite.train.trainer import Trainer
 from megalite.utils import log
 
 
-def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict] = None
-                  ) -> Trainer:
+def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict] = None,
+                  plan: Optional[Plan] = None) -> Trainer:
     """Every part of a run of `cfg` (validated) on this rank, restored from
     `checkpoint.resume` where set. Collective: every rank calls it. `runtime`: made by
     `init_runtime(cfg)`. `planner`: layout=auto's choice and prediction
-    (`AutoLayout.record()`), for the metrics header and records."""
+    (`AutoLayout.record()`), for the metrics header and records. `plan`: the launch's plan
+    (`megalite.train.launch` makes it once), made here where not given."""
     run_dir = Path(run_dir)
     topo, layout, t = runtime.topology, runtime.layout, cfg.train
     log.configure(topo.rank, cfg.log.all_ranks)
@@ -87,7 +89,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         else Peak(None, "reported by rank 0")
     writer = build_writer(cfg, runtime, run_dir, model, engine, sources=sources,
                           data_meta=train_shards[0].meta, peak=peak, start_step=progress.step,
-                          hellaswag=hellaswag, planner=planner)
+                          hellaswag=hellaswag, planner=planner,
+                          plan=plan if plan is not None else make_plan(cfg, layout))
     return Trainer(
         cfg=cfg, rt=runtime, run_dir=run_dir, data_sources=sources, val_shards=val_shards,
         sampler=sampler,

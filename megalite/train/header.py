@@ -15,7 +15,7 @@ from megalite.model.families import family
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.zero import ZeroEngine
-from megalite.plan.memory import make_plan
+from megalite.plan.memory import Plan
 from megalite.train.metrics import MetricsWriter, Peak, fp8_peak
 from megalite.train.runtime import Runtime
 
@@ -23,7 +23,7 @@ from megalite.train.runtime import Runtime
 def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
                  engine: ZeroEngine, *, sources: Sequence[Tuple[Path, float]], data_meta: dict,
                  peak: Peak, start_step: int, hellaswag: Optional[ChoiceEval],
-                 planner: Optional[dict]) -> Optional[MetricsWriter]:
+                 planner: Optional[dict], plan: Plan) -> Optional[MetricsWriter]:
     """Rank 0's metrics writer, its header written (None on the other ranks). Collective:
     the model-state bytes are gathered from every stage."""
     state_bytes = gather_state_bytes(engine, rt.topology, rt.device)
@@ -31,7 +31,7 @@ def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
         return None
     header = run_header(cfg, rt, run_dir, model, sources=sources, data_meta=data_meta,
                         peak=peak, state_bytes=state_bytes, start_step=start_step,
-                        hellaswag=hellaswag, planner=planner)
+                        hellaswag=hellaswag, planner=planner, plan=plan)
     log = cfg.log
     return MetricsWriter(run_dir, header, log.wandb, log.project, log.run_name, asdict(cfg),
                          cfg.train.max_steps, start_step, log.progress)
@@ -55,8 +55,8 @@ def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[d
 def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
                sources: Sequence[Tuple[Path, float]], data_meta: dict, peak: Peak,
                state_bytes: List[dict], start_step: int, hellaswag: Optional[ChoiceEval],
-               planner: Optional[dict]) -> dict:
-    """The header of a run of `cfg` on `rt`, starting at `start_step`."""
+               planner: Optional[dict], plan: Plan) -> dict:
+    """The header of a run of `cfg` on `rt`, starting at `start_step`; `plan`: the launch's."""
     m, t, layout = cfg.model, cfg.train, rt.layout
     return {
         "layout": layout.as_dict(),
@@ -78,7 +78,7 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "global_batch_size": t.global_batch_size,
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "model_state_bytes": state_bytes,
-        "plan": make_plan(cfg, layout).as_dict(),
+        "plan": plan.as_dict(),
         "planner": planner,
         "data_dir": str(sources[0][0]),
         "data_sources": [[str(d), w] for d, w in sources],

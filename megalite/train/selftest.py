@@ -22,7 +22,7 @@ losses, gradient norms and parameter norms (relative) and the final fp32 master 
 (elementwise |a - b| / (|b| + atol / rel), which is <= rel exactly where
 `torch.testing.assert_close(rtol=rel, atol=atol)` passes): in fp32 rel 1e-5, atol 1e-6 as
 the test suite's layouts (tests/layouts.py); in bf16 / fp16 the mixed-precision tolerances
-(tests/integration/test_mixed_precision.py).
+(tests/integration/train/test_mixed_precision.py).
 
 The model and data are the self-test's own: `SELFTEST_MODEL` (4 blocks of 64, 8 heads,
 vocabulary 256, sequence 32) on synthetic token shards written to a temporary directory on
@@ -42,11 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.config.layout import Layout, device_type_for, validate
+from megalite.config.layout import Layout, device_type_for
 from megalite.config.schema import Config
 from megalite.parallel import comm
 from megalite.parallel.topology import build_topology, group_ranks
-from megalite.train.build import build_trainer
+from megalite.train.launch import plan_launch
 from megalite.train.runtime import Runtime, init_runtime
 
 SELFTEST_MODEL = ["model.n_layer=4", "model.n_embd=64", "model.n_head=8",
@@ -74,8 +74,8 @@ TOLERANCES = {
     "fp32": Tolerance(1e-5, 1e-6, "fp32: rel 1e-5, atol 1e-6 (tests/layouts.py)"),
     # the mixed-precision test's loss tolerance bounds all figures here: its norm and master
     # bounds (5e-2, 0.25 of the update) are looser than one number can state
-    "bf16": Tolerance(3e-3, 3e-3, "bf16: rel 3e-3 (tests/integration/test_mixed_precision.py)"),
-    "fp16": Tolerance(3e-3, 3e-3, "fp16: rel 3e-3 (tests/integration/test_mixed_precision.py)"),
+    "bf16": Tolerance(3e-3, 3e-3, "bf16: rel 3e-3 (tests/integration/train/test_mixed_precision.py)"),
+    "fp16": Tolerance(3e-3, 3e-3, "fp16: rel 3e-3 (tests/integration/train/test_mixed_precision.py)"),
 }
 
 
@@ -271,7 +271,7 @@ def run_serial(cfg: Config, device: torch.device, run_dir: Path, steps: int) -> 
                                                         else torch.cuda.device_count()))
     runtime = Runtime(layout=layout, topology=build_topology(1, 1, 1, alone=True),
                       device=device)
-    trainer = build_trainer(cfg, runtime, run_dir)
+    trainer = plan_launch(cfg, 1, layout).build(runtime, run_dir, shared_run_dir=False).trainer
     trace = train_steps(trainer, steps)
     return {"trace": trace, "masters": serial_masters(trainer)}
 
@@ -330,11 +330,11 @@ def run_layout(cfg: Config, world: int, run_dir: Path, steps: int, serial: dict,
                ) -> dict:
     """Train `cfg`'s layout (validated) and compare with the serial run: the check's figure
     (largest over the ranks), what it was, the checkpoint written at `save_at`."""
-    validate(cfg, world)
-    runtime = init_runtime(cfg)
+    ready = plan_launch(cfg, world)
+    runtime = init_runtime(cfg, ready.layout)
     saved = None
     try:
-        trainer = build_trainer(cfg, runtime, run_dir)
+        trainer = ready.build(runtime, run_dir, shared_run_dir=False).trainer
         trace = train_steps(trainer, steps, save_at)
         saved = trace.saved
         figure, where = difference(trace, master_pieces(trainer), trainer, serial, first_step,

@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
 from megalite.train.runtime import Runtime
-from megalite.train.step_guard import count_skipped, execute_step
+from megalite.train.step_guard import StepGuard
 from megalite.train.stop import StopRequest
 from megalite.train.timers import PHASES, StepTimers
 from megalite.utils.log import get_logger
@@ -90,10 +90,15 @@ class Trainer:
     rerun: Optional[RerunAttribution]  # resilience.rerun
     injector: Optional[FaultInjector]  # resilience.inject's drill
     # the loop's own
-    bad_in_a_row: int = field(default=0, init=False)  # skipped steps in a row
+    guard: StepGuard = field(init=False)  # executions, skip accounting, loss scale, drills
     last_batch_size: int = field(default=0, init=False)  # of the last step taken
     last_lr: float = field(default=0.0, init=False)
+    last_micro_batches: list = field(default_factory=list, init=False)  # of the last step
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.guard = StepGuard(self.schedule, self.engine, self.timers, self.progress,
+                               self.cfg.train, self.loss_scaler, self.injector)
 
     @property
     def rank(self) -> int:
@@ -126,6 +131,11 @@ class Trainer:
                               self.topo.world_group, self.rt.device, steps)
 
     # --- checkpoints --------------------------------------------------------------------
+
+    def use_rerun(self, rerun: Optional[RerunAttribution]) -> None:
+        """The rerun attribution of the next steps (None: off), e.g. the one built, switched
+        off and on by a benchmark that times steps with and without it."""
+        self.rerun = rerun
 
     def save(self) -> Optional[Path]:
         """Checkpoint the current step (collective). Returns the published directory, or None
@@ -186,11 +196,12 @@ class Trainer:
         self.last_batch_size = self.batch_size.at(self.sampler.consumed_samples)
         with timers.phase("data"):
             micro_batches = self.batches.next_step(self.last_batch_size)
+        self.last_micro_batches = micro_batches
         if self.rerun is not None:
             self.rerun.before_step()
 
         def execute(execution: int, batches: list) -> Tuple[torch.Tensor, torch.Tensor]:
-            return self._execute(execution, batches, scale)
+            return self.guard.execute(execution, batches, scale)
 
         loss, norm = execute(0, micro_batches)
         finite = math.isfinite(norm.item())
@@ -203,17 +214,8 @@ class Trainer:
             self.engine.zero_grad()
         self.last_lr = lr
         self.progress.step += 1
-        self._count_non_finite(finite, skip)
+        self.guard.count_skipped(finite, skip)
         return (loss.item() if finite and not skip else None), norm.item()
-
-    def _execute(self, execution: int, micro_batches: list, scale: float
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One execution of the step (`megalite.train.step_guard.execute_step`)."""
-        return execute_step(self, execution, micro_batches, scale)
-
-    def _count_non_finite(self, finite: bool, data_skip: bool = False) -> None:
-        """Skipped steps and the loss scale (`megalite.train.step_guard.count_skipped`)."""
-        count_skipped(self, finite, data_skip)
 
     def val_batches(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's share of the fixed validation set, read at the first evaluation (a
@@ -247,14 +249,16 @@ class Trainer:
         scores = self.evaluate_hellaswag()
         return {"hellaswag_acc": scores.acc, "hellaswag_acc_norm": scores.acc_norm}
 
-    def fit(self) -> List[dict]:
+    def fit(self, around_step: Optional[Callable] = None) -> List[dict]:
         """Train to train.max_steps: evaluate, check replicas, report stragglers, checkpoint
         and log on their schedules (a step that evaluates or reports stragglers also writes a
         metrics line; a checkpointed step is replica-checked first). Returns the metric
         records. A background save still in flight is waited for at the end (also when
-        training fails, so the last checkpoint taken gets published)."""
+        training fails, so the last checkpoint taken gets published). `around_step`: a
+        caller's hook around each step (a benchmark times one beside it), called with
+        `train_step` and returning its result."""
         try:
-            records = self._fit()
+            records = self._fit(around_step or (lambda step: step()))
         except BaseException:
             with contextlib.suppress(Exception):  # the training error is the one to report
                 self.saver.close()
@@ -280,7 +284,7 @@ class Trainer:
         report = self.stragglers.report(self.step, self.timers.take_compute())
         return {} if report is None else report
 
-    def _fit(self) -> List[dict]:
+    def _fit(self, around_step: Callable) -> List[dict]:
         cfg, t = self.cfg, self.cfg.train
         counter = self.topo.counter
         records: List[dict] = []
@@ -294,7 +298,7 @@ class Trainer:
             while self.step < t.max_steps:
                 before = counter.snapshot()
                 with self.profiler.step(self.step + 1):
-                    loss, grad_norm = self.train_step()
+                    loss, grad_norm = around_step(self.train_step)
                 collector.after_step(self.step)
                 interval.excluded_s += self.profiler.take_export_seconds()
                 interval.add_step(loss, counter.delta(counter.snapshot(), before),

@@ -1,0 +1,54 @@
+"""The model families by `model.arch`, as the config sees them: what a family answers before
+launch (its shape rules, its tensor-parallel rule, its FP8 linears), so that nothing in
+`megalite.config` names a family. A family registers once (`register_family`): GPT-2's and
+Llama's in `megalite.model.families`, whose import `megalite/__init__.py` makes; a family of
+one's own registers the same way (tests/integration/model/test_third_family.py does)."""
+from __future__ import annotations
+
+from typing import Dict, List, Protocol, Tuple
+
+from megalite.config.errors import fail
+
+# (layer, key of its input dimension, local input size, key of its output dimension, local
+# output size): one FP8 linear of a block, one TP rank's weight
+Fp8Linear = Tuple[str, str, int, str, int]
+
+
+class FamilyRules(Protocol):
+    """What `megalite.config` asks of a family (`megalite.model.family.Family` supplies it)."""
+
+    name: str  # its model.arch
+
+    def check(self, cfg) -> None:
+        """The rules of a `ModelConfig` of this family beyond the shared ones (ConfigError)."""
+
+    def check_tp(self, cfg, tp: int) -> None:
+        """The rules between the model's shape and `tp` beyond heads, hidden and MLP size."""
+
+    def fp8_linears(self, cfg, tp: int) -> List[Fp8Linear]:
+        """The block's FP8 linears (`Fp8Linear`) at `tp`."""
+
+
+_FAMILIES: Dict[str, FamilyRules] = {}
+
+
+def register_family(family: FamilyRules) -> FamilyRules:
+    """Make `family` the one of `model.arch=family.name`; a second family of that name is
+    refused (a family registers once)."""
+    known = _FAMILIES.get(family.name)
+    if known is not None and known is not family:
+        raise ValueError(f"model.arch={family.name!r} is registered already ({known!r})")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def arch_names() -> Tuple[str, ...]:
+    """The registered families' names, in registration order."""
+    return tuple(_FAMILIES)
+
+
+def registered_family(arch: str) -> FamilyRules:
+    """The family of `model.arch=arch`; a ConfigError naming the registered ones otherwise."""
+    if arch not in _FAMILIES:
+        fail("model.arch", arch, f"use one of {', '.join(_FAMILIES)}")
+    return _FAMILIES[arch]

@@ -1,0 +1,230 @@
+"""Llama, architecturally identical to `transformers.LlamaForCausalLM` (Touvron et al. 2023;
+Llama 3, Dubey et al. 2024), built from tensor-parallel layers; one instance is one pipeline
+stage (the shared part, `megalite.model.causal_lm`: head, loss, recompute, offload).
+
+Pre-RMSNorm blocks, rotary positions (`megalite.model.llama.rope`: rope_theta, Llama 3's scaling),
+grouped-query attention (`n_kv_head` key/value heads shared by n_head / n_kv_head query heads
+each) through `scaled_dot_product_attention`, a SwiGLU MLP (down(silu(gate(x)) · up(x))), no
+biases, a final RMSNorm and an LM head of its own (or the token embedding, with
+`tie_word_embeddings`, as Llama 3.2 1B/3B). Dropout where megalite's GPT-2 has it (all 0 in
+the presets; transformers' Llama has attention dropout only).
+
+Parallel layout (Megatron): q, k and v are column-parallel projections of one input — each a
+parameter of its own with transformers' name, computed by one column-parallel product that
+gathers (or copies) its input once (`column_parallel_linears`); o_proj row-parallel. TP splits
+the query heads and the KV heads alike: with tp <= n_kv_head each rank holds n_kv_head / tp KV
+heads; with tp > n_kv_head each rank holds the one KV head its query heads read, replicated
+over the tp / n_kv_head ranks that share it (`ParamSpec.tp_replicas`; the engine sums their
+gradients, `megalite.parallel.grad_sums.sum_tp_shares`). The MLP's gate and up projections are
+one column-parallel parameter `mlp.gate_up_proj` ([gate | up], each block split over TP:
+`tp_interleave=2`, transformers' Phi-3 name for the same fusion; the HF mapping splits it),
+down_proj row-parallel. The token embedding and the LM head are split over the padded
+vocabulary.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite.config.schema import ModelConfig
+from megalite.model.attention import kernel_region
+from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
+from megalite.model.llama.family import LLAMA_FAMILY, kv_split
+from megalite.model.llama.rope import apply_rotary, cos_sin, inverse_frequencies
+from megalite.parallel.group import Group
+from megalite.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linears,
+)
+
+# SDPA's enable_gqa (grouped-query attention without repeating k and v) came with torch 2.5
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = w · (x / sqrt(mean(x²) + eps)), normalised in fp32 and cast back before the
+    weight as transformers' LlamaRMSNorm does; saves only x and the fp32 reciprocal RMS (as
+    LayerNorm saves its input and statistics), the normalised x recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        g = grad.float()
+        grad_w = (g * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+        gn = g * weight.float()
+        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a weight and no bias (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class Projection(nn.Module):
+    """A column-parallel projection's weight (this rank's rows), computed together with its
+    siblings' by `column_parallel_linears` (its module name gives transformers' name)."""
+
+    def __init__(self, rows: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, in_features))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+                 residual_region: RegionFactory, attention: str = "auto"):
+        super().__init__()
+        tp = tp_group.size
+        if cfg.n_head % tp:
+            raise ValueError(f"n_head={cfg.n_head} not divisible by tp={tp}")
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.heads = cfg.n_head // tp  # query heads of this TP rank
+        self.kv_heads = kv_split(cfg.kv_heads, tp)[0]  # KV heads of this TP rank
+        self.q_proj = Projection(self.heads * self.head_dim, cfg.n_embd)
+        self.k_proj = Projection(self.kv_heads * self.head_dim, cfg.n_embd)
+        self.v_proj = Projection(self.kv_heads * self.head_dim, cfg.n_embd)
+        self.o_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_group, sp, bias=False)
+        self.tp_group, self.sequence_parallel = tp_group, sp
+        self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
+        self.tp_region, self.residual_region = tp_region, residual_region
+        self.kernel_region = kernel_region(attention)
+        device = torch.empty(0).device  # the device the stage is being built on
+        self.register_buffer("inv_freq", inverse_frequencies(cfg).to(device), persistent=False)
+        self.weight_grad_queue = None  # zero-bubble schedules: W deferred (parallel.tensor)
+
+    def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        s, b = t.shape[:2]
+        return t.view(s, b, heads, self.head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = column_parallel_linears(
+            x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], self.tp_group,
+            self.sequence_parallel, self.weight_grad_queue)
+        s, b = q.shape[:2]
+        cos, sin = cos_sin(self.inv_freq, s, q.dtype)
+        q = apply_rotary(self._heads(q, self.heads), cos, sin)
+        k = apply_rotary(self._heads(k, self.kv_heads), cos, sin)
+        v = self._heads(v, self.kv_heads)
+        p = self.attn_pdrop if self.training else 0.0
+        with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
+            y = grouped_attention(q, k, v, p)
+        y = self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+        return dropout(y, self.resid_pdrop, self.training, self.residual_region)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
+                      ) -> torch.Tensor:
+    """Causal SDPA of q [b, a, s, d] over k, v [b, g, s, d], query head i reading KV head
+    i // (a / g) (transformers' repeat_kv): SDPA's own grouped-query attention (torch >= 2.5),
+    else k and v repeated."""
+    if q.shape[1] == k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+    if SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1),
+                                          v.repeat_interleave(group, dim=1), dropout_p=p,
+                                          is_causal=True)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool,
+                 residual_region: RegionFactory):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.n_embd, 2 * cfg.ffn_size, tp_group, sp,
+                                                 bias=False)  # this rank's [gate_r | up_r]
+        self.down_proj = RowParallelLinear(cfg.ffn_size, cfg.n_embd, tp_group, sp, bias=False)
+        self.resid_pdrop, self.residual_region = cfg.resid_pdrop, residual_region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        y = self.down_proj(F.silu(gate) * up)
+        return dropout(y, self.resid_pdrop, self.training, self.residual_region)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+                 residual_region: RegionFactory, attention: str = "auto"):
+        super().__init__()
+        eps = cfg.layer_norm_epsilon
+        self.input_layernorm = RMSNorm(cfg.n_embd, eps)
+        self.self_attn = LlamaAttention(cfg, tp_group, sp, tp_region, residual_region,
+                                        attention)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
+        self.mlp = LlamaMLP(cfg, tp_group, sp, residual_region)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(CausalLM):
+    """One pipeline stage of a Llama (the whole model with the defaults: tp = pp = 1). The
+    first stage holds `model.embed_tokens`, every stage its blocks `model.layers.<i>`, the last
+    `model.norm` and the LM head (`lm_head`)."""
+
+    family = LLAMA_FAMILY
+
+    @staticmethod
+    def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+                   residual_region: RegionFactory, attention: str = "auto") -> nn.Module:
+        return LlamaBlock(cfg, tp_group, sp, tp_region, residual_region, attention)
+
+    def build(self, attention: str) -> None:
+        cfg, sp, tp_group = self.cfg, self.sequence_parallel, self.tp_group
+        self.model = nn.Module()
+        if self.first:
+            self.model.embed_tokens = VocabParallelEmbedding(self.padded_vocab, cfg.n_embd,
+                                                             tp_group, sp)
+        self.model.layers = nn.ModuleDict(
+            {str(i): self.make_block(cfg, tp_group, sp, self.tp_region, self.residual_region,
+                                     attention) for i in self.blocks})
+        if self.last:
+            self.model.norm = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon)
+
+    def block_list(self) -> List[nn.Module]:
+        return list(self.model.layers.values())
+
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def token_embedding(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def sharding_units(self) -> List[nn.Module]:
+        """The modules ZeRO-3 gathers one at a time, in forward order."""
+        units = [self.model.embed_tokens] if self.first else []
+        units += self.block_list()
+        if self.last:
+            units += [self.model.norm, self.lm_head]
+        return units
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+        if ids.shape[1] > self.cfg.n_positions:
+            raise ValueError(f"sequence length {ids.shape[1]} > model.n_positions="
+                             f"{self.cfg.n_positions}")
+        x = self.model.embed_tokens(ids.t())
+        return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)

@@ -1,0 +1,88 @@
+"""megalite benchmarks, each side by side with a reference in the same run (ratios, not
+absolute times). One subcommand per benchmark; `--help` on each lists its options.
+
+    megalite-bench train --presets tiny gpt2 --seq-len 256 --micro-batch 4
+    megalite-bench train --presets gpt2-xl --micro-batch 16 12 8 --compile 0 1   # GPU
+    megalite-bench gpu                # everything to measure on one GPU, ~6 minutes
+
+(`python scripts/bench.py ...` in a checkout is the same command.)
+"""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+from megalite_bench import (
+    attention,
+    checkpoint,
+    checkpoint_index,
+    flight,
+    gpu,
+    hf_export,
+    launch_pipeline,
+    loader,
+    loss,
+    offload,
+    pipeline,
+    plan,
+    plan_memory,
+    plan_table1,
+    prepare,
+    rerun,
+    resilience,
+    tensor,
+    train,
+    zero,
+)
+
+BENCHMARKS = {
+    "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
+    "attention": (attention, "causal attention fwd+bwd under each SDPA kernel (flash, cuDNN, ...)"),
+    "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
+    "checkpoint-index": (checkpoint_index, "the checkpoint index a resuming rank reads, at N "
+                         "simulated ranks"),
+    "hf-export": (hf_export, "the streaming transformers export's peak RSS vs shard size, on a "
+                  "model larger than the memory cap (and the whole-model read under it)"),
+    "pipeline": (pipeline, "1F1B step time and bubble vs m, against torch.distributed.pipelining"),
+    "pipeline-launch": (launch_pipeline, "pp through the launch path (build_trainer, fit, the "
+                        "resilience defaults on) against torch's Schedule1F1B; --costs: "
+                        "the watching features' cost per operation"),
+    "tp": (tensor, "tensor/sequence parallel tokens/s and activation memory vs Korthikanti"),
+    "zero": (zero, "ZeRO-3 vs FSDP2 and ZeRO-1 vs DDP + ZeroRedundancyOptimizer"),
+    "loss": (loss, "the loss alone: the old fp32 cross-entropy vs the chunked one, peak bytes "
+                   "(measured and planned) and time"),
+    "loader": (loader, "loader start-up time and memory vs corpus size (old vs new sample "
+                       "order), open files at 2,000 shards"),
+    "prepare": (prepare, "data preparation tokens/s per process vs a datasets.map reference"),
+    "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
+    "plan-memory": (plan_memory, "the memory plan's peak vs the peak live bytes of real "
+                                 "training steps (CPU or GPU, one or more ranks)"),
+    "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
+                                 "2021 Table 1 next to the paper's (no device used)"),
+    "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "
+                         "time with and without, torchao's CPUOffloadOptimizer on CUDA"),
+    "resilience": (resilience, "step time with the replica check and straggler reports vs "
+                               "without"),
+    "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
+    "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
+    "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "
+                 "MFU of the bench and launch paths, offload, calibration, checkpoint, rerun)"),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`megalite-bench`: argv (default: the command line) names a benchmark and its options."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

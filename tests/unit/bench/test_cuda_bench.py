@@ -1,0 +1,30 @@
+"""The offload benchmark on a GPU (megalite_bench/offload.py): each variant built, timed and
+freed in turn (the device memory after a variant is what it was before it), the offload
+waits measured with CUDA events. Skipped without a GPU; `megalite-bench gpu` runs it.
+Written against CUDA semantics; not yet run on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_variants_are_freed_and_waits_are_device_time():
+    from megalite.config.schema import load_config
+    from megalite_bench.offload import build_variant, random_batches, time_variant
+
+    device = torch.device("cuda")
+    mcfg = load_config(["model.n_layer=2", "model.n_embd=128", "model.n_head=4",
+                        "model.vocab_size=1024", "model.resid_pdrop=0", "model.embd_pdrop=0",
+                        "model.attn_pdrop=0"]).model
+    batches = random_batches(mcfg.vocab_size, 2, 64, 2, device)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    for fraction, activations in ((0.0, False), (1.0, False), (0.5, True)):
+        got = time_variant(lambda: build_variant(mcfg, device, torch.bfloat16, "bf16", 2, 64, fraction,
+                                        activations, batches), device, warmup=1, steps=2)
+        assert got["step_s"] > 0 and got["peak_memory_gib"] > 0
+        assert got["offload_wait_s"] >= 0 and (fraction > 0 or got["offload_wait_s"] == 0)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated(device) <= before + 2**20  # nothing left alive
