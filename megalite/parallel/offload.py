@@ -29,7 +29,8 @@ it does not need yet), one side stream for every copy (CUDA) and one host worker
                (`on_reduced`): there is no stream to order it after the collective
     grad sync  `drain`: every range's copies landed, folded and squared (the CPU waits for
                the worker: normally only the last bucket's copy is still running); the tied
-               embedding's sum and SP's TP sum then include the host pieces
+               embedding's sum, SP's TP sum and the TP-shared KV heads' sum then
+               include the host pieces
                (`megalite.parallel.grad_sums`), and the pieces they change are the only
                host pieces whose squares the training thread takes (`grad_norm`)
     norm       host squares (precomputed) + device squares: the trainer's finiteness verdict

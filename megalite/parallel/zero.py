@@ -147,7 +147,8 @@ class ZeroEngine(EngineState):
             for (p, seg, b), host in zip(self._main_params, self._on_host):
                 if not host or not self._counted(seg):
                     continue
-                if b.tied or (self.sequence_parallel and seg.spec.tp_replicated):
+                if (b.tied or (self.sequence_parallel and seg.spec.tp_replicated)
+                        or seg.spec.tp_replicas > 1):  # (KV heads shared over TP ranks)
                     rest.append(p.grad)  # summed after the reduction: squared in grad_norm
                 else:
                     self.offload.count_in_norm(b, p.grad)

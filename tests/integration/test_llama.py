@@ -1,11 +1,11 @@
 """The Llama family on real gloo ranks: logits equal transformers' `LlamaForCausalLM` under tp2 +
 SP and pp2; training equals the serial run (fp32, dropout 0: losses, grad norms, validation
 loss, every parameter slice after every step) under tp2 + SP with the KV heads split and with
-them replicated (n_kv_head = 1 < tp), pp2 zb-v, pp2 interleaved, dp2 zero 3, and two 4-rank
-layouts with the KV head replicated (tp2 + SP + pp2 zb-h1, tp2 + SP + dp2 zero 3) that resume
-from the tp2 layout's checkpoint; the same checkpoint resumed serially (tp2 -> tp1: the shared
-KV slices read once) and exported to transformers; each layout against the plan; `fit()` with
-the default-on services."""
+them replicated (n_kv_head = 1 < tp; also with recompute, and with optimizer offload), pp2
+zb-v, pp2 interleaved, dp2 zero 3, and two 4-rank layouts with the KV head replicated (tp2 +
+SP + pp2 zb-h1, tp2 + SP + dp2 zero 3) that resume from the tp2 layout's checkpoint; the same
+checkpoint resumed serially (tp2 -> tp1: the shared KV slices read once) and exported to
+transformers; each layout against the plan; `fit()` with the default-on services."""
 from __future__ import annotations
 
 import pytest
@@ -127,6 +127,9 @@ def test_layouts_equal_serial_and_resume_under_another_layout(tiny_data, tmp_pat
     two = {"tp2 sp, activation offload": ("kv2", ["tp=2", "sp=true", "offload.activations=true"]),
            "tp2 sp replicated kv": ("kv1", ["tp=2", "sp=true", *KV1, f"checkpoint.dir={ckpt}"]),
            "tp2 replicated kv, recompute": ("kv1", ["tp=2", *KV1, "train.recompute=true"]),
+           # the shared KV head's host pieces squared after its TP sum (the grad norm)
+           "tp2 replicated kv, optimizer offload": ("kv1", ["tp=2", *KV1,
+                                                            "offload.optimizer=1"]),
            "pp2 zb-v": ("kv2", ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2"]),
            "pp2 interleaved": ("kv2", ["pp=2", "parallel.virtual_stages=2"]),
            "dp2 zero3, optimizer offload": ("kv2", ["zero=3", "offload.optimizer=0.5"])}
