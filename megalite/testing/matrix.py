@@ -28,6 +28,7 @@ from megalite.config.schema import Config
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
+from megalite.train.selftest import release
 
 SAVED, STEPS = 2, 3  # the checkpoint a row resumes from, and its steps in all
 
@@ -84,10 +85,12 @@ def _train(world: int, parts: List[Config], run_dir: str) -> dict:
     records, first_masters = [], None
     for cfg in parts:
         validate(cfg, world)
-        trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
+        runtime = init_runtime(cfg)
+        trainer = build_trainer(cfg, runtime, run_dir)
         if first_masters is None:
             first_masters = _masters(trainer.engine)
         records += trainer.fit()
+        release(runtime)  # a process trains many runs: its groups' sockets would pile up
     c = trainer.topo.coords
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "norms": [r["grad_norm"] for r in records], "first": first_masters,
