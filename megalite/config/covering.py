@@ -81,23 +81,35 @@ def _candidate(start: Combination, sizes: Sequence[int], strength: int,
 
 def covering_array(sizes: Sequence[int], strength: int, allowed: Callable[[Row], bool],
                    seed: int = 0, candidates: int = 16, impossible: Sequence[Combination] = (),
-                   cost: Callable[[Row], float] = lambda row: 1.0
-                   ) -> Tuple[List[Row], List[Combination]]:
+                   cost: Callable[[Row], float] = lambda row: 1.0,
+                   seeds: Sequence[Dict[int, int]] = ()) -> Tuple[List[Row], List[Combination]]:
     """(rows, combinations no allowed row was found for): every combination of `strength`
     values not in `impossible` is in some row, or in the second list. Of the candidates for
-    a row the one with the most new combinations per `cost` (e.g. its ranks) is kept."""
+    a row the one with the most new combinations per `cost` (e.g. its ranks) is kept. The
+    first rows hold the `seeds` (partial rows, {axis: value}), completed greedily."""
     rng = random.Random(seed)
     uncovered = set(combinations_of(sizes, strength)) - set(impossible)
     rows: List[Row] = []
     unreachable: List[Combination] = []
-    while uncovered:
-        pending = sorted(uncovered)
+
+    def best_of(starts: List[Combination]) -> Optional[Row]:
         best, best_score = None, 0.0
         for _ in range(candidates):
-            row = _candidate(rng.choice(pending), sizes, strength, uncovered, allowed, rng)
+            row = _candidate(rng.choice(starts), sizes, strength, uncovered, allowed, rng)
             score = 0.0 if row is None else len(covered_by(row, strength) & uncovered) / cost(row)
             if score > best_score:
                 best, best_score = row, score
+        return best
+
+    for partial in seeds:
+        row = best_of([tuple(sorted(partial.items()))])
+        if row is None:
+            raise ValueError(f"no allowed row holds the seed {partial}")
+        rows.append(row)
+        uncovered -= covered_by(row, strength)
+    while uncovered:
+        pending = sorted(uncovered)
+        best = best_of(pending)
         if best is None:  # no candidate could be made allowed: the first pending, alone
             combo = pending[0]
             best = find_row(dict(combo), sizes, allowed, [0] * len(sizes))

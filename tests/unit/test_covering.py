@@ -72,3 +72,12 @@ def test_find_row_searches_near_the_given_row():
     only = [(1, 1, 1, 1)]  # three changes away from (1, 0, 0, 0)
     assert find_row({}, [2] * 4, lambda r: r in only, [1, 0, 0, 0], changes=3) == only[0]
     assert find_row({}, [2] * 4, lambda r: r in only, [1, 0, 0, 0], changes=2) is None
+
+
+def test_seeds_start_the_array():
+    sizes = [3, 3, 2, 2]
+    rows, _ = covering_array(sizes, 2, _all_allowed, seeds=[{0: 2, 1: 1}, {2: 1, 3: 0}])
+    assert rows[0][:2] == (2, 1) and rows[1][2:] == (1, 0)
+    _assert_covers(rows, sizes, 2)
+    with pytest.raises(ValueError, match="seed"):
+        covering_array(sizes, 2, lambda r: r[0] != 2, seeds=[{0: 2}])
