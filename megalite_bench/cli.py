@@ -22,6 +22,7 @@ from megalite_bench import (
     launch_pipeline,
     loader,
     loss,
+    matrix,
     offload,
     pipeline,
     plan,
@@ -65,6 +66,8 @@ BENCHMARKS = {
                                "without"),
     "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
     "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
+    "matrix": (matrix, "the combination matrix (--strength 3 before landing an engine change): "
+                       "every run against its serial run"),
     "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "
                  "MFU of the bench and launch paths, offload, calibration, checkpoint, rerun)"),
 }

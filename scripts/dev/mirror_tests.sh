@@ -122,3 +122,6 @@ move unit hf_stream checkpoint
 move unit hub_cache model
 move integration titan checkpoint
 move unit gpu_tests_hold project
+move unit combinations config
+move unit covering config
+move integration combination_matrix train

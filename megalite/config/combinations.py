@@ -1,0 +1,256 @@
+"""Every feature axis of a run and which combinations of their values megalite refuses: the
+one home the combination matrix (`megalite.testing.matrix`, `megalite-bench matrix`) and the
+user's support matrix (docs/support-matrix.md, `megalite.config.support_matrix`) read.
+
+An axis is a feature with the values the matrix tries, each value a few configuration
+settings (dotted keys). There is no second list of refusal rules: whether a combination is
+refused is what `megalite.config.layout.validate` — the check every launch runs before any
+process group exists — says about a run made of it (`refusal`), and a refused combination
+carries the key and the message that validation raised. The matrix's own bound (at most
+`MAX_RANKS` ranks a run, on a 2-core machine) is reported apart from megalite's refusals.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from megalite.config.covering import combinations_of, covering_array, find_row
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import Config
+
+MAX_RANKS = 8  # the matrix's bound on tp * pp * dp (tiny models on a few CPU cores)
+LLAMA = {"model.arch": "llama", "model.n_inner": 96, "model.rope_theta": 50000.0}
+
+
+@dataclass(frozen=True)
+class Value:
+    label: str
+    settings: Dict[str, object]
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    doc: str
+    values: Tuple[Value, ...]
+
+    def labels(self) -> List[str]:
+        return [v.label for v in self.values]
+
+
+def _axis(name: str, doc: str, *values: Tuple[str, Dict[str, object]]) -> Axis:
+    return Axis(name, doc, tuple(Value(label, settings) for label, settings in values))
+
+
+OFF, ON = "off", "on"
+RESILIENCE_OFF = {"resilience.check_every": 0, "resilience.straggler_report_every": 0,
+                  "resilience.hang_dump": False}
+# the defaults on (hang watch, replica check, straggler report) with their periods inside
+# a run of a few steps
+RESILIENCE_ON = {"resilience.check_every": 1, "resilience.straggler_report_every": 1,
+                 "resilience.hang_dump": True}
+
+AXES: Tuple[Axis, ...] = (
+    _axis("family", "model family; Llama's 2 KV heads split over tp=2, or its 1 KV head "
+          "replicated over both TP ranks",
+          ("gpt2", {"model.arch": "gpt2"}),
+          ("llama kv split", {**LLAMA, "model.n_kv_head": 2}),
+          ("llama kv replicated", {**LLAMA, "model.n_kv_head": 1})),
+    _axis("tp", "tensor parallel size", ("1", {"tp": 1}), ("2", {"tp": 2})),
+    _axis("sp", "sequence parallelism", (OFF, {"sp": False}), (ON, {"sp": True})),
+    _axis("pp", "pipeline stages", ("1", {"pp": 1}), ("2", {"pp": 2}), ("4", {"pp": 4})),
+    _axis("schedule", "pipeline schedule (interleaved and zb-v: 2 model chunks a stage)",
+          ("1f1b", {"parallel.schedule": "1f1b", "parallel.virtual_stages": 1}),
+          ("interleaved", {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2}),
+          ("zb-h1", {"parallel.schedule": "zb-h1", "parallel.virtual_stages": 1}),
+          ("zb-v", {"parallel.schedule": "zb-v", "parallel.virtual_stages": 2})),
+    _axis("dp", "data parallel size (world = tp * pp * dp)", ("1", {}), ("2", {})),
+    _axis("zero", "ZeRO stage", *((str(z), {"zero": z}) for z in range(4))),
+    _axis("optimizer offload", "offload.optimizer: the fraction of the optimizer state on the "
+          "host", *((f"{f:g}", {"offload.optimizer": f}) for f in (0.0, 0.5, 1.0))),
+    _axis("activation offload", "offload.activations (first blocks: the first block of each "
+          "stage)", (OFF, {"offload.activations": False, "offload.activations_layers": None}),
+          ("first blocks", {"offload.activations": True, "offload.activations_layers": 1})),
+    _axis("recompute", "activation recomputation (some layers: the first block of each stage)",
+          (OFF, {"train.recompute": False, "train.recompute_layers": None}),
+          ("all", {"train.recompute": True, "train.recompute_layers": None}),
+          ("some layers", {"train.recompute": True, "train.recompute_layers": 1})),
+    _axis("fp8", "FP8 matmuls (emulated on CPU)", ("none", {"fp8.recipe": "none"}),
+          ("tensorwise", {"fp8.recipe": "tensorwise", "fp8.emulate": True}),
+          ("rowwise", {"fp8.recipe": "rowwise", "fp8.emulate": True})),
+    _axis("precision", "parameters and activations (masters and moments fp32)",
+          ("fp32", {"precision": "fp32"}), ("bf16", {"precision": "bf16"})),
+    _axis("head", "LM head", ("tied", {"model.tie_word_embeddings": True}),
+          ("untied", {"model.tie_word_embeddings": False})),
+    _axis("batch", "global batch: constant, or ramped up from 4 sequences (train.rampup_"
+          "batch_size=[4,4,8]: steps of 4, 4, then 8)", ("constant", {"train.rampup_batch_size": None}),
+          ("ramp-up", {"train.rampup_batch_size": [4, 4, 8]})),
+    _axis("resilience", "the resilience defaults (replica check, straggler report, hang watch)",
+          (ON, RESILIENCE_ON), (OFF, RESILIENCE_OFF)),
+)
+# the serial run a row is compared with: these axes at the row's values, every other at its
+# first value (one rank, no offload, no recompute, the defaults on: numerics unchanged)
+SERIAL_AXES = ("family", "fp8", "precision", "head", "batch")
+
+# combinations of more than two values where a defect was found, in every array (the suite's
+# strength 2 included): the first rows start from them
+REGRESSIONS = (
+    # optimizer offload squared the replicated KV heads' gradient pieces before their TP sum
+    # (fp32 without FP8: held to the tight tolerance)
+    {"family": "llama kv replicated", "tp": "2", "optimizer offload": "1", "precision": "fp32",
+     "fp8": "none"},
+)
+
+# the fixed settings of every matrix run: a tiny model (8 blocks: room for zb-v at pp=4),
+# fp32-comparable (dropout 0), lr 1e-3 without warm-up (FP8 rounding differences grow
+# chaotically over 3 steps at 1e-2: grad norms 7-47% apart at step 3 under tp=2),
+# decaying over a fixed 4 steps (not max_steps: the run before the checkpoint is shorter)
+MATRIX_BASE = ["device=cpu", "model.n_layer=8", "model.n_embd=64", "model.n_head=4",
+               "model.n_positions=64", "model.vocab_size=1024", "model.resid_pdrop=0",
+               "model.embd_pdrop=0", "model.attn_pdrop=0", "train.seq_len=32",
+               "train.micro_batch_size=1", "train.global_batch_size=8", "train.eval_every=0",
+               "optim.lr=1e-3", "optim.warmup_steps=0", "optim.decay_steps=4", "optim.eps=1e-6",
+               "log.every=1", "log.wandb=false", "log.progress=false", "log.peak_tflops=1"]
+
+Row = Tuple[int, ...]  # one value index per axis of AXES
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a run of some values cannot be in the matrix: `kind` "megalite" (the key and the
+    message of the ConfigError validation raised) or "matrix" (more than MAX_RANKS ranks)."""
+
+    kind: str
+    key: str
+    message: str
+
+
+def labels(row: Sequence[int]) -> Dict[str, str]:
+    return {axis.name: axis.values[i].label for axis, i in zip(AXES, row)}
+
+
+def row_of(values: Dict[str, str]) -> Row:
+    """The row of the given labels, every other axis at its first value."""
+    return tuple(axis.labels().index(values.get(axis.name, axis.values[0].label))
+                 for axis in AXES)
+
+
+def world_size(row: Sequence[int]) -> int:
+    v = labels(row)
+    return int(v["tp"]) * int(v["pp"]) * int(v["dp"])
+
+
+def settings(row: Sequence[int]) -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for axis, i in zip(AXES, row):
+        out.update(axis.values[i].settings)
+    return out
+
+
+def row_config(base: Config, row: Sequence[int]) -> Config:
+    """`base` (MATRIX_BASE composed, with a data.dir) with the row's settings."""
+    cfg = copy.deepcopy(base)
+    for key, value in settings(row).items():
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, last, copy.deepcopy(value))
+    return cfg
+
+
+def serial_row(row: Sequence[int]) -> Row:
+    """The row of the serial run `row` is compared with."""
+    return row_of({k: v for k, v in labels(row).items() if k in SERIAL_AXES})
+
+
+def refusal(base: Config, row: Sequence[int]) -> Optional[Refusal]:
+    """None when the row can run in the matrix; else why not."""
+    world = world_size(row)
+    if world > MAX_RANKS:
+        return Refusal("matrix", "tp*pp*dp", f"{world} ranks, over the matrix's "
+                       f"{MAX_RANKS}")
+    try:
+        validate(row_config(base, row), world)
+    except ConfigError as e:
+        return Refusal("megalite", e.key or str(e).split("=")[0], str(e))
+    return None
+
+
+def allowed_rows(base: Config) -> Callable[[Row], bool]:
+    """The generator's constraint: validation's verdict on a whole row, remembered."""
+    seen: Dict[Row, bool] = {}
+
+    def allowed(row: Row) -> bool:
+        if row not in seen:
+            seen[row] = refusal(base, row) is None
+        return seen[row]
+    return allowed
+
+
+def refused_tuples(base: Config, strength: int) -> List[Tuple[Dict[str, str], Refusal]]:
+    """Every combination of 2 to `strength` axis values that no run of the matrix can hold,
+    with its refusal; combinations that contain a smaller refused one are left out (implied).
+
+    A combination is refused when no row holding it passes: neither a row near the
+    all-first-values one (`find_row`) nor the row where each of its values runs alone (the
+    settings each value needs by itself, e.g. pp=2 for zb-h1, with the combination's values
+    on top), whose refusal is the one reported."""
+    allowed, sizes = allowed_rows(base), [len(a.values) for a in AXES]
+    default, out, refused = row_of({}), [], set()
+    for t in range(2, strength + 1):
+        for axes in itertools.combinations(range(len(AXES)), t):
+            for values in itertools.product(*(range(sizes[a]) for a in axes)):
+                pairs = tuple(zip(axes, values))
+                if any(sub in refused for k in range(2, t)
+                       for sub in itertools.combinations(pairs, k)):
+                    continue
+                if find_row(dict(pairs), sizes, allowed, default) is not None:
+                    continue
+                why = refusal(base, _where_each_runs(pairs, sizes, allowed, default))
+                if why is not None:
+                    refused.add(pairs)
+                    out.append(({AXES[a].name: AXES[a].values[v].label for a, v in pairs}, why))
+    return out
+
+
+def _where_each_runs(pairs, sizes, allowed, default) -> Row:
+    """The default row with what each (axis, value) of `pairs` needs alone, then `pairs`."""
+    row = list(default)
+    for a, v in pairs:
+        alone = find_row({a: v}, sizes, allowed, default)
+        for other, (mine, theirs) in enumerate(zip(default, alone or default)):
+            if mine != theirs:
+                row[other] = theirs
+    for a, v in pairs:
+        row[a] = v
+    return tuple(row)
+
+
+def _as_combination(named: Dict[str, str]) -> Tuple[Tuple[int, int], ...]:
+    names = [a.name for a in AXES]
+    return tuple(sorted((names.index(k), AXES[names.index(k)].labels().index(v))
+                        for k, v in named.items()))
+
+
+def matrix_rows(base: Config, strength: int, seed: int = 0
+                ) -> Tuple[List[Row], List[Tuple[Dict[str, str], Refusal]]]:
+    """The covering array of `strength` over AXES with validation's refusals applied (its
+    first rows hold the REGRESSIONS), and the refused combinations (of 2 to `strength`
+    values) it leaves out, each with its refusal. Raises if the generator meets a
+    combination neither covered nor refused."""
+    refused = refused_tuples(base, strength)
+    gone = {_as_combination(named) for named, _ in refused}
+    impossible = [c for c in combinations_of([len(a.values) for a in AXES], strength)
+                  if any(sub in gone for k in range(2, strength + 1)
+                         for sub in itertools.combinations(c, k))]
+    seeds = [dict(_as_combination(named)) for named in REGRESSIONS]
+    rows, unreachable = covering_array([len(a.values) for a in AXES], strength,
+                                       allowed_rows(base), seed, impossible=impossible,
+                                       cost=world_size, seeds=seeds)
+    if unreachable:
+        raise RuntimeError(f"combinations neither covered nor refused: {unreachable}")
+    return rows, refused

@@ -1,0 +1,192 @@
+"""Run rows of the combination matrix (`megalite.config.combinations`) on spawned gloo ranks and
+hold each against its serial run.
+
+A row is trained the way `pretrain.py` trains: validated, planned and built by the launch path
+(`megalite.train.launch`), trained by `fit()` for SAVED steps (ending in a checkpoint), then
+built again and resumed from that checkpoint to step STEPS. Its serial run
+(`combinations.serial_row`: the same family, head, precision, FP8 recipe and batch schedule on
+one rank, no offload or recompute) trains the STEPS steps without a break. The row must equal
+it on every step's loss and gradient norm and on the final fp32 master weights (the parameters
+are these cast to the compute dtype), within the tolerance of its precision and FP8 recipe
+(`TOLERANCES`). Rows share spawns: one spawned world per world size runs all its rows in
+sequence, and the serial runs are made once each, in one world of one rank.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from megalite.config.combinations import Row, labels, row_config, serial_row, world_size
+from megalite.config.schema import Config
+from megalite.testing.spawn import run_ranks
+from megalite.train.launch import launch
+from megalite.train.selftest import release
+
+SAVED, STEPS = 2, 3  # the checkpoint a row resumes from, and its steps in all
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Relative tolerances of the losses and grad norms, and of the final master weights:
+    `rtol` elementwise (with an absolute floor of 1e-5: AdamW's first steps move a weight by
+    about lr = 1e-3 whatever its gradient, so a gradient near zero that rounds differently
+    moves it differently), 0 = not checked, and `update` on ||w - w_serial|| / ||w_serial -
+    w_0|| (a lost or doubled gradient or update makes that of order 1)."""
+
+    loss: float
+    norm: float
+    rtol: float = 0.0
+    update: float = 0.0
+
+
+# fp32: summation order alone (the parity tests' 1e-5); bf16: tests/integration/
+# test_mixed_precision.py's bounds; FP8: tests/integration/test_fp8.py's later steps' for
+# losses and norms (fp32) and bf16's (bf16). Measured on the matrix's model at tp=2 (3 steps;
+# loss, norm, update error at worst): FP8 fp32 1.5e-4, 1.4e-2, 0.112 (Llama, tensorwise, the
+# same with or without dp, pp, offload, recompute: FP8's rounding under TP); FP8 bf16 2.8e-4,
+# 1.3e-2, 0.13
+TOLERANCES = {("fp32", False): Tolerance(loss=1e-5, norm=1e-5, rtol=1e-5, update=1e-3),
+              ("bf16", False): Tolerance(loss=3e-3, norm=5e-2, update=0.25),
+              ("fp32", True): Tolerance(loss=1e-3, norm=3e-2, update=0.2),
+              ("bf16", True): Tolerance(loss=3e-3, norm=5e-2, update=0.25)}
+
+
+def tolerance_of(row: Sequence[int]) -> Tolerance:
+    v = labels(row)
+    return TOLERANCES[v["precision"], v["fp8"] != "none"]
+
+
+def _parts(base: Config, row: Sequence[int], run_dir: str, resume: bool) -> List[Config]:
+    """The row's configurations: [until SAVED, resumed until STEPS], or [STEPS at once]."""
+    cfg = row_config(base, row)
+    cfg.checkpoint.dir = f"{run_dir}/checkpoints"
+    if not resume:
+        cfg.train.max_steps = STEPS
+        return [cfg]
+    first, resumed = copy.deepcopy(cfg), copy.deepcopy(cfg)
+    first.train.max_steps, resumed.train.max_steps = SAVED, STEPS
+    resumed.checkpoint.resume = "auto"
+    return [first, resumed]
+
+
+def _masters(engine) -> List[tuple]:
+    """This rank's fp32 master ranges: (global name, lo, hi of the flattened TP slice, values)."""
+    return [(seg.spec.name, seg.param_lo, seg.param_hi, piece.detach().clone())
+            for piece, seg, _ in engine.main_params]
+
+
+def _train(world: int, parts: List[Config], run_dir: str) -> dict:
+    records, first_masters = [], None
+    for cfg in parts:
+        run = launch(cfg, world, run_dir)  # validate -> plan -> runtime -> build, as pretrain.py
+        runtime, trainer = run.runtime, run.trainer
+        if first_masters is None:
+            first_masters = _masters(trainer.engine)
+        records += trainer.fit()
+        release(runtime)  # a process trains many runs: its groups' sockets would pile up
+    c = trainer.topo.coords
+    return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
+            "norms": [r["grad_norm"] for r in records], "first": first_masters,
+            "last": _masters(trainer.engine), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
+            "specs": {s.name: s for s in trainer.model.param_specs.values()}}
+
+
+def _rows_on_ranks(rank: int, world: int, jobs: List[Tuple[List[Config], str]]) -> List[dict]:
+    return [_train(world, parts, run_dir) for parts, run_dir in jobs]
+
+
+def serial_runs(base: Config, rows: Sequence[Row], workdir: Path,
+                timeout_s: float = 900) -> Dict[Row, dict]:
+    """The serial run of every row's `serial_row`, each once, in one spawned rank."""
+    keys = sorted({serial_row(r) for r in rows})
+    jobs = [(_parts(base, k, f"{workdir}/serial{i}", resume=False), f"{workdir}/serial{i}")
+            for i, k in enumerate(keys)]
+    (results,) = run_ranks(_rows_on_ranks, 1, args=(jobs,), timeout_s=timeout_s)
+    return dict(zip(keys, results))
+
+
+def run_rows(base: Config, rows: Sequence[Row], workdir: Path,
+             timeout_s: float = 900) -> List[List[dict]]:
+    """Rows of one world size in one spawned world: per row, a result per rank."""
+    (world,) = {world_size(r) for r in rows}
+    jobs = [(_parts(base, r, f"{workdir}/w{world}r{i}", resume=True), f"{workdir}/w{world}r{i}")
+            for i, r in enumerate(rows)]
+    per_rank = run_ranks(_rows_on_ranks, world, args=(jobs,), timeout_s=timeout_s)
+    return [[per_rank[rank][i] for rank in range(world)] for i in range(len(rows))]
+
+
+def _global(result: dict, which: str) -> Dict[str, torch.Tensor]:
+    """A one-rank run's master weights as global tensors (vocabulary padding removed)."""
+    flat: Dict[str, list] = {}
+    for name, lo, _, values in result[which]:
+        flat.setdefault(name, []).append((lo, values))
+    specs = result["specs"]
+    return {name: specs[name].unshard([torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])])
+                                       .view(specs[name].local_shape(1))])
+            for name, parts in flat.items()}
+
+
+def _master_failures(serial: dict, rank: dict, tol: Tolerance) -> List[str]:
+    start, end = _global(serial, "first"), _global(serial, "last")
+    err = moved = 0.0
+    failures = []
+    for name, lo, hi, values in rank["last"]:
+        spec = rank["specs"][name]
+        expect = spec.shard(end[name], rank["tp_rank"], rank["tp"]).reshape(-1)[lo:hi]
+        initial = spec.shard(start[name], rank["tp_rank"], rank["tp"]).reshape(-1)[lo:hi]
+        err += float(((values - expect) ** 2).sum())
+        moved += float(((expect - initial) ** 2).sum())
+        if tol.rtol and not torch.allclose(values, expect, rtol=tol.rtol, atol=1e-5):
+            worst = float((values - expect).abs().max())
+            failures.append(f"{name}[{lo}:{hi}]: max |master - serial| = {worst:.3g}")
+    if tol.update and math.sqrt(err / moved) > tol.update:
+        failures.append(f"master update error {math.sqrt(err / moved):.3g} > {tol.update}")
+    return failures
+
+
+def check_row(row: Sequence[int], serial: dict, ranks: List[dict]) -> List[str]:
+    """What of `ranks` (a row's result per rank) differs from `serial` beyond the row's
+    tolerance: an empty list when it equals its serial run."""
+    tol, failures = tolerance_of(row), []
+    for r, res in enumerate(ranks):
+        if res["steps"] != list(range(1, STEPS + 1)):
+            failures.append(f"rank {r}: steps {res['steps']} (the resume did not continue)")
+            continue
+        for s in range(STEPS):
+            for key, what, rel in (("losses", "loss", tol.loss), ("norms", "grad norm", tol.norm)):
+                a, b = serial[key][s], res[key][s]
+                if not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
+                    failures.append(f"rank {r} step {s + 1} {what}: {b!r}, serial {a!r}")
+        failures += [f"rank {r}: {f}" for f in _master_failures(serial, res, tol)]
+    return failures
+
+
+@dataclass
+class MatrixReport:
+    rows: List[Row]
+    failures: Dict[int, List[str]]  # row index -> what differs (rows that equal serial: [])
+    seconds: Dict[str, float]  # "serial", "world N": wall time of each spawn
+
+
+def run_matrix(base: Config, rows: Sequence[Row], workdir: Path,
+               timeout_s: float = 3600) -> MatrixReport:
+    """Every row against its serial run: the serial runs, then one spawn per world size."""
+    seconds: Dict[str, float] = {}
+    start = time.perf_counter()
+    serial = serial_runs(base, rows, workdir, timeout_s)
+    seconds["serial"] = time.perf_counter() - start
+    failures: Dict[int, List[str]] = {}
+    for world in sorted({world_size(r) for r in rows}):
+        index = [i for i, r in enumerate(rows) if world_size(r) == world]
+        start = time.perf_counter()
+        results = run_rows(base, [rows[i] for i in index], workdir, timeout_s)
+        seconds[f"world {world}"] = time.perf_counter() - start
+        for i, ranks in zip(index, results):
+            failures[i] = check_row(rows[i], serial[serial_row(rows[i])], ranks)
+    return MatrixReport(list(rows), failures, seconds)
