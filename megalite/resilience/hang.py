@@ -200,11 +200,17 @@ class HangWatch:
         """Look every `poll_s` (at once on a signal): at this rank's operations, at the
         signal, at the other ranks' requests. On CUDA it queries the recorder's probes on the
         device of the thread that started it (`cuda_device`), set first."""
-        import select
+        import selectors  # not select.select: it raises for a descriptor >= 1024, which a
+        # process holding many gloo sockets or token shards reaches, and the watch would die
 
         bind_cuda_device(cuda_device)
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            self._watch_loop(selector)
+
+    def _watch_loop(self, selector) -> None:
         while not self._stop.is_set():
-            ready, _, _ = select.select([self._wake_r], [], [], self.poll_s)
+            ready = selector.select(self.poll_s)
             if self._stop.is_set():
                 return
             if ready:

@@ -107,6 +107,22 @@ def test_a_signal_dumps_a_single_rank_while_it_runs(tmp_path):
     assert states[0]["groups"][0]["started"] == 1
 
 
+def test_the_watch_runs_when_its_descriptors_are_numbered_past_1024(tmp_path):
+    """A process with many descriptors open (gloo sockets, token shards): the watch's wake-up
+    socket gets a number >= 1024, past what select.select takes; the signal dump still comes."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"the open-file limit ({soft}) is below the 1,100 descriptors needed")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        test_a_signal_dumps_a_single_rank_while_it_runs(tmp_path)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def test_outside_the_watch_a_failure_dumps_the_failing_rank_alone(tmp_path):
     """Set-up and resume run outside `fit`'s watch: no request, no summary, one dump."""
     rec = FlightRecorder(rank=3, history=4)
