@@ -92,6 +92,9 @@ def live_storages(device: Optional[torch.device] = None) -> Dict[int, int]:
     CPU by default), found through Python's garbage collector after a collection."""
     import gc
 
+    from torch._subclasses.fake_tensor import is_fake  # no memory of their own; their
+    # storage has no data pointer (a FakeTensor a tracer or DCP's planner left alive)
+
     device = torch.device("cpu") if device is None else torch.device(device)
     gc.collect()
     storages: Dict[int, int] = {}
@@ -99,10 +102,13 @@ def live_storages(device: Optional[torch.device] = None) -> Dict[int, int]:
         # type(): isinstance would read __class__, which some of the collector's objects
         # warn on
         if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type \
-                and not obj.is_meta:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = max(storage.nbytes(),
-                                               storages.get(storage.data_ptr(), 0))
+                and not obj.is_meta and not is_fake(obj):
+            try:
+                storage = obj.untyped_storage()
+                address = storage.data_ptr()
+            except RuntimeError:  # no data pointer (a tracer's wrapper): no memory to count
+                continue
+            storages[address] = max(storage.nbytes(), storages.get(address, 0))
     return storages
 
 
