@@ -178,7 +178,7 @@ def test_ci_runs_the_documented_test_command():
               if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert len(script) == 1, script
     command = script[0].strip()
-    assert command.startswith("pip install torch==") and command.endswith("python -m pytest -q")
+    assert command.startswith("pip install torch==") and command.endswith("python -m pytest -q && bash docker/check.sh")
     for doc in ("README.md", "docs/contributing.md"):
         shown = [line.strip() for line in (REPO / doc).read_text().splitlines()]
         assert command in shown, f"{doc} does not show .ci/run's command: {command}"
