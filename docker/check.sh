@@ -60,7 +60,7 @@ build_base() {
     # shellcheck disable=SC2046  # one -v option per line
     "${BUILDAH[@]}" run --isolation chroot $(pip_mounts) "$ctr" -- sh -c \
         "python3 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir torch==$TORCH_VERSION+cpu \
-         || /opt/venv/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==$TORCH_VERSION+cpu"
+         || /opt/venv/bin/pip install --no-cache-dir --retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu torch==$TORCH_VERSION+cpu"
     "${BUILDAH[@]}" commit --rm "$ctr" "$BASE" >/dev/null
     containers=()
     # older bases (another recipe or torch) are stale: drop them

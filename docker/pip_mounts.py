@@ -26,7 +26,8 @@ def local_paths(settings: dict) -> set:
         for word in value.split():
             path = word[len("file://"):] if word.startswith("file://") else word
             if path.startswith("/") and Path(path).exists():
-                paths.add(path)
+                # a local index's pages link files beside it (<root>/simple -> <root>/files)
+                paths.add(str(Path(path).parent) if Path(path).name == "simple" else path)
     return paths
 
 
