@@ -77,7 +77,8 @@ build_image() {
 }
 
 in_image() {  # in_image ARGS...: run in the image as the mounting user, /workspace mounted
-    "${BUILDAH[@]}" run --isolation chroot --user $RUN_UID:$RUN_UID \
+    # gloo finds its interface through the hostname, which the image's /etc/hosts lacks
+    "${BUILDAH[@]}" run --isolation chroot --user $RUN_UID:$RUN_UID --env GLOO_SOCKET_IFNAME=lo \
         -v "$WORK/workspace:/workspace" "$RUN_CTR" -- "$@"
 }
 
