@@ -101,6 +101,9 @@ check_layers() {  # no secret-looking file and no .git in any layer of the image
     [[ $found == 0 ]] || { echo "secret-looking files or .git in the image's layers (above)"; return 1; }
 }
 
+# 2 local ranks, the store on 127.0.0.1: --standalone names the container's hostname, unresolved
+LOCAL_RANKS=(--nnodes=1 --nproc_per_node=2 --master-addr=127.0.0.1 --master-port=29517)
+
 main() {
     # the base's cache key: its recipe (the functions below) and the torch version
     KEY=$( (declare -f build_base apt_mirror pip_mounts; echo "$TORCH_VERSION") | sha256sum | cut -c1-16)
@@ -114,14 +117,14 @@ main() {
     RUN_CTR=$("${BUILDAH[@]}" from --pull-never "$IMAGE"); containers+=("$RUN_CTR")
     step "megalite-prepare of the stdlib corpus" in_image megalite-prepare data=stdlib \
         data.max_documents=300
-    step "quickstart: torchrun, 2 ranks, 4 steps, a checkpoint" in_image torchrun --standalone \
-        --nproc_per_node=2 /opt/megalite/scripts/pretrain.py model=tiny data=stdlib \
+    step "quickstart: torchrun, 2 ranks, 4 steps, a checkpoint" in_image torchrun "${LOCAL_RANKS[@]}" \
+        /opt/megalite/scripts/pretrain.py model=tiny data=stdlib \
         train.max_steps=4 train.eval_every=100 checkpoint.every=2 hydra.run.dir=outputs/quick
     check_owner outputs/quick/metrics.jsonl
-    step "the checkpoint resumed to step 6" in_image torchrun --standalone --nproc_per_node=2 \
+    step "the checkpoint resumed to step 6" in_image torchrun "${LOCAL_RANKS[@]}" \
         /opt/megalite/scripts/pretrain.py model=tiny data=stdlib train.max_steps=6 \
         train.eval_every=100 checkpoint.every=2 checkpoint.resume=auto hydra.run.dir=outputs/quick
-    step "megalite-selftest under 2 ranks" in_image torchrun --standalone --nproc_per_node=2 \
+    step "megalite-selftest under 2 ranks" in_image torchrun "${LOCAL_RANKS[@]}" \
         --no-python megalite-selftest model=tiny data=stdlib --report-dir selftest
     step "megalite-export, loaded by transformers" in_image sh -c \
         'megalite-export outputs/quick/checkpoints exported && python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained(\"exported\"); print(\"transformers loads exported/\")"'
