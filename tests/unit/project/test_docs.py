@@ -182,6 +182,7 @@ def test_ci_runs_the_documented_test_command():
     assert command.startswith("pip install torch==") and "&& python -m pytest -q &&" in command
     for capability in ("avx2", "default"):  # the CPU kernels other machines have
         assert f"ATEN_CPU_CAPABILITY={capability} python -m pytest -q tests/" in command
+    assert command.endswith("&& bash docker/check.sh")  # the image check: last, named
     for doc in ("README.md", "docs/contributing.md"):
         shown = [line.strip() for line in (REPO / doc).read_text().splitlines()]
         assert command in shown, f"{doc} does not show .ci/run's command: {command}"
