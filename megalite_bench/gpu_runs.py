@@ -79,6 +79,8 @@ def run_command(cmd: Sequence[str], limit_s: float, cwd: Optional[Path] = None,
             break
         time.sleep(0.2)
     proc.wait()
+    if group_members(proc.pid):  # the launcher ended, a worker lives on: the same GPU memory
+        _kill_group(proc)
     reader.join(timeout=5)
     output = "".join(lines)
     if log is not None:

@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 import torch
 
 from megalite.checkpoint.format import read_global_state, read_meta
-from megalite.checkpoint.hf_stream import write_hf_dir
+from megalite.checkpoint.hf_stream import INDEX, write_hf_dir
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
 from megalite.config.schema import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
@@ -118,6 +118,11 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force and part[1] == 1:
         raise ExportError(f"{out_dir}: exists and is not empty; pick a new directory, or "
                           "replace it with --force")
+    finished = [f for f in (INDEX, "config.json") if (out_dir / f).exists()]
+    if part[1] > 1 and finished:  # parts share the directory: an old export's index would
+        # make it look complete while they write, and its shards would pass for theirs
+        raise ExportError(f"{out_dir}: holds {', '.join(finished)} of an earlier export; "
+                          "the parts of an export write into a new directory")
     load_tokenizer(ckpt, str(tok_dir))  # checked against the model before anything is written
     if part[1] > 1:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,9 @@ def local_snapshot(source: str) -> str:
         return snapshot_download(source, allow_patterns=WEIGHT_FILES,
                                  local_files_only=_offline())
     except (OSError, ValueError) as e:
-        why = "HF_HUB_OFFLINE=1" if _offline() else "the hub is unreachable or has no such model"
+        why = ("HF_HUB_OFFLINE=1" if _offline() else
+               f"the hub is unreachable, has no such model or refuses it: {str(e).splitlines()[0]}"
+               if str(e) else "the hub is unreachable or has no such model")
         raise ConfigError(
             f"init_from={source!r}: not a local directory, not in the Hugging Face cache "
             f"({_cache_dir()}) and not downloadable ({why}; {type(e).__name__}); download it "

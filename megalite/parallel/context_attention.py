@@ -45,9 +45,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group
                  comm: str = "allgather", scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole CP-sharded sequence."""
     if comm not in CP_COMMS:
-        raise ValueError(f"parallel.cp_comm={comm!r}: use one of {', '.join(CP_COMMS)}")
+        raise ValueError(f"CP attention comm={comm!r}: use one of {', '.join(CP_COMMS)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if q.shape[2] != k.shape[2] or k.shape != v.shape or q.shape[2] % 2:
+        raise ValueError(f"CP attention takes this rank's two chunks of every sequence: q {q.shape}, "
+                         f"k {k.shape}, v {v.shape} (the same even token count)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if group.size == 1:
         return _sdpa(q, k, v, None, scale, causal=True)

@@ -103,6 +103,34 @@ def look(probe) -> Tuple[bool, Optional[str]]:
     return True, probe_error(probe)
 
 
+def _ended_by_now(entry: list, now: float) -> bool:
+    """Whether an entry leaving the ring has ended: marked so, or its probe has fired without
+    an error (an asynchronous collective is marked only when the watch polls, so most of those
+    leaving the ring between two polls are complete, not stuck)."""
+    if entry[ENDED_AT] is not None:
+        return True
+    probe = entry[PROBE]
+    if probe is None or entry[FAILED]:
+        return False
+    ended, error = look(probe)
+    if ended and error is None:
+        entry[PROBE], entry[ARRIVAL], entry[ENDED_AT] = None, None, now
+        return True
+    return False
+
+
+def _pin(track: "_Track", entry: list) -> None:
+    """Keep an incomplete entry out of the ring. A full pin list lets go of its ended entries
+    first; if every one is still incomplete, the oldest stay (a stuck collective is the oldest
+    incomplete one of its group) and this one is not kept."""
+    pinned = track.pinned
+    if len(pinned) == pinned.maxlen:
+        pinned = track.pinned = deque((e for e in pinned if e[ENDED_AT] is None),
+                                      maxlen=pinned.maxlen)
+    if len(pinned) < pinned.maxlen:
+        pinned.append(entry)
+
+
 class _Track:
     """One group's counters and ring."""
 
@@ -175,8 +203,8 @@ class FlightRecorder:
             entry = [seq, op, nbytes, now, None, False, False, peer_seq, None, arrival, False,
                      None]
             ring = track.ring
-            if len(ring) == ring.maxlen and ring[0][ENDED_AT] is None:
-                track.pinned.append(ring[0])  # not complete (or failed): kept out of the ring
+            if len(ring) == ring.maxlen and not _ended_by_now(ring[0], now):
+                _pin(track, ring[0])  # not complete (or failed): kept out of the ring
             ring.append(entry)
         return entry
 

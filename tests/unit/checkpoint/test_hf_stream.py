@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from megalite.checkpoint import export, hf_stream
@@ -42,3 +43,6 @@ def test_llama_exports_in_shards_read_one_at_a_time(tiny_data, tmp_path, monkeyp
     ids = torch.randint(0, 1024, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids)).abs().max().item() <= 1e-5
+    with pytest.raises(export.ExportError, match="config.json of an earlier export"):
+        export_hf(ckpt, out, tokenizer=str(tiny_data / "tokenizer"), max_shard_bytes=2 * 2**20,
+                  part=(0, 2))  # parts into a finished export's directory: refused

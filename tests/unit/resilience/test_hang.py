@@ -246,6 +246,23 @@ def test_an_incomplete_collective_is_not_evicted_by_later_ones():
     assert dp_now["completed"] == 11 and [e["seq"] for e in dp_now["last"]] == [8, 9, 10, 11]
 
 
+def test_a_stuck_collective_outlives_many_completed_async_ones_between_polls():
+    """History 4, no poll: a stuck reduce-scatter, then 20 asynchronous all-reduces whose Works
+    have completed (NCCL: marked only at a poll). Those leave the ring as complete, not pinned,
+    so the stuck one is still there, and the completed counter counts them."""
+    rec = FlightRecorder(rank=0, history=4, hang_after_s=1.0)
+    dp = _group("dp", [0, 1], 0)
+    slow = rec.started("reduce_scatter", dp, 8)
+    rec.complete_when(slow, FakeWork())
+    for _ in range(20):
+        done = FakeWork()
+        done.completed = True
+        rec.complete_when(rec.started("all_reduce", dp, 8), done)
+    dp_now = _entries(rec, "dp")
+    assert dp_now["last"][0]["seq"] == 1 and len(dp_now["last"]) == 5
+    assert [s[3] for s in rec.poll(slow[STARTED_AT] + 2.0)] == [slow]
+
+
 class RaisingProbe:
     """A probe whose query raises (a sticky CUDA error), or a Work whose `exception()`
     raises."""
