@@ -53,12 +53,13 @@ def resolved_precision(precision: str, device_type: str, bf16: bool = True) -> s
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the [TP, PP, DP] grid, the ZeRO stage, sequence parallelism, the pipeline's
+    """Sizes of the [TP, CP, PP, DP] grid, the ZeRO stage, sequence parallelism, the pipeline's
     virtual stages and the precision of one run (or of one planned run)."""
 
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    cp_size: int = 1  # context parallel: each sequence split over cp ranks (2·cp chunks)
     zero_stage: int = 0
     sequence_parallel: bool = False
     virtual_stages: int = 1
@@ -73,14 +74,16 @@ class Layout:
     def of(cls, topo, **fields) -> "Layout":
         """The layout with `topo`'s sizes (a Topology built directly, as benchmarks and tests
         do) and the given other fields."""
-        return cls(tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size, **fields)
+        return cls(tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size,
+                   cp_size=getattr(topo, "cp_size", 1), **fields)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu",
                     bf16: bool = True) -> "Layout":
         """The layout of `cfg` (already validated) on `world_size` ranks of `device_type`
         (`bf16`: whether its GPUs compute in bf16)."""
-        return cls(tp_size=cfg.tp, pp_size=cfg.pp, dp_size=world_size // (cfg.tp * cfg.pp),
+        return cls(tp_size=cfg.tp, pp_size=cfg.pp, cp_size=cfg.cp,
+                   dp_size=world_size // (cfg.tp * cfg.cp * cfg.pp),
                    zero_stage=cfg.zero, sequence_parallel=cfg.sp and cfg.tp > 1,
                    virtual_stages=cfg.parallel.virtual_stages,
                    micro_batch_size=cfg.train.micro_batch_size,
@@ -90,7 +93,14 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.pp_size * self.dp_size
+
+    @property
+    def grad_replicas(self) -> int:
+        """Ranks holding the same parameters and reducing their gradients together: DP x CP
+        (a CP rank computes the same weights' gradients on other tokens; Megatron's
+        `with_context_parallel`). ZeRO splits its ranges over these ranks."""
+        return self.dp_size * self.cp_size
 
     @property
     def shards_optimizer(self) -> bool:
@@ -136,13 +146,15 @@ class Layout:
         return global_batch_size // (self.micro_batch_size * self.dp_size)
 
     def activation_seq_len(self, seq_len: int) -> int:
-        """Positions of the residual stream one rank holds (seq_len / tp with SP)."""
-        return seq_len // self.tp_size if self.sequence_parallel else seq_len
+        """Positions of the residual stream one rank holds: seq_len / cp, and of those 1 / tp
+        with SP."""
+        local = seq_len // self.cp_size
+        return local // self.tp_size if self.sequence_parallel else local
 
     def as_dict(self) -> dict:
         """The keys of the metrics header, checkpoint meta.json and the plan (stable names:
         meta.json's `layout` is read back at resume, users' tools read the header)."""
-        return {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size,
+        return {"tp": self.tp_size, "cp": self.cp_size, "pp": self.pp_size, "dp": self.dp_size,
                 "zero": self.zero_stage, "sp": self.sequence_parallel,
                 "virtual_stages": self.virtual_stages, "world_size": self.world_size}
 
@@ -177,7 +189,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
         warnings.append(f"tp={cfg.tp} is larger than the {local_gpus} GPUs of one node: the TP "
                         "group's all-reduces in every layer will cross the inter-node network "
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
-    warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.pp))
+    warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.cp * cfg.pp))
     _check_other_pairs(cfg)
     device_type = device_type_for(cfg.device, local_gpus)
     if cfg.resilience.inject is not None:  # the rank's tensor: the preflight (it needs a model)
@@ -192,9 +204,12 @@ def _check_grid(cfg: Config, world_size: int) -> None:
     if world_size < 1:
         fail("world size", world_size, "needs at least one rank (torchrun --nproc_per_node, "
               "megalite-plan --world-size)")
-    if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.pp) != 0:
-        fail("tp*pp", cfg.tp * cfg.pp, f"world size {world_size} must equal tp*pp*dp with "
-              f"positive tp, pp; choose tp and pp whose product divides {world_size}")
+    if not isinstance(cfg.cp, int) or cfg.cp < 1:
+        fail("cp", cfg.cp, "must be a positive integer (1: no context parallelism)")
+    if cfg.tp < 1 or cfg.pp < 1 or world_size % (cfg.tp * cfg.cp * cfg.pp) != 0:
+        fail("tp*cp*pp", cfg.tp * cfg.cp * cfg.pp, f"world size {world_size} must equal "
+              f"tp*cp*pp*dp with positive tp, cp, pp; choose tp, cp and pp whose product "
+              f"divides {world_size}")
     if cfg.sp and cfg.tp == 1:
         fail("sp", cfg.sp, "sequence parallelism needs tp > 1; set sp=false")
 
@@ -225,9 +240,16 @@ def _check_model_split(cfg: Config) -> None:
     if t.seq_len > m.n_positions:
         fail("train.seq_len", t.seq_len,
               f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise n_positions")
-    if cfg.sp and t.seq_len % cfg.tp:
-        fail("train.seq_len", t.seq_len, f"with sp=true must be divisible by tp={cfg.tp} "
-              f"(each TP rank holds seq_len/tp positions); e.g. {t.seq_len - t.seq_len % cfg.tp}")
+    cut = 2 * cfg.cp  # the load-balanced chunks of a sequence (parallel/context_shard.py)
+    if cfg.cp > 1 and t.seq_len % cut:
+        fail("train.seq_len", t.seq_len, f"with cp={cfg.cp} must be divisible by 2*cp = {cut} "
+              f"(each sequence is cut into 2*cp chunks); e.g. {t.seq_len - t.seq_len % cut}")
+    local = t.seq_len // cfg.cp
+    if cfg.sp and local % cfg.tp:
+        good = t.seq_len - t.seq_len % (cfg.tp * cut if cfg.cp > 1 else cfg.tp)
+        fail("train.seq_len", t.seq_len, f"with sp=true, seq_len/cp = {local} must be "
+              f"divisible by tp={cfg.tp} (each TP rank holds seq_len/(cp*tp) positions); "
+              f"e.g. {good}")
     if cfg.pp > m.n_layer:
         fail("pp", cfg.pp, f"more pipeline stages than blocks (model.n_layer={m.n_layer}) would "
               f"leave a stage with no block; use pp <= {m.n_layer}")

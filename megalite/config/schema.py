@@ -181,6 +181,7 @@ class OptimConfig:
                   "must be >= 0")
 
 PIPELINE_SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "zb-v")  # parallel.schedule
+CP_COMMS = ("allgather", "ring")  # parallel.cp_comm
 
 
 @dataclass
@@ -199,6 +200,8 @@ class ParallelConfig:
     schedule: str = "auto"  # auto (interleaved if virtual_stages > 1, else 1f1b) | 1f1b |
     #                         interleaved | zb-h1 (zero bubble, B/W split) | zb-v (zero bubble
     #                         in a V, virtual_stages=2; docs/pipelines.md)
+    cp_comm: str = "allgather"  # cp > 1: allgather (K/V gathered over CP before attention,
+    #                             Llama 3's) | ring (K/V blocks passed around the CP ring)
     timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
     #                           group (gloo); NCCL's watchdog ends the process, naming the group
 
@@ -213,6 +216,8 @@ class ParallelConfig:
         if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
             fail("parallel.bucket_mb", self.bucket_mb, "must be a positive number of MiB "
                   "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
+        if self.cp_comm not in CP_COMMS:
+            fail("parallel.cp_comm", self.cp_comm, f"one of {', '.join(CP_COMMS)}")
         if self.timeout_s <= 0:
             fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
 
@@ -220,6 +225,7 @@ class ParallelConfig:
 class Config:
     tp: int = 1  # tensor-parallel size (GPUs of one node)
     pp: int = 1  # pipeline-parallel size (stages)
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks (docs/context-parallel.md)
     zero: int = 0  # ZeRO stage over the data-parallel dimension
     sp: bool = False  # sequence parallelism (with tp > 1)
     seed: int = 1234

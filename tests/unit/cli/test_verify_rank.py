@@ -166,7 +166,7 @@ def test_rank_outside_the_world_is_refused(capsys, rank):
 def test_invalid_layout_names_the_key(capsys):
     code, err = _main_error(capsys, ["--verify-rank", "0", "--world-size", "4096", "model=gpt2",
                                      "tp=8", "pp=3"])
-    assert code == 2 and "bad configuration: tp*pp=24" in err and "4096" in err
+    assert code == 2 and "bad configuration: tp*cp*pp=24" in err and "4096" in err
     code, err = _main_error(capsys, ["--verify-rank", "0", "--world-size", "4096",
                                      *GPT2_XL[:-1], "train.global_batch_size=1000"])
     assert code == 2 and "train.global_batch_size=1000" in err and "8192" in err

@@ -89,7 +89,7 @@ def test_global_batch_message_suggests_a_valid_value():
 
 
 def test_world_size_must_factor():
-    assert "world size 3 must equal tp*pp*dp" in bad(["tp=2"], world_size=3)
+    assert "world size 3 must equal tp*cp*pp*dp" in bad(["tp=2"], world_size=3)
     validate(load_config(), world_size=4)  # dp = 4
 
 
