@@ -35,7 +35,7 @@ from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
 from megalite.plan.memory import Plan, make_plan
-from megalite.resilience.hang import set_aside_old_dumps
+from megalite.resilience.hang_files import set_aside_old_dumps
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.header import build_writer
 from megalite.train.host_threads import set_host_threads
