@@ -68,7 +68,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megalite.parallel import host_range
-from megalite.parallel.host_range import HostRange, build_adamw, host_adamw_kind
+from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind
 from megalite.parallel.offload_worker import HostWorker
 
 
@@ -159,7 +159,7 @@ class OptimizerOffload:
     def range_of(self, bucket) -> Optional[HostRange]:
         return self.ranges.get(id(bucket))
 
-    def build_optimizers(self, cfg) -> List[torch.optim.AdamW]:
+    def build_optimizers(self, cfg: AdamWSettings) -> List[torch.optim.AdamW]:
         """The host AdamW of every range with pieces (after `HostRange.piece` made them)."""
         kind = host_adamw_kind()
         for r in self.ranges.values():
