@@ -1,10 +1,12 @@
 """Predicted step time of a layout on a device profile, as a sum of named terms.
 
-Per pipeline stage k (per rank of it), with m micro-batches per step, t = tp, b·s tokens per
-micro-batch, R the profile's achievable matmul FLOP/s in the run's precision, B its HBM
-bandwidth, e the bytes of a model-dtype element:
+Per pipeline stage k (per rank of it), with m micro-batches per step, t = tp, b·s/cp tokens
+per micro-batch on a rank (context parallelism splits each sequence over cp ranks; attention's
+4·h·s a token still spans the whole sequence, so a rank's share of the causal work is 1/cp),
+R the profile's achievable matmul FLOP/s in the run's precision, B its HBM bandwidth, e the
+bytes of a model-dtype element:
 
-  compute     m · 3·F_k·b·s / (t·R)       F_k = model FLOPs per token of the stage's forward: 2 ×
+  compute     m · 3·F_k·b·s / (cp·t·R)     F_k = model FLOPs per token of the stage's forward: 2 ×
               its blocks' parameters + 4·h·s per block (attention scores and values), the
               last stage the head's (GPT-2 2·(V·h + 2h): LM head, ln_f; the family's
               `head_forward_flops_per_token`): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
@@ -42,6 +44,10 @@ bandwidth, e the bytes of a model-dtype element:
               all-reduces (GPT-2: 8 scalars a block tensorwise, 8 vectors rowwise; per
               FP8 linear: `megalite.plan.fp8_terms.amax_reductions`) at the all-reduce
               fit, their latency dominating
+  cp          context parallelism's attention traffic on the CP group's link (inside a node
+              while tp·cp <= GPUs per node): allgather's all-gather and reduce-scatter a layer
+              exposed; the ring's K/V sends hidden under each step's chunk pairs up to their
+              compute, its gradient accumulators' sends exposed (`megalite.plan.cp_terms`)
   offload     activation offload's copies (`megalite.plan.offload.activation_copies_exposed`:
               the runtime's schedule of each chunk's blocks on the compute stream and the
               two copy streams, simulated per micro-batch): each offloaded block's saved
@@ -57,12 +63,13 @@ bandwidth, e the bytes of a model-dtype element:
               embeddings and the LM head and is usually the busiest) — their W's are the
               backward's weight half, no FLOPs of their own: compute is the same 3·F either
               way — and busy = compute + recompute + non_matmul + head_loss + grad_accumulate
-              + tp + offload: the slowest stage paces the pipeline; on it this is
+              + tp + cp + offload: the slowest stage paces the pipeline; on it this is
               busy·β/(1 − β), the schedule's formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
               state, only where a transfer outlasts a chunk's forward
-  dp          the plan's DP wire bytes, split into reduction (reduce / reduce-scatter of 4Ψ
+  dp          the plan's DP wire bytes (over DP x CP: the ranks reducing the same
+              gradients), split into reduction (reduce / reduce-scatter of 4Ψ
               fp32 gradients) and gather (e·Ψ parameters). zero 0-1: buckets reduced during
               the last micro-batch's backward (exposed: what exceeds it); zero 2-3: a
               reduce-scatter per micro-batch during its backward; zero 1-2: the gather after
