@@ -280,10 +280,7 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     lay, e, t = d.layout, d.e, d.cfg.train
     loss_last = any(ends.last for ends, _ in chunks)
     timeline, pending = staging_alive(d, chunks)
-    # a block's backward: the MLP's gradients, or CP attention's working bytes, the larger
-    block = max(d.family.block_backward_bytes(d.cfg.model, d.s_rank, t.micro_batch_size,
-                                              lay.tp_size, e),
-                cp_terms.working_bytes(d.cfg, lay, e)["backward"])
+    block = _block_backward_bytes(d)
     gathered = _zero3_gathered(d, sums, loss_last)
     freed = min(sums.chunk_freed)  # the loss's saved bytes, freed before weights' gradients
     # a stage without the loss runs its backward from a received gradient (e·s'bh)
@@ -332,6 +329,15 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
                      "working": terms["working"]}
         out[name]["total"] = sum(out[name].values())
     return out
+
+
+def _block_backward_bytes(d: Dims) -> float:
+    """A block's backward beyond its saved set: the MLP's gradients, or CP attention's
+    working bytes (`cp_terms.working_bytes`), the larger."""
+    lay = d.layout
+    return max(d.family.block_backward_bytes(d.cfg.model, d.s_rank,
+                                             d.cfg.train.micro_batch_size, lay.tp_size, d.e),
+               cp_terms.working_bytes(d.cfg, lay, d.e)["backward"])
 
 
 def _optimizer_work(d: Dims, sums: StageSums) -> float:
