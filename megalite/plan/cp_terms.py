@@ -11,7 +11,9 @@ Saved for backward beyond the family's formula at L tokens (`saved_bytes`):
   allgather   without grouped-query attention, SDPA keeps views of the gathered K and V:
               cp·KV; with it (hq > hk) the kernel repeats K and V to hq heads before SDPA,
               which keeps the repeated keys of each chunk (chunk j of 2·cp attends to
-              (j + 1)·c keys; the two chunks together (2cp + 1)·c): 2·e·b·hq·d·(2cp + 1)·c
+              (j + 1)·c keys; the two chunks together (2cp + 1)·c): 2·e·b·hq·d·(2cp + 1)·c;
+              and each chunk's causal mask, which SDPA keeps as an additive mask in the
+              compute dtype: e·(2cp + 1)·c² (shared by the batch and the heads)
   ring        the merged output in fp32 (a·b·hq·d·L, where e < a; the log-sum-exp is the
               family's own term)
 Working bytes at the attention's peak (`working_bytes`; the forward moment and a block's
@@ -76,9 +78,10 @@ def saved_bytes(cfg: Config, layout: Layout, e: int) -> float:
     hq, hk, d, _, c, b, a = _sizes(cfg, layout, e)
     if cfg.parallel.cp_comm == "ring":
         return float(a * b * hq * d * 2 * c) if e < a else 0.0
+    mask = e * (2 * cp + 1) * c * c
     if hq > hk:
-        return float(2 * e * b * hq * d * (2 * cp + 1) * c)
-    return cp * kv_bytes(cfg, layout, e)
+        return float(2 * e * b * hq * d * (2 * cp + 1) * c + mask)
+    return cp * kv_bytes(cfg, layout, e) + mask
 
 
 def working_bytes(cfg: Config, layout: Layout, e: int) -> Dict[str, float]:

@@ -1,9 +1,11 @@
-"""The plan's CP traffic (`megalite.plan.cp_terms.wire_bytes`) equals, to the byte, what
-`megalite.parallel.context_attention.cp_attention` records in the ranks' `CommCounter`: one
-layer's forward and backward on real gloo ranks, cp 4 and 2, allgather and ring, with as
-many KV heads as query heads and with grouped-query attention, bf16 (the ring's gradient
-accumulators travel in fp32), and under recompute (a checkpointed layer re-runs its
-forward's transfers)."""
+"""The plan's CP terms against `megalite.parallel.context_attention.cp_attention` on real gloo
+ranks (cp 4 and 2, allgather and ring, as many KV heads as query heads and grouped-query
+attention, bf16): its traffic (`megalite.plan.cp_terms.wire_bytes`) equals, to the byte, what
+one layer's forward and backward record in the ranks' `CommCounter` (the ring's gradient
+accumulators travel in fp32; under recompute a checkpointed layer re-runs its forward's
+transfers), and what it saves for backward beyond its inputs and output equals
+`cp_terms.saved_bytes` + the log-sum-exp the family's formula counts (+ under allgather the
+two chunks' SDPA outputs, which stand in for the one a run without CP keeps as the output)."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +28,7 @@ def _counted_and_planned(rank, world):
     from megalite.config.schema import load_config
     from megalite.parallel.context_attention import cp_attention
     from megalite.parallel.group import CommCounter, Group
-    from megalite.plan.cp_terms import wire_bytes
+    from megalite.plan.cp_terms import saved_bytes, wire_bytes
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
     groups = {world: (list(range(world)), rank, dist.group.WORLD),
@@ -45,8 +47,17 @@ def _counted_and_planned(rank, world):
 
                     def attention(q, k, v, group=group, comm=comm):
                         return cp_attention(q, k, v, group, comm)
-                    o = checkpoint(attention, q, k, v, use_reentrant=False) if recompute \
-                        else attention(q, k, v)
+                    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+                    saved = {}
+
+                    def pack(t, saved=saved, inputs=inputs):
+                        if t.untyped_storage().data_ptr() not in inputs:
+                            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                        return t
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        o = checkpoint(attention, q, k, v, use_reentrant=False) \
+                            if recompute else attention(q, k, v)
+                    saved.pop(o.untyped_storage().data_ptr(), None)
                     o.float().sum().backward()
                     counted = sum(s["wire_bytes"] for key, s in counter.snapshot().items()
                                   if key.startswith("cp/"))
@@ -58,12 +69,18 @@ def _counted_and_planned(rank, world):
                     layout = Layout(cp_size=cp, precision="bf16")
                     planned = wire_bytes(cfg, layout, 2, 1, int(recompute))
                     out[(cp, hk, comm, recompute)] = (counted, planned)
+                    if not recompute:
+                        local = seq // cp
+                        lse, outputs = 4 * B * HQ * local, 2 * B * HQ * D * local
+                        out[(cp, hk, comm, "saved")] = (
+                            sum(saved.values()), saved_bytes(cfg, layout, 2) + lse
+                            + (outputs if comm == "allgather" else 0))
     return out
 
 
-def test_cp_wire_bytes_equal_the_kernels_counters():
+def test_cp_wire_and_saved_bytes_equal_the_kernels():
     for rank_result in run_ranks(_counted_and_planned, 4, timeout_s=300):
-        assert len(rank_result) == 16
+        assert len(rank_result) == 24
         wrong = {case: pair for case, pair in rank_result.items() if pair[0] != pair[1]}
         assert not wrong, wrong
         assert all(counted > 0 for counted, _ in rank_result.values())
