@@ -111,6 +111,20 @@ def serial_runs(base: Config, rows: Sequence[Row], workdir: Path,
     return dict(zip(keys, results))
 
 
+def run_configs(configs: Sequence[Config], world: int, workdir: Path, steps: int = STEPS,
+                timeout_s: float = 900) -> List[List[dict]]:
+    """Runs that are no rows of the matrix (e.g. axes it does not have yet), each trained
+    `steps` steps without a break, in one spawned world of `world` ranks: per run, a result
+    per rank (`check_ranks` holds them against a serial run's)."""
+    jobs = []
+    for i, cfg in enumerate(configs):
+        cfg = copy.deepcopy(cfg)
+        cfg.train.max_steps, cfg.checkpoint.dir = steps, f"{workdir}/c{world}r{i}/checkpoints"
+        jobs.append(([cfg], f"{workdir}/c{world}r{i}"))
+    per_rank = run_ranks(_rows_on_ranks, world, args=(jobs,), timeout_s=timeout_s)
+    return [[per_rank[rank][i] for rank in range(world)] for i in range(len(configs))]
+
+
 def run_rows(base: Config, rows: Sequence[Row], workdir: Path,
              timeout_s: float = 900) -> List[List[dict]]:
     """Rows of one world size in one spawned world: per row, a result per rank."""
@@ -153,12 +167,19 @@ def _master_failures(serial: dict, rank: dict, tol: Tolerance) -> List[str]:
 def check_row(row: Sequence[int], serial: dict, ranks: List[dict]) -> List[str]:
     """What of `ranks` (a row's result per rank) differs from `serial` beyond the row's
     tolerance: an empty list when it equals its serial run."""
-    tol, failures = tolerance_of(row), []
+    return check_ranks(serial, ranks, tolerance_of(row))
+
+
+def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = STEPS
+                ) -> List[str]:
+    """What of `ranks` (a run's result per rank) differs from `serial` beyond `tol` on each
+    of the `steps` steps' logged loss and grad norm and on the final master weights."""
+    failures = []
     for r, res in enumerate(ranks):
-        if res["steps"] != list(range(1, STEPS + 1)):
+        if res["steps"] != list(range(1, steps + 1)):
             failures.append(f"rank {r}: steps {res['steps']} (the resume did not continue)")
             continue
-        for s in range(STEPS):
+        for s in range(steps):
             for key, what, rel in (("losses", "loss", tol.loss), ("norms", "grad norm", tol.norm)):
                 a, b = serial[key][s], res[key][s]
                 if not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):

@@ -30,6 +30,7 @@ from megalite.model.families import flops_per_token
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
+from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.fp8 import use_fp8
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
@@ -65,7 +66,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     sources = data_sources(cfg.data)
     train_shards, val_shards = open_shards(cfg, sources)
     c = topo.coords
-    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, runtime.device)
+    # dropout streams differ over DP x CP (a CP rank's tokens are other tokens)
+    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, topo.grad_group.rank, runtime.device)
     model = build_model(cfg, runtime, layout.stage_blocks()[c.pp_rank], rng)
     timers = StepTimers(runtime.device, topo.counter.waits)  # times offload's waits too
     engine = build_engine(cfg, layout, topo, model, timers)
@@ -95,7 +97,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         cfg=cfg, rt=runtime, run_dir=run_dir, data_sources=sources, val_shards=val_shards,
         sampler=sampler,
         batches=TrainBatches(train_shards, sampler, t.micro_batch_size, t.seq_len,
-                             runtime.device, reads=stage_reads(model)),
+                             runtime.device, reads=stage_reads(model),
+                             cp=(topo.cp_size, c.cp_rank)),
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         model=model, engine=engine, schedule=schedule, loss_scaler=loss_scaler,
         flops_per_token=flops_per_token(cfg.model, t.seq_len),
@@ -227,7 +230,8 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             tp_group=topo.tp_group, sequence_parallel=layout.sequence_parallel,
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
-                            recompute_layers=cfg.train.recompute_layers, offload=offload)
+                            recompute_layers=cfg.train.recompute_layers, offload=offload,
+                            cp=ContextParallel(topo.cp_group, cfg.parallel.cp_comm))
     use_fp8(model, cfg.fp8.recipe)
     if runtime.device.type == "meta":
         return model

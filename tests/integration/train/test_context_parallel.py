@@ -1,0 +1,81 @@
+"""Context parallelism (cp > 1) equals the serial run: each layout trains 3 steps through the
+launch path (`megalite.testing.matrix.run_configs`) and must match the one-rank run of the same
+model on every step's logged loss and grad norm and on the final fp32 master weights (fp32,
+dropout 0; relative 1e-5: `matrix.TOLERANCES`). Both families (Llama with grouped-query
+attention, its one KV head replicated over tp=2), both `parallel.cp_comm` modes, cp 2 and 4,
+with TP + SP, with a pipeline (1F1B, ZB-V) and with ZeRO-3 over DP x CP. Runs share spawns:
+one world per world size.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from megalite.config.combinations import MATRIX_BASE
+from megalite.config.schema import load_config
+from megalite.testing.matrix import TOLERANCES, check_ranks, run_configs
+
+pytestmark = pytest.mark.distributed
+
+FAMILIES = {"gpt2": ["model.arch=gpt2"],
+            "llama": ["model.arch=llama", "model.n_inner=96", "model.rope_theta=50000.0",
+                      "model.n_kv_head=1"]}
+SMALL = ["model.n_layer=4", "train.seq_len=16", "train.global_batch_size=4"]
+
+LAYOUTS = {  # world -> [(family, settings)]
+    2: [("gpt2", ["cp=2", "parallel.cp_comm=allgather"]),
+        ("gpt2", ["cp=2", "parallel.cp_comm=ring"]),
+        ("llama", ["cp=2", "parallel.cp_comm=allgather"]),
+        ("llama", ["cp=2", "parallel.cp_comm=ring"])],
+    4: [("gpt2", ["cp=4", "parallel.cp_comm=allgather"]),
+        ("llama", ["cp=4", "parallel.cp_comm=ring"]),
+        ("llama", ["cp=2", "tp=2", "sp=true", "parallel.cp_comm=allgather"]),
+        ("gpt2", ["cp=2", "tp=2", "sp=true", "parallel.cp_comm=ring"]),
+        ("gpt2", ["cp=2", "pp=2", "parallel.schedule=1f1b", "parallel.cp_comm=ring"]),
+        ("llama", ["cp=2", "pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                   "parallel.cp_comm=allgather"]),
+        ("gpt2", ["cp=2", "zero=3", "parallel.cp_comm=allgather"]),
+        ("llama", ["cp=2", "zero=1", "parallel.cp_comm=ring"])],
+}
+
+
+def _config(data, family, settings=()):
+    return load_config([*MATRIX_BASE, *SMALL, *FAMILIES[family], *settings, f"data.dir={data}"])
+
+
+@pytest.fixture(scope="module")
+def serial(tiny_data, tmp_path_factory):
+    names = list(FAMILIES)
+    results = run_configs([_config(tiny_data, f) for f in names], 1,
+                          tmp_path_factory.mktemp("cp-serial"))
+    return {name: ranks[0] for name, ranks in zip(names, results)}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_context_parallel_layouts_equal_the_serial_run(tiny_data, serial, tmp_path, world):
+    runs = LAYOUTS[world]
+    configs = [_config(tiny_data, family, settings) for family, settings in runs]
+    failures = {}
+    for (family, settings), ranks in zip(runs, run_configs(configs, world, tmp_path)):
+        differs = check_ranks(serial[family], ranks, TOLERANCES["fp32", False])
+        if differs:
+            failures[f"{family} {' '.join(settings)}"] = differs[:4]
+    assert not failures, failures
+
+
+def test_cp_refusals_name_their_key(tiny_data):
+    from megalite.config.errors import ConfigError
+    from megalite.config.layout import validate
+
+    base = _config(tiny_data, "gpt2", ["cp=2"])
+    for key, value in (("model.attn_pdrop", 0.1), ("fp8.recipe", "tensorwise"),
+                       ("train.compile", True)):
+        cfg = copy.deepcopy(base)
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, last, value)
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(cfg, 2)
