@@ -92,7 +92,8 @@ def _train(world: int, parts: List[Config], run_dir: str) -> dict:
         release(runtime)  # a process trains many runs: its groups' sockets would pile up
     c = trainer.topo.coords
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
-            "norms": [r["grad_norm"] for r in records], "first": first_masters,
+            "norms": [r["grad_norm"] for r in records],
+            "val_losses": [r["val_loss"] for r in records], "first": first_masters,
             "last": _masters(trainer.engine), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "specs": {s.name: s for s in trainer.model.param_specs.values()}}
 
@@ -173,16 +174,20 @@ def check_row(row: Sequence[int], serial: dict, ranks: List[dict]) -> List[str]:
 def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = STEPS
                 ) -> List[str]:
     """What of `ranks` (a run's result per rank) differs from `serial` beyond `tol` on each
-    of the `steps` steps' logged loss and grad norm and on the final master weights."""
+    of the `steps` steps' logged loss, grad norm and validation loss (where the run
+    evaluates) and on the final master weights."""
     failures = []
     for r, res in enumerate(ranks):
         if res["steps"] != list(range(1, steps + 1)):
             failures.append(f"rank {r}: steps {res['steps']} (the resume did not continue)")
             continue
         for s in range(steps):
-            for key, what, rel in (("losses", "loss", tol.loss), ("norms", "grad norm", tol.norm)):
+            for key, what, rel in (("losses", "loss", tol.loss), ("norms", "grad norm", tol.norm),
+                                   ("val_losses", "validation loss", tol.loss)):
                 a, b = serial[key][s], res[key][s]
-                if not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
+                if a is None and b is None:  # no evaluation at this step
+                    continue
+                if a is None or b is None or not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
                     failures.append(f"rank {r} step {s + 1} {what}: {b!r}, serial {a!r}")
         failures += [f"rank {r}: {f}" for f in _master_failures(serial, res, tol)]
     return failures

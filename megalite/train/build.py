@@ -232,7 +232,7 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             attention=cfg.train.attention,
                             recompute_layers=cfg.train.recompute_layers, offload=offload,
                             cp=ContextParallel(topo.cp_group, cfg.parallel.cp_comm))
-    use_fp8(model, cfg.fp8.recipe)
+    use_fp8(model, cfg.fp8.recipe, topo.cp_group)
     if runtime.device.type == "meta":
         return model
     init_state = _init_state(cfg, runtime) if cfg.init_from else None

@@ -1,14 +1,16 @@
 """Context parallelism (cp > 1) equals the serial run: each layout trains 3 steps through the
 launch path (`megalite.testing.matrix.run_configs`) and must match the one-rank run of the same
-model on every step's logged loss and grad norm and on the final fp32 master weights (fp32,
-dropout 0; relative 1e-5: `matrix.TOLERANCES`). Both families (Llama with grouped-query
-attention, its one KV head replicated over tp=2), both `parallel.cp_comm` modes, cp 2 and 4,
-with TP + SP, with a pipeline (1F1B, ZB-V) and with ZeRO-3 over DP x CP. Runs share spawns:
-one world per world size.
+model on every step's logged loss and grad norm, the validation loss (steps 2 and 3) and the
+final fp32 master weights (fp32, dropout 0; relative 1e-5: `matrix.TOLERANCES`). Both
+families (Llama with grouped-query attention, its one KV head replicated over tp=2), both
+`parallel.cp_comm` modes, cp 2 and 4, with TP + SP, with a pipeline (1F1B, ZB-V), with ZeRO-1
+and ZeRO-3 over DP x CP, and FP8 tensorwise against the serial FP8 run, to the same fp32
+tolerance: with its activations' and gradients' amaxes max-reduced over CP each element is
+quantized as in the serial run (measured: 1e-7 relative on losses and norms; without the CP
+reduction 2e-4 on the loss and 4e-3 on the grad norm). Runs share spawns: one world per world
+size.
 """
 from __future__ import annotations
-
-import copy
 
 import pytest
 
@@ -21,13 +23,16 @@ pytestmark = pytest.mark.distributed
 FAMILIES = {"gpt2": ["model.arch=gpt2"],
             "llama": ["model.arch=llama", "model.n_inner=96", "model.rope_theta=50000.0",
                       "model.n_kv_head=1"]}
-SMALL = ["model.n_layer=4", "train.seq_len=16", "train.global_batch_size=4"]
+SMALL = ["model.n_layer=4", "train.seq_len=16", "train.global_batch_size=4",
+         "train.eval_every=2", "train.eval_steps=1"]
+FP8 = ["fp8.recipe=tensorwise", "fp8.emulate=true"]
 
 LAYOUTS = {  # world -> [(family, settings)]
     2: [("gpt2", ["cp=2", "parallel.cp_comm=allgather"]),
         ("gpt2", ["cp=2", "parallel.cp_comm=ring"]),
         ("llama", ["cp=2", "parallel.cp_comm=allgather"]),
-        ("llama", ["cp=2", "parallel.cp_comm=ring"])],
+        ("llama", ["cp=2", "parallel.cp_comm=ring"]),
+        ("gpt2", ["cp=2", "parallel.cp_comm=ring", *FP8])],
     4: [("gpt2", ["cp=4", "parallel.cp_comm=allgather"]),
         ("llama", ["cp=4", "parallel.cp_comm=ring"]),
         ("llama", ["cp=2", "tp=2", "sp=true", "parallel.cp_comm=allgather"]),
@@ -44,12 +49,17 @@ def _config(data, family, settings=()):
     return load_config([*MATRIX_BASE, *SMALL, *FAMILIES[family], *settings, f"data.dir={data}"])
 
 
+def _serial_key(family, settings):
+    """The serial run a layout is held against: its family and numerics (FP8)."""
+    return family, tuple(s for s in settings if s.startswith("fp8."))
+
+
 @pytest.fixture(scope="module")
 def serial(tiny_data, tmp_path_factory):
-    names = list(FAMILIES)
-    results = run_configs([_config(tiny_data, f) for f in names], 1,
+    keys = sorted({_serial_key(*run) for runs in LAYOUTS.values() for run in runs})
+    results = run_configs([_config(tiny_data, family, fp8) for family, fp8 in keys], 1,
                           tmp_path_factory.mktemp("cp-serial"))
-    return {name: ranks[0] for name, ranks in zip(names, results)}
+    return {key: ranks[0] for key, ranks in zip(keys, results)}
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
@@ -58,24 +68,9 @@ def test_context_parallel_layouts_equal_the_serial_run(tiny_data, serial, tmp_pa
     configs = [_config(tiny_data, family, settings) for family, settings in runs]
     failures = {}
     for (family, settings), ranks in zip(runs, run_configs(configs, world, tmp_path)):
-        differs = check_ranks(serial[family], ranks, TOLERANCES["fp32", False])
+        key = _serial_key(family, settings)
+        differs = check_ranks(serial[key], ranks, TOLERANCES["fp32", False])
         if differs:
             failures[f"{family} {' '.join(settings)}"] = differs[:4]
     assert not failures, failures
 
-
-def test_cp_refusals_name_their_key(tiny_data):
-    from megalite.config.errors import ConfigError
-    from megalite.config.layout import validate
-
-    base = _config(tiny_data, "gpt2", ["cp=2"])
-    for key, value in (("model.attn_pdrop", 0.1), ("fp8.recipe", "tensorwise"),
-                       ("train.compile", True)):
-        cfg = copy.deepcopy(base)
-        *path, last = key.split(".")
-        node = cfg
-        for part in path:
-            node = getattr(node, part)
-        setattr(node, last, value)
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(cfg, 2)
