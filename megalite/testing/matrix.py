@@ -82,18 +82,20 @@ def _masters(engine) -> List[tuple]:
 
 
 def _train(world: int, parts: List[Config], run_dir: str) -> dict:
-    records, first_masters = [], None
+    records, first_masters, choices = [], None, None
     for cfg in parts:
         run = launch(cfg, world, run_dir)  # validate -> plan -> runtime -> build, as pretrain.py
         runtime, trainer = run.runtime, run.trainer
         if first_masters is None:
             first_masters = _masters(trainer.engine)
+            if trainer.hellaswag is not None:  # eval.hellaswag: every ending's loss, step 0
+                choices = trainer.evaluate_hellaswag().losses
         records += trainer.fit()
         release(runtime)  # a process trains many runs: its groups' sockets would pile up
     c = trainer.topo.coords
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "norms": [r["grad_norm"] for r in records],
-            "val_losses": [r["val_loss"] for r in records], "first": first_masters,
+            "val_losses": [r["val_loss"] for r in records], "choice_losses": choices, "first": first_masters,
             "last": _masters(trainer.engine), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "specs": {s.name: s for s in trainer.model.param_specs.values()}}
 
@@ -175,7 +177,8 @@ def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = ST
                 ) -> List[str]:
     """What of `ranks` (a run's result per rank) differs from `serial` beyond `tol` on each
     of the `steps` steps' logged loss, grad norm and validation loss (where the run
-    evaluates) and on the final master weights."""
+    evaluates), on every HellaSwag ending's loss at step 0 (eval.hellaswag) and on the final
+    master weights."""
     failures = []
     for r, res in enumerate(ranks):
         if res["steps"] != list(range(1, steps + 1)):
@@ -189,6 +192,10 @@ def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = ST
                     continue
                 if a is None or b is None or not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
                     failures.append(f"rank {r} step {s + 1} {what}: {b!r}, serial {a!r}")
+        expect, got = serial.get("choice_losses"), res.get("choice_losses")
+        if (expect is None) != (got is None) or (expect is not None and not torch.allclose(
+                got, expect, rtol=tol.loss, atol=1e-5)):
+            failures.append(f"rank {r}: HellaSwag ending losses {got}, serial {expect}")
         failures += [f"rank {r}: {f}" for f in _master_failures(serial, res, tol)]
     return failures
 

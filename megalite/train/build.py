@@ -200,7 +200,8 @@ def build_hellaswag(cfg: Config, runtime: Runtime, model: PipelineStage, engine:
         return None
     topo, layout, t = runtime.topology, runtime.layout, cfg.train
     choices = load_choices(cfg)
-    unit = 8 * (topo.tp_size if layout.sequence_parallel else 1)  # SP splits the sequence
+    unit = 8 * (topo.tp_size if layout.sequence_parallel else 1)  # SP splits the sequence,
+    unit *= 2 * topo.cp_size if topo.cp_size > 1 else 1  # CP into 2*cp chunks first
     length = choices.length(t.seq_len, unit)
     schedule = PipelineSchedule(
         model.chunks, topo, engine,

@@ -82,8 +82,6 @@ def bad(overrides, world_size=1):
     (["cp=2", "model.attn_pdrop=0.1"], 2, "model.attn_pdrop=0.1: is not supported with cp=2"),
     (["cp=2", "train.attention=flash"], 2, "train.attention='flash': is not supported with cp=2"),
     (["cp=2", "train.compile=true"], 2, "train.compile=True: is not supported with cp=2"),
-    (["cp=2", "eval.hellaswag=hs.jsonl", "train.eval_every=5"], 2,
-     "eval.hellaswag='hs.jsonl': is not supported with cp=2"),
     (["cp=2", "fp8.recipe=rowwise", "fp8.emulate=true"], 2,
      "fp8.recipe='rowwise': is not supported with cp=2"),
     (["cp=2", "resilience.rerun=on_nan"], 2, "resilience.rerun='on_nan': is not supported"),
