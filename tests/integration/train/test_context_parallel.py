@@ -3,8 +3,8 @@ launch path (`megalite.testing.matrix.run_configs`) and must match the one-rank 
 model on every step's logged loss and grad norm, the validation loss (steps 2 and 3) and the
 final fp32 master weights (fp32, dropout 0; relative 1e-5: `matrix.TOLERANCES`). Both
 families (Llama with grouped-query attention, its one KV head replicated over tp=2), both
-`parallel.cp_comm` modes, cp 2 and 4, with TP + SP, with a pipeline (1F1B, ZB-V), with ZeRO-1
-and ZeRO-3 over DP x CP, and FP8 tensorwise against the serial FP8 run, to the same fp32
+`parallel.cp_comm` modes, cp 2 and 4, with TP + SP, with a pipeline (1F1B, ZB-V), with ZeRO-1,
+2 (with optimizer offload, recompute and activation offload) and 3 over DP x CP, and FP8 tensorwise against the serial FP8 run, to the same fp32
 tolerance: with its activations' and gradients' amaxes max-reduced over CP each element is
 quantized as in the serial run (measured: 1e-7 relative on losses and norms; without the CP
 reduction 2e-4 on the loss and 4e-3 on the grad norm). At cp=4 the HellaSwag scores of the
@@ -34,7 +34,10 @@ LAYOUTS = {  # world -> [(family, settings)]
         ("gpt2", ["cp=2", "parallel.cp_comm=ring"]),
         ("llama", ["cp=2", "parallel.cp_comm=allgather"]),
         ("llama", ["cp=2", "parallel.cp_comm=ring"]),
-        ("gpt2", ["cp=2", "parallel.cp_comm=ring", *FP8])],
+        ("gpt2", ["cp=2", "parallel.cp_comm=ring", *FP8]),
+        ("llama", ["cp=2", "zero=2", "offload.optimizer=0.5", "train.recompute=true",
+                   "train.recompute_layers=1", "offload.activations=true",
+                   "offload.activations_layers=2"])],
     4: [("gpt2", ["cp=4", "parallel.cp_comm=allgather"]),
         ("llama", ["cp=4", "parallel.cp_comm=ring"]),
         ("llama", ["cp=2", "tp=2", "sp=true", "parallel.cp_comm=allgather"]),
