@@ -6,7 +6,9 @@ separated by EOS. Shards are not opened up front: windows are read with `pread` 
 set of open descriptors (`megalite.data.files`), so the number of shards is not limited by the
 open-file limit. A *sample* is a window of seq_len + 1 consecutive tokens inside one shard
 (windows start every seq_len tokens, so input x = w[:-1] and target y = w[1:] cover the stream
-once); windows never cross a shard boundary.
+once); windows never cross a shard boundary. With context parallelism every CP rank of a
+(tp, pp, dp) reads the same windows and keeps its two chunks of each (`cp`: (size, rank);
+`megalite.parallel.context_shard`), of the inputs and the targets alike.
 
 Sample order, DP slicing and blends: `megalite.data.sampler`.
 """
@@ -23,6 +25,7 @@ import torch
 from megalite.data.errors import DataError, too_few_train_samples
 from megalite.data.files import ShardFiles
 from megalite.data.sampler import blend_choices
+from megalite.parallel import context_shard
 
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
@@ -123,13 +126,18 @@ class TokenShards:
         return self.samples([index], seq_len)[0]
 
 
-def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool]
+def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool],
+              cp: Tuple[int, int] = (1, 0)
               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read."""
+    """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read.
+    `cp` = (size, rank): each of them this CP rank's two chunks of the sequence."""
     w = torch.from_numpy(windows)
     if device.type == "cuda":
         w = w.pin_memory().to(device, non_blocking=True)
-    return (w[:, :-1] if reads[0] else None), (w[:, 1:] if reads[1] else None)
+    size, rank = cp
+    inputs = context_shard.shard(w[:, :-1], size, rank, dim=1) if reads[0] else None
+    targets = context_shard.shard(w[:, 1:], size, rank, dim=1) if reads[1] else None
+    return inputs, targets
 
 
 class TrainBatches:
@@ -138,13 +146,15 @@ class TrainBatches:
 
     `reads` = (inputs, targets): what this rank's model stage consumes — the first pipeline
     stage the inputs, the last the targets, a middle stage neither. What is not consumed is
-    None and, where neither is, no token is read; the sampler advances on every rank alike."""
+    None and, where neither is, no token is read; the sampler advances on every rank alike.
+    `cp` = (size, rank): the batches hold this CP rank's chunks of every window."""
 
     def __init__(self, sources: Sequence[TokenShards], sampler, micro_batch_size: int,
-                 seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True)):
+                 seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True),
+                 cp: Tuple[int, int] = (1, 0)):
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
-        self.reads = tuple(reads)
+        self.reads, self.cp = tuple(reads), tuple(cp)
         self.last_samples: List[Tuple[int, int]] = []  # the last step's (dataset, window)s
 
     def close(self) -> None:
@@ -162,7 +172,7 @@ class TrainBatches:
         if not any(self.reads):
             return [(None, None)] * (len(windows) // mb)
         tokens = read_windows(self.sources, datasets, windows, self.seq_len)
-        return [_to_batch(tokens[j:j + mb], self.device, self.reads)
+        return [_to_batch(tokens[j:j + mb], self.device, self.reads, self.cp)
                 for j in range(0, len(windows), mb)]
 
 
@@ -225,7 +235,7 @@ def _no_val_window(seq_len: int) -> str:
 def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: int,
                 eval_steps: int, global_batch_size: int, dp_rank: int, dp_size: int,
                 device: torch.device, weights: Optional[Sequence[float]] = None,
-                reads: Tuple[bool, bool] = (True, True)
+                reads: Tuple[bool, bool] = (True, True), cp: Tuple[int, int] = (1, 0)
                 ) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
@@ -233,7 +243,7 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
 
     `sources` holds one TokenShards per dataset; for a blend, with their `weights`, position p
     takes its dataset from the greedy blend and that dataset's next window in order. `reads`:
-    as for `TrainBatches` (a middle pipeline stage reads no token)."""
+    and `cp` as for `TrainBatches` (a middle pipeline stage reads no token)."""
     sizes = [s.num_samples(seq_len) for s in sources]
     if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
@@ -252,5 +262,5 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
     datasets = np.array([pairs[p][0] for p in positions], dtype=np.int64)
     windows = read_windows(sources, datasets, np.array([pairs[p][1] for p in positions],
                                                         dtype=np.int64), seq_len)
-    return [_to_batch(windows[j:j + micro_batch_size], device, reads)
+    return [_to_batch(windows[j:j + micro_batch_size], device, reads, cp)
             for j in range(0, len(windows), micro_batch_size)]

@@ -29,6 +29,7 @@ multiple of hk: grouped-query attention, each KV head serving hq / hk query head
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -39,6 +40,19 @@ from megalite.parallel.comm import all_gather, reduce_scatter, send_recv
 from megalite.parallel.group import Group
 
 CP_COMMS = ("allgather", "ring")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's CP group and how attention communicates over it (`parallel.cp_comm`)."""
+
+    group: Group
+    comm: str = "allgather"
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """The global positions of this rank's `local_len` tokens of a sequence."""
+        n = self.group.size
+        return context_shard.positions(local_len * n, n, self.group.rank, device)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,

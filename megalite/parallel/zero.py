@@ -1,4 +1,5 @@
-"""The data-parallel engine: ZeRO stages 0-3 over the DP group (Rajbhandari et al. 2019).
+"""The data-parallel engine: ZeRO stages 0-3 over the DP group (Rajbhandari et al. 2019) —
+DP x CP with context parallelism (`Topology.grad_group`: CP ranks hold the same parameters).
 
 Parameters live in flat buffers ("buckets", or per-block "units" for stage 3; see
 `megalite.parallel.flat`). Each DP rank owns one contiguous range of every buffer — the whole
@@ -298,7 +299,7 @@ class ZeroEngine(EngineState):
         if host_squares is not None:
             sq = sq + host_squares.to(device)
         if self.layout.shards_optimizer:
-            comm.all_reduce(sq, self.topo.dp_group)
+            comm.all_reduce(sq, self.topo.grad_group)
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
 

@@ -35,6 +35,7 @@ from megalite.model.activation_offload import ActivationOffload
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
+from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.fp8 import use_fp8
 from megalite.parallel.host_range import AdamWSettings
 from megalite.parallel.pipeline import PipelineSchedule
@@ -71,7 +72,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     sources = cfg.data.sources()
     train_shards, val_shards = open_shards(sources, cfg.model.vocab_size)
     c = topo.coords
-    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, runtime.device)
+    # dropout streams differ over DP x CP (a CP rank's tokens are other tokens)
+    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, topo.grad_group.rank, runtime.device)
     model = build_model(cfg, runtime, layout.stage_blocks()[c.pp_rank], rng)
     family = model.family  # the model's size and cost, as its family counts them
     counts = ModelCounts(family.num_parameters(cfg.model),
@@ -107,7 +109,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         cfg=cfg, rt=runtime, run_dir=run_dir, data_sources=sources, val_shards=val_shards,
         sampler=sampler,
         batches=TrainBatches(train_shards, sampler, t.micro_batch_size, t.seq_len,
-                             runtime.device, reads=stage_reads(model)),
+                             runtime.device, reads=stage_reads(model),
+                             cp=(topo.cp_size, c.cp_rank)),
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         model=model, engine=engine, schedule=schedule, loss_scaler=loss_scaler,
         flops_per_token=counts.flops_per_token, progress=progress, state=state, saver=saver,
@@ -210,7 +213,8 @@ def build_hellaswag(choices: ChoiceSet, source: str, runtime: Runtime, model: Pi
     pipeline schedule for their padded length (collective: its links say hello). `shape`:
     (micro-batch size, hidden size)."""
     topo, layout = runtime.topology, runtime.layout
-    unit = 8 * (topo.tp_size if layout.sequence_parallel else 1)  # SP splits the sequence
+    unit = 8 * (topo.tp_size if layout.sequence_parallel else 1)  # SP splits the sequence,
+    unit *= 2 * topo.cp_size if topo.cp_size > 1 else 1  # CP into 2*cp chunks first
     length = choices.length(seq_len, unit)
     schedule = build_schedule(runtime, model, engine, length, shape)
     endings = sum(len(ex) for ex in choices.endings)
@@ -236,8 +240,9 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             tp_group=topo.tp_group, sequence_parallel=layout.sequence_parallel,
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
-                            recompute_layers=cfg.train.recompute_layers, offload=offload)
-    use_fp8(model, cfg.fp8.recipe)
+                            recompute_layers=cfg.train.recompute_layers, offload=offload,
+                            cp=ContextParallel(topo.cp_group, cfg.parallel.cp_comm))
+    use_fp8(model, cfg.fp8.recipe, topo.cp_group)
     if runtime.device.type == "meta":
         return model
     init_state = _init_state(cfg, runtime) if cfg.init_from else None

@@ -50,14 +50,14 @@ def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
 
 def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[dict]:
     """Model-state bytes (parameters, gradients, optimizer) per pipeline stage, the most any
-    rank of the stage holds, for the run header: a maximum over the stage's TP and DP ranks,
+    rank of the stage holds, for the run header: a maximum over the stage's TP, CP and DP ranks,
     then one summary per stage gathered to rank 0 (O(pp) objects there, not O(world))."""
     mine = engine.state_bytes()
     kinds = list(mine)
     values = [float(mine[k]) for k in kinds]
-    for group in (topo.tp_group, topo.dp_group):
+    for group in (topo.tp_group, topo.grad_group):
         values = comm.all_reduce_scalars(values, group, device, op=dist.ReduceOp.MAX)
-    summary = {"pp": topo.coords.pp_rank, "ranks": topo.tp_size * topo.dp_size,
+    summary = {"pp": topo.coords.pp_rank, "ranks": topo.tp_size * topo.grad_group.size,
                **{k: int(v) for k, v in zip(kinds, values)}}
     gathered = comm.gather_objects_to_root(summary, topo.pp_group)
     return gathered if gathered is not None else []

@@ -150,17 +150,19 @@ class Trainer:
     # --- reporting ----------------------------------------------------------------------
 
     def _global_mean(self, value: float) -> float:
-        """A value held by the last pipeline stage (0 elsewhere), averaged over DP replicas."""
-        topo = self.topo
+        """A value held by the last pipeline stage (0 elsewhere), averaged over the DP x CP
+        ranks (each CP rank's loss is the mean over its equal share of the tokens: their mean
+        is the mean over the sequences' tokens, the serial run's)."""
+        topo, group = self.topo, self.topo.grad_group
         value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
-        return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp_size
+        return comm.all_reduce_scalars([value], group, device=self.rt.device)[0] / group.size
 
     def _slowest_phases(self, steps: int) -> dict:
         """Seconds per step in each phase of the step (`megalite.train.timers`), of the rank
         slowest in that phase."""
         spent = self.timers.take()
         values = [spent[p] / steps for p in PHASES]
-        for group in (self.topo.mp_group, self.topo.dp_group):  # together: the whole world
+        for group in (self.topo.mp_group, self.topo.grad_group):  # together: the whole world
             values = comm.all_reduce_scalars(values, group, self.rt.device,
                                              op=dist.ReduceOp.MAX)
         return dict(zip(PHASES, values))
@@ -226,7 +228,7 @@ class Trainer:
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
                                     dp_size=self.topo.dp_size, device=self.rt.device,
                                     weights=[w for _, w in self.data_sources],
-                                    reads=self.batches.reads)
+                                    reads=self.batches.reads, cp=self.batches.cp)
         return self._val
 
     @torch.no_grad()

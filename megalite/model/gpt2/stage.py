@@ -24,16 +24,17 @@ recompute, offload): `megalite.model.causal_lm`.
 from __future__ import annotations
 
 import contextlib
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.schema import ModelConfig
-from megalite.model.attention import kernel_region
+from megalite.model.attention import causal_attention, kernel_region, token_positions
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
 from megalite.model.gpt2.family import GPT2_FAMILY
+from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.group import Group
 from megalite.parallel.tensor import (
     ColumnParallelLinear,
@@ -45,7 +46,8 @@ from megalite.parallel.tensor import (
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory, attention: str = "auto"):
+                 residual_region: RegionFactory, attention: str = "auto",
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         if cfg.n_head % tp_group.size:
             raise ValueError(f"n_head={cfg.n_head} not divisible by tp={tp_group.size}")
@@ -56,6 +58,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
         self.kernel_region = kernel_region(attention)
+        self.cp = cp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
@@ -63,7 +66,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = causal_attention(q, k, v, p, self.cp)
         y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
@@ -83,10 +86,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory, attention: str = "auto"):
+                 residual_region: RegionFactory, attention: str = "auto",
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region, attention)
+        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region, attention,
+                                        cp)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, tp_group, sp, residual_region)
 
@@ -105,8 +110,9 @@ class GPT2(CausalLM):
 
     @staticmethod
     def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                   residual_region: RegionFactory, attention: str = "auto") -> nn.Module:
-        return Block(cfg, tp_group, sp, tp_region, residual_region, attention)
+                   residual_region: RegionFactory, attention: str = "auto",
+                   cp: Optional[ContextParallel] = None) -> nn.Module:
+        return Block(cfg, tp_group, sp, tp_region, residual_region, attention, cp)
 
     def build(self, attention: str) -> None:
         cfg, sp, tp_group = self.cfg, self.sequence_parallel, self.tp_group
@@ -117,7 +123,7 @@ class GPT2(CausalLM):
             self.transformer.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.transformer.h = nn.ModuleDict(
             {str(i): self.make_block(cfg, tp_group, sp, self.tp_region, self.residual_region,
-                                     attention) for i in self.blocks})
+                                     attention, self.cp) for i in self.blocks})
         if self.last:
             self.transformer.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
@@ -140,13 +146,13 @@ class GPT2(CausalLM):
         return units
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); with CP `s`
+        is this rank's chunks' tokens, at their global positions."""
         s = ids.shape[1]
-        if s > self.cfg.n_positions:
-            raise ValueError(f"sequence length {s} > model.n_positions={self.cfg.n_positions}")
+        self.check_length(s)
         t = self.transformer
         x = t.wte(ids.t())
         chunk = sequence_chunk(s, self.tp_group, self.sequence_parallel)
-        pos = torch.arange(chunk.start, chunk.stop, device=ids.device)
+        pos = token_positions(s, self.cp, ids.device)[chunk.start:chunk.stop]
         x = x + t.wpe(pos).unsqueeze(1)
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)

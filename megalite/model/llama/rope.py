@@ -9,7 +9,8 @@ The inverse frequencies are computed on the CPU in fp32, as transformers does, a
 the model's device: the same bits wherever the model lives. cos and sin are made per forward
 from the positions 0..s-1 (the whole sequence: with sequence parallelism q and k come out of a
 column-parallel projection of the gathered sequence) in fp32, then cast to the activations'
-dtype (transformers' order of operations).
+dtype (transformers' order of operations). With context parallelism the positions are those of
+the rank's chunks of the sequence (`megalite.parallel.context_shard.positions`).
 """
 from __future__ import annotations
 
@@ -41,11 +42,10 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(inv_freq: torch.Tensor, length: int, dtype: torch.dtype
+def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [length, head_dim] of positions 0..length-1, in `dtype`."""
-    positions = torch.arange(length, device=inv_freq.device, dtype=torch.float)
-    freqs = positions[:, None] * inv_freq[None, :].float()
+    """cos and sin [len(positions), head_dim] of the given (integer) positions, in `dtype`."""
+    freqs = positions.to(inv_freq.device, torch.float)[:, None] * inv_freq[None, :].float()
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
