@@ -7,7 +7,9 @@ One optimizer step = m = global_batch_size / (micro_batch_size * dp) micro-batch
 (the step's global batch size: `train.rampup_batch_size` grows it over the first samples),
 each loss scaled by 1/m so the accumulated gradient is the gradient of the mean loss over the
 rank's share; averaging over DP then gives the gradient of the mean over the global batch — the
-same number the serial run computes.
+same number the serial run computes. With context parallelism a rank's loss is the mean over
+its seq_len/cp tokens of each sequence (every CP rank holds as many), and the average runs over
+DP x CP (`Topology.grad_group`): again the mean over the global batch's tokens.
 """
 from __future__ import annotations
 

@@ -1,21 +1,24 @@
 """Context parallelism (cp > 1) equals the serial run: each layout trains 3 steps through the
 launch path (`megalite.testing.matrix.run_configs`) and must match the one-rank run of the same
 model on every step's logged loss and grad norm, the validation loss (steps 2 and 3) and the
-final fp32 master weights (fp32, dropout 0; relative 1e-5: `matrix.TOLERANCES`). Both
-families (Llama with grouped-query attention, its one KV head replicated over tp=2), both
-`parallel.cp_comm` modes, cp 2 and 4, with TP + SP, with a pipeline (1F1B, ZB-V), with ZeRO-1,
-2 (with optimizer offload, recompute and activation offload) and 3 over DP x CP, and FP8 tensorwise against the serial FP8 run, to the same fp32
-tolerance: with its activations' and gradients' amaxes max-reduced over CP each element is
-quantized as in the serial run (measured: 1e-7 relative on losses and norms; without the CP
-reduction 2e-4 on the loss and 4e-3 on the grad norm). At cp=4 the HellaSwag scores of the
-initial weights equal the serial run's, every ending's summed loss (some CP ranks hold only
-padding of a short ending). Runs share spawns: one world per world size.
+final fp32 master weights (fp32, dropout 0; relative 1e-5: `matrix.TOLERANCES`).
+
+Covered: both families (Llama with grouped-query attention, its one KV head replicated over
+tp=2, RoPE with Llama 3's scaling), both `parallel.cp_comm` modes, cp 2 and 4, TP + SP, a
+pipeline (1F1B, ZB-V), ZeRO 1, 2 (with optimizer offload, recompute and activation offload) and
+3 over DP x CP, and FP8 tensorwise against the serial FP8 run to the same fp32 tolerance: with
+its activations' and gradients' amaxes max-reduced over CP each element is quantized as in the
+serial run (measured: 1e-7 relative on losses and norms; without the CP reduction 2e-4 on the
+loss and 4e-3 on the grad norm). At cp=4 the HellaSwag scores of the initial weights equal the
+serial run's, every ending's summed loss (some CP ranks hold only padding of a short ending).
+Runs share spawns: one world per world size.
 """
 from __future__ import annotations
 
 import pytest
 
 from megalite.config.combinations import MATRIX_BASE
+from megalite.config.model import RopeScaling
 from megalite.config.schema import load_config
 from megalite.testing.matrix import TOLERANCES, check_ranks, run_configs
 from tests.unit.eval.test_hellaswag import write_hellaswag
@@ -52,8 +55,14 @@ LAYOUTS = {  # world -> [(family, settings)]
 
 
 def _config(data, family, settings=(), hellaswag=None):
+    """A run's configuration; Llama's RoPE with Llama 3's scaling, its original context at
+    seq_len so that each band of frequencies (kept, smoothed, divided) has some."""
     settings = [s.replace("HELLASWAG", str(hellaswag)) for s in settings]
-    return load_config([*MATRIX_BASE, *SMALL, *FAMILIES[family], *settings, f"data.dir={data}"])
+    cfg = load_config([*MATRIX_BASE, *SMALL, *FAMILIES[family], *settings, f"data.dir={data}"])
+    if family == "llama":
+        cfg.model.rope_scaling = RopeScaling(factor=8.0,
+                                             original_max_position_embeddings=cfg.train.seq_len)
+    return cfg
 
 
 def _serial_key(family, settings):
