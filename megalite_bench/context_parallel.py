@@ -27,7 +27,7 @@ megalite's `cp_attention` (allgather, ring) against torch's own context parallel
 error where it does not.
 
     megalite-bench cp                                   # llama-tiny at 8,192 tokens, cp 1 2 4
-    megalite-bench cp --seq-len 256 --cp 1 2 --steps 1  # a smoke run (seconds)
+    megalite-bench cp --seq-len 256 --cp 1 2 --steps 1  # a smoke run (about a minute)
 
 The data: `--data` (a prepared directory), or a small corpus prepared into a temporary
 directory first (`megalite_bench.on_off.prepared_corpus`).
@@ -130,7 +130,7 @@ def run(args) -> Dict[str, List[dict]]:
 
 def _print_memory(args, rows: List[dict]) -> None:
     base = rows[0]
-    print(f"\n{args.preset} {' '.join(args.model)}, seq {args.seq_len}, micro-batch "
+    print(f"\n{' '.join([args.preset, *args.model])}, seq {args.seq_len}, micro-batch "
           f"{args.micro_batch}, fp32, gloo ranks (tp = pp = dp = 1, world = cp), "
           f"{args.steps} timed steps after {args.warmup} warmup + 1 measured")
     print(f"{'cp':>3} {'cp_comm':>9} {'peak MiB':>9} {'plan MiB':>9} {'meas/plan':>9} "
