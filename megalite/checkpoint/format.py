@@ -100,9 +100,10 @@ def written_range(piece: StatePiece, topo: Topology) -> Optional[Tuple[int, int]
     """The part [a, b) of this rank's owned range of a piece that it writes, or None. Every
     element is written once: not by the tied embedding's second copy, not by TP ranks other
     than 0 for TP-replicated tensors nor by the later ranks sharing a TP slice
-    (`ParamSpec.tp_writer`); a range that DP replicas all hold (zero 0) is written by the
-    replica that zero >= 1 would give it (`StatePiece.dp_share`), so a save uses every
-    replica's bandwidth and a resume under zero >= 1 on the same dp reads its own file."""
+    (`ParamSpec.tp_writer`); a range that the DP x CP replicas all hold (zero 0; the CP ranks
+    of a (tp, pp, dp) hold the same parameters) is written by the replica that zero >= 1 would
+    give it (`StatePiece.dp_share`, over `Topology.grad_group`), so a save uses every
+    replica's bandwidth and a resume under zero >= 1 on the same dp x cp reads its own file."""
     spec = piece.spec
     if spec.tied_copy or not spec.tp_writer(topo.coords.tp_rank):
         return None

@@ -60,8 +60,9 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology,
         for name in sorted(ranges):
             verified += verify_ranges(ckpt, name, meta["files"][name], ranges[name])
         same_layout = meta["layout"]["world_size"] == topo.world_size and all(
-            meta["layout"][k] == v for k, v in (("tp", topo.tp_size), ("pp", topo.pp_size),
-                                                ("dp", topo.dp_size)))
+            meta["layout"].get(k, 1) == v for k, v in (
+                ("tp", topo.tp_size), ("cp", topo.cp_size), ("pp", topo.pp_size),
+                ("dp", topo.dp_size)))  # (no "cp": written before context parallelism)
         if same_layout:
             readable = [f for f in (rank_file(n, topo.rank) for n in rank_files)
                         if f in meta["files"]]

@@ -8,9 +8,10 @@
 
 (`python scripts/selftest.py ...` in a checkout is the same command.) For the world it is
 started with it trains a tiny model a few steps under every layout class that fits (TP inside
-a node with and without SP; PP with 1F1B, interleaved and ZB-H1; ZeRO 1 and 3 over DP; the
-combination), each against the serial run computed on rank 0 of the same job (fp32 unless
-`precision=` says otherwise: rel 1e-5 as the test suite's); saves a checkpoint under
+a node with and without SP; PP with 1F1B, interleaved and ZB-H1; CP with the keys and values
+all-gathered and in a ring; ZeRO 1 and 3 over DP; the combination), each against the serial
+run computed on rank 0 of the same job (fp32 unless `precision=` says otherwise: rel 1e-5 as
+the test suite's); saves a checkpoint under
 `checkpoint.dir` (default: <report dir>/checkpoints) and resumes it under another layout;
 measures the links the groups use (within and across nodes) against the device table; and
 writes `<report dir>/selftest.json` and `selftest.txt` (per check: pass / fail, the figure,

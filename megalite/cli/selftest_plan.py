@@ -123,7 +123,7 @@ def _selected(layouts: Optional[List[str]], checks: List[st.LayoutCheck], skippe
     fitting this world, or none; a scoped override must name one of them."""
     names = [c.name for c in checks]
     if layouts is not None:
-        known = {"tp", "pp", "zero", "combined", "recompute"}
+        known = {"tp", "pp", "cp", "zero", "combined", "recompute"}
         unknown = [n for n in layouts if n not in names and
                    not any(n.startswith(k) for k in known)]
         if unknown:

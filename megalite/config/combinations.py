@@ -21,7 +21,7 @@ from megalite.config.errors import ConfigError
 from megalite.config.layout import validate
 from megalite.config.schema import Config
 
-MAX_RANKS = 8  # the matrix's bound on tp * pp * dp (tiny models on a few CPU cores)
+MAX_RANKS = 8  # the matrix's bound on tp * cp * pp * dp (tiny models on a few CPU cores)
 LLAMA = {"model.arch": "llama", "model.n_inner": 96, "model.rope_theta": 50000.0}
 
 
@@ -60,6 +60,11 @@ AXES: Tuple[Axis, ...] = (
           ("llama kv split", {**LLAMA, "model.n_kv_head": 2}),
           ("llama kv replicated", {**LLAMA, "model.n_kv_head": 1})),
     _axis("tp", "tensor parallel size", ("1", {"tp": 1}), ("2", {"tp": 2})),
+    _axis("cp", "context parallel size, and at 2 how attention crosses CP (parallel.cp_comm: "
+          "keys and values all-gathered, or passed around the ring)",
+          ("1", {"cp": 1, "parallel.cp_comm": "allgather"}),
+          ("2 allgather", {"cp": 2, "parallel.cp_comm": "allgather"}),
+          ("2 ring", {"cp": 2, "parallel.cp_comm": "ring"})),
     _axis("sp", "sequence parallelism", (OFF, {"sp": False}), (ON, {"sp": True})),
     _axis("pp", "pipeline stages", ("1", {"pp": 1}), ("2", {"pp": 2}), ("4", {"pp": 4})),
     _axis("schedule", "pipeline schedule (interleaved and zb-v: 2 model chunks a stage)",
@@ -67,7 +72,7 @@ AXES: Tuple[Axis, ...] = (
           ("interleaved", {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2}),
           ("zb-h1", {"parallel.schedule": "zb-h1", "parallel.virtual_stages": 1}),
           ("zb-v", {"parallel.schedule": "zb-v", "parallel.virtual_stages": 2})),
-    _axis("dp", "data parallel size (world = tp * pp * dp)", ("1", {}), ("2", {})),
+    _axis("dp", "data parallel size (world = tp * cp * pp * dp)", ("1", {}), ("2", {})),
     _axis("zero", "ZeRO stage", *((str(z), {"zero": z}) for z in range(4))),
     _axis("optimizer offload", "offload.optimizer: the fraction of the optimizer state on the "
           "host", *((f"{f:g}", {"offload.optimizer": f}) for f in (0.0, 0.5, 1.0))),
@@ -91,6 +96,17 @@ AXES: Tuple[Axis, ...] = (
     _axis("resilience", "the resilience defaults (replica check, straggler report, hang watch)",
           (ON, RESILIENCE_ON), (OFF, RESILIENCE_OFF)),
 )
+# settings the matrix does not vary (numerics it cannot compare with the serial run, or
+# features with their own tests), each tried beside every axis value alone: the support matrix
+# lists the values that refuse one (`refused_settings`), e.g. cp 2 and attention dropout
+OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
+    ("attention dropout", {"model.attn_pdrop": 0.1}),
+    ("flash attention", {"train.attention": "flash"}),
+    ("torch.compile", {"train.compile": True}),
+    ("HellaSwag", {"eval.hellaswag": "hellaswag_val.jsonl", "train.eval_every": 1}),
+    ("rerun attribution", {"resilience.rerun": "on_nan"}),
+)
+
 # the serial run a row is compared with: these axes at the row's values, every other at its
 # first value (one rank, no offload, no recompute, the defaults on: numerics unchanged)
 SERIAL_AXES = ("family", "fp8", "precision", "head", "batch")
@@ -140,7 +156,7 @@ def row_of(values: Dict[str, str]) -> Row:
 
 def world_size(row: Sequence[int]) -> int:
     v = labels(row)
-    return int(v["tp"]) * int(v["pp"]) * int(v["dp"])
+    return int(v["tp"]) * int(v["cp"].split()[0]) * int(v["pp"]) * int(v["dp"])
 
 
 def settings(row: Sequence[int]) -> Dict[str, object]:
@@ -150,10 +166,11 @@ def settings(row: Sequence[int]) -> Dict[str, object]:
     return out
 
 
-def row_config(base: Config, row: Sequence[int]) -> Config:
-    """`base` (MATRIX_BASE composed, with a data.dir) with the row's settings."""
+def row_config(base: Config, row: Sequence[int], extra: Optional[Dict[str, object]] = None
+               ) -> Config:
+    """`base` (MATRIX_BASE composed, with a data.dir) with the row's settings (and `extra`)."""
     cfg = copy.deepcopy(base)
-    for key, value in settings(row).items():
+    for key, value in {**settings(row), **(extra or {})}.items():
         *path, last = key.split(".")
         node = cfg
         for part in path:
@@ -167,14 +184,15 @@ def serial_row(row: Sequence[int]) -> Row:
     return row_of({k: v for k, v in labels(row).items() if k in SERIAL_AXES})
 
 
-def refusal(base: Config, row: Sequence[int]) -> Optional[Refusal]:
-    """None when the row can run in the matrix; else why not."""
+def refusal(base: Config, row: Sequence[int], extra: Optional[Dict[str, object]] = None
+            ) -> Optional[Refusal]:
+    """None when the row (with the `extra` settings) can run in the matrix; else why not."""
     world = world_size(row)
     if world > MAX_RANKS:
-        return Refusal("matrix", "tp*pp*dp", f"{world} ranks, over the matrix's "
+        return Refusal("matrix", "tp*cp*pp*dp", f"{world} ranks, over the matrix's "
                        f"{MAX_RANKS}")
     try:
-        validate(row_config(base, row), world)
+        validate(row_config(base, row, extra), world)
     except ConfigError as e:
         return Refusal("megalite", e.key or str(e).split("=")[0], str(e))
     return None
@@ -214,6 +232,24 @@ def refused_tuples(base: Config, strength: int) -> List[Tuple[Dict[str, str], Re
                 if why is not None:
                     refused.add(pairs)
                     out.append(({AXES[a].name: AXES[a].values[v].label for a, v in pairs}, why))
+    return out
+
+
+def refused_settings(base: Config) -> List[Tuple[Dict[str, str], str, Refusal]]:
+    """(axis value, the name of a setting of OTHER_SETTINGS, the refusal) for each setting
+    validation refuses beside that value, in the run where the value runs alone (`find_row`
+    near the all-first-values run), although that run and the setting alone both run."""
+    allowed, sizes = allowed_rows(base), [len(a.values) for a in AXES]
+    default, out = row_of({}), []
+    for name, extra in OTHER_SETTINGS:
+        if refusal(base, default, extra) is not None:  # refused whatever the axes
+            continue
+        for a, axis in enumerate(AXES):
+            for v in range(1, len(axis.values)):
+                row = find_row({a: v}, sizes, allowed, default)
+                why = None if row is None else refusal(base, row, extra)
+                if why is not None:
+                    out.append(({axis.name: axis.values[v].label}, name, why))
     return out
 
 

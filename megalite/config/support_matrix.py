@@ -14,8 +14,10 @@ from megalite.config.combinations import (
     AXES,
     MATRIX_BASE,
     MAX_RANKS,
+    OTHER_SETTINGS,
     Refusal,
     matrix_rows,
+    refused_settings,
     refused_tuples,
 )
 from megalite.config.schema import Config, load_config
@@ -57,6 +59,17 @@ def _refusals_table(refused: List[Tuple[Dict[str, str], Refusal]]) -> List[str]:
     return lines
 
 
+def _settings_table(refused: List[Tuple[Dict[str, str], str, Refusal]]) -> List[str]:
+    given = dict(OTHER_SETTINGS)
+    lines = ["| feature value | setting | refused at | megalite's message |",
+             "|---|---|---|---|"]
+    for named, name, why in refused:
+        keys = " ".join(f"{k}={v}" for k, v in given[name].items())
+        lines.append(f"| {_values(named)} | {name} (`{keys}`) | `{why.key}` | "
+                     f"{_escape(why.message)} |")
+    return lines
+
+
 def render(base: Config) -> str:
     """The page, from `base` (`combinations.MATRIX_BASE` composed)."""
     refused = refused_tuples(base, BENCH_STRENGTH)
@@ -68,6 +81,11 @@ def render(base: Config) -> str:
              "Every combination of values of two or three features that megalite refuses; a "
              "combination that contains one of these is refused too. Everything else combines.",
              "", *_refusals_table(by_megalite), "",
+             "## Settings some feature values refuse", "",
+             "Settings the matrix does not vary, each tried beside every feature value (in the "
+             f"run where that value runs alone): {', '.join(n for n, _ in OTHER_SETTINGS)}. "
+             "Those refused are below; every other pair of a value and a setting runs.", "",
+             *_settings_table(refused_settings(base)), "",
              "## Combinations that run", "",
              f"Every pair of values of two features not refused above runs: the test suite "
              f"trains a covering array of strength 2 ({len(pairs)} runs, every such pair in at "

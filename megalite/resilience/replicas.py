@@ -8,7 +8,10 @@ What is compared, over which group (`megalite.parallel.topology`):
 
     dp         DP replicas: every model parameter under zero 0-2 (zero 3 shards them), and
                under zero 0 the optimizer state too (AdamW's moments, and the fp32 master
-               weights where they are not the parameters themselves)
+               weights where they are not the parameters themselves); with context
+               parallelism the DP x CP ranks ("dp_cp", `Topology.grad_group`: the CP ranks
+               of a (tp, pp, dp) hold the same parameters, reduce their gradients together
+               and split ZeRO's ranges over DP x CP)
     tp         TP replicas of the parameters TP does not split (LayerNorms, the biases of
                row-parallel layers, wpe); under zero 3 their fp32 master ranges
     embedding  the tied embedding's two copies, on the first and the last pipeline stage
@@ -78,7 +81,7 @@ class ReplicaMismatchError(RuntimeError):
 class ReplicaSet:
     """Tensors that must be bitwise equal on every member of `group`, in the same order."""
 
-    kind: str  # dp | tp | embedding
+    kind: str  # dp (dp_cp with cp > 1) | tp | embedding
     group: Group
     names: List[str]
     tensors: List[torch.Tensor]
@@ -194,7 +197,8 @@ def replica_sets(engine, topo: Topology, tp_rtol: float = 0.0) -> List[ReplicaSe
             for kind in MOMENTS:
                 if kind in state:
                     _add(dp, f"{seg.spec.name} (AdamW {kind})", state[kind])
-    found = [("dp", topo.dp_group, dp, None),
+    replicas = topo.grad_group  # DP, or DP x CP: the ranks holding the same parameters
+    found = [(replicas.name, replicas, dp, None),
              ("tp", topo.tp_group, tp, None if layout.sequence_parallel or not tp_rtol
               else tp_rtol)]
     if emb[0]:  # a tied copy (first or last stage of pp > 1): the rank is in the group

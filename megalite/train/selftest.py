@@ -10,6 +10,8 @@ Layout classes (`layout_checks`; a class that does not fit the world is skipped,
                          that divides the ranks of a node, the world and the model's heads)
     pp2-1f1b, pp2-interleaved, pp2-zb-h1
                          two pipeline stages under each schedule (DP over the rest)
+    cp2, cp2-ring        context parallelism over 2 ranks (DP over the rest), the keys and
+                         values all-gathered or passed around the ring (`parallel.cp_comm`)
     zero1, zero3         ZeRO over DP = the world
     combined             TP (as large as fits twice), PP 2, ZeRO-1 over the rest, SP: with a
                          TP group as large as a node, the pipeline's stages are on different
@@ -105,7 +107,7 @@ def layout_checks(world: int, per_node: int, n_head: int = 8, n_layer: int = 4
     if world == 1:
         return [LayoutCheck("recompute", (("train.recompute", True),),
                             "activation recomputation, one device")], \
-            ["tp, pp, zero: a world of one rank (what fits one device runs)"]
+            ["tp, pp, cp, zero: a world of one rank (what fits one device runs)"]
     tp = _pow2_divisor(per_node, world, n_head)
     if tp >= 2:
         fits += [LayoutCheck(f"tp{tp}", (("tp", tp),), "TP inside a node"),
@@ -123,6 +125,13 @@ def layout_checks(world: int, per_node: int, n_head: int = 8, n_layer: int = 4
                              "PP, zero bubble ZB-H1")]
     else:
         skipped.append(f"pp: an odd world ({world}) has no 2 stages")
+    if world % 2 == 0 and SEQ_LEN % 4 == 0:  # 2 * cp chunks of every sequence
+        fits += [LayoutCheck("cp2", (("cp", 2), ("parallel.cp_comm", "allgather")),
+                             "CP, keys and values all-gathered"),
+                 LayoutCheck("cp2-ring", (("cp", 2), ("parallel.cp_comm", "ring")),
+                             "CP, keys and values passed around the ring")]
+    else:
+        skipped.append(f"cp: an odd world ({world}) has no 2 CP ranks")
     fits += [LayoutCheck("zero1", (("zero", 1),), "ZeRO-1 over DP"),
              LayoutCheck("zero3", (("zero", 3),), "ZeRO-3 over DP")]
     combined = tp
@@ -140,15 +149,15 @@ def layout_checks(world: int, per_node: int, n_head: int = 8, n_layer: int = 4
 def crossing_groups(check: LayoutCheck, world: int, per_node: int) -> List[str]:
     """The kinds of the layout's groups that span nodes (nodes of `per_node` ranks)."""
     sets = dict(check.sets)
-    tp, pp = int(sets.get("tp", 1)), int(sets.get("pp", 1))
+    tp, pp, cp = int(sets.get("tp", 1)), int(sets.get("pp", 1)), int(sets.get("cp", 1))
     out = []
-    for kind, lists in group_ranks(tp, pp, world // (tp * pp)).items():
+    for kind, lists in group_ranks(tp, pp, world // (tp * cp * pp), cp).items():
         if any(len({r // per_node for r in ranks}) > 1 for ranks in lists):
             out.append(kind)
     return out
 
 
-SERIAL = (("tp", 1), ("pp", 1), ("zero", 0), ("sp", False), ("parallel.virtual_stages", 1),
+SERIAL = (("tp", 1), ("cp", 1), ("pp", 1), ("zero", 0), ("sp", False), ("parallel.virtual_stages", 1),
           ("parallel.schedule", "auto"))  # what a layout's settings start from
 
 
@@ -159,7 +168,7 @@ def micro_batch_size(check: LayoutCheck, world: int, global_batch: int) -> int:
     takes micro-batches of one: the layouts' gradients are the same means over the same
     samples, accumulated in other orders."""
     sets = dict(check.sets)
-    dp = world // (int(sets.get("tp", 1)) * int(sets.get("pp", 1)))
+    dp = world // (int(sets.get("tp", 1)) * int(sets.get("cp", 1)) * int(sets.get("pp", 1)))
     micro_batches = 2 if int(sets.get("pp", 1)) > 1 else 1
     return max(1, global_batch // (dp * micro_batches))
 

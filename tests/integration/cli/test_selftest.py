@@ -32,7 +32,8 @@ def _selftest(rank, world, argv_runs):
 
 @pytest.mark.distributed
 def test_the_selftest_passes_on_8_ranks_and_names_a_drilled_layout(tmp_path, capfd):
-    """One world of 8 ranks runs the command three times: every check passes (exit 0); a
+    """One world of 8 ranks runs the command three times: every check passes (exit 0: CP's
+    classes too); a
     drill flips a bit of rank 1's gradient at step 2 in the zero1 layout only: zero1 fails,
     pp2-1f1b passes (exit 1); a layout that does not fit is refused (exit 2)."""
     report, drilled = tmp_path / "report", tmp_path / "drilled"
@@ -53,7 +54,8 @@ def test_the_selftest_passes_on_8_ranks_and_names_a_drilled_layout(tmp_path, cap
     assert rep["passed"] and rep["world_size"] == 8 and rep["precision"] == "fp32", rep
     names = [c["name"] for c in rep["checks"]]
     assert names == ["layout tp8", "layout tp8-sp", "layout pp2-1f1b", "layout pp2-interleaved",
-                     "layout pp2-zb-h1", "layout zero1", "layout zero3", "layout combined",
+                     "layout pp2-zb-h1", "layout cp2", "layout cp2-ring", "layout zero1",
+                     "layout zero3", "layout combined",
                      "checkpoint zero1 -> combined", "link intra_node"], names
     for c in rep["checks"]:
         assert c["passed"], c
@@ -64,7 +66,7 @@ def test_the_selftest_passes_on_8_ranks_and_names_a_drilled_layout(tmp_path, cap
     assert "not judged" in link["tolerance_rule"]
     text = (report / "selftest.txt").read_text()
     assert text.startswith("megalite self-test: 8 ranks (1 node(s) x 8), cpu, fp32") and \
-        "10 of 10 checks passed: PASS" in text, text
+        "12 of 12 checks passed: PASS" in text, text
     assert not (ckpt / "megalite-selftest").exists()  # passed: its checkpoints removed
 
     bad = json.loads((drilled / "selftest.json").read_text())

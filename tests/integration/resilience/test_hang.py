@@ -22,7 +22,7 @@ from tests.conftest import TINY
 from tests.layouts import FP32_NO_DROPOUT
 from tests.unit.resilience.test_hang import wait_for
 
-TIMEOUT_S = 3  # parallel.timeout_s: rank 0's dp collective raises after this long
+TIMEOUT_S = 3  # parallel.timeout_s: rank 0's cp collective raises after this long
 HANG_AFTER = 1.5  # resilience.hang_after_s: it is dumped as stuck after this long
 STALL_AT = 3  # rank 1 stops participating before this step
 SIGNAL_AFTER = 1  # rank 0 signals itself after this step (a live dump)
@@ -46,7 +46,7 @@ def _stall_until_dumped(hang_dir: Path, rank: int) -> None:
 def _hung_run(rank, world, tiny_data, run_dir):
     cfg = load_config(TINY + FP32_NO_DROPOUT + [
         f"data.dir={tiny_data}", "train.micro_batch_size=2", "train.global_batch_size=8",
-        "zero=1", "train.max_steps=6", f"parallel.timeout_s={TIMEOUT_S}",
+        "cp=2", "zero=1", "train.max_steps=6", f"parallel.timeout_s={TIMEOUT_S}",
         f"resilience.hang_after_s={HANG_AFTER}", "resilience.hang_wait_s=2",
         "resilience.check_every=0",
         "resilience.straggler_report_every=0", "log.peak_tflops=1"])
@@ -76,8 +76,9 @@ def _hung_run(rank, world, tiny_data, run_dir):
 
 @pytest.mark.distributed
 def test_a_rank_that_stops_participating_is_named_with_its_group(tmp_path, tiny_data, capsys):
-    """Rank 1 stalls before step 3 outside any collective. Rank 0's next collective is not
-    complete after resilience.hang_after_s: its watch dumps, asks rank 1 through the store,
+    """Rank 1 stalls before step 3 outside any collective. Rank 0's next collective (cp 2:
+    the first block's all-gather of keys and values over the cp group) is not complete after
+    resilience.hang_after_s: its watch dumps, asks rank 1 through the store,
     whose watch thread dumps while its main thread stalls; the summary (written by rank 0,
     and by megalite-hang-report afterwards) names rank 1 and the group rank 0 waited in. Then
     the collective times out (gloo raises at parallel.timeout_s): CommError, after the dumps,
@@ -99,7 +100,8 @@ def test_a_rank_that_stops_participating_is_named_with_its_group(tmp_path, tiny_
     dumps = {r: json.loads((hang / f"rank{r:05d}.json").read_text()) for r in (0, 1)}
     assert all(d["failure"] and d["request"]["kind"] == "stuck" for d in dumps.values())
     assert dumps[1]["request"]["n"] == 2  # rank 0's, numbered after its own dump
-    assert "reduce_scatter" in dumps[0]["request"]["what"]
+    assert "all_gather #" in dumps[0]["request"]["what"]
+    assert "on the cp group (global ranks [0, 1])" in dumps[0]["request"]["what"]
     assert "not complete" in dumps[0]["request"]["what"]
     assert f"threshold: {HANG_AFTER:g} s" in dumps[0]["request"]["what"]
     assert "timed out" in res[0]["error"].lower() or "failed" in res[0]["error"]

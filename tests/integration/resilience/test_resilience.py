@@ -74,7 +74,7 @@ def _flipped_run(rank, world, tiny_data, run_dir, overrides):
 
 
 CLEAN = {"dp2 zero1": ["zero=1"], "dp2 zero0": ["zero=0"], "tp2 sp": ["tp=2", "sp=true"],
-         "tp2": ["tp=2"], "pp2": ["pp=2"]}
+         "tp2": ["tp=2"], "pp2": ["pp=2"], "cp2 zero0": ["cp=2", "zero=0"]}
 CLEAN_STEPS = 3
 
 
@@ -93,6 +93,7 @@ def _all_runs(rank, world, tiny_data, run_dir):
     return {"dp": _flipped_run(rank, world, tiny_data, f"{run_dir}/dp",
                                ["zero=1", "checkpoint.async_save=true"]),
             "tp": _flipped_run(rank, world, tiny_data, f"{run_dir}/tp", ["tp=2", "sp=true"]),
+            "dp_cp": _flipped_run(rank, world, tiny_data, f"{run_dir}/cp", ["cp=2"]),
             "clean": {label: _clean_run(rank, world, tiny_data, f"{run_dir}/{i}", overrides)
                       for i, (label, overrides) in enumerate(CLEAN.items())},
             "slowed": _straggler_run(rank, world, tiny_data, f"{run_dir}/slow", slow_rank=1),
@@ -109,12 +110,13 @@ def runs(tiny_data, tmp_path_factory):
 @pytest.mark.distributed
 def test_a_flipped_bit_stops_the_run_before_its_checkpoint_and_clean_runs_pass(runs):
     """A flipped bit in rank 1's LayerNorm — a DP replica (zero 1, async saves) and a TP
-    replica (tp 2 + SP) — is found by the check at that step on both ranks, naming the step,
+    replica (tp 2 + SP) and a CP replica (cp 2: the DP x CP ranks hold the same
+    parameters) — is found by the check at that step on both ranks, naming the step,
     the group's ranks and the tensor; step 2's checkpoint is published, step 4's is not.
     Without a flip, checks after every step pass under dp 2 (zero 1 and zero 0), tp 2 (with
-    and without SP) and pp 2, each comparing what its layout replicates."""
+    and without SP), pp 2 and cp 2, each comparing what its layout replicates."""
     for res in runs:
-        for kind in ("dp", "tp"):
+        for kind in ("dp", "tp", "dp_cp"):
             run = res[kind]
             assert run["error"] is not None, (kind, run)
             assert run["step"] == FLIP_AFTER and run["passed"] == 1, (kind, run)
@@ -130,6 +132,8 @@ def test_a_flipped_bit_stops_the_run_before_its_checkpoint_and_clean_runs_pass(r
         assert FLIPPED in clean["dp2 zero1"]["compared"]["dp"]
         assert not any("AdamW" in n for n in clean["dp2 zero1"]["compared"]["dp"])
         assert f"{FLIPPED} (AdamW exp_avg_sq)" in clean["dp2 zero0"]["compared"]["dp"]
+        assert set(clean["cp2 zero0"]["compared"]) == {"dp_cp"}, clean["cp2 zero0"]
+        assert f"{FLIPPED} (AdamW exp_avg_sq)" in clean["cp2 zero0"]["compared"]["dp_cp"]
         for label in ("tp2 sp", "tp2"):
             tp = clean[label]["compared"]["tp"]
             assert FLIPPED in tp and "transformer.wpe.weight" in tp, tp

@@ -18,18 +18,21 @@ def _names(world, per_node):
 
 def test_every_layout_class_that_fits_the_world():
     assert _names(8, 8) == ["tp8", "tp8-sp", "pp2-1f1b", "pp2-interleaved", "pp2-zb-h1",
-                            "zero1", "zero3", "combined"]
+                            "cp2", "cp2-ring", "zero1", "zero3", "combined"]
     checks = {c.name: c for c in layout_checks(16, 8)[0]}
     assert dict(checks["combined"].sets)["tp"] == 8  # a node's TP group: PP across nodes
     assert crossing_groups(checks["combined"], 16, 8) == ["pp", "mp", "embedding"]
     assert crossing_groups(checks["tp8"], 16, 8) == ["dp"]
+    assert dict(checks["cp2-ring"].sets) == {"cp": 2, "parallel.cp_comm": "ring"}
+    assert crossing_groups(checks["cp2"], 16, 8) == ["dp", "dp_cp"]  # cp pairs inside a node
     fits, skipped = layout_checks(6, 6)  # tp 2 (6 = 2 x 3); tp 2 x pp 2 does not divide 6
     assert [c.name for c in fits] == ["tp2", "tp2-sp", "pp2-1f1b", "pp2-interleaved",
-                                      "pp2-zb-h1", "zero1", "zero3"]
+                                      "pp2-zb-h1", "cp2", "cp2-ring", "zero1", "zero3"]
     assert skipped == ["combined: needs tp >= 2 and pp 2 in the world (6)"]
     fits, skipped = layout_checks(3, 3)  # an odd world: ZeRO only
-    assert [c.name for c in fits] == ["zero1", "zero3"] and len(skipped) == 3, skipped
-    assert _names(4, 1) == ["pp2-1f1b", "pp2-interleaved", "pp2-zb-h1", "zero1", "zero3"]
+    assert [c.name for c in fits] == ["zero1", "zero3"] and len(skipped) == 4, skipped
+    assert _names(4, 1) == ["pp2-1f1b", "pp2-interleaved", "pp2-zb-h1", "cp2", "cp2-ring",
+                            "zero1", "zero3"]
     assert _names(1, 1) == ["recompute"]  # what fits one device
 
 
@@ -49,6 +52,9 @@ def test_the_plan_configures_each_layout_and_the_resume(tmp_path):
     cfg = plan.configs["pp2-interleaved"]
     assert (cfg.pp, cfg.parallel.virtual_stages, cfg.train.micro_batch_size) == (2, 2, 1)
     assert plan.configs["tp8"].train.micro_batch_size == 8  # dp 1: one micro-batch of 8
+    cp2 = plan.configs["cp2-ring"]  # dp 4: its share of the batch of 8
+    assert (cp2.cp, cp2.parallel.cp_comm, cp2.train.micro_batch_size) == (2, "ring", 2)
+    assert plan.serial.cp == 1
     assert plan.configs["zero3"].resilience.inject and not plan.configs["zero1"].resilience.inject
     assert (plan.serial.tp, plan.serial.pp, plan.serial.train.micro_batch_size) == (1, 1, 1)
     assert plan.checkpoint_root == tmp_path / "ckpt" / "megalite-selftest"
@@ -121,4 +127,4 @@ def test_one_rank_runs_what_fits_one_device(tmp_path, monkeypatch):
     assert [c["name"] for c in report["checks"]] == ["layout recompute",
                                                      "checkpoint recompute -> serial layout"]
     assert all(c["passed"] and c["figure"] <= 1e-5 for c in report["checks"]), report
-    assert report["skipped"] == ["tp, pp, zero: a world of one rank (what fits one device runs)"]
+    assert report["skipped"] == ["tp, pp, cp, zero: a world of one rank (what fits one device runs)"]

@@ -22,6 +22,11 @@ GPT_175B = ["model=gpt2-xl", "model.name=gpt-175b", "model.n_layer=96", "model.n
             "train.global_batch_size=1536"]  # tp=8 pp=16 dp=32 at N = 4,096
 LLAMA3_8B = ["model=llama3-8b", "tp=8", "pp=4", "sp=true", "zero=1", "train.seq_len=4096",
              "train.micro_batch_size=1", "train.global_batch_size=1024"]  # tp=8 pp=4 dp=128
+# context parallelism: Megatron-Bridge's 8K recipe's cp 2 inside an 8-GPU node beside tp 8 (cp
+# crosses nodes here), ZeRO-1 ranges over DP x CP = 128
+LLAMA3_8B_CP = ["model=llama3-8b", "tp=8", "cp=2", "pp=4", "sp=true", "zero=1",
+                "train.seq_len=8192", "train.micro_batch_size=1",
+                "train.global_batch_size=512"]  # tp=8 cp=2 pp=4 dp=64
 # tp=16 > n_kv_head=8: each KV head replicated over 2 TP ranks; zero 3, zero-bubble W
 LLAMA32_1B_SHARED_KV = ["model=llama3.2-1b", "tp=16", "pp=2", "sp=true", "zero=3",
                         "parallel.schedule=zb-h1", "train.seq_len=2048",
@@ -48,6 +53,7 @@ CASES = [
     (4096, 0, GPT_175B, "cuda"),
     (4096, 4095, GPT_175B, "cuda"),
     (4096, 4095, LLAMA3_8B, "cuda"),
+    (4096, 2111, LLAMA3_8B_CP, "cuda"),  # tp 7, cp 1, pp 3 (the last stage), dp 32
     (4096, 17, LLAMA32_1B_SHARED_KV, "cuda"),
 ]
 
