@@ -108,12 +108,14 @@ class CausalLM(nn.Module):
         self.residual_region = self.tp_region if self.sequence_parallel \
             else contextlib.nullcontext
         self.build(attention)
+        listed = dict(self.family.stage_specs(cfg, self.blocks, self.tp_group.size, first,
+                                              last))
         if last:
-            tied = self.family.tied(cfg) and first
+            tied = listed["lm_head.weight"].tied and first
             self.lm_head = LMHead(self.token_embedding().weight if tied else nn.Parameter(
                 torch.empty(self.padded_vocab // self.tp_group.size, cfg.n_embd)),
                 self.tp_group, self.sequence_parallel)
-        self.param_specs: Dict[str, ParamSpec] = self._specs()
+        self.param_specs: Dict[str, ParamSpec] = self._specs(listed)
         if compile:
             # Each block's forward is compiled (fusing norms, activations, residual adds, the
             # attention reshapes); module hooks (ZeRO-3 gathering) stay in eager Python. The
@@ -162,15 +164,10 @@ class CausalLM(nn.Module):
 
     # --- parameter metadata -------------------------------------------------------------
 
-    def _specs(self) -> Dict[str, ParamSpec]:
-        """Each parameter's spec from the family's lists (a tied parameter listed once), its
-        local shape checked against the spec's split."""
-        fam, tp = self.family, self.tp_group.size
-        listed = dict(fam.first_specs(self.cfg, tp)) if self.first else {}
-        for i in self.blocks:
-            listed.update(fam.block_specs(self.cfg, i, tp))
-        if self.last:
-            listed.update(fam.last_specs(self.cfg, tp))
+    def _specs(self, listed: Dict[str, ParamSpec]) -> Dict[str, ParamSpec]:
+        """Each parameter's spec from the family's list `listed` (`Family.stage_specs`; a tied
+        parameter listed once), its local shape checked against the spec's split."""
+        tp = self.tp_group.size
         specs = {}
         for name, param in self.named_parameters():
             spec = listed[name]

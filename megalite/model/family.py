@@ -10,8 +10,9 @@ forward, loss and recompute are shared) and its `Family`, registered once throug
     check, check_tp, fp8_linears
                           its config rules and FP8 linears (what `megalite.config` asks,
                           `megalite.config.families`)
-    block_specs / first_specs / last_specs
+    block_specs / first_specs / final_norm_specs
                           its parameters' `ParamSpec`s, in the order the stage registers them
+                          (`stage_specs` lists a stage's, the LM head's from the embedding's)
                           (names = transformers' names; global shape; how TP splits each):
                           the stage's `param_specs` and the plan's parameter lists (ZeRO's
                           buckets, Ψ, ZeRO-3's units) are both made from them
@@ -85,10 +86,6 @@ class Family:
 
     # --- parameters ---------------------------------------------------------------------
 
-    def tied(self, cfg: ModelConfig) -> bool:
-        """Whether the LM head is the token embedding (`model.tie_word_embeddings`)."""
-        return cfg.tie_word_embeddings
-
     def block_specs(self, cfg: ModelConfig, index: int, tp: int) -> Specs:
         raise NotImplementedError
 
@@ -100,27 +97,18 @@ class Family:
         """The final norm's parameters (the last stage's, before the head)."""
         raise NotImplementedError
 
-    def last_specs(self, cfg: ModelConfig, tp: int) -> Specs:
-        """The last stage's parameters: the final norm and the LM head (under a tied
-        embedding the head is a `tied_copy`, registered only where the stage lacks the
-        embedding)."""
-        return self.final_norm_specs(cfg, tp) + [self.head_spec(cfg, tp)]
-
-    def head_spec(self, cfg: ModelConfig, tp: int) -> Tuple[str, ParamSpec]:
-        """The LM head's (name, spec): its own vocab-parallel parameter (`lm_head.weight`), or
-        under a tied embedding a `tied_copy` of the token embedding's spec."""
-        name, spec = self.first_specs(cfg, tp)[0]
-        if self.tied(cfg):
-            return "lm_head.weight", ParamSpec(spec.name, spec.shape, tp_dim=0,
-                                               padded_rows=spec.padded_rows, tied=True,
-                                               tied_copy=True)
-        return "lm_head.weight", ParamSpec("lm_head.weight", spec.shape, tp_dim=0,
-                                           padded_rows=spec.padded_rows)
-
-    def token_embedding_spec(self, cfg: ModelConfig, name: str, tp: int) -> ParamSpec:
-        """The token embedding's spec: vocab-parallel, the vocabulary padded to 128·tp."""
-        return ParamSpec(name, (cfg.vocab_size, cfg.n_embd), tp_dim=0,
-                         padded_rows=padded_vocab_size(cfg.vocab_size, tp), tied=self.tied(cfg))
+    def stage_specs(self, cfg: ModelConfig, blocks: range, tp: int, first: bool,
+                    last: bool) -> Specs:
+        """A stage's parameters in registration order: the embeddings when `first`, the
+        blocks `blocks`, the final norm and the LM head when `last` (under a tied embedding
+        the head is a `tied_copy`, registered only where the stage lacks the embedding)."""
+        embeddings = self.first_specs(cfg, tp)
+        specs = list(embeddings) if first else []
+        for i in blocks:
+            specs += self.block_specs(cfg, i, tp)
+        if last:
+            specs += self.final_norm_specs(cfg, tp) + [head_spec(embeddings[0][1])]
+        return specs
 
     def initial_value(self, cfg: ModelConfig, name: str) -> Initial:
         raise NotImplementedError
@@ -165,6 +153,25 @@ class Family:
     def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
         """What a block's backward holds beyond its saved set (the MLP's gradients)."""
         raise NotImplementedError
+
+
+def token_embedding_spec(name: str, vocab_size: int, n_embd: int, tp: int,
+                         tied: bool) -> ParamSpec:
+    """The token embedding's spec: vocab-parallel, the vocabulary padded to 128·tp; `tied`:
+    the LM head is this embedding (`model.tie_word_embeddings`)."""
+    return ParamSpec(name, (vocab_size, n_embd), tp_dim=0,
+                     padded_rows=padded_vocab_size(vocab_size, tp), tied=tied)
+
+
+def head_spec(embedding: ParamSpec) -> Tuple[str, ParamSpec]:
+    """The LM head's (name, spec), from the token embedding's spec: its own vocab-parallel
+    parameter (`lm_head.weight`), or under a tied embedding a `tied_copy` of the embedding."""
+    if embedding.tied:
+        return "lm_head.weight", ParamSpec(embedding.name, embedding.shape, tp_dim=0,
+                                           padded_rows=embedding.padded_rows, tied=True,
+                                           tied_copy=True)
+    return "lm_head.weight", ParamSpec("lm_head.weight", embedding.shape, tp_dim=0,
+                                       padded_rows=embedding.padded_rows)
 
 
 def local_numel(spec: ParamSpec, tp: int) -> int:

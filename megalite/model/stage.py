@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from megalite.config.stage_partition import ChunkPlacement
 from megalite.model.causal_lm import CausalLM
-from megalite.model.families import causal_lm, family
+from megalite.model.families import causal_lm
 from megalite.parallel.param_spec import ParamSpec
 
 
@@ -53,7 +53,8 @@ def build_stage(cfg, blocks: List[range], stage: int, pp: int, v_shape: bool = F
                         last=placement.holds_last(stage, c), **kwargs)
               for c, r in enumerate(blocks)]
     firsts, lasts = [c for c in chunks if c.first], [c for c in chunks if c.last]
-    if firsts and lasts and firsts[0] is not lasts[0] and family(cfg).tied(cfg):
+    if firsts and lasts and firsts[0] is not lasts[0] \
+            and lasts[0].param_specs["lm_head.weight"].tied:
         tie_across_chunks(firsts[0], lasts[0])
     return PipelineStage(chunks)
 

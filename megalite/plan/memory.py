@@ -220,7 +220,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     lay, slices = d.layout, d.layout.placement
     pp, v = lay.pp_size, lay.virtual_stages
     schedule = d.cfg.parallel.schedule if pp > 1 else "auto"  # the order whose peaks count
-    tied_family = d.family.tied(d.cfg.model)
+    tied_family = d.cfg.model.tie_word_embeddings
     sums, ends = StageSums(), stage_ends(slices, k, tied_family)
     for e, blocks in zip(ends, chunk_blocks):
         add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)

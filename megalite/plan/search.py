@@ -127,7 +127,7 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     layer = fam.block_numel(mc, c.tp)
     embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
-    head_copy = vocab // c.tp * h if not fam.tied(mc) or (c.pp > 1 and not v_shape) else 0
+    head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0
     average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
     lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp, zero_stage=c.zero)
     kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)

@@ -27,7 +27,7 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
     out = []
     for k, chunks in enumerate(layout.stage_blocks()):
         sums = StageSums()
-        tied_family = d.family.tied(cfg.model)
+        tied_family = cfg.model.tie_word_embeddings
         for e, blocks in zip(stage_ends(place, k, tied_family), chunks):
             add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
         tied = layout.pp_size > 1 and ties_over_stages(place, k, tied_family)

@@ -71,7 +71,7 @@ def chunk_param_sizes(d: Dims, first: bool, last: bool, n: int,
     and not first); `tied`: the embedding's spec is tied (not zb-v's stage 0, where head and
     embedding are one parameter, nor an untied family's)."""
     v, h = d.vocab // d.layout.tp_size, d.cfg.model.n_embd
-    tied_family = d.family.tied(d.cfg.model)
+    tied_family = d.cfg.model.tie_word_embeddings
     sizes = [(f"embedding.{j}", size, tied and tied_family and j == 0)
              for j, size in enumerate(d.embeddings.units)] if first else []
     sizes += [(f"h{i}.{j}", size, False) for i in range(n)

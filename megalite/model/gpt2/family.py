@@ -9,7 +9,7 @@ from typing import List
 from megalite.config.errors import fail
 from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
-from megalite.model.family import Family, Initial, Specs, attention_bytes
+from megalite.model.family import Family, Initial, Specs, attention_bytes, token_embedding_spec
 from megalite.model.gpt2 import hf
 from megalite.parallel.param_spec import ParamSpec
 
@@ -68,7 +68,8 @@ class GPT2Family(Family):
 
     def first_specs(self, cfg: ModelConfig, tp: int) -> Specs:
         name = "transformer.wte.weight"
-        return [(name, self.token_embedding_spec(cfg, name, tp)),
+        return [(name, token_embedding_spec(name, cfg.vocab_size, cfg.n_embd, tp,
+                                            cfg.tie_word_embeddings)),
                 _replicated("transformer.wpe.weight", cfg.n_positions, cfg.n_embd)]
 
     def final_norm_specs(self, cfg: ModelConfig, tp: int) -> Specs:

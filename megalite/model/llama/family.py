@@ -8,7 +8,7 @@ from typing import List, Tuple
 from megalite.config.errors import fail
 from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
-from megalite.model.family import Family, Initial, Specs, attention_bytes
+from megalite.model.family import Family, Initial, Specs, attention_bytes, token_embedding_spec
 from megalite.model.llama import hf as hf_llama
 from megalite.parallel.param_spec import ParamSpec
 
@@ -95,7 +95,8 @@ class LlamaFamily(Family):
 
     def first_specs(self, cfg: ModelConfig, tp: int) -> Specs:
         name = "model.embed_tokens.weight"
-        return [(name, self.token_embedding_spec(cfg, name, tp))]
+        return [(name, token_embedding_spec(name, cfg.vocab_size, cfg.n_embd, tp,
+                                            cfg.tie_word_embeddings))]
 
     def final_norm_specs(self, cfg: ModelConfig, tp: int) -> Specs:
         return [("model.norm.weight", ParamSpec("model.norm.weight", (cfg.n_embd,)))]
@@ -117,7 +118,7 @@ class LlamaFamily(Family):
         """Parameters of the whole model (a tied embedding once, no padding)."""
         vh = cfg.vocab_size * cfg.n_embd
         return cfg.n_layer * self.block_parameters(cfg) + cfg.n_embd + vh \
-            + (0 if self.tied(cfg) else vh)
+            + (0 if cfg.tie_word_embeddings else vh)
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         """Training FLOPs per token: 6N + 12·L·h·s, N = every parameter but the token

@@ -90,9 +90,12 @@ class Projection(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """`inv_freq`: the rotary inverse frequencies (`rope.inverse_frequencies`), one tensor
+    shared by a stage's blocks."""
+
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                  residual_region: RegionFactory, attention: str = "auto",
-                 cp: Optional[ContextParallel] = None):
+                 cp: Optional[ContextParallel] = None, inv_freq: Optional[torch.Tensor] = None):
         super().__init__()
         tp = tp_group.size
         if cfg.n_head % tp:
@@ -110,7 +113,9 @@ class LlamaAttention(nn.Module):
         self.kernel_region = kernel_region(attention)
         self.cp = cp
         device = torch.empty(0).device  # the device the stage is being built on
-        self.register_buffer("inv_freq", inverse_frequencies(cfg).to(device), persistent=False)
+        if inv_freq is None:
+            inv_freq = inverse_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.weight_grad_queue = None  # zero-bubble schedules: W deferred (parallel.tensor)
 
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -152,12 +157,12 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                  residual_region: RegionFactory, attention: str = "auto",
-                 cp: Optional[ContextParallel] = None):
+                 cp: Optional[ContextParallel] = None, inv_freq: Optional[torch.Tensor] = None):
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.input_layernorm = RMSNorm(cfg.n_embd, eps)
         self.self_attn = LlamaAttention(cfg, tp_group, sp, tp_region, residual_region,
-                                        attention, cp)
+                                        attention, cp, inv_freq)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.mlp = LlamaMLP(cfg, tp_group, sp, residual_region)
 
@@ -176,8 +181,10 @@ class Llama(CausalLM):
     @staticmethod
     def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                    residual_region: RegionFactory, attention: str = "auto",
-                   cp: Optional[ContextParallel] = None) -> nn.Module:
-        return LlamaBlock(cfg, tp_group, sp, tp_region, residual_region, attention, cp)
+                   cp: Optional[ContextParallel] = None,
+                   inv_freq: Optional[torch.Tensor] = None) -> nn.Module:
+        return LlamaBlock(cfg, tp_group, sp, tp_region, residual_region, attention, cp,
+                          inv_freq)
 
     def build(self, attention: str) -> None:
         cfg, sp, tp_group = self.cfg, self.sequence_parallel, self.tp_group
@@ -185,9 +192,10 @@ class Llama(CausalLM):
         if self.first:
             self.model.embed_tokens = VocabParallelEmbedding(self.padded_vocab, cfg.n_embd,
                                                              tp_group, sp)
+        inv_freq = inverse_frequencies(cfg)  # one table for the stage's blocks
         self.model.layers = nn.ModuleDict(
             {str(i): self.make_block(cfg, tp_group, sp, self.tp_region, self.residual_region,
-                                     attention, self.cp) for i in self.blocks})
+                                     attention, self.cp, inv_freq) for i in self.blocks})
         if self.last:
             self.model.norm = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megalite.model.causal_lm import CausalLM, dropout
 from megalite.model.families import register
-from megalite.model.family import Family, Initial
+from megalite.model.family import Family, Initial, token_embedding_spec
 from megalite.model.gpt2.family import GPT2_FAMILY
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -32,7 +32,8 @@ class ToyFamily(Family):
         return [(p + n, ParamSpec(p + n, shape, tp_dim=d)) for n, (shape, d) in split.items()]
 
     def first_specs(self, cfg, tp):
-        return [("wte.weight", self.token_embedding_spec(cfg, "wte.weight", tp))]
+        return [("wte.weight", token_embedding_spec("wte.weight", cfg.vocab_size, cfg.n_embd,
+                                                    tp, cfg.tie_word_embeddings))]
 
     def final_norm_specs(self, cfg, tp):
         return [(n, ParamSpec(n, (cfg.n_embd,))) for n in ("ln_f.weight", "ln_f.bias")]
