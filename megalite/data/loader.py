@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megalite.data.documents import DocumentRule
 from megalite.data.errors import DataError, too_few_train_samples
 from megalite.data.files import ShardFiles
 from megalite.data.sampler import blend_choices
@@ -123,13 +124,17 @@ class TokenShards:
         return self.samples([index], seq_len)[0]
 
 
-def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool]
-              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read."""
+def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool],
+              documents: Optional[DocumentRule] = None) -> tuple:
+    """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read.
+    With a `documents` rule, (inputs, targets, Documents): every pipeline stage gets the
+    documents (each stage's attention needs them), derived from the tokens it read."""
     w = torch.from_numpy(windows)
+    docs = documents.of(windows[:, :-1]) if documents is not None else None
     if device.type == "cuda":
         w = w.pin_memory().to(device, non_blocking=True)
-    return (w[:, :-1] if reads[0] else None), (w[:, 1:] if reads[1] else None)
+    batch = (w[:, :-1] if reads[0] else None), (w[:, 1:] if reads[1] else None)
+    return batch if docs is None else (*batch, docs.to(device))
 
 
 class TrainBatches:
@@ -138,13 +143,16 @@ class TrainBatches:
 
     `reads` = (inputs, targets): what this rank's model stage consumes — the first pipeline
     stage the inputs, the last the targets, a middle stage neither. What is not consumed is
-    None and, where neither is, no token is read; the sampler advances on every rank alike."""
+    None and, where neither is, no token is read; the sampler advances on every rank alike.
+    With a `documents` rule (`megalite.data.documents`) every rank reads the windows and each
+    micro-batch is (x, y, Documents)."""
 
     def __init__(self, sources: Sequence[TokenShards], sampler, micro_batch_size: int,
-                 seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True)):
+                 seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True),
+                 documents: Optional[DocumentRule] = None):
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
-        self.reads = tuple(reads)
+        self.reads, self.documents = tuple(reads), documents
         self.last_samples: List[Tuple[int, int]] = []  # the last step's (dataset, window)s
 
     def close(self) -> None:
@@ -159,10 +167,10 @@ class TrainBatches:
         datasets, windows = self.sampler.next_windows(global_batch_size)
         self.last_samples = list(zip(datasets.tolist(), windows.tolist()))
         mb = self.micro_batch_size
-        if not any(self.reads):
+        if not any(self.reads) and self.documents is None:
             return [(None, None)] * (len(windows) // mb)
         tokens = read_windows(self.sources, datasets, windows, self.seq_len)
-        return [_to_batch(tokens[j:j + mb], self.device, self.reads)
+        return [_to_batch(tokens[j:j + mb], self.device, self.reads, self.documents)
                 for j in range(0, len(windows), mb)]
 
 
@@ -225,15 +233,15 @@ def _no_val_window(seq_len: int) -> str:
 def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: int,
                 eval_steps: int, global_batch_size: int, dp_rank: int, dp_size: int,
                 device: torch.device, weights: Optional[Sequence[float]] = None,
-                reads: Tuple[bool, bool] = (True, True)
-                ) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+                reads: Tuple[bool, bool] = (True, True),
+                documents: Optional[DocumentRule] = None) -> List[tuple]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
     global batch, in micro-batches. The mean loss over all ranks is the serial run's.
 
     `sources` holds one TokenShards per dataset; for a blend, with their `weights`, position p
     takes its dataset from the greedy blend and that dataset's next window in order. `reads`:
-    as for `TrainBatches` (a middle pipeline stage reads no token)."""
+    as for `TrainBatches` (a middle pipeline stage reads no token), and `documents`."""
     sizes = [s.num_samples(seq_len) for s in sources]
     if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
@@ -247,10 +255,10 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
     per_rank = global_batch_size // dp_size
     positions = [k * global_batch_size + dp_rank * per_rank + j
                  for k in range(eval_steps) for j in range(per_rank)]
-    if not any(reads):
+    if not any(reads) and documents is None:
         return [(None, None)] * (len(positions) // micro_batch_size)
     datasets = np.array([pairs[p][0] for p in positions], dtype=np.int64)
     windows = read_windows(sources, datasets, np.array([pairs[p][1] for p in positions],
                                                         dtype=np.int64), seq_len)
-    return [_to_batch(windows[j:j + micro_batch_size], device, reads)
+    return [_to_batch(windows[j:j + micro_batch_size], device, reads, documents)
             for j in range(0, len(windows), micro_batch_size)]

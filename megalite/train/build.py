@@ -21,6 +21,7 @@ from megalite.checkpoint.save import written_numel
 from megalite.checkpoint.state import Progress
 from megalite.config.schema import Config, data_sources
 from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
+from megalite.data.documents import document_rule
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
 from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.eval.choice import ChoiceEval
@@ -95,7 +96,9 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         cfg=cfg, rt=runtime, run_dir=run_dir, data_sources=sources, val_shards=val_shards,
         sampler=sampler,
         batches=TrainBatches(train_shards, sampler, t.micro_batch_size, t.seq_len,
-                             runtime.device, reads=stage_reads(model)),
+                             runtime.device, reads=stage_reads(model),
+                             documents=document_rule(t, train_shards[0].meta.get("eos_token_id"),
+                                                     train_shards[0].dir)),
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         model=model, engine=engine, schedule=schedule, loss_scaler=loss_scaler,
         flops_per_token=flops_per_token(cfg.model, t.seq_len),

@@ -226,7 +226,8 @@ class Trainer:
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
                                     dp_size=self.topo.dp_size, device=self.rt.device,
                                     weights=[w for _, w in self.data_sources],
-                                    reads=self.batches.reads)
+                                    reads=self.batches.reads,
+                                    documents=self.batches.documents)
         return self._val
 
     @torch.no_grad()

@@ -24,7 +24,7 @@ recompute, offload): `megalite.model.causal_lm`.
 from __future__ import annotations
 
 import contextlib
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import kernel_region
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
+from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.gpt2.family import GPT2_FAMILY
 from megalite.parallel.group import Group
 from megalite.parallel.tensor import (
@@ -55,15 +56,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_group, sp)
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
-        self.kernel_region = kernel_region(attention)
+        self.kernel, self.kernel_region = attention, kernel_region(attention)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            if attn is not None and attn.ids is not None:
+                y = document_attention(q, k, v, attn, p, self.kernel)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
@@ -90,8 +94,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, tp_group, sp, residual_region)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -139,14 +143,19 @@ class GPT2(CausalLM):
             units += [t.ln_f, self.lm_head]
         return units
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+    def embed(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); `positions`
+        [b, s] index the learned position embedding (None: 0..s-1)."""
         s = ids.shape[1]
         if s > self.cfg.n_positions:
             raise ValueError(f"sequence length {s} > model.n_positions={self.cfg.n_positions}")
         t = self.transformer
         x = t.wte(ids.t())
         chunk = sequence_chunk(s, self.tp_group, self.sequence_parallel)
-        pos = torch.arange(chunk.start, chunk.stop, device=ids.device)
-        x = x + t.wpe(pos).unsqueeze(1)
+        if positions is None:
+            pos = torch.arange(chunk.start, chunk.stop, device=ids.device)
+            x = x + t.wpe(pos).unsqueeze(1)
+        else:
+            x = x + t.wpe(positions[:, chunk].t())
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)

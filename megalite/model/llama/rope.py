@@ -14,7 +14,7 @@ dtype (transformers' order of operations).
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -41,12 +41,16 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(inv_freq: torch.Tensor, length: int, dtype: torch.dtype
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [length, head_dim] of positions 0..length-1, in `dtype`."""
-    positions = torch.arange(length, device=inv_freq.device, dtype=torch.float)
-    freqs = positions[:, None] * inv_freq[None, :].float()
+def cos_sin(inv_freq: torch.Tensor, length: int, dtype: torch.dtype,
+            positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] of positions 0..length-1, in `dtype`; with `positions`
+    [b, length] (restarting per document), [b, 1, length, head_dim] (broadcast over heads)."""
+    if positions is None:
+        positions = torch.arange(length, device=inv_freq.device, dtype=torch.float)
+    freqs = positions.float()[..., None] * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.dim() == 3:
+        emb = emb.unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

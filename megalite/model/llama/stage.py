@@ -24,7 +24,7 @@ vocabulary.
 from __future__ import annotations
 
 import contextlib
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import kernel_region
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
+from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.llama.family import LLAMA_FAMILY, kv_split
 from megalite.model.llama.rope import apply_rotary, cos_sin, inverse_frequencies
 from megalite.parallel.group import Group
@@ -108,7 +109,7 @@ class LlamaAttention(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sp
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
-        self.kernel_region = kernel_region(attention)
+        self.kernel, self.kernel_region = attention, kernel_region(attention)
         device = torch.empty(0).device  # the device the stage is being built on
         self.register_buffer("inv_freq", inverse_frequencies(cfg).to(device), persistent=False)
         self.weight_grad_queue = None  # zero-bubble schedules: W deferred (parallel.tensor)
@@ -117,18 +118,21 @@ class LlamaAttention(nn.Module):
         s, b = t.shape[:2]
         return t.view(s, b, heads, self.head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
         q, k, v = column_parallel_linears(
             x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], self.tp_group,
             self.sequence_parallel, self.weight_grad_queue)
         s, b = q.shape[:2]
-        cos, sin = cos_sin(self.inv_freq, s, q.dtype)
+        cos, sin = cos_sin(self.inv_freq, s, q.dtype, None if attn is None else attn.positions)
         q = apply_rotary(self._heads(q, self.heads), cos, sin)
         k = apply_rotary(self._heads(k, self.kv_heads), cos, sin)
         v = self._heads(v, self.kv_heads)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
-            y = grouped_attention(q, k, v, p)
+            if attn is not None and attn.ids is not None:
+                y = document_attention(q, k, v, attn, p, self.kernel)
+            else:
+                y = grouped_attention(q, k, v, p)
         y = self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
@@ -175,8 +179,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.mlp = LlamaMLP(cfg, tp_group, sp, residual_region)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -221,8 +225,10 @@ class Llama(CausalLM):
             units += [self.model.norm, self.lm_head]
         return units
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+    def embed(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); positions are
+        RoPE's, applied in attention."""
         if ids.shape[1] > self.cfg.n_positions:
             raise ValueError(f"sequence length {ids.shape[1]} > model.n_positions="
                              f"{self.cfg.n_positions}")
