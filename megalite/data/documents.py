@@ -39,7 +39,9 @@ class Documents:
     counted: Optional[torch.Tensor] = None  # [b, s] bool, targets that count in the loss
 
     def to(self, device: torch.device) -> "Documents":
-        move = (lambda t: None if t is None else t.to(device, non_blocking=True))
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device, non_blocking=True)
+
         return Documents(move(self.ids), move(self.positions), move(self.counted))
 
 

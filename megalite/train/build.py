@@ -20,8 +20,8 @@ from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpo
 from megalite.checkpoint.save import written_numel
 from megalite.checkpoint.state import Progress
 from megalite.config.schema import Config, data_sources
-from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.documents import document_rule
+from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
 from megalite.data.sampler import BlendedSampler, ResumableSampler
 from megalite.eval.choice import ChoiceEval

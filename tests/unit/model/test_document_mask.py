@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.model import ModelConfig
-from megalite.data.documents import Documents, DocumentRule
+from megalite.data.documents import DocumentRule, Documents
 from megalite.model.families import causal_lm
 from megalite.model.init import init_parameters
 
