@@ -15,6 +15,9 @@ starts inside a document gives that document's tail id 0. From the ids:
                                                               after an EOS, the next document's
                                                               first token, does not count)
 
+and the attention work the mask leaves, Σ over documents of n(n+1)/2 (query, key) pairs
+(`visible_pairs`: the attention FLOPs computed under the mask, logged beside MFU's dense count).
+
 Per window O(seq_len) work on the tokens just read; nothing is scanned at start-up.
 """
 from __future__ import annotations
@@ -37,12 +40,14 @@ class Documents:
     ids: Optional[torch.Tensor] = None  # [b, s] int64, document of each input token
     positions: Optional[torch.Tensor] = None  # [b, s] int64, position within its document
     counted: Optional[torch.Tensor] = None  # [b, s] bool, targets that count in the loss
+    visible_pairs: int = 0  # (query, key) pairs the document mask leaves: Σ n(n+1)/2
 
     def to(self, device: torch.device) -> "Documents":
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return Documents(move(self.ids), move(self.positions), move(self.counted))
+        return Documents(move(self.ids), move(self.positions), move(self.counted),
+                         self.visible_pairs)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,19 @@ class DocumentRule:
             positions = torch.from_numpy(t - np.maximum.accumulate(starts, axis=1))
         return Documents(ids=torch.from_numpy(ids) if self.mask else None,
                          positions=positions,
-                         counted=None if self.eos_loss else torch.from_numpy(~eos))
+                         counted=None if self.eos_loss else torch.from_numpy(~eos),
+                         visible_pairs=visible_pairs(eos) if self.mask else 0)
+
+
+def visible_pairs(eos: np.ndarray) -> int:
+    """(query, key) pairs attention within documents computes for windows' inputs whose EOS
+    tokens are `eos` (k, s): Σ over the documents of each window of n(n+1)/2, n its tokens in
+    the window (causal attention over the whole window: s(s+1)/2 a window)."""
+    k, s = eos.shape
+    starts = np.ones((k, s), dtype=bool)
+    starts[:, 1:] = eos[:, :-1]
+    lengths = np.diff(np.append(np.flatnonzero(starts), k * s))
+    return int((lengths * (lengths + 1) // 2).sum())
 
 
 def document_rule(train, eos_id: Optional[int], data_dir) -> Optional[DocumentRule]:

@@ -28,6 +28,7 @@ from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.eval.choice import ChoiceEval, ChoiceScores
+from megalite.model.families import family
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule
@@ -40,7 +41,13 @@ from megalite.resilience.stragglers import StragglerReport
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
 from megalite.train.loss_scale import LossScaler
-from megalite.train.metrics import MetricsWriter, Peak, peak_memory_bytes, throughput
+from megalite.train.metrics import (
+    MetricsWriter,
+    Peak,
+    attention_flops,
+    peak_memory_bytes,
+    throughput,
+)
 from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
@@ -148,6 +155,11 @@ class Trainer:
         return self.saver.save(self.engine, self.state.capture())
 
     # --- reporting ----------------------------------------------------------------------
+
+    def _visible_pairs(self) -> int:
+        """(query, key) pairs the document mask left in this rank's windows of the last step
+        (`Documents.visible_pairs`; 0 without documents)."""
+        return sum(mb[2].visible_pairs for mb in self.last_micro_batches if len(mb) > 2)
 
     def _global_mean(self, value: float) -> float:
         """A value held by the last pipeline stage (0 elsewhere), averaged over DP replicas."""
@@ -303,7 +315,7 @@ class Trainer:
                 collector.after_step(self.step)
                 interval.excluded_s += self.profiler.take_export_seconds()
                 interval.add_step(loss, counter.delta(counter.snapshot(), before),
-                                  self.last_batch_size)
+                                  self.last_batch_size, self._visible_pairs())
                 stopping = stop.reason()
                 end = self.step == t.max_steps
                 last = end or stopping is not None
@@ -364,6 +376,12 @@ class Trainer:
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
         record["step_phases_s"] = self._slowest_phases(steps)
+        documents = self.batches.documents
+        if documents is not None and documents.mask:  # summed over the DP replicas' windows
+            pairs = comm.all_reduce_scalars([interval.visible_pairs], topo.dp_group,
+                                            self.rt.device)[0]
+            record.update(attention_flops(family(cfg.model).attention_flops_per_pair(cfg.model),
+                                          pairs, interval.samples, t.seq_len, steps))
         if self.planner is not None:  # measured next to predicted (layout=auto)
             record["predicted_step_time_s"] = self.planner["prediction"]["step_s"]
         if self.loss_scaler is not None:
@@ -390,10 +408,13 @@ class _Interval:
     comm: dict = field(default_factory=dict)  # bytes sent by the training steps
     excluded_s: float = 0.0  # evaluation, profiler export: not training time
     checkpoint_s: float = 0.0  # waiting for checkpoint saves
+    visible_pairs: int = 0  # attention (query, key) pairs under the document mask, this rank's
 
-    def add_step(self, loss: Optional[float], step_comm: dict, batch_size: int) -> None:
+    def add_step(self, loss: Optional[float], step_comm: dict, batch_size: int,
+                 visible_pairs: int = 0) -> None:
         self.steps += 1
         self.samples += batch_size
+        self.visible_pairs += visible_pairs
         if loss is not None:
             self.losses.append(loss)
         for key, counts in step_comm.items():

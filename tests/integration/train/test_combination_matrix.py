@@ -1,6 +1,6 @@
 """The combination matrix of strength 2 (docs/combinations.md): every pair of values of two
 feature axes that megalite does not refuse is in some run (`combinations.matrix_rows`, seed
-0: 23 runs of 1-8 ranks, the first one Llama with its KV head replicated over tp=2 under
+0: 22 runs of 1-8 ranks, the first one Llama with its KV head replicated over tp=2 under
 optimizer offload), and each run trains through a checkpoint and a resume and equals its
 serial run (`megalite.testing.matrix.check_row`: losses, grad norms, final master weights;
 fp32 within 1e-5, bf16 and FP8 within the bounds stated there). The runs share spawns: one
