@@ -11,7 +11,8 @@ and Megatron's --reset-attention-mask does. The documents come with the batch
   CUDA, no attention dropout, train.attention=auto
       FlexAttention (Dong et al. 2024, `torch.nn.attention.flex_attention`, compiled) with a
       block-sparse `BlockMask` made once per micro-batch from the ids: blocks of 128×128 that
-      the mask empties are never computed, so packed short documents cost their own causal work.
+      the mask empties are never computed, so packed documents cost about their own causal
+      work (to the 128-token block). Not yet run on a GPU by megalite's tests.
   otherwise (CPU, dropout, train.attention=efficient|math)
       SDPA with the dense boolean mask [b, 1, s, s] (memory s² per sequence).
 

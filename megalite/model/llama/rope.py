@@ -8,7 +8,8 @@ original / high_freq_factor kept, the band between interpolated smoothly).
 The inverse frequencies are computed on the CPU in fp32, as transformers does, and moved to
 the model's device: the same bits wherever the model lives. cos and sin are made per forward
 from the positions 0..s-1 (the whole sequence: with sequence parallelism q and k come out of a
-column-parallel projection of the gathered sequence) in fp32, then cast to the activations'
+column-parallel projection of the gathered sequence), or per sequence from positions that
+restart at each document (train.reset_positions), in fp32, then cast to the activations'
 dtype (transformers' order of operations).
 """
 from __future__ import annotations
