@@ -36,14 +36,14 @@ def _build(preset: str, dp: int, zero: int, root: Path, tp: int = 1):
     from megalite.model.gpt2.stage import GPT2
     from megalite.model.init import init_parameters
     from megalite.parallel.topology import build_topology
-    from megalite.parallel.zero import ZeroEngine
+    from megalite.train.build import build_engine
 
     cfg = load_config([f"model={preset}", f"zero={zero}", f"tp={tp}", "device=cpu",
                        f"checkpoint.dir={root}"])
     topo = build_topology(tp, 1, dp)
     model = GPT2(cfg.model, topo.tp_group)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, Layout.of(topo, zero_stage=zero), cfg.optim)
+    engine = build_engine(cfg, Layout.of(topo, zero_stage=zero), topo, model)
     return cfg, topo, model, engine
 
 

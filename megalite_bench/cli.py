@@ -16,6 +16,7 @@ from megalite_bench import (
     attention,
     checkpoint,
     checkpoint_index,
+    context_parallel,
     flight,
     gpu,
     hf_export,
@@ -66,6 +67,9 @@ BENCHMARKS = {
                                "without"),
     "flight": (flight, "step time with the hang dumps' flight recorder vs without"),
     "rerun": (rerun, "step time with rerun attribution vs without, and a suspicious step's"),
+    "cp": (context_parallel, "context parallelism on a long sequence: peak bytes per rank (measured "
+                             "and planned) and tokens/s at cp 1 2 4, allgather vs ring, against "
+                             "torch's context_parallel"),
     "matrix": (matrix, "the combination matrix (--strength 3 before landing an engine change): "
                        "every run against its serial run"),
     "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "

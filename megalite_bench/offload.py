@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megalite.config.layout import Layout
-from megalite.config.schema import OptimConfig, load_config
+from megalite.config.schema import Config, OffloadConfig, OptimConfig, load_config
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.families import flops_per_token
 from megalite.model.gpt2.stage import GPT2
@@ -51,7 +51,7 @@ from megalite.model.init import init_parameters
 from megalite.parallel.host_range import build_adamw
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
-from megalite.parallel.zero import ZeroEngine
+from megalite.train.build import build_engine
 from megalite.train.host_threads import set_host_threads
 from megalite.train.metrics import Peak, peak_tflops
 from megalite.train.timers import StepTimers
@@ -122,8 +122,8 @@ def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fr
         model = GPT2(mcfg, topo.tp_group, offload=offload)
     init_parameters(model, seed=0)
     clock = StepTimers(device)  # CUDA: event marks around each wait (megalite.train.timers)
-    engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig(),
-                        offload_optimizer=fraction, offload_timers=clock)
+    engine = build_engine(Config(offload=OffloadConfig(optimizer=fraction)),
+                          Layout.of(topo, precision=precision), topo, model, clock)
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd),
                                 dtype, device)
     model.train()

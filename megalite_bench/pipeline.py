@@ -55,7 +55,7 @@ import torch.nn as nn
 
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble, resolve_schedule
-from megalite.config.schema import ModelConfig, OptimConfig
+from megalite.config.schema import Config, ModelConfig, OptimConfig
 from megalite.config.stage_partition import ChunkPlacement, stage_chunks
 from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
@@ -63,8 +63,8 @@ from megalite.model.stage import PipelineStage as Chunks
 from megalite.model.stage import build_stage
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
-from megalite.parallel.zero import ZeroEngine
 from megalite.testing.spawn import run_ranks
+from megalite.train.build import build_engine
 
 LR, CLIP, SEED = 1e-3, 1.0, 1234
 OPTIONS = ("micro_batches", "virtual_stages", "schedule", "steps", "warmup", "n_layer", "n_embd",
@@ -140,7 +140,7 @@ class SavedActivationBytes:
 
 def _megalite(cfg, topo, blocks, o, schedule_name="auto"):
     model = _stage_model(cfg, topo, blocks, schedule_name == "zb-v")
-    engine = ZeroEngine(model, topo, Layout.of(topo), OptimConfig(lr=LR))
+    engine = build_engine(Config(optim=OptimConfig(lr=LR)), Layout.of(topo), topo, model)
     schedule = PipelineSchedule(model.chunks, topo, engine, (o["seq_len"], o["micro_batch_size"],
                                                       cfg.n_embd), torch.float32,
                                 torch.device("cpu"), schedule=schedule_name)

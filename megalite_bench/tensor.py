@@ -35,15 +35,15 @@ from typing import Dict, List
 import torch
 
 from megalite.config.layout import Layout
-from megalite.config.schema import ModelConfig, OptimConfig
+from megalite.config.schema import Config, ModelConfig
 from megalite.model.gpt2.family import layer_activation_bytes
 from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
-from megalite.parallel.zero import ZeroEngine
 from megalite.testing.spawn import run_ranks
+from megalite.train.build import build_engine
 
 
 def saved_activation_bytes(fn, params) -> int:
@@ -85,8 +85,8 @@ def _measure(rank: int, world: int, cfg: ModelConfig, seq: int, micro_batch: int
         rng = RNGTracker(0, rank, 0, 0, device)
         model = GPT2(cfg, topo.tp_group, sp, rng).train()
         init_parameters(model, seed=0)
-        engine = ZeroEngine(model, topo, Layout.of(topo, sequence_parallel=sp and topo.tp_size > 1),
-                            OptimConfig())
+        engine = build_engine(Config(), Layout.of(topo, sequence_parallel=sp and topo.tp_size > 1),
+                              topo, model)
         local_seq = seq // world if sp else seq
         schedule = PipelineSchedule(model.chunks, topo, engine, (local_seq, micro_batch, cfg.n_embd),
                                     torch.float32, device)

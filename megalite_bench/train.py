@@ -25,13 +25,14 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megalite.config.layout import PRECISION_DTYPES, Layout
-from megalite.config.schema import ATTENTION_CHOICES, OptimConfig, load_config
+from megalite.config.schema import ATTENTION_CHOICES, Config, load_config
 from megalite.model.families import causal_lm, family, flops_per_token
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import build_topology
 from megalite.parallel.zero import ZeroEngine
+from megalite.train.build import build_engine
 from megalite.train.metrics import peak_tflops
 from megalite_bench.timing import alternate, peak_memory, reset_peak, synchronize, timed
 
@@ -51,7 +52,7 @@ def megalite_parts(mcfg, device, micro_batch: int, seq: int, recompute: bool, co
         model = causal_lm(mcfg, tp_group=topo.tp_group, rng=rng, recompute=recompute,
                           compile=compile, attention=attention, recompute_layers=recompute_layers)
     init_parameters(model, seed=0)
-    engine = ZeroEngine(model, topo, Layout.of(topo, precision=precision), OptimConfig())
+    engine = build_engine(Config(), Layout.of(topo, precision=precision), topo, model)
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, micro_batch, mcfg.n_embd), dtype,
                                 device)
     model.train()

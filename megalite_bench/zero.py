@@ -90,11 +90,12 @@ def _make(name: str, mcfg, topo, batches, optim) -> Step:
 
 def _megalite_step(name: str, model, mcfg, topo, batches, optim) -> Step:
     from megalite.config.layout import Layout
+    from megalite.config.schema import Config
     from megalite.parallel.pipeline import PipelineSchedule
-    from megalite.parallel.zero import ZeroEngine
+    from megalite.train.build import build_engine
 
     layout = Layout.of(topo, zero_stage=3 if name.endswith("z3") else 1)
-    engine = ZeroEngine(model, topo, layout, optim)
+    engine = build_engine(Config(optim=optim), layout, topo, model)
     mb, seq = batches[0][0].shape
     schedule = PipelineSchedule(model.chunks, topo, engine, (seq, mb, mcfg.n_embd),
                                 torch.float32, torch.device("cpu"))

@@ -28,7 +28,7 @@ from typing import List, Optional
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.format import STEP_DIR, read_meta, shape_mismatch
 from megalite.config.errors import ConfigError
-from megalite.config.schema import Config, data_sources, resolve_path
+from megalite.config.schema import Config, resolve_path
 from megalite.parallel import comm
 from megalite.parallel.group import Group
 
@@ -107,9 +107,9 @@ def set_aside_later_checkpoints(root: Path, step: int) -> List[Path]:
 
 
 
-def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
-    """`checkpoint.dir`, or `<run dir>/checkpoints`."""
-    return resolve_path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+def checkpoint_root(directory: Optional[str], run_dir: Path) -> Path:
+    """`checkpoint.dir` (`directory`), or `<run dir>/checkpoints`."""
+    return resolve_path(directory) if directory else Path(run_dir) / "checkpoints"
 
 
 def candidates(setting: str, root: Path, group: Group) -> List[Path]:
@@ -158,7 +158,7 @@ def _check_meta(meta: dict, cfg: Config, where: str) -> None:
     if problem is not None:
         raise ConfigError(f"{problem} to resume it")
     blended = len(meta["sampler"].get("counts", [1]))
-    sources = len(data_sources(cfg.data))
+    sources = len(cfg.data.sources())
     if sources > 1 and blended != sources:
         raise ConfigError(f"data.blend: {where} holds the data position of {blended} blended "
                           f"dataset(s), this run blends {sources}; resume with the same "

@@ -31,7 +31,7 @@ from megalite.checkpoint.format import (
 from megalite.checkpoint.index import spec_record, write_index
 from megalite.checkpoint.resolve import complete_checkpoints, discard
 from megalite.checkpoint.state import SavedState
-from megalite.config.schema import Config, data_sources
+from megalite.config.schema import Config
 from megalite.parallel import comm
 from megalite.parallel.group import Group
 from megalite.parallel.topology import Topology
@@ -157,7 +157,7 @@ def _publish(root: Path, tmp: Path, final: Path, snap: Snapshot, cfg: Config, to
     deleted. meta.json: the checkpoint's record (`format.RECORD_KEYS`) and the run state's
     parts (`checkpoint.state`); "consumed_samples" repeats the sampler's, for a reader's
     glance and the resumed run's warnings."""
-    sources = data_sources(cfg.data)
+    sources = cfg.data.sources()
     parts = snap.state.meta
     meta = {"format_version": FORMAT_VERSION, **parts,
             "consumed_samples": parts["sampler"]["consumed_samples"],

@@ -1,6 +1,6 @@
 """Estimate, before launching, what every rank of a layout holds and sends: parameters,
 gradients, optimizer state, activations in flight, the ZeRO-3 working set, and the bytes per
-optimizer step over the TP, PP, DP and embedding groups (megalite/plan/memory.py has the formulas);
+optimizer step over the TP, CP, PP, DP and embedding groups (megalite/plan/memory.py has the formulas);
 with a device profile also the predicted step time, tokens/s, TFLOP/s and MFU
 (megalite/plan/time_model.py); with --search the fastest layouts that fit.
 
@@ -13,10 +13,10 @@ with a device profile also the predicted step time, tokens/s, TFLOP/s and MFU
 
 (`python scripts/plan.py ...` in a checkout is the same command.) Arguments after the options
 are the same overrides megalite-pretrain takes; the configuration is validated as for a run.
-With --search, the layout keys given (tp, pp, zero, sp, parallel.virtual_stages,
-train.micro_batch_size, train.recompute, offload.activations) are held fixed and the search
-covers the rest. Exit status 3 when a stage's estimate exceeds --gpu-memory-gib, 4 when no
-layout of the search fits.
+With --search, the layout keys given (tp, cp, parallel.cp_comm, pp, zero, sp,
+parallel.virtual_stages, train.micro_batch_size, train.recompute, offload.activations) are
+held fixed and the search covers the rest. Exit status 3 when a stage's estimate exceeds
+--gpu-memory-gib, 4 when no layout of the search fits.
 """
 from __future__ import annotations
 

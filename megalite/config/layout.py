@@ -191,6 +191,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.cp * cfg.pp))
     _check_other_pairs(cfg)
+    _check_context_parallel(cfg)
     device_type = device_type_for(cfg.device, local_gpus)
     if cfg.resilience.inject is not None:  # the rank's tensor: the preflight (it needs a model)
         check_inject(cfg, world_size, resolved_precision(cfg.precision, device_type,
@@ -351,6 +352,37 @@ def _check_offload(cfg: Config, device_type: str) -> List[str]:
                 "memory to host memory, which saves nothing (the offload path runs, for "
                 "testing); on CUDA they move to pinned host memory and free device memory"]
     return []
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """What cp > 1 does not run (yet): each refused by its key, before launch."""
+    if cfg.cp == 1:
+        return
+    why = f"is not supported with cp={cfg.cp} (context parallelism)"
+    if cfg.model.attn_pdrop > 0:
+        fail("model.attn_pdrop", cfg.model.attn_pdrop, f"{why}: CP attention has no attention "
+              "dropout; set model.attn_pdrop=0 or cp=1")
+    if cfg.train.attention in ("flash", "cudnn"):
+        fail("train.attention", cfg.train.attention, f"{why}: CP attention masks the chunks' "
+              "keys, which this kernel cannot take; use auto, efficient or math")
+    if cfg.train.compile:
+        fail("train.compile", True, f"{why}: CP attention's collectives are not compiled; "
+              "set train.compile=false")
+    if cfg.fp8.recipe == "rowwise":
+        fail("fp8.recipe", cfg.fp8.recipe, f"{why}: a weight gradient's row scales would span "
+              "the CP ranks' tokens; use fp8.recipe=tensorwise (its amaxes are reduced over "
+              "CP) or none")
+    if cfg.resilience.rerun != "off":
+        fail("resilience.rerun", cfg.resilience.rerun, f"{why}: the rerun attribution "
+              "compares DP replicas only; use resilience.rerun=off or cp=1")
+    documents = [(key, value) for key, value, used in (
+        ("train.attention_mask", cfg.train.attention_mask, cfg.train.attention_mask != "causal"),
+        ("train.reset_positions", True, cfg.train.reset_positions),
+        ("train.eos_loss", False, not cfg.train.eos_loss)) if used]
+    if documents:
+        fail(*documents[0], f"{why} yet: the documents are not sharded with the CP chunks; "
+             "use cp=1 or the default train.attention_mask=causal, train.reset_positions=false, "
+             "train.eos_loss=true")
 
 
 def _check_other_pairs(cfg: Config) -> None:

@@ -69,6 +69,29 @@ class DataConfig:
     blend: Optional[List[str]] = None  # train on several prepared dirs: [w1, dir1, w2, dir2, ...]
     #                                    (Megatron's weighted --data-path); None = `dir` alone
 
+    def sources(self) -> List[Tuple[Path, float]]:
+        """(directory, weight) of every dataset the run trains on: `data.blend` parsed, or
+        `data.dir` alone with weight 1. Directories resolved against the launch directory."""
+        if self.blend is None:
+            return [(resolve_path(self.dir), 1.0)]
+        items = list(self.blend)
+        example = "e.g. data.blend=[0.7,data/owt,0.3,data/wiki]"
+        if len(items) < 2 or len(items) % 2:
+            fail("data.blend", items, f"alternate weights and prepared data directories, {example}")
+        sources = []
+        for weight, directory in zip(items[0::2], items[1::2]):
+            try:
+                w = float(weight)
+            except ValueError:
+                w = -1.0
+            if not (w > 0 and math.isfinite(w)):
+                fail("data.blend", items, f"weight {weight!r} (before {directory!r}) must be a "
+                      f"positive number; {example}")
+            sources.append((resolve_path(directory), w))
+        if len({d for d, _ in sources}) != len(sources):
+            fail("data.blend", items, "names a directory twice; give each dataset once")
+        return sources
+
 
 @dataclass
 class TrainConfig:
@@ -291,30 +314,6 @@ EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
-def data_sources(data: DataConfig) -> List[Tuple[Path, float]]:
-    """(directory, weight) of every dataset the run trains on: `data.blend` parsed, or
-    `data.dir` alone with weight 1. Directories resolved against the launch directory."""
-    if data.blend is None:
-        return [(resolve_path(data.dir), 1.0)]
-    items = list(data.blend)
-    example = "e.g. data.blend=[0.7,data/owt,0.3,data/wiki]"
-    if len(items) < 2 or len(items) % 2:
-        fail("data.blend", items, f"alternate weights and prepared data directories, {example}")
-    sources = []
-    for weight, directory in zip(items[0::2], items[1::2]):
-        try:
-            w = float(weight)
-        except ValueError:
-            w = -1.0
-        if not (w > 0 and math.isfinite(w)):
-            fail("data.blend", items, f"weight {weight!r} (before {directory!r}) must be a "
-                  f"positive number; {example}")
-        sources.append((resolve_path(directory), w))
-    if len({d for d, _ in sources}) != len(sources):
-        fail("data.blend", items, "names a directory twice; give each dataset once")
-    return sources
-
-
 def check_sections(cfg: Config) -> None:
     """Every section's own rules, and the top-level keys'."""
     if cfg.seed < 0:
@@ -333,7 +332,7 @@ def check_sections(cfg: Config) -> None:
         section.check()
     cfg.resilience.check_with_exit_signal(cfg.train.exit_signal)
     cfg.resilience.check_with_timeout(cfg.parallel.timeout_s)
-    data_sources(cfg.data)  # raises on a malformed data.blend
+    cfg.data.sources()  # raises on a malformed data.blend
 
 
 def to_config(node) -> Config:

@@ -6,7 +6,9 @@ separated by EOS. Shards are not opened up front: windows are read with `pread` 
 set of open descriptors (`megalite.data.files`), so the number of shards is not limited by the
 open-file limit. A *sample* is a window of seq_len + 1 consecutive tokens inside one shard
 (windows start every seq_len tokens, so input x = w[:-1] and target y = w[1:] cover the stream
-once); windows never cross a shard boundary.
+once); windows never cross a shard boundary. With context parallelism every CP rank of a
+(tp, pp, dp) reads the same windows and keeps its two chunks of each (`cp`: (size, rank);
+`megalite.parallel.context_shard`), of the inputs and the targets alike.
 
 Sample order, DP slicing and blends: `megalite.data.sampler`.
 """
@@ -24,6 +26,7 @@ from megalite.data.documents import DocumentRule
 from megalite.data.errors import DataError, too_few_train_samples
 from megalite.data.files import ShardFiles
 from megalite.data.sampler import blend_choices
+from megalite.parallel import context_shard
 
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
@@ -125,16 +128,20 @@ class TokenShards:
 
 
 def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool],
-              documents: Optional[DocumentRule] = None) -> tuple:
+              documents: Optional[DocumentRule] = None, cp: Tuple[int, int] = (1, 0)
+              ) -> tuple:
     """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read.
     With a `documents` rule, (inputs, targets, Documents): every pipeline stage gets the
-    documents (each stage's attention needs them), derived from the tokens it read."""
+    documents (each stage's attention needs them), derived from the tokens it read.
+    `cp` = (size, rank): each of them this CP rank's two chunks of the sequence."""
     w = torch.from_numpy(windows)
     docs = documents.of(windows[:, :-1]) if documents is not None else None
     if device.type == "cuda":
         w = w.pin_memory().to(device, non_blocking=True)
-    batch = (w[:, :-1] if reads[0] else None), (w[:, 1:] if reads[1] else None)
-    return batch if docs is None else (*batch, docs.to(device))
+    size, rank = cp
+    inputs = context_shard.shard(w[:, :-1], size, rank, dim=1) if reads[0] else None
+    targets = context_shard.shard(w[:, 1:], size, rank, dim=1) if reads[1] else None
+    return (inputs, targets) if docs is None else (inputs, targets, docs.to(device))
 
 
 class TrainBatches:
@@ -145,14 +152,15 @@ class TrainBatches:
     stage the inputs, the last the targets, a middle stage neither. What is not consumed is
     None and, where neither is, no token is read; the sampler advances on every rank alike.
     With a `documents` rule (`megalite.data.documents`) every rank reads the windows and each
-    micro-batch is (x, y, Documents)."""
+    micro-batch is (x, y, Documents). `cp` = (size, rank): the batches hold this CP rank's
+    chunks of every window."""
 
     def __init__(self, sources: Sequence[TokenShards], sampler, micro_batch_size: int,
                  seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True),
-                 documents: Optional[DocumentRule] = None):
+                 documents: Optional[DocumentRule] = None, cp: Tuple[int, int] = (1, 0)):
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
-        self.reads, self.documents = tuple(reads), documents
+        self.reads, self.documents, self.cp = tuple(reads), documents, tuple(cp)
         self.last_samples: List[Tuple[int, int]] = []  # the last step's (dataset, window)s
 
     def close(self) -> None:
@@ -170,7 +178,7 @@ class TrainBatches:
         if not any(self.reads) and self.documents is None:
             return [(None, None)] * (len(windows) // mb)
         tokens = read_windows(self.sources, datasets, windows, self.seq_len)
-        return [_to_batch(tokens[j:j + mb], self.device, self.reads, self.documents)
+        return [_to_batch(tokens[j:j + mb], self.device, self.reads, self.documents, self.cp)
                 for j in range(0, len(windows), mb)]
 
 
@@ -234,14 +242,15 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
                 eval_steps: int, global_batch_size: int, dp_rank: int, dp_size: int,
                 device: torch.device, weights: Optional[Sequence[float]] = None,
                 reads: Tuple[bool, bool] = (True, True),
-                documents: Optional[DocumentRule] = None) -> List[tuple]:
+                documents: Optional[DocumentRule] = None, cp: Tuple[int, int] = (1, 0)
+                ) -> List[tuple]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
     global batch, in micro-batches. The mean loss over all ranks is the serial run's.
 
     `sources` holds one TokenShards per dataset; for a blend, with their `weights`, position p
     takes its dataset from the greedy blend and that dataset's next window in order. `reads`:
-    as for `TrainBatches` (a middle pipeline stage reads no token), and `documents`."""
+    as for `TrainBatches` (a middle pipeline stage reads no token), `documents` and `cp`."""
     sizes = [s.num_samples(seq_len) for s in sources]
     if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
@@ -260,5 +269,5 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
     datasets = np.array([pairs[p][0] for p in positions], dtype=np.int64)
     windows = read_windows(sources, datasets, np.array([pairs[p][1] for p in positions],
                                                         dtype=np.int64), seq_len)
-    return [_to_batch(windows[j:j + micro_batch_size], device, reads, documents)
+    return [_to_batch(windows[j:j + micro_batch_size], device, reads, documents, cp)
             for j in range(0, len(windows), micro_batch_size)]

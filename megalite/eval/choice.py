@@ -20,7 +20,10 @@ returns each sequence's summed loss (`GPT2.sequence_losses`: with TP the vocab-p
 cross-entropy per token). The examples are split over the DP replicas in contiguous slices,
 every replica running the same number of micro-batches (ZeRO-3 gathers over DP in every
 forward); a vector of every ending's loss, zero where a rank has not computed it, summed over
-the pipeline and DP groups, gives every rank every loss (a sum with zeros is exact).
+the pipeline and DP groups, gives every rank every loss (a sum with zeros is exact). With
+context parallelism each CP rank holds its two chunks of every sequence (inputs and labels,
+`megalite.parallel.context_shard`) and sums the losses of its own tokens; the sum over the CP
+group is the sequence's (a rank whose chunks hold only padding contributes an exact 0).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from megalite.parallel import comm
+from megalite.parallel import comm, context_shard
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import Topology
 
@@ -105,12 +108,13 @@ def padded(ending: Ending, length: int) -> Tuple[np.ndarray, np.ndarray]:
 class _MicroBatches(Sequence):
     """This rank's micro-batches, each built when the schedule reads it (the whole set, padded
     to train.seq_len, need not sit in memory). Beyond the rank's endings: empty sequences
-    (every label IGNORED) that fill the last micro-batch and the count all ranks share."""
+    (every label IGNORED) that fill the last micro-batch and the count all ranks share.
+    `cp` = (size, rank): each sequence cut to this CP rank's two chunks."""
 
     def __init__(self, endings: List[Ending], count: int, micro_batch_size: int, length: int,
-                 device: torch.device):
+                 device: torch.device, cp: Tuple[int, int] = (1, 0)):
         self.endings, self.count, self.mb = endings, count, micro_batch_size
-        self.length, self.device = length, device
+        self.length, self.device, self.cp = length, device, cp
 
     def __len__(self) -> int:
         return self.count
@@ -122,7 +126,8 @@ class _MicroBatches(Sequence):
         y = np.full((self.mb, self.length), IGNORED, dtype=np.int64)
         for row, ending in enumerate(self.endings[i * self.mb:(i + 1) * self.mb]):
             x[row], y[row] = padded(ending, self.length)
-        return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+        x, y = (context_shard.shard(torch.from_numpy(t), *self.cp, dim=1) for t in (x, y))
+        return x.to(self.device), y.to(self.device)
 
 
 class ChoiceEval:
@@ -142,7 +147,8 @@ class ChoiceEval:
         if virtual_stages > 1:  # the interleaved order runs micro-batches in groups of pp
             count = math.ceil(count / topo.pp_size) * topo.pp_size
         mine = [e for i in self.examples for e in choices.endings[i]]
-        self.batches = _MicroBatches(mine, count, micro_batch_size, length, device)
+        self.batches = _MicroBatches(mine, count, micro_batch_size, length, device,
+                                     cp=(topo.cp_size, topo.coords.cp_rank))
         self.counts = torch.tensor([[e.scored for e in ex] for ex in choices.endings])
         self.labels = torch.tensor(choices.labels)
 
@@ -159,5 +165,6 @@ class ChoiceEval:
             lo, hi = self.examples.start * k, self.examples.stop * k
             losses[lo:hi] = mine[:hi - lo]
         comm.all_reduce(losses, self.topo.pp_group)
+        comm.all_reduce(losses, self.topo.cp_group)  # each CP rank's tokens' part
         comm.all_reduce(losses, self.topo.dp_group)
         return ChoiceScores(losses.view(-1, k).cpu(), self.counts, self.labels)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from megalite.config.errors import ConfigError
-from megalite.config.schema import Config, data_sources, resolve_path
+from megalite.config.schema import Config, resolve_path
 from megalite.eval.choice import ChoiceSet, Ending
 
 ENDINGS = 4
@@ -160,7 +160,7 @@ def tokenizer_dir(cfg: Config) -> Path:
     dataset (blended datasets share one tokenizer)."""
     from megalite.data.loader import read_meta
 
-    data_dir = data_sources(cfg.data)[0][0]
+    data_dir = cfg.data.sources()[0][0]
     return data_dir / read_meta(data_dir).get("tokenizer", {}).get("dir", "tokenizer")
 
 

@@ -27,6 +27,7 @@ from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
+from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
 from megalite.parallel.group import Group, single_rank_group
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
@@ -74,6 +75,9 @@ class CausalLM(nn.Module):
       targets after EOS left out of the loss, as the run sets them; None: none of these.
 
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
+    `cp` (context parallelism): this rank holds two chunks of every sequence
+    (`megalite.parallel.context_shard`) — `inputs` and `labels` are those chunks' tokens, the
+    positions the chunks' global ones, attention reads the whole sequence's keys over CP.
     `recompute` re-runs blocks in backward instead of keeping their activations: every block of
     the stage, or its first `recompute_layers` (Megatron's "block" method). `offload`
     (`megalite.model.activation_offload`, shared by a stage's chunks) moves what the blocks
@@ -92,9 +96,10 @@ class CausalLM(nn.Module):
                  blocks: Optional[range] = None, first: bool = True, last: bool = True,
                  recompute: bool = False, compile: bool = False, attention: str = "auto",
                  recompute_layers: Optional[int] = None,
-                 offload: Optional[ActivationOffload] = None):
+                 offload: Optional[ActivationOffload] = None,
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cp = cfg, cp
         self.tp_group = tp_group if tp_group is not None else single_rank_group("tp")
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.rng, self.recompute, self.recompute_layers = rng, recompute, recompute_layers
@@ -125,8 +130,10 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                   residual_region: RegionFactory, attention: str = "auto") -> nn.Module:
-        """One transformer block: [s(/tp), b, h] -> [s(/tp), b, h]."""
+                   residual_region: RegionFactory, attention: str = "auto",
+                   cp: Optional[ContextParallel] = None) -> nn.Module:
+        """One transformer block: [s(/tp), b, h] -> [s(/tp), b, h] (`cp`: the tokens are this
+        rank's CP chunks; `megalite.model.attention.causal_attention`)."""
         raise NotImplementedError
 
     def build(self, attention: str) -> None:
@@ -148,6 +155,12 @@ class CausalLM(nn.Module):
         """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); `positions`
         [b, s] restart per document (train.reset_positions), None: 0..s-1."""
         raise NotImplementedError
+
+    def check_length(self, local_len: int) -> None:
+        """A sequence (this rank's `local_len` tokens of it with CP) fits model.n_positions."""
+        s = local_len * (self.cp.group.size if self.cp is not None else 1)
+        if s > self.cfg.n_positions:
+            raise ValueError(f"sequence length {s} > model.n_positions={self.cfg.n_positions}")
 
     def sharding_units(self) -> List[nn.Module]:
         """The modules ZeRO-3 gathers one at a time, in forward order."""

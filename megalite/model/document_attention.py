@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.data.documents import Documents
+from megalite.parallel.context_attention import ContextParallel, cp_attention
 
 
 @dataclass
@@ -88,10 +89,16 @@ def uses_flex(q: torch.Tensor, p: float, choice: str) -> bool:
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       inputs: AttentionInputs, p: float, choice: str) -> torch.Tensor:
+                       inputs: AttentionInputs, p: float, choice: str,
+                       cp: Optional[ContextParallel] = None) -> torch.Tensor:
     """Attention within documents of q [b, hq, s, d] over k, v [b, hk, s, d] (hq a multiple
     of hk: grouped-query attention, query head i reading KV head i // (hq / hk)), dropout
-    `p` on the probabilities, `choice` = train.attention (the SDPA kernel where SDPA runs)."""
+    `p` on the probabilities, `choice` = train.attention (the SDPA kernel where SDPA runs).
+    With a CP group of more than one rank, `s` is this rank's chunks and `inputs.ids` their
+    documents' global ids: `cp_attention` carries them with the keys (no attention dropout
+    with cp > 1, refused before launch)."""
+    if cp is not None and cp.group.size > 1:
+        return cp_attention(q, k, v, cp.group, cp.comm, documents=inputs.ids)
     gqa = q.shape[1] != k.shape[1]
     if uses_flex(q, p, choice):
         return _compiled_flex_attention()(q, k, v, block_mask=inputs.block_mask(),

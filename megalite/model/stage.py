@@ -35,6 +35,7 @@ class PipelineStage(nn.Module):
             f"models.{i}.{name}": spec for i, chunk in enumerate(chunks)
             for name, spec in chunk.param_specs.items()}
         self.padded_vocab = chunks[0].padded_vocab
+        self.family = chunks[0].family  # the model's family (`megalite.model.family.Family`)
         self.activation_offload = chunks[0].offload  # one for all chunks, or None
 
     @property

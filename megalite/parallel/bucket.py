@@ -105,7 +105,7 @@ class Bucket:
 
     def __init__(self, names: List[str], params: List[nn.Parameter], specs, topo: Topology,
                  layout: Layout, tied: bool = False):
-        group = topo.dp_group
+        group = topo.grad_group  # DP x CP: the ranks holding these parameters
         self.group, self.tied = group, tied
         self.reduction = grad_reduction(layout)
         self.gathers_params = layout.shards_optimizer and not layout.shards_parameters
@@ -166,10 +166,12 @@ class Bucket:
         return self._temp
 
     def launch(self) -> None:
-        """Start this bucket's DP reduction (the gradient of the mean over DP ranks)."""
+        """Start this bucket's reduction over DP x CP (the gradient of the mean over those
+        ranks: each CP rank's loss is the mean over its equal share of the sequences' tokens,
+        so their mean is the serial run's loss)."""
         self.launched = True
         grad = self.grad_full if self.grad_full is not None else self._full_temp()
-        if self.group.size > 1:  # the mean over DP ranks (one rank's gradient is the mean)
+        if self.group.size > 1:  # the mean over the ranks (one rank's gradient is the mean)
             grad.div_(self.group.size)
         self.reduction.launch(self, grad)
         self._temp = None

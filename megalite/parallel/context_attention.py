@@ -61,6 +61,19 @@ class AttentionWork:
     skipped: int = 0
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's CP group and how attention communicates over it (`parallel.cp_comm`)."""
+
+    group: Group
+    comm: str = "allgather"
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """The global positions of this rank's `local_len` tokens of a sequence."""
+        n = self.group.size
+        return context_shard.positions(local_len * n, n, self.group.rank, device)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                  comm: str = "allgather", scale: Optional[float] = None,
                  documents: Optional[torch.Tensor] = None,

@@ -16,8 +16,11 @@ does: a tensorwise scale is one number for the global tensor, so the amax of a t
 over TP (every weight; the row-parallel input; the column-parallel output gradient) is
 max-reduced over the TP group; a rowwise scale spans the contraction dimension, so it is
 reduced where TP splits that dimension (the row-parallel forward, the column-parallel input
-gradient). The token dimension (the weight gradient's contraction) is never split: with
-sequence parallelism the input is gathered first, as the bf16 layer does. Under ZeRO-3 the
+gradient). The token dimension (the weight gradient's contraction) is never split over TP: with
+sequence parallelism the input is gathered first, as the bf16 layer does. Context parallelism
+splits the tokens over CP: a tensorwise amax of a token tensor (x, dy) is max-reduced over the
+CP group too (`Fp8Linear.token_group`), so its scale is the serial run's (the rowwise recipe is
+refused with cp > 1: its weight-gradient rows would span the CP ranks' tokens). Under ZeRO-3 the
 linear sees its gathered weight: the cast to FP8 comes after the gather (the gather itself
 stays in the parameters' dtype).
 
@@ -59,6 +62,7 @@ class Fp8Linear:
     group: Group
     column: bool
     gather: bool = False
+    token_group: Optional[Group] = None  # CP: the ranks holding the sequences' other tokens
 
     @property
     def rowwise(self) -> bool:
@@ -116,12 +120,19 @@ def scaled_product(a: torch.Tensor, b: torch.Tensor, dtypes: Tuple[torch.dtype, 
     return out.to(out_dtype)
 
 
-def tensor_amaxes(layer: Fp8Linear, tensors, groups) -> Amaxes:
-    """Tensorwise: each tensor's amax over `groups` (kept for the products it enters again);
+def tensor_amaxes(layer: Fp8Linear, tensors, groups, tokens) -> Amaxes:
+    """Tensorwise: each tensor's amax over `groups` (kept for the products it enters again),
+    and over `layer.token_group` where `tokens` says the tensor holds this rank's tokens;
     rowwise: none (a row's scale depends on the product's contraction)."""
     if layer.rowwise:
         return None, None
-    return tuple(amax_of(t, False, g) for t, g in zip(tensors, groups))
+    amaxes = tuple(amax_of(t, False, g) for t, g in zip(tensors, groups))
+    cp = layer.token_group
+    if cp is not None and cp.size > 1:
+        for amax, token in zip(amaxes, tokens):
+            if token:
+                comm.all_reduce(amax, cp, op=dist.ReduceOp.MAX)
+    return amaxes
 
 
 def _weight_grads(layer: Fp8Linear, grad: torch.Tensor, x: torch.Tensor,
@@ -155,7 +166,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         row = not layer.column  # the row-parallel input and contraction are split over TP
         x2 = total.reshape(-1, total.shape[-1])
         groups = (layer.amax_group(row, row), layer.amax_group(True, row))
-        ctx.amaxes = tensor_amaxes(layer, (x2, weight), groups)  # x's, W's (tensorwise)
+        ctx.amaxes = tensor_amaxes(layer, (x2, weight), groups, (True, False))  # x's, W's
         y = scaled_product(x2, weight, (E4M3, E4M3), layer, groups, x.dtype, ctx.amaxes)
         y = y.view(*total.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
@@ -168,7 +179,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         groups = (layer.amax_group(column, column), layer.amax_group(True, column))
         x_amax, w_amax = ctx.amaxes
-        dy_amax = tensor_amaxes(layer, (g2,), groups[:1])[0]
+        dy_amax = tensor_amaxes(layer, (g2,), groups[:1], (True,))[0]
         grad_x = scaled_product(g2, weight.t(), (layer.grad_dtype, E4M3), layer, groups,
                                 x.dtype, (dy_amax, w_amax))
         grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
@@ -199,11 +210,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                                     layer, (weight, bias), queue)
 
 
-def use_fp8(model: torch.nn.Module, recipe: str) -> int:
+def use_fp8(model: torch.nn.Module, recipe: str, token_group: Optional[Group] = None) -> int:
     """Switch every linear of `model` that can run in FP8 (those with an `fp8` attribute: the
     column- and row-parallel linears of the blocks; not the LM head, whose weight is the
-    embedding) to `recipe` ("none": back to the parameters' dtype). Returns how many."""
+    embedding) to `recipe` ("none": back to the parameters' dtype); `token_group`: the CP
+    group their token tensors' amaxes are reduced over too. Returns how many."""
     linears = [m for m in model.modules() if hasattr(m, "fp8")]
     for module in linears:
         module.fp8 = None if recipe == "none" else recipe
+        module.fp8_token_group = token_group
     return len(linears)

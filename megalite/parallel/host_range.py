@@ -8,13 +8,26 @@ the CPU kernel, `host_adamw_kind`).
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from megalite.parallel.flat import Segment
 from megalite.parallel.norms import squares_fp32_rows
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    """What the engine's AdamW takes of the optim section (`optim.lr`, `betas`, `eps`,
+    `weight_decay`; the trainer sets each step's lr from the schedule). An `OptimConfig`,
+    which has the same fields, is read alike."""
+
+    lr: float
+    betas: Tuple[float, float]
+    eps: float
+    weight_decay: float
 
 
 def host_adamw_kind() -> str:
@@ -27,7 +40,7 @@ def host_adamw_kind() -> str:
         return "foreach"
 
 
-def build_adamw(pieces: List[nn.Parameter], decays: List[bool], cfg, kind: str
+def build_adamw(pieces: List[nn.Parameter], decays: List[bool], cfg: AdamWSettings, kind: str
                 ) -> torch.optim.AdamW:
     """AdamW over `pieces` (decay / no-decay groups by `decays`), `kind` fused or foreach."""
     groups = [g for g in ({"params": [p for p, d in zip(pieces, decays) if d],

@@ -63,15 +63,13 @@ stream waiting for a parameter copy — is the step phase `offload_wait`
 """
 from __future__ import annotations
 
-import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from megalite.parallel import host_range
-from megalite.parallel.host_range import HostRange, build_adamw, host_adamw_kind
-from megalite.utils.clock import bind_cuda_device
+from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind
+from megalite.parallel.offload_worker import HostWorker
 
 
 def _wait_reduction_on(work, stream) -> bool:
@@ -120,7 +118,6 @@ class OptimizerOffload:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.gather_stream = torch.cuda.Stream(device) if self.cuda else None  # zero 1/2
-        self.timers = timers  # the trainer's StepTimers: waits are timed as `offload_wait`
         self.ranges: Dict[int, HostRange] = {}
         for b in buckets:
             numel = round(fraction * (b.hi - b.lo))
@@ -130,7 +127,7 @@ class OptimizerOffload:
                       if id(b) in self.ranges]
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
         self.h2d_bytes = 0
-        self._worker: Optional[ThreadPoolExecutor] = None  # the host's tasks (lazy)
+        self.worker = HostWorker(device, timers)  # the host's tasks, in the order queued
         self._params_free = None  # CUDA: recorded by `drain` after the backward was queued
         # buckets whose parameter copy the device has not waited for yet
         self.pending: Dict[int, HostRange] = {}
@@ -155,10 +152,14 @@ class OptimizerOffload:
             self.params_needed(buckets)
         return hook
 
+    def close(self) -> None:
+        """Let the host worker go (the end of `fit`); a later task starts a new one."""
+        self.worker.close()
+
     def range_of(self, bucket) -> Optional[HostRange]:
         return self.ranges.get(id(bucket))
 
-    def build_optimizers(self, cfg) -> List[torch.optim.AdamW]:
+    def build_optimizers(self, cfg: AdamWSettings) -> List[torch.optim.AdamW]:
         """The host AdamW of every range with pieces (after `HostRange.piece` made them)."""
         kind = host_adamw_kind()
         for r in self.ranges.values():
@@ -171,45 +172,6 @@ class OptimizerOffload:
         """`grad` (a host gradient piece of `bucket`'s range) counts in the global norm and
         no sum after the reduction changes it: the worker squares it once it is final."""
         self.ranges[id(bucket)].norm_pieces.append(grad)
-
-    def _waiting(self):
-        return self.timers.phase("offload_wait") if self.timers is not None \
-            else contextlib.nullcontext()
-
-    def _submit(self, fn: Callable, *args) -> Future:
-        """Queue `fn(*args)` on the host worker (one thread: tasks run in the order queued;
-        each spreads over the rank's intra-op threads, as torch.set_num_threads gave them)."""
-        if self._worker is None:  # on the engine's CUDA device (`bind_cuda_device`), not 0
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="megalite-offload",
-                                              initializer=bind_cuda_device,
-                                              initargs=(self._cuda_index(),))
-        return self._worker.submit(fn, *args)
-
-    def _cuda_index(self) -> Optional[int]:
-        """The index of the engine's CUDA device (None on CPU): the worker's event syncs,
-        event destruction and stream switches run there; on a thread's default device 0
-        they would make a CUDA context on GPU 0 from every other local rank."""
-        if not self.cuda:
-            return None
-        return self.device.index if self.device.index is not None \
-            else torch.cuda.current_device()
-
-    def close(self) -> None:
-        """Let the worker thread go once its queued tasks ran (the end of `fit`); a later
-        task starts a new one."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-
-    def _wait(self, future: Optional[Future]) -> None:
-        """The CPU waits for a worker task (timed as offload_wait when it has to); a failed
-        task raises here."""
-        if future is None:
-            return
-        if not future.done():
-            with self._waiting():
-                future.result()
-        future.result()
 
     # --- gradients: device -> host ----------------------------------------------------
 
@@ -248,8 +210,8 @@ class OptimizerOffload:
             self._copy_in(r, reduced, None)
 
     def _copy_in(self, r: HostRange, reduced: torch.Tensor, work) -> None:
-        self._wait(r.stepped)  # the last host step has read `grad` (a step ago)
-        self._wait(r.inbound)  # zero 2/3: the last fold has read `staging` (a micro-batch ago)
+        self.worker.wait(r.stepped)  # the last host step has read `grad` (a step ago)
+        self.worker.wait(r.inbound)  # zero 2/3: the last fold has read `staging` (a micro-batch ago)
         src = reduced[r.offset:]
         copied = None
         if self.cuda:
@@ -262,7 +224,7 @@ class OptimizerOffload:
             src.record_stream(self.stream)  # the compute stream may not reuse it before
         else:
             r.staging.copy_(src)
-        r.inbound = self._submit(host_range.arrived, r, copied, not r.accumulate)
+        r.inbound = self.worker.submit(host_range.arrived, r, copied, not r.accumulate)
         self.d2h_bytes += 4 * src.numel()
 
     def drain(self) -> None:
@@ -273,9 +235,9 @@ class OptimizerOffload:
             if r.in_flight:
                 raise RuntimeError("offload: a bucket's reduction was never completed")
             if r.accumulate:
-                r.inbound = self._submit(host_range.finalize, r)
+                r.inbound = self.worker.submit(host_range.finalize, r)
         for r in self.ranges.values():
-            self._wait(r.inbound)
+            self.worker.wait(r.inbound)
         if self.cuda:
             self._params_free = torch.cuda.current_stream(self.device).record_event()
 
@@ -309,7 +271,7 @@ class OptimizerOffload:
         zero 2/3's next first fold copies (queued, so it follows this step's tasks)."""
         for r in self.ranges.values():
             if r.accumulate:
-                r.inbound = self._submit(host_range.mark_fresh, r)
+                r.inbound = self.worker.submit(host_range.mark_fresh, r)
 
     # --- parameters: host step, host -> device --------------------------------------------
 
@@ -321,7 +283,7 @@ class OptimizerOffload:
         if self.cuda and self._params_free is not None:
             self.stream.wait_event(self._params_free)  # the backward's last read of them
         for r in self.order:
-            r.stepped = self._submit(self._update, r, coef, lr)
+            r.stepped = self.worker.submit(self._update, r, coef, lr)
             self.pending[id(r.bucket)] = r
             self.h2d_bytes += r.main.numel() * (r.main if r.cast is None else r.cast
                                                 ).element_size()
@@ -358,7 +320,7 @@ class OptimizerOffload:
     def step_done(self) -> None:
         """The CPU waits until the host step has finished (before reading host state)."""
         for r in self.order:
-            self._wait(r.stepped)
+            self.worker.wait(r.stepped)
 
     def copies_done(self) -> None:
         """The CPU waits until no copy reads the host masters (before a load writes them)."""
@@ -386,7 +348,7 @@ class OptimizerOffload:
 
     def _issued(self, r: HostRange):
         """The CPU waits until the worker issued `r`'s copy; returns its CUDA event."""
-        self._wait(r.stepped)
+        self.worker.wait(r.stepped)
         return r.copied_out
 
     def stepping(self, bucket) -> bool:
@@ -425,7 +387,7 @@ class OptimizerOffload:
                 continue
             copied = self._issued(r)
             if copied is not None and self.cuda:
-                with self._waiting():
+                with self.worker.waiting():
                     torch.cuda.current_stream(self.device).wait_event(copied)
 
     # --- accounting -------------------------------------------------------------------

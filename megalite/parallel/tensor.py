@@ -164,11 +164,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
         self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
         self.fp8: Optional[str] = None  # an FP8 recipe (megalite.parallel.fp8)
+        self.fp8_token_group: Optional[Group] = None  # CP: amaxes over the other tokens too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             sp = self.sequence_parallel and self.tp_group.size > 1
-            layer = Fp8Linear(self.fp8, self.tp_group, column=True, gather=sp)
+            layer = Fp8Linear(self.fp8, self.tp_group, column=True, gather=sp,
+                              token_group=self.fp8_token_group)
             return fp8_linear(x if sp else regions.copy_to_tp(x, self.tp_group), self.weight,
                               self.bias, layer, self.weight_grad_queue)
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
@@ -206,12 +208,14 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weight_grad_queue: Optional[WeightGradQueue] = None  # zero-bubble: W deferred
         self.fp8: Optional[str] = None  # an FP8 recipe (megalite.parallel.fp8)
+        self.fp8_token_group: Optional[Group] = None  # CP: amaxes over the other tokens too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         queue = self.weight_grad_queue
         if self.fp8 is not None:
-            y = fp8_linear(x, self.weight, None, Fp8Linear(self.fp8, self.tp_group, column=False),
-                           queue)
+            layer = Fp8Linear(self.fp8, self.tp_group, column=False,
+                              token_group=self.fp8_token_group)
+            y = fp8_linear(x, self.weight, None, layer, queue)
         else:
             y = F.linear(x, self.weight) if queue is None else \
                 split_linear(x, self.weight, None, queue)

@@ -1,10 +1,13 @@
-"""The rank grid: the one place where a global rank becomes (tp, pp, dp) coordinates.
+"""The rank grid: the one place where a global rank becomes (tp, cp, pp, dp) coordinates.
 
-    rank = tp_rank + tp * (pp_rank + pp * dp_rank)          # [TP, PP, DP], TP innermost
+    rank = tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))   # [TP, CP, PP, DP]
 
-so the TP group of a rank is a run of consecutive ranks (inside one node), PP spans nearby nodes
-and DP is outermost (Llama 3's network-aware order). Every group is a slice of the grid
-[dp, pp, tp] of ranks. The `Topology` is created once after
+so the TP group of a rank is a run of consecutive ranks (inside one node), CP next to it, PP
+spans nearby nodes and DP is outermost (Llama 3's network-aware order; cp = 1 is the [TP, PP, DP]
+grid). Every group is a slice of the grid [dp, pp, cp, tp] of ranks. The CP ranks of one
+(tp, pp, dp) hold the same parameters and see different tokens of the same sequences, so
+gradients are reduced and ZeRO ranges split over DP x CP (the "dp_cp" group, `grad_group`;
+Megatron's `with_context_parallel`). The `Topology` is created once after
 `init_process_group` and passed explicitly to everything that communicates; nothing reads groups
 from module globals.
 """
@@ -27,33 +30,43 @@ class Coords:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_rank: int = 0
 
 
-def rank_of(coords: Coords, tp: int, pp: int) -> int:
-    return coords.tp_rank + tp * (coords.pp_rank + pp * coords.dp_rank)
+def rank_of(coords: Coords, tp: int, pp: int, cp: int = 1) -> int:
+    c = coords
+    return c.tp_rank + tp * (c.cp_rank + cp * (c.pp_rank + pp * c.dp_rank))
 
 
-def coords_of(rank: int, tp: int, pp: int) -> Coords:
-    return Coords(tp_rank=rank % tp, pp_rank=(rank // tp) % pp, dp_rank=rank // (tp * pp))
+def coords_of(rank: int, tp: int, pp: int, cp: int = 1) -> Coords:
+    return Coords(tp_rank=rank % tp, cp_rank=(rank // tp) % cp,
+                  pp_rank=(rank // (tp * cp)) % pp, dp_rank=rank // (tp * cp * pp))
 
 
-def group_ranks(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
-    """All rank lists of every group kind, derived from one grid of shape [dp, pp, tp].
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
+    """All rank lists of every group kind, derived from one grid of shape [dp, pp, cp, tp].
 
-    tp: ranks sharing (pp, dp); pp: sharing (tp, dp); dp: sharing (tp, pp);
-    mp (model parallel = TP x PP, one model replica): sharing dp;
-    embedding: first and last pipeline stage of each (tp, dp) (just the stage when pp = 1).
+    tp: ranks sharing (cp, pp, dp); cp: sharing (tp, pp, dp); pp: sharing (tp, cp, dp);
+    dp: sharing (tp, cp, pp); mp (model parallel = TP x PP, one model replica's, for the
+    global grad norm): sharing (cp, dp); embedding: first and last pipeline stage of each
+    (tp, cp, dp) (just the stage when pp = 1); dp_cp (DP x CP, the ranks holding the same
+    parameters: gradient reductions and ZeRO ranges): sharing (tp, pp) — listed only when
+    cp > 1 (with cp = 1 it is the dp group, which the topology uses as is).
     """
-    def grid(t: int, p: int, d: int) -> int:
-        return rank_of(Coords(t, p, d), tp, pp)
+    def grid(t: int, c: int, p: int, d: int) -> int:
+        return rank_of(Coords(tp_rank=t, pp_rank=p, dp_rank=d, cp_rank=c), tp, pp, cp)
 
+    T, C, P, D = range(tp), range(cp), range(pp), range(dp)
     out: Dict[str, List[List[int]]] = {
-        "tp": [[grid(t, p, d) for t in range(tp)] for d in range(dp) for p in range(pp)],
-        "pp": [[grid(t, p, d) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "dp": [[grid(t, p, d) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "mp": [[grid(t, p, d) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "tp": [[grid(t, c, p, d) for t in T] for d in D for p in P for c in C],
+        "cp": [[grid(t, c, p, d) for c in C] for d in D for p in P for t in T],
+        "pp": [[grid(t, c, p, d) for p in P] for d in D for c in C for t in T],
+        "dp": [[grid(t, c, p, d) for d in D] for p in P for c in C for t in T],
+        "mp": [[grid(t, c, p, d) for p in P for t in T] for d in D for c in C],
     }
     out["embedding"] = [sorted({r[0], r[-1]}) for r in out["pp"]]
+    if cp > 1:
+        out["dp_cp"] = [[grid(t, c, p, d) for d in D for c in C] for p in P for t in T]
     return out
 
 
@@ -65,16 +78,17 @@ class Topology:
     pp_size: int
     dp_size: int
     rank: int
+    cp_size: int = 1
     counter: CommCounter = field(default_factory=CommCounter)
     groups: Dict[str, Group] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.pp_size * self.dp_size
 
     @property
     def coords(self) -> Coords:
-        return coords_of(self.rank, self.tp_size, self.pp_size)
+        return coords_of(self.rank, self.tp_size, self.pp_size, self.cp_size)
 
     @property
     def is_first_stage(self) -> bool:
@@ -94,7 +108,21 @@ class Topology:
 
     @property
     def dp_group(self) -> Group:
+        """The data-parallel replicas of this rank's (tp, cp, pp): the ranks that read
+        different windows (the sampler's and the loader's split)."""
         return self.groups["dp"]
+
+    @property
+    def cp_group(self) -> Group:
+        """The context-parallel ranks of this (tp, pp, dp): the same windows, each rank its
+        chunks of every sequence (`megalite.parallel.context_shard`)."""
+        return self.groups["cp"]
+
+    @property
+    def grad_group(self) -> Group:
+        """DP x CP: the ranks holding the same parameters, over which gradients are averaged
+        and ZeRO splits its ranges (the dp group itself when cp = 1)."""
+        return self.groups["dp_cp"] if self.cp_size > 1 else self.groups["dp"]
 
     @property
     def mp_group(self) -> Group:
@@ -134,14 +162,16 @@ class Topology:
     def describe(self) -> str:
         c = self.coords
         return (f"rank {self.rank}/{self.world_size} tp={c.tp_rank}/{self.tp_size} "
-                f"pp={c.pp_rank}/{self.pp_size} dp={c.dp_rank}/{self.dp_size}")
+                f"cp={c.cp_rank}/{self.cp_size} pp={c.pp_rank}/{self.pp_size} "
+                f"dp={c.dp_rank}/{self.dp_size}")
 
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                    timeout_s: Optional[float] = None,
                    checkpoint_timeout_s: Optional[float] = None,
                    waits: Optional[CollectiveWaits] = None,
-                   flight: Optional[object] = None, alone: bool = False) -> Topology:
+                   flight: Optional[object] = None, alone: bool = False,
+                   cp: int = 1) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
     Its calls are counted in one `CommCounter`, which times them in `waits` and reports them
     to the flight recorder `flight` where given (`megalite.parallel.group`); the checkpoint
@@ -156,20 +186,21 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
     the serial reference one rank of `megalite-selftest` computes while the others wait: no
     process group is created or used.
     """
-    world = tp * pp * dp
+    world = tp * cp * pp * dp
+    sizes = f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp}"
     if alone and world != 1:
-        raise ValueError(f"alone: a world of one process, not tp*pp*dp = {tp}*{pp}*{dp}")
+        raise ValueError(f"alone: a world of one process, not {sizes}")
     initialized = not alone and dist.is_available() and dist.is_initialized()
     if initialized and dist.get_world_size() != world:
-        raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {tp}*{pp}*{dp}")
+        raise ValueError(f"world size {dist.get_world_size()} != {sizes}")
     if rank is None:
         rank = dist.get_rank() if initialized else 0
     if not initialized and world != 1:
         raise RuntimeError("torch.distributed must be initialized for world size > 1")
-    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank,
+    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank, cp_size=cp,
                     counter=CommCounter(waits=waits, flight=flight))
     named = _names_groups()
-    for kind, rank_lists in group_ranks(tp, pp, dp).items():
+    for kind, rank_lists in group_ranks(tp, pp, dp, cp).items():
         mine: Optional[Tuple[List[int], Optional[dist.ProcessGroup]]] = None
         for ranks in rank_lists:
             pg = None

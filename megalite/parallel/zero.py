@@ -1,4 +1,5 @@
-"""The data-parallel engine: ZeRO stages 0-3 over the DP group (Rajbhandari et al. 2019).
+"""The data-parallel engine: ZeRO stages 0-3 over the DP group (Rajbhandari et al. 2019) —
+DP x CP with context parallelism (`Topology.grad_group`: CP ranks hold the same parameters).
 
 Parameters live in flat buffers ("buckets", or per-block "units" for stage 3; see
 `megalite.parallel.flat`). Each DP rank owns one contiguous range of every buffer — the whole
@@ -39,12 +40,11 @@ import torch
 import torch.nn as nn
 
 from megalite.config.layout import Layout
-from megalite.config.schema import OptimConfig
 from megalite.parallel import comm
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated, sum_tp_shares
-from megalite.parallel.host_range import build_adamw
+from megalite.parallel.host_range import AdamWSettings, build_adamw
 from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
 from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.param_gather import OverlappedParamGather
@@ -58,7 +58,7 @@ class ZeroEngine(EngineState):
     (`model.chunks`: the stage's model chunks, one without an interleaved schedule). Its
     checkpoint pieces and byte accounting: `megalite.parallel.zero_state`."""
 
-    def __init__(self, model: nn.Module, topo: Topology, layout: Layout, optim: OptimConfig,
+    def __init__(self, model: nn.Module, topo: Topology, layout: Layout, optim: AdamWSettings,
                  bucket_mb: float = 25.0, reshard_after_forward: bool = True,
                  overlap_param_gather: bool = False, offload_optimizer: float = 0.0,
                  offload_timers=None):
@@ -114,7 +114,7 @@ class ZeroEngine(EngineState):
 
     # --- optimizer ----------------------------------------------------------------------
 
-    def _build_optimizer(self, cfg: OptimConfig) -> None:
+    def _build_optimizer(self, cfg: AdamWSettings) -> None:
         """AdamW over the owned segments of every bucket: one leaf tensor per piece of a
         parameter, a view of the fp32 master range, its gradient a view of `main_grad` (an
         offloaded piece's: views of host tensors, stepped by the host AdamW of its bucket).
@@ -299,7 +299,7 @@ class ZeroEngine(EngineState):
         if host_squares is not None:
             sq = sq + host_squares.to(device)
         if self.layout.shards_optimizer:
-            comm.all_reduce(sq, self.topo.dp_group)
+            comm.all_reduce(sq, self.topo.grad_group)
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
 

@@ -1,8 +1,9 @@
 """The sizes every term of a layout's plan is built from (`megalite.plan.memory`'s docstring
-has the formulas): the compute dtype's bytes, the padded vocabulary, the residual stream's
-positions per rank, the micro-batches, one block's activation bytes and parameters per TP rank
-(the model family's: `megalite.model.family`), and how many of a chunk's blocks are recomputed
-or offloaded."""
+has the formulas): the compute dtype's bytes, the padded vocabulary, a rank's sequence
+positions (s/cp) and the residual stream's (s/cp, /t with SP), the micro-batches, one block's
+activation bytes (the model family's at s/cp positions, `megalite.model.family`, + CP
+attention's own, `megalite.plan.cp_terms`) and parameters per TP rank, and how many of a
+chunk's blocks are recomputed or offloaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from megalite.model.families import family
 from megalite.model.family import Family, Specs, local_numel
 from megalite.parallel.cross_entropy import chunk_rows
 from megalite.parallel.param_spec import padded_vocab_size
+from megalite.plan import cp_terms
 
 
 def ring(n: int) -> float:
@@ -95,30 +97,40 @@ class Dims:
     layout: Layout
     e: int  # bytes of the compute dtype
     vocab: int  # padded vocabulary
-    s_local: int  # positions of the residual stream per rank (s/t with SP)
+    s_rank: int  # sequence positions per rank: s/cp
+    s_local: int  # positions of the residual stream per rank (s/cp, /t with SP)
     micro: int  # micro-batches per step
     layer_act_full: float  # activation bytes one layer keeps (no recompute)
     layer_params: int  # parameter elements of one block on one TP rank
-    full: float  # bytes of one full activation [s, b, h]
+    full: float  # bytes of one full activation of the rank's positions [s/cp, b, h]
     family: Family  # the model's family: its parameter lists and activation terms
     block: ParamSums  # one block's parameters on one TP rank
     embeddings: ParamSums  # the first stage's (the token embedding first)
     final_norm: ParamSums  # the last stage's final norm
 
 
+def layer_activation_bytes(cfg: Config, layout: Layout, e: int) -> float:
+    """Bytes one block keeps for backward per micro-batch on one rank: the family's at the
+    rank's s/cp positions, + what CP attention saves beyond it (`cp_terms.saved_bytes`)."""
+    m, t = cfg.model, cfg.train
+    return family(m).layer_activation_bytes(
+        m, t.seq_len // layout.cp_size, t.micro_batch_size, layout.tp_size,
+        layout.sequence_parallel, e, m.resid_pdrop > 0, math_attention(cfg, layout)) \
+        + cp_terms.saved_bytes(cfg, layout, e)
+
+
 def dims(cfg: Config, layout: Layout) -> Dims:
     m, t, tp = cfg.model, cfg.train, layout.tp_size
     e = 4 if layout.precision == "fp32" else 2
     fam = family(m)
+    s_rank = t.seq_len // layout.cp_size
     return Dims(
         cfg=cfg, layout=layout, e=e, vocab=padded_vocab_size(m.vocab_size, tp),
-        s_local=layout.activation_seq_len(t.seq_len),
+        s_rank=s_rank, s_local=layout.activation_seq_len(t.seq_len),
         micro=layout.micro_batches(t.global_batch_size),
-        layer_act_full=fam.layer_activation_bytes(m, t.seq_len, t.micro_batch_size, tp,
-                                                  layout.sequence_parallel, e,
-                                                  m.resid_pdrop > 0, math_attention(cfg, layout)),
+        layer_act_full=layer_activation_bytes(cfg, layout, e),
         layer_params=fam.block_numel(m, tp),
-        full=e * t.seq_len * t.micro_batch_size * m.n_embd, family=fam,
+        full=e * s_rank * t.micro_batch_size * m.n_embd, family=fam,
         block=param_sums(fam.block_specs(m, 0, tp), tp),
         embeddings=param_sums(fam.first_specs(m, tp), tp),
         final_norm=param_sums(fam.final_norm_specs(m, tp), tp))

@@ -22,7 +22,7 @@ host step at the profile's host AdamW rate, recompute's re-run forward (FLOPs an
 non-matmul time), activation offload's copies beyond the compute they overlap. There is one
 offload cost model, the time model's; nothing here has rates of its own.
 
-Changing tp, pp, dp or the micro-batch size changes the layout itself: that is the search's
+Changing tp, cp, pp, dp or the micro-batch size changes the layout itself: that is the search's
 business, not a placement.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _changes(cfg: Config, layout: Layout) -> List[List[Change]]:
     blocks = cfg.model.n_layer // (layout.pp_size * layout.virtual_stages)
     groups = [
         [(f"zero={z}", zero(z)) for z in range(layout.zero_stage + 1, 4)]
-        if layout.dp_size > 1 else [],
+        if layout.grad_replicas > 1 else [],
         [(f"offload.optimizer={f:g}", optimizer(f)) for f in OFFLOAD_FRACTIONS
          if f > cfg.offload.optimizer],
         [] if t.recompute and t.recompute_layers is None else

@@ -83,7 +83,7 @@ def fp8_working_bytes(cfg, layout, e: int) -> Dict[str, float]:
     same for its dx and dW products}; zeros without fp8.recipe."""
     if cfg.fp8.recipe == "none":
         return {"forward": 0.0, "backward": 0.0}
-    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    tokens = cfg.train.seq_len // cfg.cp * cfg.train.micro_batch_size  # the rank's (s/cp)
     rowwise = cfg.fp8.recipe == "rowwise"
     return {phase: max(product_bytes(p, e, layout.device_type, rowwise) for p in ps)
             for phase, ps in products(cfg, layout.tp_size, tokens).items()}
@@ -100,7 +100,7 @@ def amax_reductions(cfg, tp: int, rerun: bool = False) -> Tuple[int, float]:
     recipe = cfg.fp8.recipe
     if tp == 1 or recipe == "none":
         return 0, 0.0
-    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    tokens = cfg.train.seq_len // cfg.cp * cfg.train.micro_batch_size  # the rank's (s/cp)
     linears = family(cfg.model).fp8_linears(cfg.model, tp)
     rows = [out for _, in_key, _, _, out in linears if "/ tp" in in_key]
     columns = [inp for _, in_key, inp, _, _ in linears if "/ tp" not in in_key]
@@ -116,7 +116,7 @@ def cast_traffic_bytes(cfg, tp: int, e: int) -> float:
     if cfg.fp8.recipe == "none":
         return 0.0
     per_element = 2 * e + 1 if cfg.train.compile else 4 * e + 25
-    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    tokens = cfg.train.seq_len // cfg.cp * cfg.train.micro_batch_size  # the rank's (s/cp)
     total = 0.0
     for ps in products(cfg, tp, tokens).values():
         for a, b, _, a_copy, b_copy in ps:

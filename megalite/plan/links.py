@@ -1,13 +1,16 @@
-"""Which links each process group of a layout uses, from the [TP, PP, DP] placement of ranks on
-nodes (`rank = tp_rank + tp·(pp_rank + pp·dp_rank)`, nodes of `gpus_per_node` consecutive
-ranks; ARCHITECTURE.md §3).
+"""Which links each process group of a layout uses, from the [TP, CP, PP, DP] placement of ranks
+on nodes (`rank = tp_rank + tp·(cp_rank + cp·(pp_rank + pp·dp_rank))`, nodes of `gpus_per_node`
+consecutive ranks; ARCHITECTURE.md §3), and what a collective costs on one
+(`collective_time`).
 
 A group whose ranks share a node runs at the intra-node bus bandwidth. A group that spans
 nodes with k of its ranks on each node uses k NIC rails at once (one NIC per GPU), so its bus
 bandwidth is k × the one-rank-per-node inter-node figure, at most the intra-node one, and each
 collective pays the inter-node latency. A pipeline transfer is one send over one rail: inter-node
-when any neighbouring pair of stages sits on different nodes. The worst group of each kind
-decides (collectives of a kind run in step on every group).
+when any neighbouring pair of stages sits on different nodes; so is a CP ring's send
+(`cp_send`) when its CP group spans nodes. The gradient reductions span DP x CP (`dp`: the
+ranks holding the same parameters). The worst group of each kind decides (collectives of a
+kind run in step on every group).
 """
 from __future__ import annotations
 
@@ -44,28 +47,35 @@ def _spread(world: int, groups: tuple, gpus_per_node: int) -> tuple:
     return crosses, fewest
 
 
-def _groups(layout: Layout) -> Dict[str, List[tuple]]:
-    tp, pp, dp = layout.tp_size, layout.pp_size, layout.dp_size
-    tp_groups = [tuple(range(b * tp, b * tp + tp)) for b in range(pp * dp)]
-    dp_groups = [tuple(b + i * tp * pp for i in range(dp)) for b in range(tp * pp)]
-    pp_pairs = [(t + tp * (s + pp * d), t + tp * (s + 1 + pp * d))
-                for t in range(tp) for d in range(dp) for s in range(pp - 1)]
-    emb = [(t + tp * pp * d, t + tp * (pp - 1 + pp * d)) for t in range(tp) for d in range(dp)]
-    return {"tp": tp_groups, "dp": dp_groups, "pp": pp_pairs, "embedding": emb}
+def _groups(tp: int, cp: int, pp: int, dp: int) -> Dict[str, List[tuple]]:
+    def rank(t: int, c: int, s: int, d: int) -> int:
+        return t + tp * (c + cp * (s + pp * d))
+    tp_groups = [tuple(range(b * tp, b * tp + tp)) for b in range(cp * pp * dp)]
+    cp_groups = [tuple(rank(t, c, s, d) for c in range(cp))
+                 for t in range(tp) for s in range(pp) for d in range(dp)]
+    dp_groups = [tuple(rank(t, c, s, d) for d in range(dp) for c in range(cp))
+                 for t in range(tp) for s in range(pp)]
+    pp_pairs = [(rank(t, c, s, d), rank(t, c, s + 1, d)) for t in range(tp) for c in range(cp)
+                for d in range(dp) for s in range(pp - 1)]
+    emb = [(rank(t, c, 0, d), rank(t, c, pp - 1, d)) for t in range(tp) for c in range(cp)
+           for d in range(dp)]
+    return {"tp": tp_groups, "cp": cp_groups, "cp_send": cp_groups, "pp": pp_pairs,
+            "dp": dp_groups, "embedding": emb}
 
 
 @lru_cache(maxsize=4096)
-def _placement(tp: int, pp: int, dp: int, gpus_per_node: int) -> Dict[str, tuple]:
-    layout = Layout(tp_size=tp, pp_size=pp, dp_size=dp)
-    world = tp * pp * dp
+def _placement(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int) -> Dict[str, tuple]:
+    world = tp * cp * pp * dp
     return {kind: _spread(world, tuple(groups), gpus_per_node)
-            for kind, groups in _groups(layout).items()}
+            for kind, groups in _groups(tp, cp, pp, dp).items()}
 
 
 def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
                 ) -> Dict[str, GroupLink]:
-    """The effective link of the tp, pp, dp and embedding groups."""
-    spread = _placement(layout.tp_size, layout.pp_size, layout.dp_size, gpus_per_node)
+    """The effective link of the tp, cp (collectives; cp_send: its ring's sends), pp, dp
+    (DP x CP) and embedding groups."""
+    spread = _placement(layout.tp_size, layout.cp_size, layout.pp_size, layout.dp_size,
+                        gpus_per_node)
     intra, inter = profile.intra_node, profile.inter_node
     intra_ops = profile.op_links.get("intra_node", {})
     inter_ops = profile.op_links.get("inter_node", {})
@@ -74,10 +84,20 @@ def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
         if not crosses:
             out[kind] = GroupLink(intra, False, dict(intra_ops))
             continue
-        rails = 1 if kind in ("pp", "embedding") else per_node
+        rails = 1 if kind in ("pp", "embedding", "cp_send") else per_node
 
         def across(a: Link, b: Link) -> Link:
             return Link(min(a.bus_gbps, rails * b.bus_gbps), b.latency_s)
         out[kind] = GroupLink(across(intra, inter), True, {
             op: across(intra_ops.get(op, intra), link) for op, link in inter_ops.items()})
     return out
+
+
+def collective_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int,
+                    op: str = "all_reduce") -> float:
+    """Seconds of `collectives` collectives of kind `op` over `ranks` ranks moving
+    `wire_bytes` in all: wire bytes at the bus bandwidth + the latency of each: a ring takes
+    ranks − 1 steps, each the profile's latency (that of a 2-rank collective, its smallest
+    group) — the kind's own fit where the profile has one (`op_links`), else the link's."""
+    fit = link.of(op)
+    return wire_bytes / (fit.bus_gbps * 1e9) + collectives * (ranks - 1) * fit.latency_s

@@ -2,8 +2,9 @@
 theoretical memory report, with ZeRO's placement vocabulary).
 
 For every pipeline stage, per rank (Ψ = parameter elements of the rank's TP slice of the stage,
-vocabulary padded; N = DP size; t = TP size; m = micro-batches per step; e = bytes of the
-compute dtype, 2 for bf16 and fp16, 4 for fp32; C = V/t padded columns; n = s·b tokens):
+vocabulary padded; N = DP x CP size, the ranks holding the same parameters; t = TP size;
+m = micro-batches per step; e = bytes of the compute dtype, 2 for bf16 and fp16, 4 for fp32;
+C = V/t padded columns; s = the rank's sequence positions, seq_len/cp; n = s·b tokens):
 
   P, G, O    `model_state_bytes` (the ZeRO table, `zero_table()`): parameters e·Ψ, fp32
               gradients 4·Ψ, AdamW moments 8·Ψ + fp32 master 4·Ψ where e < 4; /N where sharded
@@ -16,6 +17,11 @@ compute dtype, 2 for bf16 and fp16, 4 for fp32; C = V/t padded columns; n = s·b
                 + 2·s'bh (residual dropout masks, resid_pdrop > 0)      s' = s/t with SP
               SDPA's math kernel (attention dropout on a CPU, train.attention=math): no
                 log-sum-exp, + 3·e·b(a/t)s² (probabilities, dropout mask, dropped) + 2·e·sbh/t
+              context parallelism (cp > 1): + what CP attention saves beyond these at s/cp
+                positions (`megalite.plan.cp_terms`: the gathered or repeated K/V under
+                allgather, the fp32 merged output under ring); its working bytes at their
+                peak (the gathered K/V or the ring's blocks in flight, partial outputs and a
+                chunk pair's scores) in the forward and a block's backward moments
               recompute: e·s'bh per recomputed layer (the block input); one layer's full set
               while it is re-run (the backward moment); train.recompute_layers = r: r layers
               of each stage recomputed, the others keep their full set
@@ -79,11 +85,14 @@ a full activation:
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
        TP-replicated gradients per step; KV heads shared by k TP ranks (tp > n_kv_head): one
        all-reduce per step of tp/k slots of their fp32 gradients
+  cp   per micro-batch and layer (`megalite.plan.cp_terms`): allgather, an all-gather of K|V
+       and a reduce-scatter of its gradient; ring, cp − 1 K/V block sends forward, as many +
+       cp fp32 gradient-accumulator sends backward; a recomputed layer repeats its forward's
   pp   per micro-batch and chunk: the activation forward and its gradient backward, e·s'bh
        each (a chunk that starts / ends the model receives / sends none); with TP and no SP
        1/t of it, the receiver all-gathering the rest over TP (+ (t−1)/t·e·sbh per received
        tensor on the tp group; Narayanan et al. 2021 §4.1)
-  dp   zero 0: all-reduce 4Ψ; zero 1: reduce-scatter 4Ψ + all-gather e·Ψ; zero 2: m
+  dp   over the DP x CP ranks: zero 0: all-reduce 4Ψ; zero 1: reduce-scatter 4Ψ + all-gather e·Ψ; zero 2: m
        reduce-scatters + all-gather; zero 3: per micro-batch all-gathers of e·(2Ψ − each chunk's
        last unit, which stays gathered from forward into backward) + reduce-scatter 4Ψ
        (reshard_after_forward=false: one all-gather e·Ψ per step)
@@ -97,6 +106,7 @@ from typing import Dict, List, Optional, Tuple
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes, unwaited_sends
+from megalite.plan import cp_terms
 from megalite.plan.chunks import stage_ends, ties_over_stages
 from megalite.plan.dims import Dims, dims
 from megalite.plan.fp8_terms import fp8_working_bytes
@@ -158,15 +168,17 @@ class Plan:
             " offload.activations" + (f" (first {limit} per stage)" if limit is not None else "")
         if lay.get("offload_optimizer"):
             offloaded += f" offload.optimizer={lay['offload_optimizer']:g}"
-        lines = [f"plan: {lay['model']}, tp={lay['tp']} pp={lay['pp']}{virtual} dp={lay['dp']} "
+        cp = f" cp={lay['cp']} ({lay['cp_comm']})" if lay["cp"] > 1 else ""
+        lines = [f"plan: {lay['model']}, tp={lay['tp']}{cp} pp={lay['pp']}{virtual} dp={lay['dp']} "
                  f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}{offloaded}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
                  f"m={lay['micro_batches']}",
-                 "placement over DP: " + ", ".join(f"{k} {v}" for k, v in self.placement.items()),
+                 f"placement over DP{' x CP' if cp else ''}: "
+                 + ", ".join(f"{k} {v}" for k, v in self.placement.items()),
                  f"{'stage':>5} {'layers':>6} {'params/rank':>12} {'P ' + unit:>7} "
                  f"{'G ' + unit:>7} {'O ' + unit:>7} {'A ' + unit:>7} {'(in flight)':>11} "
                  f"{'Z3 ' + unit:>7} {'W ' + unit:>7} {'total ' + unit:>9} {'peak at':>14} "
-                 f"{'tp GB':>8} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"
+                 f"{'tp GB':>8} {'cp GB':>7} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"
                  + (f" {'host ' + unit:>8} {'PCIe GB':>8}" if offload else "")]
         for s in self.stages:
             b, c = s.bytes, s.comm
@@ -177,7 +189,7 @@ class Plan:
                 f"{b['activations'] / scale:>7.2f} {s.in_flight:>11} "
                 f"{b['zero3_gathered'] / scale:>7.2f} {b['working'] / scale:>7.2f} "
                 f"{b['total'] / scale:>9.2f} {s.peak_at:>14} {c['tp'] / 1e9:>8.3f} "
-                f"{c['pp'] / 1e9:>7.3f} "
+                f"{c['cp'] / 1e9:>7.3f} {c['pp'] / 1e9:>7.3f} "
                 f"{c['dp'] / 1e9:>7.3f} {c['embedding'] / 1e9:>7.3f}"
                 + (f" {s.host['total'] / scale:>8.2f} "
                    f"{(s.pcie['d2h'] + s.pcie['h2d']) / 1e9:>8.3f}" if offload else ""))
@@ -197,8 +209,8 @@ def memory_warning(plan: Plan, device_bytes: int) -> Optional[str]:
     return (f"the plan estimates {worst.bytes['total'] / GIB:.1f} GiB per rank on pipeline "
             f"stage {worst.stage} (at its {worst.peak_at}), more than the device's "
             f"{device_bytes / GIB:.1f} GiB: expect an out-of-memory error; raise zero, tp or pp, "
-            "set train.recompute=true or lower train.micro_batch_size (megalite-plan shows the "
-            "parts)")
+            "set train.recompute=true, raise cp (a long sequence) or lower train.micro_batch_size "
+            "(megalite-plan shows the parts)")
 
 
 MOMENTS = ("forward", "loss backward", "backward", "optimizer step")
@@ -268,8 +280,7 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     lay, e, t = d.layout, d.e, d.cfg.train
     loss_last = any(ends.last for ends, _ in chunks)
     timeline, pending = staging_alive(d, chunks)
-    block = d.family.block_backward_bytes(d.cfg.model, t.seq_len, t.micro_batch_size,
-                                          lay.tp_size, e)
+    block = _block_backward_bytes(d)
     gathered = _zero3_gathered(d, sums, loss_last)
     freed = min(sums.chunk_freed)  # the loss's saved bytes, freed before weights' gradients
     # a stage without the loss runs its backward from a received gradient (e·s'bh)
@@ -320,6 +331,15 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     return out
 
 
+def _block_backward_bytes(d: Dims) -> float:
+    """A block's backward beyond its saved set: the MLP's gradients, or CP attention's
+    working bytes (`cp_terms.working_bytes`), the larger."""
+    lay = d.layout
+    return max(d.family.block_backward_bytes(d.cfg.model, d.s_rank,
+                                             d.cfg.train.micro_batch_size, lay.tp_size, d.e),
+               cp_terms.working_bytes(d.cfg, lay, d.e)["backward"])
+
+
 def _optimizer_work(d: Dims, sums: StageSums) -> float:
     """The optimizer step's temporaries on the device. CUDA: none (fused AdamW; the fp64
     gradient norm of `_foreach_norm` accumulates without copies). CPU: foreach AdamW's
@@ -336,8 +356,8 @@ def _optimizer_work(d: Dims, sums: StageSums) -> float:
 
 
 def _placements(cfg: Config, layout: Layout) -> Dict[str, str]:
-    """Each state's placement over DP (the design's vocabulary)."""
-    t, dp = cfg.train, layout.dp_size
+    """Each state's placement over DP x CP (the design's vocabulary)."""
+    t, dp = cfg.train, layout.grad_replicas
     kept = ("sharded over TP (SP)" if layout.sequence_parallel
             else "replicated over TP" if layout.tp_size > 1 else "kept")
     recomputed = ("materialized (recomputed)" if t.recompute and t.recompute_layers is None
@@ -368,7 +388,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     stages = [_stage_plan(d, k, chunk_blocks) for k, chunk_blocks in enumerate(
         layout.stage_blocks())]
     t = cfg.train
-    described = {"model": cfg.model.name, **layout.as_dict(),
+    described = {"model": cfg.model.name, **layout.as_dict(), "cp_comm": cfg.parallel.cp_comm,
                  "recompute": t.recompute, "recompute_layers": t.recompute_layers,
                  "offload_activations": cfg.offload.activations,
                  "offload_activations_layers": cfg.offload.activations_layers,

@@ -26,9 +26,8 @@ from typing import Dict, List, Sequence, Tuple
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.model.activation_offload import IN_TRANSIT
-from megalite.model.families import family
 from megalite.plan.devices import DeviceProfile
-from megalite.plan.dims import math_attention, offloaded_layers, recomputed_layers
+from megalite.plan.dims import layer_activation_bytes, offloaded_layers, recomputed_layers
 
 # Host bytes a parameter of offload.optimizer's passes move (`optimizer_offload_s`): the
 # norm's squares (read the gradient), zero 2/3's fold (read the staging, read and write the
@@ -40,8 +39,8 @@ HOST_ADAM_BYTES = 28
 
 
 def owned_elements(layout: Layout, psi: float) -> float:
-    """Ψ_o: the elements whose optimizer state one rank holds."""
-    return psi / (layout.dp_size if layout.shards_optimizer else 1)
+    """Ψ_o: the elements whose optimizer state one rank holds (ZeRO shards over DP x CP)."""
+    return psi / (layout.grad_replicas if layout.shards_optimizer else 1)
 
 
 def apply_offload(f: float, layout: Layout, psi: float, e: int, micro: int,
@@ -173,10 +172,7 @@ def activation_offload_s(cfg: Config, lay: Layout, profile: DeviceProfile, k: in
     schedule simulated per chunk (`activation_copies_exposed`); `block`, a block's (forward,
     backward) seconds; `after_last`, the compute between the forward of the model's last
     block and its backward (head and loss, on the chunk that holds them)."""
-    t = cfg.train
-    act = family(cfg.model).layer_activation_bytes(
-        cfg.model, t.seq_len, t.micro_batch_size, lay.tp_size, lay.sequence_parallel, e,
-        cfg.model.resid_pdrop > 0, math_attention(cfg, lay))  # the memory plan's host bytes
+    act = layer_activation_bytes(cfg, lay, e)  # the memory plan's host bytes
     out, back = act / (profile.d2h_gbps * 1e9), act / (profile.h2d_gbps * 1e9)
     exposed = 0.0
     for c, chunk in enumerate(chunks):

@@ -123,48 +123,11 @@ def profile_problems(profile: Dict[str, Any]) -> list:
     for key, least in (("memory_bytes", 1), ("gpus_per_node", 1)):
         if not (_is_int(profile.get(key)) and profile[key] >= least):
             out.append(f"{key}={profile.get(key)!r}: must be a positive integer")
-    rates = profile.get("matmul_tflops")
-    if not isinstance(rates, dict) or not rates:
-        out.append(f"matmul_tflops={rates!r}: must map one or more of {', '.join(DTYPES)} "
-                   "to TFLOP/s")
-    else:
-        out += [f"matmul_tflops has {k!r}: must be one of {', '.join(DTYPES)}"
-                for k in rates if k not in DTYPES]
-        out += [f"matmul_tflops.{k}={v!r}: must be a finite number > 0 (TFLOP/s)"
-                for k, v in rates.items() if not _is_rate(v)]
+    out += _problems_of_rates(profile.get("matmul_tflops"))
     out += _problems_of_links(profile.get("links"))
-    op_links = profile.get("op_links")
-    if op_links is not None:
-        if not isinstance(op_links, dict) or set(op_links) - set(LINKS):
-            out.append(f"op_links={op_links!r}: must map {' and/or '.join(LINKS)} to fits "
-                       "per collective kind")
-        else:
-            for name, ops in op_links.items():
-                if not isinstance(ops, dict) or set(ops) - set(OPS):
-                    out.append(f"op_links.{name}={ops!r}: must map some of {', '.join(OPS)} "
-                               "to {bus_gbps, latency_s}")
-                    continue
-                out += [p.replace("links.", f"op_links.{name}.", 1)
-                        for p in _problems_of_links(ops, names=tuple(ops))]
+    out += _problems_of_op_links(profile.get("op_links"))
     out += _problems_of_sweeps(profile)
-    block = profile.get("block_overhead")
-    if block is not None:
-        if not isinstance(block, dict):
-            out.append(f"block_overhead={block!r}: must be an object with fixed_s and "
-                       "per_token_s")
-        else:
-            out += [f"block_overhead.{k}={block.get(k)!r}: must be a finite number >= 0 "
-                    "(seconds)" for k in ("fixed_s", "per_token_s")
-                    if not (_is_rate(block.get(k)) or block.get(k) == 0)]
-            if not (_is_int(block.get("n_embd")) and block["n_embd"] > 0):
-                out.append(f"block_overhead.n_embd={block.get('n_embd')!r}: must be a "
-                           "positive integer (the measured block's width)")
-            drop = block.get("dropout", 0.0)
-            if not (_is_rate(drop) or drop == 0) or drop >= 1:
-                out.append(f"block_overhead.dropout={drop!r}: must be a number in [0, 1)")
-            if not isinstance(block.get("compiled", False), bool):
-                out.append(f"block_overhead.compiled={block.get('compiled')!r}: must be true "
-                           "or false")
+    out += _problems_of_block(profile.get("block_overhead"))
     if "hbm_gbps" in profile and not _is_rate(profile["hbm_gbps"]):
         out.append(f"hbm_gbps={profile['hbm_gbps']!r}: must be a finite number > 0 (GB/s)")
     if "host_link" in profile:
@@ -176,6 +139,55 @@ def profile_problems(profile: Dict[str, Any]) -> list:
     notes = profile.get("notes", [])
     if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
         out.append(f"notes={notes!r}: must be a list of strings")
+    return out
+
+
+def _problems_of_rates(rates: Any) -> list:
+    """matmul_tflops: a non-empty map of known dtypes to positive TFLOP/s."""
+    if not isinstance(rates, dict) or not rates:
+        return [f"matmul_tflops={rates!r}: must map one or more of {', '.join(DTYPES)} "
+                "to TFLOP/s"]
+    return [f"matmul_tflops has {k!r}: must be one of {', '.join(DTYPES)}"
+            for k in rates if k not in DTYPES] \
+        + [f"matmul_tflops.{k}={v!r}: must be a finite number > 0 (TFLOP/s)"
+           for k, v in rates.items() if not _is_rate(v)]
+
+
+def _problems_of_op_links(op_links: Any) -> list:
+    """op_links (optional): per link, fits per collective kind."""
+    if op_links is None:
+        return []
+    if not isinstance(op_links, dict) or set(op_links) - set(LINKS):
+        return [f"op_links={op_links!r}: must map {' and/or '.join(LINKS)} to fits per "
+                "collective kind"]
+    out = []
+    for name, ops in op_links.items():
+        if not isinstance(ops, dict) or set(ops) - set(OPS):
+            out.append(f"op_links.{name}={ops!r}: must map some of {', '.join(OPS)} "
+                       "to {bus_gbps, latency_s}")
+            continue
+        out += [p.replace("links.", f"op_links.{name}.", 1)
+                for p in _problems_of_links(ops, names=tuple(ops))]
+    return out
+
+
+def _problems_of_block(block: Any) -> list:
+    """block_overhead (optional): the measured block's fit."""
+    if block is None:
+        return []
+    if not isinstance(block, dict):
+        return [f"block_overhead={block!r}: must be an object with fixed_s and per_token_s"]
+    out = [f"block_overhead.{k}={block.get(k)!r}: must be a finite number >= 0 (seconds)"
+           for k in ("fixed_s", "per_token_s")
+           if not (_is_rate(block.get(k)) or block.get(k) == 0)]
+    if not (_is_int(block.get("n_embd")) and block["n_embd"] > 0):
+        out.append(f"block_overhead.n_embd={block.get('n_embd')!r}: must be a positive "
+                   "integer (the measured block's width)")
+    drop = block.get("dropout", 0.0)
+    if not (_is_rate(drop) or drop == 0) or drop >= 1:
+        out.append(f"block_overhead.dropout={drop!r}: must be a number in [0, 1)")
+    if not isinstance(block.get("compiled", False), bool):
+        out.append(f"block_overhead.compiled={block.get('compiled')!r}: must be true or false")
     return out
 
 

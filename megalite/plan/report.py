@@ -15,6 +15,8 @@ from megalite.plan.search import SearchResult
 # command-line key -> (Choice field, how to read it from the configuration)
 LAYOUT_KEYS = {
     "tp": ("tp", lambda c: c.tp),
+    "cp": ("cp", lambda c: c.cp),
+    "parallel.cp_comm": ("cp_comm", lambda c: c.parallel.cp_comm),
     "pp": ("pp", lambda c: c.pp),
     "zero": ("zero", lambda c: c.zero),
     "sp": ("sp", lambda c: c.sp),
@@ -50,7 +52,7 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
     if fixed:
         lines.append("held fixed (given on the command line): "
                      + ", ".join(f"{k}={v}" for k, v in fixed.items()))
-    lines.append(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'sp':>3} {'v':>2} "
+    lines.append(f"{'#':>2} {'tp':>3} {'cp':>6} {'pp':>3} {'dp':>5} {'zero':>4} {'sp':>3} {'v':>2} "
                  f"{'zb':>2} {'mb':>3} {'rec':>3} {'off':>3} {'oo':>4} {'GiB':>6} {'step s':>8} "
                  f"{'tok/s':>10} "
                  f"{'TF/s':>6} {'hwTF/s':>6} {'MFU':>5}  time split s (critical)")
@@ -59,7 +61,8 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         split = " ".join(f"{k} {v:.3g}" for k, v in p.terms.items() if v > 0)
         mfu = f"{p.mfu:.0%}" if p.mfu is not None else "n/a"
         lines.append(
-            f"{i:>2} {c.tp:>3} {c.pp:>3} {c.dp:>5} {c.zero:>4} {'y' if c.sp else 'n':>3} "
+            f"{i:>2} {c.tp:>3} {_cp(c.cp, c.cp_comm):>6} {c.pp:>3} {c.dp:>5} {c.zero:>4} "
+            f"{'y' if c.sp else 'n':>3} "
             f"{c.virtual_stages:>2} {c.schedule[3:] if c.zero_bubble else 'n':>2} "
             f"{c.micro_batch_size:>3} {_count(c.recompute, c.recompute_layers):>3} "
             f"{_count(c.offload, c.offload_layers):>3} {c.offload_optimizer:>4g} "
@@ -80,6 +83,12 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
     for message, count in result.invalid.items():
         lines.append(f"refused by the launch validation ({count}): {message}")
     return "\n".join(lines)
+
+
+def _cp(cp: int, comm: str) -> str:
+    """A ranking cell for context parallelism: 1, or cp and its comm's initial (2a: all-gather,
+    2r: ring)."""
+    return "1" if cp == 1 else f"{cp}{comm[0]}"
 
 
 def _count(on: bool, layers) -> str:

@@ -1,5 +1,5 @@
-"""Search over layouts: which (tp, pp, dp, zero, sp, virtual stages, micro-batch size,
-pipeline schedule, recompute, offloads) trains a model fastest on N devices of one profile.
+"""Search over layouts: which (tp, cp and its comm, pp, dp, zero, sp, virtual stages,
+micro-batch size, pipeline schedule, recompute, offloads) trains a model fastest on N devices of one profile.
 
 The space is `megalite.plan.space.candidates` (its docstring lists it). Each candidate
 passes the launch validation (`megalite.config.layout.validate`, which also applies the schedule's
@@ -100,11 +100,13 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
     all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
     re-run 1, with SP 3: the plan's count, without the embedding, the head and the
-    latencies) of the busiest stage, over 1 − bubble: no prediction is lower."""
+    latencies) of the busiest stage, over 1 − bubble, for a rank's s/cp tokens: no
+    prediction is lower."""
     stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
-    tokens = m * c.micro_batch_size * cfg.train.seq_len / c.tp / rate
-    ring_full = (c.tp - 1) / c.tp * e * cfg.train.seq_len * c.micro_batch_size \
+    seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
+    tokens = m * c.micro_batch_size * seq / c.tp / rate
+    ring_full = (c.tp - 1) / c.tp * e * seq * c.micro_batch_size \
         * cfg.model.n_embd / (tp_bus_gbps * 1e9)
     per_block, rerun = (10, 3) if c.sp else (8, 2)
     busiest = max((3 * f + r) * tokens + m * ring_full * (n * per_block + rec * rerun)
@@ -118,7 +120,7 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
     chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
     order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
-    nothing)."""
+    nothing; the family's bytes at the rank's s/cp positions)."""
     mc, t = cfg.model, cfg.train
     fam = family(mc)
     h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
@@ -127,7 +129,7 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
     head_copy = vocab // c.tp * h if not fam.tied(mc) or (c.pp > 1 and not v_shape) else 0
     average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
-    lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, zero_stage=c.zero)
+    lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp, zero_stage=c.zero)
     kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
 
     def states(psi: float) -> float:
@@ -143,9 +145,10 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
         if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
                                              - recomputed)
-    full = fam.layer_activation_bytes(mc, t.seq_len, c.micro_batch_size, c.tp, c.sp, e,
+    seq = t.seq_len // c.cp  # a rank's positions (CP attention's own bytes left out)
+    full = fam.layer_activation_bytes(mc, seq, c.micro_batch_size, c.tp, c.sp, e,
                                       mc.resid_pdrop > 0)
-    s_local = t.seq_len // c.tp if c.sp else t.seq_len
+    s_local = seq // c.tp if c.sp else seq
     per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
         + (layers - recomputed - offloaded) * full
     m = t.global_batch_size // (c.micro_batch_size * c.dp)
@@ -224,19 +227,9 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     again, its memory is planned and, if it fits, it is the next fastest of the whole space.
     Offloads only add copy time (`_Offloads`), so a layout's offload variants enter only once
     every variant with less offload is known not to fit."""
-    device_type, bf16 = device_kind(profile)
-    precision = Layout.from_config(replace(cfg, tp=1, pp=1), 1, device_type, bf16).precision
-    e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
-    if cfg.fp8.recipe != "none" and "fp8" in profile.matmul_tflops:  # still a lower bound
-        rate = max(rate, profile.rate("fp8"))
     s = _Search(cfg, world, profile, gpus_per_node)
-    # offloads only where they save device memory and the profile prices their copies
-    offloads = device_type == "cuda" and profile.prices_offload()
-    host = host_step_s_per_param(profile, e, min(gpus_per_node, world))
-    device = device_step_s_per_param(profile, e)
-    walk = _Offloads(s, e, rate, device is None or host is None
-                     or host >= device + 4 / (profile.hbm_gbps * 1e9))
-    for grid in candidate_grids(cfg, world, offloads, fixed):
+    walk = _walk(s)
+    for grid in candidate_grids(cfg, world, walk.offloads, fixed):
         walk.start(grid)
     queue = walk.queue
     heapq.heapify(queue)
@@ -262,18 +255,43 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
                                    cell))
         elif all(r.choice != ranked.choice for r in s.result.best):
             s.result.best.append(ranked)
-    for key, _, c, predicted, _, _ in queue:  # not planned: their bounds
+    return _finish(s, walk)
+
+
+def _walk(s: "_Search") -> "_Offloads":
+    """The walk over the space for `s`: the compute dtype's bytes and rate (FP8's where the
+    run's linears use it: still a lower bound) and whether offloads are tried (on GPUs whose
+    profile prices their copies)."""
+    cfg, profile = s.cfg, s.profile
+    device_type, bf16 = device_kind(profile)
+    precision = Layout.from_config(replace(cfg, tp=1, cp=1, pp=1), 1, device_type,
+                                   bf16).precision
+    e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
+    if cfg.fp8.recipe != "none" and "fp8" in profile.matmul_tflops:
+        rate = max(rate, profile.rate("fp8"))
+    host = host_step_s_per_param(profile, e, min(s.gpus_per_node, s.world))
+    device = device_step_s_per_param(profile, e)
+    walk = _Offloads(s, e, rate, device is None or host is None
+                     or host >= device + 4 / (profile.hbm_gbps * 1e9))
+    walk.offloads = device_type == "cuda" and profile.prices_offload()
+    return walk
+
+
+def _finish(s: "_Search", walk: "_Offloads") -> SearchResult:
+    """The result: the candidates left in the queue as points at their bounds; NothingFits
+    (with the plan's figure for each family's least-need layout) when none fits."""
+    for key, _, c, predicted, _, _ in walk.queue:  # not planned: their bounds
         if isinstance(predicted, Ranked):
             s.result.points.append((predicted.peak_bytes, key, "planned"))
         else:
-            s.result.points.append((memory_lower_bound(cfg, c, e), key, "predicted")
+            s.result.points.append((memory_lower_bound(s.cfg, c, walk.e), key, "predicted")
                                    if isinstance(predicted, tuple) else (predicted, key, "bound"))
     if not s.result.best:
         for family, (_, c) in walk.smallest.items():  # the plan's figure for the least-need one
             predicted = s.predicted(c)
             if predicted is not None:
                 s.planned(c, *predicted)
-        raise NothingFits(nothing_fits_message(s.result, profile, world))
+        raise NothingFits(nothing_fits_message(s.result, s.profile, s.world))
     return s.result
 
 
@@ -295,12 +313,13 @@ class _Offloads:
         self.buses: dict = {}
         self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
         self.heap = False  # the queue is a heap (after the first pass)
+        self.offloads = False  # offloads are in the space
 
     def bound(self, c: Choice) -> float:
         s = self.s
         if (c.tp, c.pp) not in self.buses:  # the fastest fit of the TP group's (a bound)
-            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp), s.profile,
-                             s.gpus_per_node)["tp"]
+            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
+                             s.profile, s.gpus_per_node)["tp"]
             self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
                                            + [fit.bus_gbps for fit in tp.ops.values()])
         return time_lower_bound(s.cfg, c, self.rate, self.cache, self.e,

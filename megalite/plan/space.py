@@ -1,9 +1,12 @@
 """The search's space of layouts (`candidates`) and how a candidate becomes a configuration
 (`apply_choice`).
 
-A candidate: tp and pp whose product divides the world size (dp the rest), tp dividing the
-heads, the width and the MLP; zero 0-3 (1-3 only with dp > 1: with dp = 1 they shard
-nothing); sp with tp > 1; virtual stages v > 1 with pp > 1 where pp·v divides the blocks; every
+A candidate: tp, cp and pp whose product divides the world size (dp the rest), tp dividing the
+heads, the width and the MLP; context parallelism cp a power of two (1, 2, 4, ...) with
+seq_len divisible by 2·cp, each cp > 1 with both `parallel.cp_comm`s (allgather, ring); zero
+0-3 (1-3 only with dp·cp > 1: ZeRO shards over DP x CP, and with one replica it shards
+nothing); sp with tp > 1 (the rank's s/cp positions divisible by tp); virtual stages v > 1
+with pp > 1 where pp·v divides the blocks; every
 micro-batch size that divides the per-replica batch; the pipeline schedule: 1F1B (interleaved
 with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`), or, with pp > 1
 and 2·pp ≤ n_layer, ZB-V (`parallel.schedule=zb-v`: v = 2 in a V, m need not be a multiple of
@@ -28,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.schedule_rules import ZERO_BUBBLE
-from megalite.config.schema import Config
+from megalite.config.schema import CP_COMMS, Config
 
 DIM_PROBE = 16  # a micro-batch whose tokens are a multiple of 16: the weights' dimensions alone
 PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
@@ -50,6 +53,8 @@ class Choice:
     recompute_layers: Optional[int] = None  # with recompute: the first N blocks (None: all)
     offload_layers: Optional[int] = None  # with offload: N blocks after the recomputed ones
     schedule: str = "auto"  # parallel.schedule: auto (1F1B / interleaved), zb-h1 or zb-v
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    cp_comm: str = "allgather"  # parallel.cp_comm (with cp > 1)
 
     @property
     def zero_bubble(self) -> bool:
@@ -68,7 +73,8 @@ class Choice:
         """The command-line overrides that select this layout."""
         def opt(x: Optional[int]) -> str:
             return "null" if x is None else str(x)
-        return [f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}",
+        return [f"tp={self.tp}", f"cp={self.cp}", f"parallel.cp_comm={self.cp_comm}",
+                f"pp={self.pp}", f"zero={self.zero}",
                 f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
                 f"parallel.schedule={self.schedule}",
                 f"train.micro_batch_size={self.micro_batch_size}",
@@ -81,7 +87,8 @@ class Choice:
     def describe(self) -> str:
         rec = "" if self.recompute_layers is None else f"(first {self.recompute_layers})"
         off = "" if self.offload_layers is None else f"(first {self.offload_layers})"
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
+        cp = f" cp={self.cp} ({self.cp_comm})" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
                 f"v={self.virtual_stages} mb={self.micro_batch_size} "
                 f"recompute={self.recompute}{rec}" + (f" {self.schedule}" if self.zero_bubble else "")
                 + (f" offload{off}" if self.offload else "")
@@ -94,9 +101,9 @@ def apply_choice(cfg: Config, c: Choice) -> Config:
     offload = replace(cfg.offload, activations=c.offload,
                       activations_layers=c.offload_layers if c.offload else None,
                       optimizer=float(c.offload_optimizer))
-    return replace(cfg, tp=c.tp, pp=c.pp, zero=c.zero, sp=c.sp,
+    return replace(cfg, tp=c.tp, cp=c.cp, pp=c.pp, zero=c.zero, sp=c.sp,
                    parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages,
-                                    schedule=c.schedule),
+                                    schedule=c.schedule, cp_comm=c.cp_comm),
                    train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
                                  recompute=c.recompute,
                                  recompute_layers=c.recompute_layers if c.recompute else None),
@@ -177,6 +184,8 @@ class Grid:
     acts: List[Tuple[bool, Optional[int]]]
     fractions: List[float]
     held: list
+    cp: int = 1
+    cp_comm: str = "allgather"
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -186,44 +195,65 @@ class Grid:
         off, k = self.acts[i]
         if off and self.schedule in ZERO_BUBBLE:
             return None
-        c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k, self.schedule)
+        c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k, self.schedule,
+                   self.cp, self.cp_comm)
         return c if all(getattr(c, f) == x for f, x in self.held) else None
+
+
+def cp_options(cfg: Config, world: int) -> List[Tuple[int, str]]:
+    """(cp, parallel.cp_comm) tried: cp 1 (with the configuration's comm, which it does not
+    use), and each power of two cp > 1 dividing `world` with seq_len divisible by 2·cp,
+    with each comm."""
+    out, cp = [(1, cfg.parallel.cp_comm)], 2
+    while cp <= world and world % cp == 0 and cfg.train.seq_len % (2 * cp) == 0:
+        out += [(cp, comm) for comm in CP_COMMS]
+        cp *= 2
+    return out
 
 
 def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None
                     ) -> Iterator[Grid]:
     """The search space (module docstring), with the fields named in `fixed` held, as one
     `Grid` per layout without its offloads."""
-    fixed = fixed or {}
     m, t = cfg.model, cfg.train
-    held = list(fixed.items())
+    held = list((fixed or {}).items())
     fractions = optimizer_options(cfg, offloads)
     fp8 = cfg.fp8.recipe != "none"
     for tp in _divisors(world):
         if m.n_head % tp or m.n_embd % tp or m.ffn_size % tp:
             continue
-        if fp8 and fp8_dims_refusal(m, tp, t.seq_len, DIM_PROBE):
-            continue
-        for pp in _divisors(world // tp):
-            if pp > m.n_layer:
+        for cp, comm in cp_options(cfg, world // tp):
+            tokens = t.seq_len // cp  # a rank's positions of a sequence
+            if fp8 and fp8_dims_refusal(m, tp, tokens, DIM_PROBE):
                 continue
-            dp = world // (tp * pp)
-            if t.global_batch_size % dp:
-                continue
-            for v, schedules in _schedules(cfg, pp):
-                options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
-                for zero in (range(4) if dp > 1 else (0,)):
-                    for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
-                        for mb in _divisors(t.global_batch_size // dp):
-                            if fp8 and fp8_dims_refusal(m, tp, t.seq_len, mb):
-                                continue
-                            micro = t.global_batch_size // (mb * dp)
-                            runs = [x for x in schedules
-                                    if not (x == "auto" and v > 1 and micro % pp)]
-                            for (rec, r), acts in options:
-                                for name in runs:
-                                    yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name,
-                                               acts, fractions, held)
+            for pp in _divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if pp > m.n_layer or t.global_batch_size % dp:
+                    continue
+                yield from _layout_grids(cfg, (tp, cp, comm, pp, dp), offloads, fractions,
+                                         held)
+
+
+def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[float],
+                  held: list) -> Iterator[Grid]:
+    """The grids of one (tp, cp, cp_comm, pp, dp): schedules, zero, sp, micro-batch sizes,
+    recompute and offload options."""
+    m, t = cfg.model, cfg.train
+    tp, cp, comm, pp, dp = sizes
+    fp8, tokens = cfg.fp8.recipe != "none", t.seq_len // cp
+    for v, schedules in _schedules(cfg, pp):
+        options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
+        for zero in (range(4) if dp * cp > 1 else (0,)):
+            for sp in ((False, True) if tp > 1 and tokens % tp == 0 else (False,)):
+                for mb in _divisors(t.global_batch_size // dp):
+                    if fp8 and fp8_dims_refusal(m, tp, tokens, mb):
+                        continue
+                    micro = t.global_batch_size // (mb * dp)
+                    runs = [x for x in schedules if not (x == "auto" and v > 1 and micro % pp)]
+                    for (rec, r), acts in options:
+                        for name in runs:
+                            yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
+                                       fractions, held, cp, comm)
 
 
 def candidates(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.model.activation_offload import offloaded_blocks
+from megalite.plan import cp_terms
 from megalite.plan.dims import Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
 from megalite.plan.fp8_terms import amax_reductions
 
@@ -22,6 +23,7 @@ class StageSums:
     kept_units: int = 0  # ZeRO-3 units kept gathered from forward into backward
     sends: float = 0.0  # point-to-point tensors per micro-batch
     tp_per_micro: float = 0.0  # TP wire bytes per micro-batch
+    cp_per_micro: float = 0.0  # CP wire bytes per micro-batch
     chunk_act: List[float] = field(default_factory=list)  # activation bytes per chunk
     chunk_host: List[float] = field(default_factory=list)  # of which offloaded to host
     # per chunk: the working bytes at the end of its forward and at the start of its
@@ -46,9 +48,21 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     """One chunk of n blocks; `first` / `last`: it holds the embeddings / the head
     (`head_copy`: a parameter of its own, by default when not `first`; `plan_chunks`)."""
     head_copy = last and not first if head_copy is None else head_copy
-    m, t, tp, sp = d.cfg.model, d.cfg.train, d.layout.tp_size, d.layout.sequence_parallel
-    h, s, b, e = m.n_embd, t.seq_len, t.micro_batch_size, d.e
-    vocab_rows = d.vocab // tp
+    recomputed = recomputed_layers(d.cfg, n)
+    _add_params(sums, d, first, last, n, head_copy)
+    _add_activations(sums, d, first, last, n, recomputed)
+    _add_traffic(sums, d, first, last, n, recomputed)
+    sums.sends += (0 if last else 1) + (0 if first else 1)
+    # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
+    # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
+    sums.kept_units += d.layer_params if not last else d.vocab // d.layout.tp_size \
+        * d.cfg.model.n_embd if head_copy else 0
+
+
+def _add_params(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
+                head_copy: bool) -> None:
+    """The chunk's parameters: counts, the replicated and decayed ones, the largest."""
+    h, vocab_rows = d.cfg.model.n_embd, d.vocab // d.layout.tp_size
     head = vocab_rows * h if last and head_copy else 0  # the head's own parameter
     sums.psi += n * d.layer_params
     sums.blocks += n
@@ -71,55 +85,70 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
         sums.decayed += head
         sums.tied_head = 0 if head_copy else vocab_rows * h
     sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
-                            d.vocab // tp * h if (first or last) else 0)
-    recomputed = recomputed_layers(d.cfg, n)
-    act = recomputed * e * d.s_local * b * h + (n - recomputed) * d.layer_act_full
+                            vocab_rows * h if (first or last) else 0)
+
+
+def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
+                     recomputed: int) -> None:
+    """The chunk's saved activations (device and host), its blocks' in backward order, and
+    the working bytes of its forward's end and its backward's start."""
+    m, b, e = d.cfg.model, d.cfg.train.micro_batch_size, d.e
+    tokens, residual = d.s_rank * b, e * d.s_local * b * m.n_embd  # a block's input
+    act = recomputed * residual + (n - recomputed) * d.layer_act_full
     # a recomputed layer's full set exists only while it is re-run, in the backward
     sums.chunk_rerun.append(d.layer_act_full if recomputed else 0.0)
     if first:
-        act += 8 * s * b + (d.s_local * b * h if m.embd_pdrop > 0 else 0)
-    loss = loss_bytes(s * b, vocab_rows, e, tp) if last else None
+        act += 8 * tokens + (residual if m.embd_pdrop > 0 else 0)
+    loss = loss_bytes(tokens, d.vocab // d.layout.tp_size, e, d.layout.tp_size) \
+        if last else None
     if last:  # ln_f's input and output, its statistics, what the loss saves
-        act += 2 * e * d.s_local * b * h + 8 * d.s_local * b + loss["saved"]
-    sums.chunk_forward_work.append(loss["forward"] if last else 0.0)
-    sums.chunk_backward_work.append(loss["backward"] if last else e * d.s_local * b * h)
+        act += 2 * residual + 8 * d.s_local * b + loss["saved"]
+    attention = cp_terms.working_bytes(d.cfg, d.layout, e)["forward"] if n else 0.0
+    sums.chunk_forward_work.append(max(loss["forward"] if last else 0.0, attention))
+    sums.chunk_backward_work.append(loss["backward"] if last else residual)
     sums.chunk_freed.append(loss["saved"] if last else 0.0)
     offloaded = offloaded_layers(d.cfg, n)
     host = offloaded * d.layer_act_full
     on_host = offloaded_blocks(n, recomputed, d.cfg.offload.activations_layers) \
         if offloaded else range(0)
-    sums.chunk_blocks.append([e * d.s_local * b * h if i < recomputed else 0.0 if i in on_host
+    sums.chunk_blocks.append([residual if i < recomputed else 0.0 if i in on_host
                               else d.layer_act_full for i in reversed(range(n))])
     if offloaded and not recomputed and not first:
         # the first block's input, copied to host, stays on the device too: the schedule
         # holds the received activation for its gradient
-        act += e * d.s_local * b * h
+        act += residual
     sums.chunk_act.append(act - host)
     sums.chunk_host.append(host)
-    if tp > 1:
-        r, full = ring(tp), d.full
-        # recompute's re-run stops once the saved tensors are rebuilt (torch
-        # checkpoint's early stop): the MLP output's reduction is not repeated
-        per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
-            (4 * 2 * r * full, 2 * r * full)
-        sums.tp_per_micro += n * per_layer + recomputed * rerun
-        # fp8.recipe: the amax all-reduces (fp32) of each block and re-run
-        sums.tp_per_micro += 2 * r * 4 * (n * amax_reductions(d.cfg, tp)[1]
-                                          + recomputed * amax_reductions(d.cfg, tp, True)[1])
-        if first:
-            sums.tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
-        if last:
-            sums.tp_per_micro += (3 if sp else 2) * r * full + 2 * r * 12 * s * b  # head, loss
-    sums.sends += (0 if last else 1) + (0 if first else 1)
-    # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
-    # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
-    sums.kept_units += d.layer_params if not last else d.vocab // tp * h if head_copy else 0
+
+
+def _add_traffic(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
+                 recomputed: int) -> None:
+    """The chunk's TP and CP wire bytes per micro-batch."""
+    sums.cp_per_micro += cp_terms.wire_bytes(d.cfg, d.layout, d.e, n, recomputed)
+    tp, sp = d.layout.tp_size, d.layout.sequence_parallel
+    if tp == 1:
+        return
+    r, full = ring(tp), d.full
+    # recompute's re-run stops once the saved tensors are rebuilt (torch
+    # checkpoint's early stop): the MLP output's reduction is not repeated
+    per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
+        (4 * 2 * r * full, 2 * r * full)
+    sums.tp_per_micro += n * per_layer + recomputed * rerun
+    # fp8.recipe: the amax all-reduces (fp32) of each block and re-run
+    sums.tp_per_micro += 2 * r * 4 * (n * amax_reductions(d.cfg, tp)[1]
+                                      + recomputed * amax_reductions(d.cfg, tp, True)[1])
+    if first:
+        sums.tp_per_micro += 2 * r * full  # embedding: all-reduce, or RS + all-gather
+    if last:  # head, loss
+        sums.tp_per_micro += (3 if sp else 2) * r * full \
+            + 2 * r * 12 * d.s_rank * d.cfg.train.micro_batch_size
 
 
 def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
-    """Wire bytes per step per group of one rank of the stage."""
+    """Wire bytes per step per group of one rank of the stage (dp: the gradient reductions
+    and ZeRO's gathers, over the DP x CP ranks that hold the same parameters)."""
     lay, t, e, psi = d.layout, d.cfg.train, d.e, sums.psi
-    tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.dp_size, d.micro
+    tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.grad_replicas, d.micro
     r, rd = ring(tp), ring(dp)
     shard = dp if lay.shards_optimizer else 1
     # with TP and no SP each TP rank sends 1/tp of a transfer and the receiver all-gathers
@@ -137,4 +166,5 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
                 if d.cfg.parallel.reshard_after_forward
                 else rd * (micro * 4 + e) * psi}[lay.zero_stage] if dp > 1 else 0.0
     emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
-    return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes, "embedding": emb_bytes}
+    return {"tp": tp_bytes, "cp": micro * sums.cp_per_micro, "pp": pp_bytes, "dp": dp_bytes,
+            "embedding": emb_bytes}

@@ -1,10 +1,12 @@
 """Predicted step time of a layout on a device profile, as a sum of named terms.
 
-Per pipeline stage k (per rank of it), with m micro-batches per step, t = tp, b·s tokens per
-micro-batch, R the profile's achievable matmul FLOP/s in the run's precision, B its HBM
-bandwidth, e the bytes of a model-dtype element:
+Per pipeline stage k (per rank of it), with m micro-batches per step, t = tp, b·s/cp tokens
+per micro-batch on a rank (context parallelism splits each sequence over cp ranks; attention's
+4·h·s a token still spans the whole sequence, so a rank's share of the causal work is 1/cp),
+R the profile's achievable matmul FLOP/s in the run's precision, B its HBM bandwidth, e the
+bytes of a model-dtype element:
 
-  compute     m · 3·F_k·b·s / (t·R)       F_k = model FLOPs per token of the stage's forward: 2 ×
+  compute     m · 3·F_k·b·s / (cp·t·R)     F_k = model FLOPs per token of the stage's forward: 2 ×
               its blocks' parameters + 4·h·s per block (attention scores and values), the
               last stage the head's (GPT-2 2·(V·h + 2h): LM head, ln_f; the family's
               `head_forward_flops_per_token`): Σ_k 3·F_k = 6N + 12·L·h·s, the metrics'
@@ -42,6 +44,10 @@ bandwidth, e the bytes of a model-dtype element:
               all-reduces (GPT-2: 8 scalars a block tensorwise, 8 vectors rowwise; per
               FP8 linear: `megalite.plan.fp8_terms.amax_reductions`) at the all-reduce
               fit, their latency dominating
+  cp          context parallelism's attention traffic on the CP group's link (inside a node
+              while tp·cp <= GPUs per node): allgather's all-gather and reduce-scatter a layer
+              exposed; the ring's K/V sends hidden under each step's chunk pairs up to their
+              compute, its gradient accumulators' sends exposed (`megalite.plan.cp_terms`)
   offload     activation offload's copies (`megalite.plan.offload.activation_copies_exposed`:
               the runtime's schedule of each chunk's blocks on the compute stream and the
               two copy streams, simulated per micro-batch): each offloaded block's saved
@@ -57,12 +63,13 @@ bandwidth, e the bytes of a model-dtype element:
               embeddings and the LM head and is usually the busiest) — their W's are the
               backward's weight half, no FLOPs of their own: compute is the same 3·F either
               way — and busy = compute + recompute + non_matmul + head_loss + grad_accumulate
-              + tp + offload: the slowest stage paces the pipeline; on it this is
+              + tp + cp + offload: the slowest stage paces the pipeline; on it this is
               busy·β/(1 − β), the schedule's formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
               state, only where a transfer outlasts a chunk's forward
-  dp          the plan's DP wire bytes, split into reduction (reduce / reduce-scatter of 4Ψ
+  dp          the plan's DP wire bytes (over DP x CP: the ranks reducing the same
+              gradients), split into reduction (reduce / reduce-scatter of 4Ψ
               fp32 gradients) and gather (e·Ψ parameters). zero 0-1: buckets reduced during
               the last micro-batch's backward (exposed: what exceeds it); zero 2-3: a
               reduce-scatter per micro-batch during its backward; zero 1-2: the gather after
@@ -99,9 +106,10 @@ from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
 from megalite.model.families import family, flops_per_token
+from megalite.plan.comm_time import StagePass, comm_terms
 from megalite.plan.devices import DeviceProfile, fits_dropout
-from megalite.plan.dims import recomputed_layers, tp_collectives
-from megalite.plan.fp8_terms import amax_reductions, cast_traffic_bytes
+from megalite.plan.dims import recomputed_layers
+from megalite.plan.fp8_terms import cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
 from megalite.plan.traffic_bytes import (
@@ -113,8 +121,8 @@ from megalite.plan.traffic_bytes import (
     loss_implementation,
 )
 
-TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "offload",
-         "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
+TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "cp",
+         "offload", "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
 
 @dataclass
 class Prediction:
@@ -175,45 +183,6 @@ def matmul_seconds(flops: float, fp8_flops: float, profile: DeviceProfile, preci
     return (flops - fp8_flops) / rate + fp8_flops / fp8_rate
 
 
-def _ring_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int,
-               op: str = "all_reduce") -> float:
-    """Seconds of `collectives` collectives of kind `op` over `ranks` ranks moving
-    `wire_bytes` in all: wire bytes at the bus bandwidth + the latency of each: a ring takes
-    ranks − 1 steps, each the profile's latency (that of a 2-rank collective, its smallest
-    group) — the kind's own fit where the profile has one (`op_links`), else the link's."""
-    fit = link.of(op)
-    return wire_bytes / (fit.bus_gbps * 1e9) + collectives * (ranks - 1) * fit.latency_s
-
-
-def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, m: int,
-                t_f: float, t_b: float, link: GroupLink, units: int) -> float:
-    """Exposed DP time per step (module docstring)."""
-    n = layout.dp_size
-    if n == 1 or dp_bytes == 0:
-        return 0.0
-    ring = (n - 1) / n
-    buckets = units if layout.zero_stage == 3 else \
-        max(1.0, 4 * psi / (cfg.parallel.bucket_mb * 2**20))  # collectives per pass
-    zero = layout.zero_stage
-    if zero == 0:
-        return max(0.0, _ring_time(dp_bytes, buckets, link, n, "all_reduce") - t_b)
-    per_micro = zero >= 2
-    reduce_bytes = ring * 4 * psi * (m if per_micro else 1)
-    gather_bytes = dp_bytes - reduce_bytes
-    reduce = _ring_time(reduce_bytes, buckets * (m if per_micro else 1), link, n,
-                        "reduce_scatter")
-    gather = _ring_time(gather_bytes, buckets * (2 * m if zero == 3 else 1), link, n,
-                        "all_gather")
-    if zero in (1, 2):
-        exposed = max(0.0, reduce - t_b) if zero == 1 else m * max(0.0, reduce / m - t_b)
-        window = t_f if cfg.parallel.overlap_param_gather else 0.0
-        return exposed + max(0.0, gather - window)
-    if not cfg.parallel.reshard_after_forward:  # one gather per step, before the first forward
-        return max(0.0, gather - t_f) + m * max(0.0, reduce / m - t_b)
-    g = gather / (2 * m)  # per micro-batch: the forward's gathers, then the backward's
-    return m * (max(0.0, g - t_f) + max(0.0, g + reduce / m - t_b))
-
-
 def _dropout_pass_s(cfg: Config, layout: Layout, profile: DeviceProfile, tokens: int,
                     e: int) -> float:
     """Seconds a block pass gains (or, negative, loses) against the measured block's because
@@ -245,11 +214,11 @@ def device_step_s_per_param(profile: DeviceProfile, e: int) -> Optional[float]:
 def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                  links: Dict[str, GroupLink], k: int, chunks: List[range],
                  flops: Dict[str, float], ranks_per_node: int, loss: str) -> Dict[str, float]:
+    """Stage k's terms a step (module docstring)."""
     t, lay = cfg.train, layout
     m = lay.micro_batches(t.global_batch_size)
     e = 4 if lay.precision == "fp32" else 2
-    hbm = profile.hbm_gbps * 1e9 if profile.hbm_gbps else None
-    tokens, tp, v = t.micro_batch_size * t.seq_len, lay.tp_size, lay.virtual_stages
+    tokens, tp = t.micro_batch_size * t.seq_len // lay.cp_size, lay.tp_size  # the rank's
     f_model = matmul_seconds(flops["model"], flops["fp8"], profile, lay.precision) \
         * tokens / tp  # one micro-batch's forward
     f_re = matmul_seconds(flops["recompute"], flops["fp8_recompute"], profile,
@@ -257,25 +226,10 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     blocks = sum(len(b) for b in chunks)
     rerun = sum(recomputed_layers(cfg, len(b)) for b in chunks)
     place = lay.placement
-    first = any(place.holds_first(k, c) for c in range(v))
-    last = any(place.holds_last(k, c) for c in range(v))
-    block_pass = max(0.0, profile.block_pass_s(cfg.model.n_embd, tokens, tp)
-                     + _dropout_pass_s(cfg, lay, profile, tokens, e))
-    embed = 0.0  # the embedding's dropout site, which no measured block holds
-    if first and hbm and cfg.model.embd_pdrop > 0:
-        embed = tokens * cfg.model.n_embd / (tp if lay.sequence_parallel else 1) \
-            * dropout_bytes(e) / hbm
-    loss_f = loss_b = 0.0
-    if last and hbm:
-        fwd, bwd = LOSS_BYTES_PER_LOGIT[loss]
-        elements = loss_elements(cfg, lay, tokens)
-        loss_f, loss_b = fwd * elements / hbm, bwd * elements / hbm
-    accumulate = 0.0  # per micro-batch, in the backward
-    if hbm:
-        per_param = e + 8 + (4 + 12 / lay.dp_size if lay.shards_gradients else 0)
-        accumulate = per_param * stage.params / hbm
-    if hbm:  # fp8.recipe's casts: a third in the forward, as a block pass
-        block_pass += cast_traffic_bytes(cfg, tp, e) / hbm
+    first = any(place.holds_first(k, c) for c in range(lay.virtual_stages))
+    last = any(place.holds_last(k, c) for c in range(lay.virtual_stages))
+    block_pass, embed, loss_f, loss_b, accumulate = _memory_bound_s(
+        cfg, lay, stage, profile, tokens, e, first, last, loss)
     t_f = f_model + blocks * block_pass / 3 + embed / 3 + loss_f
     t_b = 2 * f_model + f_re + (2 * blocks + rerun) * block_pass / 3 + 2 * embed / 3 \
         + loss_b + accumulate
@@ -284,26 +238,42 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     terms["non_matmul"] = m * ((blocks + rerun / 3) * block_pass + embed)
     terms["head_loss"] = m * (loss_f + loss_b)
     terms["grad_accumulate"] = m * accumulate
-    if tp > 1:
-        terms["tp"] = _tp_term(cfg, lay, stage, links["tp"], chunks, first, last, m, blocks,
-                               rerun)
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
         terms["offload"] = m * _activation_offload(cfg, lay, profile, k, chunks, e, flops,
                                                    block_pass, accumulate, f_model, loss_f,
                                                    loss_b)
-    if lay.pp_size > 1:
-        scatter = tp if tp > 1 and not lay.sequence_parallel else 1
-        x = _ring_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
-                       * cfg.model.n_embd / scatter, 1, links["pp"], 2, "send_recv")
-        terms["pp"] = 2 * (lay.pp_size * v - 1) * x + 2 * m * v * max(0.0, x - t_f / v)
-    units = sum(len(b) for b in chunks) + 2 * first + 2 * last  # ZeRO-3's gathered units
-    terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], stage.params, e, m, t_f, t_b,
-                              links["dp"], units)
-    if stage.comm["embedding"]:
-        terms["embedding"] = _ring_time(stage.comm["embedding"], 1, links["embedding"], 2)
+    terms.update(comm_terms(cfg, lay, stage, links, chunks, StagePass(
+        m, e, blocks, rerun, first, last, t_f, t_b, profile.rate(lay.precision))))
     terms["optimizer"], terms["offload_optimizer"] = _optimizer_terms(
         cfg, lay, stage, profile, ranks_per_node, m, e, t_f, t_b, first)
     return terms
+
+
+def _memory_bound_s(cfg: Config, lay: Layout, stage, profile: DeviceProfile, tokens: int,
+                    e: int, first: bool, last: bool, loss: str
+                    ) -> Tuple[float, float, float, float, float]:
+    """(a block pass beyond its FLOPs, the embedding's dropout site, the loss's forward and
+    backward, the gradient accumulation), seconds per micro-batch of the rank's `tokens`."""
+    hbm = profile.hbm_gbps * 1e9 if profile.hbm_gbps else None
+    tp = lay.tp_size
+    block_pass = max(0.0, profile.block_pass_s(cfg.model.n_embd, tokens, tp)
+                     + _dropout_pass_s(cfg, lay, profile, tokens, e))
+    if not hbm:
+        return block_pass, 0.0, 0.0, 0.0, 0.0
+    embed = 0.0  # the embedding's dropout site, which no measured block holds
+    if first and cfg.model.embd_pdrop > 0:
+        embed = tokens * cfg.model.n_embd / (tp if lay.sequence_parallel else 1) \
+            * dropout_bytes(e) / hbm
+    loss_f = loss_b = 0.0
+    if last:
+        fwd, bwd = LOSS_BYTES_PER_LOGIT[loss]
+        elements = loss_elements(cfg, lay, tokens)
+        loss_f, loss_b = fwd * elements / hbm, bwd * elements / hbm
+    # per micro-batch, in the backward (zero 2/3 fold the owned part over DP x CP)
+    per_param = e + 8 + (4 + 12 / lay.grad_replicas if lay.shards_gradients else 0)
+    # fp8.recipe's casts: a third in the forward, as a block pass
+    return block_pass + cast_traffic_bytes(cfg, tp, e) / hbm, embed, loss_f, loss_b, \
+        per_param * stage.params / hbm
 
 
 def _activation_offload(cfg: Config, lay: Layout, profile: DeviceProfile, k: int,
@@ -311,7 +281,7 @@ def _activation_offload(cfg: Config, lay: Layout, profile: DeviceProfile, k: int
                         block_pass: float, accumulate: float, f_model: float,
                         loss_f: float, loss_b: float) -> float:
     """Activation offload's seconds a micro-batch from a block's and the head's times."""
-    tokens, tp = cfg.train.micro_batch_size * cfg.train.seq_len, lay.tp_size
+    tokens, tp = cfg.train.micro_batch_size * cfg.train.seq_len // lay.cp_size, lay.tp_size
     blocks = sum(len(b) for b in chunks)
     fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
     block_flops = 2 * family(cfg.model).block_parameters(cfg.model) \
@@ -324,27 +294,12 @@ def _activation_offload(cfg: Config, lay: Layout, profile: DeviceProfile, k: int
                                 3 * head + loss_f + loss_b)
 
 
-def _tp_term(cfg: Config, lay: Layout, stage, link: GroupLink, chunks: List[range],
-             first: bool, last: bool, m: int, blocks: int, rerun: int) -> float:
-    """TP's all-reduces (SP: all-gathers, reduce-scatters 6 : 4) and FP8's amax reductions."""
-    tp = lay.tp_size
-    (amax, elements), (amax_re, elements_re) = amax_reductions(cfg, tp), \
-        amax_reductions(cfg, tp, True)
-    amax_wire = m * 2 * (tp - 1) / tp * 4 * (blocks * elements + rerun * elements_re)
-    wire, count = stage.comm["tp"] - amax_wire, \
-        m * tp_collectives(cfg, lay, chunks, first, last)
-    term = _ring_time(wire, count, link, tp) if not lay.sequence_parallel \
-        else 0.6 * _ring_time(wire, count, link, tp, "all_gather") \
-        + 0.4 * _ring_time(wire, count, link, tp, "reduce_scatter")
-    return term + _ring_time(amax_wire, m * (blocks * amax + rerun * amax_re), link, tp)
-
-
 def _optimizer_terms(cfg: Config, lay: Layout, stage, profile: DeviceProfile,
                      ranks_per_node: int, m: int, e: int, t_f: float, t_b: float,
                      first: bool) -> Tuple[float, float]:
     """(the device's optimizer step and zeroing, optimizer offload's exposed time)."""
     hbm = profile.hbm_gbps * 1e9 if profile.hbm_gbps else None
-    owned = stage.params / (lay.dp_size if lay.shards_optimizer else 1)
+    owned = stage.params / (lay.grad_replicas if lay.shards_optimizer else 1)
     host = cfg.offload.optimizer * owned
     optimizer = offloaded = 0.0
     if hbm:
@@ -373,7 +328,7 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
     busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["head_loss"]
-            + s["grad_accumulate"] + s["tp"] + s["offload"] for s in stages]
+            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["offload"] for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
     totals = [sum(s.values()) for s in stages]

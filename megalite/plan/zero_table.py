@@ -26,9 +26,10 @@ ZERO_DP_TRAFFIC = {  # DP ring traffic per step, in parameter elements (Ψ; ×4 
 def model_state_bytes(layout: Layout, psi: float, e: int) -> Dict[str, float]:
     """Bytes one rank holds for Ψ parameter elements: parameters e·Ψ, gradients 4·Ψ (fp32
     accumulation), optimizer 8·Ψ (AdamW moments) + 4·Ψ (fp32 master where e < 4); each
-    divided by N where the ZeRO stage shards it (`Layout.shards_*`)."""
+    divided by N = DP x CP (`Layout.grad_replicas`: the ranks holding the same parameters)
+    where the ZeRO stage shards it (`Layout.shards_*`)."""
     def shard(sharded: bool) -> int:
-        return layout.dp_size if sharded else 1
+        return layout.grad_replicas if sharded else 1
 
     return {"params": e * psi / shard(layout.shards_parameters),
             "grads": 4 * psi / shard(layout.shards_gradients),
@@ -37,7 +38,7 @@ def model_state_bytes(layout: Layout, psi: float, e: int) -> Dict[str, float]:
 
 def dp_traffic_elements(layout: Layout, psi: float, m: int) -> float:
     """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward)."""
-    n = layout.dp_size
+    n = layout.grad_replicas
     ring = (n - 1) / n * psi
     return {0: 2 * ring, 1: 2 * ring, 2: (m + 1) * ring, 3: 3 * m * ring}[layout.zero_stage]
 
@@ -46,7 +47,7 @@ def zero_table() -> str:
     """The table of docs/zero.md, rendered from `model_state_bytes` and `ZERO_DP_TRAFFIC`."""
     def formula(layout: Layout, e: int) -> str:
         parts = model_state_bytes(layout, 1, e)
-        return " + ".join(f"{round(v * (layout.dp_size if v < 1 else 1))}Ψ"
+        return " + ".join(f"{round(v * (layout.grad_replicas if v < 1 else 1))}Ψ"
                           + ("/N" if v < 1 else "") for v in parts.values())
 
     rows = ["| zero | parameters | gradients | optimizer | CUDA bytes | CPU bytes "
@@ -153,7 +154,7 @@ def grad_staging_bytes(d: Dims, chunks: List[Tuple[ChunkEnds, int]]) -> float:
     if not d.layout.shards_gradients:
         return 0.0
     return (REDUCTIONS_IN_FLIGHT + 1) * 4 * _padded(max(_bucket_numels(d, chunks)),
-                                                    d.layout.dp_size)
+                                                    d.layout.grad_replicas)
 
 
 def staging_alive(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
@@ -177,7 +178,7 @@ def staging_alive(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
     lay = d.layout
     if not lay.shards_optimizer:
         return [], 0.0
-    dp, r = lay.dp_size, REDUCTIONS_IN_FLIGHT
+    dp, r = lay.grad_replicas, REDUCTIONS_IN_FLIGHT
     copy = 1 if lay.device_type != "cuda" and dp > 1 else 0
     timeline, pending = [], 0.0
     for c, buckets in enumerate(_backward_buckets(d, chunks)):

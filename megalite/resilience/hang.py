@@ -43,16 +43,13 @@ PyTorch's own NCCL flight recorder dumps to hang/, `megalite.resilience.nccl_fli
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
-import traceback
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from megalite.resilience.flight import (
     ENDED_AT,
@@ -65,6 +62,7 @@ from megalite.resilience.flight import (
     STUCK,
     FlightRecorder,
 )
+from megalite.resilience.hang_files import dump_name, mark_failed, write_dump, write_summary
 from megalite.resilience.hang_report import compact, summarize
 from megalite.resilience.hang_store import HangExchange
 from megalite.utils.clock import bind_cuda_device, thread_cuda_device
@@ -73,57 +71,6 @@ from megalite.utils.log import get_logger
 WHAT_CHARS = 600  # of an error message put in a request
 EVIDENCE = ("failure", "stuck")  # requests whose dumps go to hang/ (a live one's: hang/live/)
 STORE_GRACE_S = 5.0  # beyond hang_wait_s, for the store calls of a failing rank's request
-
-
-def dump_name(rank: int) -> str:
-    return f"rank{rank:05d}.json"
-
-
-def thread_stacks() -> Dict[str, List[str]]:
-    """Every Python thread's stack, innermost call last, by "<name> (<ident>)"."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    return {f"{names.get(ident, 'thread')} ({ident})": traceback.format_stack(frame)
-            for ident, frame in sys._current_frames().items()}
-
-
-def write_json(path: Path, obj) -> None:
-    """Write whole or not at all: a temporary file renamed over `path`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def set_aside_old_dumps(run_dir: Path) -> Optional[Path]:
-    """A previous launch's `hang/` (a reused run directory) moves to `hang.<n>/`, so that the
-    dumps in `hang/` are this launch's. Rank 0, before the others can dump."""
-    hang = run_dir / "hang"
-    if not hang.is_dir() or not any(p.is_file() for p in hang.rglob("*")):
-        return None  # (empty, or only the empty hang/nccl/ of megalite.resilience.nccl_flight)
-    n = 1
-    while (run_dir / f"hang.{n}").exists():
-        n += 1
-    hang.rename(run_dir / f"hang.{n}")
-    return run_dir / f"hang.{n}"
-
-
-def write_summary(out: Path, text: str, summary: dict, keep_first: bool) -> Path:
-    """`out`/summary.txt and summary.json, each whole or not at all. With `keep_first` (a
-    failure's: two ranks may notice one failure) an existing summary is kept: the first
-    rank's to notice, which is the closest to the cause."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name, content in (("summary.json", json.dumps(summary, indent=1)),
-                          ("summary.txt", text)):
-        tmp = out / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(content)
-        if not keep_first:
-            os.replace(tmp, out / name)
-            continue
-        try:
-            os.link(tmp, out / name)  # fails where the file exists: atomic keep-the-first
-        except FileExistsError:
-            pass
-        tmp.unlink()
-    return out / "summary.txt"
 
 
 class HangWatch:
@@ -259,16 +206,10 @@ class HangWatch:
         stuck = self._stuck
         if stuck is not None:  # the hang was dumped as stuck: its summary first
             stuck[2].join(timeout=self.wait_s + STORE_GRACE_S)
-        with self._lock:  # first this rank's own dump, which needs no store
-            if self.failure_dumped:
-                return
-            self.failure_dumped = True
-            self.failure_state = compact(self._dump(req, failure=True))
-        if not self._active:
+        helper = self._dump_and_ask(req)
+        if helper is None:
             return
         # in a thread joined with a bound: a store on a lost node may not answer at all
-        helper = threading.Thread(target=self._ask_logged, args=(req, self.failure_state),
-                                  name="megalite-hang-request", daemon=True)
         helper.start()
         helper.join(timeout=self.wait_s + STORE_GRACE_S)
 
@@ -308,8 +249,10 @@ class HangWatch:
 
     def _dump_and_ask(self, req: dict) -> Optional[threading.Thread]:
         """This rank's evidence dump for `req` (none if one is its evidence already: None
-        returned) and, inside the context, the helper thread (not started) that asks every
-        rank to dump and writes the summary: the watch goes on answering meanwhile."""
+        returned), first, as it needs no store; then, inside the context, the helper thread
+        (not started) that asks every rank to dump and writes the summary (outside it, set-up
+        or resume where the others do not watch, a thread that does nothing). A failure and a
+        stuck or failed operation are dumped and asked for alike."""
         with self._lock:
             if self.failure_dumped:
                 return None
@@ -343,13 +286,7 @@ class HangWatch:
         """Once the stuck operation's summary is written (`helper` done), say in it that the
         operation failed: its first line and the request's `failed` field."""
         helper.join(timeout=self.wait_s + STORE_GRACE_S)
-        path = self.dir / "summary.json"
-        if not path.exists():
-            return
-        summary = json.loads(path.read_text())
-        summary["request"]["failed"] = what
-        text = (self.dir / "summary.txt").read_text()
-        write_summary(self.dir, f"failed: {what}\n{text}", summary, keep_first=False)
+        mark_failed(self.dir, what)
 
     def _resolve_if_completed(self) -> None:
         """The stuck operation completed after all (and its request is answered): its dump
@@ -460,11 +397,5 @@ class HangWatch:
 
     def _dump(self, req: dict, failure: bool) -> dict:
         """Write this rank's dump (the caller holds `_lock`); returns it."""
-        state = {"rank": self.rank, "world_size": self.world_size,
-                 "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                 "request": req, "failure": failure, "groups": self.recorder.snapshot(),
-                 "stacks": thread_stacks()}
-        out = self._dir(failure)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / dump_name(self.rank), state)
-        return state
+        return write_dump(self._dir(failure), self.rank, self.world_size, req, failure,
+                          self.recorder.snapshot())

@@ -37,7 +37,7 @@ def rank_parameters(cfg, layout: Layout, rank: int) -> dict:
     """Global name -> elements of the copy `rank` holds (its TP shard), of every parameter the
     fault drill can target on that rank (tied copies left out, as the drill takes the first
     copy)."""
-    c = coords_of(rank, layout.tp_size, layout.pp_size)
+    c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size)
     group = Group(name="tp", ranks=list(range(layout.tp_size)), rank=c.tp_rank, pg=None,
                   counter=CommCounter())
     with torch.device("meta"):

@@ -65,10 +65,10 @@ def find_slow(compute: Sequence[Sequence[float]], peers: Sequence[Sequence[int]]
 def peer_groups(topo: Topology) -> List[List[int]]:
     """Ranks that do the same work: one group per pipeline stage (none when each stage has a
     single rank)."""
-    if topo.tp_size * topo.dp_size == 1:
+    if topo.tp_size * topo.cp_size * topo.dp_size == 1:
         return []
     return [[r for r in range(topo.world_size)
-             if coords_of(r, topo.tp_size, topo.pp_size).pp_rank == stage]
+             if coords_of(r, topo.tp_size, topo.pp_size, topo.cp_size).pp_rank == stage]
             for stage in range(topo.pp_size)]
 
 

@@ -82,17 +82,20 @@ def _masters(engine) -> List[tuple]:
 
 
 def _train(world: int, parts: List[Config], run_dir: str) -> dict:
-    records, first_masters = [], None
+    records, first_masters, choices = [], None, None
     for cfg in parts:
         run = launch(cfg, world, run_dir)  # validate -> plan -> runtime -> build, as pretrain.py
         runtime, trainer = run.runtime, run.trainer
         if first_masters is None:
             first_masters = _masters(trainer.engine)
+            if trainer.hellaswag is not None:  # eval.hellaswag: every ending's loss, step 0
+                choices = trainer.evaluate_hellaswag().losses
         records += trainer.fit()
         release(runtime)  # a process trains many runs: its groups' sockets would pile up
     c = trainer.topo.coords
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
-            "norms": [r["grad_norm"] for r in records], "first": first_masters,
+            "norms": [r["grad_norm"] for r in records],
+            "val_losses": [r["val_loss"] for r in records], "choice_losses": choices, "first": first_masters,
             "last": _masters(trainer.engine), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "specs": {s.name: s for s in trainer.model.param_specs.values()}}
 
@@ -109,6 +112,20 @@ def serial_runs(base: Config, rows: Sequence[Row], workdir: Path,
             for i, k in enumerate(keys)]
     (results,) = run_ranks(_rows_on_ranks, 1, args=(jobs,), timeout_s=timeout_s)
     return dict(zip(keys, results))
+
+
+def run_configs(configs: Sequence[Config], world: int, workdir: Path, steps: int = STEPS,
+                timeout_s: float = 900) -> List[List[dict]]:
+    """Runs that are no rows of the matrix (e.g. axes it does not have yet), each trained
+    `steps` steps without a break, in one spawned world of `world` ranks: per run, a result
+    per rank (`check_ranks` holds them against a serial run's)."""
+    jobs = []
+    for i, cfg in enumerate(configs):
+        cfg = copy.deepcopy(cfg)
+        cfg.train.max_steps, cfg.checkpoint.dir = steps, f"{workdir}/c{world}r{i}/checkpoints"
+        jobs.append(([cfg], f"{workdir}/c{world}r{i}"))
+    per_rank = run_ranks(_rows_on_ranks, world, args=(jobs,), timeout_s=timeout_s)
+    return [[per_rank[rank][i] for rank in range(world)] for i in range(len(configs))]
 
 
 def run_rows(base: Config, rows: Sequence[Row], workdir: Path,
@@ -153,16 +170,32 @@ def _master_failures(serial: dict, rank: dict, tol: Tolerance) -> List[str]:
 def check_row(row: Sequence[int], serial: dict, ranks: List[dict]) -> List[str]:
     """What of `ranks` (a row's result per rank) differs from `serial` beyond the row's
     tolerance: an empty list when it equals its serial run."""
-    tol, failures = tolerance_of(row), []
+    return check_ranks(serial, ranks, tolerance_of(row))
+
+
+def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = STEPS
+                ) -> List[str]:
+    """What of `ranks` (a run's result per rank) differs from `serial` beyond `tol` on each
+    of the `steps` steps' logged loss, grad norm and validation loss (where the run
+    evaluates), on every HellaSwag ending's loss at step 0 (eval.hellaswag) and on the final
+    master weights."""
+    failures = []
     for r, res in enumerate(ranks):
-        if res["steps"] != list(range(1, STEPS + 1)):
+        if res["steps"] != list(range(1, steps + 1)):
             failures.append(f"rank {r}: steps {res['steps']} (the resume did not continue)")
             continue
-        for s in range(STEPS):
-            for key, what, rel in (("losses", "loss", tol.loss), ("norms", "grad norm", tol.norm)):
+        for s in range(steps):
+            for key, what, rel in (("losses", "loss", tol.loss), ("norms", "grad norm", tol.norm),
+                                   ("val_losses", "validation loss", tol.loss)):
                 a, b = serial[key][s], res[key][s]
-                if not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
+                if a is None and b is None:  # no evaluation at this step
+                    continue
+                if a is None or b is None or not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
                     failures.append(f"rank {r} step {s + 1} {what}: {b!r}, serial {a!r}")
+        expect, got = serial.get("choice_losses"), res.get("choice_losses")
+        if (expect is None) != (got is None) or (expect is not None and not torch.allclose(
+                got, expect, rtol=tol.loss, atol=1e-5)):
+            failures.append(f"rank {r}: HellaSwag ending losses {got}, serial {expect}")
         failures += [f"rank {r}: {f}" for f in _master_failures(serial, res, tol)]
     return failures
 

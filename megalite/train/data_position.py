@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megalite.config.schema import Config, data_sources
+from megalite.config.schema import Config
 
 
 def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
@@ -15,7 +15,7 @@ def data_position_warnings(meta: dict, cfg: Config) -> List[str]:
     then = {"train.seq_len": meta["config"]["train"]["seq_len"], "seed": meta["config"]["seed"],
             "data": _data_label(meta["data_sources"])}
     now = {"train.seq_len": cfg.train.seq_len, "seed": cfg.seed,
-           "data": _data_label([[str(d), w] for d, w in data_sources(cfg.data)])}
+           "data": _data_label([[str(d), w] for d, w in cfg.data.sources()])}
     return [f"{key}={now[key]!r} differs from the checkpoint's {then[key]!r}: the resumed run "
             f"continues at sample {meta['consumed_samples']} of a different order of windows, "
             "not where the checkpointed run stopped"

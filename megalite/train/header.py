@@ -2,7 +2,7 @@
 bytes, data, where it starts), written by rank 0's `MetricsWriter`, made here."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from megalite.config.schema import Config
 from megalite.eval.choice import ChoiceEval
-from megalite.model.families import family
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.zero import ZeroEngine
@@ -20,10 +19,22 @@ from megalite.train.metrics import MetricsWriter, Peak, fp8_peak
 from megalite.train.runtime import Runtime
 
 
+@dataclass(frozen=True)
+class ModelCounts:
+    """The model's size and cost as its family counts them (`megalite.model.family.Family`):
+    parameters (a tied embedding once, no padding) and training FLOPs per token at the run's
+    train.seq_len, with the formula's name."""
+
+    parameters: int
+    flops_per_token: int
+    flops_formula: str
+
+
 def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
                  engine: ZeroEngine, *, sources: Sequence[Tuple[Path, float]], data_meta: dict,
                  peak: Peak, start_step: int, hellaswag: Optional[ChoiceEval],
-                 planner: Optional[dict], plan: Plan) -> Optional[MetricsWriter]:
+                 planner: Optional[dict], plan: Plan, counts: ModelCounts
+                 ) -> Optional[MetricsWriter]:
     """Rank 0's metrics writer, its header written (None on the other ranks). Collective:
     the model-state bytes are gathered from every stage."""
     state_bytes = gather_state_bytes(engine, rt.topology, rt.device)
@@ -31,7 +42,7 @@ def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
         return None
     header = run_header(cfg, rt, run_dir, model, sources=sources, data_meta=data_meta,
                         peak=peak, state_bytes=state_bytes, start_step=start_step,
-                        hellaswag=hellaswag, planner=planner, plan=plan)
+                        hellaswag=hellaswag, planner=planner, plan=plan, counts=counts)
     log = cfg.log
     return MetricsWriter(run_dir, header, log.wandb, log.project, log.run_name, asdict(cfg),
                          cfg.train.max_steps, start_step, log.progress)
@@ -39,14 +50,14 @@ def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
 
 def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[dict]:
     """Model-state bytes (parameters, gradients, optimizer) per pipeline stage, the most any
-    rank of the stage holds, for the run header: a maximum over the stage's TP and DP ranks,
+    rank of the stage holds, for the run header: a maximum over the stage's TP, CP and DP ranks,
     then one summary per stage gathered to rank 0 (O(pp) objects there, not O(world))."""
     mine = engine.state_bytes()
     kinds = list(mine)
     values = [float(mine[k]) for k in kinds]
-    for group in (topo.tp_group, topo.dp_group):
+    for group in (topo.tp_group, topo.grad_group):
         values = comm.all_reduce_scalars(values, group, device, op=dist.ReduceOp.MAX)
-    summary = {"pp": topo.coords.pp_rank, "ranks": topo.tp_size * topo.dp_size,
+    summary = {"pp": topo.coords.pp_rank, "ranks": topo.tp_size * topo.grad_group.size,
                **{k: int(v) for k, v in zip(kinds, values)}}
     gathered = comm.gather_objects_to_root(summary, topo.pp_group)
     return gathered if gathered is not None else []
@@ -55,8 +66,9 @@ def gather_state_bytes(engine: ZeroEngine, topo, device: torch.device) -> List[d
 def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
                sources: Sequence[Tuple[Path, float]], data_meta: dict, peak: Peak,
                state_bytes: List[dict], start_step: int, hellaswag: Optional[ChoiceEval],
-               planner: Optional[dict], plan: Plan) -> dict:
-    """The header of a run of `cfg` on `rt`, starting at `start_step`; `plan`: the launch's."""
+               planner: Optional[dict], plan: Plan, counts: ModelCounts) -> dict:
+    """The header of a run of `cfg` on `rt`, starting at `start_step`; `plan`: the launch's;
+    `counts`: the model's parameters and FLOPs per token."""
     m, t, layout = cfg.model, cfg.train, rt.layout
     return {
         "layout": layout.as_dict(),
@@ -68,9 +80,9 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "dropout_on": any(p > 0 for p in (m.resid_pdrop, m.embd_pdrop, m.attn_pdrop)),  # model.*_pdrop
         "vocab_size": m.vocab_size, "padded_vocab_size": model.padded_vocab,
         "tokenizer_vocab_size": data_meta["vocab_size"],
-        "parameters": family(m).num_parameters(m),
-        "flops_per_token": family(m).flops_per_token(m, t.seq_len),
-        "flops_formula": family(m).flops_formula(),
+        "parameters": counts.parameters,
+        "flops_per_token": counts.flops_per_token,
+        "flops_formula": counts.flops_formula,
         "attention_mask": t.attention_mask,
         "mfu_attention_flops": "dense: the 12*L*h*s attention term of flops_formula, whatever "
                                "train.attention_mask" + (

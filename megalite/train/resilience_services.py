@@ -11,7 +11,6 @@ from typing import Optional
 
 from megalite.config.inject import parse_inject
 from megalite.config.schema import Config
-from megalite.model.families import family
 from megalite.model.stage import PipelineStage
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
@@ -57,7 +56,7 @@ def build_resilience(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineSta
         hang_watch = HangWatch(topo.counter.flight, run_dir, topo.rank, topo.world_size,
                                res.hang_wait_s, res.hang_signal, default_store())
     # before the rerun: its gradient listener goes first
-    probe = family(cfg.model).probe_tensor
+    probe = model.family.probe_tensor
     injector = FaultInjector(parse_inject(res.inject, probe), model, engine, topo.rank) \
         if res.inject is not None else None
     rerun = None

@@ -96,7 +96,8 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
     rank = dist.get_rank() if dist.is_initialized() else 0
     res = cfg.resilience
     topo = build_topology(
-        layout.tp_size, layout.pp_size, layout.dp_size, timeout_s=cfg.parallel.timeout_s,
+        layout.tp_size, layout.pp_size, layout.dp_size, cp=layout.cp_size,
+        timeout_s=cfg.parallel.timeout_s,
         checkpoint_timeout_s=cfg.checkpoint.timeout_s,
         # straggler reports: the time each rank waits inside collectives
         waits=CollectiveWaits(DeviceClock(device)) if res.straggler_report_every else None,

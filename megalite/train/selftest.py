@@ -223,12 +223,12 @@ class Trace:
 
 
 def _global_loss(trainer, loss: Optional[float]) -> float:
-    """The step's mean loss over the DP replicas (held by the last stage: summed over the
+    """The step's mean loss over the DP x CP ranks (held by the last stage: summed over the
     pipeline first), as every rank sees it."""
-    topo, device = trainer.topo, trainer.rt.device
+    topo, device, group = trainer.topo, trainer.rt.device, trainer.topo.grad_group
     value = 0.0 if loss is None else loss
     value = comm.all_reduce_scalars([value], topo.pp_group, device)[0]
-    return comm.all_reduce_scalars([value], topo.dp_group, device)[0] / topo.dp_size
+    return comm.all_reduce_scalars([value], group, device)[0] / group.size
 
 
 def train_steps(trainer, steps: int, save_at: Optional[int] = None) -> Trace:

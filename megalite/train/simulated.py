@@ -92,13 +92,13 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     before_imports = clock()
     import torch._dynamo  # noqa: F401  (what AdamW's constructor imports the first time)
     start = clock()
-    topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size,
+    topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size, cp=layout.cp_size,
                           timeout_s=cfg.parallel.timeout_s,
                           checkpoint_timeout_s=cfg.checkpoint.timeout_s)
     built_topology = clock()
     c = topo.coords
     blocks = layout.blocks_of(c.pp_rank)
-    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, c.dp_rank, META)
+    rng = RNGTracker(cfg.seed, c.tp_rank, c.pp_rank, topo.grad_group.rank, META)
     model = build_model(cfg, Runtime(layout, topo, META), blocks, rng)
     built_model = clock()
     engine = build_engine(cfg, layout, topo, model)
@@ -146,7 +146,8 @@ class RankReport:
         lay, c = self.layout, self.coords
         lines = [
             f"verify-rank: rank {self.rank} of {lay.world_size} (tp {c['tp']}/{lay.tp_size}, "
-            f"pp {c['pp']}/{lay.pp_size}, dp {c['dp']}/{lay.dp_size}), zero={lay.zero_stage} "
+            f"cp {c['cp']}/{lay.cp_size}, pp {c['pp']}/{lay.pp_size}, "
+            f"dp {c['dp']}/{lay.dp_size}), zero={lay.zero_stage} "
             f"sp={lay.sequence_parallel} virtual_stages={lay.virtual_stages} "
             f"{lay.precision} ({lay.device_type}); tensors on meta, collectives on PyTorch's "
             "fake backend",
@@ -175,10 +176,10 @@ def report(cfg: Config, layout: Layout, topo: Topology, model: PipelineStage,
     """The built objects of this rank set next to `make_plan`'s stage."""
     c = topo.coords
     planned = make_plan(cfg, layout).stages[c.pp_rank]
-    kinds = group_ranks(layout.tp_size, layout.pp_size, layout.dp_size)
+    kinds = group_ranks(layout.tp_size, layout.pp_size, layout.dp_size, layout.cp_size)
     return RankReport(
         rank=topo.rank, layout=layout,
-        coords={"tp": c.tp_rank, "pp": c.pp_rank, "dp": c.dp_rank},
+        coords={"tp": c.tp_rank, "cp": c.cp_rank, "pp": c.pp_rank, "dp": c.dp_rank},
         groups={k: g.size for k, g in topo.groups.items()},
         groups_created=sum(len(r) > 1 for lists in kinds.values() for r in lists)
         + ("checkpoint" in topo.groups and layout.world_size > 1),

@@ -58,7 +58,7 @@ class StopRequest:
         codes = [self.received is not None,
                  self.max_s is not None and time.monotonic() - self.start >= self.max_s]
         flags = torch.tensor([float(c) for c in codes], device=self.device)
-        for group in (self.topo.mp_group, self.topo.dp_group):  # together: the whole world
+        for group in (self.topo.mp_group, self.topo.grad_group):  # together: the whole world
             comm.all_reduce(flags, group, op=dist.ReduceOp.MAX)
         if flags[0].item():
             return f"{signal.Signals(self.signal).name} received"

@@ -7,7 +7,9 @@ One optimizer step = m = global_batch_size / (micro_batch_size * dp) micro-batch
 (the step's global batch size: `train.rampup_batch_size` grows it over the first samples),
 each loss scaled by 1/m so the accumulated gradient is the gradient of the mean loss over the
 rank's share; averaging over DP then gives the gradient of the mean over the global batch — the
-same number the serial run computes.
+same number the serial run computes. With context parallelism a rank's loss is the mean over
+its seq_len/cp tokens of each sequence (every CP rank holds as many), and the average runs over
+DP x CP (`Topology.grad_group`): again the mean over the global batch's tokens.
 """
 from __future__ import annotations
 
@@ -162,17 +164,19 @@ class Trainer:
         return sum(mb[2].visible_pairs for mb in self.last_micro_batches if len(mb) > 2)
 
     def _global_mean(self, value: float) -> float:
-        """A value held by the last pipeline stage (0 elsewhere), averaged over DP replicas."""
-        topo = self.topo
+        """A value held by the last pipeline stage (0 elsewhere), averaged over the DP x CP
+        ranks (each CP rank's loss is the mean over its equal share of the tokens: their mean
+        is the mean over the sequences' tokens, the serial run's)."""
+        topo, group = self.topo, self.topo.grad_group
         value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
-        return comm.all_reduce_scalars([value], topo.dp_group, device=self.rt.device)[0] / topo.dp_size
+        return comm.all_reduce_scalars([value], group, device=self.rt.device)[0] / group.size
 
     def _slowest_phases(self, steps: int) -> dict:
         """Seconds per step in each phase of the step (`megalite.train.timers`), of the rank
         slowest in that phase."""
         spent = self.timers.take()
         values = [spent[p] / steps for p in PHASES]
-        for group in (self.topo.mp_group, self.topo.dp_group):  # together: the whole world
+        for group in (self.topo.mp_group, self.topo.grad_group):  # together: the whole world
             values = comm.all_reduce_scalars(values, group, self.rt.device,
                                              op=dist.ReduceOp.MAX)
         return dict(zip(PHASES, values))
@@ -239,7 +243,7 @@ class Trainer:
                                     dp_size=self.topo.dp_size, device=self.rt.device,
                                     weights=[w for _, w in self.data_sources],
                                     reads=self.batches.reads,
-                                    documents=self.batches.documents)
+                                    documents=self.batches.documents, cp=self.batches.cp)
         return self._val
 
     @torch.no_grad()

@@ -1,8 +1,10 @@
 """Count the Config's path through `build_trainer` (issue 40's measure): every megalite module a
 function of which receives the Config or one of its sections as an argument (not as `self`:
 a section's own methods and properties are not counted) while
-build_trainer runs, in call order (consecutive calls in one module collapsed); the distinct
-modules (and packages) and how often the path returns to one it had left.
+build_trainer runs as the launch path calls it (`megalite.train.launch`: the config validated
+and planned once before, the plan handed in), in call order (consecutive calls in one module
+collapsed); the distinct modules (and packages) and how often the path returns to one it had
+left.
 
     PYTHONPATH=. python scripts/dev/config_path.py [overrides...]
 """
@@ -10,9 +12,9 @@ import dataclasses
 import sys
 import tempfile
 
-from megalite.config.layout import validate
 from megalite.config.schema import load_config
 from megalite.train.build import build_trainer
+from megalite.train.launch import plan_launch
 from megalite.train.runtime import init_runtime
 
 
@@ -30,8 +32,8 @@ def sections(cfg) -> set:
 
 def main() -> None:
     cfg = load_config(["log.wandb=false", "log.progress=false", *sys.argv[1:]])
-    validate(cfg, 1)
-    runtime = init_runtime(cfg)
+    ready = plan_launch(cfg, 1)
+    runtime = init_runtime(cfg, ready.layout)
     ids, path = sections(cfg), []
 
     def profile(frame, event, arg):
@@ -49,7 +51,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         sys.setprofile(profile)
         try:
-            build_trainer(cfg, runtime, run_dir)
+            build_trainer(cfg, runtime, run_dir, plan=ready.plan)
         finally:
             sys.setprofile(None)
     print("\n".join(path))

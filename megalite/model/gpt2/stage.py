@@ -31,10 +31,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.schema import ModelConfig
-from megalite.model.attention import kernel_region
+from megalite.model.attention import causal_attention, kernel_region, token_positions
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
 from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.gpt2.family import GPT2_FAMILY
+from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.group import Group
 from megalite.parallel.tensor import (
     ColumnParallelLinear,
@@ -46,7 +47,8 @@ from megalite.parallel.tensor import (
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory, attention: str = "auto"):
+                 residual_region: RegionFactory, attention: str = "auto",
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         if cfg.n_head % tp_group.size:
             raise ValueError(f"n_head={cfg.n_head} not divisible by tp={tp_group.size}")
@@ -57,6 +59,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
         self.kernel, self.kernel_region = attention, kernel_region(attention)
+        self.cp = cp
 
     def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
@@ -65,9 +68,9 @@ class CausalSelfAttention(nn.Module):
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
             if attn is not None and attn.ids is not None:
-                y = document_attention(q, k, v, attn, p, self.kernel)
+                y = document_attention(q, k, v, attn, p, self.kernel, self.cp)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                y = causal_attention(q, k, v, p, self.cp)
         y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
@@ -87,10 +90,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory, attention: str = "auto"):
+                 residual_region: RegionFactory, attention: str = "auto",
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region, attention)
+        self.attn = CausalSelfAttention(cfg, tp_group, sp, tp_region, residual_region, attention,
+                                        cp)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, tp_group, sp, residual_region)
 
@@ -109,8 +114,9 @@ class GPT2(CausalLM):
 
     @staticmethod
     def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                   residual_region: RegionFactory, attention: str = "auto") -> nn.Module:
-        return Block(cfg, tp_group, sp, tp_region, residual_region, attention)
+                   residual_region: RegionFactory, attention: str = "auto",
+                   cp: Optional[ContextParallel] = None) -> nn.Module:
+        return Block(cfg, tp_group, sp, tp_region, residual_region, attention, cp)
 
     def build(self, attention: str) -> None:
         cfg, sp, tp_group = self.cfg, self.sequence_parallel, self.tp_group
@@ -121,7 +127,7 @@ class GPT2(CausalLM):
             self.transformer.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.transformer.h = nn.ModuleDict(
             {str(i): self.make_block(cfg, tp_group, sp, self.tp_region, self.residual_region,
-                                     attention) for i in self.blocks})
+                                     attention, self.cp) for i in self.blocks})
         if self.last:
             self.transformer.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
@@ -145,16 +151,16 @@ class GPT2(CausalLM):
 
     def embed(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None
               ) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); `positions`
-        [b, s] index the learned position embedding (None: 0..s-1)."""
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); with CP `s`
+        is this rank's chunks' tokens, at their global positions. `positions` [b, s] (restarting
+        per document) index the learned position embedding instead."""
         s = ids.shape[1]
-        if s > self.cfg.n_positions:
-            raise ValueError(f"sequence length {s} > model.n_positions={self.cfg.n_positions}")
+        self.check_length(s)
         t = self.transformer
         x = t.wte(ids.t())
         chunk = sequence_chunk(s, self.tp_group, self.sequence_parallel)
         if positions is None:
-            pos = torch.arange(chunk.start, chunk.stop, device=ids.device)
+            pos = token_positions(s, self.cp, ids.device)[chunk.start:chunk.stop]
             x = x + t.wpe(pos).unsqueeze(1)
         else:
             x = x + t.wpe(positions[:, chunk].t())

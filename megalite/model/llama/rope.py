@@ -8,14 +8,15 @@ original / high_freq_factor kept, the band between interpolated smoothly).
 The inverse frequencies are computed on the CPU in fp32, as transformers does, and moved to
 the model's device: the same bits wherever the model lives. cos and sin are made per forward
 from the positions 0..s-1 (the whole sequence: with sequence parallelism q and k come out of a
-column-parallel projection of the gathered sequence), or per sequence from positions that
-restart at each document (train.reset_positions), in fp32, then cast to the activations'
-dtype (transformers' order of operations).
+column-parallel projection of the gathered sequence) in fp32, then cast to the activations'
+dtype (transformers' order of operations). With context parallelism the positions are those of
+the rank's chunks of the sequence (`megalite.parallel.context_shard.positions`); with
+train.reset_positions, per sequence, positions that restart at each document.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
@@ -42,13 +43,12 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(inv_freq: torch.Tensor, length: int, dtype: torch.dtype,
-            positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [length, head_dim] of positions 0..length-1, in `dtype`; with `positions`
-    [b, length] (restarting per document), [b, 1, length, head_dim] (broadcast over heads)."""
-    if positions is None:
-        positions = torch.arange(length, device=inv_freq.device, dtype=torch.float)
-    freqs = positions.float()[..., None] * inv_freq.float()
+def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the given (integer) positions, in `dtype`: [len(positions), head_dim] of
+    positions [s]; [b, 1, s, head_dim] (broadcast over heads) of positions [b, s] (restarting
+    per document)."""
+    freqs = positions.to(inv_freq.device, torch.float)[..., None] * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     if emb.dim() == 3:
         emb = emb.unsqueeze(1)

@@ -31,11 +31,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.schema import ModelConfig
-from megalite.model.attention import kernel_region
+from megalite.model.attention import causal_attention, kernel_region, token_positions
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
 from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.llama.family import LLAMA_FAMILY, kv_split
 from megalite.model.llama.rope import apply_rotary, cos_sin, inverse_frequencies
+from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.group import Group
 from megalite.parallel.tensor import (
     ColumnParallelLinear,
@@ -43,9 +44,6 @@ from megalite.parallel.tensor import (
     VocabParallelEmbedding,
     column_parallel_linears,
 )
-
-# SDPA's enable_gqa (grouped-query attention without repeating k and v) came with torch 2.5
-SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -94,7 +92,8 @@ class Projection(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory, attention: str = "auto"):
+                 residual_region: RegionFactory, attention: str = "auto",
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         tp = tp_group.size
         if cfg.n_head % tp:
@@ -110,6 +109,7 @@ class LlamaAttention(nn.Module):
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
         self.kernel, self.kernel_region = attention, kernel_region(attention)
+        self.cp = cp
         device = torch.empty(0).device  # the device the stage is being built on
         self.register_buffer("inv_freq", inverse_frequencies(cfg).to(device), persistent=False)
         self.weight_grad_queue = None  # zero-bubble schedules: W deferred (parallel.tensor)
@@ -123,34 +123,20 @@ class LlamaAttention(nn.Module):
             x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], self.tp_group,
             self.sequence_parallel, self.weight_grad_queue)
         s, b = q.shape[:2]
-        cos, sin = cos_sin(self.inv_freq, s, q.dtype, None if attn is None else attn.positions)
+        positions = token_positions(s, self.cp, self.inv_freq.device) \
+            if attn is None or attn.positions is None else attn.positions
+        cos, sin = cos_sin(self.inv_freq, positions, q.dtype)
         q = apply_rotary(self._heads(q, self.heads), cos, sin)
         k = apply_rotary(self._heads(k, self.kv_heads), cos, sin)
         v = self._heads(v, self.kv_heads)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
             if attn is not None and attn.ids is not None:
-                y = document_attention(q, k, v, attn, p, self.kernel)
+                y = document_attention(q, k, v, attn, p, self.kernel, self.cp)
             else:
-                y = grouped_attention(q, k, v, p)
+                y = causal_attention(q, k, v, p, self.cp)
         y = self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
-                      ) -> torch.Tensor:
-    """Causal SDPA of q [b, a, s, d] over k, v [b, g, s, d], query head i reading KV head
-    i // (a / g) (transformers' repeat_kv): SDPA's own grouped-query attention (torch >= 2.5),
-    else k and v repeated."""
-    if q.shape[1] == k.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-    if SDPA_GQA:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                              enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1),
-                                          v.repeat_interleave(group, dim=1), dropout_p=p,
-                                          is_causal=True)
 
 
 class LlamaMLP(nn.Module):
@@ -170,12 +156,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                 residual_region: RegionFactory, attention: str = "auto"):
+                 residual_region: RegionFactory, attention: str = "auto",
+                 cp: Optional[ContextParallel] = None):
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.input_layernorm = RMSNorm(cfg.n_embd, eps)
         self.self_attn = LlamaAttention(cfg, tp_group, sp, tp_region, residual_region,
-                                        attention)
+                                        attention, cp)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.mlp = LlamaMLP(cfg, tp_group, sp, residual_region)
 
@@ -193,8 +180,9 @@ class Llama(CausalLM):
 
     @staticmethod
     def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
-                   residual_region: RegionFactory, attention: str = "auto") -> nn.Module:
-        return LlamaBlock(cfg, tp_group, sp, tp_region, residual_region, attention)
+                   residual_region: RegionFactory, attention: str = "auto",
+                   cp: Optional[ContextParallel] = None) -> nn.Module:
+        return LlamaBlock(cfg, tp_group, sp, tp_region, residual_region, attention, cp)
 
     def build(self, attention: str) -> None:
         cfg, sp, tp_group = self.cfg, self.sequence_parallel, self.tp_group
@@ -204,7 +192,7 @@ class Llama(CausalLM):
                                                              tp_group, sp)
         self.model.layers = nn.ModuleDict(
             {str(i): self.make_block(cfg, tp_group, sp, self.tp_region, self.residual_region,
-                                     attention) for i in self.blocks})
+                                     attention, self.cp) for i in self.blocks})
         if self.last:
             self.model.norm = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon)
 
@@ -229,8 +217,6 @@ class Llama(CausalLM):
               ) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); positions are
         RoPE's, applied in attention."""
-        if ids.shape[1] > self.cfg.n_positions:
-            raise ValueError(f"sequence length {ids.shape[1]} > model.n_positions="
-                             f"{self.cfg.n_positions}")
+        self.check_length(ids.shape[1])
         x = self.model.embed_tokens(ids.t())
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)

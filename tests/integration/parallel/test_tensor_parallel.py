@@ -27,22 +27,23 @@ def _layers(rank, world):
 
 def _layer_errors(rank, world, sp):
     """Every layer's outputs and gradients against the reference's, on this rank's slice."""
-    from megalite.parallel.cross_entropy import cross_entropy
-    from megalite.parallel.tensor import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
-
-    topo = build_topology(world, 1, 1)
-    g, tp = topo.tp_group, world
-    torch.manual_seed(0)  # the same global tensors on every rank
+    g = build_topology(world, 1, 1).tp_group
+    torch.manual_seed(0)  # the same global tensors on every rank (the parts draw in turn)
     errors = {}
+    for part in (_mlp_errors, _qkv_errors, _embedding_errors, _cross_entropy_errors):
+        errors.update(part(rank, world, sp, g))
+    return errors
 
-    def err(name, ours, ref):  # max error relative to the reference's largest entry
-        errors[name] = ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
-    # Column -> Row: the MLP pattern, y = Row(gelu(Column(x)))
+def _err(ours, ref) -> float:
+    """Max error relative to the reference's largest entry."""
+    return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def _mlp_errors(rank, tp, sp, g):
+    """Column -> Row: the MLP pattern, y = Row(gelu(Column(x)))."""
+    from megalite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
     w1, b1 = torch.randn(4 * H, H), torch.randn(4 * H)
     w2, b2 = torch.randn(H, 4 * H), torch.randn(H)
     x = torch.randn(S, B, H)
@@ -64,28 +65,35 @@ def _layer_errors(rank, world, sp):
     x_in = _seq_shard(x, rank, tp, sp).clone().requires_grad_()
     y = row(F.gelu(col(x_in)))
     (y * _seq_shard(gy, rank, tp, sp)).sum().backward()
-    err("mlp out", y, _seq_shard(y_ref, rank, tp, sp))
-    err("mlp dx", x_in.grad, _seq_shard(x_ref.grad, rank, tp, sp))
-    err("col dw", col.weight.grad, col_spec.shard(ref_params[0].grad, rank, tp))
-    err("col db", col.bias.grad, ref_params[1].grad.chunk(tp)[rank])
-    err("row dw", row.weight.grad, row_spec.shard(ref_params[2].grad, rank, tp))
     # the row bias is TP-replicated: with SP each rank has the part of its sequence chunk,
     # summed over TP by the engine; without SP each rank has all of it
     db = row.bias.grad.clone()
     if sp:
         torch.distributed.all_reduce(db, group=g.pg)
-    err("row db", db, ref_params[3].grad)
+    return {"mlp out": _err(y, _seq_shard(y_ref, rank, tp, sp)),
+            "mlp dx": _err(x_in.grad, _seq_shard(x_ref.grad, rank, tp, sp)),
+            "col dw": _err(col.weight.grad, col_spec.shard(ref_params[0].grad, rank, tp)),
+            "col db": _err(col.bias.grad, ref_params[1].grad.chunk(tp)[rank]),
+            "row dw": _err(row.weight.grad, row_spec.shard(ref_params[2].grad, rank, tp)),
+            "row db": _err(db, ref_params[3].grad)}
 
-    # fused QKV: column-parallel with the [q|k|v] interleave keeps whole heads per rank
+
+def _qkv_errors(rank, tp, sp, g):
+    """Fused QKV: column-parallel with the [q|k|v] interleave keeps whole heads per rank."""
     w = torch.randn(3 * H, H)
     qkv_spec = ParamSpec("c_attn", (3 * H, H), tp_dim=0, tp_interleave=3)
     local = qkv_spec.shard(w, rank, tp)
     q, k, v = w.chunk(3)
     expect = torch.cat([q.chunk(tp)[rank], k.chunk(tp)[rank], v.chunk(tp)[rank]])
-    err("qkv shard", local, expect)
-    err("qkv unshard", qkv_spec.unshard([qkv_spec.shard(w, r, tp) for r in range(tp)]), w)
+    return {"qkv shard": _err(local, expect),
+            "qkv unshard": _err(qkv_spec.unshard([qkv_spec.shard(w, r, tp)
+                                                  for r in range(tp)]), w)}
 
-    # vocab-parallel embedding with a vocabulary padded to 128·tp
+
+def _embedding_errors(rank, tp, sp, g):
+    """Vocab-parallel embedding with a vocabulary padded to 128·tp."""
+    from megalite.parallel.tensor import VocabParallelEmbedding
+
     vocab = 211
     padded = padded_vocab_size(vocab, tp)
     table = torch.randn(vocab, H)
@@ -100,12 +108,17 @@ def _layer_errors(rank, world, sp):
     (e_ref * ge).sum().backward()
     e = emb(ids)
     (e * _seq_shard(ge, rank, tp, sp)).sum().backward()
-    err("emb out", e, _seq_shard(e_ref, rank, tp, sp))
-    err("emb dw", emb.weight.grad, emb_spec.shard(t_ref.grad, rank, tp))
+    return {"emb out": _err(e, _seq_shard(e_ref, rank, tp, sp)),
+            "emb dw": _err(emb.weight.grad, emb_spec.shard(t_ref.grad, rank, tp))}
 
-    # vocab-parallel cross-entropy: logits stay split, padded columns never count; in
-    # chunks of 5 tokens (the last one short); vocabulary 130 padded to 128·tp: at tp = 4
-    # ranks 2 and 3 hold only padding
+
+def _cross_entropy_errors(rank, tp, sp, g):
+    """Vocab-parallel cross-entropy: logits stay split, padded columns never count; in
+    chunks of 5 tokens (the last one short); vocabulary 130 padded to 128·tp: at tp = 4
+    ranks 2 and 3 hold only padding."""
+    from megalite.parallel.cross_entropy import cross_entropy
+
+    errors = {}
     for vocab in (211, 130):
         padded = padded_vocab_size(vocab, tp)
         logits = torch.randn(S * B, padded)
@@ -118,9 +131,10 @@ def _layer_errors(rank, world, sp):
         l_local = logits[:, rank * cols:(rank + 1) * cols].clone().requires_grad_()
         loss = cross_entropy(l_local, target, g, rank * cols, vocab, rows=5)
         (loss * gl).sum().backward()
-        err(f"ce loss {vocab}", loss, loss_ref)
+        errors[f"ce loss {vocab}"] = _err(loss, loss_ref)
         grad_full = torch.cat([l_ref.grad, torch.zeros(S * B, padded - vocab)], dim=1)
-        err(f"ce dlogits {vocab}", l_local.grad, grad_full[:, rank * cols:(rank + 1) * cols])
+        errors[f"ce dlogits {vocab}"] = _err(l_local.grad,
+                                             grad_full[:, rank * cols:(rank + 1) * cols])
     return errors
 
 

@@ -1,4 +1,4 @@
-"""Rank grid: [TP, PP, DP] mapping, group membership, and the real groups on gloo ranks."""
+"""Rank grid: [TP, CP, PP, DP] mapping, group membership, and the real groups on gloo ranks."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,10 +8,10 @@ from megalite.parallel.topology import build_topology
 from megalite.testing.spawn import RankFailure, run_ranks
 
 
-def _groups_on_ranks(rank, world, tp, pp, dp):
-    topo = build_topology(tp, pp, dp)
+def _groups_on_ranks(rank, world, tp, cp, pp, dp):
+    topo = build_topology(tp, pp, dp, cp=cp)
     out = {}
-    for kind in ("tp", "pp", "dp", "mp"):
+    for kind in ("tp", "cp", "pp", "dp", "mp") + (("dp_cp",) if cp > 1 else ()):
         g = topo.groups[kind]
         t = torch.tensor([float(rank)])
         comm.all_reduce(t, g)
@@ -20,9 +20,9 @@ def _groups_on_ranks(rank, world, tp, pp, dp):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 2, 2)])
-def test_real_groups_reduce_over_their_members(tp, pp, dp):
-    results = run_ranks(_groups_on_ranks, tp * pp * dp, args=(tp, pp, dp))
+@pytest.mark.parametrize("tp,cp,pp,dp", [(2, 1, 2, 2), (1, 1, 2, 2), (1, 2, 1, 2)])
+def test_real_groups_reduce_over_their_members(tp, cp, pp, dp):
+    results = run_ranks(_groups_on_ranks, tp * cp * pp * dp, args=(tp, cp, pp, dp))
     for rank, (groups, counts) in enumerate(results):
         for kind, (ranks, total) in groups.items():
             assert rank in ranks

@@ -67,8 +67,9 @@ def test_built_rank_matches_the_plan(world, rank, overrides, device):
     assert result.params["built"] == result.params["planned"]
     for _, state in STATES:
         assert result.ratio(state) == pytest.approx(1.0, abs=0.01), (state, result.table())
-    c = coords_of(rank, layout.tp_size, layout.pp_size)
-    assert result.coords == {"tp": c.tp_rank, "pp": c.pp_rank, "dp": c.dp_rank}
+    c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size)
+    assert result.coords == {"tp": c.tp_rank, "cp": c.cp_rank, "pp": c.pp_rank,
+                             "dp": c.dp_rank}
     assert result.groups["dp"] == layout.dp_size and result.groups["world"] == world
 
 
@@ -78,7 +79,7 @@ def test_last_dp_rank_holds_the_padding_without_moments():
     7% of that rank's O below the plan's 12Ψ/N, and exactly 8 bytes per padding element."""
     cfg, layout = _layout(GPT2_XL, 4096)
     result = verify_rank(cfg, layout, 4095)
-    assert result.coords == {"tp": 0, "pp": 1, "dp": 2047} and result.padding > 0
+    assert result.coords == {"tp": 0, "cp": 0, "pp": 1, "dp": 2047} and result.padding > 0
     assert result.ratio("params") == pytest.approx(1.0, abs=0.01)
     assert result.ratio("grads") == pytest.approx(1.0, abs=0.01)
     shard_elements = result.built["params"] // 2  # bf16 parameters: this rank's ranges

@@ -81,6 +81,13 @@ def bad(overrides, world_size=1):
     (["train.attention_mask=block"], 1, "train.attention_mask='block': use one of causal, document"),
     (["train.attention_mask=document", "train.attention=flash"], 1,
      "train.attention='flash': this SDPA kernel takes no document mask"),
+    # context parallelism: what cp > 1 does not run, by its key
+    (["cp=2", "model.attn_pdrop=0.1"], 2, "model.attn_pdrop=0.1: is not supported with cp=2"),
+    (["cp=2", "train.attention=flash"], 2, "train.attention='flash': is not supported with cp=2"),
+    (["cp=2", "train.compile=true"], 2, "train.compile=True: is not supported with cp=2"),
+    (["cp=2", "fp8.recipe=rowwise", "fp8.emulate=true"], 2,
+     "fp8.recipe='rowwise': is not supported with cp=2"),
+    (["cp=2", "resilience.rerun=on_nan"], 2, "resilience.rerun='on_nan': is not supported"),
 ])
 def test_bad_values_are_named(overrides, world, expect):
     assert expect in bad(overrides, world)

@@ -259,6 +259,36 @@ def test_train_batches_follow_the_rank_slice(stdlib_data):
             assert torch.equal(x[r], window[:-1]) and torch.equal(y[r], window[1:])
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_ranks_read_the_same_windows_and_keep_their_chunks(stdlib_data, cp):
+    """Every CP rank of a DP rank reads the same windows; rank r keeps chunks r and
+    2cp-1-r of the inputs and the targets (`context_shard`), which reassemble the window."""
+    shards = TokenShards(stdlib_data, "train")
+    seq, n = 16, shards.num_samples(16)
+    cpu = torch.device("cpu")
+
+    def step(cp_rank):
+        sampler = ResumableSampler(n, 4, dp_rank=0, dp_size=1, seed=5)
+        return TrainBatches([shards], sampler, 2, seq, cpu, cp=(cp, cp_rank)).next_step()
+
+    serial = TrainBatches([shards], ResumableSampler(n, 4, 0, 1, seed=5), 2, seq,
+                          cpu).next_step()
+    ranks = [step(r) for r in range(cp)]
+    chunk = seq // (2 * cp)
+    for j, (x, y) in enumerate(serial):
+        for r in range(cp):
+            mine = [x[:, i * chunk:(i + 1) * chunk] for i in (r, 2 * cp - 1 - r)]
+            theirs = [y[:, i * chunk:(i + 1) * chunk] for i in (r, 2 * cp - 1 - r)]
+            assert torch.equal(ranks[r][j][0], torch.cat(mine, dim=1))
+            assert torch.equal(ranks[r][j][1], torch.cat(theirs, dim=1))
+    val = [val_batches([shards], 2, seq, 1, 4, dp_rank=0, dp_size=1, device=cpu, cp=(cp, r))
+           for r in range(cp)]
+    full = val_batches([shards], 2, seq, 1, 4, dp_rank=0, dp_size=1, device=cpu)
+    assert all(torch.equal(v[0][0], torch.cat([full[0][0][:, i * chunk:(i + 1) * chunk]
+                                               for i in (r, 2 * cp - 1 - r)], dim=1))
+               for r, v in enumerate(val))
+
+
 def test_val_batches_are_fixed_shared_over_dp_and_wrap(tmp_path):
     data = make_data_dir(tmp_path / "d", {"train": np.arange(50), "val": np.arange(13)}, 100)
     shards = TokenShards(data, "val")

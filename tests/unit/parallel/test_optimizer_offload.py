@@ -153,17 +153,15 @@ def test_the_offload_worker_thread_works_on_the_engines_cuda_device(monkeypatch,
     syncs and stream switches would otherwise make a context on GPU 0, as the hang watch's
     thread avoids): `torch.cuda.set_device` (patched: no GPU here) is called on the worker
     thread, with the engine's device index, before any task runs; on CPU never."""
-    from megalite.parallel.offload import OptimizerOffload
+    from megalite.parallel.offload_worker import HostWorker
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device",
                         lambda index: calls.append((index, threading.current_thread().name)))
-    offload = OptimizerOffload.__new__(OptimizerOffload)  # only what the worker reads
-    offload.device, offload.cuda, offload._worker = device, device.type == "cuda", None
-    seen, worker = offload._submit(lambda: (list(calls), threading.current_thread().name)
-                                   ).result()
-    offload.close()
-    assert worker.startswith("megalite-offload") and offload._worker is None
+    host = HostWorker(device)
+    seen, worker = host.submit(lambda: (list(calls), threading.current_thread().name)).result()
+    host.close()
+    assert worker.startswith("megalite-offload") and host._executor is None
     assert seen == ([] if bound is None else [(bound, worker)])
 
 

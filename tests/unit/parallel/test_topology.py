@@ -1,4 +1,4 @@
-"""Rank grid: [TP, PP, DP] mapping, group membership, and the real groups on gloo ranks."""
+"""Rank grid: [TP, CP, PP, DP] mapping and group membership."""
 import itertools
 
 import pytest
@@ -52,3 +52,57 @@ def test_world_size_one_needs_no_process_group():
     t = torch.ones(3)
     comm.all_reduce(t, topo.dp_group)
     assert t.tolist() == [1, 1, 1] and topo.counter.snapshot() == {}
+
+
+CP_LAYOUTS = [(1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2), (2, 2, 2, 2), (1, 4, 1, 2),
+              (2, 3, 1, 1)]
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp", CP_LAYOUTS)
+def test_cp_rank_formula_round_trips(tp, cp, pp, dp):
+    seen = set()
+    for rank in range(tp * cp * pp * dp):
+        c = coords_of(rank, tp, pp, cp)
+        assert rank == c.tp_rank + tp * (c.cp_rank + cp * (c.pp_rank + pp * c.dp_rank))
+        assert rank_of(c, tp, pp, cp) == rank
+        assert 0 <= c.cp_rank < cp and 0 <= c.pp_rank < pp and 0 <= c.dp_rank < dp
+        seen.add((c.tp_rank, c.cp_rank, c.pp_rank, c.dp_rank))
+    assert len(seen) == tp * cp * pp * dp
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp", CP_LAYOUTS)
+def test_cp_groups_partition_the_world(tp, cp, pp, dp):
+    world = tp * cp * pp * dp
+    groups = group_ranks(tp, pp, dp, cp)
+    # kind -> (size, the coordinates its members share)
+    kinds = {"tp": (tp, ("cp", "pp", "dp")), "cp": (cp, ("tp", "pp", "dp")),
+             "pp": (pp, ("tp", "cp", "dp")), "dp": (dp, ("tp", "cp", "pp")),
+             "mp": (tp * pp, ("cp", "dp")), "dp_cp": (dp * cp, ("tp", "pp"))}
+    for kind, (size, shared) in kinds.items():
+        lists = groups[kind]
+        assert sorted(itertools.chain(*lists)) == list(range(world)), kind
+        assert all(len(g) == size for g in lists), kind
+        for g in lists:
+            cs = [coords_of(r, tp, pp, cp) for r in g]
+            assert len({tuple(getattr(c, f"{k}_rank") for k in shared) for c in cs}) == 1, kind
+    for g in groups["tp"]:  # TP innermost: consecutive ranks
+        assert g == list(range(g[0], g[0] + tp))
+    for g in groups["embedding"]:
+        assert [coords_of(r, tp, pp, cp).pp_rank for r in g] == sorted({0, pp - 1})
+
+
+def test_example_layout_tp2_cp2_pp2():
+    g = group_ranks(2, 2, 1, cp=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["dp_cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert coords_of(6, 2, 2, 2) == Coords(tp_rank=0, pp_rank=1, dp_rank=0, cp_rank=1)
+
+
+def test_without_cp_the_grad_group_is_the_dp_group():
+    assert "dp_cp" not in group_ranks(2, 2, 2)
+    topo = build_topology(1, 1, 1)
+    assert topo.grad_group is topo.dp_group and topo.cp_group.size == 1
+    assert "cp=0/1" in topo.describe()

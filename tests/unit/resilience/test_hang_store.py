@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megalite.parallel.group import Group, single_rank_group
 from megalite.resilience.flight import FlightRecorder
-from megalite.resilience.hang import HangWatch, write_summary
+from megalite.resilience.hang import HangWatch
+from megalite.resilience.hang_files import write_summary
 from megalite.resilience.hang_store import HangExchange
 from megalite.resilience.nccl_flight import nccl_flight_env, set_nccl_flight_env
 
