@@ -375,14 +375,6 @@ def _check_context_parallel(cfg: Config) -> None:
     if cfg.resilience.rerun != "off":
         fail("resilience.rerun", cfg.resilience.rerun, f"{why}: the rerun attribution "
               "compares DP replicas only; use resilience.rerun=off or cp=1")
-    documents = [(key, value) for key, value, used in (
-        ("train.attention_mask", cfg.train.attention_mask, cfg.train.attention_mask != "causal"),
-        ("train.reset_positions", True, cfg.train.reset_positions),
-        ("train.eos_loss", False, not cfg.train.eos_loss)) if used]
-    if documents:
-        fail(*documents[0], f"{why} yet: the documents are not sharded with the CP chunks; "
-             "use cp=1 or the default train.attention_mask=causal, train.reset_positions=false, "
-             "train.eos_loss=true")
 
 
 def _check_other_pairs(cfg: Config) -> None:

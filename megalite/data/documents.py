@@ -16,19 +16,35 @@ starts inside a document gives that document's tail id 0. From the ids:
                                                               first token, does not count)
 
 and the attention work the mask leaves, Σ over documents of n(n+1)/2 (query, key) pairs
-(`visible_pairs`: the attention FLOPs computed under the mask, logged beside MFU's dense count).
+(`visible_pairs`: the attention FLOPs computed under the mask, logged beside MFU's dense count;
+query t sees positions[t] + 1 keys).
+
+With context parallelism all is found over the whole window and each CP rank keeps its chunks
+(`megalite.parallel.context_shard`): its tokens' global ids (the CP attention compares them
+across ranks), their positions in their documents, their counted targets, and the visible
+pairs of its own queries (summed over CP: the window's, each pair once).
+
+The loss under train.eos_loss=false is Megatron's per-token loss: the sum over the step's
+counted targets divided by their count over the whole step (every micro-batch and DP x CP
+rank), not a mean per micro-batch or rank (a CP rank's chunks, a DP replica's windows hold
+unequal counts). `loss_share` = that count / (micro-batches x ranks), set by the trainer after
+one all-reduce of the counts (`with_loss_share`); a micro-batch's loss is its summed counted
+losses / loss_share, so the mean over micro-batches and ranks that the pipeline and the
+trainer take is the step's mean per counted target: the serial run's, whatever the layout.
 
 Per window O(seq_len) work on the tokens just read; nothing is scanned at start-up.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from megalite.data.errors import DataError
+from megalite.parallel import context_shard
 
 
 @dataclass(frozen=True)
@@ -41,13 +57,14 @@ class Documents:
     positions: Optional[torch.Tensor] = None  # [b, s] int64, position within its document
     counted: Optional[torch.Tensor] = None  # [b, s] bool, targets that count in the loss
     visible_pairs: int = 0  # (query, key) pairs the document mask leaves: Σ n(n+1)/2
+    loss_share: Optional[float] = None  # counted targets per micro-batch and rank of the step
 
     def to(self, device: torch.device) -> "Documents":
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return Documents(move(self.ids), move(self.positions), move(self.counted),
-                         self.visible_pairs)
+        return dataclasses.replace(self, ids=move(self.ids), positions=move(self.positions),
+                                   counted=move(self.counted))
 
 
 @dataclass(frozen=True)
@@ -60,32 +77,48 @@ class DocumentRule:
     reset_positions: bool = False
     eos_loss: bool = True
 
-    def of(self, inputs: np.ndarray) -> Documents:
-        """The documents of windows' inputs, a (k, seq_len) integer array."""
+    def of(self, inputs: np.ndarray, cp: Tuple[int, int] = (1, 0)) -> Documents:
+        """The documents of windows' inputs, a (k, seq_len) integer array, found over the
+        whole windows; with `cp` = (size, rank), this CP rank's chunks of them
+        (`megalite.parallel.context_shard`): the global ids, the restarted positions and the
+        counted targets of its tokens, and the visible pairs of its queries."""
         eos = inputs == self.eos_id
         ids = np.zeros(inputs.shape, dtype=np.int64)
         np.cumsum(eos[:, :-1], axis=1, out=ids[:, 1:])
-        positions = None
-        if self.reset_positions:
-            t = np.arange(inputs.shape[1], dtype=np.int64)
-            starts = np.zeros(inputs.shape, dtype=np.int64)
-            starts[:, 1:] = np.where(eos[:, :-1], t[1:], 0)
-            positions = torch.from_numpy(t - np.maximum.accumulate(starts, axis=1))
-        return Documents(ids=torch.from_numpy(ids) if self.mask else None,
-                         positions=positions,
-                         counted=None if self.eos_loss else torch.from_numpy(~eos),
-                         visible_pairs=visible_pairs(eos) if self.mask else 0)
+        in_document = in_document_positions(eos)
+        size, rank = cp
+
+        def local(values: np.ndarray) -> torch.Tensor:
+            return context_shard.shard(torch.from_numpy(values), size, rank, dim=1)
+
+        return Documents(ids=local(ids) if self.mask else None,
+                         positions=local(in_document) if self.reset_positions else None,
+                         counted=None if self.eos_loss else local(~eos),
+                         visible_pairs=int(local(in_document + 1).sum()) if self.mask else 0)
 
 
-def visible_pairs(eos: np.ndarray) -> int:
-    """(query, key) pairs attention within documents computes for windows' inputs whose EOS
-    tokens are `eos` (k, s): Σ over the documents of each window of n(n+1)/2, n its tokens in
-    the window (causal attention over the whole window: s(s+1)/2 a window)."""
-    k, s = eos.shape
-    starts = np.ones((k, s), dtype=bool)
-    starts[:, 1:] = eos[:, :-1]
-    lengths = np.diff(np.append(np.flatnonzero(starts), k * s))
-    return int((lengths * (lengths + 1) // 2).sum())
+def in_document_positions(eos: np.ndarray) -> np.ndarray:
+    """Each token's position in its document, t - (the first index of its document), of
+    windows whose EOS tokens are `eos` (k, s). Query t sees its position + 1 keys under the
+    document mask: summed over a document of n tokens, its n(n+1)/2 visible pairs."""
+    t = np.arange(eos.shape[1], dtype=np.int64)
+    starts = np.zeros(eos.shape, dtype=np.int64)
+    starts[:, 1:] = np.where(eos[:, :-1], t[1:], 0)
+    return t - np.maximum.accumulate(starts, axis=1)
+
+
+def with_loss_share(micro_batches: Sequence[tuple], counted: float, ranks: int) -> List[tuple]:
+    """The micro-batches (x, y, Documents) of one rank with `Documents.loss_share` set from
+    `counted`, the counted targets of the step over all `ranks` (DP x CP) and micro-batches:
+    counted / (micro-batches x ranks), at least 1 / that (a step with no counted target
+    gives a loss of 0)."""
+    share = max(counted, 1.0) / (len(micro_batches) * ranks)
+    return [(x, y, dataclasses.replace(docs, loss_share=share)) for x, y, docs in micro_batches]
+
+
+def counted_targets(micro_batches: Sequence[tuple]) -> int:
+    """The targets of a rank's micro-batches (x, y, Documents) that count in the loss."""
+    return sum(int(docs.counted.sum()) for _, _, docs in micro_batches)
 
 
 def document_rule(train, eos_id: Optional[int], data_dir) -> Optional[DocumentRule]:

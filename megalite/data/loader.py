@@ -133,9 +133,10 @@ def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool
     """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read.
     With a `documents` rule, (inputs, targets, Documents): every pipeline stage gets the
     documents (each stage's attention needs them), derived from the tokens it read.
-    `cp` = (size, rank): each of them this CP rank's two chunks of the sequence."""
+    `cp` = (size, rank): each of them this CP rank's two chunks of the sequence (the
+    documents found over the whole windows, then sharded alike)."""
     w = torch.from_numpy(windows)
-    docs = documents.of(windows[:, :-1]) if documents is not None else None
+    docs = documents.of(windows[:, :-1], cp) if documents is not None else None
     if device.type == "cuda":
         w = w.pin_memory().to(device, non_blocking=True)
     size, rank = cp

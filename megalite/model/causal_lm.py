@@ -229,15 +229,20 @@ class CausalLM(nn.Module):
                              self.tp_group.rank * logits.shape[-1], self.cfg.vocab_size)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
-             counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+             documents: Optional[Documents] = None) -> torch.Tensor:
         """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]. With
-        `counted` [b, s] (train.eos_loss=false) the mean over the counted targets only
-        (Megatron's loss mask: sum(loss · mask) / sum(mask) per micro-batch)."""
+        `documents.counted` [b, s] (train.eos_loss=false) the counted targets' summed
+        cross-entropy / `documents.loss_share` (the step's counted targets per micro-batch and
+        DP x CP rank, `megalite.data.documents`: Megatron's per-token loss), or / this
+        micro-batch's count where no share is set (a forward outside the trainer). A rank
+        with no counted target gives 0."""
         losses = self.token_losses(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
-        if counted is None:
+        if documents is None or documents.counted is None:
             return losses.mean()
-        weights = counted.t().reshape(-1).to(losses.dtype)
-        return (losses * weights).sum() / weights.sum().clamp(min=1.0)
+        weights = documents.counted.t().reshape(-1).to(losses.dtype)
+        share = documents.loss_share
+        return (losses * weights).sum() / (weights.sum().clamp(min=1.0) if share is None
+                                           else share)
 
     def sequence_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of each sequence [b] (fp64) over the positions whose label
@@ -270,7 +275,7 @@ class CausalLM(nn.Module):
         if labels is not None and per_sequence:
             return self.sequence_losses(logits, labels)
         if labels is not None:
-            return self.loss(logits, labels, None if documents is None else documents.counted)
+            return self.loss(logits, labels, documents)
         return gather_vocab(logits, self.tp_group, self.cfg.vocab_size).transpose(0, 1)
 
 

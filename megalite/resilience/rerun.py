@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -200,6 +200,7 @@ class RerunAttribution:
         return self._execute(execute, 2, theirs)
 
     def _from_predecessor(self, micro_batches: list) -> Tuple[list, dict]:
+        shares = [_loss_share(mb) for mb in micro_batches]
         micro_batches = [_flat(mb) for mb in micro_batches]
         tensors = [t for mb in micro_batches for t in mb if t is not None]
         state = self.rng.state_dict() if self._rng_before is None else self._rng_before
@@ -213,7 +214,7 @@ class RerunAttribution:
         flat = everyone.view(group.size, -1)[(group.rank - 1) % group.size]
         pieces = iter(flat.split([p.numel() for p in parts]))
         theirs = [_unflat(tuple(None if t is None else next(pieces).view_as(t).to(t.dtype)
-                                for t in mb)) for mb in micro_batches]
+                                for t in mb), share) for mb, share in zip(micro_batches, shares)]
         their_state = {k: next(pieces).to(torch.uint8).cpu().view_as(state[k])
                        for k in sorted(state)}
         return theirs, their_state
@@ -354,7 +355,15 @@ def _flat(micro_batch: tuple) -> tuple:
     return (*micro_batch[:2], docs.ids, docs.positions, docs.counted)
 
 
-def _unflat(tensors: tuple) -> tuple:
+def _loss_share(micro_batch: tuple) -> Optional[float]:
+    """The micro-batch's `Documents.loss_share` (a figure of the whole step, the same on every
+    DP replica), None without documents."""
+    return micro_batch[2].loss_share if len(micro_batch) > 2 else None
+
+
+def _unflat(tensors: tuple, loss_share: Optional[float]) -> tuple:
     """The micro-batch of `_flat`'s tensors (the predecessor's: the documents' pair count,
-    a metric of the rank's own batch, is not carried)."""
-    return tensors if len(tensors) == 2 else (*tensors[:2], Documents(*tensors[2:]))
+    a metric of the rank's own batch, is not carried) with the step's `loss_share`."""
+    if len(tensors) == 2:
+        return tensors
+    return (*tensors[:2], Documents(*tensors[2:], loss_share=loss_share))

@@ -28,6 +28,7 @@ from megalite.checkpoint.state import Progress, RunState
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
+from megalite.data.documents import counted_targets, with_loss_share
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.eval.choice import ChoiceEval, ChoiceScores
 from megalite.model.families import family
@@ -163,6 +164,18 @@ class Trainer:
         (`Documents.visible_pairs`; 0 without documents)."""
         return sum(mb[2].visible_pairs for mb in self.last_micro_batches if len(mb) > 2)
 
+    def _with_loss_share(self, micro_batches: list) -> list:
+        """train.eos_loss=false: the micro-batches with the loss share of their step (or of the
+        validation set), from the counted targets summed over DP x CP
+        (`megalite.data.documents.with_loss_share`); else unchanged."""
+        rule = self.batches.documents
+        if rule is None or rule.eos_loss:
+            return micro_batches
+        group = self.topo.grad_group
+        counted = comm.all_reduce_scalars([counted_targets(micro_batches)], group,
+                                          device=self.rt.device)[0]
+        return with_loss_share(micro_batches, counted, group.size)
+
     def _global_mean(self, value: float) -> float:
         """A value held by the last pipeline stage (0 elsewhere), averaged over the DP x CP
         ranks (each CP rank's loss is the mean over its equal share of the tokens: their mean
@@ -211,7 +224,7 @@ class Trainer:
         timers = self.timers
         self.last_batch_size = self.batch_size.at(self.sampler.consumed_samples)
         with timers.phase("data"):
-            micro_batches = self.batches.next_step(self.last_batch_size)
+            micro_batches = self._with_loss_share(self.batches.next_step(self.last_batch_size))
         self.last_micro_batches = micro_batches
         if self.rerun is not None:
             self.rerun.before_step()
@@ -238,12 +251,12 @@ class Trainer:
         run with train.eval_every=0 needs no validation windows)."""
         if self._val is None:
             t, c = self.cfg.train, self.topo.coords
-            self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
+            self._val = self._with_loss_share(val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
                                     dp_size=self.topo.dp_size, device=self.rt.device,
                                     weights=[w for _, w in self.data_sources],
                                     reads=self.batches.reads,
-                                    documents=self.batches.documents, cp=self.batches.cp)
+                                    documents=self.batches.documents, cp=self.batches.cp))
         return self._val
 
     @torch.no_grad()
@@ -381,8 +394,8 @@ class Trainer:
                   "skipped_total": self.skipped_steps}
         record["step_phases_s"] = self._slowest_phases(steps)
         documents = self.batches.documents
-        if documents is not None and documents.mask:  # summed over the DP replicas' windows
-            pairs = comm.all_reduce_scalars([interval.visible_pairs], topo.dp_group,
+        if documents is not None and documents.mask:  # each rank's queries', over DP x CP
+            pairs = comm.all_reduce_scalars([interval.visible_pairs], topo.grad_group,
                                             self.rt.device)[0]
             record.update(attention_flops(family(cfg.model).attention_flops_per_pair(cfg.model),
                                           pairs, interval.samples, t.seq_len, steps))

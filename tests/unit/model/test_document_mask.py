@@ -1,7 +1,9 @@
 """Document masking proven in one process: a packed window under train.attention_mask=document
 gives every token the loss and every parameter the gradient of running each document alone
 (fp32, 1e-6), both families, with and without reset positions; the masked loss of
-train.eos_loss=false; the default (causal) path untouched."""
+train.eos_loss=false (per micro-batch, and per counted target over a step's micro-batches
+with the loss share; a rank without a counted target gives 0); a CP rank's documents; the
+default (causal) path untouched."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.model import ModelConfig
-from megalite.data.documents import DocumentRule, Documents
+from megalite.data.documents import (
+    DocumentRule,
+    Documents,
+    counted_targets,
+    with_loss_share,
+)
 from megalite.model.families import causal_lm
 from megalite.model.init import init_parameters
 
@@ -124,3 +131,51 @@ def test_documents_of_a_window():
     assert docs.positions.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
     assert docs.counted.tolist() == [[True, True, False, True, False, False, True, True]]
     assert DocumentRule(0).of(np.array([[3, 4]])).positions is None
+
+
+def test_documents_of_a_cp_rank_are_its_chunks_of_the_window():
+    """cp=2: rank 0 keeps chunks 0 and 3 of 4 (tokens 0-1, 6-7), rank 1 chunks 1 and 2: the
+    global ids, the positions in their documents and the counted targets of those tokens, and
+    the pairs their queries see (the window's Σ n(n+1)/2 = 6 + 3 + 1 + 3 over the ranks)."""
+    window = np.array([[5, 6, 0, 7, 0, 0, 8, 9]])
+    rule = DocumentRule(0, reset_positions=True, eos_loss=False)
+    ranks = [rule.of(window, (2, r)) for r in range(2)]
+    assert [d.ids.tolist() for d in ranks] == [[[0, 0, 3, 3]], [[0, 1, 1, 2]]]
+    assert [d.positions.tolist() for d in ranks] == [[[0, 1, 0, 1]], [[2, 0, 1, 0]]]
+    assert [d.counted.tolist() for d in ranks] == [[[True, True, True, True]],
+                                                   [[False, True, False, False]]]
+    assert [d.visible_pairs for d in ranks] == [6, 7]
+    assert rule.of(window).visible_pairs == 13
+
+
+def test_the_loss_share_gives_the_step_mean_per_counted_target():
+    """Micro-batches with unequal counted targets: the mean of their losses under the step's
+    loss share is the mean over all counted targets (not the mean of per-batch means)."""
+    model = causal_lm(FAMILIES["gpt2"])
+    init_parameters(model, seed=3)
+    window = packed_windows()
+    rule = DocumentRule(EOS, mask=False, eos_loss=False)
+    batches = [(torch.from_numpy(w[None, :-1]), torch.from_numpy(w[None, 1:]),
+                rule.of(w[None, :-1])) for w in window]
+    shared = with_loss_share(batches, counted_targets(batches), ranks=1)
+    with torch.no_grad():
+        step = sum(model(x, y, documents=d) for x, y, d in shared) / len(shared)
+        per_token = token_losses(model, *[torch.from_numpy(p) for p in (window[:, :-1],
+                                                                        window[:, 1:])])
+    counted = torch.from_numpy(window[:, :-1] != EOS)
+    assert counted[0].sum() != counted[1].sum()
+    torch.testing.assert_close(step, per_token[counted].mean(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("share", [None, 7.5], ids=["own-count", "step-share"])
+def test_a_rank_without_a_counted_target_gives_a_zero_loss(share):
+    """All targets left out (a CP rank whose chunks are EOS only): loss 0, gradients 0."""
+    model = causal_lm(FAMILIES["llama"])
+    init_parameters(model, seed=3)
+    window = packed_windows()
+    x, y = torch.from_numpy(window[:, :-1]), torch.from_numpy(window[:, 1:])
+    loss = model(x, y, documents=Documents(counted=torch.zeros_like(x, dtype=torch.bool),
+                                           loss_share=share))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
