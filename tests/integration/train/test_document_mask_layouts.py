@@ -1,8 +1,9 @@
 """Document masking in parallel layouts equals the serial run with the same mask (rows of the
-combination matrix, `megalite.testing.matrix`: losses, grad norms and final fp32 masters within
-1e-5, through a checkpoint and a resume), on a corpus of short documents (3-20 tokens: a
-32-token window holds several, so the mask, the restarted positions and the EOS targets left
-out of the loss all act). Each row runs train.attention_mask=document with
+combination matrix, `megalite.testing.matrix`: losses, grad norms, the validation loss at
+step 2 and final fp32 masters within 1e-5, through a checkpoint and a resume), on a corpus
+of short documents (3-20 tokens: a 32-token window holds several, so the mask, the restarted
+positions and the EOS targets left out of the loss all act). Each row runs
+train.attention_mask=document with
 train.reset_positions=true and train.eos_loss=false; together they cover TP with and without
 SP, the 1F1B and ZB-V pipeline schedules, ZeRO 3, recompute and both families (the matrix of
 the suite holds the axis too, on the stdlib corpus's long documents).
@@ -76,7 +77,8 @@ def short_documents(out: Path, tokens: int = 40_000, vocab: int = 1024) -> Path:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     data = short_documents(tmp_path_factory.mktemp("short-documents"))
-    base = load_config([*MATRIX_BASE, f"data.dir={data}"])
+    base = load_config([*MATRIX_BASE, f"data.dir={data}", "train.eval_every=2",
+                        "train.eval_steps=1"])
     rows = [r for world in sorted(ROWS) for r in ROWS[world]]
     rows += [r for world in sorted(CP) for r, _ in CP[world]]
     serial = serial_runs(base, rows, tmp_path_factory.mktemp("document-serial"))
