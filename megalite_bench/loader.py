@@ -9,8 +9,11 @@ training — meta.json read, every shard's size checked, the sampler built, this
 the first global batch drawn and its windows read. Reported per order: that start-up's wall
 time (and its parts: the shards checked; the sampler built and the first slice drawn) and the
 peak of memory allocated meanwhile (tracemalloc: numpy's arrays included); then the median time
-of drawing and reading one later global batch slice (`--global-batch` / `--dp` windows), and of
-the order's lookup alone for a whole global batch of positions ("order us"). The old order
+of drawing and reading one later global batch slice (`--global-batch` / `--dp` windows), of
+finding the documents of those windows from their EOS tokens as train.attention_mask=document
+with reset positions and eos_loss=false does ("docs ms": `megalite.data.documents`, per window
+as it is loaded; nothing at start-up), and of the order's lookup alone for a whole global batch
+of positions ("order us"). The old order
 builds its permutation again at every epoch start: its start-up time is also the stall at each
 epoch boundary. `--old-max` caps the sizes the old order runs at (it holds 8 bytes per window:
 8 GB at 1e9).
@@ -30,6 +33,7 @@ from typing import List
 
 import numpy as np
 
+from megalite.data.documents import DocumentRule
 from megalite.data.files import ShardFiles, open_descriptors, open_file_budget
 from megalite.data.loader import META_FILE, TokenShards, read_windows
 from megalite.data.order import ORDERS
@@ -98,11 +102,15 @@ def _one_case(data: Path, order: str, args) -> dict:
     t3 = time.perf_counter()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    times, lookups = [], []
+    times, lookups, documents = [], [], []
+    rule = DocumentRule(shards.meta["eos_token_id"], reset_positions=True, eos_loss=False)
     for _ in range(args.batches):
         t = time.perf_counter()
-        _draw(shards, sampler, args.seq_len)
+        tokens = _draw(shards, sampler, args.seq_len)
         times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        rule.of(tokens[:, :-1])
+        documents.append(time.perf_counter() - t)
         positions = np.arange(sampler.consumed_samples, sampler.consumed_samples
                               + args.global_batch)  # a whole global batch's windows
         t = time.perf_counter()
@@ -111,6 +119,7 @@ def _one_case(data: Path, order: str, args) -> dict:
     shards.files.close()
     return {"startup_s": t3 - t0, "shards_s": t1 - t0, "sampler_s": t2 - t1,
             "peak_bytes": peak, "batch_ms": 1e3 * statistics.median(times),
+            "docs_ms": 1e3 * statistics.median(documents),
             "order_us": 1e6 * statistics.median(lookups)}
 
 
@@ -158,7 +167,8 @@ def run(args) -> dict:
           f"{args.global_batch} over dp {args.dp} ({per_rank} windows per rank), pid "
           f"{os.getpid()}", flush=True)
     print(f"{'windows':>8} {'shards':>7} {'order':>15} {'start-up s':>11} {'(shards s':>10} "
-          f"{'sampler s)':>11} {'peak MiB':>9} {'batch ms':>9} {'order us':>9}", flush=True)
+          f"{'sampler s)':>11} {'peak MiB':>9} {'batch ms':>9} {'docs ms':>8} {'order us':>9}",
+          flush=True)
     results = {"sizes": [], "open_files": []}
     try:
         for size in args.sizes:
@@ -174,7 +184,7 @@ def run(args) -> dict:
                 print(f"{n:>8.0e} {shards:>7} {order:>15} {r['startup_s']:>11.3f} "
                       f"{r['shards_s']:>10.3f} {r['sampler_s']:>11.4f} "
                       f"{r['peak_bytes'] / 2**20:>9.2f} {r['batch_ms']:>9.3f} "
-                      f"{r['order_us']:>9.1f}", flush=True)
+                      f"{r['docs_ms']:>8.3f} {r['order_us']:>9.1f}", flush=True)
             shutil.rmtree(data)
         results["open_files"] = _open_files_case(args, root)
         print(f"\nopen descriptors while reading {2 * args.batches} batches of {args.global_batch} "

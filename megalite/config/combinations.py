@@ -95,6 +95,12 @@ AXES: Tuple[Axis, ...] = (
           ("ramp-up", {"train.rampup_batch_size": [4, 4, 8]})),
     _axis("resilience", "the resilience defaults (replica check, straggler report, hang watch)",
           (ON, RESILIENCE_ON), (OFF, RESILIENCE_OFF)),
+    _axis("attention mask", "train.attention_mask (document: within each EOS-ended document, "
+          "with train.reset_positions=true and train.eos_loss=false)",
+          ("causal", {"train.attention_mask": "causal", "train.reset_positions": False,
+                      "train.eos_loss": True}),
+          ("document", {"train.attention_mask": "document", "train.reset_positions": True,
+                        "train.eos_loss": False})),
 )
 # settings the matrix does not vary (numerics it cannot compare with the serial run, or
 # features with their own tests), each tried beside every axis value alone: the support matrix
@@ -109,7 +115,7 @@ OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
 
 # the serial run a row is compared with: these axes at the row's values, every other at its
 # first value (one rank, no offload, no recompute, the defaults on: numerics unchanged)
-SERIAL_AXES = ("family", "fp8", "precision", "head", "batch")
+SERIAL_AXES = ("family", "fp8", "precision", "head", "batch", "attention mask")
 
 # combinations of more than two values where a defect was found, in every array (the suite's
 # strength 2 included): the first rows start from them

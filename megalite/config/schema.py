@@ -37,6 +37,10 @@ CONF_DIR = Path(__file__).parent.parent / "conf"
 ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 ATTENTION_CUDA_ONLY = ("cudnn", "efficient")
+# `train.attention_mask`: causal over the whole window, or within each document (EOS-separated)
+ATTENTION_MASKS = ("causal", "document")
+# SDPA kernels that take no arbitrary mask (flash: causal or none; cudnn: as megalite calls it)
+ATTENTION_WITHOUT_MASK = ("flash", "cudnn")
 
 
 
@@ -107,6 +111,12 @@ class TrainConfig:
     #                                         --recompute-num-layers N); None = every block
     compile: bool = False  # torch.compile each transformer block (CUDA: fused kernels)
     attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
+    attention_mask: str = "causal"  # causal (every earlier token of the window) | document
+    #   (only earlier tokens of the same document, documents ended by EOS; Llama 3's)
+    reset_positions: bool = False  # positions restart at 0 after each EOS (GPT-2's learned
+    #   positions, Llama's RoPE; Megatron's --reset-position-ids)
+    eos_loss: bool = True  # false: the target after an EOS (the next document's first token)
+    #   does not count in the loss (Megatron's --eod-mask-loss)
     max_bad_steps: int = 5  # consecutive steps with a NaN/inf loss or gradient that are
     #                         skipped (no update, counted) before the run stops
     max_minutes: Optional[float] = None  # stop after this much training time with a
@@ -129,6 +139,7 @@ class TrainConfig:
         self._check_rampup()
         if self.attention not in ATTENTION_CHOICES:
             fail("train.attention", self.attention, f"use one of {', '.join(ATTENTION_CHOICES)}")
+        self._check_documents()
         if self.recompute_layers is not None and (self.recompute_layers < 1 or not self.recompute):
             fail("train.recompute_layers", self.recompute_layers,
                   "needs train.recompute=true and a value >= 1 (the blocks recomputed at the "
@@ -137,6 +148,24 @@ class TrainConfig:
         if self.eval_every < 0 or self.eval_steps < 1:
             fail("train.eval_every/eval_steps", (self.eval_every, self.eval_steps),
                   "eval_every must be >= 0 (0 = never) and eval_steps >= 1")
+
+    def _check_documents(self) -> None:
+        if self.attention_mask not in ATTENTION_MASKS:
+            fail("train.attention_mask", self.attention_mask,
+                  f"use one of {', '.join(ATTENTION_MASKS)}")
+        for key in ("reset_positions", "eos_loss"):
+            if not isinstance(getattr(self, key), bool):
+                fail(f"train.{key}", getattr(self, key), "must be true or false")
+        if self.attention_mask == "document" and self.attention in ATTENTION_WITHOUT_MASK:
+            fail("train.attention", self.attention,
+                  "this SDPA kernel takes no document mask (train.attention_mask=document); "
+                  "use auto (FlexAttention on CUDA, SDPA with a boolean mask on CPU), efficient "
+                  "or math (SDPA with a boolean mask), or train.attention_mask=causal")
+
+    @property
+    def uses_documents(self) -> bool:
+        """Whether a batch carries its documents (boundaries found from EOS)."""
+        return self.attention_mask == "document" or self.reset_positions or not self.eos_loss
 
     def _check_stopping(self) -> None:
         if self.max_steps < 1:

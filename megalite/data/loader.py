@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megalite.data.documents import DocumentRule
 from megalite.data.errors import DataError, too_few_train_samples
 from megalite.data.files import ShardFiles
 from megalite.data.sampler import blend_choices
@@ -127,17 +128,21 @@ class TokenShards:
 
 
 def _to_batch(windows: np.ndarray, device: torch.device, reads: Tuple[bool, bool],
-              cp: Tuple[int, int] = (1, 0)
-              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+              documents: Optional[DocumentRule] = None, cp: Tuple[int, int] = (1, 0)
+              ) -> tuple:
     """(inputs, targets) of a (k, seq_len + 1) array of windows; None for a part not read.
-    `cp` = (size, rank): each of them this CP rank's two chunks of the sequence."""
+    With a `documents` rule, (inputs, targets, Documents): every pipeline stage gets the
+    documents (each stage's attention needs them), derived from the tokens it read.
+    `cp` = (size, rank): each of them this CP rank's two chunks of the sequence (the
+    documents found over the whole windows, then sharded alike)."""
     w = torch.from_numpy(windows)
+    docs = documents.of(windows[:, :-1], cp) if documents is not None else None
     if device.type == "cuda":
         w = w.pin_memory().to(device, non_blocking=True)
     size, rank = cp
     inputs = context_shard.shard(w[:, :-1], size, rank, dim=1) if reads[0] else None
     targets = context_shard.shard(w[:, 1:], size, rank, dim=1) if reads[1] else None
-    return inputs, targets
+    return (inputs, targets) if docs is None else (inputs, targets, docs.to(device))
 
 
 class TrainBatches:
@@ -147,14 +152,16 @@ class TrainBatches:
     `reads` = (inputs, targets): what this rank's model stage consumes — the first pipeline
     stage the inputs, the last the targets, a middle stage neither. What is not consumed is
     None and, where neither is, no token is read; the sampler advances on every rank alike.
-    `cp` = (size, rank): the batches hold this CP rank's chunks of every window."""
+    With a `documents` rule (`megalite.data.documents`) every rank reads the windows and each
+    micro-batch is (x, y, Documents). `cp` = (size, rank): the batches hold this CP rank's
+    chunks of every window."""
 
     def __init__(self, sources: Sequence[TokenShards], sampler, micro_batch_size: int,
                  seq_len: int, device: torch.device, reads: Tuple[bool, bool] = (True, True),
-                 cp: Tuple[int, int] = (1, 0)):
+                 documents: Optional[DocumentRule] = None, cp: Tuple[int, int] = (1, 0)):
         self.sources, self.sampler = list(sources), sampler
         self.micro_batch_size, self.seq_len, self.device = micro_batch_size, seq_len, device
-        self.reads, self.cp = tuple(reads), tuple(cp)
+        self.reads, self.documents, self.cp = tuple(reads), documents, tuple(cp)
         self.last_samples: List[Tuple[int, int]] = []  # the last step's (dataset, window)s
 
     def close(self) -> None:
@@ -169,10 +176,10 @@ class TrainBatches:
         datasets, windows = self.sampler.next_windows(global_batch_size)
         self.last_samples = list(zip(datasets.tolist(), windows.tolist()))
         mb = self.micro_batch_size
-        if not any(self.reads):
+        if not any(self.reads) and self.documents is None:
             return [(None, None)] * (len(windows) // mb)
         tokens = read_windows(self.sources, datasets, windows, self.seq_len)
-        return [_to_batch(tokens[j:j + mb], self.device, self.reads, self.cp)
+        return [_to_batch(tokens[j:j + mb], self.device, self.reads, self.documents, self.cp)
                 for j in range(0, len(windows), mb)]
 
 
@@ -235,15 +242,16 @@ def _no_val_window(seq_len: int) -> str:
 def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: int,
                 eval_steps: int, global_batch_size: int, dp_rank: int, dp_size: int,
                 device: torch.device, weights: Optional[Sequence[float]] = None,
-                reads: Tuple[bool, bool] = (True, True), cp: Tuple[int, int] = (1, 0)
-                ) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+                reads: Tuple[bool, bool] = (True, True),
+                documents: Optional[DocumentRule] = None, cp: Tuple[int, int] = (1, 0)
+                ) -> List[tuple]:
     """A fixed validation set, the same whatever the layout: `eval_steps` global batches of
     windows 0, 1, 2, ... (wrapping) in order; DP rank d takes the d-th contiguous slice of each
     global batch, in micro-batches. The mean loss over all ranks is the serial run's.
 
     `sources` holds one TokenShards per dataset; for a blend, with their `weights`, position p
     takes its dataset from the greedy blend and that dataset's next window in order. `reads`:
-    and `cp` as for `TrainBatches` (a middle pipeline stage reads no token)."""
+    as for `TrainBatches` (a middle pipeline stage reads no token), `documents` and `cp`."""
     sizes = [s.num_samples(seq_len) for s in sources]
     if min(sizes) == 0:
         raise DataError(_no_val_window(seq_len))
@@ -257,10 +265,10 @@ def val_batches(sources: Sequence[TokenShards], micro_batch_size: int, seq_len: 
     per_rank = global_batch_size // dp_size
     positions = [k * global_batch_size + dp_rank * per_rank + j
                  for k in range(eval_steps) for j in range(per_rank)]
-    if not any(reads):
+    if not any(reads) and documents is None:
         return [(None, None)] * (len(positions) // micro_batch_size)
     datasets = np.array([pairs[p][0] for p in positions], dtype=np.int64)
     windows = read_windows(sources, datasets, np.array([pairs[p][1] for p in positions],
                                                         dtype=np.int64), seq_len)
-    return [_to_batch(windows[j:j + micro_batch_size], device, reads, cp)
+    return [_to_batch(windows[j:j + micro_batch_size], device, reads, documents, cp)
             for j in range(0, len(windows), micro_batch_size)]

@@ -153,7 +153,7 @@ class BlockChain:
             return 0
         return sum(1 for i in range(max(0, index), self.blocks) if i not in self.offloaded)
 
-    def run(self, index: int, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def run(self, index: int, module: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
         """Block `index`'s forward: offloaded or not, within the budget of blocks in transit,
         with the backward's hooks on its input (the first) and output."""
         if not self.input_hooked and x.requires_grad:
@@ -162,9 +162,9 @@ class BlockChain:
         self.offload.make_room(IN_TRANSIT - 1 + self.kept_from(index))
         if self.offloaded is not None and index in self.offloaded:
             with self.block(module, index):
-                out = module(x)
+                out = module(x, *args)
         else:
-            out = module(x)
+            out = module(x, *args)
         if out.requires_grad:
             out.register_hook(self._hook(index))
         return out

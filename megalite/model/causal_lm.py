@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config.schema import ModelConfig
+from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
+from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
@@ -62,13 +64,15 @@ class LMHead(nn.Module):
 class CausalLM(nn.Module):
     """One pipeline stage of a decoder-only LM (the whole model with the defaults: tp = pp = 1).
 
-    forward(inputs, labels=None):
+    forward(inputs, labels=None, per_sequence=False, documents=None):
       inputs: token ids [b, s] on the first stage, else the previous stage's hidden states.
       Not the last stage: returns hidden states [s, b, h] ([s/tp, b, h] with SP).
       Last stage: the mean token cross-entropy with `labels` [b, s]; with labels and
       `per_sequence=True` each sequence's summed cross-entropy [b] over its labels >= 0
       (`sequence_losses`: scoring, e.g. HellaSwag); without labels, the logits
-      [b, s, vocab_size] (gathered over TP, padding removed).
+      [b, s, vocab_size] (gathered over TP, padding removed). `documents`
+      (`megalite.data.documents`): attention within documents, positions restarting at each,
+      targets after EOS left out of the loss, as the run sets them; None: none of these.
 
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
     `cp` (context parallelism): this rank holds two chunks of every sequence
@@ -148,8 +152,10 @@ class CausalLM(nn.Module):
     def token_embedding(self) -> nn.Module:
         raise NotImplementedError
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+    def embed(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); `positions`
+        [b, s] restart per document (train.reset_positions), None: 0..s-1."""
         raise NotImplementedError
 
     def check_length(self, local_len: int) -> None:
@@ -193,17 +199,18 @@ class CausalLM(nn.Module):
         return n if self.recompute_layers is None else min(self.recompute_layers, n)
 
     def _run_block(self, index: int, block: nn.Module, x: torch.Tensor,
-                   chain: Optional[BlockChain]) -> torch.Tensor:
+                   chain: Optional[BlockChain], attn: Optional[AttentionInputs]) -> torch.Tensor:
         """Block `index` of this stage; recomputed in backward when recompute is on and the
         block is among the stage's first `recompute_layers` (all of them when None); with
         `chain` (activation offload, training) its saved tensors go to host memory when it is
-        among the offloaded blocks (`offloaded_blocks`)."""
+        among the offloaded blocks (`offloaded_blocks`). `attn`: the micro-batch's documents
+        and positions (None: causal over the window, positions 0..s-1)."""
         recomputed = self.recomputed_blocks()
         if index < recomputed and self.training and torch.is_grad_enabled():
-            return recompute_block(block, x, self.rng)
+            return recompute_block(block, x, self.rng, attn)
         if chain is not None:  # offloaded or not: the chain keeps the blocks in transit
-            return chain.run(index, block, x)
-        return block(x)
+            return chain.run(index, block, x, attn)
+        return block(x, attn)
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
         """Last stage: the final norm and the LM head -> this rank's vocabulary slice
@@ -218,10 +225,21 @@ class CausalLM(nn.Module):
         return cross_entropy(logits, targets, self.tp_group,
                              self.tp_group.rank * logits.shape[-1], self.cfg.vocab_size)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]."""
-        return self.token_losses(logits.reshape(-1, logits.shape[-1]),
-                                 labels.t().reshape(-1)).mean()
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
+             documents: Optional[Documents] = None) -> torch.Tensor:
+        """Mean cross-entropy over all tokens; logits [s, b, V/tp], labels [b, s]. With
+        `documents.counted` [b, s] (train.eos_loss=false) the counted targets' summed
+        cross-entropy / `documents.loss_share` (the step's counted targets per micro-batch and
+        DP x CP rank, `megalite.data.documents`: Megatron's per-token loss), or / this
+        micro-batch's count where no share is set (a forward outside the trainer). A rank
+        with no counted target gives 0."""
+        losses = self.token_losses(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
+        if documents is None or documents.counted is None:
+            return losses.mean()
+        weights = documents.counted.t().reshape(-1).to(losses.dtype)
+        share = documents.loss_share
+        return (losses * weights).sum() / (weights.sum().clamp(min=1.0) if share is None
+                                           else share)
 
     def sequence_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of each sequence [b] (fp64) over the positions whose label
@@ -237,45 +255,48 @@ class CausalLM(nn.Module):
         return per_token.view(s, b).double().sum(dim=0)
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                per_sequence: bool = False) -> torch.Tensor:
-        x = self.embed(inputs) if self.first else inputs
+                per_sequence: bool = False, documents: Optional[Documents] = None
+                ) -> torch.Tensor:
+        attn = AttentionInputs.of(documents)
+        positions = None if attn is None else attn.positions
+        x = self.embed(inputs, positions) if self.first else inputs
         offloading = self.offload is not None and self.training and torch.is_grad_enabled()
         chain = self.offload.chain(offloaded_blocks(
             len(self.blocks), self.recomputed_blocks(), self.offload.layers),
             len(self.blocks)) if offloading else None
         for index, block in enumerate(self.block_list()):
-            x = self._run_block(index, block, x, chain)
+            x = self._run_block(index, block, x, chain, attn)
         if not self.last:
             return x
         logits = self.logits_local(x)
         if labels is not None and per_sequence:
             return self.sequence_losses(logits, labels)
         if labels is not None:
-            return self.loss(logits, labels)
+            return self.loss(logits, labels, documents)
         return gather_vocab(logits, self.tp_group, self.cfg.vocab_size).transpose(0, 1)
 
 
-def recompute_block(block: nn.Module, x: torch.Tensor, rng: Optional[RNGTracker]
-                    ) -> torch.Tensor:
+def recompute_block(block: nn.Module, x: torch.Tensor, rng: Optional[RNGTracker],
+                    attn: Optional[AttentionInputs] = None) -> torch.Tensor:
     """Activation recomputation (Chen et al. 2016; Korthikanti 2022 "full" recompute): keep only
     the block's input and re-run its forward during backward. torch's checkpoint restores the
     default (replicated) RNG stream for the re-run; the TP stream is restored here, so the
     re-run draws the same dropout masks, and put back afterwards so later forwards continue
-    their own stream."""
+    their own stream. `attn` (the micro-batch's documents) is kept with the input."""
     if rng is None:
-        return checkpoint(block, x, use_reentrant=False)
+        return checkpoint(block, x, attn, use_reentrant=False)
     snapshot = rng.tp_state()
     calls = [0]
 
-    def run(inp: torch.Tensor) -> torch.Tensor:
+    def run(inp: torch.Tensor, attn: Optional[AttentionInputs]) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == 1:
-            return block(inp)
+            return block(inp, attn)
         current = rng.tp_state()
         rng.set_tp_state(snapshot)
         try:
-            return block(inp)
+            return block(inp, attn)
         finally:
             rng.set_tp_state(current)
 
-    return checkpoint(run, x, use_reentrant=False)
+    return checkpoint(run, x, attn, use_reentrant=False)

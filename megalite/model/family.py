@@ -128,6 +128,12 @@ class Family:
     def flops_formula(self) -> str:
         raise NotImplementedError
 
+    def attention_flops_per_pair(self, cfg: ModelConfig) -> int:
+        """Training FLOPs of one (query, key) pair over all layers and heads: QK^T and AV,
+        forward and backward, 12·L·h (so `flops_per_token`'s 12·L·h·s counts every query
+        against all s keys of its window: the dense count MFU keeps under any mask)."""
+        return 12 * cfg.n_layer * cfg.n_embd
+
     def block_parameters(self, cfg: ModelConfig) -> int:
         """One block's parameters (tp = 1): the time model's 2·P_block FLOPs a token."""
         raise NotImplementedError

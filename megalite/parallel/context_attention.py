@@ -23,6 +23,16 @@ Both skip the (query chunk, key chunk) pairs that causality masks entirely: a ch
 to the chunks before it in full and to itself causally. The ring's per-block product is the
 math form (scores of one chunk pair at a time, accumulated in fp32 or the inputs' fp64), not a fused kernel.
 
+Document masking (`train.attention_mask=document`): `documents` [b, local tokens] gives each
+local token its document's global id (ids non-decreasing along the sequence, as
+`megalite.data.documents` numbers them), and query t sees key u iff u <= t and their ids are
+equal. The ids travel with the keys (gathered with K/V, or passed round the ring with each
+block). Because ids only grow along the sequence, a key chunk before a query chunk is masked
+entirely when its last id is below the query chunk's first (in every sequence of the batch):
+the ring skips such pairs, forward and backward; the all-gather path starts each query chunk's
+keys at the first key of its first document. `AttentionWork` counts the (query, key) scores
+computed and skipped against the causal plan (per head, summed over the batch), when given.
+
 Tensors are [batch, heads, local tokens, head dim]; q has `hq` heads, k and v `hk` (hq a
 multiple of hk: grouped-query attention, each KV head serving hq / hk query heads).
 """
@@ -42,6 +52,15 @@ from megalite.parallel.group import Group
 CP_COMMS = ("allgather", "ring")
 
 
+@dataclass
+class AttentionWork:
+    """(query, key) scores per head, summed over the batch: `computed` by the kernel,
+    `skipped` of those the causal plan computes because the document mask empties them."""
+
+    computed: int = 0
+    skipped: int = 0
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """This rank's CP group and how attention communicates over it (`parallel.cp_comm`)."""
@@ -56,8 +75,12 @@ class ContextParallel:
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                 comm: str = "allgather", scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole CP-sharded sequence."""
+                 comm: str = "allgather", scale: Optional[float] = None,
+                 documents: Optional[torch.Tensor] = None,
+                 work: Optional[AttentionWork] = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole CP-sharded sequence; with
+    `documents` [b, local tokens] (global document ids of this rank's tokens) within each
+    document only. `work`, when given, accumulates the scores computed and skipped."""
     if comm not in CP_COMMS:
         raise ValueError(f"CP attention comm={comm!r}: use one of {', '.join(CP_COMMS)}")
     if q.shape[1] % k.shape[1]:
@@ -65,12 +88,31 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group
     if q.shape[2] != k.shape[2] or k.shape != v.shape or q.shape[2] % 2:
         raise ValueError(f"CP attention takes this rank's two chunks of every sequence: q {q.shape}, "
                          f"k {k.shape}, v {v.shape} (the same even token count)")
+    if documents is not None and tuple(documents.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"CP attention's document ids {tuple(documents.shape)}: one per local "
+                         f"token of every sequence, [{q.shape[0]}, {q.shape[2]}]")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    work = work if work is not None else AttentionWork()
     if group.size == 1:
-        return _sdpa(q, k, v, None, scale, causal=True)
+        return _local_attention(q, k, v, documents, scale, work)
     if comm == "allgather":
-        return _allgather_attention(q, k, v, group, scale)
-    return _RingAttention.apply(q, k, v, group, scale)
+        return _allgather_attention(q, k, v, group, scale, documents, work)
+    return _RingAttention.apply(q, k, v, group, scale, documents, work)
+
+
+def _local_attention(q, k, v, documents, scale: float, work: AttentionWork) -> torch.Tensor:
+    """cp = 1: the whole sequence is local (its two chunks in order)."""
+    n = q.shape[2]
+    work.computed += q.shape[0] * n * (n + 1) // 2
+    if documents is None:
+        return _sdpa(q, k, v, None, scale, causal=True)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return _sdpa(q, k, v, (causal & _same(documents, documents))[:, None], scale)
+
+
+def _same(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
+    """[b, nq, nk] bool: query and key in the same document."""
+    return q_ids[:, :, None] == k_ids[:, None, :]
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
@@ -103,18 +145,38 @@ class _GatherSequence(torch.autograd.Function):
         return out.permute(1, 2, 0, 3), None
 
 
-def _allgather_attention(q, k, v, group: Group, scale: float) -> torch.Tensor:
-    hk = k.shape[1]
+def _gather_ids(ids: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's document ids [b, L] -> the sequence's [b, cp·L] (no gradient)."""
+    local = ids.t().contiguous()
+    out = local.new_empty((local.shape[0] * group.size, local.shape[1]))
+    all_gather(out, local, group)
+    return context_shard.unshard(out, group.size, dim=0).t()
+
+
+def _allgather_attention(q, k, v, group: Group, scale: float, documents,
+                         work: AttentionWork) -> torch.Tensor:
+    hk, b = k.shape[1], q.shape[0]
     kv = _GatherSequence.apply(torch.cat([k, v], dim=1), group)
     k_all, v_all = kv[:, :hk], kv[:, hk:]
+    ids_all = _gather_ids(documents, group) if documents is not None else None
     c = q.shape[2] // 2
     outs = []
     for i, j in enumerate(context_shard.chunk_ids(group.size, group.rank)):
-        q_pos = torch.arange(j * c, (j + 1) * c, device=q.device)
-        k_pos = torch.arange((j + 1) * c, device=q.device)  # keys after chunk j: all masked
+        end = (j + 1) * c  # keys after chunk j: all masked
+        start = 0
+        if ids_all is not None:  # keys before the first key of the chunk's first document
+            q_ids = documents[:, i * c:(i + 1) * c]
+            start = int(torch.searchsorted(ids_all[:, :end].contiguous(),
+                                           q_ids[:, :1].contiguous()).min())
+        q_pos = torch.arange(j * c, end, device=q.device)
+        k_pos = torch.arange(start, end, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
-        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, :(j + 1) * c],
-                          v_all[:, :, :(j + 1) * c], mask, scale))
+        if ids_all is not None:
+            mask = (mask & _same(q_ids, ids_all[:, start:end]))[:, None]
+        work.computed += b * c * (end - start)
+        work.skipped += b * c * start
+        outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, start:end],
+                          v_all[:, :, start:end], mask, scale))
     return torch.cat(outs, dim=2)
 
 
@@ -135,15 +197,44 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, same: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
     """Scores of one chunk pair in the accumulation dtype, [b, hq, c, c]; k already expanded
-    to hq heads."""
+    to hq heads; `same` [b, c, c]: where query and key share a document (None: no mask)."""
     s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
                           float("-inf"))
+    if same is not None:
+        s = s.masked_fill(~same[:, None], float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp with its -inf rows (no key of the block visible) as 0, to subtract:
+    their probabilities come out 0 instead of NaN."""
+    return lse.masked_fill(torch.isinf(lse), 0.0)
+
+
+def _block_pairs(cp: int, q_rank: int, kv_rank: int, q_ids, kv_ids, c: int, b: int,
+                 work: Optional[AttentionWork]):
+    """The pairs of one ring step to compute, with each pair's document mask (None without
+    documents); fully masked off-diagonal pairs left out (counted in `work`)."""
+    pairs = []
+    for qi, ki, causal in _pairs(cp, q_rank, kv_rank):
+        same = None
+        if q_ids is not None:
+            qd, kd = q_ids[:, qi * c:(qi + 1) * c], kv_ids[:, ki * c:(ki + 1) * c]
+            if not causal and bool((kd[:, -1] < qd[:, 0]).all()):
+                if work is not None:
+                    work.skipped += b * c * c
+                continue
+            same = _same(qd, kd)
+        if work is not None:
+            work.computed += b * c * c
+        pairs.append((qi, ki, causal, same))
+    return pairs
 
 
 def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -160,7 +251,8 @@ def _fold(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def _merge(o, lse, o_blk, lse_blk):
     new = torch.logaddexp(lse, lse_blk)
-    return o * torch.exp(lse - new)[..., None] + o_blk * torch.exp(lse_blk - new)[..., None], new
+    at = _finite(new)  # a row with no visible key so far stays (0, -inf)
+    return o * torch.exp(lse - at)[..., None] + o_blk * torch.exp(lse_blk - at)[..., None], new
 
 
 def _ring_step(group: Group, sends, recvs):
@@ -170,30 +262,44 @@ def _ring_step(group: Group, sends, recvs):
                      group, async_op=True)
 
 
+def _pass_on(group: Group, block: torch.Tensor, ids: Optional[torch.Tensor], step: int):
+    """Post the K/V block (with its document ids) to the next rank and receive the previous
+    rank's, except at the last step: (the pending transfer, the (block, ids) to come)."""
+    if step == group.size - 1:
+        return None, None
+    nxt = torch.empty_like(block)
+    nxt_ids = torch.empty_like(ids) if ids is not None else None
+    sends, recvs = [block], [nxt]
+    if ids is not None:
+        sends.append(ids.contiguous())
+        recvs.append(nxt_ids)
+    return _ring_step(group, sends, recvs), (nxt, nxt_ids)
+
+
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, scale: float):
+    def forward(ctx, q, k, v, group: Group, scale: float, ids, work: AttentionWork):
         n, r, hk = group.size, group.rank, k.shape[1]
         g, c = q.shape[1] // hk, q.shape[2] // 2
         qc = q.split(c, dim=2)
         out = [_acc(torch.zeros_like(qc[0])) for _ in range(2)]
         lse = [torch.full_like(o[..., 0], float("-inf")) for o in out]
-        block = torch.cat([k, v], dim=1).contiguous()
+        block, block_ids = torch.cat([k, v], dim=1).contiguous(), ids
         for step in range(n):
-            nxt = torch.empty_like(block) if step < n - 1 else None
-            pending = _ring_step(group, [block], [nxt]) if nxt is not None else None
+            pending, nxt = _pass_on(group, block, block_ids, step)
             kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
-            for qi, ki, causal in _pairs(n, r, (r - step) % n):
-                s = _scores(qc[qi], kb[ki], causal, scale)
+            for qi, ki, causal, same in _block_pairs(n, r, (r - step) % n, ids, block_ids, c,
+                                                     q.shape[0], work):
+                s = _scores(qc[qi], kb[ki], causal, scale, same)
                 lse_blk = torch.logsumexp(s, dim=-1)
-                o_blk = torch.matmul(torch.exp(s - lse_blk[..., None]), _acc(vb[ki]))
+                o_blk = torch.matmul(torch.exp(s - _finite(lse_blk)[..., None]), _acc(vb[ki]))
                 out[qi], lse[qi] = _merge(out[qi], lse[qi], o_blk, lse_blk)
             if pending is not None:
                 pending.wait()
-                block = nxt
+                block, block_ids = nxt
         out_t = torch.cat(out, dim=2)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.ids = group, scale, ids
         ctx.save_for_backward(q, k, v, out_t, torch.cat(lse, dim=2))
         return out_t.to(q.dtype)
 
@@ -208,16 +314,18 @@ class _RingAttention(torch.autograd.Function):
         qc, doc = q.split(c, dim=2), dout.split(c, dim=2)
         lsec, deltac = lse.split(c, dim=2), delta.split(c, dim=2)
         dq = [_acc(torch.zeros_like(qc[0])) for _ in range(2)]
-        block = torch.cat([k, v], dim=1).contiguous()
+        ids = ctx.ids
+        block, block_ids = torch.cat([k, v], dim=1).contiguous(), ids
         dblock = _acc(torch.zeros_like(block))
         for step in range(n):
-            nxt = torch.empty_like(block) if step < n - 1 else None
-            pending = _ring_step(group, [block], [nxt]) if nxt is not None else None
+            pending, nxt = _pass_on(group, block, block_ids, step)
             kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
             dk = [_acc(torch.zeros_like(kb[0])) for _ in range(2)]
             dv = [_acc(torch.zeros_like(kb[0])) for _ in range(2)]
-            for qi, ki, causal in _pairs(n, r, (r - step) % n):
-                p = torch.exp(_scores(qc[qi], kb[ki], causal, scale) - lsec[qi][..., None])
+            for qi, ki, causal, same in _block_pairs(n, r, (r - step) % n, ids, block_ids, c,
+                                                     q.shape[0], None):
+                p = torch.exp(_scores(qc[qi], kb[ki], causal, scale, same)
+                              - lsec[qi][..., None])
                 dv[ki] += torch.matmul(p.transpose(-1, -2), doc[qi])
                 ds = p * (torch.matmul(doc[qi], _acc(vb[ki]).transpose(-1, -2))
                           - deltac[qi][..., None])
@@ -230,7 +338,7 @@ class _RingAttention(torch.autograd.Function):
             dblock = arrived
             if pending is not None:
                 pending.wait()
-                block = nxt
+                block, block_ids = nxt
         dk_own, dv_own = dblock.split(hk, dim=1)
         return (torch.cat(dq, dim=2).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype),
-                None, None)
+                None, None, None, None)

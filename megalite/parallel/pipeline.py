@@ -133,6 +133,13 @@ def _take(received: dict, key: Tuple[OpKind, int, int], link: StageLink) -> torc
     return link.arrived(tensor)
 
 
+def micro_batch_parts(batch: Sequence) -> Tuple:
+    """(inputs, targets, documents) of a micro-batch: (inputs, targets), or with the documents
+    its attention, positions and loss follow (`megalite.data.documents`; every stage has them,
+    read from its own copy of the batch: they never travel between stages)."""
+    return (batch[0], batch[1], None) if len(batch) == 2 else tuple(batch)
+
+
 def _backward_from(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
     """Backward through `output`'s graph even though `output` itself was freed after sending
     (its shape no longer matches `grad`; the autograd engine does not check it)."""
@@ -166,7 +173,9 @@ class PipelineSchedule:
     """Runs one stage's part of a training step or of a forward-only evaluation.
 
     A micro-batch is (inputs, targets); a stage reads only its part — the inputs where it holds
-    the first chunk, the targets where it holds the last — and the other may be None.
+    the first chunk, the targets where it holds the last — and the other may be None. A third
+    element, the micro-batch's documents (document masking, reset positions, EOS loss), goes to
+    every chunk's forward as `documents`.
 
     `chunks` are this rank's model chunks (one GPT2 stage each; several with the interleaved
     schedule), `chunk(inputs, labels)` the forward; `engine` gets told before each backward
@@ -277,20 +286,21 @@ class PipelineSchedule:
 
     def _forward(self, model, key: Tuple[int, int], arrived: Optional[torch.Tensor],
                  run: _Pass) -> List[torch.Tensor]:
-        x, y = run.micro_batches[key[1]]
+        x, y, documents = micro_batch_parts(run.micro_batches[key[1]])
         inp = x if arrived is None else arrived
+        extra = {} if documents is None else {"documents": documents}
         if not run.training:
             if model.last and run.per_sequence is not None:
-                run.per_sequence[key[1]] = model(inp, y, per_sequence=True)
+                run.per_sequence[key[1]] = model(inp, y, per_sequence=True, **extra)
                 return []
-            out = model(inp, y if model.last else None)
+            out = model(inp, y if model.last else None, **extra)
             if model.last:
                 run.loss_sum += out.double()
                 return []
             return [out]
         if arrived is not None:
             inp.requires_grad_()
-        out = model(inp, y if model.last else None)
+        out = model(inp, y if model.last else None, **extra)
         if model.last:
             run.loss_sum += out.detach()
             out = out / len(run.micro_batches)

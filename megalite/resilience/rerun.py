@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalite.data.documents import Documents
 from megalite.parallel import comm
 from megalite.parallel.norms import squares_fp64
 from megalite.parallel.topology import Topology
@@ -199,6 +200,8 @@ class RerunAttribution:
         return self._execute(execute, 2, theirs)
 
     def _from_predecessor(self, micro_batches: list) -> Tuple[list, dict]:
+        shares = [_loss_share(mb) for mb in micro_batches]
+        micro_batches = [_flat(mb) for mb in micro_batches]
         tensors = [t for mb in micro_batches for t in mb if t is not None]
         state = self.rng.state_dict() if self._rng_before is None else self._rng_before
         streams = [state[k] for k in sorted(state)]
@@ -210,8 +213,8 @@ class RerunAttribution:
         comm.all_gather(everyone, mine, group)
         flat = everyone.view(group.size, -1)[(group.rank - 1) % group.size]
         pieces = iter(flat.split([p.numel() for p in parts]))
-        theirs = [tuple(None if t is None else next(pieces).view_as(t).to(t.dtype) for t in mb)
-                  for mb in micro_batches]
+        theirs = [_unflat(tuple(None if t is None else next(pieces).view_as(t).to(t.dtype)
+                                for t in mb), share) for mb, share in zip(micro_batches, shares)]
         their_state = {k: next(pieces).to(torch.uint8).cpu().view_as(state[k])
                        for k in sorted(state)}
         return theirs, their_state
@@ -341,3 +344,26 @@ def use_deterministic_kernels(device: torch.device) -> bool:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     return True
+
+
+def _flat(micro_batch: tuple) -> tuple:
+    """A micro-batch's tensors (inputs, targets, then its documents' three, where it has
+    documents: `megalite.data.documents`), None for a part this rank did not read."""
+    if len(micro_batch) == 2:
+        return tuple(micro_batch)
+    docs = micro_batch[2]
+    return (*micro_batch[:2], docs.ids, docs.positions, docs.counted)
+
+
+def _loss_share(micro_batch: tuple) -> Optional[float]:
+    """The micro-batch's `Documents.loss_share` (a figure of the whole step, the same on every
+    DP replica), None without documents."""
+    return micro_batch[2].loss_share if len(micro_batch) > 2 else None
+
+
+def _unflat(tensors: tuple, loss_share: Optional[float]) -> tuple:
+    """The micro-batch of `_flat`'s tensors (the predecessor's: the documents' pair count,
+    a metric of the rank's own batch, is not carried) with the step's `loss_share`."""
+    if len(tensors) == 2:
+        return tensors
+    return (*tensors[:2], Documents(*tensors[2:], loss_share=loss_share))

@@ -114,28 +114,36 @@ def serial_runs(base: Config, rows: Sequence[Row], workdir: Path,
     return dict(zip(keys, results))
 
 
-def run_configs(configs: Sequence[Config], world: int, workdir: Path, steps: int = STEPS,
-                timeout_s: float = 900) -> List[List[dict]]:
-    """Runs that are no rows of the matrix (e.g. axes it does not have yet), each trained
-    `steps` steps without a break, in one spawned world of `world` ranks: per run, a result
-    per rank (`check_ranks` holds them against a serial run's)."""
+def _config_jobs(configs: Sequence[Config], world: int, workdir: Path, steps: int
+                 ) -> List[Tuple[List[Config], str]]:
+    """Each configuration trained `steps` steps without a break, in its own run directory."""
     jobs = []
     for i, cfg in enumerate(configs):
         cfg = copy.deepcopy(cfg)
         cfg.train.max_steps, cfg.checkpoint.dir = steps, f"{workdir}/c{world}r{i}/checkpoints"
         jobs.append(([cfg], f"{workdir}/c{world}r{i}"))
+    return jobs
+
+
+def run_configs(configs: Sequence[Config], world: int, workdir: Path, steps: int = STEPS,
+                timeout_s: float = 900) -> List[List[dict]]:
+    """Runs that are no rows of the matrix (e.g. axes it does not have yet), each trained
+    `steps` steps without a break, in one spawned world of `world` ranks: per run, a result
+    per rank (`check_ranks` holds them against a serial run's)."""
+    jobs = _config_jobs(configs, world, workdir, steps)
     per_rank = run_ranks(_rows_on_ranks, world, args=(jobs,), timeout_s=timeout_s)
     return [[per_rank[rank][i] for rank in range(world)] for i in range(len(configs))]
 
 
 def run_rows(base: Config, rows: Sequence[Row], workdir: Path,
-             timeout_s: float = 900) -> List[List[dict]]:
-    """Rows of one world size in one spawned world: per row, a result per rank."""
+             timeout_s: float = 900, configs: Sequence[Config] = ()) -> List[List[dict]]:
+    """Rows of one world size in one spawned world: per row, a result per rank; then, in the
+    same spawn, per run of `configs` (of the same world size, as `run_configs` trains them)."""
     (world,) = {world_size(r) for r in rows}
     jobs = [(_parts(base, r, f"{workdir}/w{world}r{i}", resume=True), f"{workdir}/w{world}r{i}")
-            for i, r in enumerate(rows)]
+            for i, r in enumerate(rows)] + _config_jobs(configs, world, workdir, STEPS)
     per_rank = run_ranks(_rows_on_ranks, world, args=(jobs,), timeout_s=timeout_s)
-    return [[per_rank[rank][i] for rank in range(world)] for i in range(len(rows))]
+    return [[per_rank[rank][i] for rank in range(world)] for i in range(len(jobs))]
 
 
 def _global(result: dict, which: str) -> Dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from megalite.checkpoint.resolve import checkpoint_root, set_aside_later_checkpo
 from megalite.checkpoint.save import written_numel
 from megalite.checkpoint.state import Progress
 from megalite.config.schema import Config
+from megalite.data.documents import document_rule
 from megalite.data.files import ShardFiles, open_file_budget, raise_open_file_limit
 from megalite.data.loader import TokenShards, TrainBatches, check_vocab
 from megalite.data.sampler import BlendedSampler, ResumableSampler
@@ -110,6 +111,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         sampler=sampler,
         batches=TrainBatches(train_shards, sampler, t.micro_batch_size, t.seq_len,
                              runtime.device, reads=stage_reads(model),
+                             documents=document_rule(t, train_shards[0].meta.get("eos_token_id"),
+                                                     train_shards[0].dir),
                              cp=(topo.cp_size, c.cp_rank)),
         batch_size=BatchSizeSchedule(t.global_batch_size, t.rampup_batch_size),
         model=model, engine=engine, schedule=schedule, loss_scaler=loss_scaler,

@@ -83,6 +83,13 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "parameters": counts.parameters,
         "flops_per_token": counts.flops_per_token,
         "flops_formula": counts.flops_formula,
+        "attention_mask": t.attention_mask,
+        "mfu_attention_flops": "dense: the 12*L*h*s attention term of flops_formula, whatever "
+                               "train.attention_mask" + (
+                                   "; the attention FLOPs computed within documents are each "
+                                   "line's attention_flops_masked (per step), beside "
+                                   "attention_flops_in_mfu" if t.attention_mask == "document"
+                                   else ""),
         "peak_tflops_per_device": peak.tflops, "peak_source": peak.source,
         "fp8": fp8_peak(cfg.fp8.recipe, rt.device),
         "device": str(rt.device), "compute_dtype": str(rt.compute_dtype),

@@ -100,6 +100,15 @@ def throughput(tokens: int, seconds: float, flops_per_token: int, world_size: in
             "mfu": tflops / peak.tflops if peak.tflops else None}
 
 
+def attention_flops(per_pair: int, visible_pairs: float, sequences: int, seq_len: int,
+                    steps: int) -> Dict[str, float]:
+    """Per step, the attention FLOPs computed under train.attention_mask=document (12·L·h per
+    (query, key) pair the mask leaves: Σ over documents of n(n+1)/2 pairs) beside the ones MFU
+    counts (the dense 12·L·h·s per token of `flops_per_token`, whatever the mask)."""
+    return {"attention_flops_masked": per_pair * visible_pairs / steps,
+            "attention_flops_in_mfu": per_pair * seq_len * seq_len * sequences / steps}
+
+
 # jsonl key -> wandb key; the prefixes are the panel sections of a wandb workspace.
 WANDB_SECTIONS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -113,6 +122,8 @@ WANDB_SECTIONS = {
     "pipeline_bubble_expected": "perf/pipeline_bubble_expected",
     "pipeline_in_flight": "perf/pipeline_in_flight",
     "checkpoint_blocked_s": "perf/checkpoint_blocked_s",
+    "attention_flops_masked": "perf/attention_flops_masked",
+    "attention_flops_in_mfu": "perf/attention_flops_in_mfu",
 }
 
 

@@ -18,7 +18,8 @@ from typing import List, Optional, Tuple
 from megalite.checkpoint.resolve import check_resume
 from megalite.config.layout import GpuInfo, Layout, device_type_for, validate
 from megalite.config.schema import Config, load_config
-from megalite.data.loader import check_data
+from megalite.data.documents import document_rule
+from megalite.data.loader import check_data, read_meta
 from megalite.eval.hellaswag import check_hellaswag
 from megalite.resilience.inject_target import check_inject_target
 from megalite.train.host_memory import check_host_memory
@@ -33,6 +34,8 @@ def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     check_data([d for d, _ in cfg.data.sources()], cfg.train.seq_len,
                cfg.train.global_batch_size, cfg.model.vocab_size,
                evaluates=cfg.train.eval_every > 0)
+    for data_dir, _ in cfg.data.sources():  # documents are found from the data's EOS
+        document_rule(cfg.train, read_meta(data_dir).get("eos_token_id"), data_dir)
     if cfg.init_from:
         check_init_from(cfg.init_from, cfg.model)
     check_resume(cfg)

@@ -28,8 +28,10 @@ from megalite.checkpoint.state import Progress, RunState
 from megalite.config.layout import Layout
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
+from megalite.data.documents import counted_targets, with_loss_share
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.eval.choice import ChoiceEval, ChoiceScores
+from megalite.model.families import family
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule
@@ -42,7 +44,13 @@ from megalite.resilience.stragglers import StragglerReport
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
 from megalite.train.loss_scale import LossScaler
-from megalite.train.metrics import MetricsWriter, Peak, peak_memory_bytes, throughput
+from megalite.train.metrics import (
+    MetricsWriter,
+    Peak,
+    attention_flops,
+    peak_memory_bytes,
+    throughput,
+)
 from megalite.train.offload_metrics import offload_memory
 from megalite.train.optim import lr_at
 from megalite.train.profiling import StepProfiler
@@ -151,6 +159,23 @@ class Trainer:
 
     # --- reporting ----------------------------------------------------------------------
 
+    def _visible_pairs(self) -> int:
+        """(query, key) pairs the document mask left in this rank's windows of the last step
+        (`Documents.visible_pairs`; 0 without documents)."""
+        return sum(mb[2].visible_pairs for mb in self.last_micro_batches if len(mb) > 2)
+
+    def _with_loss_share(self, micro_batches: list) -> list:
+        """train.eos_loss=false: the micro-batches with the loss share of their step (or of the
+        validation set), from the counted targets summed over DP x CP
+        (`megalite.data.documents.with_loss_share`); else unchanged."""
+        rule = self.batches.documents
+        if rule is None or rule.eos_loss:
+            return micro_batches
+        group = self.topo.grad_group
+        counted = comm.all_reduce_scalars([counted_targets(micro_batches)], group,
+                                          device=self.rt.device)[0]
+        return with_loss_share(micro_batches, counted, group.size)
+
     def _global_mean(self, value: float) -> float:
         """A value held by the last pipeline stage (0 elsewhere), averaged over the DP x CP
         ranks (each CP rank's loss is the mean over its equal share of the tokens: their mean
@@ -199,7 +224,7 @@ class Trainer:
         timers = self.timers
         self.last_batch_size = self.batch_size.at(self.sampler.consumed_samples)
         with timers.phase("data"):
-            micro_batches = self.batches.next_step(self.last_batch_size)
+            micro_batches = self._with_loss_share(self.batches.next_step(self.last_batch_size))
         self.last_micro_batches = micro_batches
         if self.rerun is not None:
             self.rerun.before_step()
@@ -226,11 +251,12 @@ class Trainer:
         run with train.eval_every=0 needs no validation windows)."""
         if self._val is None:
             t, c = self.cfg.train, self.topo.coords
-            self._val = val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
+            self._val = self._with_loss_share(val_batches(self.val_shards, t.micro_batch_size, t.seq_len,
                                     t.eval_steps, t.global_batch_size, dp_rank=c.dp_rank,
                                     dp_size=self.topo.dp_size, device=self.rt.device,
                                     weights=[w for _, w in self.data_sources],
-                                    reads=self.batches.reads, cp=self.batches.cp)
+                                    reads=self.batches.reads,
+                                    documents=self.batches.documents, cp=self.batches.cp))
         return self._val
 
     @torch.no_grad()
@@ -306,7 +332,7 @@ class Trainer:
                 collector.after_step(self.step)
                 interval.excluded_s += self.profiler.take_export_seconds()
                 interval.add_step(loss, counter.delta(counter.snapshot(), before),
-                                  self.last_batch_size)
+                                  self.last_batch_size, self._visible_pairs())
                 stopping = stop.reason()
                 end = self.step == t.max_steps
                 last = end or stopping is not None
@@ -367,6 +393,12 @@ class Trainer:
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
         record["step_phases_s"] = self._slowest_phases(steps)
+        documents = self.batches.documents
+        if documents is not None and documents.mask:  # each rank's queries', over DP x CP
+            pairs = comm.all_reduce_scalars([interval.visible_pairs], topo.grad_group,
+                                            self.rt.device)[0]
+            record.update(attention_flops(family(cfg.model).attention_flops_per_pair(cfg.model),
+                                          pairs, interval.samples, t.seq_len, steps))
         if self.planner is not None:  # measured next to predicted (layout=auto)
             record["predicted_step_time_s"] = self.planner["prediction"]["step_s"]
         if self.loss_scaler is not None:
@@ -393,10 +425,13 @@ class _Interval:
     comm: dict = field(default_factory=dict)  # bytes sent by the training steps
     excluded_s: float = 0.0  # evaluation, profiler export: not training time
     checkpoint_s: float = 0.0  # waiting for checkpoint saves
+    visible_pairs: int = 0  # attention (query, key) pairs under the document mask, this rank's
 
-    def add_step(self, loss: Optional[float], step_comm: dict, batch_size: int) -> None:
+    def add_step(self, loss: Optional[float], step_comm: dict, batch_size: int,
+                 visible_pairs: int = 0) -> None:
         self.steps += 1
         self.samples += batch_size
+        self.visible_pairs += visible_pairs
         if loss is not None:
             self.losses.append(loss)
         for key, counts in step_comm.items():

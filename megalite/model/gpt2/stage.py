@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import causal_attention, kernel_region, token_positions
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
+from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.gpt2.family import GPT2_FAMILY
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.group import Group
@@ -57,16 +58,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_group, sp)
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
-        self.kernel_region = kernel_region(attention)
+        self.kernel, self.kernel_region = attention, kernel_region(attention)
         self.cp = cp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # [s, b, 3 * heads * head_dim], this rank's [q_r | k_r | v_r]
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
-            y = causal_attention(q, k, v, p, self.cp)
+            if attn is not None and attn.ids is not None:
+                y = document_attention(q, k, v, attn, p, self.kernel, self.cp)
+            else:
+                y = causal_attention(q, k, v, p, self.cp)
         y = self.c_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
@@ -95,8 +99,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, tp_group, sp, residual_region)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -145,14 +149,19 @@ class GPT2(CausalLM):
             units += [t.ln_f, self.lm_head]
         return units
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); with CP `s`
-        is this rank's chunks' tokens, at their global positions."""
+        is this rank's chunks' tokens, at their global positions. `positions` [b, s] (restarting
+        per document) index the learned position embedding instead."""
         s = ids.shape[1]
         self.check_length(s)
         t = self.transformer
         x = t.wte(ids.t())
         chunk = sequence_chunk(s, self.tp_group, self.sequence_parallel)
-        pos = token_positions(s, self.cp, ids.device)[chunk.start:chunk.stop]
-        x = x + t.wpe(pos).unsqueeze(1)
+        if positions is None:
+            pos = token_positions(s, self.cp, ids.device)[chunk.start:chunk.stop]
+            x = x + t.wpe(pos).unsqueeze(1)
+        else:
+            x = x + t.wpe(positions[:, chunk].t())
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)

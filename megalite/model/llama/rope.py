@@ -10,7 +10,8 @@ the model's device: the same bits wherever the model lives. cos and sin are made
 from the positions 0..s-1 (the whole sequence: with sequence parallelism q and k come out of a
 column-parallel projection of the gathered sequence) in fp32, then cast to the activations'
 dtype (transformers' order of operations). With context parallelism the positions are those of
-the rank's chunks of the sequence (`megalite.parallel.context_shard.positions`).
+the rank's chunks of the sequence (`megalite.parallel.context_shard.positions`); with
+train.reset_positions, per sequence, positions that restart at each document.
 """
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [len(positions), head_dim] of the given (integer) positions, in `dtype`."""
-    freqs = positions.to(inv_freq.device, torch.float)[:, None] * inv_freq[None, :].float()
+    """cos and sin of the given (integer) positions, in `dtype`: [len(positions), head_dim] of
+    positions [s]; [b, 1, s, head_dim] (broadcast over heads) of positions [b, s] (restarting
+    per document)."""
+    freqs = positions.to(inv_freq.device, torch.float)[..., None] * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.dim() == 3:
+        emb = emb.unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

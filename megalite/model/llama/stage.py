@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import causal_attention, kernel_region, token_positions
 from megalite.model.causal_lm import CausalLM, RegionFactory, dropout
+from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.llama.family import LLAMA_FAMILY, kv_split
 from megalite.model.llama.rope import apply_rotary, cos_sin, inverse_frequencies
 from megalite.parallel.context_attention import ContextParallel
@@ -110,7 +111,7 @@ class LlamaAttention(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sp
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
-        self.kernel_region = kernel_region(attention)
+        self.kernel, self.kernel_region = attention, kernel_region(attention)
         self.cp = cp
         device = torch.empty(0).device  # the device the stage is being built on
         if inv_freq is None:
@@ -122,19 +123,23 @@ class LlamaAttention(nn.Module):
         s, b = t.shape[:2]
         return t.view(s, b, heads, self.head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
         q, k, v = column_parallel_linears(
             x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], self.tp_group,
             self.sequence_parallel, self.weight_grad_queue)
         s, b = q.shape[:2]
-        cos, sin = cos_sin(self.inv_freq, token_positions(s, self.cp, self.inv_freq.device),
-                           q.dtype)
+        positions = token_positions(s, self.cp, self.inv_freq.device) \
+            if attn is None or attn.positions is None else attn.positions
+        cos, sin = cos_sin(self.inv_freq, positions, q.dtype)
         q = apply_rotary(self._heads(q, self.heads), cos, sin)
         k = apply_rotary(self._heads(k, self.kv_heads), cos, sin)
         v = self._heads(v, self.kv_heads)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
-            y = causal_attention(q, k, v, p, self.cp)
+            if attn is not None and attn.ids is not None:
+                y = document_attention(q, k, v, attn, p, self.kernel, self.cp)
+            else:
+                y = causal_attention(q, k, v, p, self.cp)
         y = self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
         return dropout(y, self.resid_pdrop, self.training, self.residual_region)
 
@@ -166,8 +171,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.mlp = LlamaMLP(cfg, tp_group, sp, residual_region)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,8 +221,10 @@ class Llama(CausalLM):
             units += [self.model.norm, self.lm_head]
         return units
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP)."""
+    def embed(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or this rank's [s/tp, b, h] with SP); positions are
+        RoPE's, applied in attention."""
         self.check_length(ids.shape[1])
         x = self.model.embed_tokens(ids.t())
         return dropout(x, self.cfg.embd_pdrop, self.training, self.residual_region)

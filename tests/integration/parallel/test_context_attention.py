@@ -1,7 +1,10 @@
 """Context-parallel attention on real gloo ranks (cp 2 and 4): each rank's outputs and its
 dq / dk / dv equal full-sequence causal attention's on the rank's load-balanced chunks, for the
 all-gather and the ring paths, with as many KV heads as query heads and with grouped-query
-attention (only the KV heads travel)."""
+attention (only the KV heads travel); and with a document mask (global document ids carried
+by each rank's chunks) equal full-sequence attention within documents, the ring skipping the
+chunk pairs the documents mask entirely and the all-gather path the keys before a chunk's
+first document (the skipped work counted)."""
 from __future__ import annotations
 
 import pytest
@@ -19,37 +22,50 @@ def _errors(rank, world):
     import torch.nn.functional as F
 
     from megalite.parallel import context_shard
-    from megalite.parallel.context_attention import cp_attention
+    from megalite.parallel.context_attention import AttentionWork, cp_attention
     from megalite.parallel.group import CommCounter, Group
 
     group = Group("cp", list(range(world)), rank, dist.group.WORLD, CommCounter())
-    seq = 4 * world  # chunks of 2 tokens
-    errors = {}
-    for hk in (HQ, 2):
+    seq = 8 * world  # chunks of 4 tokens
+    errors, skipped = {}, {}
+    # two sequences' documents: a short one, one across the middle chunks, one to the end
+    ids = torch.tensor([[0] * 5 + [1] * (4 * world - 2) + [2] * (4 * world - 3),
+                        [0] * 3 + [1] * (4 * world + 1) + [2] * (4 * world - 4)])
+    same = (ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    for hk, docs in ((HQ, None), (2, None), (2, ids)):
         torch.manual_seed(hk)  # the same global tensors on every rank
         q, k, v = (torch.randn(B, h, seq, D, dtype=torch.float64) for h in (HQ, hk, hk))
         gout = torch.randn(B, HQ, seq, D, dtype=torch.float64)
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
         g = HQ // hk
-        out = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(g, 1),
-                                             ref[2].repeat_interleave(g, 1), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            ref[0], ref[1].repeat_interleave(g, 1), ref[2].repeat_interleave(g, 1),
+            is_causal=docs is None, attn_mask=None if docs is None else same[:, None])
         (out * gout).sum().backward()
 
-        def mine(t):
-            return context_shard.shard(t, world, rank, dim=2)
+        def mine(t, dim=2):
+            return context_shard.shard(t, world, rank, dim=dim)
         for comm in ("allgather", "ring"):
             ours = [mine(t).clone().requires_grad_() for t in (q, k, v)]
-            o = cp_attention(*ours, group, comm)
+            work = AttentionWork()
+            o = cp_attention(*ours, group, comm, documents=None if docs is None else
+                             mine(docs, dim=1), work=work)
             (o * mine(gout)).sum().backward()
+            case = (comm, hk, docs is not None)
+            skipped[case] = work.skipped
             for name, a, b in [("out", o, mine(out)), *[(f"d{n}", t.grad, mine(r.grad))
                                for n, t, r in zip("qkv", ours, ref)]]:
-                errors[(comm, hk, name)] = ((a - b).abs().max() / b.abs().max()).item()
-    return errors
+                errors[(*case, name)] = ((a - b).abs().max() / b.abs().max()).item()
+    return errors, skipped
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_equals_full_sequence_attention(cp):
-    for errors in run_ranks(_errors, cp, timeout_s=240):
-        assert len(errors) == 16
+    results = run_ranks(_errors, cp, timeout_s=240)
+    for errors, _ in results:
+        assert len(errors) == 24
         bad = {key: e for key, e in errors.items() if not e < 1e-10}
         assert not bad, bad
+    for comm in ("allgather", "ring"):  # documents skip work; causal attention skips none
+        assert sum(skipped[(comm, 2, True)] for _, skipped in results) > 0, comm
+        assert all(skipped[(comm, 2, False)] == 0 for _, skipped in results)

@@ -151,8 +151,10 @@ def _all_runs(rank, world, tiny_data, run_dir):
         "transient grad": _drill(rank, world, tiny_data, f"{run_dir}/tg", [
             "zero=0", "resilience.rerun=on_spike", "resilience.spike_warmup=1",
             inject.format(0, "grad", "transient")]),
-        "persistent param": _drill(rank, world, tiny_data, f"{run_dir}/pp", [
-            "zero=0", "resilience.rerun=on_nan", inject.format(1, "param", "persistent")]),
+        "persistent param": _drill(rank, world, tiny_data, f"{run_dir}/pp", [  # documents
+            "zero=0", "resilience.rerun=on_nan", inject.format(1, "param", "persistent"),
+            "train.attention_mask=document", "train.eos_loss=false"]),  # travel to the
+        # other replica with its tokens, which recomputes them
         "data": _poisoned(rank, world, tiny_data, f"{run_dir}/data",
                           ["zero=1", "resilience.rerun=on_nan"]),
         "skipping": _poisoned(rank, world, tiny_data, f"{run_dir}/skip", ["zero=1"]),

@@ -1,11 +1,11 @@
 """The combination matrix of strength 2 (docs/combinations.md): every pair of values of two
 feature axes that megalite does not refuse is in some run (`combinations.matrix_rows`, seed
-0: 27 runs of 1-8 ranks, 10 of them with cp 2 (both parallel.cp_comm modes), the first one
-Llama with its KV head replicated over tp=2 under optimizer offload), and each run trains
-through a checkpoint and a resume and equals its serial run (`megalite.testing.matrix
-.check_row`: losses, grad norms, final master weights; fp32 within 1e-5, bf16 and FP8 within
-the bounds stated there). The runs share spawns: one world per world size, the serial runs
-made once each in one rank.
+0: 23 runs of 2-8 ranks, 11 of them with cp 2 (both parallel.cp_comm modes) and 11 with the
+document mask, 6 with both; the first one Llama with its KV head replicated over tp=2 under
+optimizer offload), and each run trains through a checkpoint and a resume and equals its
+serial run (`megalite.testing.matrix.check_row`: losses, grad norms, final master weights;
+fp32 within 1e-5, bf16 and FP8 within the bounds stated there). The runs share spawns: one
+world per world size, the serial runs made once each in one rank.
 """
 from __future__ import annotations
 

@@ -119,8 +119,8 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(tiny_data, tmp_path):
     real_loss = model.loss
     bad_steps = {2}  # 0-based: the third step gets a NaN loss
 
-    def planted(logits, labels):
-        loss = real_loss(logits, labels)
+    def planted(logits, labels, documents=None):
+        loss = real_loss(logits, labels, documents)
         return loss * float("nan") if trainer.step in bad_steps else loss
 
     model.loss = planted

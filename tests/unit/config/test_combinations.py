@@ -71,10 +71,11 @@ def test_the_array_covers_every_pair_that_runs(base):
     assert set(combinations_of(sizes, 2)) - gone == covered
     assert all(refusal(base, r) is None for r in rows)
     assert all(world_size(r) <= MAX_RANKS for r in rows)
-    assert len(rows) <= 30  # the suite's budget: 27 with seed 0 (23 before the cp axis)
+    assert len(rows) <= 30  # the suite's budget: 23 with seed 0 (cp and attention-mask axes)
     for regression in REGRESSIONS:  # in the first rows, whatever the strength
         assert any(all(labels(r)[k] == v for k, v in regression.items()) for r in rows)
-    assert sum(world_size(r) > 4 for r in rows) <= len(rows) // 3
+    # cp multiplies the world (tp*cp*pp*dp): 11 of the 23 runs at seed 0 have 8 ranks
+    assert sum(world_size(r) > 4 for r in rows) <= len(rows) // 2
 
 
 def test_settings_a_value_refuses_are_refused_by_validation_naming_both(base):

@@ -78,6 +78,9 @@ def bad(overrides, world_size=1):
     (["checkpoint.timeout_s=0"], 1, "checkpoint.timeout_s=0.0: must be a positive number"),
     (["train.attention=fa3"], 1, "train.attention='fa3': use one of auto, flash, cudnn"),
     (["train.attention=cudnn", "device=cpu"], 1, "train.attention='cudnn': this kernel runs on CUDA"),
+    (["train.attention_mask=block"], 1, "train.attention_mask='block': use one of causal, document"),
+    (["train.attention_mask=document", "train.attention=flash"], 1,
+     "train.attention='flash': this SDPA kernel takes no document mask"),
     # context parallelism: what cp > 1 does not run, by its key
     (["cp=2", "model.attn_pdrop=0.1"], 2, "model.attn_pdrop=0.1: is not supported with cp=2"),
     (["cp=2", "train.attention=flash"], 2, "train.attention='flash': is not supported with cp=2"),

@@ -1,0 +1,109 @@
+"""Attention within documents (`train.attention_mask=document`): a token attends to the earlier
+tokens of its own document only, as Llama 3 trained ("an attention mask that prevents
+self-attention between different documents within the same sequence", Dubey et al. 2024 §3.2)
+and Megatron's --reset-attention-mask does. The documents come with the batch
+(`megalite.data.documents`: ids from the EOS tokens of each window); query t sees key u iff
+
+    u <= t  and  ids[u] == ids[t]
+
+(a block-diagonal of causal triangles). Two kernels compute it:
+
+  CUDA, no attention dropout, train.attention=auto
+      FlexAttention (Dong et al. 2024, `torch.nn.attention.flex_attention`, compiled) with a
+      block-sparse `BlockMask` made once per micro-batch from the ids: blocks of 128×128 that
+      the mask empties are never computed, so packed documents cost about their own causal
+      work (to the 128-token block). Not yet run on a GPU by megalite's tests.
+  otherwise (CPU, dropout, train.attention=efficient|math)
+      SDPA with the dense boolean mask [b, 1, s, s] (memory s² per sequence).
+
+`AttentionInputs` is what one micro-batch's forward gives every block beyond its activations
+(the documents' ids, and the positions when they restart per document); it is made once per
+forward and its masks are cached in it, so every block (and a recomputed one, in backward)
+uses the same.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megalite.data.documents import Documents
+from megalite.parallel.context_attention import ContextParallel, cp_attention
+
+
+@dataclass
+class AttentionInputs:
+    """The per-micro-batch inputs of attention: `ids` [b, s] (None: causal across documents),
+    `positions` [b, s] (None: 0..s-1). Over the whole sequence, as attention sees it (with
+    sequence parallelism q and k are made from the gathered sequence)."""
+
+    ids: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def of(documents: Optional[Documents]) -> Optional["AttentionInputs"]:
+        if documents is None or (documents.ids is None and documents.positions is None):
+            return None
+        return AttentionInputs(documents.ids, documents.positions)
+
+    def sdpa_mask(self) -> torch.Tensor:
+        """[b, 1, s, s] bool: True where the query may see the key."""
+        if "sdpa" not in self._masks:
+            ids = self.ids
+            s = ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+            self._masks["sdpa"] = (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+        return self._masks["sdpa"]
+
+    def block_mask(self):
+        """FlexAttention's block-sparse mask of the documents (built compiled, on CUDA)."""
+        if "flex" not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            ids = self.ids
+
+            def same_document_causal(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+            b, s = ids.shape
+            self._masks["flex"] = create_block_mask(same_document_causal, B=b, H=None,
+                                                    Q_LEN=s, KV_LEN=s, device=ids.device,
+                                                    _compile=True)
+        return self._masks["flex"]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def uses_flex(q: torch.Tensor, p: float, choice: str) -> bool:
+    """Whether `document_attention` runs FlexAttention for these inputs."""
+    return q.is_cuda and p == 0.0 and choice == "auto"
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       inputs: AttentionInputs, p: float, choice: str,
+                       cp: Optional[ContextParallel] = None) -> torch.Tensor:
+    """Attention within documents of q [b, hq, s, d] over k, v [b, hk, s, d] (hq a multiple
+    of hk: grouped-query attention, query head i reading KV head i // (hq / hk)), dropout
+    `p` on the probabilities, `choice` = train.attention (the SDPA kernel where SDPA runs).
+    With a CP group of more than one rank, `s` is this rank's chunks and `inputs.ids` their
+    documents' global ids: `cp_attention` carries them with the keys (no attention dropout
+    with cp > 1, refused before launch)."""
+    if cp is not None and cp.group.size > 1:
+        return cp_attention(q, k, v, cp.group, cp.comm, documents=inputs.ids)
+    gqa = q.shape[1] != k.shape[1]
+    if uses_flex(q, p, choice):
+        return _compiled_flex_attention()(q, k, v, block_mask=inputs.block_mask(),
+                                          enable_gqa=gqa)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.sdpa_mask(), dropout_p=p)
