@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megalite.checkpoint.async_save import CheckpointSaver
 from megalite.checkpoint.state import Progress, RunState
@@ -43,6 +42,7 @@ from megalite.resilience.rerun import RerunAttribution
 from megalite.resilience.stragglers import StragglerReport
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.gc_control import ScheduledGC
+from megalite.train.interval import Interval, measured_bubble, slowest_phases
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import (
     MetricsWriter,
@@ -57,7 +57,7 @@ from megalite.train.profiling import StepProfiler
 from megalite.train.runtime import Runtime
 from megalite.train.step_guard import StepGuard
 from megalite.train.stop import StopRequest
-from megalite.train.timers import PHASES, StepTimers
+from megalite.train.timers import StepTimers
 from megalite.utils.log import get_logger
 
 
@@ -184,27 +184,6 @@ class Trainer:
         value = comm.all_reduce_scalars([value], topo.pp_group, device=self.rt.device)[0]
         return comm.all_reduce_scalars([value], group, device=self.rt.device)[0] / group.size
 
-    def _slowest_phases(self, steps: int) -> dict:
-        """Seconds per step in each phase of the step (`megalite.train.timers`), of the rank
-        slowest in that phase."""
-        spent = self.timers.take()
-        values = [spent[p] / steps for p in PHASES]
-        for group in (self.topo.mp_group, self.topo.grad_group):  # together: the whole world
-            values = comm.all_reduce_scalars(values, group, self.rt.device,
-                                             op=dist.ReduceOp.MAX)
-        return dict(zip(PHASES, values))
-
-    def _measured_bubble(self) -> float:
-        """Idle fraction of this log step's pipeline, averaged over the stages. The stages start
-        the step together (the previous step ended with a global reduction), so each stage's
-        idle time counts against the step's common length, the longest stage's: a stage that
-        finishes its last backward early waits for the earlier stages' backwards."""
-        trace, group = self.schedule.trace, self.topo.pp_group
-        wall = comm.all_reduce_scalars([trace.wall], group, op=dist.ReduceOp.MAX,
-                                       device=self.rt.device)[0]
-        idle = 1.0 - trace.busy / wall if wall > 0 else 0.0
-        return comm.all_reduce_scalars([idle], group, device=self.rt.device)[0] / self.topo.pp_size
-
     # --- the loop -----------------------------------------------------------------------
 
     def train_step(self) -> Tuple[Optional[float], float]:
@@ -319,7 +298,7 @@ class Trainer:
         counter = self.topo.counter
         records: List[dict] = []
         self.rt.synchronize()
-        interval = _Interval()
+        interval = Interval()
         self.timers.reset()  # phases of steps run outside fit are not this interval's
         if self.stragglers is not None:
             self.stragglers.start(self.step)
@@ -357,7 +336,7 @@ class Trainer:
                         records[-1]["straggler_report"] = stragglers
                     if self.writer is not None:
                         self.writer.log(records[-1])
-                    interval = _Interval()
+                    interval = Interval()
                 if stopping is not None:
                     get_logger().info(f"stopped after step {self.step} "
                                       f"({stopping}); the checkpoint of this step continues it "
@@ -368,12 +347,12 @@ class Trainer:
         self.engine.wait_for_params()
         return records
 
-    def _record(self, interval: "_Interval", val_loss: Optional[float], grad_norm: float
+    def _record(self, interval: Interval, val_loss: Optional[float], grad_norm: float
                 ) -> dict:
         """The metrics line closing `interval` (collective: means and norms over ranks)."""
         cfg, topo, t = self.cfg, self.topo, self.cfg.train
         self.rt.synchronize()
-        elapsed = time.perf_counter() - interval.t0 - interval.excluded_s - interval.checkpoint_s
+        elapsed = interval.training_seconds()
         steps, losses = interval.steps, interval.losses
         per_step = {k: {n: v / steps for n, v in c.items()}
                     for k, c in interval.comm.items() if c.get("calls")}
@@ -392,7 +371,7 @@ class Trainer:
                   "checkpoint_blocked_s": interval.checkpoint_s,
                   "skipped_steps": steps - len(losses),
                   "skipped_total": self.skipped_steps}
-        record["step_phases_s"] = self._slowest_phases(steps)
+        record["step_phases_s"] = slowest_phases(self.timers, topo, self.rt.device, steps)
         documents = self.batches.documents
         if documents is not None and documents.mask:  # each rank's queries', over DP x CP
             pairs = comm.all_reduce_scalars([interval.visible_pairs], topo.grad_group,
@@ -404,7 +383,7 @@ class Trainer:
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if topo.pp_size > 1:
-            record["pipeline_bubble"] = self._measured_bubble()
+            record["pipeline_bubble"] = measured_bubble(self.schedule.trace, topo, self.rt.device)
             record["pipeline_in_flight"] = self.schedule.peak_in_flight
             record["pipeline_bubble_expected"] = expected_bubble(
                 topo.pp_size, self.layout.micro_batches(self.last_batch_size),
@@ -413,28 +392,3 @@ class Trainer:
             self.schedule.trace.dump(self.run_dir / "pipeline_trace" / f"rank{self.rank:05d}.json",
                                      topo.coords.pp_rank, self.rank)
         return record
-
-
-@dataclass
-class _Interval:
-    """What the steps since the last metrics line add up to."""
-    t0: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-    samples: int = 0  # sequences trained on (the global batch sizes of the steps)
-    losses: List[float] = field(default_factory=list)  # of the steps not skipped
-    comm: dict = field(default_factory=dict)  # bytes sent by the training steps
-    excluded_s: float = 0.0  # evaluation, profiler export: not training time
-    checkpoint_s: float = 0.0  # waiting for checkpoint saves
-    visible_pairs: int = 0  # attention (query, key) pairs under the document mask, this rank's
-
-    def add_step(self, loss: Optional[float], step_comm: dict, batch_size: int,
-                 visible_pairs: int = 0) -> None:
-        self.steps += 1
-        self.samples += batch_size
-        self.visible_pairs += visible_pairs
-        if loss is not None:
-            self.losses.append(loss)
-        for key, counts in step_comm.items():
-            acc = self.comm.setdefault(key, {})
-            for name, value in counts.items():
-                acc[name] = acc.get(name, 0) + value
