@@ -5,10 +5,13 @@ Each CP rank holds two chunks of every sequence (`context_shard`: chunks r and 2
 ways, `parallel.cp_comm`:
 
   allgather  K and V are all-gathered over CP (one collective, only the KV heads: cheap under
-             grouped-query attention) and each local query chunk attends to the keys up to its
-             own chunk through SDPA with a boolean mask; in backward the gathered K/V
-             gradients are reduce-scattered back to their owners. Llama 3's choice (Dubey et
-             al. 2024, §3.3.2).
+             grouped-query attention, which the attention kernel runs without repeating K/V)
+             and each local query chunk attends to the keys up to its own chunk without a
+             mask: on CPU the keys before the chunk and the chunk's own (causally) are two
+             flash calls merged by their log-sum-exp (as the ring's below), elsewhere SDPA
+             with `causal_lower_right`; under document masking SDPA with a boolean mask. In
+             backward the gathered K/V gradients are reduce-scattered back to their owners.
+             Llama 3's choice (Dubey et al. 2024, §3.3.2).
   ring       K/V blocks travel around the CP ring (cp − 1 sends, each posted before the block
              in hand is computed) and the partial results are merged by their log-sum-exp
              (Liu et al. 2023, Ring Attention; the online softmax of Milakov & Gimelshein 2018):
@@ -44,6 +47,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from megalite.parallel import context_shard
 from megalite.parallel.comm import all_gather, reduce_scatter, send_recv
@@ -116,10 +120,10 @@ def _same(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    """SDPA; under grouped-query attention each KV head serves its query heads in the kernel
+    (`enable_gqa`), no K/V repeated."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 # --- all-gather ------------------------------------------------------------------------------
@@ -155,29 +159,87 @@ def _gather_ids(ids: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _allgather_attention(q, k, v, group: Group, scale: float, documents,
                          work: AttentionWork) -> torch.Tensor:
-    hk, b = k.shape[1], q.shape[0]
+    hk, b, c = k.shape[1], q.shape[0], q.shape[2] // 2
     kv = _GatherSequence.apply(torch.cat([k, v], dim=1), group)
+    chunks = context_shard.chunk_ids(group.size, group.rank)
+    if documents is None:
+        work.computed += sum(b * c * (j + 1) * c for j in chunks)
+        if q.device.type == "cpu":
+            return _PrefixAttention.apply(q, kv, hk, chunks, scale)
+        return torch.cat([_sdpa(q[:, :, i * c:(i + 1) * c], kv[:, :hk, :(j + 1) * c],
+                                kv[:, hk:, :(j + 1) * c], causal_lower_right(c, (j + 1) * c), scale)
+                          for i, j in enumerate(chunks)], dim=2)
     k_all, v_all = kv[:, :hk], kv[:, hk:]
-    ids_all = _gather_ids(documents, group) if documents is not None else None
-    c = q.shape[2] // 2
+    ids_all = _gather_ids(documents, group)
     outs = []
-    for i, j in enumerate(context_shard.chunk_ids(group.size, group.rank)):
+    for i, j in enumerate(chunks):
         end = (j + 1) * c  # keys after chunk j: all masked
-        start = 0
-        if ids_all is not None:  # keys before the first key of the chunk's first document
-            q_ids = documents[:, i * c:(i + 1) * c]
-            start = int(torch.searchsorted(ids_all[:, :end].contiguous(),
-                                           q_ids[:, :1].contiguous()).min())
+        q_ids = documents[:, i * c:(i + 1) * c]  # keys before the chunk's first document: none
+        start = int(torch.searchsorted(ids_all[:, :end].contiguous(),
+                                       q_ids[:, :1].contiguous()).min())
         q_pos = torch.arange(j * c, end, device=q.device)
         k_pos = torch.arange(start, end, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if ids_all is not None:
-            mask = (mask & _same(q_ids, ids_all[:, start:end]))[:, None]
+        mask = (k_pos[None, :] <= q_pos[:, None]) & _same(q_ids, ids_all[:, start:end])
         work.computed += b * c * (end - start)
         work.skipped += b * c * start
         outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, start:end],
-                          v_all[:, :, start:end], mask, scale))
+                          v_all[:, :, start:end], mask[:, None], scale))
     return torch.cat(outs, dim=2)
+
+
+def _flash_cpu(q, k, v, causal: bool, scale: float):
+    """CPU flash attention's (output, log-sum-exp), KV heads shared by their query heads."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """Each local query chunk (global chunk j of 2·cp, c tokens) over the gathered keys
+    [0, (j + 1)·c) without a mask: the keys before the chunk in full and the chunk's own
+    causally (top-left aligned), two flash calls merged by their log-sum-exp as in the ring.
+    Saves the gathered K|V, the output and its log-sum-exp; backward runs the flash backward
+    of each part against the merged output and log-sum-exp (the FlashAttention-2 backward of
+    a key block under the full softmax). CPU only (the CPU flash kernel returns the
+    log-sum-exp; elsewhere `causal_lower_right` keeps SDPA maskless)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, hk: int, chunks, scale: float):
+        c = q.shape[2] // 2
+        outs, lses = [], []
+        for i, j in enumerate(chunks):
+            qi, k, v = q[:, :, i * c:(i + 1) * c], kv[:, :hk], kv[:, hk:]
+            o, lse = _flash_cpu(qi, k[:, :, j * c:(j + 1) * c], v[:, :, j * c:(j + 1) * c],
+                                True, scale)
+            o = _acc(o)
+            if j:
+                o_pre, lse_pre = _flash_cpu(qi, k[:, :, :j * c], v[:, :, :j * c], False, scale)
+                o, lse = _merge(o, lse, _acc(o_pre), lse_pre)
+            outs.append(o.to(q.dtype))
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.hk, ctx.chunks, ctx.scale = hk, chunks, scale
+        ctx.save_for_backward(q, kv, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        hk, scale, c = ctx.hk, ctx.scale, q.shape[2] // 2
+        dq, dkv = torch.empty_like(q), torch.zeros_like(kv)
+        k, v, dk, dv = kv[:, :hk], kv[:, hk:], dkv[:, :hk], dkv[:, hk:]
+        for i, j in enumerate(ctx.chunks):
+            part = slice(i * c, (i + 1) * c)
+            args = (dout[:, :, part].contiguous(), q[:, :, part])
+            tail = (out[:, :, part], lse[:, :, part], 0.0)
+            for keys, causal in ((slice(j * c, (j + 1) * c), True), (slice(0, j * c), False)):
+                if keys.stop == 0:
+                    continue
+                g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    *args, k[:, :, keys], v[:, :, keys], *tail, causal, scale=scale)
+                dq[:, :, part] = g[0] if causal else _acc(dq[:, :, part]) + _acc(g[0])
+                dk[:, :, keys] += g[1]
+                dv[:, :, keys] += g[2]
+        return dq, dkv, None, None, None
 
 
 # --- ring ------------------------------------------------------------------------------------

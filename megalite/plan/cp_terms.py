@@ -8,20 +8,20 @@ them), d the head dim, e the compute dtype's bytes, a = 4 the kernels' accumulat
 (fp32; the compute dtype's where wider); KV = e·b·2·hk·d·L the rank's K and V (`kv_bytes`).
 
 Saved for backward beyond the family's formula at L tokens (`saved_bytes`):
-  allgather   without grouped-query attention, SDPA keeps views of the gathered K and V:
-              cp·KV; with it (hq > hk) the kernel repeats K and V to hq heads before SDPA,
-              which keeps the repeated keys of each chunk (chunk j of 2·cp attends to
-              (j + 1)·c keys; the two chunks together (2cp + 1)·c): 2·e·b·hq·d·(2cp + 1)·c;
-              and each chunk's causal mask, which SDPA keeps as an additive mask in the
-              compute dtype: e·(2cp + 1)·c² (shared by the batch and the heads)
+  allgather   the gathered K and V, cp·KV (only the KV heads: grouped-query attention runs
+              in the kernel, no K/V repeated; no mask: each query chunk's keys before it and
+              its own causal block are two flash calls merged by their log-sum-exp, whose
+              log-sum-exp and the output are the family's own terms); under document
+              masking (`train.attention_mask=document`) SDPA keeps each chunk's mask in the
+              compute dtype (e·b·c·(j + 1)·c for chunk j at most) and output, not counted here
   ring        the merged output in fp32 (a·b·hq·d·L, where e < a; the log-sum-exp is the
               family's own term)
 Working bytes at the attention's peak (`working_bytes`; the forward moment and a block's
 backward take them):
-  allgather   forward: the gathered K and V (cp·KV, where SDPA keeps repeats instead) + the
-              local K|V concatenation and its sequence-first copy (2·KV); backward: the
-              gathered K/V gradient and its resharded copy (2·cp·KV) + with grouped-query
-              attention the repeated keys' gradients of the larger chunk (2·e·b·hq·d·s)
+  allgather   forward: the local K|V concatenation and its sequence-first copy (2·KV) + the
+              larger chunk's two partial outputs and their merge in the accumulation dtype
+              (3·a·b·hq·d·c); backward: the gathered K/V gradient and its resharded copy
+              (2·cp·KV) + the dK, dV of the larger chunk's keys before it ((2cp − 1)/2·KV)
   ring        forward: two K/V blocks in flight (2·KV) + their expansion to hq heads under
               grouped-query attention (2·e·b·hq·d·L) + the partial outputs and a merge's
               temporary (2·a·b·hq·d·L) + one chunk pair's scores, shifted and exponentiated
@@ -75,13 +75,10 @@ def saved_bytes(cfg: Config, layout: Layout, e: int) -> float:
     cp = layout.cp_size
     if cp == 1:
         return 0.0
-    hq, hk, d, _, c, b, a = _sizes(cfg, layout, e)
-    if cfg.parallel.cp_comm == "ring":
-        return float(a * b * hq * d * 2 * c) if e < a else 0.0
-    mask = e * (2 * cp + 1) * c * c
-    if hq > hk:
-        return float(2 * e * b * hq * d * (2 * cp + 1) * c + mask)
-    return cp * kv_bytes(cfg, layout, e) + mask
+    if cfg.parallel.cp_comm == "allgather":
+        return cp * kv_bytes(cfg, layout, e)
+    hq, _, d, _, c, b, a = _sizes(cfg, layout, e)
+    return float(a * b * hq * d * 2 * c) if e < a else 0.0
 
 
 def working_bytes(cfg: Config, layout: Layout, e: int) -> Dict[str, float]:
@@ -92,8 +89,8 @@ def working_bytes(cfg: Config, layout: Layout, e: int) -> Dict[str, float]:
     hq, hk, d, local, c, b, a = _sizes(cfg, layout, e)
     kv, gqa = kv_bytes(cfg, layout, e), hq > hk
     if cfg.parallel.cp_comm == "allgather":
-        return {"forward": (cp * kv if gqa else 0.0) + 2 * kv,
-                "backward": 2 * cp * kv + (2 * e * b * hq * d * cp * local if gqa else 0.0)}
+        return {"forward": 2 * kv + 3 * a * b * hq * d * c,
+                "backward": 2 * cp * kv + (2 * cp - 1) / 2 * kv}
     expanded = 2 * e * b * hq * d * local if gqa else 0.0
     scores = 3 * a * b * hq * c * c
     return {"forward": 2 * kv + expanded + 2 * a * b * hq * d * local + scores,

@@ -18,7 +18,7 @@ C = V/t padded columns; s = the rank's sequence positions, seq_len/cp; n = s·b 
               SDPA's math kernel (attention dropout on a CPU, train.attention=math): no
                 log-sum-exp, + 3·e·b(a/t)s² (probabilities, dropout mask, dropped) + 2·e·sbh/t
               context parallelism (cp > 1): + what CP attention saves beyond these at s/cp
-                positions (`megalite.plan.cp_terms`: the gathered or repeated K/V under
+                positions (`megalite.plan.cp_terms`: the gathered K/V under
                 allgather, the fp32 merged output under ring); its working bytes at their
                 peak (the gathered K/V or the ring's blocks in flight, partial outputs and a
                 chunk pair's scores) in the forward and a block's backward moments

@@ -4,8 +4,7 @@ attention, bf16): its traffic (`megalite.plan.cp_terms.wire_bytes`) equals, to t
 one layer's forward and backward record in the ranks' `CommCounter` (the ring's gradient
 accumulators travel in fp32; under recompute a checkpointed layer re-runs its forward's
 transfers), and what it saves for backward beyond its inputs and output equals
-`cp_terms.saved_bytes` + the log-sum-exp the family's formula counts (+ under allgather the
-two chunks' SDPA outputs, which stand in for the one a run without CP keeps as the output)."""
+`cp_terms.saved_bytes` + the log-sum-exp the family's formula counts."""
 from __future__ import annotations
 
 import pytest
@@ -71,10 +70,8 @@ def _counted_and_planned(rank, world):
                     out[(cp, hk, comm, recompute)] = (counted, planned)
                     if not recompute:
                         local = seq // cp
-                        lse, outputs = 4 * B * HQ * local, 2 * B * HQ * D * local
                         out[(cp, hk, comm, "saved")] = (
-                            sum(saved.values()), saved_bytes(cfg, layout, 2) + lse
-                            + (outputs if comm == "allgather" else 0))
+                            sum(saved.values()), saved_bytes(cfg, layout, 2) + 4 * B * HQ * local)
     return out
 
 

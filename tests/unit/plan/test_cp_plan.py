@@ -41,9 +41,7 @@ def test_a_layers_activations_are_the_familys_at_s_over_cp_plus_cp_attentions(mo
     m, s, b, e = cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, 2
     hq, hk, d = m.n_head, m.kv_heads, m.n_embd // m.n_head
     local = family(m).layer_activation_bytes(m, s // 2, b, 1, False, e)
-    mask = e * 5 * (s // 4) ** 2  # the chunks' causal masks: (2cp + 1)·c² elements
-    extra = {"allgather": mask + (2 * e * b * hk * d * s if hq == hk  # the gathered K, V
-                                  else 2 * e * b * hq * d * 5 * s // 4),  # repeated keys
+    extra = {"allgather": 2 * e * b * hk * d * s,  # the gathered K, V (the KV heads only)
              "ring": 4 * b * hq * d * s // 2}[comm]  # the fp32 merged output
     assert dims(cfg, lay).layer_act_full == local + extra
     assert dims(cfg, lay).s_rank == s // 2 and dims(cfg, lay).full == e * s // 2 * b * m.n_embd
