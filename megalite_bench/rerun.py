@@ -5,7 +5,7 @@ One trainer per layout (a gloo world of `--world` ranks, the real training path:
 schedule, ZeRO engine, `Trainer.train_step` with the rerun's judgement) runs `--steps` steps
 with the rerun on and off in turn (on, off, off, on, ...). Off takes the attribution away,
 its gradient listener included. Every `--suspicious-every`-th step (with it on) is made
-suspicious by hand (its spike test answers yes), so it runs the whole machinery that does
+suspicious by the drill (`RerunAttribution.drill_next_step`), so it runs the whole machinery that does
 not stop the run: the re-execution, and with dp >= 2 the recomputation of the predecessor
 replica's micro-batches, ending in a data verdict (the batch skipped), or with dp = 1 as
 unresolved. Reported per layout from rank 0's clock: the median seconds per step off and on,
@@ -33,20 +33,14 @@ def _timed_step(trainer) -> float:
 
 
 def _measure(trainer, args, rank: int) -> dict:
-    rerun, listeners = trainer.rerun, trainer.engine.grad_launching
-    tap = listeners[-1]
-    judge = rerun.detector.suspicious
+    rerun = trainer.rerun
     steps = {"on": [], "off": [], "suspicious": []}
     for n in range(args.warmup + args.steps):
         suspicious = n % args.suspicious_every == args.suspicious_every - 1
         on = suspicious or is_on(n)
         trainer.use_rerun(rerun if on and not (args.control and not suspicious) else None)
-        if trainer.rerun is not None and tap not in listeners:
-            listeners.append(tap)
-        elif trainer.rerun is None and tap in listeners:
-            listeners.remove(tap)
-        rerun.detector.suspicious = (lambda values: ["made suspicious by the benchmark"]) \
-            if suspicious else judge
+        if suspicious:
+            rerun.drill_next_step("made suspicious by the benchmark")
         seconds = _timed_step(trainer)
         if n >= args.warmup:
             steps["suspicious" if suspicious else "on" if on else "off"].append(seconds)

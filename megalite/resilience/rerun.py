@@ -84,7 +84,25 @@ class RerunAttribution:
         self.nondeterministic = 0  # re-executions that differed in several replicas
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=device)
         self._rng_before = None
-        engine.grad_launching.append(self._add_local_grad)
+        self._drill: Optional[str] = None  # `drill_next_step`'s reason, until that step
+        self.listen(True)
+
+    def listen(self, on: bool) -> None:
+        """Whether the engine's gradient launches feed this attribution's fingerprint (off
+        while the Trainer runs without it: `Trainer.use_rerun`)."""
+        listeners = self.engine.grad_launching
+        if on and self._add_local_grad not in listeners:
+            listeners.append(self._add_local_grad)
+        elif not on and self._add_local_grad in listeners:
+            listeners.remove(self._add_local_grad)
+
+    def drill_next_step(self, reason: str) -> None:
+        """A drill: the next step judged is suspicious for `reason` whatever its values, so
+        it is re-executed and judged as a real one would be. On healthy hardware the replay
+        reproduces the step and the replicas agree, so the verdict is the batch's (skipped
+        and logged; with dp = 1 unresolved and skipped). For rehearsing the path and timing
+        its cost (`megalite-bench rerun`)."""
+        self._drill = reason
 
     def _add_local_grad(self, bucket, grad: torch.Tensor) -> None:
         """The engine's grad_launching listener: the squared norm of the bucket's local
@@ -114,6 +132,8 @@ class RerunAttribution:
         if self.mode == "on_spike":
             values["loss"] = self._global_loss(loss)
         reasons = self.detector.suspicious(values)
+        if self._drill is not None:
+            reasons, self._drill = reasons + [self._drill], None
         if not reasons:
             self.detector.record(values)
             return False

@@ -144,7 +144,12 @@ class Trainer:
 
     def use_rerun(self, rerun: Optional[RerunAttribution]) -> None:
         """The rerun attribution of the next steps (None: off), e.g. the one built, switched
-        off and on by a benchmark that times steps with and without it."""
+        off and on by a benchmark that times steps with and without it (the one switched off
+        stops listening to the engine's gradient launches)."""
+        if self.rerun is not None and self.rerun is not rerun:
+            self.rerun.listen(False)
+        if rerun is not None:
+            rerun.listen(True)
         self.rerun = rerun
 
     def save(self) -> Optional[Path]:
