@@ -79,7 +79,7 @@ class ToyBlock(nn.Module):
         self.proj = RowParallelLinear(cfg.ffn_size, cfg.n_embd, tp_group, sp)
         self.pdrop, self.region = cfg.resid_pdrop, residual_region
 
-    def forward(self, x):
+    def forward(self, x, attn=None):  # attn: the block interface's attention inputs (unused)
         y = self.proj(F.relu(self.fc(self.ln(x))))
         return x + dropout(y, self.pdrop, self.training, self.region)
 
@@ -88,7 +88,7 @@ class Toy(CausalLM):
     family = ToyFamily()
 
     @staticmethod
-    def make_block(cfg, tp_group, sp, tp_region, residual_region, attention="auto"):
+    def make_block(cfg, tp_group, sp, tp_region, residual_region, attention="auto", cp=None):
         return ToyBlock(cfg, tp_group, sp, residual_region)
 
     def build(self, attention):
@@ -110,7 +110,7 @@ class Toy(CausalLM):
     def token_embedding(self):
         return self.wte
 
-    def embed(self, ids):
+    def embed(self, ids, positions=None):  # no positions: the toy has none
         return self.wte(ids.t())
 
     def sharding_units(self):
