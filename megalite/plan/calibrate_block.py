@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from megalite.config.layout import PRECISION_DTYPES
 from megalite.config.schema import ModelConfig
+from megalite.model.document_attention import AttentionInputs
 from megalite.model.families import family, make_block
 from megalite.parallel.group import single_rank_group
 
@@ -44,10 +45,11 @@ def block_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
                device: torch.device, budget_s: float = 0.5, max_timings: int = 8,
-               compile: bool = False) -> float:
+               compile: bool = False, attn: Optional[AttentionInputs] = None) -> float:
     """Best seconds of one forward + backward of a block (in training mode: the model's
     dropout on) over up to `max_timings` timings within about `budget_s` (after a warm-up
-    pass, which compiles it with `compile`, as train.compile compiles each block's forward)."""
+    pass, which compiles it with `compile`, as train.compile compiles each block's forward);
+    `attn`: the documents to mask attention with (None: causal)."""
     torch.manual_seed(0)
     block = make_block(model, tp_group=single_rank_group("tp"), sp=False,
                        tp_region=contextlib.nullcontext,
@@ -59,7 +61,7 @@ def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
     grad = torch.randn_like(x)
 
     def one() -> None:
-        block(x).backward(grad)
+        block(x, attn).backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     one()
