@@ -244,7 +244,7 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
         if block is not None:
             profile["block_overhead"] = _block_overhead(device, profile, *block)
             profile["notes"].append(_block_note(profile["block_overhead"]))
-            profile["document_mask"] = _document_mask(device, profile, *block)
+            profile["document_mask"] = _document_mask(device, profile, *block[:3])
             profile["notes"].append(_mask_note(profile["document_mask"]))
         return profile
     finally:
@@ -336,17 +336,17 @@ def _block_note(b: dict) -> str:
 
 
 def _document_mask(device: torch.device, profile: dict, model, seq_len: int,
-                   micro_batch: int, compile: bool = False) -> dict:
+                   micro_batch: int) -> dict:
     """`measure_mask_ratio` in the block's dtype, for the kernel a run of `model` on this
     device uses (FlexAttention on CUDA without attention dropout, else SDPA); this rank's."""
     dtype = profile["block_overhead"]["dtype"]
     kernel = "flex" if device.type == "cuda" and model.attn_pdrop == 0 else "sdpa"
     return measure_mask_ratio(model, seq_len, micro_batch, dtype,
-                              profile["matmul_tflops"][dtype], device, kernel, compile)
+                              profile["matmul_tflops"][dtype], device, kernel)
 
 
 def _mask_note(m: dict) -> str:
     return (f"document_mask: {m['kernel']} with documents of {m['document_tokens']} tokens "
-            f"({m['pairs']:.1%} of the causal pairs, work {m['work']:.1%}): block "
+            f"({m['pairs']:.1%} of the causal pairs, work {m['work']:.1%}): attention "
             f"{m['masked_s'] * 1e3:.3g} ms masked, {m['causal_s'] * 1e3:.3g} ms causal; the "
             f"masked attention costs {m['ratio']:.3g}x its work at the matmul rate")

@@ -27,13 +27,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
 from megalite.config.layout import PRECISION_DTYPES
 from megalite.config.schema import ModelConfig
-from megalite.model.document_attention import AttentionInputs
 from megalite.model.families import family, make_block
 from megalite.parallel.group import single_rank_group
 
@@ -45,11 +44,10 @@ def block_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
                device: torch.device, budget_s: float = 0.5, max_timings: int = 8,
-               compile: bool = False, attn: Optional[AttentionInputs] = None) -> float:
+               compile: bool = False) -> float:
     """Best seconds of one forward + backward of a block (in training mode: the model's
     dropout on) over up to `max_timings` timings within about `budget_s` (after a warm-up
-    pass, which compiles it with `compile`, as train.compile compiles each block's forward);
-    `attn`: the documents to mask attention with (None: causal)."""
+    pass, which compiles it with `compile`, as train.compile compiles each block's forward)."""
     torch.manual_seed(0)
     block = make_block(model, tp_group=single_rank_group("tp"), sp=False,
                        tp_region=contextlib.nullcontext,
@@ -61,7 +59,7 @@ def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
     grad = torch.randn_like(x)
 
     def one() -> None:
-        block(x, attn).backward(grad)
+        block(x).backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     one()

@@ -132,7 +132,7 @@ def test_the_profiles_document_mask_entry(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
-def test_calibration_times_the_masked_block_beside_the_causal_one():
+def test_calibration_times_the_masked_attention_beside_the_causal_one():
     cfg = load_config(SMALL)
     m = measure_mask_ratio(cfg.model, 32, 1, "fp32", 0.01, torch.device("cpu"), "sdpa")
     assert (m["kernel"], m["document_tokens"], m["work"]) == ("sdpa", 8, 1.0)
