@@ -15,7 +15,8 @@ the loader logs with): the **pair fraction**. The kernels do not all skip the re
 The time model charges a block's attention (4·h·s FLOPs a token of the dense causal count, at
 the matmul rate R) × work × ratio, ratio the masked kernel's time per unit of its work over the
 causal kernel's, as `--calibrate` measured it (`megalite.plan.calibrate_mask`; 1 where the
-profile has no measurement for the run's kernel: the masked work at the causal kernel's rate).
+profile has no measurement for the run's kernel: the masked work at the causal kernel's rate;
+`masking`, applied by `megalite.plan.time_model`; `mask_seconds`: what it shows).
 
 The fractions come from the corpus at plan time (`sample_corpus`: WINDOWS windows spread evenly
 over data.dir's train split, read through `TokenShards`, never the whole corpus), or, with
@@ -27,13 +28,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
+from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.data.documents import visible_pairs
 from megalite.data.loader import TokenShards
+from megalite.plan.devices import DeviceProfile
+from megalite.plan.dims import recomputed_layers
 
 FLEX_BLOCK = 128  # FlexAttention's default block (queries × keys)
 WINDOWS = 256  # windows sampled to estimate the fractions (stdlib: within 0.7 points of all)
@@ -129,3 +133,41 @@ def attention_factor(work: MaskedWork, kernel: str, ratio: Optional[float]) -> f
     """The masked kernel's time over the dense causal attention's at the matmul rate: its work
     (the block fraction for flex, 1 for sdpa) × the calibrated `ratio` (1 where None)."""
     return (work.blocks if kernel == "flex" else 1.0) * (1.0 if ratio is None else ratio)
+
+
+def attention_forward_s(cfg: Config, lay: Layout, profile: DeviceProfile, blocks: int
+                        ) -> float:
+    """Seconds of `blocks` blocks' dense causal attention (4·h·s FLOPs a token) in one
+    micro-batch's forward on a rank, at the matmul rate."""
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // lay.cp_size
+    return blocks * 4 * cfg.model.n_embd * cfg.train.seq_len * tokens \
+        / (lay.tp_size * profile.rate(lay.precision))
+
+
+def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
+            work: Optional[MaskedWork]) -> Optional[Dict[str, object]]:
+    """The document mask's assumptions (None for causal attention): the fractions, the
+    kernel (SDPA under cp > 1: its skipping of masked chunk pairs is not modelled) and its
+    `factor` over the dense causal attention's time."""
+    if cfg.train.attention_mask != "document":
+        return None
+    work = work or NO_SAVING
+    kernel = masked_kernel(cfg, "cpu" if profile.device.startswith("cpu") else "cuda") \
+        if layout.cp_size == 1 else "sdpa"
+    return {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
+            "describe": work.describe(), "kernel": kernel,
+            "ratio": profile.mask_ratios.get(kernel),
+            "factor": attention_factor(work, kernel, profile.mask_ratios.get(kernel))}
+
+
+def mask_seconds(cfg: Config, layout: Layout, profile: DeviceProfile,
+                 mask: Optional[Dict[str, object]], chunks: List[range]
+                 ) -> Optional[Dict[str, object]]:
+    """`mask` with the stage's attention seconds a step, masked and causal (forward,
+    backward and recompute's re-run)."""
+    if mask is None:
+        return None
+    passes = sum(3 * len(b) + recomputed_layers(cfg, len(b)) for b in chunks)
+    causal = layout.micro_batches(cfg.train.global_batch_size) \
+        * attention_forward_s(cfg, layout, profile, passes)
+    return {**mask, "attention_s": causal * mask["factor"], "attention_causal_s": causal}

@@ -114,7 +114,7 @@ from megalite.model.families import family, flops_per_token
 from megalite.plan.comm_time import StagePass, comm_terms
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
-from megalite.plan.document_terms import NO_SAVING, MaskedWork, attention_factor, masked_kernel
+from megalite.plan.document_terms import MaskedWork, attention_forward_s, mask_seconds, masking
 from megalite.plan.fp8_terms import cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
@@ -271,31 +271,6 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     return terms
 
 
-def attention_forward_s(cfg: Config, lay: Layout, profile: DeviceProfile, blocks: int
-                        ) -> float:
-    """Seconds of `blocks` blocks' dense causal attention (4·h·s FLOPs a token) in one
-    micro-batch's forward on a rank, at the matmul rate."""
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // lay.cp_size
-    return blocks * 4 * cfg.model.n_embd * cfg.train.seq_len * tokens \
-        / (lay.tp_size * profile.rate(lay.precision))
-
-
-def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
-            work: Optional[MaskedWork]) -> Optional[Dict[str, object]]:
-    """The document mask's assumptions (None for causal attention): the fractions, the
-    kernel (SDPA under cp > 1: its skipping of masked chunk pairs is not modelled) and its
-    `factor` over the dense causal attention's time."""
-    if cfg.train.attention_mask != "document":
-        return None
-    work = work or NO_SAVING
-    kernel = masked_kernel(cfg, "cpu" if profile.device.startswith("cpu") else "cuda") \
-        if layout.cp_size == 1 else "sdpa"
-    return {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
-            "describe": work.describe(), "kernel": kernel,
-            "ratio": profile.mask_ratios.get(kernel),
-            "factor": attention_factor(work, kernel, profile.mask_ratios.get(kernel))}
-
-
 def _memory_bound_s(cfg: Config, lay: Layout, stage, profile: DeviceProfile, tokens: int,
                     e: int, first: bool, last: bool, loss: str
                     ) -> Tuple[float, float, float, float, float]:
@@ -398,17 +373,5 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
                       mfu=model_tflops / profile.peak_tflops_bf16
                       if profile.peak_tflops_bf16 else None, device=profile.name,
                       stage_terms=stages,
-                      document_mask=_mask_seconds(cfg, layout, profile, mask, chunks[k]))
+                      document_mask=mask_seconds(cfg, layout, profile, mask, chunks[k]))
 
-
-def _mask_seconds(cfg: Config, layout: Layout, profile: DeviceProfile,
-                  mask: Optional[Dict[str, object]], chunks: List[range]
-                  ) -> Optional[Dict[str, object]]:
-    """`mask` with the stage's attention seconds a step, masked and causal (forward,
-    backward and recompute's re-run)."""
-    if mask is None:
-        return None
-    passes = sum(3 * len(b) + recomputed_layers(cfg, len(b)) for b in chunks)
-    causal = layout.micro_batches(cfg.train.global_batch_size) \
-        * attention_forward_s(cfg, layout, profile, passes)
-    return {**mask, "attention_s": causal * mask["factor"], "attention_causal_s": causal}

@@ -19,6 +19,7 @@ from megalite.plan.calibrate_mask import measure_mask_ratio
 from megalite.plan.devices import load_profile_file
 from megalite.plan.document_terms import (
     NO_SAVING,
+    attention_forward_s,
     causal_blocks,
     fixed_length,
     masked_work,
@@ -27,7 +28,7 @@ from megalite.plan.document_terms import (
     work_of,
 )
 from megalite.plan.profile_file import ProfileError, save_profile
-from megalite.plan.time_model import attention_forward_s, predict
+from megalite.plan.time_model import predict
 from megalite.plan.traffic import stage_traffic
 from tests.unit.plan.test_calibrate import synthetic_profile
 from tests.unit.plan.test_planner import SMALL, synthetic
