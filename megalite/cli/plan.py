@@ -30,6 +30,7 @@ from megalite.cli.plan_search import run_search
 from megalite.cli.validated import config_for_world
 from megalite.config.layout import Layout
 from megalite.plan.devices import BY_NAME, device_profile, load_profile_file, table_links
+from megalite.plan.document_terms import masked_work
 from megalite.plan.fit import cheapest_fit
 from megalite.plan.memory import GIB, make_plan
 from megalite.plan.time_model import predict
@@ -58,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="--search: step time vs peak memory of the candidates, to a PNG "
                    "(matplotlib: the eval extra)")
+    p.add_argument("--document-tokens", type=int, default=None, metavar="L",
+                   help="train.attention_mask=document: price the mask for documents of L "
+                        "tokens each (default: sampled from data.dir's corpus where it is "
+                        "prepared, else no saving assumed; megalite/plan/document_terms.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "
@@ -108,14 +113,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     cfg = config_for_world(args.overrides, args.world_size, per_node, device_type)
     layout = Layout.from_config(cfg, args.world_size, device_type, bf16)
     plan = make_plan(cfg, layout)
+    if args.document_tokens is not None and args.document_tokens < 1:
+        cli.error(f"--document-tokens={args.document_tokens}: must be >= 1 (tokens a "
+                  "document, e.g. 1024)")
+    work = masked_work(cfg, args.document_tokens)
     prediction = None
     if profile is not None:
-        prediction = predict(cfg, layout, plan.stages, profile, per_node)
+        prediction = predict(cfg, layout, plan.stages, profile, per_node,
+                             masked_work=work)
     if args.json:
         print(json.dumps({**plan.as_dict(), "prediction":
                           prediction.as_dict() if prediction else None}, indent=1))
     else:
         print(plan.table())
+        if work is not None and prediction is None:
+            print(f"{work.describe()}; a device profile prices it")
         if prediction is not None:
             print(prediction.summary())
     if args.gpu_memory_gib is not None:

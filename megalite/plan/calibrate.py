@@ -43,6 +43,7 @@ from megalite.plan.calibrate_host import (
     rank_threads,
 )
 from megalite.plan.calibrate_links import fit_link, fit_ops, group_sizes, sweep_link
+from megalite.plan.calibrate_mask import measure_mask_ratio
 
 CPU_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per collective: 64 KiB, 1 MiB, 8 MiB
 CUDA_SIZES = (1 << 20, 1 << 23, 1 << 26, 1 << 28)  # 1 MiB .. 256 MiB
@@ -225,7 +226,8 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
     """The profile of this machine (every rank of a launch calls this; all get the same one).
     Under WORLD_SIZE > 1 without a process group, makes one (nccl on CUDA, gloo on CPU) and
     destroys it after. `block`: (ModelConfig, seq_len, micro_batch[, compile]) to also
-    measure a block's time beyond its matmul FLOPs (`megalite.plan.calibrate_block`). On CUDA
+    measure a block's time beyond its matmul FLOPs (`megalite.plan.calibrate_block`) and the
+    document-masked attention kernel's rate beside it (`megalite.plan.calibrate_mask`). On CUDA
     also the HBM copy rate, the pinned host copies per direction and the host AdamW rate
     (`megalite.plan.calibrate_host`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -242,6 +244,8 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
         if block is not None:
             profile["block_overhead"] = _block_overhead(device, profile, *block)
             profile["notes"].append(_block_note(profile["block_overhead"]))
+            profile["document_mask"] = _document_mask(device, profile, *block[:3])
+            profile["notes"].append(_mask_note(profile["document_mask"]))
         return profile
     finally:
         if made:
@@ -329,3 +333,20 @@ def _block_note(b: dict) -> str:
             f"{b['fixed_s'] * 1e6:.4g} us + {b['per_token_s'] * 1e9:.4g} ns a token "
             f"(width {b['n_embd']}, dropout {b['dropout']:g}, "
             f"{'compiled' if b['compiled'] else 'eager'})")
+
+
+def _document_mask(device: torch.device, profile: dict, model, seq_len: int,
+                   micro_batch: int) -> dict:
+    """`measure_mask_ratio` in the block's dtype, for the kernel a run of `model` on this
+    device uses (FlexAttention on CUDA without attention dropout, else SDPA); this rank's."""
+    dtype = profile["block_overhead"]["dtype"]
+    kernel = "flex" if device.type == "cuda" and model.attn_pdrop == 0 else "sdpa"
+    return measure_mask_ratio(model, seq_len, micro_batch, dtype,
+                              profile["matmul_tflops"][dtype], device, kernel)
+
+
+def _mask_note(m: dict) -> str:
+    return (f"document_mask: {m['kernel']} with documents of {m['document_tokens']} tokens "
+            f"({m['pairs']:.1%} of the causal pairs, work {m['work']:.1%}): attention "
+            f"{m['masked_s'] * 1e3:.3g} ms masked, {m['causal_s'] * 1e3:.3g} ms causal; the "
+            f"masked attention costs {m['ratio']:.3g}x its work at the matmul rate")

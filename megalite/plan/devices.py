@@ -154,6 +154,9 @@ class DeviceProfile:
     # per collective kind (all_reduce, all_gather, reduce_scatter, send_recv): the link's fit
     # for that kind, where --calibrate measured it ({"intra_node": {op: Link}, ...})
     op_links: Mapping[str, Mapping[str, Link]] = field(default_factory=dict, hash=False)
+    # per document-mask kernel (flex, sdpa): its time per unit of work over the causal
+    # attention's FLOPs at the matmul rate, where --calibrate measured it (calibrate_mask)
+    mask_ratios: Mapping[str, float] = field(default_factory=dict, hash=False)
     source: str = "table"
 
     def rate(self, precision: str) -> float:
@@ -216,6 +219,8 @@ class DeviceProfile:
                    op_links={name: {op: Link(float(f["bus_gbps"]), float(f["latency_s"]))
                                     for op, f in ops.items()}
                              for name, ops in d.get("op_links", {}).items()},
+                   mask_ratios={d["document_mask"]["kernel"]: float(d["document_mask"]["ratio"])}
+                   if "document_mask" in d else {},
                    block_fits=fits, source=f"profile {d['name']!r}")
 
 

@@ -16,6 +16,10 @@
                                       # pass and a token; megalite/plan/calibrate_block.py;
                                       # dropout and compiled: optional, files before them
                                       # did not record them)
+     "document_mask": {"kernel": "flex" | "sdpa", "ratio": float, ...},  # optional: the
+                                      # masked attention's time per unit of its work over the
+                                      # causal attention at the matmul rate
+                                      # (megalite/plan/calibrate_mask.py)
      "hbm_gbps": float,                                        # optional (CUDA): device copy
      "host_link": {"h2d_gbps": float, "d2h_gbps": float},      # optional (CUDA): pinned copies
      "host_adam": {"params_per_s": float, "threads": int},     # optional (CUDA): a node's host
@@ -128,6 +132,7 @@ def profile_problems(profile: Dict[str, Any]) -> list:
     out += _problems_of_op_links(profile.get("op_links"))
     out += _problems_of_sweeps(profile)
     out += _problems_of_block(profile.get("block_overhead"))
+    out += _problems_of_mask(profile.get("document_mask"))
     if "hbm_gbps" in profile and not _is_rate(profile["hbm_gbps"]):
         out.append(f"hbm_gbps={profile['hbm_gbps']!r}: must be a finite number > 0 (GB/s)")
     if "host_link" in profile:
@@ -189,6 +194,19 @@ def _problems_of_block(block: Any) -> list:
     if not isinstance(block.get("compiled", False), bool):
         out.append(f"block_overhead.compiled={block.get('compiled')!r}: must be true or false")
     return out
+
+
+def _problems_of_mask(mask: Any) -> list:
+    """document_mask (optional): the masked attention kernel and its measured ratio."""
+    if mask is None:
+        return []
+    if not isinstance(mask, dict) or mask.get("kernel") not in ("flex", "sdpa"):
+        return [f"document_mask={mask!r}: must be an object with kernel (flex or sdpa) and "
+                "ratio"]
+    ratio = mask.get("ratio")
+    if not (_is_rate(ratio) or ratio == 0):
+        return [f"document_mask.ratio={ratio!r}: must be a finite number >= 0"]
+    return []
 
 
 def _check_identity(path: Path, profile: Any) -> None:

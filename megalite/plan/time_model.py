@@ -13,6 +13,11 @@ bytes of a model-dtype element:
               accounting (`flops_per_token`). Backward = 2 forwards. With fp8.recipe the
               blocks' linears (2 × the family's `fp8_linear_parameters` a block) run at the
               profile's fp8 rate (`matmul_seconds`; the casts to FP8 are in non_matmul)
+              Under train.attention_mask=document each block's 4·h·s is charged × the
+              masked kernel's factor w·ratio (`megalite.plan.document_terms`: w the work the
+              kernel computes — FlexAttention's visible 128×128 blocks, SDPA's dense causal
+              work — ratio its calibrated time per unit of work at R; the recompute too);
+              MFU keeps the dense causal count
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
   non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +
@@ -109,6 +114,7 @@ from megalite.model.families import family, flops_per_token
 from megalite.plan.comm_time import StagePass, comm_terms
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
+from megalite.plan.document_terms import MaskedWork, attention_forward_s, mask_seconds, masking
 from megalite.plan.fp8_terms import cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
@@ -136,6 +142,9 @@ class Prediction:
     mfu: Optional[float]  # model TFLOP/s / data-sheet peak (None without one)
     device: str
     stage_terms: List[Dict[str, float]]  # every stage's terms (the critical one's are `terms`)
+    # train.attention_mask=document: the fractions assumed, the kernel, and the critical
+    # stage's attention seconds a step with the mask and with causal attention (`masking`)
+    document_mask: Optional[Dict[str, object]] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +156,15 @@ class Prediction:
                 f"{self.tokens_per_s:,.0f} tokens/s, {self.model_tflops_per_device:.1f} model "
                 f"TFLOP/s/device (hardware {self.hardware_tflops_per_device:.1f}), MFU {mfu}; "
                 f"critical: {self.critical_term} on stage {self.critical_stage}\n"
-                f"  ms per step: {split}")
+                f"  ms per step: {split}" + self._mask_line())
+
+    def _mask_line(self) -> str:
+        d = self.document_mask
+        if d is None:
+            return ""
+        return (f"\n  {d['describe']}; kernel {d['kernel']} at {d['factor']:.3g}x the dense "
+                f"causal attention's time: attention {d['attention_s'] * 1e3:.1f} ms per step "
+                f"on stage {self.critical_stage} (causal: {d['attention_causal_s'] * 1e3:.1f} ms)")
 
 
 def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
@@ -213,8 +230,10 @@ def device_step_s_per_param(profile: DeviceProfile, e: int) -> Optional[float]:
 
 def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                  links: Dict[str, GroupLink], k: int, chunks: List[range],
-                 flops: Dict[str, float], ranks_per_node: int, loss: str) -> Dict[str, float]:
-    """Stage k's terms a step (module docstring)."""
+                 flops: Dict[str, float], ranks_per_node: int, loss: str,
+                 mask_factor: float = 1.0) -> Dict[str, float]:
+    """Stage k's terms a step (module docstring); `mask_factor`: the masked attention's
+    time over the dense causal attention's (1: causal)."""
     t, lay = cfg.train, layout
     m = lay.micro_batches(t.global_batch_size)
     e = 4 if lay.precision == "fp32" else 2
@@ -225,6 +244,9 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                           lay.precision) * tokens / tp
     blocks = sum(len(b) for b in chunks)
     rerun = sum(recomputed_layers(cfg, len(b)) for b in chunks)
+    attention = attention_forward_s(cfg, lay, profile, 1)  # a block's, causal
+    f_model += (mask_factor - 1) * blocks * attention
+    f_re += (mask_factor - 1) * rerun * attention
     place = lay.placement
     first = any(place.holds_first(k, c) for c in range(lay.virtual_stages))
     last = any(place.holds_last(k, c) for c in range(lay.virtual_stages))
@@ -313,17 +335,22 @@ def _optimizer_terms(cfg: Config, lay: Layout, stage, profile: DeviceProfile,
 
 
 def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfile,
-            gpus_per_node: int, loss: Optional[str] = None) -> Prediction:
+            gpus_per_node: int, loss: Optional[str] = None,
+            masked_work: Optional[MaskedWork] = None) -> Prediction:
     """The predicted step of `layout` on `profile`; `stages`: per pipeline stage its
     parameters per rank and wire bytes per group (`Plan.stages`, or
     `megalite.plan.traffic.stage_traffic`); `loss`: a key of LOSS_BYTES_PER_LOGIT to model
-    (default the run's, `loss_implementation`: a measurement of an older loss names its own)."""
+    (default the run's, `loss_implementation`: a measurement of an older loss names its own);
+    `masked_work`: under train.attention_mask=document, the fractions the mask leaves
+    (default `NO_SAVING`)."""
     links = group_links(layout, profile, gpus_per_node)
     flops = stage_forward_flops(cfg, layout)
     chunks = layout.stage_blocks()
     loss = loss or loss_implementation(cfg, layout)
+    mask = masking(cfg, layout, profile, masked_work)
+    factor = mask["factor"] if mask else 1.0
     stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k],
-                           min(gpus_per_node, layout.world_size), loss)
+                           min(gpus_per_node, layout.world_size), loss, factor)
               for k in range(layout.pp_size)]
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
@@ -345,4 +372,6 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
                       hardware_tflops_per_device=hardware,
                       mfu=model_tflops / profile.peak_tflops_bf16
                       if profile.peak_tflops_bf16 else None, device=profile.name,
-                      stage_terms=stages)
+                      stage_terms=stages,
+                      document_mask=mask_seconds(cfg, layout, profile, mask, chunks[k]))
+

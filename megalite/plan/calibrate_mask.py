@@ -1,0 +1,95 @@
+"""The document-masked attention kernel's rate, measured by `--calibrate` beside the block
+(`megalite.plan.calibrate_block`) for the time model's masked attention
+(`megalite.plan.document_terms`).
+
+The model's attention kernels are timed alone, forward + backward, at the calibrated shape
+(s = train.seq_len, b = train.micro_batch_size, the model's heads; its attention dropout):
+causal (`megalite.model.attention.causal_attention`, t_c) and with the document mask of
+documents of L = s // CALIBRATION_DOCUMENTS tokens each
+(`megalite.model.document_attention.document_attention`, t_m: FlexAttention on CUDA without
+attention dropout, else SDPA with a dense mask). Alone, not inside a block: the difference is a
+few percent of a block's time, below a block timing's noise on a shared CPU. With
+
+    t_m − t_c = A · (w · ratio − 1) / R      A = 3 · 4·h·s · s·b  (forward + backward dense
+                                                causal attention FLOPs), R the matmul rate,
+                                                w the kernel's work at L (block fraction for
+                                                flex, 1 for sdpa)
+
+ratio = (1 + R · (t_m − t_c) / A) / w   (at least 0): the masked kernel's time per unit of its
+work over the dense causal attention at R (the causal kernel's own time beyond its FLOPs is
+the block's `non_matmul`). The time model charges A · w' · ratio / R for a run whose corpus
+gives work w'.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from megalite.config.layout import PRECISION_DTYPES
+from megalite.config.schema import ModelConfig
+from megalite.model.attention import causal_attention
+from megalite.model.document_attention import AttentionInputs, document_attention
+from megalite.plan.document_terms import work_of
+
+CALIBRATION_DOCUMENTS = 4  # documents a window at the calibration's document length
+
+
+def document_ids(seq_len: int, batch: int, document_tokens: int) -> torch.Tensor:
+    """[batch, seq_len] ids of documents of `document_tokens` tokens from the window's start."""
+    return (torch.arange(seq_len) // document_tokens).expand(batch, seq_len).contiguous()
+
+
+def time_attention(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
+                   device: torch.device, inputs: Optional[AttentionInputs],
+                   budget_s: float = 0.5, max_timings: int = 8) -> float:
+    """Best seconds of the model's attention forward + backward (causal where `inputs` is
+    None, else within its documents) over up to `max_timings` timings within about
+    `budget_s`, after a warm-up (FlexAttention compiles there)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    head_dim = model.n_embd // model.n_head
+
+    def tensor(heads: int) -> torch.Tensor:
+        return torch.randn(batch, heads, seq_len, head_dim, generator=g, device=device,
+                           dtype=dtype, requires_grad=True)
+    q, k, v = tensor(model.n_head), tensor(model.kv_heads), tensor(model.kv_heads)
+    grad = torch.randn(q.shape, generator=g, device=device, dtype=dtype)
+    p = model.attn_pdrop
+
+    def one() -> None:
+        out = causal_attention(q, k, v, p) if inputs is None else \
+            document_attention(q, k, v, inputs, p, "auto")
+        out.backward(grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    one()
+    best, start = math.inf, time.perf_counter()
+    for _ in range(max_timings):
+        t0 = time.perf_counter()
+        one()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return best
+
+
+def measure_mask_ratio(model: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
+                       rate_tflops: float, device: torch.device, kernel: str
+                       ) -> Dict[str, object]:
+    """The profile's `document_mask` entry (module docstring); `kernel`: the one
+    `document_attention` runs here (flex or sdpa), whose work w is counted."""
+    length = max(1, seq_len // CALIBRATION_DOCUMENTS)
+    eos = (np.arange(seq_len) % length == length - 1)[None, :]
+    measured = work_of(eos, f"documents of {length} tokens")
+    w = measured.blocks if kernel == "flex" else 1.0
+    inputs = AttentionInputs(ids=document_ids(seq_len, micro_batch, length).to(device))
+    torch_dtype = PRECISION_DTYPES[dtype]
+    causal = time_attention(model, seq_len, micro_batch, torch_dtype, device, None)
+    masked = time_attention(model, seq_len, micro_batch, torch_dtype, device, inputs)
+    flops = 3 * 4 * model.n_embd * seq_len * seq_len * micro_batch
+    ratio = max(0.0, (1 + rate_tflops * 1e12 * (masked - causal) / flops) / w)
+    return {"kernel": kernel, "document_tokens": length, "work": w,
+            "pairs": measured.pairs, "causal_s": causal, "masked_s": masked, "ratio": ratio}

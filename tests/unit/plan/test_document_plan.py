@@ -1,0 +1,152 @@
+"""Document masking in the planner (`megalite.plan.document_terms`): the visible pair and
+block fractions (the blocks as FlexAttention's own block mask counts them), sampled from a
+prepared corpus or given as a document length, the masked kernel charged at its calibrated
+ratio in the time model, the profile's `document_mask` entry, the calibration's measurement on
+CPU (no timing asserted) and megalite-plan's line. Deterministic but for the calibration."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from megalite.cli.plan import main as plan_main
+from megalite.config.layout import Layout, validate
+from megalite.config.schema import load_config
+from megalite.plan.calibrate_mask import measure_mask_ratio
+from megalite.plan.devices import load_profile_file
+from megalite.plan.document_terms import (
+    NO_SAVING,
+    attention_forward_s,
+    causal_blocks,
+    fixed_length,
+    masked_work,
+    sample_corpus,
+    visible_blocks,
+    work_of,
+)
+from megalite.plan.profile_file import ProfileError, save_profile
+from megalite.plan.time_model import predict
+from megalite.plan.traffic import stage_traffic
+from tests.unit.plan.test_calibrate import synthetic_profile
+from tests.unit.plan.test_planner import SMALL, synthetic
+
+DOCUMENT = ["train.attention_mask=document"]
+
+
+def _ids(eos: np.ndarray) -> torch.Tensor:
+    ids = np.zeros(eos.shape, dtype=np.int64)
+    np.cumsum(eos[:, :-1], axis=1, out=ids[:, 1:])
+    return torch.from_numpy(ids)
+
+
+def test_visible_blocks_are_flex_attentions_and_pairs_the_loaders():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    eos = np.random.default_rng(0).random((3, 600)) < 0.004
+    ids = _ids(eos)
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (ids[b, q] == ids[b, kv])
+
+    mask = create_block_mask(same_document_causal, B=3, H=None, Q_LEN=600, KV_LEN=600,
+                             device="cpu", _compile=False)
+    full = mask.full_kv_num_blocks
+    assert visible_blocks(eos) == int(mask.kv_num_blocks.sum()) + \
+        (int(full.sum()) if full is not None else 0)
+    dense = (torch.ones(600, 600).tril().bool() & (ids[:, :, None] == ids[:, None, :]))
+    work = work_of(eos, "test")
+    assert work.pairs == pytest.approx(int(dense.sum()) / (3 * 600 * 601 / 2))
+    assert work.blocks == pytest.approx(visible_blocks(eos) / (3 * causal_blocks(600)))
+
+
+def test_documents_of_a_fixed_length_and_the_default():
+    whole = fixed_length(32, 32, windows=1)  # one document a window, from its start
+    assert (whole.pairs, whole.blocks) == (1.0, 1.0)
+    cfg = load_config(SMALL + DOCUMENT + ["data.dir=/nonexistent"])
+    assert masked_work(cfg, None) is NO_SAVING
+    assert masked_work(load_config(SMALL), 8) is None  # causal: nothing to price
+    eighth = masked_work(cfg, 4)
+    assert 0 < eighth.pairs < eighth.blocks <= 1 and "--document-tokens 4" in eighth.source
+
+
+def _corpus(path, seq_len: int, length: int, windows: int):
+    """A prepared train split of documents of `length` tokens (EOS id 0 ending each)."""
+    path.mkdir()
+    tokens = np.arange(1, seq_len * windows + 2, dtype=np.uint16) % 7 + 1
+    tokens[length - 1::length] = 0
+    tokens.tofile(path / "train_00000.bin")
+    split = {"shards": [{"file": "train_00000.bin", "tokens": len(tokens)}],
+             "tokens": len(tokens), "documents": len(tokens) // length}
+    (path / "meta.json").write_text(json.dumps({
+        "format_version": 2, "vocab_size": 1024, "eos_token_id": 0, "dtype": "uint16",
+        "splits": {"train": split, "val": split}}))
+    return path
+
+
+def test_the_corpus_is_sampled_not_scanned(tmp_path):
+    data = _corpus(tmp_path / "data", 32, 8, windows=1000)
+    work = sample_corpus(data, 32, windows=16)
+    assert work.pairs == pytest.approx(9 / 33)  # 4 documents of 8: 4·36 of 528 pairs
+    assert work.source.startswith("16 of 1000 windows")
+    cfg = load_config(SMALL + DOCUMENT + [f"data.dir={data}"])
+    assert masked_work(cfg, None).pairs == pytest.approx(9 / 33)
+
+
+def _predict(overrides, work=None, profile=None):
+    cfg = load_config(SMALL + ["train.global_batch_size=2", "train.micro_batch_size=1"]
+                      + overrides)
+    validate(cfg, 1, 8)
+    lay = Layout.from_config(cfg, 1, "cuda")
+    profile = profile or synthetic()
+    return cfg, lay, predict(cfg, lay, stage_traffic(cfg, lay), profile, 8, masked_work=work)
+
+
+def test_the_time_model_charges_the_masked_kernels_work_at_its_ratio():
+    cfg, lay, causal = _predict([])
+    assert causal.document_mask is None
+    work = fixed_length(8, 32)
+    attention = attention_forward_s(cfg, lay, synthetic(), 4)  # the stage's 4 blocks
+    for profile, ratio in ((synthetic(), 1.0), (replace(synthetic(), mask_ratios={"flex": 3.0}),
+                                                3.0)):
+        _, _, masked = _predict(DOCUMENT, work, profile)
+        d = masked.document_mask
+        assert d["kernel"] == "flex" and d["factor"] == pytest.approx(work.blocks * ratio)
+        assert masked.terms["compute"] - causal.terms["compute"] == pytest.approx(
+            2 * 3 * attention * (d["factor"] - 1))  # 2 micro-batches, forward + backward
+        assert d["attention_causal_s"] == pytest.approx(2 * 3 * attention)
+        assert d["attention_s"] == pytest.approx(d["attention_causal_s"] * d["factor"])
+    _, _, sdpa = _predict(DOCUMENT + ["model.attn_pdrop=0.1"], work,
+                          replace(synthetic(), mask_ratios={"sdpa": 1.5}))
+    assert sdpa.document_mask["kernel"] == "sdpa" and sdpa.document_mask["factor"] == 1.5
+
+
+def test_the_profiles_document_mask_entry(tmp_path):
+    entry = {"kernel": "sdpa", "ratio": 1.7, "document_tokens": 8}
+    save_profile(tmp_path / "p.json", {**synthetic_profile(), "document_mask": entry})
+    assert load_profile_file(tmp_path / "p.json").mask_ratios == {"sdpa": 1.7}
+    with pytest.raises(ProfileError, match="document_mask=.*flex or sdpa"):
+        save_profile(tmp_path / "bad.json", {**synthetic_profile(), "document_mask":
+                                             {"kernel": "xformers", "ratio": 1}})
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_calibration_times_the_masked_attention_beside_the_causal_one():
+    cfg = load_config(SMALL)
+    m = measure_mask_ratio(cfg.model, 32, 1, "fp32", 0.01, torch.device("cpu"), "sdpa")
+    assert (m["kernel"], m["document_tokens"], m["work"]) == ("sdpa", 8, 1.0)
+    assert m["pairs"] == pytest.approx(9 / 33) and m["ratio"] >= 0
+    assert m["causal_s"] > 0 and m["masked_s"] > 0
+
+
+def test_megalite_plan_shows_the_fraction_and_the_attention_with_and_without(capsys):
+    args = ["--world-size", "1", "--device", "h100-80gb", "--document-tokens", "8",
+            *SMALL, *DOCUMENT, "train.global_batch_size=2", "train.micro_batch_size=1"]
+    plan_main(args)
+    out = capsys.readouterr().out
+    assert "of the causal (query, key) pairs visible" in out and "(causal: " in out
+    with pytest.raises(SystemExit) as e:
+        plan_main(args[:4] + ["--document-tokens", "0"] + args[6:])
+    assert e.value.code == 2 and "--document-tokens=0" in capsys.readouterr().err
