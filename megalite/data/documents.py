@@ -107,6 +107,12 @@ def in_document_positions(eos: np.ndarray) -> np.ndarray:
     return t - np.maximum.accumulate(starts, axis=1)
 
 
+def visible_pairs(eos: np.ndarray) -> int:
+    """(query, key) pairs attention within documents computes for windows whose EOS tokens
+    are `eos` (k, s): Σ over each window's documents of n(n+1)/2 (the planner's sample)."""
+    return int((in_document_positions(eos) + 1).sum())
+
+
 def with_loss_share(micro_batches: Sequence[tuple], counted: float, ranks: int) -> List[tuple]:
     """The micro-batches (x, y, Documents) of one rank with `Documents.loss_share` set from
     `counted`, the counted targets of the step over all `ranks` (DP x CP) and micro-batches:
