@@ -21,7 +21,7 @@ def test_script_prints_the_report_as_json():
                           "--verify-rank", "0", "--world-size", "4096", "--json", *GPT_175B],
                          capture_output=True, text=True, env=env, timeout=300, check=True)
     result = json.loads(out.stdout)
-    assert result["layout"] == {"tp": 8, "pp": 16, "dp": 32, "zero": 1, "sp": True,
+    assert result["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 32, "zero": 1, "sp": True,
                                 "virtual_stages": 1, "world_size": 4096}
     assert result["params"]["built"] == result["params"]["planned"]
     assert set(result["bytes"]) == {"P", "G", "O"}
