@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 
@@ -62,11 +62,17 @@ def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,
         block(x).backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    one()
+    return best_time(one, budget_s, max_timings)
+
+
+def best_time(run: Callable[[], None], budget_s: float, max_timings: int) -> float:
+    """Best seconds of `run` (which waits for its device) over up to `max_timings` timings
+    within about `budget_s`, after one untimed warm-up call."""
+    run()
     best, start = math.inf, time.perf_counter()
     for _ in range(max_timings):
         t0 = time.perf_counter()
-        one()
+        run()
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break

@@ -22,8 +22,6 @@ gives work w'.
 """
 from __future__ import annotations
 
-import math
-import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -33,6 +31,7 @@ from megalite.config.layout import PRECISION_DTYPES
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import causal_attention
 from megalite.model.document_attention import AttentionInputs, document_attention
+from megalite.plan.calibrate_block import best_time
 from megalite.plan.document_terms import work_of
 
 CALIBRATION_DOCUMENTS = 4  # documents a window at the calibration's document length
@@ -65,15 +64,7 @@ def time_attention(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dt
         out.backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    one()
-    best, start = math.inf, time.perf_counter()
-    for _ in range(max_timings):
-        t0 = time.perf_counter()
-        one()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
-            break
-    return best
+    return best_time(one, budget_s, max_timings)
 
 
 def measure_mask_ratio(model: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
