@@ -17,6 +17,7 @@ from megalite_bench import (
     checkpoint,
     checkpoint_index,
     context_parallel,
+    document_attention,
     flight,
     gpu,
     hf_export,
@@ -40,6 +41,8 @@ from megalite_bench import (
 BENCHMARKS = {
     "train": (train, "single-device tokens/s, TFLOP/s, MFU against transformers.GPT2LMHeadModel"),
     "attention": (attention, "causal attention fwd+bwd under each SDPA kernel (flash, cuDNN, ...)"),
+    "document-attention": (document_attention, "the document mask's kernels (flex, varlen, "
+                           "sdpa) fwd+bwd against causal attention, with their errors"),
     "checkpoint": (checkpoint, "checkpoint save / load time and bytes at several DP sizes"),
     "checkpoint-index": (checkpoint_index, "the checkpoint index a resuming rank reads, at N "
                          "simulated ranks"),

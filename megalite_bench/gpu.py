@@ -11,6 +11,11 @@ that fails or times out does not stop the rest:
 
   cuda-tests   tests/unit/*/test_cuda*.py under pytest: passed / failed / skipped (from a
                checkout: the tests are not in the wheel)
+  document-mask  `megalite-bench document-attention` at llama3-8b's heads, 8K tokens: the
+               document mask's kernels (FlexAttention, the variable-length kernel, SDPA
+               with a boolean mask) against causal attention at documents of 512, 2048 and
+               8192 tokens, with their errors: the evidence for train.document_kernel's
+               default
   mfu          the benchmark path (`megalite_bench.gpu_worker`: bench.py train's model, engine
                and schedule, timed by phase) and the launch path (`pretrain.py` under torchrun,
                one rank, metrics.jsonl) for gpt2 and gpt2-xl, eager and compiled; each run's
@@ -50,14 +55,22 @@ from datetime import datetime, timezone
 
 from megalite_bench.gpu_fp8 import RECIPES, fp8
 from megalite_bench.gpu_mfu import mfu, mfu_specs
-from megalite_bench.gpu_parts import calibrate, checkpoint, cuda_tests, offload, rerun
+from megalite_bench.gpu_parts import (
+    calibrate,
+    checkpoint,
+    cuda_tests,
+    document_mask,
+    offload,
+    rerun,
+)
 from megalite_bench.gpu_session import GpuSession
 from megalite_bench.gpu_sizes import PARTS, Sizes
 
 # --- the command ---------------------------------------------------------------------------
 
-RUNNERS = {"cuda-tests": cuda_tests, "mfu": mfu, "offload": offload, "calibrate": calibrate,
-           "checkpoint": checkpoint, "rerun": rerun, "fp8": fp8}  # PARTS' order: priority
+RUNNERS = {"cuda-tests": cuda_tests, "document-mask": document_mask, "mfu": mfu,
+           "offload": offload, "calibrate": calibrate, "checkpoint": checkpoint, "rerun": rerun,
+           "fp8": fp8}  # PARTS' order: priority
 
 
 def add_arguments(p) -> None:

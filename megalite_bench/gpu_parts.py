@@ -1,4 +1,5 @@
-"""`megalite-bench gpu`'s parts besides mfu: the CUDA tests' counts, the offload sweep against the
+"""`megalite-bench gpu`'s parts besides mfu: the CUDA tests' counts, the document mask's kernels
+side by side, the offload sweep against the
 planner, a calibration against the measured steps, an async checkpoint's blocked time and
 resilience.rerun_deterministic's cost."""
 from __future__ import annotations
@@ -40,6 +41,26 @@ def cuda_tests(bench: GpuSession, part: Part) -> None:
     part.status = f"{counts['failed'] + counts.get('errors', 0)} failed or in error" \
         if ran.rc == 1 else ran.status()
     if ran.rc not in (0, 1):
+        part.notes.append(ran.tail())
+
+
+def document_mask(bench: GpuSession, part: Part) -> None:
+    """`megalite-bench document-attention`: the document mask's kernels against causal
+    attention; which of flex and varlen is faster at each document length."""
+    out = bench.out / "document_attention.json"
+    ran = bench.run(part, "document-attention", [bench.python, "-m", "megalite_bench.cli",
+                                                "document-attention", *bench.sizes.document_mask,
+                                                "--out", str(out)],
+                   bench.sizes.limits["document-mask"])
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    part.rows += rows
+    for length in sorted({r["document_tokens"] for r in rows}):
+        timed = [r for r in rows if r["document_tokens"] == length and r["ms"] is not None]
+        if timed:
+            part.notes.append(f"documents of {length} tokens: fastest "
+                              f"{min(timed, key=lambda r: r['ms'])['kernel']}")
+    part.status = ran.status()
+    if not ran.ok:
         part.notes.append(ran.tail())
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-PARTS = ("cuda-tests", "mfu", "offload", "calibrate", "checkpoint", "rerun", "fp8")
+PARTS = ("cuda-tests", "document-mask", "mfu", "offload", "calibrate", "checkpoint", "rerun", "fp8")
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
 RESILIENCE_OFF = ["resilience.check_every=0", "resilience.straggler_report_every=0",
                   "resilience.hang_dump=false", "resilience.hang_signal=null"]
@@ -31,6 +31,7 @@ class Sizes:
     small: str  # the preset of the checkpoint and rerun parts
     offload: List[str]  # megalite-bench offload's options
     calibrate: List[str]
+    document_mask: List[str]  # megalite-bench document-attention's options
     limits: Dict[str, float]  # seconds per run kind
     device: List[str]  # the launch path's device override
 
@@ -44,7 +45,9 @@ FULL = Sizes(
              "2", "--warmup", "1", "--baseline-every", "2", "--skip-adam",
              "--variants", "1", "0:act", "--act-fit-gib", "44"],
     calibrate=["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=4"],
-    limits={"cuda-tests": 90, "bench": 90, "bench-compiled": 150, "launch": 90,
+    document_mask=["--preset", "llama3-8b", "--seq-len", "8192", "--document-tokens", "512",
+                   "2048", "8192", "--steps", "5", "--warmup", "2"],
+    limits={"cuda-tests": 90, "document-mask": 120, "bench": 90, "bench-compiled": 150, "launch": 90,
             "launch-compiled": 150, "offload": 200, "calibrate": 90, "checkpoint": 80,
             "rerun": 70, "prepare": 90},
     device=[])
@@ -60,7 +63,10 @@ REDUCED = Sizes(
              "1", "--steps", "1", "--warmup", "1", "--adam-params", "80000",
              "--variants", "1"],
     calibrate=[*TINY, "train.seq_len=32", "train.micro_batch_size=2"],
-    limits={"cuda-tests": 120, "bench": 60, "bench-compiled": 60, "launch": 90,
+    document_mask=["--preset", "llama-tiny", "--seq-len", "64", "--micro-batch", "2",
+                   "--document-tokens", "16", "64", "--steps", "1", "--warmup", "1",
+                   "--device", "cpu"],
+    limits={"cuda-tests": 120, "document-mask": 60, "bench": 60, "bench-compiled": 60, "launch": 90,
             "launch-compiled": 90, "offload": 90, "calibrate": 90, "checkpoint": 90,
             "rerun": 90, "prepare": 120},
     device=["device=cpu", "log.peak_tflops=1"])  # MFU against a nominal 1 TFLOP/s on CPU

@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megalite.config.document_kernel import check_document_kernel_on_device
 from megalite.config.errors import fail
 from megalite.config.families import registered_family
 from megalite.config.fp8 import check_fp8
@@ -193,6 +194,10 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     _check_other_pairs(cfg)
     _check_context_parallel(cfg)
     device_type = device_type_for(cfg.device, local_gpus)
+    check_document_kernel_on_device(
+        cfg.train.document_kernel, device_type,
+        resolved_precision(cfg.precision, device_type, gpu is None or gpu.bf16),
+        cfg.model.attn_pdrop, cfg.cp, None if gpu is None else gpu.bf16)
     if cfg.resilience.inject is not None:  # the rank's tensor: the preflight (it needs a model)
         check_inject(cfg, world_size, resolved_precision(cfg.precision, device_type,
                                                          gpu is None or gpu.bf16))

@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from megalite.config.document_kernel import check_document_kernel
 from megalite.config.errors import fail
 from megalite.config.fp8 import Fp8Config
 from megalite.config.model import ModelConfig
@@ -113,6 +114,8 @@ class TrainConfig:
     attention: str = "auto"  # SDPA kernel: auto | flash | cudnn | efficient | math
     attention_mask: str = "causal"  # causal (every earlier token of the window) | document
     #   (only earlier tokens of the same document, documents ended by EOS; Llama 3's)
+    document_kernel: str = "auto"  # the document mask's kernel: auto | flex | varlen | sdpa
+    #   (megalite.config.document_kernel; auto: flex on CUDA without dropout, else sdpa)
     reset_positions: bool = False  # positions restart at 0 after each EOS (GPT-2's learned
     #   positions, Llama's RoPE; Megatron's --reset-position-ids)
     eos_loss: bool = True  # false: the target after an EOS (the next document's first token)
@@ -161,6 +164,7 @@ class TrainConfig:
                   "this SDPA kernel takes no document mask (train.attention_mask=document); "
                   "use auto (FlexAttention on CUDA, SDPA with a boolean mask on CPU), efficient "
                   "or math (SDPA with a boolean mask), or train.attention_mask=causal")
+        check_document_kernel(self.document_kernel, self.attention_mask, self.attention)
 
     @property
     def uses_documents(self) -> bool:

@@ -74,7 +74,8 @@ class CausalLM(nn.Module):
       (`megalite.data.documents`): attention within documents, positions restarting at each,
       targets after EOS left out of the loss, as the run sets them; None: none of these.
 
-    `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice).
+    `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice),
+    `document_kernel` the document mask's (`megalite.model.document_attention`).
     `cp` (context parallelism): this rank holds two chunks of every sequence
     (`megalite.parallel.context_shard`) — `inputs` and `labels` are those chunks' tokens, the
     positions the chunks' global ones, attention reads the whole sequence's keys over CP.
@@ -97,9 +98,9 @@ class CausalLM(nn.Module):
                  recompute: bool = False, compile: bool = False, attention: str = "auto",
                  recompute_layers: Optional[int] = None,
                  offload: Optional[ActivationOffload] = None,
-                 cp: Optional[ContextParallel] = None):
+                 cp: Optional[ContextParallel] = None, document_kernel: str = "auto"):
         super().__init__()
-        self.cfg, self.cp = cfg, cp
+        self.cfg, self.cp, self.document_kernel = cfg, cp, document_kernel
         self.tp_group = tp_group if tp_group is not None else single_rank_group("tp")
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.rng, self.recompute, self.recompute_layers = rng, recompute, recompute_layers
@@ -257,7 +258,7 @@ class CausalLM(nn.Module):
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 per_sequence: bool = False, documents: Optional[Documents] = None
                 ) -> torch.Tensor:
-        attn = AttentionInputs.of(documents)
+        attn = AttentionInputs.of(documents, self.document_kernel)
         positions = None if attn is None else attn.positions
         x = self.embed(inputs, positions) if self.first else inputs
         offloading = self.offload is not None and self.training and torch.is_grad_enabled()

@@ -6,30 +6,37 @@ and Megatron's --reset-attention-mask does. The documents come with the batch
 
     u <= t  and  ids[u] == ids[t]
 
-(a block-diagonal of causal triangles). Two kernels compute it:
+(a block-diagonal of causal triangles). Three kernels compute it (`train.document_kernel`,
+`megalite.config.document_kernel`: which runs where, and auto's choice):
 
-  CUDA, no attention dropout, train.attention=auto
-      FlexAttention (Dong et al. 2024, `torch.nn.attention.flex_attention`, compiled) with a
-      block-sparse `BlockMask` made once per micro-batch from the ids: blocks of 128×128 that
-      the mask empties are never computed, so packed documents cost about their own causal
-      work (to the 128-token block). Not yet run on a GPU by megalite's tests.
-  otherwise (CPU, dropout, train.attention=efficient|math)
-      SDPA with the dense boolean mask [b, 1, s, s] (memory s² per sequence).
+  flex    FlexAttention (Dong et al. 2024, `torch.nn.attention.flex_attention`, compiled) with
+          a block-sparse `BlockMask` made once per micro-batch from the ids: blocks of 128×128
+          that the mask empties are never computed, so packed documents cost about their own
+          causal work (to the 128-token block).
+  varlen  FlashAttention-2's variable-length kernel (`torch.nn.attention.varlen.varlen_attn`):
+          the b·s tokens of the micro-batch as one packed sequence cut at every document start
+          (and every window start), each piece causal on its own (the cumulative lengths,
+          `cu_seqlens`, made once per micro-batch). Exactly the documents' triangles.
+  sdpa    SDPA with the dense boolean mask [b, 1, s, s] (memory s² per sequence).
+
+flex and varlen have not yet run on a GPU in megalite's tests (tests/unit/model/
+test_cuda_document_attention.py runs them where CUDA is).
 
 `AttentionInputs` is what one micro-batch's forward gives every block beyond its activations
-(the documents' ids, and the positions when they restart per document); it is made once per
-forward and its masks are cached in it, so every block (and a recomputed one, in backward)
-uses the same.
+(the documents' ids, the positions when they restart per document, the kernel); it is made
+once per forward and its masks are cached in it, so every block (and a recomputed one, in
+backward) uses the same.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megalite.config.document_kernel import resolved_document_kernel
 from megalite.data.documents import Documents
 from megalite.parallel.context_attention import ContextParallel, cp_attention
 
@@ -37,18 +44,21 @@ from megalite.parallel.context_attention import ContextParallel, cp_attention
 @dataclass
 class AttentionInputs:
     """The per-micro-batch inputs of attention: `ids` [b, s] (None: causal across documents),
-    `positions` [b, s] (None: 0..s-1). Over the whole sequence, as attention sees it (with
-    sequence parallelism q and k are made from the gathered sequence)."""
+    `positions` [b, s] (None: 0..s-1), `kernel` the document mask's (train.document_kernel).
+    Over the whole sequence, as attention sees it (with sequence parallelism q and k are made
+    from the gathered sequence)."""
 
     ids: Optional[torch.Tensor] = None
     positions: Optional[torch.Tensor] = None
+    kernel: str = "auto"
     _masks: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
-    def of(documents: Optional[Documents]) -> Optional["AttentionInputs"]:
+    def of(documents: Optional[Documents], kernel: str = "auto"
+           ) -> Optional["AttentionInputs"]:
         if documents is None or (documents.ids is None and documents.positions is None):
             return None
-        return AttentionInputs(documents.ids, documents.positions)
+        return AttentionInputs(documents.ids, documents.positions, kernel)
 
     def sdpa_mask(self) -> torch.Tensor:
         """[b, 1, s, s] bool: True where the query may see the key."""
@@ -75,6 +85,19 @@ class AttentionInputs:
                                                     _compile=True)
         return self._masks["flex"]
 
+    def packed_sequences(self) -> Tuple[torch.Tensor, int]:
+        """The variable-length kernel's cumulative lengths (int32 [n + 1]: where each of the n
+        documents starts in the b·s tokens taken row by row, then b·s) and the longest one."""
+        if "varlen" not in self._masks:
+            ids = self.ids
+            b, s = ids.shape
+            starts = torch.ones(b, s, dtype=torch.bool, device=ids.device)
+            starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            cu = torch.cat([starts.flatten().nonzero().flatten(),
+                            torch.tensor([b * s], device=ids.device)]).to(torch.int32)
+            self._masks["varlen"] = (cu, int((cu[1:] - cu[:-1]).max()))
+        return self._masks["varlen"]
+
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex_attention():
@@ -83,9 +106,21 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def uses_flex(q: torch.Tensor, p: float, choice: str) -> bool:
-    """Whether `document_attention` runs FlexAttention for these inputs."""
-    return q.is_cuda and p == 0.0 and choice == "auto"
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     inputs: AttentionInputs) -> torch.Tensor:
+    """`document_attention` through FlashAttention-2's variable-length kernel: q [b, hq, s, d]
+    and k, v [b, hk, s, d] become [b·s, h, d] (a copy each: the kernel reads tokens, then
+    heads), one causal sequence a document."""
+    from torch.nn.attention import varlen
+
+    b, hq, s, d = q.shape
+    cu, longest = inputs.packed_sequences()
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(b * s, t.shape[1], d)
+    out = varlen.varlen_attn(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest,
+                             window_size=(-1, 0), enable_gqa=hq != k.shape[1])
+    return out.view(b, s, hq, d).transpose(1, 2)
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,16 +128,20 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        cp: Optional[ContextParallel] = None) -> torch.Tensor:
     """Attention within documents of q [b, hq, s, d] over k, v [b, hk, s, d] (hq a multiple
     of hk: grouped-query attention, query head i reading KV head i // (hq / hk)), dropout
-    `p` on the probabilities, `choice` = train.attention (the SDPA kernel where SDPA runs).
-    With a CP group of more than one rank, `s` is this rank's chunks and `inputs.ids` their
-    documents' global ids: `cp_attention` carries them with the keys (no attention dropout
-    with cp > 1, refused before launch)."""
+    `p` on the probabilities, `choice` = train.attention (the SDPA kernel where SDPA runs), the
+    kernel `inputs.kernel` resolved for q's device (module docstring). With a CP group of
+    more than one rank, `s` is this rank's chunks and `inputs.ids` their documents' global
+    ids: `cp_attention` carries them with the keys (no attention dropout and only
+    train.document_kernel=auto with cp > 1, refused before launch)."""
     if cp is not None and cp.group.size > 1:
         return cp_attention(q, k, v, cp.group, cp.comm, documents=inputs.ids)
     gqa = q.shape[1] != k.shape[1]
-    if uses_flex(q, p, choice):
+    kernel = resolved_document_kernel(inputs.kernel, q.device.type, p, choice)
+    if kernel == "flex":
         return _compiled_flex_attention()(q, k, v, block_mask=inputs.block_mask(),
                                           enable_gqa=gqa)
+    if kernel == "varlen":
+        return varlen_attention(q, k, v, inputs)
     if gqa:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -43,7 +43,7 @@ from megalite.plan.calibrate_host import (
     rank_threads,
 )
 from megalite.plan.calibrate_links import fit_link, fit_ops, group_sizes, sweep_link
-from megalite.plan.calibrate_mask import measure_mask_ratio
+from megalite.plan.calibrate_mask import kernels_here, measure_mask_ratios
 
 CPU_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per collective: 64 KiB, 1 MiB, 8 MiB
 CUDA_SIZES = (1 << 20, 1 << 23, 1 << 26, 1 << 28)  # 1 MiB .. 256 MiB
@@ -244,8 +244,8 @@ def measure_profile(n_embd: int, ffn_size: int, tokens: int,
         if block is not None:
             profile["block_overhead"] = _block_overhead(device, profile, *block)
             profile["notes"].append(_block_note(profile["block_overhead"]))
-            profile["document_mask"] = _document_mask(device, profile, *block[:3])
-            profile["notes"].append(_mask_note(profile["document_mask"]))
+            profile["document_mask"] = _document_masks(device, profile, *block[:3])
+            profile["notes"] += [_mask_note(m) for m in profile["document_mask"]]
         return profile
     finally:
         if made:
@@ -335,14 +335,15 @@ def _block_note(b: dict) -> str:
             f"{'compiled' if b['compiled'] else 'eager'})")
 
 
-def _document_mask(device: torch.device, profile: dict, model, seq_len: int,
-                   micro_batch: int) -> dict:
-    """`measure_mask_ratio` in the block's dtype, for the kernel a run of `model` on this
-    device uses (FlexAttention on CUDA without attention dropout, else SDPA); this rank's."""
+def _document_masks(device: torch.device, profile: dict, model, seq_len: int,
+                    micro_batch: int) -> List[dict]:
+    """`measure_mask_ratios` in the block's dtype, for every document-mask kernel a run of
+    `model` can use on this device (`kernels_here`); this rank's."""
     dtype = profile["block_overhead"]["dtype"]
-    kernel = "flex" if device.type == "cuda" and model.attn_pdrop == 0 else "sdpa"
-    return measure_mask_ratio(model, seq_len, micro_batch, dtype,
-                              profile["matmul_tflops"][dtype], device, kernel)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return measure_mask_ratios(model, seq_len, micro_batch, dtype,
+                               profile["matmul_tflops"][dtype], device,
+                               kernels_here(device, model.attn_pdrop, dtype, capability))
 
 
 def _mask_note(m: dict) -> str:

@@ -6,23 +6,27 @@ The model's attention kernels are timed alone, forward + backward, at the calibr
 (s = train.seq_len, b = train.micro_batch_size, the model's heads; its attention dropout):
 causal (`megalite.model.attention.causal_attention`, t_c) and with the document mask of
 documents of L = s // CALIBRATION_DOCUMENTS tokens each
-(`megalite.model.document_attention.document_attention`, t_m: FlexAttention on CUDA without
-attention dropout, else SDPA with a dense mask). Alone, not inside a block: the difference is a
-few percent of a block's time, below a block timing's noise on a shared CPU. With
+(`megalite.model.document_attention.document_attention`, t_m) by every kernel that can run
+the model here (`kernels_here`: on CUDA without attention dropout FlexAttention, the
+variable-length kernel in bf16/fp16 on an Ampere or newer GPU, and SDPA with a dense mask;
+elsewhere SDPA). Alone, not inside a block: the difference is a few percent of a block's
+time, below a block timing's noise on a shared CPU. With
 
     t_m − t_c = A · (w · ratio − 1) / R      A = 3 · 4·h·s · s·b  (forward + backward dense
                                                 causal attention FLOPs), R the matmul rate,
                                                 w the kernel's work at L (block fraction for
-                                                flex, 1 for sdpa)
+                                                flex, pair fraction for varlen, 1 for sdpa:
+                                                `megalite.plan.document_terms.kernel_work`)
 
 ratio = (1 + R · (t_m − t_c) / A) / w   (at least 0): the masked kernel's time per unit of its
 work over the dense causal attention at R (the causal kernel's own time beyond its FLOPs is
 the block's `non_matmul`). The time model charges A · w' · ratio / R for a run whose corpus
-gives work w'.
+gives work w'. Of two kernels the faster for a corpus is the one of smaller w'·ratio
+(`megalite-plan` shows each measured kernel's time for the run's corpus).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -32,7 +36,7 @@ from megalite.config.schema import ModelConfig
 from megalite.model.attention import causal_attention
 from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.plan.calibrate_block import best_time
-from megalite.plan.document_terms import work_of
+from megalite.plan.document_terms import kernel_work, work_of
 
 CALIBRATION_DOCUMENTS = 4  # documents a window at the calibration's document length
 
@@ -60,27 +64,42 @@ def time_attention(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dt
 
     def one() -> None:
         out = causal_attention(q, k, v, p) if inputs is None else \
-            document_attention(q, k, v, inputs, p, "auto")
+            document_attention(q, k, v, inputs, p, "auto")  # the kernel is inputs.kernel
         out.backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return best_time(one, budget_s, max_timings)
 
 
-def measure_mask_ratio(model: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
-                       rate_tflops: float, device: torch.device, kernel: str
-                       ) -> Dict[str, object]:
-    """The profile's `document_mask` entry (module docstring); `kernel`: the one
-    `document_attention` runs here (flex or sdpa), whose work w is counted."""
+def kernels_here(device: torch.device, attn_pdrop: float, dtype: str,
+                 capability: Optional[tuple]) -> List[str]:
+    """The document-mask kernels a run of a model with `attn_pdrop` can use on `device` in
+    `dtype` (`megalite.config.document_kernel`'s rules); `capability` the GPU's (major, minor)."""
+    if device.type != "cuda" or attn_pdrop > 0:
+        return ["sdpa"]
+    half = dtype in ("bf16", "fp16") and capability is not None and capability >= (8, 0)
+    return ["flex", "varlen", "sdpa"] if half else ["flex", "sdpa"]
+
+
+def measure_mask_ratios(model: ModelConfig, seq_len: int, micro_batch: int, dtype: str,
+                        rate_tflops: float, device: torch.device, kernels: List[str]
+                        ) -> List[Dict[str, object]]:
+    """The profile's `document_mask` entries (module docstring), one per kernel of
+    `kernels`, each against one timing of the causal kernel."""
     length = max(1, seq_len // CALIBRATION_DOCUMENTS)
     eos = (np.arange(seq_len) % length == length - 1)[None, :]
     measured = work_of(eos, f"documents of {length} tokens")
-    w = measured.blocks if kernel == "flex" else 1.0
-    inputs = AttentionInputs(ids=document_ids(seq_len, micro_batch, length).to(device))
     torch_dtype = PRECISION_DTYPES[dtype]
+    ids = document_ids(seq_len, micro_batch, length).to(device)
     causal = time_attention(model, seq_len, micro_batch, torch_dtype, device, None)
-    masked = time_attention(model, seq_len, micro_batch, torch_dtype, device, inputs)
     flops = 3 * 4 * model.n_embd * seq_len * seq_len * micro_batch
-    ratio = max(0.0, (1 + rate_tflops * 1e12 * (masked - causal) / flops) / w)
-    return {"kernel": kernel, "document_tokens": length, "work": w,
-            "pairs": measured.pairs, "causal_s": causal, "masked_s": masked, "ratio": ratio}
+    out = []
+    for kernel in kernels:
+        w = kernel_work(measured, kernel)
+        masked = time_attention(model, seq_len, micro_batch, torch_dtype, device,
+                                AttentionInputs(ids=ids, kernel=kernel))
+        ratio = max(0.0, (1 + rate_tflops * 1e12 * (masked - causal) / flops) / w)
+        out.append({"kernel": kernel, "document_tokens": length, "work": w,
+                    "pairs": measured.pairs, "causal_s": causal, "masked_s": masked,
+                    "ratio": ratio})
+    return out

@@ -59,7 +59,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from megalite.plan.profile_file import load_profile
+from megalite.plan.profile_file import load_profile, mask_ratios_of
 
 GIB = 2**30
 
@@ -154,7 +154,7 @@ class DeviceProfile:
     # per collective kind (all_reduce, all_gather, reduce_scatter, send_recv): the link's fit
     # for that kind, where --calibrate measured it ({"intra_node": {op: Link}, ...})
     op_links: Mapping[str, Mapping[str, Link]] = field(default_factory=dict, hash=False)
-    # per document-mask kernel (flex, sdpa): its time per unit of work over the causal
+    # per document-mask kernel (flex, varlen, sdpa): its time per unit of work over the causal
     # attention's FLOPs at the matmul rate, where --calibrate measured it (calibrate_mask)
     mask_ratios: Mapping[str, float] = field(default_factory=dict, hash=False)
     source: str = "table"
@@ -219,8 +219,7 @@ class DeviceProfile:
                    op_links={name: {op: Link(float(f["bus_gbps"]), float(f["latency_s"]))
                                     for op, f in ops.items()}
                              for name, ops in d.get("op_links", {}).items()},
-                   mask_ratios={d["document_mask"]["kernel"]: float(d["document_mask"]["ratio"])}
-                   if "document_mask" in d else {},
+                   mask_ratios=mask_ratios_of(d.get("document_mask")),
                    block_fits=fits, source=f"profile {d['name']!r}")
 
 

@@ -6,11 +6,16 @@ Under the mask a token attends to the earlier tokens of its own document only
 mask leaves Σ n(n+1)/2 over its documents (`megalite.data.documents.visible_pairs`, the function
 the loader logs with): the **pair fraction**. The kernels do not all skip the rest:
 
-  flex   CUDA, no attention dropout, train.attention=auto: FlexAttention computes the 128×128
-         blocks of the causal triangle that hold a visible pair (`visible_blocks`); its work
-         is the **block fraction** of the causal blocks
-  sdpa   otherwise (CPU, dropout, a named SDPA kernel): SDPA with a dense boolean mask
-         computes the dense causal work (fraction 1) and reads the mask besides
+  flex    FlexAttention computes the 128×128 blocks of the causal triangle that hold a
+          visible pair (`visible_blocks`); its work is the **block fraction** of the causal
+          blocks
+  varlen  FlashAttention-2's variable-length kernel computes each document's own triangle:
+          its work is the **pair fraction** (its tiles' rounding at a document's edge is in
+          its calibrated ratio)
+  sdpa    SDPA with a dense boolean mask computes the dense causal work (fraction 1) and
+          reads the mask besides
+
+(which runs where: `megalite.config.document_kernel`; `kernel_work`).
 
 The time model charges a block's attention (4·h·s FLOPs a token of the dense causal count, at
 the matmul rate R) × work × ratio, ratio the masked kernel's time per unit of its work over the
@@ -32,6 +37,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from megalite.config.document_kernel import resolved_document_kernel
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.data.documents import visible_pairs
@@ -124,15 +130,20 @@ def masked_work(cfg: Config, document_tokens: Optional[int]) -> Optional[MaskedW
 
 
 def masked_kernel(cfg: Config, device_type: str) -> str:
-    """The kernel `megalite.model.document_attention` runs: flex or sdpa (module docstring)."""
-    flex = device_type == "cuda" and cfg.model.attn_pdrop == 0 and cfg.train.attention == "auto"
-    return "flex" if flex else "sdpa"
+    """The kernel `megalite.model.document_attention` runs: flex, varlen or sdpa."""
+    return resolved_document_kernel(cfg.train.document_kernel, device_type,
+                                    cfg.model.attn_pdrop, cfg.train.attention)
+
+
+def kernel_work(work: MaskedWork, kernel: str) -> float:
+    """The part of the dense causal attention's work `kernel` computes (module docstring)."""
+    return {"flex": work.blocks, "varlen": work.pairs}.get(kernel, 1.0)
 
 
 def attention_factor(work: MaskedWork, kernel: str, ratio: Optional[float]) -> float:
     """The masked kernel's time over the dense causal attention's at the matmul rate: its work
-    (the block fraction for flex, 1 for sdpa) × the calibrated `ratio` (1 where None)."""
-    return (work.blocks if kernel == "flex" else 1.0) * (1.0 if ratio is None else ratio)
+    (`kernel_work`) × the calibrated `ratio` (1 where None)."""
+    return kernel_work(work, kernel) * (1.0 if ratio is None else ratio)
 
 
 def attention_forward_s(cfg: Config, lay: Layout, profile: DeviceProfile, blocks: int
@@ -147,8 +158,9 @@ def attention_forward_s(cfg: Config, lay: Layout, profile: DeviceProfile, blocks
 def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
             work: Optional[MaskedWork]) -> Optional[Dict[str, object]]:
     """The document mask's assumptions (None for causal attention): the fractions, the
-    kernel (SDPA under cp > 1: its skipping of masked chunk pairs is not modelled) and its
-    `factor` over the dense causal attention's time."""
+    kernel (SDPA under cp > 1: its skipping of masked chunk pairs is not modelled), its
+    `factor` over the dense causal attention's time, and each kernel the profile measured
+    with its factor for these documents (`measured`: the faster one for this corpus)."""
     if cfg.train.attention_mask != "document":
         return None
     work = work or NO_SAVING
@@ -157,7 +169,9 @@ def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
     return {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
             "describe": work.describe(), "kernel": kernel,
             "ratio": profile.mask_ratios.get(kernel),
-            "factor": attention_factor(work, kernel, profile.mask_ratios.get(kernel))}
+            "factor": attention_factor(work, kernel, profile.mask_ratios.get(kernel)),
+            "measured": {k: attention_factor(work, k, r) for k, r in profile.mask_ratios.items()}
+            if layout.cp_size == 1 else {}}
 
 
 def mask_seconds(cfg: Config, layout: Layout, profile: DeviceProfile,

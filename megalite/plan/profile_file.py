@@ -16,7 +16,8 @@
                                       # pass and a token; megalite/plan/calibrate_block.py;
                                       # dropout and compiled: optional, files before them
                                       # did not record them)
-     "document_mask": {"kernel": "flex" | "sdpa", "ratio": float, ...},  # optional: the
+     "document_mask": [{"kernel": "flex" | "varlen" | "sdpa", "ratio": float, ...}, ...],
+                                      # optional (one object in older files): each measured
                                       # masked attention's time per unit of its work over the
                                       # causal attention at the matmul rate
                                       # (megalite/plan/calibrate_mask.py)
@@ -45,6 +46,7 @@ from megalite.utils.durable import fsync_dir
 
 FORMAT = "megalite-device-profile"
 VERSION = 1
+DOCUMENT_MASK_KERNELS = ("flex", "varlen", "sdpa")  # megalite.config.document_kernel
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: torch._scaled_mm, e4m3 operands
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINKS = ("intra_node", "inter_node")
@@ -196,17 +198,33 @@ def _problems_of_block(block: Any) -> list:
     return out
 
 
+def _mask_entries(mask: Any) -> list:
+    """document_mask's entries: one object (files of one kernel) or a list of them."""
+    return mask if isinstance(mask, list) else [mask]
+
+
 def _problems_of_mask(mask: Any) -> list:
-    """document_mask (optional): the masked attention kernel and its measured ratio."""
+    """document_mask (optional): each measured masked attention kernel and its ratio."""
     if mask is None:
         return []
-    if not isinstance(mask, dict) or mask.get("kernel") not in ("flex", "sdpa"):
-        return [f"document_mask={mask!r}: must be an object with kernel (flex or sdpa) and "
-                "ratio"]
-    ratio = mask.get("ratio")
-    if not (_is_rate(ratio) or ratio == 0):
-        return [f"document_mask.ratio={ratio!r}: must be a finite number >= 0"]
-    return []
+    out, seen = [], set()
+    for entry in _mask_entries(mask):
+        if not isinstance(entry, dict) or entry.get("kernel") not in DOCUMENT_MASK_KERNELS:
+            out.append(f"document_mask={entry!r}: must be an object with kernel (flex, varlen "
+                       "or sdpa) and ratio, or a list of them")
+            continue
+        if entry["kernel"] in seen:
+            out.append(f"document_mask: kernel {entry['kernel']!r} is measured twice; keep one")
+        seen.add(entry["kernel"])
+        ratio = entry.get("ratio")
+        if not (_is_rate(ratio) or ratio == 0):
+            out.append(f"document_mask.ratio={ratio!r}: must be a finite number >= 0")
+    return out
+
+
+def mask_ratios_of(mask: Any) -> Dict[str, float]:
+    """{kernel: ratio} of a checked profile's document_mask (empty where absent)."""
+    return {} if mask is None else {e["kernel"]: float(e["ratio"]) for e in _mask_entries(mask)}
 
 
 def _check_identity(path: Path, profile: Any) -> None:

@@ -164,7 +164,17 @@ class Prediction:
             return ""
         return (f"\n  {d['describe']}; kernel {d['kernel']} at {d['factor']:.3g}x the dense "
                 f"causal attention's time: attention {d['attention_s'] * 1e3:.1f} ms per step "
-                f"on stage {self.critical_stage} (causal: {d['attention_causal_s'] * 1e3:.1f} ms)")
+                f"on stage {self.critical_stage} (causal: {d['attention_causal_s'] * 1e3:.1f} ms)"
+                + _measured_kernels(d.get("measured", {})))
+
+
+def _measured_kernels(factors: Dict[str, float]) -> str:
+    """The profile's measured document-mask kernels at this corpus, fastest first."""
+    if len(factors) < 2:
+        return ""
+    ranked = sorted(factors.items(), key=lambda kv: kv[1])
+    return "\n  measured kernels for these documents (train.document_kernel): " + ", ".join(
+        f"{k} {f:.3g}x" for k, f in ranked)
 
 
 def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:

@@ -243,6 +243,7 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             tp_group=topo.tp_group, sequence_parallel=layout.sequence_parallel,
                             rng=rng, recompute=cfg.train.recompute, compile=cfg.train.compile,
                             attention=cfg.train.attention,
+                            document_kernel=cfg.train.document_kernel,
                             recompute_layers=cfg.train.recompute_layers, offload=offload,
                             cp=ContextParallel(topo.cp_group, cfg.parallel.cp_comm))
     use_fp8(model, cfg.fp8.recipe, topo.cp_group)

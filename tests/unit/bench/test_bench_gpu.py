@@ -37,7 +37,7 @@ def test_the_full_forms_runs_in_priority_order():
         (path, p, c) for path in ("bench", "launch") for p in ("gpt2", "gpt2-xl")
         for c in (True, False)}
     assert specs[-1].resilience is False and all(s.resilience for s in specs[:-1])
-    assert len(specs) == 10 and PARTS[:2] == ("cuda-tests", "mfu")
+    assert len(specs) == 10 and PARTS[:3] == ("cuda-tests", "document-mask", "mfu")
     assert [s.id for s in mfu_specs(REDUCED)] == [
         "bench tiny eager", "launch tiny eager dropout 0", "launch tiny eager",
         "launch tiny eager dropout 0 no resilience checks"]
@@ -67,6 +67,9 @@ def test_every_command_of_the_form_parses(sizes):
     offload = argparse.ArgumentParser()
     BENCHMARKS["offload"][0].add_arguments(offload)
     offload.parse_args(sizes.offload + ["--out", "x.json"])
+    documents = argparse.ArgumentParser()
+    BENCHMARKS["document-attention"][0].add_arguments(documents)
+    documents.parse_args(sizes.document_mask + ["--out", "x.json"])
     check_sections(load_config(sizes.calibrate))
 
 

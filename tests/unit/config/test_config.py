@@ -81,6 +81,13 @@ def bad(overrides, world_size=1):
     (["train.attention_mask=block"], 1, "train.attention_mask='block': use one of causal, document"),
     (["train.attention_mask=document", "train.attention=flash"], 1,
      "train.attention='flash': this SDPA kernel takes no document mask"),
+    (["train.document_kernel=xformers"], 1, "train.document_kernel='xformers': use one of auto"),
+    (["train.document_kernel=sdpa"], 1, "train.document_kernel='sdpa': chooses the kernel of "
+                                        "the document mask only"),
+    (["train.attention_mask=document", "train.document_kernel=varlen"], 1,
+     "train.document_kernel='varlen': runs on CUDA GPUs only"),
+    (["train.attention_mask=document", "train.document_kernel=flex", "train.attention=math"], 1,
+     "train.attention='math': names an SDPA kernel, which train.document_kernel=flex"),
     # context parallelism: what cp > 1 does not run, by its key
     (["cp=2", "model.attn_pdrop=0.1"], 2, "model.attn_pdrop=0.1: is not supported with cp=2"),
     (["cp=2", "train.attention=flash"], 2, "train.attention='flash': is not supported with cp=2"),
@@ -171,4 +178,12 @@ def test_precision_and_attention_follow_what_the_gpu_can_do():
         validate(load_config(["device=cuda", "train.attention=cudnn"]), 1, local_gpus=1,
                  gpu=v100)
     validate(load_config(["device=cuda", "loss_scale.static=1024"]), 1, local_gpus=1, gpu=v100)
+    varlen = ["device=cuda", "train.attention_mask=document", "train.document_kernel=varlen"]
+    validate(load_config(varlen), 1, local_gpus=1)
+    for more, gpu, why in ((["precision=fp32"], None, "is FlashAttention-2.s kernel"),
+                           ([], v100, "is FlashAttention-2.s kernel"),
+                           (["model.attn_pdrop=0.1"], None, "has no attention dropout"),
+                           (["cp=2"], None, "is not supported with cp=2")):
+        with pytest.raises(ConfigError, match=f"train.document_kernel='varlen': {why}"):
+            validate(load_config(varlen + more), 2, local_gpus=2, gpu=gpu, local_ranks=1)
     validate(load_config(["train.attention=flash", "precision=fp32"]), 1)  # CPU: fine

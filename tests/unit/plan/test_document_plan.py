@@ -15,7 +15,7 @@ import torch
 from megalite.cli.plan import main as plan_main
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
-from megalite.plan.calibrate_mask import measure_mask_ratio
+from megalite.plan.calibrate_mask import kernels_here, measure_mask_ratios
 from megalite.plan.devices import load_profile_file
 from megalite.plan.document_terms import (
     NO_SAVING,
@@ -121,24 +121,43 @@ def test_the_time_model_charges_the_masked_kernels_work_at_its_ratio():
     _, _, sdpa = _predict(DOCUMENT + ["model.attn_pdrop=0.1"], work,
                           replace(synthetic(), mask_ratios={"sdpa": 1.5}))
     assert sdpa.document_mask["kernel"] == "sdpa" and sdpa.document_mask["factor"] == 1.5
+    _, _, varlen = _predict(DOCUMENT + ["train.document_kernel=varlen"], work,
+                            replace(synthetic(), mask_ratios={"varlen": 2.0, "flex": 9.0}))
+    assert varlen.document_mask["kernel"] == "varlen"
+    assert varlen.document_mask["factor"] == pytest.approx(2.0 * work.pairs)
+    assert varlen.document_mask["measured"] == {"varlen": pytest.approx(2.0 * work.pairs),
+                                                "flex": pytest.approx(9.0 * work.blocks)}
+    assert "measured kernels for these documents (train.document_kernel): varlen" \
+        in varlen.summary()
 
 
 def test_the_profiles_document_mask_entry(tmp_path):
     entry = {"kernel": "sdpa", "ratio": 1.7, "document_tokens": 8}
     save_profile(tmp_path / "p.json", {**synthetic_profile(), "document_mask": entry})
     assert load_profile_file(tmp_path / "p.json").mask_ratios == {"sdpa": 1.7}
-    with pytest.raises(ProfileError, match="document_mask=.*flex or sdpa"):
-        save_profile(tmp_path / "bad.json", {**synthetic_profile(), "document_mask":
-                                             {"kernel": "xformers", "ratio": 1}})
+    entries = [entry, {"kernel": "varlen", "ratio": 0.9}, {"kernel": "flex", "ratio": 1.2}]
+    save_profile(tmp_path / "p.json", {**synthetic_profile(), "document_mask": entries})
+    assert load_profile_file(tmp_path / "p.json").mask_ratios == {"sdpa": 1.7, "varlen": 0.9,
+                                                                  "flex": 1.2}
+    for bad, why in (({"kernel": "xformers", "ratio": 1}, "document_mask=.*flex, varlen or"),
+                     ([entry, entry], "kernel 'sdpa' is measured twice")):
+        with pytest.raises(ProfileError, match=why):
+            save_profile(tmp_path / "bad.json", {**synthetic_profile(), "document_mask": bad})
     assert not (tmp_path / "bad.json").exists()
 
 
 def test_calibration_times_the_masked_attention_beside_the_causal_one():
     cfg = load_config(SMALL)
-    m = measure_mask_ratio(cfg.model, 32, 1, "fp32", 0.01, torch.device("cpu"), "sdpa")
+    kernels = kernels_here(torch.device("cpu"), 0.0, "fp32", None)
+    [m] = measure_mask_ratios(cfg.model, 32, 1, "fp32", 0.01, torch.device("cpu"), kernels)
     assert (m["kernel"], m["document_tokens"], m["work"]) == ("sdpa", 8, 1.0)
     assert m["pairs"] == pytest.approx(9 / 33) and m["ratio"] >= 0
     assert m["causal_s"] > 0 and m["masked_s"] > 0
+    cuda = torch.device("cuda")
+    assert kernels_here(cuda, 0.0, "bf16", (9, 0)) == ["flex", "varlen", "sdpa"]
+    assert kernels_here(cuda, 0.0, "fp32", (9, 0)) == ["flex", "sdpa"]
+    assert kernels_here(cuda, 0.0, "fp16", (7, 0)) == ["flex", "sdpa"]
+    assert kernels_here(cuda, 0.1, "bf16", (9, 0)) == ["sdpa"]
 
 
 def test_megalite_plan_shows_the_fraction_and_the_attention_with_and_without(capsys):
