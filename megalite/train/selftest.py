@@ -33,7 +33,6 @@ every rank (`synthetic_data`; no download, no tokenizer).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch.distributed as dist
 
 from megalite.config.layout import Layout, device_type_for
 from megalite.config.schema import Config
+from megalite.data.token_arrays import write_token_arrays
 from megalite.parallel import comm
 from megalite.parallel.topology import build_topology, group_ranks
 from megalite.train.launch import plan_launch
@@ -201,21 +201,9 @@ def synthetic_data(out: Path, vocab: int, tokens: int = 65536, seed: int = 1234)
     rng = np.random.default_rng(seed)
     steps = rng.integers(-3, 4, size=tokens)
     ids = (np.cumsum(steps) % (vocab - 1) + 1).astype(np.uint16)  # 0 is EOS
-    out.mkdir(parents=True, exist_ok=True)
     split = int(tokens * 0.9)
-    splits = {}
-    for name, part in (("train", ids[:split]), ("val", ids[split:])):
-        part.tofile(out / f"{name}_00000.bin")
-        splits[name] = {"shards": [{"file": f"{name}_00000.bin", "tokens": int(part.size)}],
-                        "tokens": int(part.size), "documents": 1}
-    meta = {"format_version": 1, "vocab_size": vocab, "eos_token_id": 0, "dtype": "uint16",
-            "tokenizer": {"name": "none (synthetic tokens of megalite-selftest)",
-                          "dir": "tokenizer"},
-            "source": {"source": "synthetic", "config_name": None, "split": "train",
-                       "data_files": None, "text_field": None, "max_documents": None},
-            "splits": splits}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    return out
+    return write_token_arrays(out, {"train": [ids[:split]], "val": [ids[split:]]}, vocab, 0,
+                              "synthetic tokens of megalite-selftest")
 
 
 # --- runs ---------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ descriptor, per shard and died with EMFILE): every rank's open descriptors stay 
 each pipeline stage reads only what it consumes (pp 2 trains to the dp 2 losses)."""
 from __future__ import annotations
 
-import json
 import resource
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from megalite.config.layout import validate
 from megalite.config.schema import load_config
 from megalite.data.files import open_descriptors
-from megalite.data.loader import META_FILE
+from megalite.data.token_arrays import write_token_arrays
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
@@ -30,22 +29,13 @@ BATCH = ["train.micro_batch_size=8", "train.global_batch_size=64"]  # > 64 shard
 
 
 def write_many_shards(path: Path) -> Path:
-    """A prepared-data directory (meta.json format 1, no tokenizer) of SHARDS train shards of
-    random uint16 token ids below 1024."""
-    path.mkdir(parents=True)
+    """A prepared-data directory (no tokenizer) of SHARDS train shards of random token ids
+    below 1024."""
     rng = np.random.default_rng(0)
-    splits = {}
-    for split, count in (("train", SHARDS), ("val", 1)):
-        entries = []
-        for k in range(count):
-            name = f"{split}_{k:05d}.bin"
-            rng.integers(0, 1024, SHARD_TOKENS, dtype=np.uint16).tofile(path / name)
-            entries.append({"file": name, "tokens": SHARD_TOKENS})
-        splits[split] = {"shards": entries, "tokens": SHARD_TOKENS * count, "documents": count}
-    meta = {"format_version": 1, "vocab_size": 1024, "eos_token_id": 0, "dtype": "uint16",
-            "splits": splits}
-    (path / META_FILE).write_text(json.dumps(meta))
-    return path
+    return write_token_arrays(path, {split: [rng.integers(0, 1024, SHARD_TOKENS, dtype=np.uint16)
+                                             for _ in range(count)]
+                                     for split, count in (("train", SHARDS), ("val", 1))},
+                              1024, 0, "random token ids")
 
 
 def _train_with_few_open_files(rank, world, data_dir, run_dir, runs):

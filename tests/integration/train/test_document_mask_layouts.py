@@ -15,7 +15,6 @@ positions, and its loss divides its counted targets' cross-entropy by the step's
 DP x CP, so the layouts equal the serial run although the ranks hold unequal counts."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import pytest
 
 from megalite.config.combinations import MATRIX_BASE, labels, row_config, row_of, serial_row
 from megalite.config.schema import load_config
+from megalite.data.token_arrays import write_token_arrays
 from megalite.testing.matrix import TOLERANCES, check_ranks, check_row, run_rows, serial_runs
 
 pytestmark = pytest.mark.distributed
@@ -58,20 +58,9 @@ def short_documents(out: Path, tokens: int = 40_000, vocab: int = 1024) -> Path:
     rng = np.random.default_rng(0)
     ids = rng.integers(1, vocab, size=tokens).astype(np.uint16)
     ids[np.cumsum(rng.integers(3, 21, size=tokens // 3))[:-1].clip(max=tokens - 1)] = 0
-    out.mkdir(parents=True, exist_ok=True)
     split = int(tokens * 0.9)
-    splits = {}
-    for name, part in (("train", ids[:split]), ("val", ids[split:])):
-        part.tofile(out / f"{name}_00000.bin")
-        splits[name] = {"shards": [{"file": f"{name}_00000.bin", "tokens": int(part.size)}],
-                        "tokens": int(part.size), "documents": int((part == 0).sum())}
-    meta = {"format_version": 2, "vocab_size": vocab, "eos_token_id": 0, "dtype": "uint16",
-            "tokenizer": {"name": "none (synthetic short documents)", "dir": "tokenizer"},
-            "source": {"source": "synthetic", "config_name": None, "split": "train",
-                       "data_files": None, "text_field": None, "max_documents": None},
-            "splits": splits}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    return out
+    return write_token_arrays(out, {"train": [ids[:split]], "val": [ids[split:]]}, vocab, 0,
+                              "synthetic short documents")
 
 
 @pytest.fixture(scope="module")

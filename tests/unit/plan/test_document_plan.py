@@ -5,7 +5,6 @@ ratio in the time model, the profile's `document_mask` entry, the calibration's 
 CPU (no timing asserted) and megalite-plan's line. Deterministic but for the calibration."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from megalite.cli.plan import main as plan_main
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
+from megalite.data.token_arrays import write_token_arrays
 from megalite.plan.calibrate_mask import kernels_here, measure_mask_ratios
 from megalite.plan.devices import load_profile_file
 from megalite.plan.document_terms import (
@@ -74,16 +74,10 @@ def test_documents_of_a_fixed_length_and_the_default():
 
 def _corpus(path, seq_len: int, length: int, windows: int):
     """A prepared train split of documents of `length` tokens (EOS id 0 ending each)."""
-    path.mkdir()
     tokens = np.arange(1, seq_len * windows + 2, dtype=np.uint16) % 7 + 1
     tokens[length - 1::length] = 0
-    tokens.tofile(path / "train_00000.bin")
-    split = {"shards": [{"file": "train_00000.bin", "tokens": len(tokens)}],
-             "tokens": len(tokens), "documents": len(tokens) // length}
-    (path / "meta.json").write_text(json.dumps({
-        "format_version": 2, "vocab_size": 1024, "eos_token_id": 0, "dtype": "uint16",
-        "splits": {"train": split, "val": split}}))
-    return path
+    return write_token_arrays(path, {"train": [tokens], "val": [tokens]}, 1024, 0,
+                              f"documents of {length} tokens")
 
 
 def test_the_corpus_is_sampled_not_scanned(tmp_path):
