@@ -61,8 +61,9 @@ def parser() -> argparse.ArgumentParser:
                    "(matplotlib: the eval extra)")
     p.add_argument("--document-tokens", type=int, default=None, metavar="L",
                    help="train.attention_mask=document: price the mask for documents of L "
-                        "tokens each (default: sampled from data.dir's corpus where it is "
-                        "prepared, else no saving assumed; megalite/plan/document_terms.py)")
+                        "tokens each (default: sampled from data.dir's corpus, each dataset "
+                        "of data.blend, where prepared, else no saving assumed; "
+                        "megalite/plan/document_terms.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "
