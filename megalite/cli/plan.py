@@ -30,7 +30,7 @@ from megalite.cli.plan_search import run_search
 from megalite.cli.validated import config_for_world
 from megalite.config.layout import Layout
 from megalite.plan.devices import BY_NAME, device_profile, load_profile_file, table_links
-from megalite.plan.document_terms import masked_work
+from megalite.plan.document_terms import describe_mask, masked_work, run_cp_work
 from megalite.plan.fit import cheapest_fit
 from megalite.plan.memory import GIB, make_plan
 from megalite.plan.time_model import predict
@@ -61,8 +61,9 @@ def parser() -> argparse.ArgumentParser:
                    "(matplotlib: the eval extra)")
     p.add_argument("--document-tokens", type=int, default=None, metavar="L",
                    help="train.attention_mask=document: price the mask for documents of L "
-                        "tokens each (default: sampled from data.dir's corpus where it is "
-                        "prepared, else no saving assumed; megalite/plan/document_terms.py)")
+                        "tokens each (default: sampled from data.dir's corpus, each dataset "
+                        "of data.blend, where prepared, else no saving assumed; "
+                        "megalite/plan/document_terms.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "
@@ -127,7 +128,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     else:
         print(plan.table())
         if work is not None and prediction is None:
-            print(f"{work.describe()}; a device profile prices it")
+            print(f"{describe_mask(cfg, layout, work, run_cp_work(cfg, layout, work))}; "
+                  "a device profile prices it")
         if prediction is not None:
             print(prediction.summary())
     if args.gpu_memory_gib is not None:

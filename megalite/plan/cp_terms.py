@@ -41,7 +41,10 @@ block in hand, so a send is exposed only beyond that step's compute (2 chunk pai
 FLOPs forward at the matmul rate, twice that backward); the backward's accumulator sends
 are waited for at once (exposed). Attention's FLOPs per rank are the causal work / cp: the
 chunks' balance (ranks compute 2cp + 1 chunk pairs each) — the time model's compute term
-(tokens / cp at the model's 4·h·s a token).
+(tokens / cp at the model's 4·h·s a token; under the document mask × the slowest rank's
+unskipped share, `megalite.plan.document_cp`). The ring's steps hiding the sends are the
+causal ones: under the document mask its skipped chunk pairs, which shorten a step, are not
+taken off here.
 """
 from __future__ import annotations
 

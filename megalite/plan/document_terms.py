@@ -14,26 +14,34 @@ the loader logs with): the **pair fraction**. The kernels do not all skip the re
           its calibrated ratio)
   sdpa    SDPA with a dense boolean mask computes the dense causal work (fraction 1) and
           reads the mask besides
+  cp      under cp > 1 (`parallel.cp_comm`: allgather or ring): the context-parallel kernel
+          skips the chunk pairs, or the keys before a chunk's first document, that the mask
+          empties (`megalite.plan.document_cp`: its work on the slowest CP rank, from the
+          same sample, for the run's cp and micro-batch), at the causal kernel's rate
 
-(which runs where: `megalite.config.document_kernel`; `kernel_work`).
+(which of flex, varlen and sdpa runs where: `megalite.config.document_kernel`; `kernel_work`).
 
 The time model charges a block's attention (4·h·s FLOPs a token of the dense causal count, at
 the matmul rate R) × work × ratio, ratio the masked kernel's time per unit of its work over the
 causal kernel's, as `--calibrate` measured it (`megalite.plan.calibrate_mask`; 1 where the
-profile has no measurement for the run's kernel: the masked work at the causal kernel's rate;
-`masking`, applied by `megalite.plan.time_model`; `mask_seconds`: what it shows).
+profile has no measurement for the run's kernel, and for the CP kernels, which have none: the
+masked work at the causal kernel's rate; `masking`, applied by `megalite.plan.time_model` to
+the attention term and to the block time that hides activation offload's copies;
+`mask_seconds`: what it shows).
 
 The fractions come from the corpus at plan time (`sample_corpus`: WINDOWS windows spread evenly
-over data.dir's train split, read through `TokenShards`, never the whole corpus), or, with
-`--document-tokens L`, from documents of L tokens each (`fixed_length`); with neither, the plan
-assumes no saving (fraction 1).
+over data.dir's train split, read through `TokenShards`, never the whole corpus; under
+data.blend each dataset's, weighted: `blend_of`), or, with `--document-tokens L`, from
+documents of L tokens each (`fixed_length`); with neither, the plan assumes no saving
+(fraction 1). The sample's document starts are kept (`DocumentSample`) so that the CP
+kernels' work is priced for any cp without reading the corpus again.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,6 +52,7 @@ from megalite.data.documents import visible_pairs
 from megalite.data.loader import TokenShards
 from megalite.plan.devices import DeviceProfile
 from megalite.plan.dims import recomputed_layers
+from megalite.plan.document_cp import CpMaskedWork, DocumentSample, cp_masked_work
 
 FLEX_BLOCK = 128  # FlexAttention's default block (queries × keys)
 WINDOWS = 256  # windows sampled to estimate the fractions (stdlib: within 0.7 points of all)
@@ -57,6 +66,10 @@ class MaskedWork:
     blocks: float  # 128×128 blocks holding a visible pair / the causal triangle's blocks
     source: str  # where the fractions come from
     seconds: float = 0.0  # what estimating them cost
+    # the sampled windows' document starts, each with its weight (summing to 1; none: no
+    # sample), from which the CP kernels' work is priced (`cp_work`)
+    samples: Tuple[Tuple[float, DocumentSample], ...] = field(default=(), compare=False,
+                                                               repr=False)
 
     def describe(self) -> str:
         return (f"document mask: {self.pairs:.1%} of the causal (query, key) pairs visible, "
@@ -68,17 +81,15 @@ NO_SAVING = MaskedWork(1.0, 1.0, "no corpus and no --document-tokens: no saving 
 
 def visible_blocks(eos: np.ndarray, block: int = FLEX_BLOCK) -> int:
     """Blocks (query block i, key block j <= i) of windows' inputs whose EOS tokens are `eos`
-    (k, s) that hold a visible pair. Documents are contiguous, so block (i, j < i) holds one
-    iff the document of query block i's first token starts before key block j ends: query
-    block i sees key blocks start // block .. i."""
-    k, s = eos.shape
-    ids = np.zeros((k, s), dtype=np.int64)
-    np.cumsum(eos[:, :-1], axis=1, out=ids[:, 1:])
-    t = np.arange(s)
-    starts = np.zeros((k, s), dtype=np.int64)
-    starts[:, 1:] = np.where(eos[:, :-1], t[1:], 0)
-    doc_start = np.maximum.accumulate(starts, axis=1)  # first token of each token's document
-    first = doc_start[:, ::block]  # of each query block's first token
+    (k, s) that hold a visible pair (`sample_blocks`)."""
+    return sample_blocks(DocumentSample.of(eos), block)
+
+
+def sample_blocks(sample: DocumentSample, block: int = FLEX_BLOCK) -> int:
+    """`visible_blocks` of a sample. Documents are contiguous, so block (i, j < i) holds a
+    visible pair iff the document of query block i's first token starts before key block j
+    ends: query block i sees key blocks start // block .. i."""
+    first = sample.document_start(np.arange(0, sample.seq_len, block))
     i = np.arange(first.shape[1])
     return int((i - first // block + 1).sum())
 
@@ -91,8 +102,27 @@ def causal_blocks(seq_len: int, block: int = FLEX_BLOCK) -> int:
 def work_of(eos: np.ndarray, source: str, seconds: float = 0.0) -> MaskedWork:
     """The fractions of windows whose EOS tokens are `eos` (k, s)."""
     k, s = eos.shape
+    sample = DocumentSample.of(eos)
     return MaskedWork(visible_pairs(eos) / (k * s * (s + 1) / 2),
-                      visible_blocks(eos) / (k * causal_blocks(s)), source, seconds)
+                      sample_blocks(sample) / (k * causal_blocks(s)), source, seconds,
+                      ((1.0, sample),))
+
+
+def blend_of(parts: Sequence[Tuple[float, MaskedWork]]) -> MaskedWork:
+    """The fractions of a data.blend of datasets, (weight, the dataset's fractions) each: the
+    weighted average. Each fraction is a mean over windows of a per-window fraction with
+    the same denominator in every dataset (a window's s(s+1)/2 causal pairs, its causal
+    blocks, the CP kernels' causal plan), and the blend draws its windows from dataset i in
+    the share w_i / Σw (`megalite.data.sampler.blend_choices`), so the blend's mean is
+    Σ w_i·f_i / Σw. The CP kernels' work is weighted alike (`cp_work`), each dataset's
+    micro-batches formed from its own windows (a micro-batch mixing datasets skips only
+    what all its windows allow: exact for train.micro_batch_size=1)."""
+    total = sum(w for w, _ in parts)
+    share = [(w / total, work) for w, work in parts]
+    return MaskedWork(sum(w * x.pairs for w, x in share), sum(w * x.blocks for w, x in share),
+                      "blend of " + ", ".join(f"{w:.3g} x ({x.source})" for w, x in share),
+                      sum(x.seconds for _, x in share),
+                      tuple((w * v, sample) for w, x in share for v, sample in x.samples))
 
 
 def sample_corpus(data_dir: Path, seq_len: int, windows: int = WINDOWS) -> MaskedWork:
@@ -118,15 +148,17 @@ def fixed_length(document_tokens: int, seq_len: int, windows: int = WINDOWS) -> 
 
 def masked_work(cfg: Config, document_tokens: Optional[int]) -> Optional[MaskedWork]:
     """The run's fractions (None without the document mask): from --document-tokens where
-    given, else from the corpus at data.dir where it is prepared, else `NO_SAVING`."""
+    given, else from the corpus at data.dir (each dataset of data.blend: `blend_of`) where
+    every one is prepared, else `NO_SAVING`."""
     if cfg.train.attention_mask != "document":
         return None
     if document_tokens is not None:
         return fixed_length(document_tokens, cfg.train.seq_len)
-    data_dir = Path(cfg.data.dir)
-    if (data_dir / "meta.json").is_file():
-        return sample_corpus(data_dir, cfg.train.seq_len)
-    return NO_SAVING
+    sources = cfg.data.sources()
+    if not all((Path(d) / "meta.json").is_file() for d, _ in sources):
+        return NO_SAVING
+    parts = [(w, sample_corpus(Path(d), cfg.train.seq_len)) for d, w in sources]
+    return parts[0][1] if cfg.data.blend is None else blend_of(parts)
 
 
 def masked_kernel(cfg: Config, device_type: str) -> str:
@@ -155,23 +187,53 @@ def attention_forward_s(cfg: Config, lay: Layout, profile: DeviceProfile, blocks
         / (lay.tp_size * profile.rate(lay.precision))
 
 
+def cp_work(work: MaskedWork, cp: int, comm: str, batch: int) -> CpMaskedWork:
+    """The CP kernel's work (`megalite.plan.document_cp`) over `work`'s samples, weighted
+    (`blend_of`); all of its causal plan where there is no sample (`NO_SAVING`)."""
+    if not work.samples:
+        return CpMaskedWork(1.0, 1.0)
+    each = [(w, cp_masked_work(sample, cp, comm, batch)) for w, sample in work.samples]
+    return CpMaskedWork(sum(w * x.mean for w, x in each), sum(w * x.slowest for w, x in each))
+
+
+def run_cp_work(cfg: Config, layout: Layout, work: MaskedWork) -> Optional[CpMaskedWork]:
+    """`cp_work` at the run's cp, cp_comm and micro-batch (None at cp 1)."""
+    if layout.cp_size == 1:
+        return None
+    return cp_work(work, layout.cp_size, cfg.parallel.cp_comm, cfg.train.micro_batch_size)
+
+
+def describe_mask(cfg: Config, layout: Layout, work: MaskedWork,
+                  cp: Optional[CpMaskedWork]) -> str:
+    """The fractions and, under cp > 1, the CP kernel's share `cp` of its causal plan."""
+    if cp is None:
+        return work.describe()
+    return (f"{work.describe()}; the cp={layout.cp_size} {cfg.parallel.cp_comm} kernel "
+            f"computes {cp.mean:.1%} of its causal chunk pairs' work over the ranks, "
+            f"{cp.slowest:.1%} on the slowest rank (micro-batches of "
+            f"{cfg.train.micro_batch_size})")
+
+
 def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
             work: Optional[MaskedWork]) -> Optional[Dict[str, object]]:
     """The document mask's assumptions (None for causal attention): the fractions, the
-    kernel (SDPA under cp > 1: its skipping of masked chunk pairs is not modelled), its
-    `factor` over the dense causal attention's time, and each kernel the profile measured
-    with its factor for these documents (`measured`: the faster one for this corpus)."""
+    kernel and its `factor` over the dense causal attention's time (under cp > 1 the CP
+    kernel's work on the slowest rank, at the causal kernel's rate: module docstring), and at
+    cp = 1 each kernel the profile measured with its factor for these documents (`measured`:
+    the faster one for this corpus)."""
     if cfg.train.attention_mask != "document":
         return None
     work = work or NO_SAVING
-    kernel = masked_kernel(cfg, "cpu" if profile.device.startswith("cpu") else "cuda") \
-        if layout.cp_size == 1 else "sdpa"
-    return {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
-            "describe": work.describe(), "kernel": kernel,
-            "ratio": profile.mask_ratios.get(kernel),
+    cp = run_cp_work(cfg, layout, work)
+    out = {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
+           "describe": describe_mask(cfg, layout, work, cp)}
+    if cp is not None:
+        return {**out, "kernel": f"cp {cfg.parallel.cp_comm}", "ratio": None,
+                "factor": cp.slowest, "cp_mean": cp.mean, "cp_slowest": cp.slowest}
+    kernel = masked_kernel(cfg, "cpu" if profile.device.startswith("cpu") else "cuda")
+    return {**out, "kernel": kernel, "ratio": profile.mask_ratios.get(kernel),
             "factor": attention_factor(work, kernel, profile.mask_ratios.get(kernel)),
-            "measured": {k: attention_factor(work, k, r) for k, r in profile.mask_ratios.items()}
-            if layout.cp_size == 1 else {}}
+            "measured": {k: attention_factor(work, k, r) for k, r in profile.mask_ratios.items()}}
 
 
 def mask_seconds(cfg: Config, layout: Layout, profile: DeviceProfile,

@@ -16,8 +16,9 @@ bytes of a model-dtype element:
               Under train.attention_mask=document each block's 4·h·s is charged × the
               masked kernel's factor w·ratio (`megalite.plan.document_terms`: w the work the
               kernel computes — FlexAttention's visible 128×128 blocks, SDPA's dense causal
-              work — ratio its calibrated time per unit of work at R; the recompute too);
-              MFU keeps the dense causal count
+              work, under cp > 1 the CP kernel's unskipped chunk pairs on the slowest rank
+              — ratio its calibrated time per unit of work at R, 1 for the CP kernels; the
+              recompute too); MFU keeps the dense causal count
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
   non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +
@@ -59,9 +60,11 @@ bytes of a model-dtype element:
               bytes out at d2h under the forward, back at h2d under the backward, with at
               most IN_TRANSIT blocks in transit beyond the room of the chunk's kept blocks;
               what the copies add to the chunk's forward + backward, × m. A block's time is
-              its FLOPs at R + a third of `block_pass` (forward), twice the FLOPs + two
-              thirds (backward, + the gradient accumulation's share); the head and the loss
-              are the compute between the last block's forward and its backward
+              its FLOPs at R (its attention × the document mask's factor, as in compute:
+              the mask's saving leaves less compute to hide the copies under) + a third of
+              `block_pass` (forward), twice that + two thirds (backward, + the gradient
+              accumulation's share); the head and the loss are the compute between the last
+              block's forward and its backward
   bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
               (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p),
               (p−1)/(6m+p−1) for ZB-V (m ≥ (3p−1)/2; v = 2 in a V, so stage 0 holds the
@@ -254,9 +257,10 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                           lay.precision) * tokens / tp
     blocks = sum(len(b) for b in chunks)
     rerun = sum(recomputed_layers(cfg, len(b)) for b in chunks)
-    attention = attention_forward_s(cfg, lay, profile, 1)  # a block's, causal
-    f_model += (mask_factor - 1) * blocks * attention
-    f_re += (mask_factor - 1) * rerun * attention
+    # what the document mask changes in a block's forward (its attention × factor − 1)
+    masked = (mask_factor - 1) * attention_forward_s(cfg, lay, profile, 1)
+    f_model += blocks * masked
+    f_re += rerun * masked
     place = lay.placement
     first = any(place.holds_first(k, c) for c in range(lay.virtual_stages))
     last = any(place.holds_last(k, c) for c in range(lay.virtual_stages))
@@ -273,7 +277,7 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
     if cfg.offload.activations and profile.h2d_gbps and profile.d2h_gbps:
         terms["offload"] = m * _activation_offload(cfg, lay, profile, k, chunks, e, flops,
                                                    block_pass, accumulate, f_model, loss_f,
-                                                   loss_b)
+                                                   loss_b, masked)
     terms.update(comm_terms(cfg, lay, stage, links, chunks, StagePass(
         m, e, blocks, rerun, first, last, t_f, t_b, profile.rate(lay.precision))))
     terms["optimizer"], terms["offload_optimizer"] = _optimizer_terms(
@@ -311,14 +315,17 @@ def _memory_bound_s(cfg: Config, lay: Layout, stage, profile: DeviceProfile, tok
 def _activation_offload(cfg: Config, lay: Layout, profile: DeviceProfile, k: int,
                         chunks: List[range], e: int, flops: Dict[str, float],
                         block_pass: float, accumulate: float, f_model: float,
-                        loss_f: float, loss_b: float) -> float:
-    """Activation offload's seconds a micro-batch from a block's and the head's times."""
+                        loss_f: float, loss_b: float, masked: float) -> float:
+    """Activation offload's seconds a micro-batch from a block's and the head's times;
+    `masked`: what the document mask changes in a block's forward (its attention's time,
+    the same factor as the compute term's)."""
     tokens, tp = cfg.train.micro_batch_size * cfg.train.seq_len // lay.cp_size, lay.tp_size
     blocks = sum(len(b) for b in chunks)
     fp8_block = flops["fp8"] / blocks if blocks else 0.0  # one block's FP8 linears
     block_flops = 2 * family(cfg.model).block_parameters(cfg.model) \
         + 4 * cfg.model.n_embd * cfg.train.seq_len
-    matmuls = matmul_seconds(block_flops, fp8_block, profile, lay.precision) * tokens / tp
+    matmuls = matmul_seconds(block_flops, fp8_block, profile, lay.precision) * tokens / tp \
+        + masked
     block = (matmuls + block_pass / 3,
              2 * matmuls + 2 * block_pass / 3 + accumulate / max(1, blocks))
     head = max(0.0, f_model - blocks * matmuls)  # the head's forward: 3x with backward

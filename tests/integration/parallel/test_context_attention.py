@@ -4,17 +4,27 @@ all-gather and the ring paths, with as many KV heads as query heads and with gro
 attention (only the KV heads travel); and with a document mask (global document ids carried
 by each rank's chunks) equal full-sequence attention within documents, the ring skipping the
 chunk pairs the documents mask entirely and the all-gather path the keys before a chunk's
-first document (the skipped work counted)."""
+first document (the skipped work counted) — exactly the planner's count of the CP kernels'
+work under the mask (`megalite.plan.document_cp`), over all ranks and on the slowest."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from megalite.plan.document_cp import DocumentSample, cp_masked_work
 from megalite.testing.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 B, HQ, D = 2, 4, 8
+
+
+def _documents(world: int) -> torch.Tensor:
+    """Two sequences' document ids (chunks of 4 tokens): a short document, one across the
+    middle chunks, one to the end."""
+    return torch.tensor([[0] * 5 + [1] * (4 * world - 2) + [2] * (4 * world - 3),
+                         [0] * 3 + [1] * (4 * world + 1) + [2] * (4 * world - 4)])
 
 
 def _errors(rank, world):
@@ -27,10 +37,8 @@ def _errors(rank, world):
 
     group = Group("cp", list(range(world)), rank, dist.group.WORLD, CommCounter())
     seq = 8 * world  # chunks of 4 tokens
-    errors, skipped = {}, {}
-    # two sequences' documents: a short one, one across the middle chunks, one to the end
-    ids = torch.tensor([[0] * 5 + [1] * (4 * world - 2) + [2] * (4 * world - 3),
-                        [0] * 3 + [1] * (4 * world + 1) + [2] * (4 * world - 4)])
+    errors, works = {}, {}
+    ids = _documents(world)
     same = (ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
     for hk, docs in ((HQ, None), (2, None), (2, ids)):
         torch.manual_seed(hk)  # the same global tensors on every rank
@@ -52,11 +60,11 @@ def _errors(rank, world):
                              mine(docs, dim=1), work=work)
             (o * mine(gout)).sum().backward()
             case = (comm, hk, docs is not None)
-            skipped[case] = work.skipped
+            works[case] = (work.computed, work.skipped)
             for name, a, b in [("out", o, mine(out)), *[(f"d{n}", t.grad, mine(r.grad))
                                for n, t, r in zip("qkv", ours, ref)]]:
                 errors[(*case, name)] = ((a - b).abs().max() / b.abs().max()).item()
-    return errors, skipped
+    return errors, works
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -66,6 +74,13 @@ def test_cp_attention_equals_full_sequence_attention(cp):
         assert len(errors) == 24
         bad = {key: e for key, e in errors.items() if not e < 1e-10}
         assert not bad, bad
+    ids = _documents(cp)
+    eos = np.zeros(ids.shape, dtype=bool)  # each document's last token is its EOS
+    eos[:, :-1] = (ids[:, 1:] != ids[:, :-1]).numpy()
     for comm in ("allgather", "ring"):  # documents skip work; causal attention skips none
-        assert sum(skipped[(comm, 2, True)] for _, skipped in results) > 0, comm
-        assert all(skipped[(comm, 2, False)] == 0 for _, skipped in results)
+        assert all(works[(comm, 2, False)][1] == 0 for _, works in results)
+        ranks = [works[(comm, 2, True)] for _, works in results]
+        assert sum(skipped for _, skipped in ranks) > 0, comm
+        plan = cp_masked_work(DocumentSample.of(eos), cp, comm, batch=B)
+        assert plan.mean == sum(c for c, _ in ranks) / sum(c + s for c, s in ranks), comm
+        assert plan.slowest == max(c / (c + s) for c, s in ranks), comm

@@ -1,8 +1,12 @@
 """Document masking in the planner (`megalite.plan.document_terms`): the visible pair and
 block fractions (the blocks as FlexAttention's own block mask counts them), sampled from a
-prepared corpus or given as a document length, the masked kernel charged at its calibrated
-ratio in the time model, the profile's `document_mask` entry, the calibration's measurement on
-CPU (no timing asserted) and megalite-plan's line. Deterministic but for the calibration."""
+prepared corpus (each dataset of a data.blend, weighted) or given as a document length, the
+masked kernel charged at its calibrated ratio in the time model (under cp > 1 the CP kernel's
+unskipped work: its count equals the kernels' own counters in
+tests/integration/parallel/test_context_attention.py), the same masked block time hiding
+activation offload's copies, the profile's `document_mask` entry, the calibration's
+measurement on CPU (no timing asserted) and megalite-plan's line. Deterministic but for the
+calibration."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -14,13 +18,17 @@ import torch
 from megalite.cli.plan import main as plan_main
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
+from megalite.data.documents import in_document_positions
 from megalite.data.token_arrays import write_token_arrays
+from megalite.plan import time_model
 from megalite.plan.calibrate_mask import kernels_here, measure_mask_ratios
 from megalite.plan.devices import load_profile_file
+from megalite.plan.document_cp import DocumentSample, cp_masked_work
 from megalite.plan.document_terms import (
     NO_SAVING,
     attention_forward_s,
     causal_blocks,
+    cp_work,
     fixed_length,
     masked_work,
     sample_corpus,
@@ -60,6 +68,8 @@ def test_visible_blocks_are_flex_attentions_and_pairs_the_loaders():
     work = work_of(eos, "test")
     assert work.pairs == pytest.approx(int(dense.sum()) / (3 * 600 * 601 / 2))
     assert work.blocks == pytest.approx(visible_blocks(eos) / (3 * causal_blocks(600)))
+    t = np.arange(600)
+    assert (DocumentSample.of(eos).document_start(t) == t - in_document_positions(eos)).all()
 
 
 def test_documents_of_a_fixed_length_and_the_default():
@@ -89,11 +99,29 @@ def test_the_corpus_is_sampled_not_scanned(tmp_path):
     assert masked_work(cfg, None).pairs == pytest.approx(9 / 33)
 
 
-def _predict(overrides, work=None, profile=None):
-    cfg = load_config(SMALL + ["train.global_batch_size=2", "train.micro_batch_size=1"]
-                      + overrides)
-    validate(cfg, 1, 8)
-    lay = Layout.from_config(cfg, 1, "cuda")
+def test_a_blend_weights_each_datasets_fractions(tmp_path):
+    short = _corpus(tmp_path / "short", 32, 4, windows=64)  # every window: (L + 1)/33 pairs
+    long = _corpus(tmp_path / "long", 32, 16, windows=64)
+    each = [sample_corpus(d, 32) for d in (short, long)]
+    assert [w.pairs for w in each] == pytest.approx([5 / 33, 17 / 33])
+    cfg = load_config(SMALL + DOCUMENT + [f"data.blend=[3,{short},1,{long}]"])
+    blend = masked_work(cfg, None)
+    assert blend.pairs == pytest.approx(0.75 * 5 / 33 + 0.25 * 17 / 33)
+    assert blend.blocks == 1.0 and blend.source.startswith("blend of 0.75 x (64 of 64")
+    for comm in ("allgather", "ring"):
+        cp = [cp_masked_work(w.samples[0][1], 2, comm, 1) for w in each]
+        assert cp[0].mean < cp[1].mean  # shorter documents: more skipped
+        assert cp_work(blend, 2, comm, 1).mean == pytest.approx(
+            0.75 * cp[0].mean + 0.25 * cp[1].mean)
+    unprepared = load_config(SMALL + DOCUMENT + [f"data.blend=[3,{short},1,{tmp_path}]"])
+    assert masked_work(unprepared, None) is NO_SAVING
+
+
+def _predict(overrides, work=None, profile=None, world=1,
+             batch=("train.global_batch_size=2", "train.micro_batch_size=1")):
+    cfg = load_config(SMALL + list(batch) + overrides)
+    validate(cfg, world, 8)
+    lay = Layout.from_config(cfg, world, "cuda")
     profile = profile or synthetic()
     return cfg, lay, predict(cfg, lay, stage_traffic(cfg, lay), profile, 8, masked_work=work)
 
@@ -123,6 +151,51 @@ def test_the_time_model_charges_the_masked_kernels_work_at_its_ratio():
                                                 "flex": pytest.approx(9.0 * work.blocks)}
     assert "measured kernels for these documents (train.document_kernel): varlen" \
         in varlen.summary()
+
+
+def test_under_cp_the_time_model_charges_the_cp_kernels_unskipped_work():
+    work = fixed_length(8, 32)
+    for comm in ("allgather", "ring"):
+        over = ["cp=2", f"parallel.cp_comm={comm}"]
+        cfg, lay, causal = _predict(over, world=2)
+        _, _, masked = _predict(over + DOCUMENT, work, world=2)
+        d, cp = masked.document_mask, cp_work(work, 2, comm, 1)
+        assert cp.mean < cp.slowest < 1  # the ranks' shares differ: the slowest paces
+        assert (d["kernel"], d["ratio"], d["factor"], d["cp_mean"]) == (
+            f"cp {comm}", None, cp.slowest, cp.mean)
+        attention = attention_forward_s(cfg, lay, synthetic(), 4)  # the stage's 4 blocks
+        assert masked.terms["compute"] - causal.terms["compute"] == pytest.approx(
+            2 * 3 * attention * (cp.slowest - 1))
+        assert f"the cp=2 {comm} kernel computes {cp.mean:.1%}" in masked.summary()
+
+
+def test_the_masked_block_hides_less_of_activation_offloads_copies(monkeypatch):
+    """The offload term's block time is the masked block's: its forward shorter by the
+    attention's saving, its backward by twice that; the head's time unchanged."""
+    handed, real = [], time_model.activation_offload_s
+    monkeypatch.setattr(time_model, "activation_offload_s",
+                        lambda *a: handed.append(a) or real(*a))
+    over = ["train.seq_len=512", "model.n_positions=512", "offload.activations=true",
+            "offload.activations_layers=2"]
+    batch = ("train.global_batch_size=8", "train.micro_batch_size=2")  # 4 micro-batches
+    work = fixed_length(64, 512)
+    for tflops, hidden in ((0.01, True), (0.3, False)):  # slow compute hides every copy
+        profile = replace(synthetic(tflops=tflops, hbm=None), h2d_gbps=1.0, d2h_gbps=1.0)
+        handed.clear()
+        cfg, lay, causal = _predict(over, None, profile, batch=batch)
+        _, _, masked = _predict(over + DOCUMENT, work, profile, batch=batch)
+        factor = masked.document_mask["factor"]
+        assert factor == work.blocks < 1
+        saved = (1 - factor) * attention_forward_s(cfg, lay, profile, 1)
+        (*_, c_block, c_after), (*_, m_block, m_after) = handed
+        assert m_block == pytest.approx((c_block[0] - saved, c_block[1] - 2 * saved))
+        assert m_after == pytest.approx(c_after)
+        assert masked.terms["offload"] == pytest.approx(4 * real(*handed[1]))
+        if hidden:
+            assert masked.terms["offload"] == pytest.approx(0, abs=1e-15)
+            assert causal.terms["offload"] == pytest.approx(0, abs=1e-15)
+        else:
+            assert masked.terms["offload"] > 2 * causal.terms["offload"] > 0
 
 
 def test_the_profiles_document_mask_entry(tmp_path):
@@ -160,6 +233,12 @@ def test_megalite_plan_shows_the_fraction_and_the_attention_with_and_without(cap
     plan_main(args)
     out = capsys.readouterr().out
     assert "of the causal (query, key) pairs visible" in out and "(causal: " in out
+    plan_main(["--world-size", "2", "--document-tokens", "8", *SMALL, *DOCUMENT, "cp=2",
+               "parallel.cp_comm=ring", "train.global_batch_size=2", "train.micro_batch_size=1"])
+    out = capsys.readouterr().out  # no device profile: the fractions alone
+    ring = cp_work(fixed_length(8, 32), 2, "ring", 1)
+    assert f"the cp=2 ring kernel computes {ring.mean:.1%} of its causal chunk pairs' work over the " \
+        f"ranks, {ring.slowest:.1%} on the slowest rank" in out
     with pytest.raises(SystemExit) as e:
         plan_main(args[:4] + ["--document-tokens", "0"] + args[6:])
     assert e.value.code == 2 and "--document-tokens=0" in capsys.readouterr().err

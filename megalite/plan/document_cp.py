@@ -1,0 +1,99 @@
+"""The context-parallel attention kernels' work under the document mask, as the plan prices it
+(`megalite.plan.document_terms.masking`), by the kernels' own rule
+(`megalite.parallel.context_attention`).
+
+A window of s tokens is cut into 2·cp chunks of c = s/(2·cp); CP rank r holds chunks r and
+2·cp − 1 − r (`megalite.parallel.context_shard`). Without the mask query chunk j attends to key
+chunks 0..j: (j + 1)·c² scores a window (the diagonal chunk computed in full), the kernels'
+causal plan, the same on every rank's two chunks (2·cp + 1 chunk pairs). Under the mask, with
+F_j the first position of the document that holds chunk j's first token, the smallest over the
+micro-batch's windows (the kernels decide per micro-batch: a chunk pair is skipped only where
+every sequence of the batch allows it):
+
+  ring       key chunk i < j is skipped iff its last token's document ends before chunk j's
+             first token's starts in every window, i.e. F_j >= (i + 1)·c: ⌊F_j / c⌋ of the
+             j + 1 chunk pairs skipped, (j + 1 − ⌊F_j / c⌋)·c² scores computed
+  allgather  chunk j's keys start at F_j: ((j + 1)·c − F_j)·c computed, F_j·c skipped
+
+Both are exactly the `AttentionWork` counters (`computed`, `skipped`; their sum the causal
+plan). `cp_masked_work` gives their ratio computed / (computed + skipped) over all ranks
+(`mean`) and the largest rank's share of its own causal plan, averaged over micro-batches
+(`slowest`): the ranks' shares differ under the mask (the zigzag balances the causal work,
+not the documents) and each layer's collectives (the all-gather, the ring's sends) wait for
+the slowest rank, so the time model charges `slowest`. The kernels compute what they do not
+skip at the causal kernel's rate (no calibration of their own: the ring's chunk pairs are
+the same matmuls with or without the mask).
+
+The windows come from the plan's corpus sample (`DocumentSample`: only where each document
+starts, so any cp is priced from it without reading the corpus again); micro-batches of b
+windows are formed from it strided, window g, g + k/b, g + 2k/b, ... (windows far apart in
+the sample, as a shuffled run draws them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megalite.parallel import context_shard
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentSample:
+    """Where the documents of k windows of s tokens start: `starts`, ascending, holds
+    w·s + t for each token t of window w that starts a document (t = 0 always: the window's
+    first token starts its first, possibly cut, document)."""
+
+    seq_len: int
+    windows: int
+    starts: np.ndarray
+
+    @classmethod
+    def of(cls, eos: np.ndarray) -> "DocumentSample":
+        """The sample of windows' inputs whose EOS tokens are `eos` (k, s): a token after
+        an EOS starts a document (`megalite.data.documents`)."""
+        k, s = eos.shape
+        w, t = np.nonzero(eos[:, :-1])
+        return cls(s, k, np.union1d(np.arange(k, dtype=np.int64) * s, w * s + t + 1))
+
+    def document_start(self, positions: np.ndarray) -> np.ndarray:
+        """(k, n): the first position of the document that holds each of `positions` (n,)
+        in each window."""
+        base = np.arange(self.windows, dtype=np.int64)[:, None] * self.seq_len
+        at = np.searchsorted(self.starts, base + positions[None, :], side="right") - 1
+        return self.starts[at] - base
+
+
+@dataclass(frozen=True)
+class CpMaskedWork:
+    """The CP kernel's computed scores over its causal plan's (module docstring)."""
+
+    mean: float  # over all ranks and micro-batches: Σ computed / Σ (computed + skipped)
+    slowest: float  # the largest rank's computed / its causal plan, averaged over micro-batches
+
+
+def _micro_batches(first: np.ndarray, batch: int) -> np.ndarray:
+    """(groups, n) from (k, n) per-window document starts: the smallest over each strided
+    micro-batch of `batch` windows (all k where fewer)."""
+    k = first.shape[0]
+    groups = max(1, k // batch)
+    per = k if k < batch else batch
+    return first[:per * groups].reshape(per, groups, -1).min(axis=0)
+
+
+def cp_masked_work(sample: DocumentSample, cp: int, comm: str, batch: int) -> CpMaskedWork:
+    """The `comm` kernel's work at `cp` > 1 for micro-batches of `batch` windows of `sample`
+    (at cp 1 no CP kernel runs: `megalite.model.document_attention`'s)."""
+    c = context_shard.chunk_len(sample.seq_len, cp)
+    j = np.arange(2 * cp)
+    start = _micro_batches(sample.document_start(j * c), batch)  # F_j, (groups, 2cp)
+    if comm == "ring":
+        computed = (j + 1 - start // c) * c * c
+    else:
+        computed = ((j + 1) * c - start) * c
+    plan = (j + 1) * c * c
+    chunks = np.array([context_shard.chunk_ids(cp, r) for r in range(cp)])  # (cp, 2)
+    per_rank = computed[:, chunks].sum(axis=2)  # (groups, cp)
+    rank_plan = plan[chunks].sum(axis=1)  # (2·cp + 1)·c² on every rank
+    return CpMaskedWork(float(computed.sum() / (plan.sum() * len(computed))),
+                        float((per_rank / rank_plan).max(axis=1).mean()))
