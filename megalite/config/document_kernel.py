@@ -19,12 +19,13 @@ Which of flex and varlen is faster depends on the GPU and the documents' lengths
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 from megalite.config.errors import fail
 
 DOCUMENT_KERNELS = ("auto", "flex", "varlen", "sdpa")
 CUDA_KERNELS = ("flex", "varlen")  # need a GPU and no attention dropout
+MEASURED_KERNELS = ("flex", "varlen", "sdpa")  # what auto resolves to: the calibrated kernels
 
 
 def resolved_document_kernel(kernel: str, device_type: str, attn_pdrop: float,
@@ -51,9 +52,13 @@ def check_document_kernel(kernel: str, attention_mask: str, attention: str) -> N
 
 
 def check_document_kernel_on_device(kernel: str, device_type: str, precision: str,
-                                    attn_pdrop: float, cp: int, bf16_gpu: Optional[bool]
-                                    ) -> None:
-    """train.document_kernel against the device, precision, dropout and CP of the run."""
+                                    attn_pdrop: float, cp: int, head_dim: int,
+                                    bf16_gpu: Optional[bool]) -> None:
+    """train.document_kernel against the device, precision, dropout, head size and CP of the
+    run (`bf16_gpu`: whether the GPU is Ampere or newer; None: unknown, taken as yes)."""
+    if kernel != "auto" and cp > 1:
+        fail("train.document_kernel", kernel, f"is not supported with cp={cp} (context "
+              "parallelism): the CP kernels mask the documents themselves; use auto")
     if kernel not in CUDA_KERNELS:
         return
     if device_type != "cuda":
@@ -62,9 +67,30 @@ def check_document_kernel_on_device(kernel: str, device_type: str, precision: st
     if attn_pdrop > 0:
         fail("train.document_kernel", kernel, f"has no attention dropout (model.attn_pdrop="
               f"{attn_pdrop}); use sdpa, or model.attn_pdrop=0")
-    if cp > 1:
-        fail("train.document_kernel", kernel, f"is not supported with cp={cp} (context "
-              "parallelism): the CP kernels mask the documents themselves; use auto")
-    if kernel == "varlen" and (precision == "fp32" or bf16_gpu is False):
-        fail("train.document_kernel", kernel, "is FlashAttention-2's kernel: bf16/fp16 on an "
-              f"Ampere or newer GPU (precision={precision}); use flex or sdpa")
+    if kernel == "varlen":
+        _check_varlen(precision, head_dim, bf16_gpu)
+
+
+def _check_varlen(precision: str, head_dim: int, bf16_gpu: Optional[bool]) -> None:
+    """FlashAttention-2's limits (Dao 2023): fp16/bf16, sm80 or newer, head size a multiple of
+    8 up to 256 (varlen_attn does not pad as SDPA does)."""
+    why = "is FlashAttention-2's variable-length kernel, which"
+    if bf16_gpu is False:
+        fail("train.document_kernel", "varlen", f"{why} needs an Ampere or newer GPU (compute "
+              "capability 8.0); use flex or sdpa")
+    if precision == "fp32":
+        fail("train.document_kernel", "varlen", f"{why} computes in bf16/fp16 only "
+              "(precision=fp32); use flex or sdpa, or precision=bf16")
+    if head_dim % 8 or head_dim > 256:
+        fail("train.document_kernel", "varlen", f"{why} takes head sizes that are multiples of "
+              f"8 up to 256 (model.n_embd / model.n_head = {head_dim}); use flex or sdpa")
+
+
+def runnable_document_kernels(device_type: str, attn_pdrop: float, precision: str,
+                              bf16_gpu: Optional[bool]) -> List[str]:
+    """The kernels a run with these settings may name (at a head size varlen takes): the
+    rules of `check_document_kernel_on_device`, for the calibration to time each."""
+    if device_type != "cuda" or attn_pdrop > 0:
+        return ["sdpa"]
+    half = precision in ("bf16", "fp16") and bf16_gpu is not False
+    return ["flex", "varlen", "sdpa"] if half else ["flex", "sdpa"]

@@ -197,7 +197,8 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     check_document_kernel_on_device(
         cfg.train.document_kernel, device_type,
         resolved_precision(cfg.precision, device_type, gpu is None or gpu.bf16),
-        cfg.model.attn_pdrop, cfg.cp, None if gpu is None else gpu.bf16)
+        cfg.model.attn_pdrop, cfg.cp, cfg.model.n_embd // cfg.model.n_head,
+        None if gpu is None else gpu.bf16)
     if cfg.resilience.inject is not None:  # the rank's tensor: the preflight (it needs a model)
         check_inject(cfg, world_size, resolved_precision(cfg.precision, device_type,
                                                          gpu is None or gpu.bf16))

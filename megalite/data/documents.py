@@ -58,13 +58,17 @@ class Documents:
     counted: Optional[torch.Tensor] = None  # [b, s] bool, targets that count in the loss
     visible_pairs: int = 0  # (query, key) pairs the document mask leaves: Σ n(n+1)/2
     loss_share: Optional[float] = None  # counted targets per micro-batch and rank of the step
+    # the variable-length kernel's pieces (`packed_sequences`), made with the ids on the host
+    # so that the GPU need not be waited for; None under cp > 1 (or where not made)
+    cu_seqlens: Optional[torch.Tensor] = None
+    longest: int = 0
 
     def to(self, device: torch.device) -> "Documents":
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device, non_blocking=True)
 
         return dataclasses.replace(self, ids=move(self.ids), positions=move(self.positions),
-                                   counted=move(self.counted))
+                                   counted=move(self.counted), cu_seqlens=move(self.cu_seqlens))
 
 
 @dataclass(frozen=True)
@@ -91,10 +95,26 @@ class DocumentRule:
         def local(values: np.ndarray) -> torch.Tensor:
             return context_shard.shard(torch.from_numpy(values), size, rank, dim=1)
 
+        cu_seqlens, longest = packed_sequences(torch.from_numpy(ids)) \
+            if self.mask and size == 1 else (None, 0)
         return Documents(ids=local(ids) if self.mask else None,
                          positions=local(in_document) if self.reset_positions else None,
                          counted=None if self.eos_loss else local(~eos),
-                         visible_pairs=int(local(in_document + 1).sum()) if self.mask else 0)
+                         visible_pairs=int(local(in_document + 1).sum()) if self.mask else 0,
+                         cu_seqlens=cu_seqlens, longest=longest)
+
+
+def packed_sequences(ids: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """The documents of ids [b, s] as the variable-length attention kernel takes them (the b·s
+    tokens row by row, one sequence a document): int32 [n + 1] cumulative lengths (where each
+    of the n documents starts, then b·s; every window start is a cut) and the longest one.
+    On a GPU tensor this waits for the device (`DocumentRule.of` makes them on the host)."""
+    b, s = ids.shape
+    starts = torch.ones(b, s, dtype=torch.bool, device=ids.device)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    cu = torch.cat([starts.flatten().nonzero().flatten(),
+                    torch.tensor([b * s], device=ids.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def in_document_positions(eos: np.ndarray) -> np.ndarray:

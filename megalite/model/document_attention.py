@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.document_kernel import resolved_document_kernel
-from megalite.data.documents import Documents
+from megalite.data.documents import Documents, packed_sequences
 from megalite.parallel.context_attention import ContextParallel, cp_attention
 
 
@@ -51,6 +51,8 @@ class AttentionInputs:
     ids: Optional[torch.Tensor] = None
     positions: Optional[torch.Tensor] = None
     kernel: str = "auto"
+    cu_seqlens: Optional[torch.Tensor] = None
+    longest: int = 0
     _masks: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
@@ -58,7 +60,8 @@ class AttentionInputs:
            ) -> Optional["AttentionInputs"]:
         if documents is None or (documents.ids is None and documents.positions is None):
             return None
-        return AttentionInputs(documents.ids, documents.positions, kernel)
+        return AttentionInputs(documents.ids, documents.positions, kernel,
+                               documents.cu_seqlens, documents.longest)
 
     def sdpa_mask(self) -> torch.Tensor:
         """[b, 1, s, s] bool: True where the query may see the key."""
@@ -86,16 +89,13 @@ class AttentionInputs:
         return self._masks["flex"]
 
     def packed_sequences(self) -> Tuple[torch.Tensor, int]:
-        """The variable-length kernel's cumulative lengths (int32 [n + 1]: where each of the n
-        documents starts in the b·s tokens taken row by row, then b·s) and the longest one."""
+        """The variable-length kernel's cumulative lengths and longest document
+        (`megalite.data.documents.packed_sequences`): the batch's, made on the host, else
+        made here from the ids (once)."""
+        if self.cu_seqlens is not None:
+            return self.cu_seqlens, self.longest
         if "varlen" not in self._masks:
-            ids = self.ids
-            b, s = ids.shape
-            starts = torch.ones(b, s, dtype=torch.bool, device=ids.device)
-            starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-            cu = torch.cat([starts.flatten().nonzero().flatten(),
-                            torch.tensor([b * s], device=ids.device)]).to(torch.int32)
-            self._masks["varlen"] = (cu, int((cu[1:] - cu[:-1]).max()))
+            self._masks["varlen"] = packed_sequences(self.ids)
         return self._masks["varlen"]
 
 
@@ -109,8 +109,8 @@ def _compiled_flex_attention():
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      inputs: AttentionInputs) -> torch.Tensor:
     """`document_attention` through FlashAttention-2's variable-length kernel: q [b, hq, s, d]
-    and k, v [b, hk, s, d] become [b·s, h, d] (a copy each: the kernel reads tokens, then
-    heads), one causal sequence a document."""
+    and k, v [b, hk, s, d] become [b·s, h, d] (a copy each unless b = 1: the kernel reads
+    tokens, then heads), one causal sequence a document."""
     from torch.nn.attention import varlen
 
     b, hq, s, d = q.shape

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from megalite.config.document_kernel import runnable_document_kernels
 from megalite.config.layout import PRECISION_DTYPES
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import causal_attention
@@ -74,11 +75,9 @@ def time_attention(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dt
 def kernels_here(device: torch.device, attn_pdrop: float, dtype: str,
                  capability: Optional[tuple]) -> List[str]:
     """The document-mask kernels a run of a model with `attn_pdrop` can use on `device` in
-    `dtype` (`megalite.config.document_kernel`'s rules); `capability` the GPU's (major, minor)."""
-    if device.type != "cuda" or attn_pdrop > 0:
-        return ["sdpa"]
-    half = dtype in ("bf16", "fp16") and capability is not None and capability >= (8, 0)
-    return ["flex", "varlen", "sdpa"] if half else ["flex", "sdpa"]
+    `dtype` (`megalite.config.document_kernel`); `capability` the GPU's (major, minor)."""
+    ampere = None if capability is None else tuple(capability) >= (8, 0)
+    return runnable_document_kernels(device.type, attn_pdrop, dtype, ampere)
 
 
 def measure_mask_ratios(model: ModelConfig, seq_len: int, micro_batch: int, dtype: str,

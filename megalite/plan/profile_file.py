@@ -42,11 +42,11 @@ import zlib
 from pathlib import Path
 from typing import Any, Dict, Union
 
+from megalite.config.document_kernel import MEASURED_KERNELS
 from megalite.utils.durable import fsync_dir
 
 FORMAT = "megalite-device-profile"
 VERSION = 1
-DOCUMENT_MASK_KERNELS = ("flex", "varlen", "sdpa")  # megalite.config.document_kernel
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: torch._scaled_mm, e4m3 operands
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINKS = ("intra_node", "inter_node")
@@ -209,7 +209,7 @@ def _problems_of_mask(mask: Any) -> list:
         return []
     out, seen = [], set()
     for entry in _mask_entries(mask):
-        if not isinstance(entry, dict) or entry.get("kernel") not in DOCUMENT_MASK_KERNELS:
+        if not isinstance(entry, dict) or entry.get("kernel") not in MEASURED_KERNELS:
             out.append(f"document_mask={entry!r}: must be an object with kernel (flex, varlen "
                        "or sdpa) and ratio, or a list of them")
             continue

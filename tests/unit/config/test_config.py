@@ -88,6 +88,8 @@ def bad(overrides, world_size=1):
      "train.document_kernel='varlen': runs on CUDA GPUs only"),
     (["train.attention_mask=document", "train.document_kernel=flex", "train.attention=math"], 1,
      "train.attention='math': names an SDPA kernel, which train.document_kernel=flex"),
+    (["cp=2", "train.attention_mask=document", "train.document_kernel=sdpa"], 2,
+     "train.document_kernel='sdpa': is not supported with cp=2"),
     # context parallelism: what cp > 1 does not run, by its key
     (["cp=2", "model.attn_pdrop=0.1"], 2, "model.attn_pdrop=0.1: is not supported with cp=2"),
     (["cp=2", "train.attention=flash"], 2, "train.attention='flash': is not supported with cp=2"),
@@ -180,8 +182,10 @@ def test_precision_and_attention_follow_what_the_gpu_can_do():
     validate(load_config(["device=cuda", "loss_scale.static=1024"]), 1, local_gpus=1, gpu=v100)
     varlen = ["device=cuda", "train.attention_mask=document", "train.document_kernel=varlen"]
     validate(load_config(varlen), 1, local_gpus=1)
-    for more, gpu, why in ((["precision=fp32"], None, "is FlashAttention-2.s kernel"),
-                           ([], v100, "is FlashAttention-2.s kernel"),
+    for more, gpu, why in ((["precision=fp32"], None, "is FlashAttention-2.s .*bf16/fp16 only"),
+                           ([], v100, "is FlashAttention-2.s .*needs an Ampere or newer GPU"),
+                           (["model.n_embd=320", "model.n_head=1"], None,
+                            "is FlashAttention-2.s .* = 320"),
                            (["model.attn_pdrop=0.1"], None, "has no attention dropout"),
                            (["cp=2"], None, "is not supported with cp=2")):
         with pytest.raises(ConfigError, match=f"train.document_kernel='varlen': {why}"):

@@ -1,6 +1,7 @@
 """The document mask's CUDA kernels (`train.document_kernel=flex|varlen`) against SDPA with the
 boolean mask in fp32: outputs and q/k/v gradients of documents of mixed lengths at several
-multiples of FlexAttention's 128-token block, with and without grouped-query heads. Skipped on
+multiples of FlexAttention's 128-token block, with and without grouped-query heads (flex
+compiled twice only: the CUDA tests share one time limit in megalite-bench gpu). Skipped on
 machines without a GPU (CI); run on one with
 `python -m pytest tests/unit/model/test_cuda_document_attention.py` (megalite-bench gpu's
 cuda-tests part does)."""
@@ -33,10 +34,9 @@ def attention_and_grads(kernel: str, dtype: torch.dtype, kv_heads: int):
     return [t.float() for t in (out, *torch.autograd.grad(out, (q, k, v), grad))]
 
 
-@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
-@pytest.mark.parametrize("kernel,dtype,tol", [("flex", torch.float32, 2e-5),
-                                              ("flex", torch.bfloat16, 3e-2),
-                                              ("varlen", torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("kernel,dtype,tol,kv_heads", [
+    ("flex", torch.float32, 2e-5, 2), ("flex", torch.bfloat16, 3e-2, 8),  # two compilations
+    ("varlen", torch.bfloat16, 3e-2, 8), ("varlen", torch.bfloat16, 3e-2, 2)])
 def test_cuda_document_kernel_equals_the_boolean_mask(kernel, dtype, tol, kv_heads):
     want = attention_and_grads("sdpa", torch.float32, kv_heads)
     got = attention_and_grads(kernel, dtype, kv_heads)

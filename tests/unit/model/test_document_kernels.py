@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import varlen
 
 from megalite.config.document_kernel import resolved_document_kernel
-from megalite.data.documents import DocumentRule
+from megalite.data.documents import DocumentRule, packed_sequences
 from megalite.model.document_attention import AttentionInputs, document_attention
 from megalite.model.families import causal_lm
 from megalite.model.init import init_parameters
@@ -99,3 +100,16 @@ def test_the_model_runs_the_kernel_it_is_given(monkeypatch, arch):
     torch.testing.assert_close(got[0][0], got[1][0], rtol=0, atol=1e-6)
     for name, grad in got[1][1].items():
         torch.testing.assert_close(got[0][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_batch_brings_the_pieces_made_on_the_host():
+    """DocumentRule.of makes the variable-length kernel's pieces from the ids on the host
+    (no wait for the GPU in the forward), as `packed_sequences` makes them from the ids."""
+    window = np.array([[5, 6, 0, 7, 0, 0, 8, 9], [0, 1, 2, 3, 4, 5, 6, 0]])
+    docs = DocumentRule(0).of(window)
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 9, 16] and docs.longest == 7
+    cu, longest = packed_sequences(docs.ids)
+    assert torch.equal(docs.cu_seqlens, cu) and docs.longest == longest
+    inputs = AttentionInputs.of(docs, "varlen")
+    assert inputs.packed_sequences() == (docs.cu_seqlens, 7)
+    assert DocumentRule(0).of(window, (2, 0)).cu_seqlens is None  # CP: the CP kernels' own
