@@ -8,23 +8,16 @@ ways, `parallel.cp_comm`:
              grouped-query attention, which the attention kernel runs without repeating K/V)
              and each local query chunk attends to the keys up to its own chunk without a
              mask: on CPU the keys before the chunk and the chunk's own (causally) are two
-             flash calls merged by their log-sum-exp (as the ring's below), elsewhere SDPA
+             flash calls merged by their log-sum-exp (`context_partial`), elsewhere SDPA
              with `causal_lower_right`; under document masking SDPA with a boolean mask. In
              backward the gathered K/V gradients are reduce-scattered back to their owners.
              Llama 3's choice (Dubey et al. 2024, §3.3.2).
-  ring       K/V blocks travel around the CP ring (cp − 1 sends, each posted before the block
-             in hand is computed) and the partial results are merged by their log-sum-exp
-             (Liu et al. 2023, Ring Attention; the online softmax of Milakov & Gimelshein 2018):
-             for partial outputs (o₁, l₁), (o₂, l₂) over disjoint key sets,
-                 l = log(e^l₁ + e^l₂),   o = o₁·e^(l₁ − l) + o₂·e^(l₂ − l).
-             Backward passes the blocks round again, each with its dK/dV accumulator, which
-             arrives back at the block's owner after cp sends (the FlashAttention-2 backward per
-             block: P = exp(S − lse), dV = Pᵀ·dO, dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)),
-             dQ = dS·K·scale, dK = dSᵀ·Q·scale).
+  ring       K/V blocks travel around the CP ring and the partial results are merged by
+             their log-sum-exp (Liu et al. 2023, Ring Attention; `megalite.parallel.
+             context_ring`).
 
 Both skip the (query chunk, key chunk) pairs that causality masks entirely: a chunk attends
-to the chunks before it in full and to itself causally. The ring's per-block product is the
-math form (scores of one chunk pair at a time, accumulated in fp32 or the inputs' fp64), not a fused kernel.
+to the chunks before it in full and to itself causally.
 
 Document masking (`train.attention_mask=document`): `documents` [b, local tokens] gives each
 local token its document's global id (ids non-decreasing along the sequence, as
@@ -43,26 +36,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from megalite.parallel import context_shard
-from megalite.parallel.comm import all_gather, reduce_scatter, send_recv
+from megalite.parallel.comm import all_gather, reduce_scatter
+from megalite.parallel.context_partial import (
+    AttentionWork,
+    accumulated,
+    merge_partial,
+    same_document,
+)
+from megalite.parallel.context_ring import RingAttention
 from megalite.parallel.group import Group
 
 CP_COMMS = ("allgather", "ring")
-
-
-@dataclass
-class AttentionWork:
-    """(query, key) scores per head, summed over the batch: `computed` by the kernel,
-    `skipped` of those the causal plan computes because the document mask empties them."""
-
-    computed: int = 0
-    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group
         return _local_attention(q, k, v, documents, scale, work)
     if comm == "allgather":
         return _allgather_attention(q, k, v, group, scale, documents, work)
-    return _RingAttention.apply(q, k, v, group, scale, documents, work)
+    return RingAttention.apply(q, k, v, group, scale, documents, work)
 
 
 def _local_attention(q, k, v, documents, scale: float, work: AttentionWork) -> torch.Tensor:
@@ -111,12 +102,7 @@ def _local_attention(q, k, v, documents, scale: float, work: AttentionWork) -> t
     if documents is None:
         return _sdpa(q, k, v, None, scale, causal=True)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    return _sdpa(q, k, v, (causal & _same(documents, documents))[:, None], scale)
-
-
-def _same(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
-    """[b, nq, nk] bool: query and key in the same document."""
-    return q_ids[:, :, None] == k_ids[:, None, :]
+    return _sdpa(q, k, v, (causal & same_document(documents, documents))[:, None], scale)
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
@@ -179,7 +165,7 @@ def _allgather_attention(q, k, v, group: Group, scale: float, documents,
                                        q_ids[:, :1].contiguous()).min())
         q_pos = torch.arange(j * c, end, device=q.device)
         k_pos = torch.arange(start, end, device=q.device)
-        mask = (k_pos[None, :] <= q_pos[:, None]) & _same(q_ids, ids_all[:, start:end])
+        mask = (k_pos[None, :] <= q_pos[:, None]) & same_document(q_ids, ids_all[:, start:end])
         work.computed += b * c * (end - start)
         work.skipped += b * c * start
         outs.append(_sdpa(q[:, :, i * c:(i + 1) * c], k_all[:, :, start:end],
@@ -210,10 +196,10 @@ class _PrefixAttention(torch.autograd.Function):
             qi, k, v = q[:, :, i * c:(i + 1) * c], kv[:, :hk], kv[:, hk:]
             o, lse = _flash_cpu(qi, k[:, :, j * c:(j + 1) * c], v[:, :, j * c:(j + 1) * c],
                                 True, scale)
-            o = _acc(o)
+            o = accumulated(o)
             if j:
                 o_pre, lse_pre = _flash_cpu(qi, k[:, :, :j * c], v[:, :, :j * c], False, scale)
-                o, lse = _merge(o, lse, _acc(o_pre), lse_pre)
+                o, lse = merge_partial(o, lse, accumulated(o_pre), lse_pre)
             outs.append(o.to(q.dtype))
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -236,171 +222,7 @@ class _PrefixAttention(torch.autograd.Function):
                     continue
                 g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     *args, k[:, :, keys], v[:, :, keys], *tail, causal, scale=scale)
-                dq[:, :, part] = g[0] if causal else _acc(dq[:, :, part]) + _acc(g[0])
+                dq[:, :, part] = g[0] if causal else accumulated(dq[:, :, part]) + accumulated(g[0])
                 dk[:, :, keys] += g[1]
                 dv[:, :, keys] += g[2]
         return dq, dkv, None, None, None
-
-
-# --- ring ------------------------------------------------------------------------------------
-
-def _pairs(cp: int, q_rank: int, kv_rank: int) -> List[Tuple[int, int, bool]]:
-    """(local query chunk, key chunk of the block, causal) for the pairs with any work."""
-    pairs = []
-    for qi, qj in enumerate(context_shard.chunk_ids(cp, q_rank)):
-        for ki, kj in enumerate(context_shard.chunk_ids(cp, kv_rank)):
-            if kj <= qj:
-                pairs.append((qi, ki, kj == qj))
-    return pairs
-
-
-def _acc(x: torch.Tensor) -> torch.Tensor:
-    """`x` in the accumulation dtype: fp32, or fp64 for fp64 inputs."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _scores(q, k, causal: bool, scale: float, same: Optional[torch.Tensor] = None
-            ) -> torch.Tensor:
-    """Scores of one chunk pair in the accumulation dtype, [b, hq, c, c]; k already expanded
-    to hq heads; `same` [b, c, c]: where query and key share a document (None: no mask)."""
-    s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
-    if same is not None:
-        s = s.masked_fill(~same[:, None], float("-inf"))
-    return s
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """A log-sum-exp with its -inf rows (no key of the block visible) as 0, to subtract:
-    their probabilities come out 0 instead of NaN."""
-    return lse.masked_fill(torch.isinf(lse), 0.0)
-
-
-def _block_pairs(cp: int, q_rank: int, kv_rank: int, q_ids, kv_ids, c: int, b: int,
-                 work: Optional[AttentionWork]):
-    """The pairs of one ring step to compute, with each pair's document mask (None without
-    documents); fully masked off-diagonal pairs left out (counted in `work`)."""
-    pairs = []
-    for qi, ki, causal in _pairs(cp, q_rank, kv_rank):
-        same = None
-        if q_ids is not None:
-            qd, kd = q_ids[:, qi * c:(qi + 1) * c], kv_ids[:, ki * c:(ki + 1) * c]
-            if not causal and bool((kd[:, -1] < qd[:, 0]).all()):
-                if work is not None:
-                    work.skipped += b * c * c
-                continue
-            same = _same(qd, kd)
-        if work is not None:
-            work.computed += b * c * c
-        pairs.append((qi, ki, causal, same))
-    return pairs
-
-
-def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
-    return x.repeat_interleave(group, dim=1) if group > 1 else x
-
-
-def _fold(x: torch.Tensor, group: int) -> torch.Tensor:
-    """The gradient of `_expand`: sum each KV head's query-head group."""
-    if group == 1:
-        return x
-    b, h, n, d = x.shape
-    return x.view(b, h // group, group, n, d).sum(2)
-
-
-def _merge(o, lse, o_blk, lse_blk):
-    new = torch.logaddexp(lse, lse_blk)
-    at = _finite(new)  # a row with no visible key so far stays (0, -inf)
-    return o * torch.exp(lse - at)[..., None] + o_blk * torch.exp(lse_blk - at)[..., None], new
-
-
-def _ring_step(group: Group, sends, recvs):
-    """Post this step's ring transfers (to the next rank, from the previous)."""
-    n, r = group.size, group.rank
-    return send_recv([(t, (r + 1) % n) for t in sends], [(t, (r - 1) % n) for t in recvs],
-                     group, async_op=True)
-
-
-def _pass_on(group: Group, block: torch.Tensor, ids: Optional[torch.Tensor], step: int):
-    """Post the K/V block (with its document ids) to the next rank and receive the previous
-    rank's, except at the last step: (the pending transfer, the (block, ids) to come)."""
-    if step == group.size - 1:
-        return None, None
-    nxt = torch.empty_like(block)
-    nxt_ids = torch.empty_like(ids) if ids is not None else None
-    sends, recvs = [block], [nxt]
-    if ids is not None:
-        sends.append(ids.contiguous())
-        recvs.append(nxt_ids)
-    return _ring_step(group, sends, recvs), (nxt, nxt_ids)
-
-
-class _RingAttention(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, group: Group, scale: float, ids, work: AttentionWork):
-        n, r, hk = group.size, group.rank, k.shape[1]
-        g, c = q.shape[1] // hk, q.shape[2] // 2
-        qc = q.split(c, dim=2)
-        out = [_acc(torch.zeros_like(qc[0])) for _ in range(2)]
-        lse = [torch.full_like(o[..., 0], float("-inf")) for o in out]
-        block, block_ids = torch.cat([k, v], dim=1).contiguous(), ids
-        for step in range(n):
-            pending, nxt = _pass_on(group, block, block_ids, step)
-            kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
-            for qi, ki, causal, same in _block_pairs(n, r, (r - step) % n, ids, block_ids, c,
-                                                     q.shape[0], work):
-                s = _scores(qc[qi], kb[ki], causal, scale, same)
-                lse_blk = torch.logsumexp(s, dim=-1)
-                o_blk = torch.matmul(torch.exp(s - _finite(lse_blk)[..., None]), _acc(vb[ki]))
-                out[qi], lse[qi] = _merge(out[qi], lse[qi], o_blk, lse_blk)
-            if pending is not None:
-                pending.wait()
-                block, block_ids = nxt
-        out_t = torch.cat(out, dim=2)
-        ctx.group, ctx.scale, ctx.ids = group, scale, ids
-        ctx.save_for_backward(q, k, v, out_t, torch.cat(lse, dim=2))
-        return out_t.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        n, r, hk = group.size, group.rank, k.shape[1]
-        g, c = q.shape[1] // hk, q.shape[2] // 2
-        dout = _acc(dout)
-        delta = (dout * out).sum(-1)  # rowsum(dO ∘ O)
-        qc, doc = q.split(c, dim=2), dout.split(c, dim=2)
-        lsec, deltac = lse.split(c, dim=2), delta.split(c, dim=2)
-        dq = [_acc(torch.zeros_like(qc[0])) for _ in range(2)]
-        ids = ctx.ids
-        block, block_ids = torch.cat([k, v], dim=1).contiguous(), ids
-        dblock = _acc(torch.zeros_like(block))
-        for step in range(n):
-            pending, nxt = _pass_on(group, block, block_ids, step)
-            kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
-            dk = [_acc(torch.zeros_like(kb[0])) for _ in range(2)]
-            dv = [_acc(torch.zeros_like(kb[0])) for _ in range(2)]
-            for qi, ki, causal, same in _block_pairs(n, r, (r - step) % n, ids, block_ids, c,
-                                                     q.shape[0], None):
-                p = torch.exp(_scores(qc[qi], kb[ki], causal, scale, same)
-                              - lsec[qi][..., None])
-                dv[ki] += torch.matmul(p.transpose(-1, -2), doc[qi])
-                ds = p * (torch.matmul(doc[qi], _acc(vb[ki]).transpose(-1, -2))
-                          - deltac[qi][..., None])
-                dq[qi] += torch.matmul(ds, _acc(kb[ki])) * scale
-                dk[ki] += torch.matmul(ds.transpose(-1, -2), _acc(qc[qi])) * scale
-            dblock += torch.cat([_fold(torch.cat(dk, dim=2), g), _fold(torch.cat(dv, dim=2), g)],
-                                dim=1)
-            arrived = torch.empty_like(dblock)  # the next block's accumulator, one rank back
-            _ring_step(group, [dblock], [arrived]).wait()
-            dblock = arrived
-            if pending is not None:
-                pending.wait()
-                block, block_ids = nxt
-        dk_own, dv_own = dblock.split(hk, dim=1)
-        return (torch.cat(dq, dim=2).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype),
-                None, None, None, None)

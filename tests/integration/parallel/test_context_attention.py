@@ -32,7 +32,8 @@ def _errors(rank, world):
     import torch.nn.functional as F
 
     from megalite.parallel import context_shard
-    from megalite.parallel.context_attention import AttentionWork, cp_attention
+    from megalite.parallel.context_attention import cp_attention
+    from megalite.parallel.context_partial import AttentionWork
     from megalite.parallel.group import CommCounter, Group
 
     group = Group("cp", list(range(world)), rank, dist.group.WORLD, CommCounter())
