@@ -10,6 +10,13 @@ average stage + the activations a stage-0 rank keeps on the device) and then cos
 best-first by a time lower bound (compute + recompute + the schedule's bubble, which the
 prediction adds communication to): the search stops once the next lower bound exceeds the
 k-th best prediction, so the ranking it returns is the exact top k of the whole space.
+
+Under train.attention_mask=document every prediction prices the masked kernel with the run's
+masked work (`megalite.plan.document_terms.MaskedWork`, sampled once per search by the caller:
+`search_recipes`), and the time lower bound charges each block's attention × the candidate's
+own factor (`mask_factor`: the one the prediction charges, which depends on the candidate only
+through its cp, cp_comm and micro-batch size), so the bound stays below the prediction whether
+the mask makes attention cheaper (factor < 1) or dearer (a calibrated ratio > 1).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight
 from megalite.plan.devices import DeviceProfile
 from megalite.plan.dims import recomputed_layers
+from megalite.plan.document_terms import MaskedWork, masking
 from megalite.plan.fit import fewest_offloaded_blocks
 from megalite.plan.links import group_links
 from megalite.plan.memory import GIB, Plan, make_plan
@@ -74,6 +82,7 @@ class SearchResult:
     # (peak bytes per rank, step s, kind): "planned" (both exact), "predicted" (memory a
     # lower bound), "bound" (both lower bounds)
     points: List[Tuple[float, float, str]] = field(default_factory=list)
+    masked_work: Optional[MaskedWork] = None  # what the predictions priced the mask with
 
 
 def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
@@ -96,12 +105,14 @@ def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
 
 
 def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
-                     tp_bus_gbps: float = float("inf")) -> float:
+                     tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0) -> float:
     """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
     all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
     re-run 1, with SP 3: the plan's count, without the embedding, the head and the
     latencies) of the busiest stage, over 1 − bubble, for a rank's s/cp tokens: no
-    prediction is lower."""
+    prediction is lower. `mask_factor`: the document mask's factor on each block's 4·h·s
+    attention FLOPs a token (forward, backward and re-run), as the prediction charges it
+    (at `rate`, no slower than the precision's: still a lower bound for any factor >= 0)."""
     stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
@@ -109,7 +120,9 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     ring_full = (c.tp - 1) / c.tp * e * seq * c.micro_batch_size \
         * cfg.model.n_embd / (tp_bus_gbps * 1e9)
     per_block, rerun = (10, 3) if c.sp else (8, 2)
-    busiest = max((3 * f + r) * tokens + m * ring_full * (n * per_block + rec * rerun)
+    masked = (mask_factor - 1) * 4 * cfg.model.n_embd * cfg.train.seq_len  # a block's, a token
+    busiest = max((3 * f + r + (3 * n + rec) * masked) * tokens
+                  + m * ring_full * (n * per_block + rec * rerun)
                   for f, r, n, rec in stages)
     return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, c.schedule))
 
@@ -156,6 +169,15 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     return max(states(average), first)
 
 
+def mask_factor(cfg: Config, c: Choice, profile: DeviceProfile,
+                work: Optional[MaskedWork]) -> float:
+    """The document mask's factor on a block's attention time that `predict` charges `c`
+    (`megalite.plan.document_terms.masking`: the cp = 1 kernel's work × its ratio, or the
+    CP kernel's slowest-rank work at c's cp_comm and micro-batch); 1 for causal attention."""
+    mask = masking(apply_choice(cfg, c), Layout(cp_size=c.cp), profile, work)
+    return 1.0 if mask is None else mask["factor"]
+
+
 class NothingFits(ValueError):
     """No layout of the space fits the device memory; names each family's least need."""
 
@@ -171,7 +193,12 @@ class _Search:
     world: int
     profile: DeviceProfile
     gpus_per_node: int
+    masked_work: Optional[MaskedWork] = None  # train.attention_mask=document: the run's
     result: SearchResult = field(default_factory=lambda: SearchResult([], 0, 0))
+
+    def prediction(self, cfg: Config, layout: Layout) -> Prediction:
+        return predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
+                       self.gpus_per_node, masked_work=self.masked_work)
 
     def predicted(self, c: Choice) -> Optional[Tuple[Config, Layout, Prediction]]:
         """Validate and predict one candidate (traffic only, no memory peak); None when
@@ -185,8 +212,7 @@ class _Search:
             return None
         layout = Layout.from_config(cfg, self.world, device_type, bf16)
         self.result.costed += 1
-        return cfg, layout, predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
-                                    self.gpus_per_node)
+        return cfg, layout, self.prediction(cfg, layout)
 
     def planned(self, c: Choice, cfg: Config, layout: Layout, pred: Prediction
                 ) -> Optional[Ranked]:
@@ -208,8 +234,7 @@ class _Search:
             if found is not None and fewest != cfg.offload.activations_layers:
                 cfg, plan = found
                 c = replace(c, offload_layers=fewest)
-                pred = predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
-                               self.gpus_per_node)
+                pred = self.prediction(cfg, layout)
         return Ranked(c, cfg, layout, plan, pred)
 
     def too_big(self, family: str, need: float) -> None:
@@ -218,16 +243,20 @@ class _Search:
 
 
 def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
-           top: int = 5, fixed: Optional[Dict] = None) -> SearchResult:
+           top: int = 5, fixed: Optional[Dict] = None,
+           masked_work: Optional[MaskedWork] = None) -> SearchResult:
     """The `top` fastest predicted layouts that validate and fit (module docstring);
-    NothingFits when none does.
+    NothingFits when none does. `masked_work`: under train.attention_mask=document, the
+    fractions the mask leaves (`megalite.plan.document_terms.masked_work`; default, as
+    `predict`'s, `NO_SAVING`).
 
     One queue, smallest key first: a candidate enters keyed by its time lower bound; popped,
     it is predicted and re-enters keyed by its prediction (never below its bound); popped
     again, its memory is planned and, if it fits, it is the next fastest of the whole space.
     Offloads only add copy time (`_Offloads`), so a layout's offload variants enter only once
     every variant with less offload is known not to fit."""
-    s = _Search(cfg, world, profile, gpus_per_node)
+    s = _Search(cfg, world, profile, gpus_per_node, masked_work)
+    s.result.masked_work = masked_work
     walk = _walk(s)
     for grid in candidate_grids(cfg, world, walk.offloads, fixed):
         walk.start(grid)
@@ -311,6 +340,7 @@ class _Offloads:
         self.smallest: Dict[str, Tuple[float, Choice]] = {}
         self.cache: dict = {}
         self.buses: dict = {}
+        self.factors: dict = {}  # (cp, cp_comm, micro-batch) -> `mask_factor`
         self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
         self.heap = False  # the queue is a heap (after the first pass)
         self.offloads = False  # offloads are in the space
@@ -322,8 +352,11 @@ class _Offloads:
                              s.profile, s.gpus_per_node)["tp"]
             self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
                                            + [fit.bus_gbps for fit in tp.ops.values()])
+        key = (c.cp, c.cp_comm, c.micro_batch_size)
+        if key not in self.factors:
+            self.factors[key] = mask_factor(s.cfg, c, s.profile, s.masked_work)
         return time_lower_bound(s.cfg, c, self.rate, self.cache, self.e,
-                                self.buses[(c.tp, c.pp)])
+                                self.buses[(c.tp, c.pp)], self.factors[key])
 
     def start(self, grid: Grid) -> None:
         """Examine the grid's least-offload variants: no offload (with unordered fractions,
