@@ -169,6 +169,13 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     return max(states(average), first)
 
 
+def tp_bus_bound(c: Choice, profile: DeviceProfile, gpus_per_node: int) -> float:
+    """The fastest bus bandwidth of c's TP group's link and its collectives' fits (a bound)."""
+    tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
+                     profile, gpus_per_node)["tp"]
+    return max([tp.link.bus_gbps] + [fit.bus_gbps for fit in tp.ops.values()])
+
+
 def mask_factor(cfg: Config, c: Choice, profile: DeviceProfile,
                 work: Optional[MaskedWork]) -> float:
     """The document mask's factor on a block's attention time that `predict` charges `c`
@@ -347,11 +354,8 @@ class _Offloads:
 
     def bound(self, c: Choice) -> float:
         s = self.s
-        if (c.tp, c.pp) not in self.buses:  # the fastest fit of the TP group's (a bound)
-            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
-                             s.profile, s.gpus_per_node)["tp"]
-            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
-                                           + [fit.bus_gbps for fit in tp.ops.values()])
+        if (c.tp, c.pp) not in self.buses:
+            self.buses[(c.tp, c.pp)] = tp_bus_bound(c, s.profile, s.gpus_per_node)
         key = (c.cp, c.cp_comm, c.micro_batch_size)
         if key not in self.factors:
             self.factors[key] = mask_factor(s.cfg, c, s.profile, s.masked_work)
