@@ -60,8 +60,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--search: step time vs peak memory of the candidates, to a PNG "
                    "(matplotlib: the eval extra)")
     p.add_argument("--document-tokens", type=int, default=None, metavar="L",
-                   help="train.attention_mask=document: price the mask for documents of L "
-                        "tokens each (default: sampled from data.dir's corpus, each dataset "
+                   help="train.attention_mask=document: price the mask (the plan, and "
+                        "every layout --search predicts) for documents of L tokens each "
+                        "(default: sampled from data.dir's corpus, each dataset "
                         "of data.blend, where prepared, else no saving assumed; "
                         "megalite/plan/document_terms.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -105,6 +106,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.world_size is None:
         cli.error("the following arguments are required: --world-size")
     profile, per_node = _profile(cli, args)
+    if args.document_tokens is not None and args.document_tokens < 1:
+        cli.error(f"--document-tokens={args.document_tokens}: must be >= 1 (tokens a "
+                  "document, e.g. 1024)")
     if args.search or args.plot:
         if profile is None:
             cli.error("--search needs a device profile: --device NAME or --profile FILE")
@@ -114,9 +118,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     cfg = config_for_world(args.overrides, args.world_size, per_node, device_type)
     layout = Layout.from_config(cfg, args.world_size, device_type, bf16)
     plan = make_plan(cfg, layout)
-    if args.document_tokens is not None and args.document_tokens < 1:
-        cli.error(f"--document-tokens={args.document_tokens}: must be >= 1 (tokens a "
-                  "document, e.g. 1024)")
     work = masked_work(cfg, args.document_tokens)
     prediction = None
     if profile is not None:

@@ -31,7 +31,7 @@ def run_search(args, profile: DeviceProfile, per_node: int) -> int:
     fixed = explicit_layout_keys(args.overrides, cfg)
     try:
         result, recipes = search_recipes(cfg, args.world_size, profile, per_node, args.top,
-                                         fixed)
+                                         fixed, args.document_tokens)
     except NothingFits as e:
         print(f"megalite: {e}", file=sys.stderr)
         return 4

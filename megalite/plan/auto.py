@@ -1,6 +1,8 @@
 """`layout=auto`: the planner's fastest predicted layout for the world size a run is launched
 with, as a pure function of (configuration, world size, device profile, ranks per node, the
-layout keys given explicitly) — never of a measurement taken at launch, so every rank and every
+layout keys given explicitly; under train.attention_mask=document also of the corpus at data.dir,
+whose document lengths price the mask: `megalite.plan.document_terms.masked_work`, a fixed
+sample of its windows) — never of a measurement taken at launch, so every rank and every
 restart picks the same one. The layout keys given on the command line are held fixed and the
 search covers the rest. With fp8.recipe=auto it also chooses the blocks' matmuls: the search
 runs once in bf16 and once with tensorwise FP8 (the time model prices rowwise no faster: the
@@ -20,6 +22,7 @@ from megalite.plan.devices import (
     load_profile_file,
     table_entry_for,
 )
+from megalite.plan.document_terms import masked_work
 from megalite.plan.report import explicit_layout_keys, ranking_table
 from megalite.plan.search import NothingFits, SearchResult, search
 
@@ -69,14 +72,20 @@ def run_profile(cfg: Config, gpu: Optional[GpuInfo], memory_bytes: Optional[int]
 
 
 def search_recipes(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
-                   top: int, fixed: Optional[Dict[str, object]] = None
+                   top: int, fixed: Optional[Dict[str, object]] = None,
+                   document_tokens: Optional[int] = None
                    ) -> Tuple[SearchResult, Dict[str, float]]:
     """`search`; with fp8.recipe=auto, the search of each of FP8_CHOICES whose fastest layout
     is predicted faster, and each one's predicted step seconds (empty otherwise; a recipe
     with no layout that fits is left out). ConfigError naming fp8.recipe when `profile` has
-    no FP8 matmul rate; NothingFits when no recipe's layout fits."""
+    no FP8 matmul rate; NothingFits when no recipe's layout fits. Under
+    train.attention_mask=document every search prices the mask with the run's masked work,
+    sampled once here (`masked_work`: documents of `document_tokens` tokens where given, else
+    the corpus)."""
+    work = masked_work(cfg, document_tokens)
     if cfg.fp8.recipe != "auto":
-        return search(cfg, world, profile, gpus_per_node, top=top, fixed=fixed), {}
+        return search(cfg, world, profile, gpus_per_node, top=top, fixed=fixed,
+                      masked_work=work), {}
     if "fp8" not in profile.matmul_tflops:
         fail("fp8.recipe", "auto", f"the planner's device {profile.name} has no FP8 matmul "
              "rate (FP8 needs compute capability >= 8.9: H100, H200, L4, L40S, ...; a "
@@ -85,7 +94,8 @@ def search_recipes(cfg: Config, world: int, profile: DeviceProfile, gpus_per_nod
     for recipe in FP8_CHOICES:
         try:
             results[recipe] = search(replace(cfg, fp8=replace(cfg.fp8, recipe=recipe)), world,
-                                     profile, gpus_per_node, top=top, fixed=fixed)
+                                     profile, gpus_per_node, top=top, fixed=fixed,
+                                     masked_work=work)
         except NothingFits as e:
             refusal = e
     if not results:

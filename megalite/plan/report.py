@@ -49,6 +49,10 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
              f"{profile.memory_bytes / GIB:.1f} GiB each; {profile.source}): "
              f"{result.valid} candidates within the memory bound, {result.costed} predicted, "
              f"top {len(result.best)} (fastest first)"]
+    if result.masked_work is not None:
+        lines.append(f"{result.masked_work.describe()}: every layout's attention priced with "
+                     "it (cp = 1: the masked kernel's work x its ratio; cp > 1: what the CP "
+                     "kernels skip)")
     if fixed:
         lines.append("held fixed (given on the command line): "
                      + ", ".join(f"{k}={v}" for k, v in fixed.items()))

@@ -10,6 +10,11 @@ average stage + the activations a stage-0 rank keeps on the device) and then cos
 best-first by a time lower bound (compute + recompute + the schedule's bubble, which the
 prediction adds communication to): the search stops once the next lower bound exceeds the
 k-th best prediction, so the ranking it returns is the exact top k of the whole space.
+
+Under train.attention_mask=document every prediction prices the masked kernel with the run's
+masked work (`megalite.plan.document_terms.MaskedWork`, sampled once per search by the caller:
+`megalite.plan.auto.search_recipes`), and the bounds (`megalite.plan.search_bounds`) charge
+each candidate's attention × its own mask factor.
 """
 from __future__ import annotations
 
@@ -20,33 +25,25 @@ from typing import Dict, List, Optional, Tuple
 
 from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
-from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
-from megalite.model.families import family
-from megalite.model.family import local_numel
-from megalite.parallel.param_spec import padded_vocab_size
-from megalite.parallel.schedule import max_in_flight
 from megalite.plan.devices import DeviceProfile
-from megalite.plan.dims import recomputed_layers
+from megalite.plan.document_terms import MaskedWork
 from megalite.plan.fit import fewest_offloaded_blocks
-from megalite.plan.links import group_links
 from megalite.plan.memory import GIB, Plan, make_plan
+from megalite.plan.search_bounds import TimeBound, device_kind, memory_lower_bound
 from megalite.plan.space import (
     Choice,
     Grid,
     apply_choice,
     candidate_grids,
-    offload_fraction,
 )
 from megalite.plan.time_model import (
     Prediction,
     device_step_s_per_param,
     host_step_s_per_param,
     predict,
-    stage_forward_flops,
 )
 from megalite.plan.traffic import stage_traffic
-from megalite.plan.zero_table import model_state_bytes
 
 
 @dataclass
@@ -74,95 +71,11 @@ class SearchResult:
     # (peak bytes per rank, step s, kind): "planned" (both exact), "predicted" (memory a
     # lower bound), "bound" (both lower bounds)
     points: List[Tuple[float, float, str]] = field(default_factory=list)
-
-
-def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
-    """Per stage (model, recompute) forward FLOPs per token and (blocks, recomputed blocks),
-    cached per (pp, v, schedule, recompute, recompute_layers) (zb-v's V puts both ends on
-    stage 0)."""
-    key = (c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
-    if key not in cache:
-        cc = replace(cfg, pp=c.pp, parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
-                     train=replace(cfg.train, recompute=c.recompute,
-                                   recompute_layers=c.recompute_layers))
-        layout = Layout(pp_size=c.pp, virtual_stages=c.virtual_stages,
-                        v_shape=c.schedule == "zb-v", n_layer=cfg.model.n_layer,
-                        edge_stage_layers=cfg.parallel.edge_stage_layers)
-        cache[key] = tuple(
-            (f["model"], f["recompute"], sum(len(b) for b in chunk),
-             sum(recomputed_layers(cc, len(b)) for b in chunk))
-            for f, chunk in zip(stage_forward_flops(cc, layout), layout.stage_blocks()))
-    return cache[key]
-
-
-def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
-                     tp_bus_gbps: float = float("inf")) -> float:
-    """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
-    all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
-    re-run 1, with SP 3: the plan's count, without the embedding, the head and the
-    latencies) of the busiest stage, over 1 − bubble, for a rank's s/cp tokens: no
-    prediction is lower."""
-    stages = _stage_flops(cache, cfg, c)
-    m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
-    seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
-    tokens = m * c.micro_batch_size * seq / c.tp / rate
-    ring_full = (c.tp - 1) / c.tp * e * seq * c.micro_batch_size \
-        * cfg.model.n_embd / (tp_bus_gbps * 1e9)
-    per_block, rerun = (10, 3) if c.sp else (8, 2)
-    busiest = max((3 * f + r) * tokens + m * ring_full * (n * per_block + rec * rerun)
-                  for f, r, n, rec in stages)
-    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, c.schedule))
-
-
-def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
-    """No more than the plan's peak: the larger of the average stage's model states and
-    stage 0's model states + the activations it keeps on the device (its fewest blocks, the
-    micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
-    chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
-    order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
-    nothing; the family's bytes at the rank's s/cp positions)."""
-    mc, t = cfg.model, cfg.train
-    fam = family(mc)
-    h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
-    layer = fam.block_numel(mc, c.tp)
-    embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
-    v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
-    head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0
-    average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
-    lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp, zero_stage=c.zero)
-    kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
-
-    def states(psi: float) -> float:
-        b = model_state_bytes(lay, psi, e)
-        return b["params"] + b["grads"] * (kept if lay.shards_gradients else 1) \
-            + b["optimizer"] * kept
-    layers = mc.n_layer // (c.pp * c.virtual_stages)
-    if cfg.parallel.edge_stage_layers is not None:
-        layers = min(layers, cfg.parallel.edge_stage_layers)
-    first = states((2 if v_shape else 1) * layers * layer + embeddings)
-    recomputed = 0 if not c.recompute else layers if c.recompute_layers is None \
-        else min(c.recompute_layers, layers)
-    offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
-        if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
-                                             - recomputed)
-    seq = t.seq_len // c.cp  # a rank's positions (CP attention's own bytes left out)
-    full = fam.layer_activation_bytes(mc, seq, c.micro_batch_size, c.tp, c.sp, e,
-                                      mc.resid_pdrop > 0)
-    s_local = seq // c.tp if c.sp else seq
-    per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
-        + (layers - recomputed - offloaded) * full
-    m = t.global_batch_size // (c.micro_batch_size * c.dp)
-    first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
-    return max(states(average), first)
+    masked_work: Optional[MaskedWork] = None  # what the predictions priced the mask with
 
 
 class NothingFits(ValueError):
     """No layout of the space fits the device memory; names each family's least need."""
-
-
-def device_kind(profile: DeviceProfile) -> Tuple[str, bool]:
-    """(Layout device type, computes in bf16) of a profile."""
-    return ("cpu" if profile.device == "cpu" else "cuda"), "bf16" in profile.matmul_tflops
 
 
 @dataclass
@@ -171,7 +84,12 @@ class _Search:
     world: int
     profile: DeviceProfile
     gpus_per_node: int
+    masked_work: Optional[MaskedWork] = None  # train.attention_mask=document: the run's
     result: SearchResult = field(default_factory=lambda: SearchResult([], 0, 0))
+
+    def prediction(self, cfg: Config, layout: Layout) -> Prediction:
+        return predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
+                       self.gpus_per_node, masked_work=self.masked_work)
 
     def predicted(self, c: Choice) -> Optional[Tuple[Config, Layout, Prediction]]:
         """Validate and predict one candidate (traffic only, no memory peak); None when
@@ -185,8 +103,7 @@ class _Search:
             return None
         layout = Layout.from_config(cfg, self.world, device_type, bf16)
         self.result.costed += 1
-        return cfg, layout, predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
-                                    self.gpus_per_node)
+        return cfg, layout, self.prediction(cfg, layout)
 
     def planned(self, c: Choice, cfg: Config, layout: Layout, pred: Prediction
                 ) -> Optional[Ranked]:
@@ -208,8 +125,7 @@ class _Search:
             if found is not None and fewest != cfg.offload.activations_layers:
                 cfg, plan = found
                 c = replace(c, offload_layers=fewest)
-                pred = predict(cfg, layout, stage_traffic(cfg, layout), self.profile,
-                               self.gpus_per_node)
+                pred = self.prediction(cfg, layout)
         return Ranked(c, cfg, layout, plan, pred)
 
     def too_big(self, family: str, need: float) -> None:
@@ -218,16 +134,20 @@ class _Search:
 
 
 def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
-           top: int = 5, fixed: Optional[Dict] = None) -> SearchResult:
+           top: int = 5, fixed: Optional[Dict] = None,
+           masked_work: Optional[MaskedWork] = None) -> SearchResult:
     """The `top` fastest predicted layouts that validate and fit (module docstring);
-    NothingFits when none does.
+    NothingFits when none does. `masked_work`: under train.attention_mask=document, the
+    fractions the mask leaves (`megalite.plan.document_terms.masked_work`; default, as
+    `predict`'s, `NO_SAVING`).
 
     One queue, smallest key first: a candidate enters keyed by its time lower bound; popped,
     it is predicted and re-enters keyed by its prediction (never below its bound); popped
     again, its memory is planned and, if it fits, it is the next fastest of the whole space.
     Offloads only add copy time (`_Offloads`), so a layout's offload variants enter only once
     every variant with less offload is known not to fit."""
-    s = _Search(cfg, world, profile, gpus_per_node)
+    s = _Search(cfg, world, profile, gpus_per_node, masked_work)
+    s.result.masked_work = masked_work
     walk = _walk(s)
     for grid in candidate_grids(cfg, world, walk.offloads, fixed):
         walk.start(grid)
@@ -259,21 +179,15 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
 
 
 def _walk(s: "_Search") -> "_Offloads":
-    """The walk over the space for `s`: the compute dtype's bytes and rate (FP8's where the
-    run's linears use it: still a lower bound) and whether offloads are tried (on GPUs whose
-    profile prices their copies)."""
-    cfg, profile = s.cfg, s.profile
-    device_type, bf16 = device_kind(profile)
-    precision = Layout.from_config(replace(cfg, tp=1, cp=1, pp=1), 1, device_type,
-                                   bf16).precision
-    e, rate = (4 if precision == "fp32" else 2), profile.rate(precision)
-    if cfg.fp8.recipe != "none" and "fp8" in profile.matmul_tflops:
-        rate = max(rate, profile.rate("fp8"))
-    host = host_step_s_per_param(profile, e, min(s.gpus_per_node, s.world))
-    device = device_step_s_per_param(profile, e)
-    walk = _Offloads(s, e, rate, device is None or host is None
+    """The walk over the space for `s`: its time bound (`TimeBound`) and whether offloads are
+    tried (on GPUs whose profile prices their copies)."""
+    profile = s.profile
+    bound = TimeBound.of(s.cfg, profile, s.gpus_per_node, s.masked_work)
+    host = host_step_s_per_param(profile, bound.e, min(s.gpus_per_node, s.world))
+    device = device_step_s_per_param(profile, bound.e)
+    walk = _Offloads(s, bound, device is None or host is None
                      or host >= device + 4 / (profile.hbm_gbps * 1e9))
-    walk.offloads = device_type == "cuda" and profile.prices_offload()
+    walk.offloads = device_kind(profile)[0] == "cuda" and profile.prices_offload()
     return walk
 
 
@@ -304,26 +218,14 @@ class _Offloads:
     variant just below it is out of the space, invalid or known not to fit (by its memory
     bound or its plan); the space's top k is that of the variants so examined."""
 
-    def __init__(self, s: _Search, e: int, rate: float, ordered_fractions: bool):
-        self.s, self.e, self.rate, self.ordered = s, e, rate, ordered_fractions
+    def __init__(self, s: _Search, bound: TimeBound, ordered_fractions: bool):
+        self.s, self.bound, self.e, self.ordered = s, bound, bound.e, ordered_fractions
         self.queue: list = []
         self.order = itertools.count()  # ties: first examined first (Choices do not compare)
         self.smallest: Dict[str, Tuple[float, Choice]] = {}
-        self.cache: dict = {}
-        self.buses: dict = {}
         self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
         self.heap = False  # the queue is a heap (after the first pass)
         self.offloads = False  # offloads are in the space
-
-    def bound(self, c: Choice) -> float:
-        s = self.s
-        if (c.tp, c.pp) not in self.buses:  # the fastest fit of the TP group's (a bound)
-            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
-                             s.profile, s.gpus_per_node)["tp"]
-            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
-                                           + [fit.bus_gbps for fit in tp.ops.values()])
-        return time_lower_bound(s.cfg, c, self.rate, self.cache, self.e,
-                                self.buses[(c.tp, c.pp)])
 
     def start(self, grid: Grid) -> None:
         """Examine the grid's least-offload variants: no offload (with unordered fractions,

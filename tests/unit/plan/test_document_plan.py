@@ -5,10 +5,11 @@ masked kernel charged at its calibrated ratio in the time model (under cp > 1 th
 unskipped work: its count equals the kernels' own counters in
 tests/integration/parallel/test_context_attention.py), the same masked block time hiding
 activation offload's copies, the profile's `document_mask` entry, the calibration's
-measurement on CPU (no timing asserted) and megalite-plan's line. Deterministic but for the
-calibration."""
+measurement on CPU (no timing asserted), megalite-plan's line, and the layout search and
+layout=auto pricing the mask. Deterministic but for the calibration."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +22,7 @@ from megalite.config.schema import load_config
 from megalite.data.documents import in_document_positions
 from megalite.data.token_arrays import write_token_arrays
 from megalite.plan import time_model
+from megalite.plan.auto import resolve_layout
 from megalite.plan.calibrate_mask import kernels_here, measure_mask_ratios
 from megalite.plan.devices import load_profile_file
 from megalite.plan.document_cp import DocumentSample, cp_masked_work
@@ -242,3 +244,38 @@ def test_megalite_plan_shows_the_fraction_and_the_attention_with_and_without(cap
     with pytest.raises(SystemExit) as e:
         plan_main(args[:4] + ["--document-tokens", "0"] + args[6:])
     assert e.value.code == 2 and "--document-tokens=0" in capsys.readouterr().err
+
+
+LONG = ["model.n_layer=2", "model.n_positions=2048", "train.seq_len=2048",
+        "train.global_batch_size=2", "train.attention=math"]  # SDPA with the boolean mask
+
+
+def test_the_search_and_layout_auto_price_the_mask_which_can_change_the_fastest(capsys,
+                                                                               tmp_path):
+    """Under the mask SDPA (train.attention=math) still computes the dense causal work at
+    cp 1 while the CP kernels skip what documents of 64 tokens leave out of s = 2048: causal,
+    dp=2 is the fastest layout of 2 ranks; masked, cp=2. `--search --document-tokens 64`
+    and layout=auto on a corpus of 64-token documents choose it, at the step `predict` gives
+    it with those documents."""
+    path = tmp_path / "p.json"
+    save_profile(path, {**synthetic_profile(), "matmul_tflops": {"bf16": 10.0, "fp32": 10.0}})
+    profile = load_profile_file(path)
+
+    def best(mask):
+        with pytest.raises(SystemExit) as done:
+            plan_main(["--search", "--json", "--top", "1", "--world-size", "2", "--profile",
+                       str(path), "--document-tokens", "64", *SMALL, *LONG,
+                       f"train.attention_mask={mask}"])
+        assert done.value.code == 0
+        return json.loads(capsys.readouterr().out)["best"][0]
+    causal, masked = best("causal"), best("document")
+    assert "cp=1" in causal["overrides"] and "cp=2" in masked["overrides"]
+    assert masked["prediction"]["step_s"] < causal["prediction"]["step_s"]
+    assert masked["prediction"]["document_mask"]["source"] == "--document-tokens 64"
+    *_, alone = _predict(LONG + DOCUMENT + masked["overrides"], fixed_length(64, 2048),
+                         profile, world=2, batch=())
+    assert alone.step_s == pytest.approx(masked["prediction"]["step_s"], rel=1e-12)
+    data = _corpus(tmp_path / "data", 2048, 64, windows=8)
+    chosen, auto = resolve_layout(load_config(SMALL + LONG + DOCUMENT + [f"data.dir={data}"]),
+                                  2, profile, 8, {})
+    assert chosen.cp == 2 and auto.prediction["document_mask"]["source"].endswith(str(data))

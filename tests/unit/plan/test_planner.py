@@ -27,9 +27,11 @@ from megalite.plan.devices import (
     block_pass_s,
     device_profile,
 )
+from megalite.plan.document_terms import fixed_length
 from megalite.plan.memory import make_plan
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_copies_exposed
-from megalite.plan.search import NothingFits, memory_lower_bound, search
+from megalite.plan.search import NothingFits, search
+from megalite.plan.search_bounds import TimeBound, mask_factor, memory_lower_bound
 from megalite.plan.space import Choice, apply_choice
 from megalite.plan.time_model import (
     predict,
@@ -297,16 +299,23 @@ def test_recompute_adds_one_forward():
         off.hardware_tflops_per_device * off.step_s + on.terms["recompute"])
 
 
-def brute_force(cfg, world, profile, per_node):
-    """(step s, peak bytes, Choice) of every layout of the documented space that validates,
-    predicted (n_layer 4: the partial counts are every count below a chunk's blocks)."""
-    out = []
-    for tp, pp, zero, sp, v, mb, zb in itertools.product(
-            (1, 2, 4), (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
+NO_CP = ((1, "allgather"),)
+CPS = NO_CP + tuple(itertools.product((2, 4), ("allgather", "ring")))
+
+
+def brute_force(cfg, world, profile, per_node, work=None, fixed=None, cps=NO_CP):
+    """(step s, peak bytes, Choice) of every layout of the documented space at the (cp,
+    cp_comm) `cps` that validates (the fields in `fixed` held), predicted with the document
+    mask's `work` (n_layer 4: the partial counts are every count below a chunk's blocks);
+    each one's memory and time lower bounds (the search's) checked against its plan and
+    prediction."""
+    out, time_bound = [], TimeBound.of(cfg, profile, per_node, work)
+    for tp, (cp, comm), pp, zero, sp, v, mb, zb in itertools.product(
+            (1, 2, 4), cps, (1, 2, 4), range(4), (False, True), (1, 2, 4), (1, 2, 4, 8),
             ("auto", "zb-h1", "zb-v")):
-        dp = world // (tp * pp)
+        dp = world // (tp * cp * pp)
         blocks = cfg.model.n_layer // (pp * v)
-        if tp * pp > world or (zero and dp == 1) or cfg.model.n_layer % (pp * v):
+        if tp * cp * pp > world or (zero and dp * cp == 1) or cfg.model.n_layer % (pp * v):
             continue
         for rec, r, off, k, opt in itertools.product(
                 (False, True), (None, 1, 2, 3), (False, True), (None, 1, 2, 3), (0.0, 0.5, 1.0)):
@@ -314,7 +323,9 @@ def brute_force(cfg, world, profile, per_node):
             if (r is not None and (not rec or r >= blocks)) or (off and rest == 0) or \
                     (k is not None and (not off or k >= rest)):
                 continue
-            c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt, r, k, zb)
+            c = Choice(tp, pp, dp, zero, sp, v, mb, rec, off, opt, r, k, zb, cp, comm)
+            if any(getattr(c, f) != x for f, x in (fixed or {}).items()):
+                continue
             cc = apply_choice(cfg, c)
             try:
                 validate(cc, world, per_node)
@@ -324,7 +335,9 @@ def brute_force(cfg, world, profile, per_node):
             plan = make_plan(cc, layout)
             peak = plan.peak.bytes["total"]
             assert memory_lower_bound(cfg, c, 2) <= peak
-            out.append((predict(cc, layout, plan.stages, profile, per_node).step_s, peak, c))
+            step = predict(cc, layout, plan.stages, profile, per_node, masked_work=work).step_s
+            assert time_bound(c) <= step * (1 + 1e-12)
+            out.append((step, peak, c))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -348,37 +361,71 @@ def least_offload(fitting, n_layer):
         for a, f in fits[base(c)])]
 
 
-def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_layouts():
-    """Over tp, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1 / ZB-V, full / partial recompute,
-    every or some blocks' activation offload and optimizer offload fractions; and with the
-    schedule held at zb-v (`fixed`), the best zb-v layout, valid."""
-    cfg = load_config(SMALL + ["train.global_batch_size=8"])
-    base = replace(synthetic(latency=1e-5), h2d_gbps=0.02, d2h_gbps=0.02,
+SEARCHED = replace(synthetic(latency=1e-5), h2d_gbps=0.02, d2h_gbps=0.02,
                    host_adam_params_per_s=1e9 / 30,
                    op_links={"intra_node": {"all_gather": Link(40.0, 1e-6),  # faster than the
                                             "reduce_scatter": Link(5.0, 2e-5)}})  # link: bounds
-    everything = brute_force(cfg, 4, base, 2)
+
+
+def searched_as_brute_force(cfg, base, work=None, fixed=None, cps=NO_CP):
+    """The search's top 3 on 4 ranks (2 a node) of `base` with the memory a third of the
+    brute-forced layouts fit in, against the brute force's: the same step times and best
+    layout, each valid and fitting. (the memory-limited profile, the fitting (step s, Choice)
+    fastest first)."""
+    everything = brute_force(cfg, 4, base, 2, work, fixed, cps)
     memories = sorted(peak for _, peak, _ in everything)
     profile = replace(base, memory_bytes=int(memories[len(memories) // 3]))
     fitting = [(t, c) for t, peak, c in everything if peak <= profile.memory_bytes]
     assert 0 < len(fitting) < len(everything)
     fitting = least_offload(fitting, cfg.model.n_layer)
-    assert {c.schedule for _, c in fitting} == {"auto", "zb-h1", "zb-v"}
-    assert any(c.recompute_layers for _, c in fitting) and any(c.offload_layers
-                                                                for _, c in fitting)
-    result = search(cfg, 4, profile, 2, top=3)
+    result = search(cfg, 4, profile, 2, top=3, fixed=fixed, masked_work=work)
     assert [r.prediction.step_s for r in result.best] == \
         pytest.approx([t for t, _ in fitting[:3]], rel=1e-12)
     for r in result.best:
         validate(r.config, 4, 2)
         assert make_plan(r.config, r.layout).peak.bytes["total"] <= profile.memory_bytes
     assert result.best[0].choice == fitting[0][1]
+    return profile, fitting
+
+
+def test_search_finds_the_brute_force_optimum_and_proposes_only_valid_fitting_layouts():
+    """Over tp, cp and its comm, pp, zero, sp, v, micro-batch, 1F1B / ZB-H1 / ZB-V, full /
+    partial recompute, every or some blocks' activation offload and optimizer offload
+    fractions; and with the schedule held at zb-v (`fixed`), the best zb-v layout, valid."""
+    cfg = load_config(SMALL + ["train.global_batch_size=8"])
+    profile, fitting = searched_as_brute_force(cfg, SEARCHED)
+    assert {c.schedule for _, c in fitting} == {"auto", "zb-h1", "zb-v"}
+    assert any(c.recompute_layers for _, c in fitting) and any(c.offload_layers
+                                                                for _, c in fitting)
     v_shaped = [(t, c) for t, c in fitting if c.schedule == "zb-v"]
     best_v = search(cfg, 4, profile, 2, top=1, fixed={"schedule": "zb-v"}).best[0]
     assert best_v.choice == v_shaped[0][1] and best_v.layout.v_shape
     assert best_v.prediction.step_s == pytest.approx(v_shaped[0][0], rel=1e-12)
     validate(best_v.config, 4, 2)
     assert best_v.config.parallel.schedule == "zb-v" and best_v.choice.virtual_stages == 2
+
+
+HELD = {"pp": 1, "offload": False, "offload_optimizer": 0.0}  # a small space with cp
+
+
+def test_under_the_document_mask_the_bound_holds_and_the_search_is_exhaustive():
+    """The mask's factor on attention both ways: dearer at cp 1 (a calibrated flex ratio
+    1.25 over the whole block of s = 32), cheaper under cp 2 and 4 (the CP kernels skip
+    the chunks before 6-token documents); every layout's time bound below its prediction
+    (`brute_force`), the search's best the brute force's (pp 1 and no offload held: a small
+    space). Fast links and no memory-bound terms: compute, which the mask changes, is most
+    of a step, so a bound or a search that priced attention causal would fail here."""
+    cfg = load_config(SMALL + ["train.global_batch_size=8", "train.attention_mask=document"])
+    work = fixed_length(6, cfg.train.seq_len)
+    base = replace(synthetic(bus=1e3, latency=1e-9, hbm=None), mask_ratios={"flex": 1.25})
+    _, fitting = searched_as_brute_force(cfg, base, work, HELD, CPS)
+    factors = {(c.cp, c.cp_comm, c.micro_batch_size): mask_factor(cfg, c, base, work)
+               for _, c in fitting}
+    assert {f for (cp, _, _), f in factors.items() if cp == 1} == {1.25}
+    assert max(f for (cp, _, _), f in factors.items() if cp > 1) < 1
+    assert {(2, "allgather"), (2, "ring")} <= {(cp, comm) for cp, comm, _ in factors}
+    assert {c.recompute for _, c in fitting} == {False, True}
+    assert fitting[0][1].cp > 1  # the mask's saving decides the fastest
 
 
 def test_nothing_fits_names_each_familys_need():

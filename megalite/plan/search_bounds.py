@@ -1,0 +1,170 @@
+"""The layout search's lower bounds (`megalite.plan.search`): a candidate's peak memory
+(`memory_lower_bound`) and step time (`time_lower_bound`; `TimeBound`, the search's, with its
+rate and caches) that no plan or prediction of it is below, so the search can leave the
+candidates whose bounds exceed the k-th best prediction unplanned.
+
+Under train.attention_mask=document the time bound charges each block's attention × the
+candidate's own mask factor (`mask_factor`: the one `predict` charges, which depends on the
+candidate only through its cp, cp_comm and micro-batch size), so the bound stays below the
+prediction whether the mask makes attention cheaper (factor < 1) or dearer (a calibrated
+ratio > 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Tuple
+
+from megalite.config.layout import Layout
+from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schema import Config
+from megalite.model.families import family
+from megalite.model.family import local_numel
+from megalite.parallel.param_spec import padded_vocab_size
+from megalite.parallel.schedule import max_in_flight
+from megalite.plan.devices import DeviceProfile
+from megalite.plan.dims import recomputed_layers
+from megalite.plan.document_terms import MaskedWork, masking
+from megalite.plan.links import group_links
+from megalite.plan.space import Choice, apply_choice, offload_fraction
+from megalite.plan.time_model import stage_forward_flops
+from megalite.plan.zero_table import model_state_bytes
+
+
+def device_kind(profile: DeviceProfile) -> Tuple[str, bool]:
+    """(Layout device type, computes in bf16) of a profile."""
+    return ("cpu" if profile.device == "cpu" else "cuda"), "bf16" in profile.matmul_tflops
+
+
+def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
+    """Per stage (model, recompute) forward FLOPs per token and (blocks, recomputed blocks),
+    cached per (pp, v, schedule, recompute, recompute_layers) (zb-v's V puts both ends on
+    stage 0)."""
+    key = (c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
+    if key not in cache:
+        cc = replace(cfg, pp=c.pp, parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
+                     train=replace(cfg.train, recompute=c.recompute,
+                                   recompute_layers=c.recompute_layers))
+        layout = Layout(pp_size=c.pp, virtual_stages=c.virtual_stages,
+                        v_shape=c.schedule == "zb-v", n_layer=cfg.model.n_layer,
+                        edge_stage_layers=cfg.parallel.edge_stage_layers)
+        cache[key] = tuple(
+            (f["model"], f["recompute"], sum(len(b) for b in chunk),
+             sum(recomputed_layers(cc, len(b)) for b in chunk))
+            for f, chunk in zip(stage_forward_flops(cc, layout), layout.stage_blocks()))
+    return cache[key]
+
+
+def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
+                     tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0) -> float:
+    """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
+    all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
+    re-run 1, with SP 3: the plan's count, without the embedding, the head and the
+    latencies) of the busiest stage, over 1 − bubble, for a rank's s/cp tokens: no
+    prediction is lower. `mask_factor`: the document mask's factor on each block's 4·h·s
+    attention FLOPs a token (forward, backward and re-run), as the prediction charges it
+    (at `rate`, no slower than the precision's: still a lower bound for any factor >= 0)."""
+    stages = _stage_flops(cache, cfg, c)
+    m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
+    seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
+    tokens = m * c.micro_batch_size * seq / c.tp / rate
+    ring_full = (c.tp - 1) / c.tp * e * seq * c.micro_batch_size \
+        * cfg.model.n_embd / (tp_bus_gbps * 1e9)
+    per_block, rerun = (10, 3) if c.sp else (8, 2)
+    masked = (mask_factor - 1) * 4 * cfg.model.n_embd * cfg.train.seq_len  # a block's, a token
+    busiest = max((3 * f + r + (3 * n + rec) * masked) * tokens
+                  + m * ring_full * (n * per_block + rec * rerun)
+                  for f, r, n, rec in stages)
+    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, c.schedule))
+
+
+def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
+    """No more than the plan's peak: the larger of the average stage's model states and
+    stage 0's model states + the activations it keeps on the device (its fewest blocks, the
+    micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
+    chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
+    order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
+    nothing; the family's bytes at the rank's s/cp positions)."""
+    mc, t = cfg.model, cfg.train
+    fam = family(mc)
+    h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
+    layer = fam.block_numel(mc, c.tp)
+    embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
+    v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
+    head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0
+    average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
+    lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp, zero_stage=c.zero)
+    kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
+
+    def states(psi: float) -> float:
+        b = model_state_bytes(lay, psi, e)
+        return b["params"] + b["grads"] * (kept if lay.shards_gradients else 1) \
+            + b["optimizer"] * kept
+    layers = mc.n_layer // (c.pp * c.virtual_stages)
+    if cfg.parallel.edge_stage_layers is not None:
+        layers = min(layers, cfg.parallel.edge_stage_layers)
+    first = states((2 if v_shape else 1) * layers * layer + embeddings)
+    recomputed = 0 if not c.recompute else layers if c.recompute_layers is None \
+        else min(c.recompute_layers, layers)
+    offloaded = 0 if not c.offload else len(range(recomputed, layers)) \
+        if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
+                                             - recomputed)
+    seq = t.seq_len // c.cp  # a rank's positions (CP attention's own bytes left out)
+    full = fam.layer_activation_bytes(mc, seq, c.micro_batch_size, c.tp, c.sp, e,
+                                      mc.resid_pdrop > 0)
+    s_local = seq // c.tp if c.sp else seq
+    per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
+        + (layers - recomputed - offloaded) * full
+    m = t.global_batch_size // (c.micro_batch_size * c.dp)
+    first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
+    return max(states(average), first)
+
+
+def mask_factor(cfg: Config, c: Choice, profile: DeviceProfile,
+                work: Optional[MaskedWork]) -> float:
+    """The document mask's factor on a block's attention time that `predict` charges `c`
+    (`megalite.plan.document_terms.masking`: the cp = 1 kernel's work × its ratio, or the
+    CP kernel's slowest-rank work at c's cp_comm and micro-batch); 1 for causal attention."""
+    mask = masking(apply_choice(cfg, c), Layout(cp_size=c.cp), profile, work)
+    return 1.0 if mask is None else mask["factor"]
+
+
+@dataclass
+class TimeBound:
+    """`time_lower_bound` of one search's candidates: the compute dtype's bytes `e` and a
+    matmul `rate` no prediction is faster than (FP8's where the run's linears use it), each
+    TP group's fastest bus (its link and its collectives' fits) and each (cp, cp_comm,
+    micro-batch)'s `mask_factor`, cached."""
+
+    cfg: Config
+    profile: DeviceProfile
+    gpus_per_node: int
+    masked_work: Optional[MaskedWork]
+    e: int
+    rate: float
+    flops: dict = field(default_factory=dict)
+    buses: dict = field(default_factory=dict)
+    factors: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg: Config, profile: DeviceProfile, gpus_per_node: int,
+           masked_work: Optional[MaskedWork]) -> "TimeBound":
+        device_type, bf16 = device_kind(profile)
+        precision = Layout.from_config(replace(cfg, tp=1, cp=1, pp=1), 1, device_type,
+                                       bf16).precision
+        rate = profile.rate(precision)
+        if cfg.fp8.recipe != "none" and "fp8" in profile.matmul_tflops:
+            rate = max(rate, profile.rate("fp8"))
+        return cls(cfg, profile, gpus_per_node, masked_work,
+                   4 if precision == "fp32" else 2, rate)
+
+    def __call__(self, c: Choice) -> float:
+        if (c.tp, c.pp) not in self.buses:
+            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
+                             self.profile, self.gpus_per_node)["tp"]
+            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
+                                           + [fit.bus_gbps for fit in tp.ops.values()])
+        key = (c.cp, c.cp_comm, c.micro_batch_size)
+        if key not in self.factors:
+            self.factors[key] = mask_factor(self.cfg, c, self.profile, self.masked_work)
+        return time_lower_bound(self.cfg, c, self.rate, self.flops, self.e,
+                                self.buses[(c.tp, c.pp)], self.factors[key])
