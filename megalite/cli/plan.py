@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if profile is None:
             cli.error("--search needs a device profile: --device NAME or --profile FILE")
         sys.exit(run_search(args, profile, per_node))
-    device_type = "cpu" if profile is not None and profile.device == "cpu" else "cuda"
+    device_type = "cuda" if profile is None else profile.device_type
     bf16 = profile is None or "bf16" in profile.matmul_tflops
     cfg = config_for_world(args.overrides, args.world_size, per_node, device_type)
     layout = Layout.from_config(cfg, args.world_size, device_type, bf16)

@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from megalite.data.loader import META_FILE
+from megalite.data.prepare import FORMAT_VERSION
 
 
 def write_token_arrays(out: Path, splits: Mapping[str, Sequence[np.ndarray]], vocab_size: int,
@@ -23,6 +24,7 @@ def write_token_arrays(out: Path, splits: Mapping[str, Sequence[np.ndarray]], vo
         raise ValueError(f"vocab_size={vocab_size}: uint16 shards hold ids below 65536")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / META_FILE).unlink(missing_ok=True)  # rewritten: not prepared until the end
     meta_splits = {}
     for split, arrays in splits.items():
         entries = []
@@ -33,7 +35,7 @@ def write_token_arrays(out: Path, splits: Mapping[str, Sequence[np.ndarray]], vo
         documents = int(sum((np.asarray(t) == eos_token_id).sum() for t in arrays))
         meta_splits[split] = {"shards": entries, "tokens": sum(e["tokens"] for e in entries),
                               "documents": max(1, documents)}
-    meta = {"format_version": 2, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
+    meta = {"format_version": FORMAT_VERSION, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
             "dtype": "uint16", "tokenizer": {"name": f"none ({description})", "dir": "tokenizer"},
             "source": {"source": "synthetic", "config_name": None, "split": "train",
                        "data_files": None, "text_field": None, "max_documents": None},

@@ -159,6 +159,12 @@ class DeviceProfile:
     mask_ratios: Mapping[str, float] = field(default_factory=dict, hash=False)
     source: str = "table"
 
+    @property
+    def device_type(self) -> str:
+        """The layout's device type on this device: cpu (the table's entry, or a calibrated
+        CPU's "cpu: <model>") or cuda."""
+        return "cpu" if self.device.startswith("cpu") else "cuda"
+
     def rate(self, precision: str) -> float:
         """Achievable matmul FLOP/s in `precision` (bf16 | fp16 | fp32)."""
         if precision not in self.matmul_tflops:

@@ -20,9 +20,8 @@ plan). `cp_masked_work` gives their ratio computed / (computed + skipped) over a
 (`mean`) and the largest rank's share of its own causal plan, averaged over micro-batches
 (`slowest`): the ranks' shares differ under the mask (the zigzag balances the causal work,
 not the documents) and each layer's collectives (the all-gather, the ring's sends) wait for
-the slowest rank, so the time model charges `slowest`. The kernels compute what they do not
-skip at the causal kernel's rate (no calibration of their own: the ring's chunk pairs are
-the same matmuls with or without the mask).
+the slowest rank, so the time model charges `slowest`, at the rate `document_terms.masking`
+gives each kernel.
 
 The windows come from the plan's corpus sample (`DocumentSample`: only where each document
 starts, so any cp is priced from it without reading the corpus again); micro-batches of b
@@ -32,9 +31,11 @@ the sample, as a shuffled run draws them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
+from megalite.data.sampler import blend_choices
 from megalite.parallel import context_shard
 
 
@@ -55,6 +56,23 @@ class DocumentSample:
         k, s = eos.shape
         w, t = np.nonzero(eos[:, :-1])
         return cls(s, k, np.union1d(np.arange(k, dtype=np.int64) * s, w * s + t + 1))
+
+    @classmethod
+    def blended(cls, samples: Sequence["DocumentSample"], weights: Sequence[float]
+                ) -> "DocumentSample":
+        """The windows of a data.blend's samples as a run draws them: dataset by dataset in
+        the blend's order (`megalite.data.sampler.blend_choices`, Σ k windows), each
+        dataset's windows in turn, the whole shuffled (seed 0) as a run's sample order is, so
+        that a micro-batch mixes the datasets as training's do."""
+        s, n = samples[0].seq_len, sum(x.windows for x in samples)
+        order = blend_choices(weights, [0] * len(samples), n)
+        taken, parts = [0] * len(samples), []
+        for w, d in enumerate(np.random.default_rng(0).permutation(order)):
+            src, i = samples[d], taken[d] % samples[d].windows
+            taken[d] += 1
+            lo, hi = np.searchsorted(src.starts, [i * s, (i + 1) * s])
+            parts.append(src.starts[lo:hi] + (w - i) * s)
+        return cls(s, n, np.concatenate(parts))
 
     def document_start(self, positions: np.ndarray) -> np.ndarray:
         """(k, n): the first position of the document that holds each of `positions` (n,)

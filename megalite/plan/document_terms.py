@@ -7,7 +7,7 @@ mask leaves Σ n(n+1)/2 over its documents (`megalite.data.documents.visible_pai
 the loader logs with): the **pair fraction**. The kernels do not all skip the rest:
 
   flex    FlexAttention computes the 128×128 blocks of the causal triangle that hold a
-          visible pair (`visible_blocks`); its work is the **block fraction** of the causal
+          visible pair (`sample_blocks`); its work is the **block fraction** of the causal
           blocks
   varlen  FlashAttention-2's variable-length kernel computes each document's own triangle:
           its work is the **pair fraction** (its tiles' rounding at a document's edge is in
@@ -17,15 +17,17 @@ the loader logs with): the **pair fraction**. The kernels do not all skip the re
   cp      under cp > 1 (`parallel.cp_comm`: allgather or ring): the context-parallel kernel
           skips the chunk pairs, or the keys before a chunk's first document, that the mask
           empties (`megalite.plan.document_cp`: its work on the slowest CP rank, from the
-          same sample, for the run's cp and micro-batch), at the causal kernel's rate
+          same sample, for the run's cp and micro-batch): the ring at the causal kernel's
+          rate (the same chunk-pair matmuls with or without the mask), the all-gather path at
+          the `sdpa` ratio where measured (its masked keys go to SDPA with a boolean mask)
 
 (which of flex, varlen and sdpa runs where: `megalite.config.document_kernel`; `kernel_work`).
 
 The time model charges a block's attention (4·h·s FLOPs a token of the dense causal count, at
 the matmul rate R) × work × ratio, ratio the masked kernel's time per unit of its work over the
 causal kernel's, as `--calibrate` measured it (`megalite.plan.calibrate_mask`; 1 where the
-profile has no measurement for the run's kernel, and for the CP kernels, which have none: the
-masked work at the causal kernel's rate; `masking`, applied by `megalite.plan.time_model` to
+profile has no measurement for the run's kernel, and for the ring: the masked work at the
+causal kernel's rate; `masking`, applied by `megalite.plan.time_model` to
 the attention term and to the block time that hides activation offload's copies;
 `mask_seconds`: what it shows).
 
@@ -66,10 +68,9 @@ class MaskedWork:
     blocks: float  # 128×128 blocks holding a visible pair / the causal triangle's blocks
     source: str  # where the fractions come from
     seconds: float = 0.0  # what estimating them cost
-    # the sampled windows' document starts, each with its weight (summing to 1; none: no
-    # sample), from which the CP kernels' work is priced (`cp_work`)
-    samples: Tuple[Tuple[float, DocumentSample], ...] = field(default=(), compare=False,
-                                                               repr=False)
+    # the sampled windows' document starts (None: no sample), from which the CP kernels'
+    # work is priced (`cp_work`)
+    sample: Optional[DocumentSample] = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         return (f"document mask: {self.pairs:.1%} of the causal (query, key) pairs visible, "
@@ -79,16 +80,11 @@ class MaskedWork:
 NO_SAVING = MaskedWork(1.0, 1.0, "no corpus and no --document-tokens: no saving assumed")
 
 
-def visible_blocks(eos: np.ndarray, block: int = FLEX_BLOCK) -> int:
-    """Blocks (query block i, key block j <= i) of windows' inputs whose EOS tokens are `eos`
-    (k, s) that hold a visible pair (`sample_blocks`)."""
-    return sample_blocks(DocumentSample.of(eos), block)
-
-
 def sample_blocks(sample: DocumentSample, block: int = FLEX_BLOCK) -> int:
-    """`visible_blocks` of a sample. Documents are contiguous, so block (i, j < i) holds a
-    visible pair iff the document of query block i's first token starts before key block j
-    ends: query block i sees key blocks start // block .. i."""
+    """The blocks (query block i, key block j <= i) of a sample's windows that hold a visible
+    pair. Documents are contiguous, so block (i, j < i) holds one iff the document of query
+    block i's first token starts before key block j ends: query block i sees key blocks
+    start // block .. i."""
     first = sample.document_start(np.arange(0, sample.seq_len, block))
     i = np.arange(first.shape[1])
     return int((i - first // block + 1).sum())
@@ -104,25 +100,25 @@ def work_of(eos: np.ndarray, source: str, seconds: float = 0.0) -> MaskedWork:
     k, s = eos.shape
     sample = DocumentSample.of(eos)
     return MaskedWork(visible_pairs(eos) / (k * s * (s + 1) / 2),
-                      sample_blocks(sample) / (k * causal_blocks(s)), source, seconds,
-                      ((1.0, sample),))
+                      sample_blocks(sample) / (k * causal_blocks(s)), source, seconds, sample)
 
 
 def blend_of(parts: Sequence[Tuple[float, MaskedWork]]) -> MaskedWork:
     """The fractions of a data.blend of datasets, (weight, the dataset's fractions) each: the
     weighted average. Each fraction is a mean over windows of a per-window fraction with
     the same denominator in every dataset (a window's s(s+1)/2 causal pairs, its causal
-    blocks, the CP kernels' causal plan), and the blend draws its windows from dataset i in
-    the share w_i / Σw (`megalite.data.sampler.blend_choices`), so the blend's mean is
-    Σ w_i·f_i / Σw. The CP kernels' work is weighted alike (`cp_work`), each dataset's
-    micro-batches formed from its own windows (a micro-batch mixing datasets skips only
-    what all its windows allow: exact for train.micro_batch_size=1)."""
+    blocks), and the blend draws its windows from dataset i in the share w_i / Σw
+    (`megalite.data.sampler.blend_choices`), so the blend's mean is Σ w_i·f_i / Σw. The CP
+    kernels' work is not a per-window mean (a micro-batch skips only what all its windows
+    allow): it is taken over the datasets' windows drawn as training draws them
+    (`DocumentSample.blended`), so micro-batches mix the datasets."""
     total = sum(w for w, _ in parts)
     share = [(w / total, work) for w, work in parts]
+    pooled = None if any(x.sample is None for _, x in share) else \
+        DocumentSample.blended([x.sample for _, x in share], [w for w, _ in share])
     return MaskedWork(sum(w * x.pairs for w, x in share), sum(w * x.blocks for w, x in share),
                       "blend of " + ", ".join(f"{w:.3g} x ({x.source})" for w, x in share),
-                      sum(x.seconds for _, x in share),
-                      tuple((w * v, sample) for w, x in share for v, sample in x.samples))
+                      sum(x.seconds for _, x in share), pooled)
 
 
 def sample_corpus(data_dir: Path, seq_len: int, windows: int = WINDOWS) -> MaskedWork:
@@ -188,12 +184,11 @@ def attention_forward_s(cfg: Config, lay: Layout, profile: DeviceProfile, blocks
 
 
 def cp_work(work: MaskedWork, cp: int, comm: str, batch: int) -> CpMaskedWork:
-    """The CP kernel's work (`megalite.plan.document_cp`) over `work`'s samples, weighted
-    (`blend_of`); all of its causal plan where there is no sample (`NO_SAVING`)."""
-    if not work.samples:
+    """The CP kernel's work (`megalite.plan.document_cp`) over `work`'s sample; all of its
+    causal plan where there is no sample (`NO_SAVING`)."""
+    if work.sample is None:
         return CpMaskedWork(1.0, 1.0)
-    each = [(w, cp_masked_work(sample, cp, comm, batch)) for w, sample in work.samples]
-    return CpMaskedWork(sum(w * x.mean for w, x in each), sum(w * x.slowest for w, x in each))
+    return cp_masked_work(work.sample, cp, comm, batch)
 
 
 def run_cp_work(cfg: Config, layout: Layout, work: MaskedWork) -> Optional[CpMaskedWork]:
@@ -218,7 +213,7 @@ def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
             work: Optional[MaskedWork]) -> Optional[Dict[str, object]]:
     """The document mask's assumptions (None for causal attention): the fractions, the
     kernel and its `factor` over the dense causal attention's time (under cp > 1 the CP
-    kernel's work on the slowest rank, at the causal kernel's rate: module docstring), and at
+    kernel's work on the slowest rank, at its rate: module docstring), and at
     cp = 1 each kernel the profile measured with its factor for these documents (`measured`:
     the faster one for this corpus)."""
     if cfg.train.attention_mask != "document":
@@ -227,10 +222,12 @@ def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
     cp = run_cp_work(cfg, layout, work)
     out = {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
            "describe": describe_mask(cfg, layout, work, cp)}
-    if cp is not None:
-        return {**out, "kernel": f"cp {cfg.parallel.cp_comm}", "ratio": None,
-                "factor": cp.slowest, "cp_mean": cp.mean, "cp_slowest": cp.slowest}
-    kernel = masked_kernel(cfg, "cpu" if profile.device.startswith("cpu") else "cuda")
+    if cp is not None:  # the all-gather path's masked keys go to SDPA with a boolean mask
+        ratio = profile.mask_ratios.get("sdpa") if cfg.parallel.cp_comm == "allgather" else None
+        return {**out, "kernel": f"cp {cfg.parallel.cp_comm}", "ratio": ratio,
+                "factor": cp.slowest * (1.0 if ratio is None else ratio), "cp_mean": cp.mean,
+                "cp_slowest": cp.slowest}
+    kernel = masked_kernel(cfg, profile.device_type)
     return {**out, "kernel": kernel, "ratio": profile.mask_ratios.get(kernel),
             "factor": attention_factor(work, kernel, profile.mask_ratios.get(kernel)),
             "measured": {k: attention_factor(work, k, r) for k, r in profile.mask_ratios.items()}}

@@ -32,7 +32,7 @@ from megalite.plan.zero_table import model_state_bytes
 
 def device_kind(profile: DeviceProfile) -> Tuple[str, bool]:
     """(Layout device type, computes in bf16) of a profile."""
-    return ("cpu" if profile.device == "cpu" else "cuda"), "bf16" in profile.matmul_tflops
+    return profile.device_type, "bf16" in profile.matmul_tflops
 
 
 def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:

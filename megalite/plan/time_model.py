@@ -15,10 +15,11 @@ bytes of a model-dtype element:
               profile's fp8 rate (`matmul_seconds`; the casts to FP8 are in non_matmul)
               Under train.attention_mask=document each block's 4·h·s is charged × the
               masked kernel's factor w·ratio (`megalite.plan.document_terms`: w the work the
-              kernel computes — FlexAttention's visible 128×128 blocks, SDPA's dense causal
-              work, under cp > 1 the CP kernel's unskipped chunk pairs on the slowest rank
-              — ratio its calibrated time per unit of work at R, 1 for the CP kernels; the
-              recompute too); MFU keeps the dense causal count
+              kernel computes — FlexAttention's visible 128×128 blocks, the variable-length
+              kernel's visible pairs, SDPA's dense causal work, under cp > 1 the CP kernel's
+              unskipped work on the slowest rank — ratio its calibrated time per unit of
+              work at R (the ring: 1; the all-gather path: SDPA's); the recompute too); MFU
+              keeps the dense causal count
   recompute   m · r_k·(2·P_block + 4·h·s)·b·s / (t·R): one more forward of the r_k
               recomputed blocks (all, or train.recompute_layers of each chunk)
   non_matmul  m · (n_k + r_k/3) · (pass(h, b·s/t) + dropout): what a block's forward +

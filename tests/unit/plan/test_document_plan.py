@@ -33,8 +33,8 @@ from megalite.plan.document_terms import (
     cp_work,
     fixed_length,
     masked_work,
+    sample_blocks,
     sample_corpus,
-    visible_blocks,
     work_of,
 )
 from megalite.plan.profile_file import ProfileError, save_profile
@@ -50,6 +50,10 @@ def _ids(eos: np.ndarray) -> torch.Tensor:
     ids = np.zeros(eos.shape, dtype=np.int64)
     np.cumsum(eos[:, :-1], axis=1, out=ids[:, 1:])
     return torch.from_numpy(ids)
+
+
+def visible_blocks(eos: np.ndarray) -> int:
+    return sample_blocks(DocumentSample.of(eos))
 
 
 def test_visible_blocks_are_flex_attentions_and_pairs_the_loaders():
@@ -111,10 +115,15 @@ def test_a_blend_weights_each_datasets_fractions(tmp_path):
     assert blend.pairs == pytest.approx(0.75 * 5 / 33 + 0.25 * 17 / 33)
     assert blend.blocks == 1.0 and blend.source.startswith("blend of 0.75 x (64 of 64")
     for comm in ("allgather", "ring"):
-        cp = [cp_masked_work(w.samples[0][1], 2, comm, 1) for w in each]
+        cp = [cp_masked_work(w.sample, 2, comm, 1) for w in each]
         assert cp[0].mean < cp[1].mean  # shorter documents: more skipped
-        assert cp_work(blend, 2, comm, 1).mean == pytest.approx(
+        assert cp_work(blend, 2, comm, 1).mean == pytest.approx(  # 3:1 drawn, micro-batch 1
             0.75 * cp[0].mean + 0.25 * cp[1].mean)
+        # micro-batches of 2 mix the datasets as training draws them: a batch skips only
+        # what both its windows allow, more than the datasets' own batches of 2 would
+        pooled = cp_work(blend, 2, comm, 2).slowest
+        alone = [cp_masked_work(w.sample, 2, comm, 2).slowest for w in each]
+        assert 0.75 * alone[0] + 0.25 * alone[1] < pooled <= alone[1]
     unprepared = load_config(SMALL + DOCUMENT + [f"data.blend=[3,{short},1,{tmp_path}]"])
     assert masked_work(unprepared, None) is NO_SAVING
 
@@ -169,6 +178,12 @@ def test_under_cp_the_time_model_charges_the_cp_kernels_unskipped_work():
         assert masked.terms["compute"] - causal.terms["compute"] == pytest.approx(
             2 * 3 * attention * (cp.slowest - 1))
         assert f"the cp=2 {comm} kernel computes {cp.mean:.1%}" in masked.summary()
+        # a measured sdpa ratio prices the all-gather path's masked SDPA; the ring: causal
+        _, _, rated = _predict(over + DOCUMENT, work, replace(synthetic(),
+                                                              mask_ratios={"sdpa": 1.5}), world=2)
+        ratio = 1.5 if comm == "allgather" else None
+        assert (rated.document_mask["ratio"], rated.document_mask["factor"]) == (
+            ratio, pytest.approx(cp.slowest * (ratio or 1.0)))
 
 
 def test_the_masked_block_hides_less_of_activation_offloads_copies(monkeypatch):
