@@ -426,6 +426,12 @@ def test_under_the_document_mask_the_bound_holds_and_the_search_is_exhaustive():
     assert {(2, "allgather"), (2, "ring")} <= {(cp, comm) for cp, comm, _ in factors}
     assert {c.recompute for _, c in fitting} == {False, True}
     assert fitting[0][1].cp > 1  # the mask's saving decides the fastest
+    # the search's bound caches one factor per (cp, comm, micro-batch): each its own
+    bound = TimeBound.of(cfg, base, 2, work)
+    for _, c in fitting[::-1]:
+        bound(c)
+    assert bound.factors == factors
+    assert len({f for (cp, comm, _), f in factors.items() if (cp, comm) == (2, "ring")}) > 1
 
 
 def test_nothing_fits_names_each_familys_need():
