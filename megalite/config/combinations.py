@@ -111,6 +111,8 @@ OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("torch.compile", {"train.compile": True}),
     ("HellaSwag", {"eval.hellaswag": "hellaswag_val.jsonl", "train.eval_every": 1}),
     ("rerun attribution", {"resilience.rerun": "on_nan"}),
+    ("a named document kernel", {"train.attention_mask": "document",
+                                 "train.document_kernel": "sdpa"}),
 )
 
 # the serial run a row is compared with: these axes at the row's values, every other at its

@@ -87,6 +87,7 @@ def test_settings_a_value_refuses_are_refused_by_validation_naming_both(base):
     listed = [(named, name) for named, name, _ in refused]
     for comm in ("2 allgather", "2 ring"):
         assert ({"cp": comm}, "attention dropout") in listed, listed
+        assert ({"cp": comm}, "a named document kernel") in listed, listed
     for named, name, why in refused:
         assert why.kind == "megalite" and why.message.startswith(f"{why.key}="), why
         assert any(k in why.message for k in given[name]), (name, why)
