@@ -355,11 +355,6 @@ class OptimizerOffload:
         """Whether `bucket`'s parameter copy from the host is still to be waited for."""
         return id(bucket) in self.pending
 
-    def stepped(self, bucket) -> bool:
-        """Whether the worker has run `bucket`'s host step (its copy issued): no wait."""
-        r = self.ranges.get(id(bucket))
-        return r is None or r.stepped is None or r.stepped.done()
-
     def gather_after_copy(self, bucket, gather: Callable[[], object]):
         """Zero 1/2 with parallel.overlap_param_gather: launch `bucket`'s all-gather (`gather`,
         returning its handle) ordered after the device AdamW's writes and the bucket's own

@@ -10,12 +10,17 @@ buckets holding its parameters. So the first block computes while the later buck
 on the wire (NCCL runs them on its own stream, gloo on its own threads).
 
 With offload.optimizer a bucket whose host part is still being stepped is not gathered in the
-step (that would make the step wait for every host AdamW): its gather is *deferred* and
-launched by the pre-hook of its first unit — the deferred ones always in forward order, and
-at each pre-hook the next ones whose host step has finished, so they are on the wire before
-they are needed.
-Every rank defers the same buckets and launches them in the same order between the same
-collectives of the group (a forward issues none on the DP group), so the collectives match.
+step (that would make the step wait for every host AdamW): its gather is *deferred*, and
+launched at a fixed point of the next forward, one unit ahead of its use: the forward
+post-hook of the unit before the one that first reads it (after that unit's compute was
+queued; the CPU waits there for the bucket's host step), or the first unit's pre-hook for
+the first unit's own. The deferred ones go in forward order.
+Every rank defers the same buckets (every bucket with a host part: the offloaded fraction
+splits every bucket alike) and launches each at the same point of the forward — a function
+of the schedule and the bucket's index only, never of whether a host thread has finished
+(NCCL needs the ranks to issue their collectives on different groups — here the DP×CP
+gathers and the forward's CP, TP and FP8 collectives — in one order; gloo forgives a
+mismatch, `megalite.testing.collective_order` checks it).
 
 Anything that reads the parameters outside a forward (a checkpoint, a test) calls `wait()`.
 """
@@ -31,9 +36,9 @@ class OverlappedParamGather:
         by_param = {id(p): b for b in buckets for p in b.params}
         self.order: List = []  # buckets in the order of their first use in a forward
         self._pending: Dict[int, object] = {}
-        self._deferred: List = []  # offload.optimizer: launched where first needed, in order
+        self._deferred: List = []  # offload.optimizer: launched one unit ahead, in order
         self._issue: Optional[Callable] = None
-        self._ready: Optional[Callable] = None
+        units = []
         for chunk in chunks:
             for unit in chunk.sharding_units():
                 mine = []
@@ -43,25 +48,33 @@ class OverlappedParamGather:
                         mine.append(bucket)
                     if bucket not in self.order:
                         self.order.append(bucket)
-                unit.register_forward_pre_hook(self._make_hook(mine))
+                units.append((unit, mine))
         if len(self.order) != len(buckets):
             raise ValueError("overlap_param_gather: a bucket holds parameters no unit uses")
+        for i, (unit, mine) in enumerate(units):
+            unit.register_forward_pre_hook(self._make_pre_hook(mine))
+            if i + 1 < len(units):
+                unit.register_forward_hook(self._make_post_hook(units[i + 1][1]))
 
-    def _make_hook(self, buckets: List):
+    def _make_pre_hook(self, buckets: List):
         def hook(module: nn.Module, args) -> None:
             self.wait(buckets)
         return hook
 
+    def _make_post_hook(self, following: List):
+        def hook(module: nn.Module, args, output) -> None:
+            self._launch_deferred(following)  # the next unit's, one ahead of its use
+        return hook
+
     def launch(self, issue: Optional[Callable[[object, Callable], object]] = None,
-               later: Optional[Callable[[object], bool]] = None,
-               ready: Optional[Callable[[object], bool]] = None) -> None:
+               later: Optional[Callable[[object], bool]] = None) -> None:
         """Start every bucket's gather (after the optimizer step), first-used first; with
         `issue`, through `issue(bucket, gather)` (offload.optimizer: ordered after the bucket's
         host copy, `OptimizerOffload.gather_after_copy`). Buckets for which `later(bucket)`
-        (their host step still runs) are deferred to their first use; `ready(bucket)`: whether
-        a deferred bucket can go on the wire without a wait (launched one ahead of its use)."""
+        (their host part is stepped: the same buckets on every rank) are deferred, each to the
+        forward post-hook of the unit before its first use."""
         self._launch_deferred(self.order)  # (a step with no forward since the last one)
-        self._issue, self._ready = issue, ready
+        self._issue = issue
         for bucket in self.order:
             if later is not None and later(bucket):
                 self._deferred.append(bucket)
@@ -75,12 +88,9 @@ class OverlappedParamGather:
             else self._issue(bucket, gather)
 
     def _launch_deferred(self, needed) -> None:
-        """Launch the deferred gathers, in forward order, up to the last of `needed`, then
-        further ones while their host step has finished."""
+        """Launch the deferred gathers, in forward order, up to the last of `needed`."""
         wanted = {id(b) for b in needed}
-        while self._deferred and (any(id(b) in wanted for b in self._deferred)
-                                  or (self._ready is not None
-                                      and self._ready(self._deferred[0]))):
+        while self._deferred and any(id(b) in wanted for b in self._deferred):
             self._start(self._deferred.pop(0))
 
     def wait(self, buckets=None) -> None:

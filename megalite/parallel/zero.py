@@ -109,7 +109,7 @@ class ZeroEngine(EngineState):
                                             self.buckets[0].main_grad.device, offload_timers)
             if self.zero3 is not None:  # each unit's gather waits for its parameters' copy
                 self.zero3.params_needed = self.offload.params_needed
-                self.zero3.params_ready = self.offload.stepped
+                self.zero3.prefetch_after_forward = True
         self._build_optimizer(optim)
 
     # --- optimizer ----------------------------------------------------------------------
@@ -350,7 +350,7 @@ class ZeroEngine(EngineState):
                 self.param_gather.launch()
             else:  # a bucket whose host part still steps: gathered where first needed
                 self.param_gather.launch(self.offload.gather_after_copy,
-                                         self.offload.stepping, self.offload.stepped)
+                                         self.offload.stepping)
         else:
             for b in self.buckets:
                 if self.offload is not None and b.gathers_params:

@@ -3,9 +3,12 @@ head — a model chunk's `sharding_units()`, in forward order) keeps only its DP
 uses and is all-gathered just before it runs.
 
     forward   pre-hook : gather (or wait for the prefetch), prefetch the next unit —
-                         offload.optimizer: only if its host step is done (`params_ready`)
-              post-hook: the prefetch left for its host step (waited for here, after this
-                         unit's forward was queued, not before);
+                         except under offload.optimizer (`prefetch_after_forward`)
+              post-hook: offload.optimizer: prefetch the next unit (its host step waited for
+                         here, after this unit's forward was queued, not before) — on every
+                         rank at this point, whether or not the host step has finished (the
+                         ranks must launch their collectives on different groups in one
+                         order: NCCL's rule, `megalite.testing.collective_order`);
                          free the gathered parameters (reshard_after_forward), except for the
                          chunk's last unit, whose backward comes first (right away on the
                          last pipeline stage)
@@ -65,9 +68,9 @@ class Zero3Gathering:
         self.reshard_after_forward = reshard_after_forward
         # offload.optimizer: makes a unit's gather wait for its parameters' copy from the host
         self.params_needed: Optional[Callable[[List], None]] = None
-        # offload.optimizer: whether a bucket's parameters are back from the host without a
-        # wait (else the next unit's prefetch waits until this unit's forward is queued)
-        self.params_ready: Optional[Callable[[object], bool]] = None
+        # offload.optimizer: the next unit's prefetch waits until this unit's forward is
+        # queued (its parameters may still be stepped on the host)
+        self.prefetch_after_forward = False
         by_param = {id(p): b for b in engine.buckets for p in b.params}
         self.state: Dict[int, _UnitState] = {}
         self.unit_of: Dict[nn.Module, _UnitState] = {}
@@ -120,10 +123,8 @@ class Zero3Gathering:
         def hook(module, args):
             unit = self.unit_of[module]
             self._ensure(unit)
-            if i + 1 < len(chain) and not unit.in_backward:
-                following = self.unit_of[chain[i + 1]]
-                if self.params_ready is None or self.params_ready(following.bucket):
-                    self._start_gather(following, async_op=True)
+            if i + 1 < len(chain) and not unit.in_backward and not self.prefetch_after_forward:
+                self._start_gather(self.unit_of[chain[i + 1]], async_op=True)
         return hook
 
     def _make_post_forward(self, chain: List[nn.Module], i: int):
@@ -133,7 +134,7 @@ class Zero3Gathering:
             unit = self.unit_of[module]
             if torch.is_tensor(output) and output.requires_grad:
                 output.register_hook(self._make_pre_backward(chain, i))
-            if not last and not unit.in_backward:  # a prefetch left for its host step
+            if not last and not unit.in_backward and self.prefetch_after_forward:
                 self._start_gather(self.unit_of[chain[i + 1]], async_op=True)
             if self.reshard_after_forward and not last and not unit.in_backward:
                 self._free(unit)
