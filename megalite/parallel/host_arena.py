@@ -55,7 +55,7 @@ def _unregister(buf: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
-def pinned_pages(nbytes: int) -> torch.Tensor:
+def _pinned_pages(nbytes: int) -> torch.Tensor:
     """uint8 host memory of `nbytes` rounded up to whole pages, page-aligned and registered
     with the driver (the caller unregisters it: `_unregister`)."""
     span = round_up(max(nbytes, 1), PAGE)
@@ -75,16 +75,20 @@ class HostArena:
         self.parts = list(parts)
         self.offsets, self.nbytes = arena_offsets(self.parts)
         if pinned:
-            pages = pinned_pages(self.nbytes)
+            pages = _pinned_pages(self.nbytes)
             weakref.finalize(self, _unregister, pages)  # when the arena goes, then its memory
             self.buffer = pages[:self.nbytes].zero_()
         else:
             self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
 
     def tensor(self, i: int) -> torch.Tensor:
+        """Part `i`: a typed view into the arena."""
         numel, dtype = self.parts[i]
         lo = self.offsets[i]
         return self.buffer[lo:lo + numel * dtype.itemsize].view(dtype)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [self.tensor(i) for i in range(len(self.parts))]
 
 
 class PinnedPool:
@@ -107,7 +111,7 @@ class PinnedPool:
             if self.free[span]:
                 pages, after = self.free[span].pop()
                 return pages[:nbytes], after
-        pages = pinned_pages(span)
+        pages = _pinned_pages(span)
         with self.lock:
             self.whole[pages.data_ptr()] = pages
             self.reserved += span

@@ -124,12 +124,9 @@ class OptimizerOffload:
         cuts = [(b, cut) for b, cut in cuts if cut < b.hi]
         self.arena = self._arena(cuts)
         self.ranges: Dict[int, HostRange] = {}
-        first = 0
+        views = iter([] if self.arena is None else self.arena.tensors())  # in `cuts`' order
         for b, cut in cuts:
-            n = len(host_parts(b, cut))
-            self.ranges[id(b)] = self._split(b, cut, [self.arena.tensor(i)
-                                                      for i in range(first, first + n)])
-            first += n
+            self.ranges[id(b)] = self._split(b, cut, [next(views) for _ in host_parts(b, cut)])
         self.order = [self.ranges[id(b)] for b in forward_order(chunks, buckets)
                       if id(b) in self.ranges]
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
@@ -148,9 +145,10 @@ class OptimizerOffload:
         the bytes counted are the bytes held."""
         if not cuts:
             return None
-        host = self.device if self.device.type == "meta" else torch.device("cpu")  # meta:
-        parts = [p for b, cut in cuts for p in host_parts(b, cut)]  # verify-rank's shapes
-        return HostArena(parts, pinned=self.cuda, device=host)
+        # meta: megalite-verify-rank's shapes
+        host = self.device if self.device.type == "meta" else torch.device("cpu")
+        return HostArena([p for b, cut in cuts for p in host_parts(b, cut)], pinned=self.cuda,
+                         device=host)
 
     def _split(self, bucket, cut: int, buffers: List[torch.Tensor]) -> HostRange:
         host = HostRange(bucket, cut, buffers)
