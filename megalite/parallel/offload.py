@@ -1,6 +1,7 @@
 """Optimizer offload (`offload.optimizer = f`): the fp32 master weights and AdamW moments of
-the fraction f of this rank's owned range live in host memory (pinned on CUDA) and are
-stepped there by PyTorch's CPU AdamW — ZeRO-Offload (Ren et al. 2021), Megatron-Core's
+the fraction f of this rank's owned range live in host memory (the masters, gradients and copy
+buffers in one allocation per rank, pinned exactly on CUDA: `megalite.parallel.host_arena`) and
+are stepped there by PyTorch's CPU AdamW — ZeRO-Offload (Ren et al. 2021), Megatron-Core's
 `HybridDeviceOptimizer` (a fraction offloaded), torchao's `CPUOffloadOptimizer`.
 
 Which elements: of every bucket's owned range [lo, hi) the last round(f·(hi − lo)) elements,
@@ -68,7 +69,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megalite.parallel import host_range
-from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind
+from megalite.parallel.host_arena import HostArena
+from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind, host_parts
 from megalite.parallel.offload_worker import HostWorker
 
 
@@ -118,11 +120,13 @@ class OptimizerOffload:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.gather_stream = torch.cuda.Stream(device) if self.cuda else None  # zero 1/2
+        cuts = [(b, b.hi - round(fraction * (b.hi - b.lo))) for b in buckets]
+        cuts = [(b, cut) for b, cut in cuts if cut < b.hi]
+        self.arena = self._arena(cuts)
         self.ranges: Dict[int, HostRange] = {}
-        for b in buckets:
-            numel = round(fraction * (b.hi - b.lo))
-            if numel > 0:
-                self.ranges[id(b)] = self._split(b, b.hi - numel)
+        views = iter([] if self.arena is None else self.arena.tensors())  # in `cuts`' order
+        for b, cut in cuts:
+            self.ranges[id(b)] = self._split(b, cut, [next(views) for _ in host_parts(b, cut)])
         self.order = [self.ranges[id(b)] for b in forward_order(chunks, buckets)
                       if id(b) in self.ranges]
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
@@ -136,9 +140,18 @@ class OptimizerOffload:
             if mine:  # first of the unit's pre-hooks (ahead of ZeRO-3's gather)
                 unit.register_forward_pre_hook(self._unit_hook(mine), prepend=True)
 
-    def _split(self, bucket, cut: int) -> HostRange:
-        host = HostRange(bucket, cut, pinned=self.cuda,  # meta: megalite-verify-rank's shapes
-                         host=self.device if self.device.type == "meta" else torch.device("cpu"))
+    def _arena(self, cuts: List[tuple]) -> Optional[HostArena]:
+        """Every range's host buffers in one allocation, pinned exactly on CUDA (`HostArena`):
+        the bytes counted are the bytes held."""
+        if not cuts:
+            return None
+        # meta: megalite-verify-rank's shapes
+        host = self.device if self.device.type == "meta" else torch.device("cpu")
+        return HostArena([p for b, cut in cuts for p in host_parts(b, cut)], pinned=self.cuda,
+                         device=host)
+
+    def _split(self, bucket, cut: int, buffers: List[torch.Tensor]) -> HostRange:
+        host = HostRange(bucket, cut, buffers)
         bucket.segments = bucket.flat.segments(bucket.lo, cut) + \
             bucket.flat.segments(cut, bucket.hi)
         if bucket.main is not bucket.param_region:  # the device master keeps [lo, cut)
@@ -388,9 +401,11 @@ class OptimizerOffload:
     # --- accounting -------------------------------------------------------------------
 
     def host_bytes(self) -> int:
-        """Host bytes of the offloaded state: fp32 masters, moments, gradients (+ zero 2/3's
-        staging, + the model-dtype cast buffer where the model is not fp32)."""
-        return sum(r.nbytes() for r in self.ranges.values())
+        """Host bytes of the offloaded state: the arena (fp32 masters, gradients, + zero 2/3's
+        staging, + the model-dtype cast buffer where the model is not fp32) and the AdamW
+        moments (2 fp32 a parameter, counted before the first step creates them)."""
+        arena = 0 if self.arena is None else self.arena.nbytes
+        return arena + sum(2 * 4 * r.main.numel() for r in self.ranges.values())
 
     def take_copied_bytes(self) -> Dict[str, int]:
         copied = {"d2h": self.d2h_bytes, "h2d": self.h2d_bytes}
