@@ -13,11 +13,11 @@ The export runs in one process or in every rank of a process group (`torchrun ..
 megalite-export --format dcp`): each rank reads only its share of the tensors (whole tensors,
 balanced by size) from the megalite checkpoint's files, byte ranges only, and DCP writes each
 rank's share into its own file; nothing is gathered. It is written under a sibling temporary
-directory that replaces `out_dir` only when every rank has written (`.metadata` last).
+directory that replaces `out_dir` only when every rank has written (`.metadata` last), by
+`megalite.utils.durable.replace_dir`: an export it replaces stays whole until then.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import warnings
@@ -36,6 +36,7 @@ from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.model.families import causal_lm, families, family
 from megalite.model.family import DCPMapping
+from megalite.utils.durable import recover_replaced, replace_dir
 
 STEP = re.compile(r"^step-(\d+)$")
 
@@ -84,6 +85,7 @@ def export_dcp(ckpt, out_dir, force: bool = False) -> Path:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     tmp = out_dir.with_name(f".{out_dir.name}.dcp-partial")
     if rank == 0:
+        recover_replaced(out_dir)  # an earlier export cut short in its swap
         shutil.rmtree(tmp, ignore_errors=True)
     if distributed:
         dist.barrier()
@@ -98,11 +100,7 @@ def export_dcp(ckpt, out_dir, force: bool = False) -> Path:
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
     if rank == 0:  # dcp.save returns after every rank's files and the .metadata are written
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
-            os.replace(out_dir, old)
-            shutil.rmtree(old)
-        os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     if distributed:
         dist.barrier()
     return ckpt
