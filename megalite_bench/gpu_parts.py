@@ -27,10 +27,9 @@ def variant_of(name: str) -> Tuple[Optional[float], bool, Optional[int]]:
 
 
 def cuda_tests(bench: GpuSession, part: Part) -> None:
-    tests = sorted((bench.repo / "tests" / "unit").glob("*/test_cuda*.py")) if bench.repo \
-        else []
+    tests = sorted((bench.repo / "tests").glob("*/*/test_cuda*.py")) if bench.repo else []
     if not tests:
-        part.status = "skipped: no tests/unit/*/test_cuda*.py (run from a checkout)"
+        part.status = "skipped: no tests/*/*/test_cuda*.py (run from a checkout)"
         return
     ran = bench.run(part, "cuda-tests", [bench.python, "-m", "pytest", "-q", "-rfE",
                                         "-p", "no:cacheprovider",

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-PARTS = ("cuda-tests", "document-mask", "mfu", "offload", "calibrate", "checkpoint", "rerun", "fp8")
+# by what has never run on a GPU first: the CUDA tests, FP8's speed, the offload's timeline;
+# then the measured-before (mfu; calibrate after it: it predicts mfu's steps)
+PARTS = ("cuda-tests", "fp8", "offload", "mfu", "document-mask", "calibrate", "checkpoint",
+         "rerun")
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
 RESILIENCE_OFF = ["resilience.check_every=0", "resilience.straggler_report_every=0",
                   "resilience.hang_dump=false", "resilience.hang_signal=null"]
