@@ -50,7 +50,7 @@ FULL = Sizes(
     calibrate=["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=4"],
     document_mask=["--preset", "llama3-8b", "--seq-len", "8192", "--document-tokens", "512",
                    "2048", "8192", "--steps", "5", "--warmup", "2"],
-    limits={"cuda-tests": 150, "document-mask": 150, "bench": 90, "bench-compiled": 150, "launch": 90,
+    limits={"cuda-tests": 300, "document-mask": 150, "bench": 90, "bench-compiled": 150, "launch": 90,
             "launch-compiled": 150, "offload": 200, "calibrate": 90, "checkpoint": 80,
             "rerun": 70, "prepare": 90},
     device=[])
