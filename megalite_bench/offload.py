@@ -214,7 +214,8 @@ def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimer
     first timed step), time `steps` steps, free it: every step's seconds and their median,
     offload waits per step, peak device memory; with optimizer offload the timeline of the
     timed steps (`timeline`: spans of copies, host steps, waits and each `step`, seconds
-    since the first began; `timeline_s`: each kind's seconds per step); on CPU also the
+    since the first began, and the wait for the last host step after them; `timeline_s`: each
+    kind's seconds per step, of the spans begun inside the steps); on CPU also the
     median CPU seconds of the process per step (`cpu_s`: what other jobs on a shared machine
     barely move, unlike wall time)."""
     reset_peak(device)
@@ -244,8 +245,11 @@ def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimer
                "peak_memory_gib": peak_memory(device) / 2**30}
         if timeline is not None:
             offload.step_done()  # the last step's host work, drawn whole
-            got["timeline"] = timeline.take()
-            got["timeline_s"] = {k: v / steps for k, v in totals(got["timeline"]).items()}
+            got["timeline"] = spans = timeline.take()
+            last = max(x["end_s"] for x in spans if x["kind"] == "step")
+            # per step: what began inside the timed steps (not the wait for the last host step)
+            got["timeline_s"] = {k: v / steps for k, v in totals(
+                [x for x in spans if x["start_s"] < last]).items()}
             offload.record(None)
         if device.type == "cpu":  # every thread of the process, the offload worker's too
             got["cpu_s"] = statistics.median(cpu)

@@ -120,6 +120,10 @@ def test_offload_steps_are_timed_past_the_first_host_step_with_their_timeline(mo
             assert steps[0]["start_s"] <= s["start_s"] <= spans[-1]["end_s"]
     assert got["timeline_s"]["host_step"] > 0 and set(got["timeline_s"]) == {
         "d2h", "host_step", "h2d", "wait"}
+    inside = [x for x in spans if x["start_s"] < steps[-1]["end_s"]]  # per step: of these
+    for kind in ("d2h", "wait"):
+        assert got["timeline_s"][kind] == pytest.approx(sum(
+            x["end_s"] - x["start_s"] for x in inside if x["kind"] == kind) / 2)
     lines = draw(spans, width=40)
     assert lines[0].startswith("  seconds 0 .. ") and len(lines) == 6
     assert all("#" in line for line in lines[2:5]) and "0" in lines[1] and "1" in lines[1]
