@@ -161,7 +161,7 @@ def _megalite_version() -> str:
         v = version("megalite")
     except PackageNotFoundError:
         v = "not installed"
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]  # the checkout holding megalite_bench/
     if (root / ".git").exists() and shutil.which("git"):
         try:
             commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],

@@ -281,3 +281,17 @@ def test_the_test_plugins_load_without_datasets(monkeypatch):
     path = Path(__file__).parents[2] / "data_fixtures.py"
     spec = importlib.util.spec_from_file_location("data_fixtures_without_datasets", path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_the_checkout_and_its_commit_are_found_from_any_directory(tmp_path, monkeypatch):
+    """Run from elsewhere, the command still finds the checkout beside its package (the CUDA
+    tests are there, not in the wheel) and names its commit in the report's header."""
+    from pathlib import Path
+
+    from megalite_bench.gpu_report import machine_header
+
+    repo = Path(gpu_session.__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    assert gpu_session.checkout() == repo
+    if (repo / ".git").exists():
+        assert f"({repo}: " in machine_header(True, 1.0, sys.executable)["megalite"]
