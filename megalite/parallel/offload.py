@@ -60,10 +60,12 @@ On CPU host = device: the same buffers, copies and worker exist (real copies bet
 separate tensors, no streams), which exercises the path and saves nothing. The time the
 training thread is blocked on the offload — waiting for the worker or, on CUDA, the compute
 stream waiting for a parameter copy — is the step phase `offload_wait`
-(`megalite.train.timers`).
+(`megalite.train.timers`); `record` draws each copy, host step and wait as a span
+(`megalite.parallel.offload_timeline`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -132,6 +134,7 @@ class OptimizerOffload:
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
         self.h2d_bytes = 0
         self.worker = HostWorker(device, timers)  # the host's tasks, in the order queued
+        self.timeline, self._index = None, {}  # `record`
         self._params_free = None  # CUDA: recorded by `drain` after the backward was queued
         # buckets whose parameter copy the device has not waited for yet
         self.pending: Dict[int, HostRange] = {}
@@ -168,6 +171,21 @@ class OptimizerOffload:
     def close(self) -> None:
         """Let the host worker go (the end of `fit`); a later task starts a new one."""
         self.worker.close()
+
+    def record(self, timeline) -> None:
+        """Record where the offload's time goes into `timeline` (an `OffloadTimeline`; None:
+        stop): each range's copies, host step and the training thread's waits on it."""
+        self.timeline = self.worker.timeline = timeline
+        self._index = {id(r): i for i, r in enumerate(self.order)}
+
+    def _at(self, r: HostRange) -> int:
+        """`r`'s index in forward order (what a timeline labels its spans with)."""
+        return self._index.get(id(r), -1) if self.timeline is not None else -1
+
+    def _span(self, kind: str, r: HostRange, host: bool = False):
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return (self.timeline.on_host if host else self.timeline.on_device)(kind, self._at(r))
 
     def range_of(self, bucket) -> Optional[HostRange]:
         return self.ranges.get(id(bucket))
@@ -223,8 +241,8 @@ class OptimizerOffload:
             self._copy_in(r, reduced, None)
 
     def _copy_in(self, r: HostRange, reduced: torch.Tensor, work) -> None:
-        self.worker.wait(r.stepped)  # the last host step has read `grad` (a step ago)
-        self.worker.wait(r.inbound)  # zero 2/3: the last fold has read `staging` (a micro-batch ago)
+        self.worker.wait(r.stepped, self._at(r))  # the last host step has read `grad` (a step ago)
+        self.worker.wait(r.inbound, self._at(r))  # zero 2/3: the last fold has read `staging`
         src = reduced[r.offset:]
         copied = None
         if self.cuda:
@@ -232,11 +250,13 @@ class OptimizerOffload:
             if not _wait_reduction_on(work, self.stream):
                 self.stream.wait_stream(compute)  # the bucket's gradient, as queued so far
             with torch.cuda.stream(self.stream):
-                r.staging.copy_(src, non_blocking=True)
+                with self._span("d2h", r):
+                    r.staging.copy_(src, non_blocking=True)
                 copied = self.stream.record_event()
             src.record_stream(self.stream)  # the compute stream may not reuse it before
         else:
-            r.staging.copy_(src)
+            with self._span("d2h", r):
+                r.staging.copy_(src)
         r.inbound = self.worker.submit(host_range.arrived, r, copied, not r.accumulate)
         self.d2h_bytes += 4 * src.numel()
 
@@ -250,7 +270,7 @@ class OptimizerOffload:
             if r.accumulate:
                 r.inbound = self.worker.submit(host_range.finalize, r)
         for r in self.ranges.values():
-            self.worker.wait(r.inbound)
+            self.worker.wait(r.inbound, self._at(r))
         if self.cuda:
             self._params_free = torch.cuda.current_stream(self.device).record_event()
 
@@ -305,18 +325,19 @@ class OptimizerOffload:
         """The worker's host step of one range (see `step`)."""
         self._copied_out(r)  # the last copy has read `main` / `cast` (a step ago)
         opt = r.optimizer
-        if opt is not None:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            if coef is not None and coef != 1.0 and r.fused:
-                # fused AdamW divides each gradient by grad_scale in its one pass
-                opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
-            elif coef is not None and coef != 1.0:
-                torch._foreach_mul_([p.grad for p in r.pieces], coef)
-            try:
-                opt.step()
-            finally:
-                opt.__dict__.pop("grad_scale", None)
+        with self._span("host_step", r, host=True):
+            if opt is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                if coef is not None and coef != 1.0 and r.fused:
+                    # fused AdamW divides each gradient by grad_scale in its one pass
+                    opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+                elif coef is not None and coef != 1.0:
+                    torch._foreach_mul_([p.grad for p in r.pieces], coef)
+                try:
+                    opt.step()
+                finally:
+                    opt.__dict__.pop("grad_scale", None)
         self._to_device(r)
 
     def params_to_device(self) -> None:
@@ -354,14 +375,16 @@ class OptimizerOffload:
         dst = r.bucket.param_region[r.offset:]
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
+                with self._span("h2d", r):
+                    dst.copy_(src, non_blocking=True)
                 r.copied_out = self.stream.record_event()
         else:
-            dst.copy_(src)
+            with self._span("h2d", r):
+                dst.copy_(src)
 
     def _issued(self, r: HostRange):
         """The CPU waits until the worker issued `r`'s copy; returns its CUDA event."""
-        self.worker.wait(r.stepped)
+        self.worker.wait(r.stepped, self._at(r))
         return r.copied_out
 
     def stepping(self, bucket) -> bool:
@@ -395,7 +418,7 @@ class OptimizerOffload:
                 continue
             copied = self._issued(r)
             if copied is not None and self.cuda:
-                with self.worker.waiting():
+                with self.worker.waiting(self._at(r)):
                     torch.cuda.current_stream(self.device).wait_event(copied)
 
     # --- accounting -------------------------------------------------------------------
