@@ -38,6 +38,8 @@ SINGLE_GPU = {
     "megalite.model.activation_offload:_SavedBlock.forward_done": ACT_FORWARD,
     "megalite.model.activation_offload:_SavedBlock.unpack": ACT_FORWARD,
     "megalite.model.activation_offload:_SavedBlock.restore": ACT_FORWARD,
+    "megalite.model.activation_offload:_SavedBlock.__del__":
+        ACT_OFFLOAD + "test_host_copies_are_pinned_as_counted_and_reused",
     "megalite.model.init:_generator": TRAIN,
     "megalite.parallel.calls:launch": "tests/integration/resilience/test_cuda_hang.py::"
                                       "test_a_stuck_cuda_stream_is_named_though_its_host_launched",
