@@ -20,7 +20,9 @@ and Megatron's --reset-attention-mask does. The documents come with the batch
   sdpa    SDPA with the dense boolean mask [b, 1, s, s] (memory s² per sequence).
 
 flex and varlen have not yet run on a GPU in megalite's tests (tests/unit/model/
-test_cuda_document_attention.py runs them where CUDA is).
+test_cuda_document_attention.py runs them where CUDA is); flex's block mask runs forward on CPU
+against the boolean mask (tests/unit/parallel/test_context_documents.py). Under cp > 1 the CP
+kernels take `DocumentSpans` instead (`megalite.parallel.context_documents`).
 
 `AttentionInputs` is what one micro-batch's forward gives every block beyond its activations
 (the documents' ids, the positions when they restart per document, the kernel); it is made

@@ -6,12 +6,12 @@ ways, `parallel.cp_comm`:
 
   allgather  K and V are all-gathered over CP (one collective, only the KV heads: cheap under
              grouped-query attention, which the attention kernel runs without repeating K/V)
-             and each local query chunk attends to the keys up to its own chunk without a
-             mask: on CPU the keys before the chunk and the chunk's own (causally) are two
-             flash calls merged by their log-sum-exp (`context_partial`), elsewhere SDPA
-             with `causal_lower_right`; under document masking SDPA with a boolean mask. In
-             backward the gathered K/V gradients are reduce-scattered back to their owners.
-             Llama 3's choice (Dubey et al. 2024, §3.3.2).
+             and each local query chunk attends to the keys up to its own without a mask: on
+             CPU the keys before the chunk and the chunk's own (causally) are two flash calls
+             merged by their log-sum-exp (`context_partial`), elsewhere SDPA with
+             `causal_lower_right`. In backward the gathered K/V gradients are
+             reduce-scattered back to their owners. Llama 3's choice (Dubey et al. 2024,
+             §3.3.2).
   ring       K/V blocks travel around the CP ring and the partial results are merged by
              their log-sum-exp (Liu et al. 2023, Ring Attention; `megalite.parallel.
              context_ring`).
@@ -19,15 +19,17 @@ ways, `parallel.cp_comm`:
 Both skip the (query chunk, key chunk) pairs that causality masks entirely: a chunk attends
 to the chunks before it in full and to itself causally.
 
-Document masking (`train.attention_mask=document`): `documents` [b, local tokens] gives each
-local token its document's global id (ids non-decreasing along the sequence, as
-`megalite.data.documents` numbers them), and query t sees key u iff u <= t and their ids are
-equal. The ids travel with the keys (gathered with K/V, or passed round the ring with each
-block). Because ids only grow along the sequence, a key chunk before a query chunk is masked
-entirely when its last id is below the query chunk's first (in every sequence of the batch):
-the ring skips such pairs, forward and backward; the all-gather path starts each query chunk's
-keys at the first key of its first document. `AttentionWork` counts the (query, key) scores
-computed and skipped against the causal plan (per head, summed over the batch), when given.
+Document masking (`train.attention_mask=document`): `documents` is this rank's
+`DocumentSpans` (`megalite.parallel.context_documents`), made on the host from the batch once
+per micro-batch, so nothing here reads the device: query t sees key u iff
+first[t] <= u <= t. The all-gather path computes each document piece of its chunks (queries
+of one chunk and one document) over the keys from its document's start: on CPU the same two
+maskless flash calls a piece (dK/dV summed over the pieces in fp32), on CUDA one FlexAttention
+call over the gathered keys with the spans' block mask. The ring skips the key chunks that
+end before the query chunk's first document in every sequence (the host's `chunk_first`) and
+masks the pairs it computes from `first`. No [b, c, S] mask is made. `AttentionWork` counts
+the (query, key) scores computed and skipped against the causal plan (per head, summed over
+the batch), when given.
 
 Tensors are [batch, heads, local tokens, head dim]; q has `hq` heads, k and v `hk` (hq a
 multiple of hk: grouped-query attention, each KV head serving hq / hk query heads).
