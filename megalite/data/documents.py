@@ -20,9 +20,10 @@ and the attention work the mask leaves, Σ over documents of n(n+1)/2 (query, ke
 query t sees positions[t] + 1 keys).
 
 With context parallelism all is found over the whole window and each CP rank keeps its chunks
-(`megalite.parallel.context_shard`): its tokens' global ids (the CP attention compares them
-across ranks), their positions in their documents, their counted targets, and the visible
-pairs of its own queries (summed over CP: the window's, each pair once).
+(`megalite.parallel.context_shard`): its tokens' global ids, their positions in their
+documents, their counted targets, the visible pairs of its own queries (summed over CP: the
+window's, each pair once), and under the mask the spans the CP attention kernels take
+(`megalite.parallel.context_documents.DocumentSpans`, made here on the host).
 
 The loss under train.eos_loss=false is Megatron's per-token loss: the sum over the step's
 counted targets divided by their count over the whole step (every micro-batch and DP x CP
