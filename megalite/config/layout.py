@@ -299,9 +299,11 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
                         f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
                         f"({cfg.parallel.schedule} schedule); raise train.global_batch_size or "
                         "lower train.micro_batch_size")
-    if cfg.zero > 0 and dp == 1:
-        warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
-                        "changes no memory and only adds copies); use zero=0 or more ranks")
+    if cfg.zero > 0 and dp * cfg.cp == 1:
+        # ZeRO shards over the DP x CP group (topology's grad_group), so cp > 1 at dp = 1 shards.
+        warnings.append(f"zero={cfg.zero} with data-parallel x context-parallel size 1 shards "
+                        "nothing (it changes no memory and only adds copies); use zero=0 or "
+                        "more ranks")
     return warnings
 
 
