@@ -16,6 +16,7 @@ compare the whole config), the metrics header and the Trainer
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -193,13 +194,16 @@ def prepare_run_dir(runtime: Runtime, run_dir: Path, ckpt_root: Path, start_step
 
 
 def shard_files() -> ShardFiles:
-    """The open-file limit raised to the hard limit where allowed (logged), and the bounded set
-    of shard descriptors this process reads every dataset through."""
+    """The open-file limit raised to the hard limit where allowed, and the bounded set of shard
+    descriptors this process reads every dataset through. The raise is logged (once a process:
+    a later build, e.g. the self-test's next layout, finds it raised); an unchanged limit only
+    at debug level."""
     before, after = raise_open_file_limit()
     budget = open_file_budget()
     change = f"raised from {before} to {after}" if after != before else f"{after}"
-    log.get_logger().info(f"open-file limit (soft) {change}; at most {budget} "
-                          "token shards open at once")
+    log.get_logger().log(logging.INFO if after != before else logging.DEBUG,
+                         f"open-file limit (soft) {change}; at most {budget} token shards "
+                         "open at once")
     return ShardFiles(budget)
 
 
