@@ -47,7 +47,7 @@ from megalite.plan.memory import Plan, make_plan
 from megalite.resilience.hang_files import set_aside_old_dumps
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.header import ModelCounts, build_writer
-from megalite.train.host_threads import set_host_threads
+from megalite.train.host_threads import set_cpu_threads, set_host_threads
 from megalite.train.init_from import is_hub_id, load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import Peak, peak_tflops
@@ -83,6 +83,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     timers = StepTimers(runtime.device, topo.counter.waits)  # times offload's waits too
     engine = build_engine(cfg, layout, topo, model, timers)
     set_host_threads(cfg.offload.optimizer, runtime.device)  # the host AdamW's cores
+    set_cpu_threads(cfg.cpu_threads, cfg.offload.optimizer, runtime.device)
     shape = (t.micro_batch_size, cfg.model.n_embd)
     schedule = build_schedule(runtime, model, engine, t.seq_len, shape, cfg.parallel.schedule)
     sampler = build_sampler(runtime, train_shards, [w for _, w in sources], t.seq_len,
