@@ -48,3 +48,30 @@ def test_scripts_are_documented_wrappers_of_the_commands(module, script):
     imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert [(n.module, [a.name for a in n.names]) for n in imports] == \
         [(command_module(module), ["main"])]
+
+
+LIGHT = """
+import sys
+from megalite.cli.plan import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "transformers", "hydra", "megalite.model.families",
+                           "megalite.config.layout") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--world-size", "8", "--device", "nope"]])
+def test_plan_help_and_a_refused_flag_import_no_model_or_torch(argv):
+    """`megalite-plan --help` and a refused --device answer before torch, the models or Hydra
+    are imported (they took 4-6.5 s on a lightly loaded machine when every command imported
+    everything): checked in a fresh interpreter, by what it imported, not by time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LIGHT, *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+    assert ("usage:" in out.stdout) if argv == ["--help"] else ("--device" in out.stderr)
