@@ -67,6 +67,7 @@ print("HEAVY", heavy)
     (["plan", "--help"], "usage:"), (["plan", "--world-size", "8", "--device", "nope"], "--device"),
     (["export", "--help"], "usage:"), (["export", "a", "b", "--part", "3/2"], "--part"),
     (["generate", "--help"], "usage:"), (["verify_rank", "--help"], "usage:"),
+    (["evaluate", "--help"], "usage:"),
     (["plot", "--help"], "usage:"), (["hang_report", "--help"], "usage:"),
 ])
 def test_help_and_refused_flags_import_no_model_or_torch(argv, says):
