@@ -17,6 +17,7 @@ from megalite_bench import (
     checkpoint,
     checkpoint_index,
     context_parallel,
+    cpu_threads,
     document_attention,
     flight,
     gpu,
@@ -75,6 +76,8 @@ BENCHMARKS = {
                              "torch's context_parallel"),
     "matrix": (matrix, "the combination matrix (--strength 3 before landing an engine change): "
                        "every run against its serial run"),
+    "cpu-threads": (cpu_threads, "the quickstart's CPU step with megalite's choice of intra-op "
+                                 "threads vs torch's default, quiet and under a load generator"),
     "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "
                  "FP8, offload, MFU of the bench and launch paths, document mask, calibration, "
                  "checkpoint, rerun; --resume DIR runs the parts DIR lacks)"),

@@ -26,16 +26,6 @@ from pathlib import Path
 from typing import List, Optional
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.resolve import CheckpointNotFound
-from megalite.eval.lm_harness import (
-    EvaluateError,
-    check_model_path,
-    evaluate,
-    hf_model_dir,
-    offline_if_unreachable,
-    require_lm_eval,
-    task_manager,
-)
 from megalite.utils.device import default_device
 
 
@@ -67,6 +57,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     """Check everything, then export (if a checkpoint) and evaluate; lm-eval's results."""
+    from megalite.eval.lm_harness import (
+        EvaluateError,
+        check_model_path,
+        evaluate,
+        hf_model_dir,
+        offline_if_unreachable,
+        require_lm_eval,
+        task_manager,
+    )
+
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise EvaluateError(f"--tasks {args.tasks!r}: no task names (e.g. --tasks hellaswag)")
@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _positive(text: str) -> int:
+    from megalite.eval.lm_harness import EvaluateError
+
     if not text.isdigit() or int(text) < 1:
         raise EvaluateError(f"--batch-size {text!r}: a positive integer or 'auto'")
     return int(text)
@@ -104,7 +106,10 @@ def _positive(text: str) -> int:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-evaluate MODEL --tasks T1,T2`; argv defaults to the command line."""
-    args = parse_args(argv)
+    args = parse_args(argv)  # --help and argparse's refusals: before torch is imported
+    from megalite.checkpoint.resolve import CheckpointNotFound
+    from megalite.eval.lm_harness import EvaluateError
+
     try:
         run(args)
     except (EvaluateError, CheckpointError, CheckpointNotFound) as e:

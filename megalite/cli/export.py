@@ -31,8 +31,6 @@ import sys
 from typing import List, Optional, Tuple
 
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.export import DEFAULT_SHARD_BYTES, export_hf
-from megalite.checkpoint.resolve import CheckpointNotFound
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
          "GIB": 2**30}
@@ -84,17 +82,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--format", choices=("hf", "dcp"), default="hf", help="hf: a "
                         "transformers directory (default); dcp: torchtitan's Llama 3 DCP "
                         "checkpoint (run under torchrun: each rank writes its share)")
-    parser.add_argument("--max-shard-size", type=shard_bytes, default=DEFAULT_SHARD_BYTES,
+    parser.add_argument("--max-shard-size", type=shard_bytes, default=None,
                         help="hf: the largest safetensors shard (default 5GB, as transformers)")
     parser.add_argument("--part", type=part_of, default=(0, 1), help="hf: I/N, this process "
                         "writes every N-th shard from the I-th into OUT_DIR (run N processes)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and argparse's refusals: before torch is imported
+    from megalite.checkpoint.export import DEFAULT_SHARD_BYTES, export_hf
+    from megalite.checkpoint.resolve import CheckpointNotFound
+
     try:
         if args.format == "dcp":
             ckpt = _export_dcp(args)
         else:
             ckpt = export_hf(args.checkpoint, args.out_dir, args.tokenizer, args.force,
-                             args.max_shard_size, args.part)
+                             args.max_shard_size or DEFAULT_SHARD_BYTES, args.part)
     except (CheckpointError, CheckpointNotFound) as e:
         print(f"megalite: cannot export: {e}", file=sys.stderr)
         sys.exit(2)

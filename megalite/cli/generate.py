@@ -15,12 +15,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-import torch
-
 from megalite.checkpoint.errors import CheckpointError
-from megalite.checkpoint.export import load_model, load_tokenizer
-from megalite.checkpoint.resolve import resolve_checkpoint
-from megalite.model.generate import generate
 from megalite.utils.device import default_device
 
 
@@ -34,8 +29,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        default=default_device())
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda where available, else cpu")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep sampling after the end-of-document token")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's "
@@ -45,7 +40,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-generate CHECKPOINT --prompt TEXT`; argv defaults to the command line."""
-    args = parse_args(argv)
+    args = parse_args(argv)  # --help and argparse's refusals: before torch is imported
+    import torch
+
+    from megalite.checkpoint.export import load_model, load_tokenizer
+    from megalite.checkpoint.resolve import resolve_checkpoint
+    from megalite.model.generate import generate
+
+    args.device = args.device or default_device()
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
         tokenizer = load_tokenizer(ckpt, args.tokenizer)

@@ -25,15 +25,7 @@ import json
 import sys
 from typing import List, Optional
 
-from megalite.cli.calibrate import calibrate_command
-from megalite.cli.plan_search import run_search
-from megalite.cli.validated import config_for_world
-from megalite.config.layout import Layout
 from megalite.plan.devices import BY_NAME, device_profile, load_profile_file, table_links
-from megalite.plan.document_terms import describe_mask, masked_work, run_cp_work
-from megalite.plan.fit import cheapest_fit
-from megalite.plan.memory import GIB, make_plan
-from megalite.plan.time_model import predict
 
 FIT_DEFAULT_DEVICE = "h100-80gb"  # prices --gpu-memory-gib's suggestion without --device
 
@@ -100,8 +92,10 @@ def _profile(cli: argparse.ArgumentParser, args):
 def main(argv: Optional[List[str]] = None) -> None:
     """`megalite-plan --world-size N [overrides]`; argv defaults to the command line."""
     cli = parser()
-    args = cli.parse_args(argv)
+    args = cli.parse_args(argv)  # --help and argparse's refusals: before torch is imported
     if args.calibrate:
+        from megalite.cli.calibrate import calibrate_command
+
         sys.exit(calibrate_command(args.overrides, args.output, table_links))
     if args.world_size is None:
         cli.error("the following arguments are required: --world-size")
@@ -112,7 +106,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.search or args.plot:
         if profile is None:
             cli.error("--search needs a device profile: --device NAME or --profile FILE")
+        from megalite.cli.plan_search import run_search
+
         sys.exit(run_search(args, profile, per_node))
+    plan_one(cli, args, profile, per_node)
+
+
+def plan_one(cli: argparse.ArgumentParser, args, profile, per_node: int) -> None:
+    """One layout's memory plan (and prediction, with a profile) and --gpu-memory-gib's
+    advice."""
+    from megalite.cli.validated import config_for_world
+    from megalite.config.layout import Layout
+    from megalite.plan.document_terms import describe_mask, masked_work, run_cp_work
+    from megalite.plan.fit import cheapest_fit
+    from megalite.plan.memory import GIB, make_plan
+    from megalite.plan.time_model import predict
+
     device_type = "cuda" if profile is None else profile.device_type
     bf16 = profile is None or "bf16" in profile.matmul_tflops
     cfg = config_for_world(args.overrides, args.world_size, per_node, device_type)

@@ -11,10 +11,6 @@ import argparse
 import json
 import sys
 
-from megalite.cli.validated import config_for_world
-from megalite.config.layout import Layout
-from megalite.train.simulated import FakeBackendMissing, verify_rank
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -37,7 +33,11 @@ def main(argv=None) -> None:
     """The command line (see the module docstring); exit status 2 on a bad argument or
     configuration, 1 without the fake backend."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and argparse's refusals: before torch is imported
+    from megalite.cli.validated import config_for_world
+    from megalite.config.layout import Layout
+    from megalite.train.simulated import FakeBackendMissing, verify_rank
+
     cfg = config_for_world(args.overrides, args.world_size, args.gpus_per_node, args.device)
     if not 0 <= args.verify_rank < args.world_size:
         parser.error(f"--verify-rank={args.verify_rank}: must be a rank of the layout, in "

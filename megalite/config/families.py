@@ -1,11 +1,12 @@
 """The model families by `model.arch`, as the config sees them: what a family answers before
 launch (its shape rules, its tensor-parallel rule, its FP8 linears), so that nothing in
 `megalite.config` names a family. A family registers once (`register_family`): GPT-2's and
-Llama's in `megalite.model.families`, whose import `megalite/__init__.py` makes; a family of
+Llama's in `megalite.model.families`, which `megalite/__init__.py` has imported when a family
+is first asked for (`builtin_families_from`); a family of
 one's own registers the same way (tests/integration/model/test_third_family.py does)."""
 from __future__ import annotations
 
-from typing import Dict, List, Protocol, Tuple
+from typing import Callable, Dict, List, Protocol, Tuple
 
 from megalite.config.errors import fail
 
@@ -30,6 +31,20 @@ class FamilyRules(Protocol):
 
 
 _FAMILIES: Dict[str, FamilyRules] = {}
+_BUILTIN: List[Callable[[], None]] = []  # what registers the built-in families, until it ran
+
+
+def builtin_families_from(load: Callable[[], None]) -> None:
+    """`load()` registers the built-in families (`megalite/__init__.py` passes the import
+    of `megalite.model.families`): run when a family is first asked for, so that a command
+    that asks for none (a `--help`, a refusal before the model) does not import the models
+    and torch."""
+    _BUILTIN[:] = [load]
+
+
+def _load_builtin() -> None:
+    while _BUILTIN:
+        _BUILTIN.pop()()
 
 
 def register_family(family: FamilyRules) -> FamilyRules:
@@ -44,11 +59,13 @@ def register_family(family: FamilyRules) -> FamilyRules:
 
 def arch_names() -> Tuple[str, ...]:
     """The registered families' names, in registration order."""
+    _load_builtin()
     return tuple(_FAMILIES)
 
 
 def registered_family(arch: str) -> FamilyRules:
     """The family of `model.arch=arch`; a ConfigError naming the registered ones otherwise."""
+    _load_builtin()
     if arch not in _FAMILIES:
         fail("model.arch", arch, f"use one of {', '.join(_FAMILIES)}")
     return _FAMILIES[arch]

@@ -22,6 +22,7 @@ from megalite.config.errors import fail
 from megalite.config.families import registered_family
 from megalite.config.fp8 import check_fp8
 from megalite.config.inject import check_inject
+from megalite.config.presets import longer_context
 from megalite.config.schedule_rules import check_schedule, expected_bubble, groups_micro_batches
 from megalite.config.schema import ATTENTION_CUDA_ONLY, Config, check_sections
 from megalite.config.stage_partition import ChunkPlacement, edge_split_problem, stage_chunks
@@ -246,7 +247,8 @@ def _check_model_split(cfg: Config) -> None:
         fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
     if t.seq_len > m.n_positions:
         fail("train.seq_len", t.seq_len,
-              f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise n_positions")
+              f"must be in [1, model.n_positions={m.n_positions}]; lower seq_len or raise "
+              f"model.n_positions{longer_context(m, t.seq_len)}")
     cut = 2 * cfg.cp  # the load-balanced chunks of a sequence (parallel/context_shard.py)
     if cfg.cp > 1 and t.seq_len % cut:
         fail("train.seq_len", t.seq_len, f"with cp={cfg.cp} must be divisible by 2*cp = {cut} "
@@ -299,9 +301,11 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
                         f"< pp={cfg.pp}: the pipeline will idle about {bubble:.0%} of each step "
                         f"({cfg.parallel.schedule} schedule); raise train.global_batch_size or "
                         "lower train.micro_batch_size")
-    if cfg.zero > 0 and dp == 1:
-        warnings.append(f"zero={cfg.zero} with a data-parallel size of 1 shards nothing (it "
-                        "changes no memory and only adds copies); use zero=0 or more ranks")
+    if cfg.zero > 0 and dp * cfg.cp == 1:
+        # ZeRO shards over the DP x CP group (topology's grad_group), so cp > 1 at dp = 1 shards.
+        warnings.append(f"zero={cfg.zero} with data-parallel x context-parallel size 1 shards "
+                        "nothing (it changes no memory and only adds copies); use zero=0 or "
+                        "more ranks")
     return warnings
 
 

@@ -289,6 +289,8 @@ class Config:
     precision: str = "auto"  # auto (bf16 params + fp32 master/moments on CUDA, fp32 on CPU) |
     #                          fp32 | bf16 | fp16 (fp16 params + fp32 master/moments, loss scaling)
     device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: Optional[int] = None  # a CPU rank's intra-op threads; null: OMP_NUM_THREADS
+    #   where set, else the cores the load leaves per local rank (megalite/train/host_threads.py)
     layout: str = "manual"  # manual (tp, pp, zero, ... as given) | auto: the planner's fastest
     #                         predicted layout for the world size (docs/planner.md), the layout
     #                         keys given on the command line held fixed
@@ -329,6 +331,9 @@ def check_sections(cfg: Config) -> None:
         fail("precision", cfg.precision, f"use one of {', '.join(PRECISIONS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         fail("device", cfg.device, "use auto, cpu or cuda")
+    if cfg.cpu_threads is not None and cfg.cpu_threads < 1:
+        fail("cpu_threads", cfg.cpu_threads, "must be a positive integer, or null (chosen from "
+             "the cores the load leaves per local rank)")
     if cfg.layout not in ("manual", "auto"):
         fail("layout", cfg.layout, "use manual (the sizes given) or auto (the planner's choice)")
     for section in (cfg.loss_scale, cfg.model, cfg.train, cfg.optim, cfg.parallel, cfg.log,

@@ -47,21 +47,23 @@ def check_vocab(tokenizer_vocab: int, model_vocab: int) -> None:
                         "or prepare the data with a smaller tokenizer")
 
 
-def read_meta(data_dir: Path) -> dict:
+def read_meta(data_dir: Path, hint: str = PREPARE_HINT) -> dict:
+    """The prepared directory's meta.json; DataError ending with `hint` (how to prepare it)
+    where the directory or its meta.json is missing or unreadable."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"data.dir={str(data_dir)!r}: no such directory; {PREPARE_HINT}")
+        raise DataError(f"data.dir={str(data_dir)!r}: no such directory; {hint}")
     path = data_dir / META_FILE
     if not path.is_file():
         raise DataError(f"data.dir={str(data_dir)!r}: no {META_FILE} (not prepared, or "
-                        f"preparation did not finish); {PREPARE_HINT}")
+                        f"preparation did not finish); {hint}")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e}); {PREPARE_HINT}") from e
+        raise DataError(f"{path}: not valid JSON ({e}); {hint}") from e
     if meta.get("dtype") not in DTYPES:
         raise DataError(f"{path}: unknown dtype {meta.get('dtype')!r} (expected one of "
-                        f"{sorted(DTYPES)}); {PREPARE_HINT}")
+                        f"{sorted(DTYPES)}); {hint}")
     return meta
 
 
@@ -198,13 +200,15 @@ def read_windows(sources: Sequence[TokenShards], datasets: np.ndarray, windows: 
 
 
 def check_data(data_dirs: Sequence[Path], seq_len: int, global_batch_size: int,
-               model_vocab: int, evaluates: bool) -> None:
+               model_vocab: int, evaluates: bool, hint: str = PREPARE_HINT) -> None:
     """Before launch, for every dataset of the run: both splits are readable, every token id
     fits the model's vocabulary, and (when the run evaluates) the validation split has a window.
     One dataset must hold a global batch of training windows; blended ones at least one window
-    each, and the same tokenizer (their token ids must mean the same tokens)."""
+    each, and the same tokenizer (their token ids must mean the same tokens). `hint`: how to
+    prepare a directory that is not (the run's own command where it knows it)."""
     first_tokenizer = None
     for data_dir in data_dirs:
+        read_meta(data_dir, hint)
         train, val = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
         check_vocab(train.meta["vocab_size"], model_vocab)
         need = global_batch_size if len(data_dirs) == 1 else 1

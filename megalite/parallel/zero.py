@@ -5,7 +5,7 @@ Parameters live in flat buffers ("buckets", or per-block "units" for stage 3; se
 `megalite.parallel.flat`). Each DP rank owns one contiguous range of every buffer — the whole
 buffer for stage 0 — and runs AdamW on the fp32 master copy of that range only:
 
-What each stage keeps and sends per rank is the ZeRO table of `megalite.plan.zero_table()`
+What each stage keeps and sends per rank is the ZeRO table of `megalite.plan.zero_table.zero_table()`
 (stage 0: everything full, gradients all-reduced; 1: optimizer state sharded, one
 reduce-scatter per step; 2: gradients sharded too, a reduce-scatter every micro-batch; 3:
 parameters sharded too, gathered per block on demand); the engine reads the stage through the

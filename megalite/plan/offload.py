@@ -71,6 +71,9 @@ def optimizer_placement(f: float, base: str) -> str:
     return f"{base}, offloaded ({share}: {master}) to host memory"
 
 
+ROUNDING = 1e-12  # relative: a difference of sums of float times below it is rounding
+
+
 def activation_copies_exposed(offloaded: Sequence[bool], forward_s: float, backward_s: float,
                               after_s: float, out_s: float, in_s: float,
                               in_transit: int = IN_TRANSIT) -> float:
@@ -128,7 +131,9 @@ def activation_copies_exposed(offloaded: Sequence[bool], forward_s: float, backw
         if offloaded[j]:
             t = max(t, back[j])
         t += backward_s
-    return max(0.0, t - n * (forward_s + backward_s) - after_s)
+    compute = n * (forward_s + backward_s) + after_s
+    exposed = t - compute  # t sums the same times in another order: rounding is not time
+    return exposed if exposed > ROUNDING * compute else 0.0
 
 
 def optimizer_offload_s(n: float, m: int, sharded_grads: bool, e: int, t_f: float,

@@ -156,26 +156,40 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     walk.heap = True
     while queue and len(s.result.best) < top:
         key, n, c, predicted, grid, cell = heapq.heappop(queue)
-        if isinstance(predicted, Ranked):  # planned, its offload count refined: as fast
-            if all(r.choice != predicted.choice for r in s.result.best):  # as it may be
+        if isinstance(predicted, Ranked):  # planned (an offload's count refined): ranked
+            if all(r.choice != predicted.choice for r in s.result.best):
                 s.result.best.append(predicted)
             continue
         if not isinstance(predicted, tuple):  # its memory bound: not predicted yet
             predicted = s.predicted(c)
-            if predicted is not None:
-                heapq.heappush(queue, (predicted[2].step_s, n, c, predicted, grid, cell))
-            else:
+            if predicted is None:
                 walk.not_fitting(grid, *cell)
+            elif c.offload:  # refined before it is queued by its time (`_push_refined`)
+                _push_refined(s, walk, queue, (n, c, predicted, grid, cell))
+            else:
+                heapq.heappush(queue, (predicted[2].step_s, n, c, predicted, grid, cell))
             continue
         ranked = s.planned(c, *predicted)
         if ranked is None:
             walk.not_fitting(grid, *cell)
-        elif ranked.prediction.step_s < key:  # fewer offloaded blocks: queued at its time
-            heapq.heappush(queue, (ranked.prediction.step_s, n, ranked.choice, ranked, grid,
-                                   cell))
         elif all(r.choice != ranked.choice for r in s.result.best):
             s.result.best.append(ranked)
     return _finish(s, walk)
+
+
+def _push_refined(s: "_Search", walk: "_Offloads", queue: list, entry: tuple) -> None:
+    """Plan a predicted activation-offload candidate now and queue it at the prediction of
+    its refined offload count (`_Search.planned`: fewer blocks may be faster), so that it is
+    ranked among the others at the time it will report. (Refined only once popped in its
+    time's turn, a candidate that became faster than ones already taken would be listed below
+    them.) The time bound that queued it leaves offload copies out, so the refined time is
+    never below the key just popped."""
+    n, c, predicted, grid, cell = entry
+    ranked = s.planned(c, *predicted)
+    if ranked is None:
+        walk.not_fitting(grid, *cell)
+    else:
+        heapq.heappush(queue, (ranked.prediction.step_s, n, ranked.choice, ranked, grid, cell))
 
 
 def _walk(s: "_Search") -> "_Offloads":

@@ -16,6 +16,7 @@ compare the whole config), the metrics header and the Trainer
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -46,7 +47,7 @@ from megalite.plan.memory import Plan, make_plan
 from megalite.resilience.hang_files import set_aside_old_dumps
 from megalite.train.batch_size import BatchSizeSchedule
 from megalite.train.header import ModelCounts, build_writer
-from megalite.train.host_threads import set_host_threads
+from megalite.train.host_threads import set_cpu_threads, set_host_threads
 from megalite.train.init_from import is_hub_id, load_init_state
 from megalite.train.loss_scale import LossScaler
 from megalite.train.metrics import Peak, peak_tflops
@@ -82,6 +83,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     timers = StepTimers(runtime.device, topo.counter.waits)  # times offload's waits too
     engine = build_engine(cfg, layout, topo, model, timers)
     set_host_threads(cfg.offload.optimizer, runtime.device)  # the host AdamW's cores
+    set_cpu_threads(cfg.cpu_threads, cfg.offload.optimizer, runtime.device)
     shape = (t.micro_batch_size, cfg.model.n_embd)
     schedule = build_schedule(runtime, model, engine, t.seq_len, shape, cfg.parallel.schedule)
     sampler = build_sampler(runtime, train_shards, [w for _, w in sources], t.seq_len,
@@ -193,13 +195,16 @@ def prepare_run_dir(runtime: Runtime, run_dir: Path, ckpt_root: Path, start_step
 
 
 def shard_files() -> ShardFiles:
-    """The open-file limit raised to the hard limit where allowed (logged), and the bounded set
-    of shard descriptors this process reads every dataset through."""
+    """The open-file limit raised to the hard limit where allowed, and the bounded set of shard
+    descriptors this process reads every dataset through. The raise is logged (once a process:
+    a later build, e.g. the self-test's next layout, finds it raised); an unchanged limit only
+    at debug level."""
     before, after = raise_open_file_limit()
     budget = open_file_budget()
     change = f"raised from {before} to {after}" if after != before else f"{after}"
-    log.get_logger().info(f"open-file limit (soft) {change}; at most {budget} "
-                          "token shards open at once")
+    log.get_logger().log(logging.INFO if after != before else logging.DEBUG,
+                         f"open-file limit (soft) {change}; at most {budget} token shards "
+                         "open at once")
     return ShardFiles(budget)
 
 

@@ -5,12 +5,18 @@ CPU AdamW scales about linearly with threads until memory bandwidth runs out. Wi
 offload.optimizer > 0 on CUDA each rank takes its share of the cores it may run on:
 len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE (at least 1), never fewer than it already has.
 
-On CPU nothing changes: there the "device" work runs on the same threads, which the launch
-chose for the whole run (and offload saves nothing there)."""
+On CPU the device work itself runs on the intra-op threads (`cpu_threads`): `cpu_threads=N`
+or the user's OMP_NUM_THREADS where set; otherwise the cores this process may run on less those
+the other processes keep busy (the 1-minute load average at start-up, rounded, at most all
+but one core), shared among the node's LOCAL_WORLD_SIZE ranks, less one a rank for the
+offload.optimizer worker thread (it steps the host AdamW beside the compute), at least 1.
+torch's default (every core) runs OpenMP teams that spin at each barrier while other processes
+hold the cores: on a loaded 2-core machine 1 thread ran a quickstart step 2-10x faster
+(docs/benchmarks.md#cpu-threads)."""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Mapping, Optional, Tuple
 
 import torch
 
@@ -49,4 +55,40 @@ def set_host_threads(offload_fraction: float, device: torch.device,
     torch.set_num_threads(threads)
     get_logger().info(f"offload.optimizer={offload_fraction:g}: host AdamW on "
                       f"{threads} threads per rank (was {current}; {local_ranks} local ranks)")
+    return threads
+
+
+def cpu_thread_choice(setting: Optional[int], env: Mapping[str, str], cores: int, load: float,
+                      local_ranks: int, offload_worker: bool) -> Tuple[Optional[int], str]:
+    """(intra-op threads for a CPU rank, or None to keep torch's; why), by the rule of the
+    module docstring: `setting` (cpu_threads), then OMP_NUM_THREADS in `env`, then the
+    `cores` the others' `load` leaves, per local rank, less the offload worker's."""
+    if setting is not None:
+        return setting, f"cpu_threads={setting}"
+    if env.get("OMP_NUM_THREADS"):
+        return None, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+    busy = min(max(round(load), 0), cores - 1)
+    threads = max((cores - busy) // max(local_ranks, 1) - int(offload_worker), 1)
+    return threads, (f"{cores} cores, load {load:.1f}, {local_ranks} local rank"
+                     f"{'s' if local_ranks != 1 else ''}"
+                     f"{', an offload worker each' if offload_worker else ''}")
+
+
+def set_cpu_threads(setting: Optional[int], offload_fraction: float, device: torch.device,
+                    local_ranks: Optional[int] = None) -> Optional[int]:
+    """On a CPU device: torch.set_num_threads by `cpu_thread_choice` (a change logged, with
+    how to choose otherwise). Returns the count set, None where it kept the current one."""
+    if device.type != "cpu":
+        return None
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads, why = cpu_thread_choice(setting, os.environ, cores_available(), os.getloadavg()[0],
+                                     local_ranks, offload_fraction > 0)
+    current = torch.get_num_threads()
+    if threads is None or threads == current:  # said at debug level: a self-test builds often
+        get_logger().debug(f"CPU: {current} intra-op threads ({why})")
+        return None
+    torch.set_num_threads(threads)
+    get_logger().info(f"CPU: {threads} intra-op threads, was {current} ({why}; set "
+                      "cpu_threads=N or OMP_NUM_THREADS to choose)")
     return threads

@@ -21,7 +21,7 @@ from megalite.checkpoint.writable import check_writable_dir
 from megalite.config.layout import GpuInfo, Layout, device_type_for, validate
 from megalite.config.schema import Config, load_config, resolve_path
 from megalite.data.documents import document_rule
-from megalite.data.loader import check_data, read_meta
+from megalite.data.loader import PREPARE_HINT, check_data, read_meta
 from megalite.eval.hellaswag import check_hellaswag
 from megalite.resilience.inject_target import check_inject_target
 from megalite.train.cpu_precision import half_precision_note
@@ -36,7 +36,7 @@ def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     warnings = validate(cfg, world_size, local_gpus, local_ranks, gpu)
     check_data([d for d, _ in cfg.data.sources()], cfg.train.seq_len,
                cfg.train.global_batch_size, cfg.model.vocab_size,
-               evaluates=cfg.train.eval_every > 0)
+               evaluates=cfg.train.eval_every > 0, hint=prepare_hint(cfg))
     for data_dir, _ in cfg.data.sources():  # documents are found from the data's EOS
         document_rule(cfg.train, read_meta(data_dir).get("eos_token_id"), data_dir)
     if cfg.init_from:
@@ -67,3 +67,12 @@ def validated_config(overrides, world_size: int, gpus_per_node: int, device: str
 def local_ranks_from_env() -> int:
     """Processes the launcher started on this node (torchrun's --nproc_per_node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def prepare_hint(cfg: Config) -> str:
+    """The command that prepares the run's data: its preset and directory (a blend's datasets
+    are prepared one by one: the general hint)."""
+    if cfg.data.blend is not None:
+        return PREPARE_HINT
+    return (f"run `megalite-prepare data={cfg.data.name} data.dir={cfg.data.dir}` (with this "
+            "run's other data.* overrides) first")

@@ -49,3 +49,36 @@ def test_scripts_are_documented_wrappers_of_the_commands(module, script):
     imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert [(n.module, [a.name for a in n.names]) for n in imports] == \
         [(command_module(module), ["main"])]
+
+
+LIGHT = """
+import importlib, sys
+main = importlib.import_module("megalite.cli." + sys.argv[1]).main
+try:
+    main(sys.argv[2:])
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "transformers", "hydra", "megalite.model.families",
+                           "megalite.config.layout") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["plan", "--help"], "usage:"), (["plan", "--world-size", "8", "--device", "nope"], "--device"),
+    (["export", "--help"], "usage:"), (["export", "a", "b", "--part", "3/2"], "--part"),
+    (["generate", "--help"], "usage:"), (["verify_rank", "--help"], "usage:"),
+    (["evaluate", "--help"], "usage:"),
+    (["plot", "--help"], "usage:"), (["hang_report", "--help"], "usage:"),
+])
+def test_help_and_refused_flags_import_no_model_or_torch(argv, says):
+    """A command's `--help` and a refused flag answer before torch, the models or Hydra are
+    imported (they took 4-6.5 s on a lightly loaded machine when every command imported
+    everything): checked in a fresh interpreter, by what it imported, not by time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LIGHT, *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+    assert says in out.stdout + out.stderr

@@ -137,7 +137,9 @@ def test_warnings_for_legal_but_wasteful_settings():
     assert "m = global_batch_size/(micro_batch_size*dp) = 2 micro-batches < pp=4" in w
     assert "60%" in w  # (p-1)/(m+p-1) = 3/5
     (w,) = validate(load_config(["zero=1"]), 1)
-    assert "zero=1 with a data-parallel size of 1" in w
+    assert "zero=1 with data-parallel x context-parallel size 1 shards nothing" in w
+    # ZeRO shards over DP x CP: cp=2 at dp=1 halves the optimizer state, so no warning.
+    assert validate(load_config(["zero=1", "cp=2"]), 2) == []
     (w,) = validate(load_config(["tp=4"]), 4, local_gpus=2)
     assert "tp=4 is larger than the 2 GPUs of one node" in w
 

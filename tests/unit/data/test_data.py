@@ -153,6 +153,19 @@ def test_uint32_shards_keep_large_ids(tmp_path):
     assert np.concatenate([np.asarray(s) for s in shard_arrays(shards)]).tolist() == stream.tolist()
 
 
+def test_unprepared_data_names_the_command_that_prepares_it(tmp_path):
+    """data=wikitext not prepared: the refusal gives `megalite-prepare data=wikitext` and its
+    directory (`data.dir=<dir>` alone would prepare the default corpus there)."""
+    from megalite.config.schema import load_config
+    from megalite.train.preflight import preflight
+
+    missing = tmp_path / "wiki"
+    cfg = load_config(["data=wikitext", f"data.dir={missing}"])
+    with pytest.raises(DataError, match=r"no such directory; run `megalite-prepare "
+                       rf"data=wikitext data.dir={missing}` \(with this run's other data"):
+        preflight(cfg, 1)
+
+
 def test_shard_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match=r"data.dir=.*nowhere.*no such directory.*prepare_data.py"):
         TokenShards(tmp_path / "nowhere", "train")
@@ -316,3 +329,19 @@ def test_sampler_state_names_its_order():
     assert sampler.state_dict() == {"consumed_samples": 16, "order": "permutation-v1"}
     with pytest.raises(DataError, match="sample order 'bijection-v9'"):
         sampler.load_state_dict({"consumed_samples": 16, "order": "bijection-v9"})
+
+
+def test_the_open_file_limit_is_logged_once_a_process(monkeypatch, caplog):
+    """The first build raises the limit and says so; later builds of the process (the
+    self-test's layouts: it said it 11 times) find it raised and say nothing at info level."""
+    import logging
+
+    from megalite.train import build
+
+    limits = iter([(1024, 4096), (4096, 4096), (4096, 4096)])
+    monkeypatch.setattr(build, "raise_open_file_limit", lambda: next(limits))
+    with caplog.at_level(logging.INFO, logger="megalite"):
+        for _ in range(3):
+            build.shard_files()
+    said = [r.getMessage() for r in caplog.records if "open-file limit" in r.getMessage()]
+    assert len(said) == 1 and "raised from 1024 to 4096" in said[0]

@@ -122,10 +122,14 @@ def test_rmsnorm_gradients_equal_autograd():
 
 @pytest.mark.parametrize("preset,parameters", [("llama3.2-1b", 1_235_814_400),
                                                ("llama3-8b", 8_030_261_248),
+                                               ("llama3.1-8b", 8_030_261_248),
+                                               ("llama3.1-70b", 70_553_706_496),
+                                               ("llama3.1-405b", 405_853_388_800),
                                                ("llama-tiny", 2_884_736)])
 def test_presets_have_transformers_parameter_counts(preset, parameters):
-    """Meta's published shapes: Llama 3.2 1B 1.24B (tied head), Llama 3 8B 8.03B; the
-    counts as transformers builds them (on the meta device: no memory)."""
+    """Meta's published shapes: Llama 3.2 1B 1.24B (tied head), Llama 3 and 3.1 8B 8.03B,
+    Llama 3.1 70B 70.55B and 405B 405.85B; the counts as transformers builds them (on the
+    meta device: no memory)."""
     from transformers import LlamaForCausalLM
 
     from megalite.model.llama.hf import hf_config
@@ -134,6 +138,44 @@ def test_presets_have_transformers_parameter_counts(preset, parameters):
     with torch.device("meta"):
         hf = LlamaForCausalLM(hf_config(cfg))
     assert num_parameters(cfg) == hf.num_parameters() == parameters
+
+
+@pytest.mark.parametrize("preset", ["llama3.1-8b", "llama3.1-70b", "llama3.1-405b"])
+def test_llama31_presets_scale_rope_as_transformers(preset):
+    """The long-context presets: 131,072 positions and Llama 3.1's scaling (factor 8 over
+    8,192, low 1, high 4), carried to transformers' config (`hf_config`) and back (`rope_of`),
+    with inverse frequencies equal to transformers' LlamaRotaryEmbedding's for that config
+    (rope_type llama3) and not to the unscaled ones."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from megalite.model.llama.hf import hf_config, rope_of
+    from megalite.model.llama.rope import inverse_frequencies
+
+    cfg = load_config([f"model={preset}"]).model
+    assert cfg.n_positions == 131072 and cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling == RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)
+    hf = hf_config(cfg)
+    theta, scaling = rope_of(hf)
+    assert theta == 500000.0 and scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+    assert hf.max_position_embeddings == 131072
+    theirs = LlamaRotaryEmbedding(hf).inv_freq
+    torch.testing.assert_close(inverse_frequencies(cfg), theirs, rtol=0, atol=0)
+    plain = inverse_frequencies(ModelConfig(**{**cfg.__dict__, "rope_scaling": None}))
+    assert not torch.equal(plain, theirs)
+
+
+def test_a_context_beyond_the_preset_names_the_long_context_presets():
+    """llama3-8b has 8,192 positions: seq_len 32768 is refused naming llama3.1-8b (its shape
+    with 131,072) and the other llama presets that long."""
+    cfg = load_config(["model=llama3-8b", "train.seq_len=32768", "train.micro_batch_size=1",
+                       "train.global_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"train.seq_len=32768: .*model.n_positions=8192.* "
+                       r"model=llama3.1-8b \(this shape, 131,072 positions\), llama3.2-1b "
+                       r"\(131,072\), llama3.1-70b \(131,072\), llama3.1-405b"):
+        validate(cfg, 8)
+    validate(load_config(["model=llama3.1-8b", "train.seq_len=32768",
+                          "train.micro_batch_size=1", "train.global_batch_size=8"]), 8)
 
 
 def test_flops_per_token_is_6n_plus_attention():

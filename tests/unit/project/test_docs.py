@@ -134,8 +134,9 @@ def test_every_config_key_is_in_the_configuration_reference():
 
 
 def test_the_documented_zero_table_is_the_plans():
-    """One home for the ZeRO table: the ZeRO page shows `megalite.plan.zero_table()` verbatim."""
-    from megalite.plan import zero_table
+    """One home for the ZeRO table: the ZeRO page shows `megalite.plan.zero_table.zero_table()`
+    verbatim."""
+    from megalite.plan.zero_table import zero_table
 
     assert zero_table() in (REPO / ZERO_PAGE).read_text()
 
