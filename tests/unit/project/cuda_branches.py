@@ -88,6 +88,7 @@ SINGLE_GPU = {
     "megalite.resilience.rerun:use_deterministic_kernels": PRETRAIN,
     "megalite.resilience.stragglers:where_this_rank_runs": PRETRAIN,
     "megalite.train.host_threads:set_host_threads": PRETRAIN,
+    "megalite.train.host_threads:set_cpu_threads": PRETRAIN,
     "megalite.train.metrics:fp8_peak": BRANCHES + "test_an_fp8_runs_peak_is_read_for_this_gpu",
     "megalite.train.metrics:peak_tflops": PARALLEL_CUDA + "test_peak_comes_from_the_device_table",
     "megalite.train.metrics:peak_memory_bytes": PRETRAIN,

@@ -51,9 +51,12 @@ def _flag(line: str, name: str) -> Optional[str]:
 
 
 def launch(line: str) -> Optional[Tuple[int, int, List[str]]]:
-    """(world size, processes per node, overrides) of a training launch; None for other lines
-    and for launches with placeholders (`...`, `<overrides>`) or whose size the line does not
-    say."""
+    """(world size, processes per node, overrides) of a training launch; None for other lines,
+    for launches with placeholders (`...`, `<overrides>`) or whose size the line does not
+    say, and for a terminal transcript's command (`$ ...`: its output is shown beside it,
+    e.g. a refusal)."""
+    if line.startswith("$ "):
+        return None
     script = re.search(r"\S*scripts/(?:slurm/)?pretrain\.(?:py|sbatch)\b|"
                        r"(?<![\w`/-])megalite-pretrain\b(?!`)", line)
     if not script or not (any(word in line[:script.start()] for word in LAUNCHERS)
@@ -95,6 +98,7 @@ def test_the_extractor_reads_the_launch_forms():
     assert launch("`megalite-pretrain` runs scripts/pretrain.py's code") is None
     assert launch("VENV=$PWD/.venv sbatch scripts/slurm/pretrain.sbatch ...") is None
     assert launch("    pretrain=$MEGALITE_DIR/scripts/pretrain.py") is None
+    assert launch("$ megalite-torchrun --nproc_per_node=2 scripts/pretrain.py tp=3") is None
     found = documented_launches()
     assert len(found) >= 20, found
     assert WITH_LAUNCHES <= {doc for doc, *_ in found}, found
