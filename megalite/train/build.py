@@ -78,7 +78,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     model = build_model(cfg, runtime, layout.stage_blocks()[c.pp_rank], rng)
     family = model.family  # the model's size and cost, as its family counts them
     counts = ModelCounts(family.num_parameters(cfg.model),
-                         family.flops_per_token(cfg.model, t.seq_len), family.flops_formula())
+                         family.flops_per_token(cfg.model, t.seq_len), family.flops_formula(),
+                         family.active_parameters(cfg.model))
     timers = StepTimers(runtime.device, topo.counter.waits)  # times offload's waits too
     engine = build_engine(cfg, layout, topo, model, timers)
     set_host_threads(cfg.offload.optimizer, runtime.device)  # the host AdamW's cores
