@@ -1,0 +1,75 @@
+"""A Mixtral with the aux loss, the z-loss and the aux-loss-free bias on trains alike under
+data parallelism with ZeRO 0-3 as serially (losses, grad norms, parameters at 1e-5, the
+per-layer figures — aux, z-loss, imbalance, bias range — and so the bias, whose update reads
+the step's counts summed over DP); the logged loss is the cross-entropy alone (the first
+step's loss does not move with the aux coefficient, its gradient does); metrics.jsonl holds
+the per-layer figures."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megalite.config.layout import validate
+from megalite.train.build import build_trainer
+from megalite.train.runtime import init_runtime
+from tests.layouts import assert_equal, composed, train_in_process, train_layouts
+
+MOE = ["model.arch=mixtral", "model.n_kv_head=2", "model.n_inner=32", "model.rope_theta=50000",
+       "model.tie_word_embeddings=false", "model.moe.num_experts=4", "model.moe.top_k=2",
+       "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001",
+       "model.moe.bias_update_rate=0.01", "optim.lr=1e-2"]
+STEPS = 3
+
+pytestmark = pytest.mark.distributed
+
+
+def _common(tiny_data):
+    return [f"data.dir={tiny_data}", *MOE]
+
+
+def assert_figures_equal(serial, ranks, rel=1e-5):
+    for res in ranks:
+        for ours, theirs in zip(serial["moe"], res["moe"]):
+            assert ours.keys() == theirs.keys()
+            for layer, figures in ours.items():
+                for key, value in figures.items():
+                    assert math.isclose(value, theirs[layer][key], rel_tol=rel,
+                                        abs_tol=1e-7), (layer, key, value, theirs[layer][key])
+
+
+@pytest.fixture(scope="module")
+def serial(tiny_data, tmp_path_factory):
+    return train_in_process(tmp_path_factory.mktemp("serial"), _common(tiny_data), STEPS)
+
+
+def test_dp_with_zero_0_to_3_equals_serial(tiny_data, tmp_path, serial):
+    common = _common(tiny_data)
+    figures = serial["moe"][-1]
+    assert set(figures) == {"0", "1"} and figures["0"]["bias_max"] > 0 > figures["0"]["bias_min"]
+    runs = [common + ["zero=0"], common + ["zero=1"], common + ["zero=2"], common + ["zero=3"]]
+    for ranks in train_layouts(tmp_path, 2, runs, STEPS):
+        assert_equal(serial, ranks)
+        assert_figures_equal(serial, ranks)
+
+
+def test_logged_loss_is_the_cross_entropy_and_figures_are_logged(tiny_data, tmp_path, serial):
+    """The aux coefficient 100x: the first step's loss (before any update) unchanged, its grad
+    norm not; metrics.jsonl's line carries the figures of every MoE layer and the header the
+    total and active parameters."""
+    overrides = _common(tiny_data) + ["model.moe.aux_loss_coeff=1.0",
+                                      "model.moe.z_loss_coeff=0.1", "train.max_steps=1"]
+    cfg = composed(overrides)
+    validate(cfg, 1)
+    (record,) = build_trainer(cfg, init_runtime(cfg), tmp_path).fit()
+    assert record["loss"] == serial["losses"][0]
+    assert abs(record["grad_norm"] - serial["norms"][0]) > 1e-4 * serial["norms"][0]
+    assert set(record["moe"]) == {"0", "1"}
+    assert set(record["moe"]["1"]) == {"aux", "z_loss", "imbalance", "dropped", "bias_min",
+                                       "bias_max"}
+    assert record["moe"]["1"]["imbalance"] >= 1.0 and record["moe"]["1"]["dropped"] == 0
+    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    header = logged[0]["run"]
+    assert header["parameters"] > header["active_parameters"] > 0
+    assert logged[-1]["moe"] == record["moe"]
