@@ -22,12 +22,12 @@ from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.router import Router, route
 from megalite.model.moe.step import update_bias
 
-H, I = 16, 8
+H, FFN = 16, 8
 
 
 def layer_of(moe: MoEConfig, seed: int = 0) -> MoELayer:
     torch.manual_seed(seed)
-    layer = MoELayer(moe, H, I, index=0)
+    layer = MoELayer(moe, H, FFN, index=0)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
@@ -206,5 +206,5 @@ def test_capacity_rounds_up():
 
 
 def test_experts_layer_takes_stacked_weights():
-    experts = Experts(MoEConfig(num_experts=3), H, I)
-    assert experts.gate_up_proj.shape == (3, 2 * I, H) and experts.down_proj.shape == (3, H, I)
+    experts = Experts(MoEConfig(num_experts=3), H, FFN)
+    assert experts.gate_up_proj.shape == (3, 2 * FFN, H) and experts.down_proj.shape == (3, H, FFN)
