@@ -62,6 +62,8 @@ class HFMapping:
     from_hf_state_dict: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
     check_config: Callable[[ModelConfig, object, str], None]  # (cfg, hf_cfg, source)
     derived: Callable[[str], bool]  # a transformers key megalite's state does not hold
+    # (cfg) -> None, or a ConfigError where the model class cannot compute the model
+    check_export: Optional[Callable[[ModelConfig], None]] = None
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,16 @@ def check_config(cfg: ModelConfig, hf_cfg, source: str) -> None:
                           f"{hf_cfg.router_jitter_noise}, megalite's router has no jitter")
 
 
+def check_export(cfg: ModelConfig) -> None:
+    """A model MixtralForCausalLM computes: its routing (no selection bias, which the
+    export would drop, no shared experts, every block MoE)."""
+    for key, value in ROUTER.items():
+        if getattr(cfg.moe, key) != value:
+            raise ConfigError(f"model.moe.{key}={getattr(cfg.moe, key)!r}: MixtralForCausalLM "
+                              f"has model.moe.{key}={value!r} and cannot hold this model; "
+                              "a megalite checkpoint holds it (checkpoint.resume)")
+
+
 def derived(name: str) -> bool:
     """A tied head (the token embedding) and rotary buffers."""
     return hf_llama.derived(name)
@@ -112,4 +122,4 @@ def derived(name: str) -> bool:
 
 MIXTRAL_MAPPING = HFMapping("mixtral", "MixtralForCausalLM", "Mixtral",
                             "mistralai/Mixtral-8x7B-v0.1", hf_config, to_hf_state_dict,
-                            from_hf_state_dict, check_config, derived)
+                            from_hf_state_dict, check_config, derived, check_export)

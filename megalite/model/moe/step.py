@@ -103,3 +103,33 @@ def routing_step(chunks, group: Group, update: bool) -> Optional[dict]:
     """`finish_step` of a rank's model chunks (`megalite.model.stage.PipelineStage.chunks`)."""
     ledgers, biases = _ledgers_and_biases(chunks)
     return finish_step(ledgers, biases, group, update) if ledgers else None
+
+
+class RouterBiases:
+    """The routers' selection biases of a rank's chunks as a run-state part (meta.json's
+    "moe_bias": {block index: [E floats]}; every DP × CP rank holds the same values, updated
+    from the same summed counts). fp32 values go through JSON's float exactly. A checkpoint
+    without them (none yet: an MoE run without a bias) restores zeros, the starting bias."""
+
+    def __init__(self, chunks):
+        self.biases: Dict[int, torch.Tensor] = {}
+        for bias in _ledgers_and_biases(chunks)[1]:
+            self.biases.update(bias)
+
+    @classmethod
+    def of(cls, chunks) -> Optional["RouterBiases"]:
+        """The part of `chunks`, None where no router has a bias."""
+        part = cls(chunks)
+        return part if part.biases else None
+
+    def state_dict(self) -> dict:
+        return {str(i): b.tolist() for i, b in sorted(self.biases.items())}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        for i, bias in self.biases.items():
+            values = None if state is None else state.get(str(i))
+            with torch.no_grad():
+                if values is None:
+                    bias.zero_()
+                else:
+                    bias.copy_(torch.tensor(values, dtype=bias.dtype))

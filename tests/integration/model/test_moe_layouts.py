@@ -14,7 +14,13 @@ import pytest
 from megalite.config.layout import validate
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
-from tests.layouts import assert_equal, composed, train_in_process, train_layouts
+from tests.layouts import (
+    assert_equal,
+    composed,
+    from_step,
+    train_in_process,
+    train_layouts,
+)
 
 MOE = ["model.arch=mixtral", "model.n_kv_head=2", "model.n_inner=32", "model.rope_theta=50000",
        "model.tie_word_embeddings=false", "model.moe.num_experts=4", "model.moe.top_k=2",
@@ -44,14 +50,24 @@ def serial(tiny_data, tmp_path_factory):
     return train_in_process(tmp_path_factory.mktemp("serial"), _common(tiny_data), STEPS)
 
 
-def test_dp_with_zero_0_to_3_equals_serial(tiny_data, tmp_path, serial):
+def test_dp_with_zero_0_to_3_equals_serial_and_resumes_with_the_bias(tiny_data, tmp_path,
+                                                                     serial):
+    """dp 2 under ZeRO 0-3 equals the serial run; the ZeRO-3 run's checkpoint after step 1,
+    resumed serially, continues the serial run (the bias restored from meta.json)."""
     common = _common(tiny_data)
     figures = serial["moe"][-1]
     assert set(figures) == {"0", "1"} and figures["0"]["bias_max"] > 0 > figures["0"]["bias_min"]
-    runs = [common + ["zero=0"], common + ["zero=1"], common + ["zero=2"], common + ["zero=3"]]
-    for ranks in train_layouts(tmp_path, 2, runs, STEPS):
+    ckpt = tmp_path / "ckpt"
+    runs = [common + ["zero=0"], common + ["zero=1"], common + ["zero=2"],
+            common + ["zero=3", f"checkpoint.dir={ckpt}"]]
+    for ranks in train_layouts(tmp_path, 2, runs, STEPS, save_at=1):
         assert_equal(serial, ranks)
         assert_figures_equal(serial, ranks)
+    resumed = train_in_process(tmp_path / "r", common + [
+        f"checkpoint.resume={ckpt / 'step_00000001'}"], STEPS - 1)
+    expected = {**from_step(serial, 1), "moe": serial["moe"][1:]}
+    assert_equal(expected, [resumed])
+    assert_figures_equal(expected, [resumed])
 
 
 def test_logged_loss_is_the_cross_entropy_and_figures_are_logged(tiny_data, tmp_path, serial):

@@ -194,3 +194,16 @@ def test_tiny_preset_matches_transformers_count():
     with torch.device("meta"):
         hf = MixtralForCausalLM(hf_config(m))
     assert hf.num_parameters() == num_parameters(m)
+
+
+def test_export_refuses_what_mixtral_cannot_hold(tmp_path):
+    """A selection bias (aux-loss-free balancing) would be dropped by MixtralForCausalLM:
+    refused by key, nothing written."""
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(
+        **{**CFG.moe.__dict__, "bias_update_rate": 1e-3})})
+    ours = causal_lm(cfg)
+    init_parameters(ours, seed=3)
+    state = {ours.param_specs[n].name: p.detach() for n, p in ours.named_parameters()}
+    with pytest.raises(ConfigError, match=r"^model.moe.bias_update_rate=0.001: "):
+        save_hf(state, cfg, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
