@@ -159,12 +159,17 @@ def check_layout(cfg) -> None:
     if not moe.enabled:
         return
     why = f"MoE (model.moe.num_experts={moe.num_experts}) does not support"
-    for key in ("tp", "pp", "cp"):
-        if getattr(cfg, key) > 1:
-            fail(key, getattr(cfg, key), f"{why} {key} > 1 yet; use {key}=1")
+    if cfg.sp:
+        fail("sp", cfg.sp, f"{why} sequence parallelism (it needs tp > 1) yet; use sp=false")
+    if cfg.parallel.schedule not in ("auto", "1f1b"):
+        fail("parallel.schedule", cfg.parallel.schedule, f"{why} pipeline parallelism (pp > 1) "
+             "yet; use pp=1 and parallel.schedule=auto")
     if cfg.parallel.virtual_stages > 1:
         fail("parallel.virtual_stages", cfg.parallel.virtual_stages,
              f"{why} virtual pipeline stages yet; use parallel.virtual_stages=1")
+    for key in ("tp", "pp", "cp"):
+        if getattr(cfg, key) > 1:
+            fail(key, getattr(cfg, key), f"{why} {key} > 1 yet; use {key}=1")
     if cfg.train.recompute:
         fail("train.recompute", True, f"{why} activation recomputation yet; set "
              "train.recompute=false")

@@ -187,7 +187,8 @@ def test_bias_update_follows_the_sign_rule():
     (["model.moe.score=relu"], "model.moe.score"),
     (["model.moe.num_experts=0"], "model.moe.num_experts"),
     (["model=llama-tiny", "model.moe.num_experts=4"], "model.moe.num_experts"),
-    (["tp=2"], "tp"), (["pp=2"], "pp"), (["cp=2"], "cp"),
+    (["tp=2"], "tp"), (["pp=2"], "pp"), (["cp=2"], "cp"), (["tp=2", "sp=true"], "sp"),
+    (["pp=2", "parallel.schedule=zb-h1"], "parallel.schedule"),
     (["train.recompute=true"], "train.recompute"),
     (["offload.activations=true"], "offload.activations"),
     (["fp8.recipe=tensorwise", "fp8.emulate=true"], "fp8.recipe")])
