@@ -22,7 +22,6 @@ from megalite.config.document_kernel import check_document_kernel
 from megalite.config.errors import fail
 from megalite.config.fp8 import Fp8Config
 from megalite.config.model import ModelConfig
-from megalite.config.moe import MoEConfig  # noqa: F401  (model.moe, re-exported with the schema)
 from megalite.config.sections import (
     CheckpointConfig,
     EvalConfig,
