@@ -124,9 +124,11 @@ def composed(overrides: List[str]) -> Config:
     return load_config(TINY + FP32_NO_DROPOUT + overrides)
 
 
-def train_in_process(run_dir, overrides: List[str], steps: int = 10) -> dict:
-    """One configuration on one rank in this process (no spawn: a serial reference)."""
-    return _steps(0, 1, overrides, str(run_dir), steps)
+def train_in_process(run_dir, overrides: List[str], steps: int = 10,
+                     save_at: Optional[int] = None) -> dict:
+    """One configuration on one rank in this process (no spawn: a serial reference); with
+    `save_at=k` a checkpoint after step k (to its `checkpoint.dir`)."""
+    return _steps(0, 1, overrides, str(run_dir), steps, save_at)
 
 
 def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,

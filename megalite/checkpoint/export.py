@@ -29,10 +29,11 @@ import torch
 from megalite.checkpoint.format import read_global_state, read_meta
 from megalite.checkpoint.hf_stream import INDEX, write_hf_dir
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
+from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.causal_lm import CausalLM
-from megalite.model.families import causal_lm
+from megalite.model.families import causal_lm, family
 from megalite.model.init import load_global_state
 
 
@@ -43,6 +44,18 @@ class ExportError(CheckpointNotFound):
 def model_config(ckpt: Path) -> ModelConfig:
     """The model shape recorded in a checkpoint's meta.json."""
     return ModelConfig.from_record(read_meta(resolve_checkpoint(ckpt))["model"])
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """The family's model class can hold the model (e.g. MixtralForCausalLM has no expert
+    selection bias); an ExportError naming the key otherwise."""
+    check = family(cfg).hf.check_export
+    if check is None:
+        return
+    try:
+        check(cfg)
+    except ConfigError as e:
+        raise ExportError(f"{family(cfg).hf.model_class}: {e}") from e
 
 
 def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
@@ -124,6 +137,7 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
         raise ExportError(f"{out_dir}: holds {', '.join(finished)} of an earlier export; "
                           "the parts of an export write into a new directory")
     load_tokenizer(ckpt, str(tok_dir))  # checked against the model before anything is written
+    check_exportable(model_config(ckpt))
     if part[1] > 1:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_hf_dir(ckpt, read_meta(ckpt), out_dir, tok_dir, max_shard_bytes, part)
