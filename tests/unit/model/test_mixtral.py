@@ -207,3 +207,37 @@ def test_export_refuses_what_mixtral_cannot_hold(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.moe.bias_update_rate=0.001: "):
         save_hf(state, cfg, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("aux_loss", ["layer", "sequence"])
+def test_layer_and_sequence_aux_and_z_loss_reach_the_gradient(aux_loss):
+    """The training gradient is that of CE + Σ_layers (coeff · aux + z_coeff · z-loss),
+    computed here from the routers' outputs of a model without the penalty."""
+    from megalite.model.moe import balance
+
+    def cfg_of(aux, z):
+        return ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(
+            **{**CFG.moe.__dict__, "aux_loss": aux_loss, "aux_loss_coeff": aux,
+               "z_loss_coeff": z})})
+
+    hf = random_hf_mixtral(CFG)
+    ids = _ids((3, 17))
+    ours = ours_of(hf, cfg_of(0.3, 0.05)).train()
+    ours(ids[:, :-1], ids[:, 1:]).backward()
+    plain = ours_of(hf, cfg_of(0.0, 0.0)).train()
+    seen = _router_outputs(plain)
+    loss = plain(ids[:, :-1], ids[:, 1:])
+    for r in seen:
+        routed = torch.bincount(r.indices.reshape(-1), minlength=CFG.moe.num_experts)
+        aux = balance.layer_aux(r.scores, routed, CFG.moe.top_k) if aux_loss == "layer" \
+            else balance.sequence_aux(r.scores, r.indices, 3)
+        loss = loss + 0.3 * aux + 0.05 * balance.z_loss(r.logits)
+    loss.backward()
+    expected = dict(plain.named_parameters())
+    for name, p in ours.named_parameters():
+        assert (p.grad - expected[name].grad).abs().max().item() <= 1e-6, name
+    gate = "model.layers.0.mlp.gate.weight"
+    ours_plain = ours_of(hf, cfg_of(0.0, 0.0)).train()
+    ours_plain(ids[:, :-1], ids[:, 1:]).backward()
+    assert (dict(ours_plain.named_parameters())[gate].grad
+            - dict(ours.named_parameters())[gate].grad).abs().max() > 1e-5
