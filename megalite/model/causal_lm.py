@@ -276,6 +276,9 @@ class CausalLM(nn.Module):
             x = self._run_block(index, block, x, chain, attn)
         penalty = self.routing.close() if self.routing is not None else None
         if not self.last:
+            if penalty is not None:  # validation refuses MoE with pp > 1 (config/moe.py)
+                raise ValueError("an MoE balancing penalty on a stage without the LM head: "
+                                 "MoE does not support pp > 1 yet")
             return x
         logits = self.logits_local(x)
         if labels is not None and per_sequence:
