@@ -106,13 +106,19 @@ class MixtralFamily(LlamaFamily):
                                e: int, dropout: bool = False,
                                math_attention: bool = False) -> float:
         """Llama's block without its MLP terms, plus the MoE layer's: the router's fp32
-        logits, scores (8·sb·E) and the k weights; the dispatched rows, [gate | up], the
-        SwiGLU product and the weighted outputs, k·e·sb·(2h + 4I)."""
+        logits and scores (8·sb·E), the k weights and three int64 index tensors of the
+        assignments (28·sb·k); per assignment the dispatched row, [gate | up], silu(gate),
+        the SwiGLU product, the expert's output and the weighted output (index_add_ keeps
+        its source), k·e·sb·(3h + 4I); the shared experts' [gate | up], silu and product,
+        4·e·sb·S, and with their gate its output and theirs, e·sb·(h + 1)."""
         base = super().layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
-        moe, tokens = cfg.moe, s * b
+        moe, tokens, h = cfg.moe, s * b, cfg.n_embd
         i = moe.expert_hidden(cfg.ffn_size)
-        routed = 8 * tokens * moe.num_experts + 4 * tokens * moe.top_k \
-            + e * tokens * moe.top_k * (2 * cfg.n_embd + 4 * i)
+        routed = 8 * tokens * moe.num_experts + 28 * tokens * moe.top_k \
+            + e * tokens * moe.top_k * (3 * h + 4 * i)
+        if moe.shared_experts:
+            routed += 4 * e * tokens * moe.shared_hidden(cfg.ffn_size) \
+                + (e * tokens * (h + 1) if moe.shared_expert_gate else 0)
         return base - 4 * e * tokens * cfg.ffn_size + routed
 
     def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
