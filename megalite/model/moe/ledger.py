@@ -93,10 +93,12 @@ class RoutingLedger:
         if not self._open:
             return
         moe, figures = self.moe, self._figures(routing.logits.device)
-        probs = balance.balance_probs(routing, moe.score)
-        aux = balance.layer_aux(probs, d.routed, moe.top_k)
-        z = balance.z_loss(routing.logits)
-        if moe.aux_loss_coeff > 0 and moe.aux_loss != "hf":
+        weighed = moe.aux_loss_coeff > 0 and moe.aux_loss != "hf"
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (weighed or moe.z_loss_coeff > 0)):
+            probs = balance.balance_probs(routing, moe.score)
+            aux = balance.layer_aux(probs, d.routed, moe.top_k)
+            z = balance.z_loss(routing.logits)
+        if weighed:
             value = aux if moe.aux_loss == "layer" else \
                 balance.sequence_aux(probs, routing.indices, batch)
             self._terms.append(moe.aux_loss_coeff * value)
