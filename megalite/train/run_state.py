@@ -7,7 +7,8 @@ the run's position restored from `checkpoint.resume` through it.
                                                  batch ramp is a function of it)
     loss_scaler  LossScaler (precision=fp16)     meta.json "loss_scaler" (null when off)
     rerun        RerunAttribution               meta.json "rerun" (null when off)
-    moe_bias     RouterBiases (MoE with a bias)  meta.json "moe_bias" (null when none)
+    moe_bias     RouterBiases (MoE with a bias)  meta.json "moe_bias" (a part only where a
+                                                 router has a bias)
     rng          ProcessRNG                     rng_rank<r>.pt (restored under the writer's
                                                  layout only; else reseeded from the step)
 
@@ -37,12 +38,13 @@ def run_state(progress: Progress, sampler, loss_scaler: Optional[LossScaler],
               moe_bias: Optional[RouterBiases] = None) -> RunState:
     """The run's stateful parts, each once (the module docstring). The RNG comes after the
     progress: its reseed reads the restored step."""
+    moe = [Part("moe_bias", moe_bias, META)] if moe_bias is not None else []  # MoE only
     return RunState([
         Part("progress", progress, TOP),
         Part("sampler", sampler, META),
         Part("loss_scaler", loss_scaler, META),
         Part("rerun", rerun, META),
-        Part("moe_bias", moe_bias, META),
+        *moe,
         Part("rng", ProcessRNG(rng, seed, progress), RANK),
     ])
 
