@@ -241,3 +241,28 @@ def test_layer_and_sequence_aux_and_z_loss_reach_the_gradient(aux_loss):
     ours_plain(ids[:, :-1], ids[:, 1:]).backward()
     assert (dict(ours_plain.named_parameters())[gate].grad
             - dict(ours.named_parameters())[gate].grad).abs().max() > 1e-5
+
+
+@pytest.mark.slow
+def test_init_from_a_mixtral_directory_gives_transformers_validation_loss(tiny_data, tmp_path):
+    """A trainer started from a MixtralForCausalLM directory (init_from): its validation loss
+    equals transformers' cross-entropy on the same windows within 1e-5."""
+    from megalite.config.layout import validate
+    from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
+    from tests.layouts import composed
+
+    shape = ModelConfig(**{**CFG.__dict__, "vocab_size": 1024, "n_positions": 64})
+    hf = random_hf_mixtral(shape)
+    hf.save_pretrained(tmp_path / "mixtral")
+    cfg = composed([f"data.dir={tiny_data}", "model.arch=mixtral", "model.n_kv_head=2",
+                    "model.n_inner=32", "model.rope_theta=50000", "model.tie_word_embeddings=false",
+                    "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss=hf",
+                    "model.moe.aux_loss_coeff=0.05", f"init_from={tmp_path / 'mixtral'}"])
+    validate(cfg, 1)
+    trainer = build_trainer(cfg, init_runtime(cfg), tmp_path / "run")
+    ours = trainer.evaluate()
+    with torch.no_grad():
+        losses = [F.cross_entropy(hf(batch[0]).logits.reshape(-1, 1024), batch[1].reshape(-1))
+                  for batch in trainer.val_batches()]
+    assert abs(ours - sum(losses).item() / len(losses)) <= 1e-5
