@@ -209,3 +209,30 @@ def test_capacity_rounds_up():
 def test_experts_layer_takes_stacked_weights():
     experts = Experts(MoEConfig(num_experts=3), H, FFN)
     assert experts.gate_up_proj.shape == (3, 2 * FFN, H) and experts.down_proj.shape == (3, H, FFN)
+
+
+def test_the_ledger_counts_drops_and_the_step_logs_their_fraction():
+    """A layer over capacity: the ledger's figures hold the drops, `finish_step` logs their
+    fraction of the assignments, the counts the router chose (before the drop)."""
+    from megalite.model.moe.ledger import RoutingLedger
+    from megalite.model.moe.step import finish_step
+    from megalite.parallel.group import single_rank_group
+
+    moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=0.5, bias_update_rate=0.1)
+    ledger = RoutingLedger(moe, [3])
+    layer = layer_of(moe)
+    layer.index, layer.ledger = 3, ledger
+    x = torch.randn(6, 2, H)
+    ledger.open(True)
+    layer(x)
+    ledger.close()
+    d = dispatch(layer.gate(x.reshape(-1, H)).indices, torch.ones(12, 2), 4, capacity(moe, 12))
+    counts = ledger.figures.counts[0].clone()
+    assert ledger.figures.dropped.item() == d.dropped.item() > 0
+    assert counts.sum().item() == 24
+    bias = layer.gate.e_score_correction_bias
+    figures = finish_step([ledger], [{3: bias}], single_rank_group("dp"), update=True)
+    assert figures["3"]["dropped"] == pytest.approx(d.dropped.item() / 24)
+    assert figures["3"]["imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
+    assert torch.equal(bias, 0.1 * torch.sign(counts.mean() - counts).float())
+    assert ledger.figures is None  # cleared for the next step
