@@ -76,7 +76,8 @@ BENCHMARKS = {
     "matrix": (matrix, "the combination matrix (--strength 3 before landing an engine change): "
                        "every run against its serial run"),
     "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "
-                 "MFU of the bench and launch paths, offload, calibration, checkpoint, rerun)"),
+                 "FP8, offload, MFU of the bench and launch paths, document mask, calibration, "
+                 "checkpoint, rerun; --resume DIR runs the parts DIR lacks)"),
 }
 
 

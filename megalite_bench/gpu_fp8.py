@@ -2,8 +2,8 @@
 each FP8 recipe (`fp8.recipe`), one after the other from the same weights and data: tokens/s
 over bf16's (the issue's goal: >= 1.2x on gpt2-xl), each step's loss against bf16's at the same
 step (the goal: within 1%), MFU (against the dense bf16 peak in every run), peak memory
-against the plan. Last in priority: `megalite-bench gpu --parts fp8 --budget-s 540` runs it
-alone (three compiled gpt2-xl runs)."""
+against the plan. Second in priority, after the CUDA tests: FP8's speed has never been measured
+(alone: `megalite-bench gpu --parts fp8 --budget-s 540`, three compiled gpt2-xl runs)."""
 from __future__ import annotations
 
 from typing import List, Optional

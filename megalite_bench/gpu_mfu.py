@@ -4,7 +4,7 @@ launch path less the benchmark at equal dropout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Optional
 
 from megalite_bench.gpu_report import Part
 from megalite_bench.gpu_runs import json_lines
@@ -107,6 +107,18 @@ def mfu(bench: GpuSession, part: Part) -> None:
                       "(megalite.train.timers); the launch path's step_s is wall time per "
                       "step (metrics, checks and Python between phases included), the "
                       "bench path's the sum of its phases")
+
+
+def measured_rows(s: Sizes, part: Optional[Part]) -> Dict[str, dict]:
+    """What a finished mfu part measured, by run id (as `mfu` keeps it for calibrate): a
+    resumed run's calibrate predicts the steps of the mfu part it kept."""
+    rows = {r.get("run"): r for r in (part.rows if part else [])}
+    out = {}
+    for spec in mfu_specs(s):
+        row = rows.get(spec.id)
+        if row and row.get("step_s") and str(row.get("status", "")).startswith("ok"):
+            out[spec.id] = {**row, "overrides": train_overrides(s, spec)}
+    return out
 
 
 def fill(bench: GpuSession, row: dict, got: dict, overrides: List[str]) -> None:

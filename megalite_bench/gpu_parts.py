@@ -13,6 +13,7 @@ from megalite_bench.gpu_report import Part
 from megalite_bench.gpu_runs import parse_pytest
 from megalite_bench.gpu_session import GpuSession, planned
 from megalite_bench.gpu_sizes import NO_DROPOUT
+from megalite_bench.offload_draw import draw
 
 
 def variant_of(name: str) -> Tuple[Optional[float], bool, Optional[int]]:
@@ -27,10 +28,9 @@ def variant_of(name: str) -> Tuple[Optional[float], bool, Optional[int]]:
 
 
 def cuda_tests(bench: GpuSession, part: Part) -> None:
-    tests = sorted((bench.repo / "tests" / "unit").glob("*/test_cuda*.py")) if bench.repo \
-        else []
+    tests = sorted((bench.repo / "tests").glob("*/*/test_cuda*.py")) if bench.repo else []
     if not tests:
-        part.status = "skipped: no tests/unit/*/test_cuda*.py (run from a checkout)"
+        part.status = "skipped: no tests/*/*/test_cuda*.py (run from a checkout)"
         return
     ran = bench.run(part, "cuda-tests", [bench.python, "-m", "pytest", "-q", "-rfE",
                                         "-p", "no:cacheprovider",
@@ -82,8 +82,13 @@ def offload(bench: GpuSession, part: Part) -> None:
         else str(s.seq_len)
     for r in final:
         row = {k: r.get(k) for k in ("variant", "micro_batch", "m", "step_s", "ratio",
-                                     "offload_wait_s", "peak_memory_gib", "mfu",
+                                     "offload_wait_s", "timeline_s", "peak_memory_gib", "mfu",
                                      "baseline_spread", "error")}
+        row["step_times_s"] = r.get("times_s")  # every timed step, after the warm-up
+        if r.get("timeline"):
+            part.notes.append(f"timeline of {r['variant']} (micro-batch {r['micro_batch']} x "
+                              f"{r['m']}; {out.name}'s `timeline` holds every span):\n\n"
+                              + "\n".join(f"      {line}" for line in draw(r["timeline"])))
         fraction, activations, layers = variant_of(r.get("variant", ""))
         if fraction is not None and r.get("step_s"):
             mb, m = r["micro_batch"], r["m"]

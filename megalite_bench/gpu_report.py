@@ -1,5 +1,7 @@
 """`megalite-bench gpu`'s report: the parts' rows written as they come to report.json and
-report.md, the machine and versions in the header."""
+report.md, the machine and versions in the header; each part's section written to
+sections/<part>.json the moment the part ends, so that a run cut short (a machine lost) keeps
+every part it finished and `--resume DIR` runs only the parts without a section."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from megalite_bench.gpu_sizes import PARTS
+
+SECTIONS = "sections"  # DIR/sections/<part>.json: one finished part each
 
 @dataclass
 class Part:
@@ -22,13 +27,18 @@ class Part:
     rows: List[dict] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     commands: List[str] = field(default_factory=list)
+    device: Optional[str] = None  # the GPU it ran on (a resumed run may be on another)
+    finished: Optional[str] = None  # UTC time its section was written
 
 
 class Report:
-    """report.json and report.md in `out`, rewritten after every row."""
+    """report.json and report.md in `out`, rewritten after every row, assembled from the
+    finished parts' sections (sections/<part>.json) and the parts still running, in the
+    order of `PARTS`."""
 
     def __init__(self, out: Path, header: dict):
         self.out, self.header = out, header
+        self.gpu = header.get("gpu")  # this machine's (the header may be a resumed run's)
         self.parts: Dict[str, Part] = {}
         out.mkdir(parents=True, exist_ok=True)
 
@@ -36,9 +46,36 @@ class Report:
         return self.parts.setdefault(name, Part(name))
 
     def write(self) -> None:
-        body = {"header": self.header, "parts": [vars(p) for p in self.parts.values()]}
+        order = sorted(self.parts.values(), key=lambda p: PARTS.index(p.name)
+                       if p.name in PARTS else len(PARTS))
+        body = {"header": self.header, "parts": [vars(p) for p in order]}
         _atomic(self.out / "report.json", json.dumps(body, indent=1, default=str) + "\n")
         _atomic(self.out / "report.md", render_markdown(body))
+
+    def write_section(self, part: Part) -> None:
+        """`part` ended: its section, atomically (a reader sees the old file or the whole new
+        one, never a part of it), then the report."""
+        part.device = self.gpu
+        part.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        (self.out / SECTIONS).mkdir(exist_ok=True)
+        _atomic(self.out / SECTIONS / f"{part.name}.json",
+                json.dumps(vars(part), indent=1, default=str) + "\n")
+        self.write()
+
+    def resume(self) -> List[str]:
+        """Take up the report in `out`: its first header (this machine's added under
+        `resumed`) and its finished parts' sections; returns their names."""
+        previous = self.out / "report.json"
+        if previous.is_file():
+            first = json.loads(previous.read_text())["header"]
+            now = {k: self.header.get(k) for k in ("started", "gpu", "host", "megalite")}
+            self.header = {**first, "resumed": [*first.get("resumed", []), now]}
+        done = []
+        for path in sorted((self.out / SECTIONS).glob("*.json")):
+            part = Part(**json.loads(path.read_text()))
+            self.parts[part.name] = part
+            done.append(part.name)
+        return done
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -64,8 +101,10 @@ def render_markdown(body: dict) -> str:
     lines = [f"# megalite-bench gpu — {h.get('started', '')}", ""]
     lines += [f"- {k}: {_cell(v)}" for k, v in h.items() if k != "started"]
     for p in body["parts"]:
-        lines += ["", f"## {p['name']} — {p['status']} ({p['seconds']:.0f} s of a {p['limit_s']:.0f} s "
-                  "limit)", ""]
+        where = f", on {p['device']}" if p.get("device") and p["device"] != h.get("gpu") \
+            else ""
+        lines += ["", f"## {p['name']} — {p['status']} ({p['seconds']:.0f} s of a "
+                  f"{p['limit_s']:.0f} s limit{where})", ""]
         rows = p["rows"]
         if rows:
             keys: List[str] = []
@@ -122,7 +161,7 @@ def _megalite_version() -> str:
         v = version("megalite")
     except PackageNotFoundError:
         v = "not installed"
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]  # the checkout holding megalite_bench/
     if (root / ".git").exists() and shutil.which("git"):
         try:
             commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],

@@ -114,7 +114,7 @@ def table_profile(gpu: Optional[str], reduced: bool):
 
 def checkout() -> Optional[Path]:
     """The checkout holding tests/ (the working directory's, else this package's)."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
         if (root / "tests" / "unit").is_dir():
             return root
     return None

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-PARTS = ("cuda-tests", "document-mask", "mfu", "offload", "calibrate", "checkpoint", "rerun", "fp8")
+# by what has never run on a GPU first: the CUDA tests, FP8's speed, the offload's timeline;
+# then the measured-before (mfu; calibrate after it: it predicts mfu's steps)
+PARTS = ("cuda-tests", "fp8", "offload", "mfu", "document-mask", "calibrate", "checkpoint",
+         "rerun")
 PHASES = ("data", "forward_backward", "grad_sync", "optimizer")
 RESILIENCE_OFF = ["resilience.check_every=0", "resilience.straggler_report_every=0",
                   "resilience.hang_dump=false", "resilience.hang_signal=null"]
@@ -42,12 +45,12 @@ FULL = Sizes(
     compiles=(True, False), bench_steps=3, bench_warmup=2, launch_skip=2, launch_steps=3,
     preset_dropout=[], big="gpt2-xl", small="gpt2",
     offload=["--preset", "gpt2-xl", "--micro-batch", "8", "--micro-batches", "4", "--steps",
-             "2", "--warmup", "1", "--baseline-every", "2", "--skip-adam",
+             "3", "--warmup", "1", "--baseline-every", "2", "--skip-adam",
              "--variants", "1", "0:act", "--act-fit-gib", "44"],
     calibrate=["model=gpt2-xl", "train.seq_len=1024", "train.micro_batch_size=4"],
     document_mask=["--preset", "llama3-8b", "--seq-len", "8192", "--document-tokens", "512",
                    "2048", "8192", "--steps", "5", "--warmup", "2"],
-    limits={"cuda-tests": 150, "document-mask": 150, "bench": 90, "bench-compiled": 150, "launch": 90,
+    limits={"cuda-tests": 300, "document-mask": 150, "bench": 90, "bench-compiled": 150, "launch": 90,
             "launch-compiled": 150, "offload": 200, "calibrate": 90, "checkpoint": 80,
             "rerun": 70, "prepare": 90},
     device=[])
@@ -60,7 +63,7 @@ REDUCED = Sizes(
     preset_dropout=["model.resid_pdrop=0.1", "model.embd_pdrop=0.1", "model.attn_pdrop=0.1"],
     big="tiny", small="tiny",
     offload=["--preset", "tiny", "--seq-len", "32", "--micro-batch", "2", "--micro-batches",
-             "1", "--steps", "1", "--warmup", "1", "--adam-params", "80000",
+             "1", "--steps", "2", "--warmup", "1", "--adam-params", "80000",
              "--variants", "1"],
     calibrate=[*TINY, "train.seq_len=32", "train.micro_batch_size=2"],
     document_mask=["--preset", "llama-tiny", "--seq-len", "64", "--micro-batch", "2",

@@ -16,7 +16,12 @@ variant is alive at a time — built, warmed up, timed, freed — so a gpt2-xl s
 activation); the no-offload baseline is rebuilt and timed again every `--baseline-every`
 variants and at the end, so drift over the run (clocks, thermals, other jobs) shows as the
 baselines' spread, and each variant's ratio is against the mean of the baselines around it.
-Reported per variant: median step time, the ratio, the time the step waited for offload
+Each variant is warmed up past its first host step (the host AdamW creates its moments
+there: a slow first step that is not the steady state) before `--steps` steps are timed.
+Reported per variant: every timed step's seconds (`times_s`) and their median, the ratio,
+under optimizer offload a timeline of the timed steps (`timeline`: each range's copies to and
+from the host, host step and the waits on it, `megalite.parallel.offload_timeline`; per kind
+`timeline_s`), the time the step waited for offload
 copies (the `offload_wait` step phase, measured as the trainer measures it: on CUDA with
 CUDA events around each wait, so the next forward's stalls on the parameter copies' events
 count, not only the CPU's blocking waits; activation offload's waits inside the backward
@@ -34,6 +39,7 @@ worker's included), which a shared machine's other jobs move far less than wall 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import statistics
@@ -49,6 +55,8 @@ from megalite.model.families import flops_per_token
 from megalite.model.gpt2.stage import GPT2
 from megalite.model.init import init_parameters
 from megalite.parallel.host_range import build_adamw
+from megalite.parallel.offload import OptimizerOffload
+from megalite.parallel.offload_timeline import OffloadTimeline, totals
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.topology import build_topology
 from megalite.train.build import build_engine
@@ -114,8 +122,9 @@ def host_adamw_throughput(numel: int, steps: int, warmup: int) -> Dict[str, floa
 
 def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fraction: float,
                   activations: bool, batches, layers: Optional[int] = None):
-    """One variant's step (model, engine, schedule on one rank) and its step timers:
-    offload.optimizer=`fraction`, activation offload of every block or the first `layers`."""
+    """One variant's step (model, engine, schedule on one rank), its step timers and its
+    optimizer offload (None without): offload.optimizer=`fraction`, activation offload of
+    every block or the first `layers`."""
     topo = build_topology(1, 1, 1)
     offload = ActivationOffload(device, layers) if activations else None
     with torch.device(device):
@@ -133,7 +142,7 @@ def build_variant(mcfg, device, dtype, precision, micro_batch: int, seq: int, fr
         engine.finish_grad_sync()
         engine.clip_and_step(1e-4, 1.0)
         engine.zero_grad()
-    return step, clock
+    return step, clock, engine.offload
 
 
 def torchao_available() -> bool:
@@ -185,7 +194,7 @@ def _largest_fitting(mcfg, device, dtype, precision, seq: int, candidates: List[
     for mb in candidates:
         step = None
         try:
-            step, _ = build_variant(mcfg, device, dtype, precision, mb, seq, 0.0, False,
+            step, _, _ = build_variant(mcfg, device, dtype, precision, mb, seq, 0.0, False,
                               random_batches(mcfg.vocab_size, mb, seq, 1, device))
             step()
             return mb
@@ -197,34 +206,56 @@ def _largest_fitting(mcfg, device, dtype, precision, seq: int, candidates: List[
     raise SystemExit(f"no micro-batch of {candidates} fits without offload")
 
 
-def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers]]], device,
-              warmup: int, steps: int) -> dict:
-    """Build one variant, warm it up, time `steps` steps, free it: median seconds, offload
-    waits per step, peak device memory; on CPU also the median CPU seconds of the process
-    per step (`cpu_s`: what other jobs on a shared machine barely move, unlike wall time)."""
+def time_variant(make: Callable[[], Tuple[Callable[[], None], Optional[StepTimers],
+                                         Optional[OptimizerOffload]]], device,
+                 warmup: int, steps: int) -> dict:
+    """Build one variant (`make`: its step, step timers, optimizer offload), warm it up past
+    its first host step (which creates the host AdamW's moments: the host is idle before the
+    first timed step), time `steps` steps, free it: every step's seconds and their median,
+    offload waits per step, peak device memory; with optimizer offload the timeline of the
+    timed steps (`timeline`: spans of copies, host steps, waits and each `step`, seconds
+    since the first began, and the wait for the last host step after them; `timeline_s`: each
+    kind's seconds per step, of the spans begun inside the steps); on CPU also the
+    median CPU seconds of the process per step (`cpu_s`: what other jobs on a shared machine
+    barely move, unlike wall time)."""
     reset_peak(device)
-    step = clock = None
+    step = clock = offload = None
     try:
-        step, clock = make()
+        step, clock, offload = make()
         for _ in range(max(1, warmup)):
             step()
+        if offload is not None:
+            offload.step_done()
         synchronize(device)
         if clock is not None:
             clock.reset()
         reset_peak(device)
+        timeline = None if offload is None else OffloadTimeline(device)
+        if timeline is not None:
+            offload.record(timeline)
+            timeline.begin()
         times, cpu = [], []
-        for _ in range(steps):
+        for i in range(steps):
             c0 = time.process_time()
-            times.append(timed(step, device))
+            with timeline.on_host("step", i) if timeline else contextlib.nullcontext():
+                times.append(timed(step, device))
             cpu.append(time.process_time() - c0)
         wait = clock.take()["offload_wait"] / steps if clock is not None else None
         got = {"step_s": statistics.median(times), "times_s": times, "offload_wait_s": wait,
                "peak_memory_gib": peak_memory(device) / 2**30}
+        if timeline is not None:
+            offload.step_done()  # the last step's host work, drawn whole
+            got["timeline"] = spans = timeline.take()
+            last = max(x["end_s"] for x in spans if x["kind"] == "step")
+            # per step: what began inside the timed steps (not the wait for the last host step)
+            got["timeline_s"] = {k: v / steps for k, v in totals(
+                [x for x in spans if x["start_s"] < last]).items()}
+            offload.record(None)
         if device.type == "cpu":  # every thread of the process, the offload worker's too
             got["cpu_s"] = statistics.median(cpu)
         return got
     finally:
-        del step, clock
+        del step, clock, offload
         _free(device)
 
 
@@ -268,7 +299,7 @@ def step_times(args, device) -> List[dict]:
         if cuda and getattr(args, "torchao", 1) and torchao_available():
             try:
                 got = time_variant(lambda: (_torchao_runner(mcfg, device, mb, seq, batches),
-                                         None), device, args.warmup, args.steps)
+                                            None, None), device, args.warmup, args.steps)
             except torch.cuda.OutOfMemoryError as e:
                 got = {"error": f"out of memory: {str(e).splitlines()[0]}"}
             timed_rows.append({"order": len(order), "variant": "torchao CPUOffloadOptimizer",
@@ -297,8 +328,7 @@ def with_ratios(timed_rows: List[dict], m: int, mb: int, tokens: int, mcfg, seq:
         return statistics.mean(before + after)
     out = []
     for r in timed_rows:
-        row = {"m": m, "micro_batch": mb, **{k: v for k, v in r.items() if k != "times_s"},
-               "baseline_spread": spread}
+        row = {"m": m, "micro_batch": mb, **r, "baseline_spread": spread}
         if "step_s" in r and bases:
             row.update(ratio=r["step_s"] / around(r, "step_s"), tokens_per_s=tokens / r["step_s"],
                        mfu=None if peak.tflops is None else

@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megalite.checkpoint.export_parts import export_id, pin_checkpoint
 from megalite.checkpoint.format import read_global_state, read_meta
 from megalite.checkpoint.hf_stream import INDEX, write_hf_dir
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
@@ -35,6 +36,7 @@ from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.causal_lm import CausalLM
 from megalite.model.families import causal_lm, family
 from megalite.model.init import load_global_state
+from megalite.utils.durable import recover_replaced, replace_dir
 
 
 class ExportError(CheckpointNotFound):
@@ -105,56 +107,60 @@ def load_model(ckpt: Path, device: str = "cpu") -> CausalLM:
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' max_shard_size="5GB"
 
 
-def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = False,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES, part: Tuple[int, int] = (0, 1)
-              ) -> Path:
-    """Write checkpoint `ckpt` as a `transformers` directory `out_dir` (GPT2LMHeadModel or
-    LlamaForCausalLM, by the checkpoint's `model.arch`), in safetensors shards of at most
-    `max_shard_bytes`.
-
-    Alone (`part` = (0, 1)) everything is written to a temporary sibling directory that
-    replaces `out_dir` only when complete. As part i of n > 1 (processes sharing `out_dir`)
-    the shards are written into `out_dir` itself and the last part to finish writes the index
-    (`checkpoint.hf_stream`). An existing non-empty `out_dir` is an error unless `force` (or
-    a part of n > 1); `out_dir` may never contain the checkpoint or the tokenizer it is made
-    from. Returns the checkpoint exported.
-    """
-    ckpt = resolve_checkpoint(ckpt)
-    out_dir = Path(out_dir)
-    tok_dir = tokenizer_dir(ckpt, tokenizer)
-    for source in (ckpt, tok_dir):
+def _check_out_dir(out_dir: Path, sources, force: bool, parts: int) -> None:
+    """`out_dir` may receive the export: it holds none of `sources`, and holds nothing (no
+    `force`, one part) or no finished export (parts)."""
+    for source in sources:
         if source.resolve().is_relative_to(out_dir.resolve()):
             raise ExportError(f"{out_dir}: contains {source}, which the export reads; "
                               "pick another output directory")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force and part[1] == 1:
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force and parts == 1:
         raise ExportError(f"{out_dir}: exists and is not empty; pick a new directory, or "
                           "replace it with --force")
     finished = [f for f in (INDEX, "config.json") if (out_dir / f).exists()]
-    if part[1] > 1 and finished:  # parts share the directory: an old export's index would
+    if parts > 1 and finished:  # parts share the directory: an old export's index would
         # make it look complete while they write, and its shards would pass for theirs
         raise ExportError(f"{out_dir}: holds {', '.join(finished)} of an earlier export; "
                           "the parts of an export write into a new directory")
-    load_tokenizer(ckpt, str(tok_dir))  # checked against the model before anything is written
+
+
+def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = False,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, part: Tuple[int, int] = (0, 1)
+              ) -> Path:
+    """Write checkpoint `ckpt` as a `transformers` directory `out_dir` (the `transformers`
+    model of the checkpoint's family), in safetensors shards of at most `max_shard_bytes`.
+
+    Alone (`part` = (0, 1)) everything is written to a temporary sibling directory that
+    replaces `out_dir` only when complete (`megalite.utils.durable.replace_dir`: a finished
+    export there stays whole until then). As part i of n > 1 (processes sharing `out_dir`)
+    the shards are written into `out_dir` itself, the parts export one checkpoint (a
+    checkpoint directory's step is pinned by the first part: `checkpoint.export_parts`) and
+    the last part to finish writes the index (`checkpoint.hf_stream`). An existing non-empty
+    `out_dir` is an error unless `force` (or a part of n > 1); `out_dir` may never contain
+    the checkpoint or the tokenizer it is made from. Returns the checkpoint exported.
+    """
+    given, out_dir, parts = Path(ckpt), Path(out_dir), part[1]
+    ckpt = resolve_checkpoint(given)
+    recover_replaced(out_dir)  # an earlier export cut short in its swap
+    _check_out_dir(out_dir, (given, ckpt, tokenizer_dir(ckpt, tokenizer)), force, parts)
+    load_tokenizer(ckpt, tokenizer)  # checked against the model before anything is written
     check_exportable(model_config(ckpt))
-    if part[1] > 1:
+    if parts > 1:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_hf_dir(ckpt, read_meta(ckpt), out_dir, tok_dir, max_shard_bytes, part)
+        ckpt, run = pin_checkpoint(given, out_dir, max_shard_bytes, parts)
+        write_hf_dir(ckpt, read_meta(ckpt), out_dir, tokenizer_dir(ckpt, tokenizer),
+                     max_shard_bytes, run, part)
         return ckpt
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_hf_dir(ckpt, read_meta(ckpt), tmp, tok_dir, max_shard_bytes)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
+        write_hf_dir(ckpt, read_meta(ckpt), tmp, tokenizer_dir(ckpt, tokenizer),
+                     max_shard_bytes, export_id(ckpt, max_shard_bytes, 1))
+        replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ckpt

@@ -27,11 +27,11 @@ The package: `format` (this file: the layout on disk, reading and verifying it),
 `save` (snapshots and the publication protocol), `async_save` (saves in the background),
 `load` (restore into any layout, agreed over the ranks), `resolve` (which checkpoint a path or
 `checkpoint.resume` names), `state` (the run's stateful parts besides tensors, listed once),
-`export` (to `transformers`; written a shard at a time by `hf_stream` from `tensor_reads`),
-`dcp_export` (torchtitan's DCP both ways, names and rotary layout in `titan_names`). The
-engine hands its state over as pieces (`ZeroEngine.state_pieces`, `load_state_piece`); the
-progress, sampler, loss scaler, rerun statistics and RNG through their `state_dict()`, walked
-as one list (`state.RunState`).
+`export` (to `transformers`; written a shard at a time by `hf_stream` from `tensor_reads`, the
+parts of one export agreed by `export_parts`), `dcp_export` (DCP both ways, under the
+family's DCP names: `Family.dcp`). The engine hands its state over as pieces
+(`ZeroEngine.state_pieces`, `load_state_piece`); the progress, sampler, loss scaler, rerun
+statistics and RNG through their `state_dict()`, walked as one list (`state.RunState`).
 
 Format policy: a new key in meta.json that an older reader ignores needs no version bump; a
 change an old reader would misread bumps FORMAT_VERSION, and the reader keeps accepting every
@@ -124,6 +124,10 @@ def read_meta(ckpt: Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: corrupted ({e})") from e
+    if "model" not in meta and "splits" in meta:  # scripts/prepare_data.py's meta.json
+        raise CheckpointError(f"{ckpt}: a prepared data directory (its meta.json lists token "
+                              "shards), not a checkpoint; give a checkpoint step_NNNNNNNN "
+                              "(e.g. <run dir>/checkpoints/step_00000300) or a checkpoint.dir")
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format version {meta.get('format_version')} (this "
                               f"megalite reads versions {', '.join(map(str, READABLE_VERSIONS))})")

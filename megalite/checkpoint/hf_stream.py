@@ -7,12 +7,14 @@ names them: `model.safetensors` when one shard, else `model-0000N-of-0000M.safet
 `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Each shard's tensors are
 read as byte ranges of the rank files (`checkpoint.tensor_reads`), mapped to the family's
 `transformers` names (`Family.hf`: per tensor, so a shard needs only its own), written under a
-temporary name and renamed.
+temporary name and renamed, readable as the user's umask allows (safetensors alone writes
+0600), its metadata naming the export it belongs to (`checkpoint.export_parts`).
 
 Parallel: part i of n (processes or ranks, `megalite-export --part i/n`) writes shards
 i, i + n, ...; every part plans the same shards. The part that finds every shard on disk after
 its own writes config.json, generation_config.json, the tokenizer and the index, the index
-last: a directory without its index (or, for one shard, without config.json) is incomplete.
+last: a directory without its index (or, for one shard, without config.json) is incomplete. A
+part refuses a directory holding a shard of another export (`check_shards`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megalite.checkpoint.export_parts import EXPORT_KEY, check_shards, release
 from megalite.checkpoint.tensor_reads import read_tensors, tensor_shapes
 from megalite.config.schema import ModelConfig
 from megalite.model.families import family
@@ -77,12 +80,26 @@ def _replace_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(ckpt: Path, meta: dict, names: List[str], cfg: ModelConfig, path: Path) -> None:
-    """Read one shard's tensors, map them to `transformers` names, write the shard."""
+def umask_mode() -> int:
+    """The mode a new file gets from open(): 0o666 less the process's umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_shard(ckpt: Path, meta: dict, names: List[str], cfg: ModelConfig, path: Path,
+                run: str) -> None:
+    """Read one shard's tensors, map them to `transformers` names, write the shard of export
+    `run`."""
     from safetensors.torch import save_file
 
     state = family(cfg).hf.to_hf_state_dict(read_tensors(ckpt, meta, names))
-    _replace_write(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+
+    def write(tmp: Path) -> None:
+        save_file(state, str(tmp), metadata={"format": "pt", EXPORT_KEY: run})
+        os.chmod(tmp, umask_mode())
+
+    _replace_write(path, write)
 
 
 def write_configs(cfg: ModelConfig, out_dir: Path, tokenizer_dir: Optional[Path]):
@@ -104,18 +121,21 @@ def write_configs(cfg: ModelConfig, out_dir: Path, tokenizer_dir: Optional[Path]
 
 
 def write_hf_dir(ckpt: Path, meta: dict, out_dir: Path, tokenizer_dir: Optional[Path],
-                 max_shard_bytes: int, part: Tuple[int, int] = (0, 1)) -> bool:
-    """Write part `part` = (i, n) of checkpoint `ckpt`'s `transformers` directory into
-    `out_dir` (existing); returns whether this part completed the directory."""
+                 max_shard_bytes: int, run: str, part: Tuple[int, int] = (0, 1)) -> bool:
+    """Write part `part` = (i, n) of export `run` (`export_parts.export_id`) of checkpoint
+    `ckpt`'s `transformers` directory into `out_dir` (existing); returns whether this part
+    completed the directory."""
     cfg = ModelConfig.from_record(meta["model"])
     shapes = tensor_shapes(ckpt, meta)
     check_names(shapes, cfg, family(cfg).hf.hf_config(cfg))
     shards = plan_shards(shapes, cfg, max_shard_bytes)
+    check_shards(out_dir, run)
     i, n = part
     for j in range(i, len(shards), n):
-        write_shard(ckpt, meta, shards[j], cfg, out_dir / shard_name(j, len(shards)))
+        write_shard(ckpt, meta, shards[j], cfg, out_dir / shard_name(j, len(shards)), run)
     if not all((out_dir / shard_name(j, len(shards))).is_file() for j in range(len(shards))):
         return False  # another part completes the directory
+    release(out_dir)
     write_configs(cfg, out_dir, tokenizer_dir)
     if len(shards) > 1:
         weight_map = {k: shard_name(j, len(shards)) for j, names in enumerate(shards)

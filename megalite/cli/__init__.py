@@ -9,6 +9,7 @@ wrappers in scripts/ call them.
     megalite-verify-rank verify_rank.py  rank R of an N-rank layout, built (scripts/verify_rank.py)
     megalite-evaluate   evaluate.py   lm-eval harness on the export    (scripts/evaluate.py)
     megalite-plot       plot.py       runs' metrics.jsonl as a PNG     (scripts/plot.py)
+    megalite-torchrun   torchrun.py   torchrun, short failures, 75/2   (scripts/torchrun.py)
 
 `megalite-bench` (benchmarks against references, scripts/bench.py) is the benchmarks'
 package's command: `megalite_bench/cli.py`, beside megalite/.

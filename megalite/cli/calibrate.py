@@ -4,12 +4,12 @@ and prints what it measured."""
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional, Sequence
 
 import torch
 
 from megalite.cli.launch_env import export_launch_env, launch_env
+from megalite.cli.refusal import say
 from megalite.config.errors import ConfigError
 from megalite.config.schema import check_sections, load_config
 from megalite.plan.calibrate import CalibrationError, TableLinks, measure_profile
@@ -52,7 +52,7 @@ def calibrate_command(overrides: Sequence[str], output: str,
         export_launch_env(launch_env(gpus=torch.cuda.device_count()
                                      if torch.cuda.is_available() else None))
     except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
+        say(f"megalite: bad configuration: {e}")  # once a node under torchrun
         return 2
     tokens = cfg.train.seq_len * cfg.train.micro_batch_size
     try:
@@ -60,7 +60,7 @@ def calibrate_command(overrides: Sequence[str], output: str,
                                   (cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size,
                                    cfg.train.compile))
     except CalibrationError as e:
-        print(f"megalite: calibration: {e}", file=sys.stderr)
+        say(f"megalite: calibration: {e}")
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         written = save_profile(output, profile)

@@ -36,6 +36,7 @@ from megalite.eval.lm_harness import (
     require_lm_eval,
     task_manager,
 )
+from megalite.utils.device import default_device
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -79,9 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     require_lm_eval()
     offline_because = offline_if_unreachable()  # before lm-eval imports huggingface_hub
     manager = task_manager(tasks, args.include_path)
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     with hf_model_dir(path, args.export_dir, args.tokenizer) as model_dir:
         results = evaluate(model_dir, tasks, manager, device=device, batch_size=batch_size,
                            num_fewshot=args.num_fewshot, limit=args.limit, dtype=args.dtype,

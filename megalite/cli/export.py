@@ -17,8 +17,10 @@ to the launch directory, or give --tokenizer DIR). Then
     AutoTokenizer.from_pretrained("exported/gpt2-run")
 
 The safetensors shards are written one at a time from the checkpoint's rank files (memory:
-about one shard). An existing non-empty OUT_DIR is replaced only with --force; the export
-appears complete or not at all (with --part, the last part to finish writes the index).
+about one shard). An existing non-empty OUT_DIR is replaced only with --force, and only once
+the new export is complete; the export appears complete or not at all (with --part, the last
+part to finish writes the index; the parts export one step of a checkpoint directory, the one
+the first part found, and refuse the files of another export).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from megalite.cli.refusal import record_error, refuse
 from megalite.resilience.faults import (
     FAULT_FILE,
     HARDWARE_FAULT_EXIT,
@@ -29,12 +30,11 @@ def refuse_after_fault(run_dir: Path) -> None:
                  f"{record.get('rank')} (node {record.get('node')}, GPU {record.get('gpu')})")
     except (OSError, ValueError, AttributeError):
         where = ""
-    print(f"megalite: {path} exists: an earlier attempt of this run stopped on a hardware "
-          f"fault{where}. Not starting, so as not to train on that device again. Exclude its "
-          f"node (sbatch --exclude=<node>), then move the file aside (mv {path} "
-          f"{path.with_name('fault-cleared.json')}) and start again; checkpoint.resume=auto "
-          "continues from the last checkpoint.", file=sys.stderr)
-    sys.exit(HARDWARE_FAULT_EXIT)
+    refuse(f"megalite: {path} exists: an earlier attempt of this run stopped on a hardware "
+           f"fault{where}. Not starting, so as not to train on that device again. Exclude its "
+           f"node (sbatch --exclude=<node>), then move the file aside (mv {path} "
+           f"{path.with_name('fault-cleared.json')}) and start again; checkpoint.resume=auto "
+           "continues from the last checkpoint.", HARDWARE_FAULT_EXIT)
 
 
 def fit_or_exit(trainer) -> Optional[list]:
@@ -44,4 +44,5 @@ def fit_or_exit(trainer) -> Optional[list]:
         return trainer.fit()
     except HardwareFaultError as e:
         get_logger().error(str(e))
+        record_error(f"megalite: hardware fault: {e}")  # torchrun's summary names it
         sys.exit(HARDWARE_FAULT_EXIT)

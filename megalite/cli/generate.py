@@ -21,6 +21,7 @@ from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.export import load_model, load_tokenizer
 from megalite.checkpoint.resolve import resolve_checkpoint
 from megalite.model.generate import generate
+from megalite.utils.device import default_device
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -34,7 +35,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
+                        default=default_device())
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep sampling after the end-of-document token")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import torch
@@ -28,6 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from megalite.cli import NO_HYDRA_OUTPUT
 from megalite.cli.fault_exit import fit_or_exit, refuse_after_fault
 from megalite.cli.launch_env import export_launch_env, launch_env
+from megalite.cli.refusal import refuse
 from megalite.config.errors import ConfigError
 from megalite.config.schema import CONF_DIR, check_presets, register_configs, to_config
 from megalite.data.errors import DataError
@@ -45,6 +47,13 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def given_run_dir(argv) -> Optional[Path]:
+    """The run directory the command line names (the last `hydra.run.dir=`), None where it
+    names none or one Hydra interpolates (`${now:...}`)."""
+    given = [a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")]
+    return Path(given[-1]) if given and "${" not in given[-1] else None
+
+
 def keep_hydra_output_on_rank0() -> None:
     """Only rank 0 writes Hydra's run directory; the others get rank 0's path later (and
     megalite's logger writes their lines, if any, to stderr)."""
@@ -58,10 +67,10 @@ def keep_hydra_output_on_rank0() -> None:
 def pretrain(node) -> None:
     """One rank of a run (torchrun starts one process per rank)."""
     refuse_after_fault(Path(HydraConfig.get().runtime.output_dir))  # exit 75 after a fault
-    cfg = to_config(node)
-    logger = log.configure(launch_rank(), cfg.log.all_ranks)
     auto = None
     try:
+        cfg = to_config(node)  # a key the schema lacks (`+train.max_step=30`) is refused here
+        logger = log.configure(launch_rank(), cfg.log.all_ranks)
         if cfg.layout == "auto":  # the same choice on every rank (megalite.plan.auto)
             cfg, auto = launch_layout(cfg, world_size_from_env(), local_gpu(),
                                       local_ranks_from_env(), HydraConfig.get().overrides.task)
@@ -70,8 +79,7 @@ def pretrain(node) -> None:
         layout, warnings = preflight(cfg, world_size_from_env(), local_gpus(),
                                      local_ranks_from_env(), local_gpu())
     except (ConfigError, DataError) as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"megalite: bad configuration: {e}", 2)
     ready = plan_launch(cfg, world_size_from_env(), layout)  # the plan, made once
     if launch_rank() == 0:  # the layout's plan and warnings are the same on every rank
         logger.info(ready.plan.table())
@@ -97,13 +105,14 @@ def main() -> None:
     try:
         check_presets(sys.argv[1:])
     except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"megalite: bad configuration: {e}", 2)
     try:
         export_launch_env(launch_env(gpus=local_gpus()))
     except ConfigError as e:
-        print(f"megalite: bad launch: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"megalite: bad launch: {e}", 2)
+    given = given_run_dir(sys.argv[1:])
+    if launch_rank() != 0 and given is not None:  # rank 0 checks Hydra's run dir; the others
+        refuse_after_fault(given)                   # get "." from Hydra (no output of theirs)
     register_configs()
     keep_hydra_output_on_rank0()
     pretrain()

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.cli.launch_env import export_launch_env, launch_env
+from megalite.cli.refusal import record_error, say
 from megalite.cli.selftest_plan import BadInput, Plan, make_plan
 from megalite.config.errors import ConfigError
 from megalite.config.schema import load_config
@@ -198,7 +199,7 @@ def selftest(argv: Optional[Sequence[str]] = None) -> int:
     try:
         export_launch_env(launch_env(gpus=local_gpus()))
     except ConfigError as e:
-        print(f"megalite: bad launch: {e}", file=sys.stderr)
+        say(f"megalite: bad launch: {e}")
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -232,7 +233,8 @@ def _selftest(args, world: int, rank: int, per_node: int, work: Path, started: f
 
 def _checked(args, plan: Optional[Plan], problem: Optional[str], device: torch.device,
              world: int, rank: int, per_node: int, work: Path, started: float) -> int:
-    if problem is not None:
+    if problem is not None:  # the same on every rank (agreed): printed once, recorded by all
+        record_error(f"megalite: selftest: {problem}")
         if rank == 0:
             print(f"megalite: selftest: {problem}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from megalite.cli.refusal import refuse
 from megalite.config.errors import ConfigError
 from megalite.train.preflight import validated_config
 
@@ -14,8 +15,7 @@ def config_for_world(overrides, world_size: int, gpus_per_node: int, device: str
     try:
         cfg, warnings = validated_config(overrides, world_size, gpus_per_node, device)
     except ConfigError as e:
-        print(f"megalite: bad configuration: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"megalite: bad configuration: {e}", 2)
     for w in warnings:
         print(f"megalite: warning: {w}", file=sys.stderr)
     return cfg

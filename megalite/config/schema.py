@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from megalite.config.document_kernel import check_document_kernel
 from megalite.config.errors import fail
 from megalite.config.fp8 import Fp8Config
+from megalite.config.known_keys import check_known_keys
 from megalite.config.model import ModelConfig
 from megalite.config.sections import (
     CheckpointConfig,
@@ -340,11 +341,13 @@ def check_sections(cfg: Config) -> None:
 
 
 def to_config(node) -> Config:
-    """Turn a composed DictConfig (or a Config) into a `Config` object."""
+    """Turn a composed DictConfig (or a Config) into a `Config` object (ConfigError for a key
+    the schema lacks)."""
     if isinstance(node, Config):
         return node
     obj = OmegaConf.to_object(node)
     assert isinstance(obj, Config), type(obj)
+    check_known_keys(obj)  # `+train.max_step=30` adds a key nothing reads: refused by name
     obj.log.wandb = obj.log.wandb.lower()  # `log.wandb=true` arrives as the string "True"
     return obj
 

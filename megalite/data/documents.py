@@ -20,9 +20,10 @@ and the attention work the mask leaves, Σ over documents of n(n+1)/2 (query, ke
 query t sees positions[t] + 1 keys).
 
 With context parallelism all is found over the whole window and each CP rank keeps its chunks
-(`megalite.parallel.context_shard`): its tokens' global ids (the CP attention compares them
-across ranks), their positions in their documents, their counted targets, and the visible
-pairs of its own queries (summed over CP: the window's, each pair once).
+(`megalite.parallel.context_shard`): its tokens' global ids, their positions in their
+documents, their counted targets, the visible pairs of its own queries (summed over CP: the
+window's, each pair once), and under the mask the spans the CP attention kernels take
+(`megalite.parallel.context_documents.DocumentSpans`, made here on the host).
 
 The loss under train.eos_loss=false is Megatron's per-token loss: the sum over the step's
 counted targets divided by their count over the whole step (every micro-batch and DP x CP
@@ -45,6 +46,7 @@ import torch
 
 from megalite.data.errors import DataError
 from megalite.parallel import context_shard
+from megalite.parallel.context_documents import DocumentSpans
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,17 @@ class Documents:
     # so that the GPU need not be waited for; None under cp > 1 (or where not made)
     cu_seqlens: Optional[torch.Tensor] = None
     longest: int = 0
+    # under cp > 1 with the mask: what the CP attention kernels take, made on the host
+    # (`megalite.parallel.context_documents`)
+    spans: Optional[DocumentSpans] = None
 
     def to(self, device: torch.device) -> "Documents":
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device, non_blocking=True)
 
         return dataclasses.replace(self, ids=move(self.ids), positions=move(self.positions),
-                                   counted=move(self.counted), cu_seqlens=move(self.cu_seqlens))
+                                   counted=move(self.counted), cu_seqlens=move(self.cu_seqlens),
+                                   spans=None if self.spans is None else self.spans.to(device))
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,8 @@ class DocumentRule:
         """The documents of windows' inputs, a (k, seq_len) integer array, found over the
         whole windows; with `cp` = (size, rank), this CP rank's chunks of them
         (`megalite.parallel.context_shard`): the global ids, the restarted positions and the
-        counted targets of its tokens, and the visible pairs of its queries."""
+        counted targets of its tokens, the visible pairs of its queries, and under the mask
+        the spans the CP kernels take (`DocumentSpans`)."""
         eos = inputs == self.eos_id
         ids = np.zeros(inputs.shape, dtype=np.int64)
         np.cumsum(eos[:, :-1], axis=1, out=ids[:, 1:])
@@ -97,11 +104,13 @@ class DocumentRule:
 
         cu_seqlens, longest = packed_sequences(torch.from_numpy(ids)) \
             if self.mask and size == 1 else (None, 0)
+        spans = DocumentSpans.of(np.arange(inputs.shape[1]) - in_document, size, rank) \
+            if self.mask and size > 1 else None
         return Documents(ids=local(ids) if self.mask else None,
                          positions=local(in_document) if self.reset_positions else None,
                          counted=None if self.eos_loss else local(~eos),
                          visible_pairs=int(local(in_document + 1).sum()) if self.mask else 0,
-                         cu_seqlens=cu_seqlens, longest=longest)
+                         cu_seqlens=cu_seqlens, longest=longest, spans=spans)
 
 
 def packed_sequences(ids: torch.Tensor) -> Tuple[torch.Tensor, int]:

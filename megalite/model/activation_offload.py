@@ -13,9 +13,11 @@ offloaded (`offloaded_blocks`) and which keep their activations on the device:
                -> kept as it is: only activations move. Otherwise t's storage is copied
                device -> host once (q, k and v are views of one qkv storage: one copy, three
                handles), on CUDA into pinned memory on the device -> host stream, which first
-               waits for the compute stream; the block keeps the device storage until its
-               forward ends, then lets it go with `record_stream`, and records the event of
-               its copies out
+               waits for the compute stream (a buffer of the rank's `PinnedPool`, pinned at
+               its size in pages and reused once its last holder's copies are done, where
+               torch's pinned allocator would round it up to a power of two); the block keeps
+               the device storage until its forward ends, then lets it go with
+               `record_stream`, and records the event of its copies out
     reached(j) (a hook on the gradient of block j's output: block j's backward is about to
                start, every block after it is done) the blocks after j let their restored
                storages go from the count; then the offloaded blocks up to j not yet back
@@ -61,6 +63,8 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from megalite.parallel.host_arena import PinnedPool
+
 IN_TRANSIT = 2  # offloaded blocks' activations on the device at once beyond the kept ones
 
 
@@ -82,6 +86,7 @@ class ActivationOffload:
         self.cuda = self.device.type == "cuda"
         self.d2h = torch.cuda.Stream(self.device) if self.cuda else None  # copies out
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None  # restores
+        self.pool = PinnedPool() if self.cuda else None  # the host copies' pinned buffers
         self.leaving: Deque = deque()  # events of blocks' copies out, oldest first
         self.restored = 0  # blocks restored whose backward has not been passed yet
         self.held_bytes = 0  # host bytes of the blocks autograd still holds
@@ -285,8 +290,10 @@ class _SavedBlock:
         src = _storage_bytes(t)
         offload = self.offload
         if offload.cuda:
-            host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+            host, after = offload.pool.take(src.numel())
             offload.d2h.wait_stream(torch.cuda.current_stream(offload.device))
+            for event in after:  # the buffer's last holder's copies are done with it
+                offload.d2h.wait_event(event)
             with torch.cuda.stream(offload.d2h):
                 host.copy_(src, non_blocking=True)
         else:
@@ -373,3 +380,7 @@ class _SavedBlock:
     def __del__(self):
         self.passed()
         self.offload._release(self.host_bytes)
+        if self.offload.cuda:  # the host copies back to the pool, after their last uses
+            after = [e for e in (self.copied_out, self.restored) if e is not None]
+            for slot in self.slots:
+                self.offload.pool.give(slot.host, after)

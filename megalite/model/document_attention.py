@@ -20,7 +20,9 @@ and Megatron's --reset-attention-mask does. The documents come with the batch
   sdpa    SDPA with the dense boolean mask [b, 1, s, s] (memory s² per sequence).
 
 flex and varlen have not yet run on a GPU in megalite's tests (tests/unit/model/
-test_cuda_document_attention.py runs them where CUDA is).
+test_cuda_document_attention.py runs them where CUDA is); flex's block mask runs forward on CPU
+against the boolean mask (tests/unit/parallel/test_context_documents.py). Under cp > 1 the CP
+kernels take `DocumentSpans` instead (`megalite.parallel.context_documents`).
 
 `AttentionInputs` is what one micro-batch's forward gives every block beyond its activations
 (the documents' ids, the positions when they restart per document, the kernel); it is made
@@ -29,7 +31,6 @@ backward) uses the same.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from megalite.config.document_kernel import resolved_document_kernel
 from megalite.data.documents import Documents, packed_sequences
 from megalite.parallel.context_attention import ContextParallel, cp_attention
+from megalite.parallel.context_documents import DocumentSpans, compiled_flex_attention
 
 
 @dataclass
@@ -53,6 +55,7 @@ class AttentionInputs:
     kernel: str = "auto"
     cu_seqlens: Optional[torch.Tensor] = None
     longest: int = 0
+    spans: Optional[DocumentSpans] = None  # under cp > 1: what the CP kernels take
     _masks: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
@@ -61,7 +64,7 @@ class AttentionInputs:
         if documents is None or (documents.ids is None and documents.positions is None):
             return None
         return AttentionInputs(documents.ids, documents.positions, kernel,
-                               documents.cu_seqlens, documents.longest)
+                               documents.cu_seqlens, documents.longest, documents.spans)
 
     def sdpa_mask(self) -> torch.Tensor:
         """[b, 1, s, s] bool: True where the query may see the key."""
@@ -73,7 +76,9 @@ class AttentionInputs:
         return self._masks["sdpa"]
 
     def block_mask(self):
-        """FlexAttention's block-sparse mask of the documents (built compiled, on CUDA)."""
+        """FlexAttention's block-sparse mask of the documents (built compiled on CUDA, which
+        never forms the [s, s] mask; eagerly elsewhere, where flex_attention's forward runs
+        unfused)."""
         if "flex" not in self._masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -85,7 +90,7 @@ class AttentionInputs:
             b, s = ids.shape
             self._masks["flex"] = create_block_mask(same_document_causal, B=b, H=None,
                                                     Q_LEN=s, KV_LEN=s, device=ids.device,
-                                                    _compile=True)
+                                                    _compile=ids.device.type == "cuda")
         return self._masks["flex"]
 
     def packed_sequences(self) -> Tuple[torch.Tensor, int]:
@@ -97,13 +102,6 @@ class AttentionInputs:
         if "varlen" not in self._masks:
             self._masks["varlen"] = packed_sequences(self.ids)
         return self._masks["varlen"]
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -130,15 +128,19 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     of hk: grouped-query attention, query head i reading KV head i // (hq / hk)), dropout
     `p` on the probabilities, `choice` = train.attention (the SDPA kernel where SDPA runs), the
     kernel `inputs.kernel` resolved for q's device (module docstring). With a CP group of
-    more than one rank, `s` is this rank's chunks and `inputs.ids` their documents' global
-    ids: `cp_attention` carries them with the keys (no attention dropout and only
-    train.document_kernel=auto with cp > 1, refused before launch)."""
+    more than one rank, `s` is this rank's chunks and `inputs.spans` their documents as the
+    CP kernels take them, made on the host (`megalite.parallel.context_documents`; no
+    attention dropout and only train.document_kernel=auto with cp > 1, refused before
+    launch)."""
     if cp is not None and cp.group.size > 1:
-        return cp_attention(q, k, v, cp.group, cp.comm, documents=inputs.ids)
+        if inputs.spans is None:
+            raise ValueError("CP attention within documents takes the batch's DocumentSpans "
+                             "(DocumentRule.of with the CP rank), made on the host")
+        return cp_attention(q, k, v, cp.group, cp.comm, documents=inputs.spans)
     gqa = q.shape[1] != k.shape[1]
     kernel = resolved_document_kernel(inputs.kernel, q.device.type, p, choice)
     if kernel == "flex":
-        return _compiled_flex_attention()(q, k, v, block_mask=inputs.block_mask(),
+        return compiled_flex_attention()(q, k, v, block_mask=inputs.block_mask(),
                                           enable_gqa=gqa)
     if kernel == "varlen":
         return varlen_attention(q, k, v, inputs)

@@ -27,6 +27,9 @@ forward, loss and recompute are shared) and its `Family`, registered once throug
     layer_activation_bytes, block_backward_bytes
                           the memory plan's activation terms of one block
     hf                    the mapping to and from `transformers` (`HFMapping`)
+    dcp                   its names in torch.distributed.checkpoint (DCP) checkpoints of the
+                          framework that holds it, e.g. torchtitan's Llama 3 (`DCPMapping`),
+                          or None: what `--format dcp` and `init_from` a DCP checkpoint use
     probe_tensor          the fault drill's default tensor (the first block's first norm)
 
 `megalite.model.families.family(cfg)` gives the family of a `ModelConfig` (`model.arch`).
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -67,6 +70,19 @@ class HFMapping:
 
 
 @dataclass(frozen=True)
+class DCPMapping:
+    """A family's mapping between megalite's global state and a DCP checkpoint's flat model
+    keys (`megalite.checkpoint.dcp_export` writes and reads the files)."""
+
+    display: str  # the model the checkpoint holds, for messages (torchtitan's Llama 3)
+    # (megalite name, tensor, cfg) -> the (key, tensor) pairs that tensor becomes
+    to_dcp: Callable[[str, torch.Tensor, ModelConfig], Iterator[Tuple[str, torch.Tensor]]]
+    # (the model keys' tensors, cfg) -> megalite's global state
+    from_dcp: Callable[[Dict[str, torch.Tensor], ModelConfig], Dict[str, torch.Tensor]]
+    is_model_key: Callable[[str], bool]  # a weight (not optimizer, dataloader, ... state)
+
+
+@dataclass(frozen=True)
 class Initial:
     """A parameter's starting value: `fill` everywhere, or N(0, std) when std is set."""
 
@@ -83,6 +99,7 @@ class Family:
     probe_tensor: str = ""
     embedding_module: str = ""  # the token embedding's module path in a stage
     hf: HFMapping
+    dcp: Optional[DCPMapping] = None
 
     # --- config rules (`megalite.config.families.FamilyRules`) ------------------------------
 

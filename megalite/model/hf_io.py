@@ -12,7 +12,7 @@ import torch
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.model.families import families, family, family_of_model_type
-from megalite.model.hub_cache import local_snapshot
+from megalite.model.hub_cache import CONFIG_FILES, WEIGHT_FILES, local_snapshot
 
 
 def _architecture_check(source: str, cfg: ModelConfig, model_type: Optional[str]) -> None:
@@ -30,11 +30,12 @@ def _architecture_check(source: str, cfg: ModelConfig, model_type: Optional[str]
 
 
 def read_hf_config(source: str, cfg: ModelConfig):
-    """The config.json of `source` (a directory or a hub id), of the configured family."""
+    """The config.json of `source` (a directory or a hub id: its config.json alone is fetched),
+    of the configured family."""
     from transformers import AutoConfig
 
     mapping = family(cfg).hf
-    local = local_snapshot(source)  # a hub id through huggingface_hub's cache
+    local = local_snapshot(source, CONFIG_FILES)  # a hub id through huggingface_hub's cache
     try:
         hf_cfg = AutoConfig.from_pretrained(local)
     except (OSError, ValueError) as e:
@@ -53,7 +54,8 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
 
 def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """Read the family's `transformers` weights from a local directory or a hub id, as
-    megalite names (fp32)."""
+    megalite names (fp32): the config is checked first, so a hub id's weights are fetched only
+    for a model of the configured shape."""
     import transformers
 
     mapping = family(cfg).hf
@@ -61,7 +63,7 @@ def load_hf_state_dict(source: str, cfg: ModelConfig) -> Dict[str, torch.Tensor]
     mapping.check_config(cfg, hf_cfg, source)
     try:
         hf = getattr(transformers, mapping.model_class).from_pretrained(
-            local_snapshot(source), torch_dtype=torch.float32)
+            local_snapshot(source, WEIGHT_FILES), torch_dtype=torch.float32)
     except OSError as e:
         raise ConfigError(f"init_from={source!r}: cannot load a {mapping.model_class} from it "
                           f"({e}); give a directory written by save_pretrained or a hub id"

@@ -1,7 +1,7 @@
 """What the context-parallel attention kernels share (`megalite.parallel.context_attention`'s
-all-gather path and `megalite.parallel.context_ring`): the work counters, the document test,
-and the merge of partial attention results by their log-sum-exp (the online softmax of
-Milakov & Gimelshein 2018, as in FlashAttention and Ring Attention): for partial outputs
+all-gather path and `megalite.parallel.context_ring`): the work counters and the merge of
+partial attention results by their log-sum-exp (the online softmax of Milakov & Gimelshein
+2018, as in FlashAttention and Ring Attention): for partial outputs
 (o₁, l₁), (o₂, l₂) over disjoint key sets,
 
     l = log(e^l₁ + e^l₂),   o = o₁·e^(l₁ − l) + o₂·e^(l₂ − l).
@@ -20,11 +20,6 @@ class AttentionWork:
 
     computed: int = 0
     skipped: int = 0
-
-
-def same_document(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
-    """[b, nq, nk] bool: query and key in the same document."""
-    return q_ids[:, :, None] == k_ids[:, None, :]
 
 
 def accumulated(x: torch.Tensor) -> torch.Tensor:

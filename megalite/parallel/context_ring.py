@@ -19,12 +19,12 @@ import torch
 
 from megalite.parallel import context_shard
 from megalite.parallel.comm import send_recv
+from megalite.parallel.context_documents import DocumentSpans
 from megalite.parallel.context_partial import (
     AttentionWork,
     accumulated,
     finite_lse,
     merge_partial,
-    same_document,
 )
 from megalite.parallel.group import Group
 
@@ -39,38 +39,45 @@ def _pairs(cp: int, q_rank: int, kv_rank: int) -> List[Tuple[int, int, bool]]:
     return pairs
 
 
-def _scores(q, k, causal: bool, scale: float, same: Optional[torch.Tensor] = None
+def _scores(q, k, causal: bool, scale: float, visible: Optional[torch.Tensor] = None
             ) -> torch.Tensor:
     """Scores of one chunk pair in the accumulation dtype, [b, hq, c, c]; k already expanded
-    to hq heads; `same` [b, c, c]: where query and key share a document (None: no mask)."""
+    to hq heads; `visible` [b, c, c]: the keys in the queries' documents (None: no mask)."""
     s = torch.matmul(accumulated(q), accumulated(k).transpose(-1, -2)) * scale
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
                           float("-inf"))
-    if same is not None:
-        s = s.masked_fill(~same[:, None], float("-inf"))
+    if visible is not None:
+        s = s.masked_fill(~visible[:, None], float("-inf"))
     return s
 
 
-def _block_pairs(cp: int, q_rank: int, kv_rank: int, q_ids, kv_ids, c: int, b: int,
-                 work: Optional[AttentionWork]):
-    """The pairs of one ring step to compute, with each pair's document mask (None without
-    documents); fully masked off-diagonal pairs left out (counted in `work`)."""
+def _block_pairs(cp: int, q_rank: int, kv_rank: int, spans: Optional[DocumentSpans], c: int,
+                 b: int, work: Optional[AttentionWork]):
+    """The pairs of one ring step to compute, (local query chunk, key chunk of the block,
+    causal, the key chunk's global index); under documents the off-diagonal pairs they mask
+    in every sequence left out (counted in `work`), from the host's `chunk_first`."""
+    q_chunks, kv_chunks = (context_shard.chunk_ids(cp, r) for r in (q_rank, kv_rank))
     pairs = []
     for qi, ki, causal in _pairs(cp, q_rank, kv_rank):
-        same = None
-        if q_ids is not None:
-            qd, kd = q_ids[:, qi * c:(qi + 1) * c], kv_ids[:, ki * c:(ki + 1) * c]
-            if not causal and bool((kd[:, -1] < qd[:, 0]).all()):
-                if work is not None:
-                    work.skipped += b * c * c
-                continue
-            same = same_document(qd, kd)
+        if spans is not None and not causal \
+                and spans.chunk_first[q_chunks[qi]] >= (kv_chunks[ki] + 1) * c:
+            if work is not None:
+                work.skipped += b * c * c
+            continue
         if work is not None:
             work.computed += b * c * c
-        pairs.append((qi, ki, causal, same))
+        pairs.append((qi, ki, causal, kv_chunks[ki]))
     return pairs
+
+
+def _visible(spans: Optional[DocumentSpans], qi: int, kj: int, c: int):
+    """The document mask of local query chunk `qi` over global key chunk `kj` (None without
+    documents), made when its pair is computed."""
+    if spans is None:
+        return None
+    return spans.visible(slice(qi * c, (qi + 1) * c), kj * c, c)
 
 
 def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -92,44 +99,40 @@ def _ring_step(group: Group, sends, recvs):
                      group, async_op=True)
 
 
-def _pass_on(group: Group, block: torch.Tensor, ids: Optional[torch.Tensor], step: int):
-    """Post the K/V block (with its document ids) to the next rank and receive the previous
-    rank's, except at the last step: (the pending transfer, the (block, ids) to come)."""
+def _pass_on(group: Group, block: torch.Tensor, step: int):
+    """Post the K/V block to the next rank and receive the previous rank's, except at the
+    last step: (the pending transfer, the block to come)."""
     if step == group.size - 1:
         return None, None
     nxt = torch.empty_like(block)
-    nxt_ids = torch.empty_like(ids) if ids is not None else None
-    sends, recvs = [block], [nxt]
-    if ids is not None:
-        sends.append(ids.contiguous())
-        recvs.append(nxt_ids)
-    return _ring_step(group, sends, recvs), (nxt, nxt_ids)
+    return _ring_step(group, [block], [nxt]), nxt
 
 
 class RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, scale: float, ids, work: AttentionWork):
+    def forward(ctx, q, k, v, group: Group, scale: float, spans: Optional[DocumentSpans],
+                work: AttentionWork):
         n, r, hk = group.size, group.rank, k.shape[1]
         g, c = q.shape[1] // hk, q.shape[2] // 2
         qc = q.split(c, dim=2)
         out = [accumulated(torch.zeros_like(qc[0])) for _ in range(2)]
         lse = [torch.full_like(o[..., 0], float("-inf")) for o in out]
-        block, block_ids = torch.cat([k, v], dim=1).contiguous(), ids
+        block = torch.cat([k, v], dim=1).contiguous()
         for step in range(n):
-            pending, nxt = _pass_on(group, block, block_ids, step)
+            pending, nxt = _pass_on(group, block, step)
             kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
-            for qi, ki, causal, same in _block_pairs(n, r, (r - step) % n, ids, block_ids, c,
-                                                     q.shape[0], work):
-                s = _scores(qc[qi], kb[ki], causal, scale, same)
+            for qi, ki, causal, kj in _block_pairs(n, r, (r - step) % n, spans, c, q.shape[0],
+                                                   work):
+                s = _scores(qc[qi], kb[ki], causal, scale, _visible(spans, qi, kj, c))
                 lse_blk = torch.logsumexp(s, dim=-1)
                 o_blk = torch.matmul(torch.exp(s - finite_lse(lse_blk)[..., None]), accumulated(vb[ki]))
                 out[qi], lse[qi] = merge_partial(out[qi], lse[qi], o_blk, lse_blk)
             if pending is not None:
                 pending.wait()
-                block, block_ids = nxt
+                block = nxt
         out_t = torch.cat(out, dim=2)
-        ctx.group, ctx.scale, ctx.ids = group, scale, ids
+        ctx.group, ctx.scale, ctx.spans = group, scale, spans
         ctx.save_for_backward(q, k, v, out_t, torch.cat(lse, dim=2))
         return out_t.to(q.dtype)
 
@@ -144,17 +147,17 @@ class RingAttention(torch.autograd.Function):
         qc, doc = q.split(c, dim=2), dout.split(c, dim=2)
         lsec, deltac = lse.split(c, dim=2), delta.split(c, dim=2)
         dq = [accumulated(torch.zeros_like(qc[0])) for _ in range(2)]
-        ids = ctx.ids
-        block, block_ids = torch.cat([k, v], dim=1).contiguous(), ids
+        spans = ctx.spans
+        block = torch.cat([k, v], dim=1).contiguous()
         dblock = accumulated(torch.zeros_like(block))
         for step in range(n):
-            pending, nxt = _pass_on(group, block, block_ids, step)
+            pending, nxt = _pass_on(group, block, step)
             kb, vb = (_expand(t, g).split(c, dim=2) for t in block.split(hk, dim=1))
             dk = [accumulated(torch.zeros_like(kb[0])) for _ in range(2)]
             dv = [accumulated(torch.zeros_like(kb[0])) for _ in range(2)]
-            for qi, ki, causal, same in _block_pairs(n, r, (r - step) % n, ids, block_ids, c,
-                                                     q.shape[0], None):
-                p = torch.exp(_scores(qc[qi], kb[ki], causal, scale, same)
+            for qi, ki, causal, kj in _block_pairs(n, r, (r - step) % n, spans, c, q.shape[0],
+                                                   None):
+                p = torch.exp(_scores(qc[qi], kb[ki], causal, scale, _visible(spans, qi, kj, c))
                               - lsec[qi][..., None])
                 dv[ki] += torch.matmul(p.transpose(-1, -2), doc[qi])
                 ds = p * (torch.matmul(doc[qi], accumulated(vb[ki]).transpose(-1, -2))
@@ -168,7 +171,7 @@ class RingAttention(torch.autograd.Function):
             dblock = arrived
             if pending is not None:
                 pending.wait()
-                block, block_ids = nxt
+                block = nxt
         dk_own, dv_own = dblock.split(hk, dim=1)
         return (torch.cat(dq, dim=2).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype),
                 None, None, None, None)

@@ -37,6 +37,7 @@ The weight gradient leaves the product in the parameters' dtype and is accumulat
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -116,8 +117,28 @@ def scaled_product(a: torch.Tensor, b: torch.Tensor, dtypes: Tuple[torch.dtype, 
     if layer.rowwise:
         scale_b = scale_b.t().contiguous()
     mm_dtype = torch.bfloat16 if layer.rowwise and a.is_cuda else out_dtype
-    out = torch._scaled_mm(a8, b8.t(), scale_a, scale_b, out_dtype=mm_dtype)
+    if a.is_cuda:
+        out = torch._scaled_mm(a8, b8.t(), scale_a, scale_b, out_dtype=mm_dtype)
+    else:
+        with emulated_cpu_kernel():
+            out = torch._scaled_mm(a8, b8.t(), scale_a, scale_b, out_dtype=mm_dtype)
     return out.to(out_dtype)
+
+
+@contextlib.contextmanager
+def emulated_cpu_kernel():
+    """On a CPU, `torch._scaled_mm`'s emulated kernel (dequantize, fp32 matmul) whatever the
+    CPU: on one with AMX, PyTorch sends a product of two operands of one FP8 format through
+    oneDNN instead (mkldnn enabled), whose sums and short-lived buffers differ — the CPU's
+    FP8 (fp8.emulate, a test feature) would then depend on the machine: a CP run's FP8
+    products round differently from the serial run's beyond fp32's 1e-5, and the plan's CPU
+    term (`megalite.plan.fp8_terms.product_bytes`) counts the emulated kernel's buffers."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def tensor_amaxes(layer: Fp8Linear, tensors, groups, tokens) -> Amaxes:

@@ -51,25 +51,28 @@ def build_adamw(pieces: List[nn.Parameter], decays: List[bool], cfg: AdamWSettin
                              **{kind: True})
 
 
-def host_zeros(numel: int, dtype: torch.dtype, pinned: bool, host: torch.device
-                ) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, device=host, pin_memory=pinned)
+def host_parts(bucket, cut: int) -> List[Tuple[int, torch.dtype]]:
+    """(numel, dtype) of the host buffers of `bucket`'s range [cut, hi), in `HostRange`'s
+    order: the fp32 master weights, the fp32 gradient, zero 2/3's fp32 copy staging, and the
+    cast to the model dtype where it is not fp32 (the AdamW moments are AdamW's own)."""
+    numel = bucket.hi - cut
+    parts = [(numel, torch.float32)] * (3 if bucket.reduction.every_micro_batch else 2)
+    dtype = bucket.param_region.dtype
+    return parts + ([] if dtype == torch.float32 else [(numel, dtype)])
 
 
 class HostRange:
-    """The offloaded part [cut, hi) of one bucket's owned range [lo, hi) in host memory."""
+    """The offloaded part [cut, hi) of one bucket's owned range [lo, hi) in host memory:
+    `buffers`, zeroed tensors of `host_parts(bucket, cut)` (slices of the rank's arena)."""
 
-    def __init__(self, bucket, cut: int, pinned: bool, host: torch.device):
+    def __init__(self, bucket, cut: int, buffers: List[torch.Tensor]):
         self.bucket, self.cut, self.offset = bucket, cut, cut - bucket.lo
-        numel = bucket.hi - cut
         self.accumulate = bucket.reduction.every_micro_batch  # zero 2/3: a sum of copies
-        self.main = host_zeros(numel, torch.float32, pinned, host)  # fp32 master weights
+        self.main, self.grad = buffers[0], buffers[1]  # fp32 master weights, gradient
         self.main.copy_(bucket.main[self.offset:])
-        self.grad = host_zeros(numel, torch.float32, pinned, host)
-        self.staging = host_zeros(numel, torch.float32, pinned, host) if self.accumulate \
-            else self.grad  # zero 0/1: the step's one copy lands in the gradient itself
-        dtype = bucket.param_region.dtype
-        self.cast = None if dtype == torch.float32 else host_zeros(numel, dtype, pinned, host)
+        # zero 0/1: the step's one copy lands in the gradient itself
+        self.staging = buffers[2] if self.accumulate else self.grad
+        self.cast = buffers[-1] if bucket.param_region.dtype != torch.float32 else None
         self.pieces: List[nn.Parameter] = []
         self.decays: List[bool] = []
         self.optimizer: Optional[torch.optim.AdamW] = None
@@ -92,12 +95,6 @@ class HostRange:
         self.pieces.append(piece)
         self.decays.append(seg.spec.weight_decay)
         return piece
-
-    def nbytes(self) -> int:
-        tensors = [self.main, self.grad] + ([self.staging] if self.accumulate else []) \
-            + ([self.cast] if self.cast is not None else [])
-        moments = 2 * 4 * self.main.numel()  # exp_avg, exp_avg_sq (fp32)
-        return sum(t.numel() * t.element_size() for t in tensors) + moments
 
 
 def fold(r: HostRange) -> None:

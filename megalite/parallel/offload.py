@@ -1,6 +1,7 @@
 """Optimizer offload (`offload.optimizer = f`): the fp32 master weights and AdamW moments of
-the fraction f of this rank's owned range live in host memory (pinned on CUDA) and are
-stepped there by PyTorch's CPU AdamW — ZeRO-Offload (Ren et al. 2021), Megatron-Core's
+the fraction f of this rank's owned range live in host memory (the masters, gradients and copy
+buffers in one allocation per rank, pinned exactly on CUDA: `megalite.parallel.host_arena`) and
+are stepped there by PyTorch's CPU AdamW — ZeRO-Offload (Ren et al. 2021), Megatron-Core's
 `HybridDeviceOptimizer` (a fraction offloaded), torchao's `CPUOffloadOptimizer`.
 
 Which elements: of every bucket's owned range [lo, hi) the last round(f·(hi − lo)) elements,
@@ -59,16 +60,19 @@ On CPU host = device: the same buffers, copies and worker exist (real copies bet
 separate tensors, no streams), which exercises the path and saves nothing. The time the
 training thread is blocked on the offload — waiting for the worker or, on CUDA, the compute
 stream waiting for a parameter copy — is the step phase `offload_wait`
-(`megalite.train.timers`).
+(`megalite.train.timers`); `record` draws each copy, host step and wait as a span
+(`megalite.parallel.offload_timeline`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from megalite.parallel import host_range
-from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind
+from megalite.parallel.host_arena import HostArena
+from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind, host_parts
 from megalite.parallel.offload_worker import HostWorker
 
 
@@ -118,16 +122,19 @@ class OptimizerOffload:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.gather_stream = torch.cuda.Stream(device) if self.cuda else None  # zero 1/2
+        cuts = [(b, b.hi - round(fraction * (b.hi - b.lo))) for b in buckets]
+        cuts = [(b, cut) for b, cut in cuts if cut < b.hi]
+        self.arena = self._arena(cuts)
         self.ranges: Dict[int, HostRange] = {}
-        for b in buckets:
-            numel = round(fraction * (b.hi - b.lo))
-            if numel > 0:
-                self.ranges[id(b)] = self._split(b, b.hi - numel)
+        views = iter([] if self.arena is None else self.arena.tensors())  # in `cuts`' order
+        for b, cut in cuts:
+            self.ranges[id(b)] = self._split(b, cut, [next(views) for _ in host_parts(b, cut)])
         self.order = [self.ranges[id(b)] for b in forward_order(chunks, buckets)
                       if id(b) in self.ranges]
         self.d2h_bytes = 0  # copied so far (the metrics' PCIe traffic)
         self.h2d_bytes = 0
         self.worker = HostWorker(device, timers)  # the host's tasks, in the order queued
+        self.timeline, self._index = None, {}  # `record`
         self._params_free = None  # CUDA: recorded by `drain` after the backward was queued
         # buckets whose parameter copy the device has not waited for yet
         self.pending: Dict[int, HostRange] = {}
@@ -136,9 +143,18 @@ class OptimizerOffload:
             if mine:  # first of the unit's pre-hooks (ahead of ZeRO-3's gather)
                 unit.register_forward_pre_hook(self._unit_hook(mine), prepend=True)
 
-    def _split(self, bucket, cut: int) -> HostRange:
-        host = HostRange(bucket, cut, pinned=self.cuda,  # meta: megalite-verify-rank's shapes
-                         host=self.device if self.device.type == "meta" else torch.device("cpu"))
+    def _arena(self, cuts: List[tuple]) -> Optional[HostArena]:
+        """Every range's host buffers in one allocation, pinned exactly on CUDA (`HostArena`):
+        the bytes counted are the bytes held."""
+        if not cuts:
+            return None
+        # meta: megalite-verify-rank's shapes
+        host = self.device if self.device.type == "meta" else torch.device("cpu")
+        return HostArena([p for b, cut in cuts for p in host_parts(b, cut)], pinned=self.cuda,
+                         device=host)
+
+    def _split(self, bucket, cut: int, buffers: List[torch.Tensor]) -> HostRange:
+        host = HostRange(bucket, cut, buffers)
         bucket.segments = bucket.flat.segments(bucket.lo, cut) + \
             bucket.flat.segments(cut, bucket.hi)
         if bucket.main is not bucket.param_region:  # the device master keeps [lo, cut)
@@ -155,6 +171,21 @@ class OptimizerOffload:
     def close(self) -> None:
         """Let the host worker go (the end of `fit`); a later task starts a new one."""
         self.worker.close()
+
+    def record(self, timeline) -> None:
+        """Record where the offload's time goes into `timeline` (an `OffloadTimeline`; None:
+        stop): each range's copies, host step and the training thread's waits on it."""
+        self.timeline = self.worker.timeline = timeline
+        self._index = {id(r): i for i, r in enumerate(self.order)}
+
+    def _at(self, r: HostRange) -> int:
+        """`r`'s index in forward order (what a timeline labels its spans with)."""
+        return self._index.get(id(r), -1) if self.timeline is not None else -1
+
+    def _span(self, kind: str, r: HostRange, host: bool = False):
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return (self.timeline.on_host if host else self.timeline.on_device)(kind, self._at(r))
 
     def range_of(self, bucket) -> Optional[HostRange]:
         return self.ranges.get(id(bucket))
@@ -210,8 +241,8 @@ class OptimizerOffload:
             self._copy_in(r, reduced, None)
 
     def _copy_in(self, r: HostRange, reduced: torch.Tensor, work) -> None:
-        self.worker.wait(r.stepped)  # the last host step has read `grad` (a step ago)
-        self.worker.wait(r.inbound)  # zero 2/3: the last fold has read `staging` (a micro-batch ago)
+        self.worker.wait(r.stepped, self._at(r))  # the last host step has read `grad` (a step ago)
+        self.worker.wait(r.inbound, self._at(r))  # zero 2/3: the last fold has read `staging`
         src = reduced[r.offset:]
         copied = None
         if self.cuda:
@@ -219,11 +250,13 @@ class OptimizerOffload:
             if not _wait_reduction_on(work, self.stream):
                 self.stream.wait_stream(compute)  # the bucket's gradient, as queued so far
             with torch.cuda.stream(self.stream):
-                r.staging.copy_(src, non_blocking=True)
+                with self._span("d2h", r):
+                    r.staging.copy_(src, non_blocking=True)
                 copied = self.stream.record_event()
             src.record_stream(self.stream)  # the compute stream may not reuse it before
         else:
-            r.staging.copy_(src)
+            with self._span("d2h", r):
+                r.staging.copy_(src)
         r.inbound = self.worker.submit(host_range.arrived, r, copied, not r.accumulate)
         self.d2h_bytes += 4 * src.numel()
 
@@ -237,7 +270,7 @@ class OptimizerOffload:
             if r.accumulate:
                 r.inbound = self.worker.submit(host_range.finalize, r)
         for r in self.ranges.values():
-            self.worker.wait(r.inbound)
+            self.worker.wait(r.inbound, self._at(r))
         if self.cuda:
             self._params_free = torch.cuda.current_stream(self.device).record_event()
 
@@ -292,18 +325,19 @@ class OptimizerOffload:
         """The worker's host step of one range (see `step`)."""
         self._copied_out(r)  # the last copy has read `main` / `cast` (a step ago)
         opt = r.optimizer
-        if opt is not None:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            if coef is not None and coef != 1.0 and r.fused:
-                # fused AdamW divides each gradient by grad_scale in its one pass
-                opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
-            elif coef is not None and coef != 1.0:
-                torch._foreach_mul_([p.grad for p in r.pieces], coef)
-            try:
-                opt.step()
-            finally:
-                opt.__dict__.pop("grad_scale", None)
+        with self._span("host_step", r, host=True):
+            if opt is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                if coef is not None and coef != 1.0 and r.fused:
+                    # fused AdamW divides each gradient by grad_scale in its one pass
+                    opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+                elif coef is not None and coef != 1.0:
+                    torch._foreach_mul_([p.grad for p in r.pieces], coef)
+                try:
+                    opt.step()
+                finally:
+                    opt.__dict__.pop("grad_scale", None)
         self._to_device(r)
 
     def params_to_device(self) -> None:
@@ -341,14 +375,16 @@ class OptimizerOffload:
         dst = r.bucket.param_region[r.offset:]
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
+                with self._span("h2d", r):
+                    dst.copy_(src, non_blocking=True)
                 r.copied_out = self.stream.record_event()
         else:
-            dst.copy_(src)
+            with self._span("h2d", r):
+                dst.copy_(src)
 
     def _issued(self, r: HostRange):
         """The CPU waits until the worker issued `r`'s copy; returns its CUDA event."""
-        self.worker.wait(r.stepped)
+        self.worker.wait(r.stepped, self._at(r))
         return r.copied_out
 
     def stepping(self, bucket) -> bool:
@@ -382,15 +418,17 @@ class OptimizerOffload:
                 continue
             copied = self._issued(r)
             if copied is not None and self.cuda:
-                with self.worker.waiting():
+                with self.worker.waiting(self._at(r)):
                     torch.cuda.current_stream(self.device).wait_event(copied)
 
     # --- accounting -------------------------------------------------------------------
 
     def host_bytes(self) -> int:
-        """Host bytes of the offloaded state: fp32 masters, moments, gradients (+ zero 2/3's
-        staging, + the model-dtype cast buffer where the model is not fp32)."""
-        return sum(r.nbytes() for r in self.ranges.values())
+        """Host bytes of the offloaded state: the arena (fp32 masters, gradients, + zero 2/3's
+        staging, + the model-dtype cast buffer where the model is not fp32) and the AdamW
+        moments (2 fp32 a parameter, counted before the first step creates them)."""
+        arena = 0 if self.arena is None else self.arena.nbytes
+        return arena + sum(2 * 4 * r.main.numel() for r in self.ranges.values())
 
     def take_copied_bytes(self) -> Dict[str, int]:
         copied = {"d2h": self.d2h_bytes, "h2d": self.h2d_bytes}

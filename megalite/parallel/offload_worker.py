@@ -20,12 +20,18 @@ class HostWorker:
         self.device = device
         self.cuda = device.type == "cuda"
         self.timers = timers  # the trainer's StepTimers: waits are timed as `offload_wait`
+        self.timeline = None  # an OffloadTimeline: waits drawn as `wait` spans
         self._executor: Optional[ThreadPoolExecutor] = None
 
-    def waiting(self):
-        """The context a wait of the training thread on the offload runs in (timed)."""
-        return self.timers.phase("offload_wait") if self.timers is not None \
-            else contextlib.nullcontext()
+    def waiting(self, index: int = -1):
+        """The context a wait of the training thread on the offload runs in (timed; on a
+        timeline, a `wait` span labelled `index`: the range waited for)."""
+        stack = contextlib.ExitStack()
+        if self.timers is not None:
+            stack.enter_context(self.timers.phase("offload_wait"))
+        if self.timeline is not None:
+            stack.enter_context(self.timeline.on_device("wait", index))
+        return stack
 
     def submit(self, fn: Callable, *args) -> Future:
         """Queue `fn(*args)` on the host worker (one thread: tasks run in the order queued;
@@ -52,12 +58,12 @@ class HostWorker:
             self._executor.shutdown(wait=True)
             self._executor = None
 
-    def wait(self, future: Optional[Future]) -> None:
-        """The CPU waits for a worker task (timed as offload_wait when it has to); a failed
-        task raises here."""
+    def wait(self, future: Optional[Future], index: int = -1) -> None:
+        """The CPU waits for a worker task (timed as offload_wait when it has to; `index`: the
+        range's, for a timeline); a failed task raises here."""
         if future is None:
             return
         if not future.done():
-            with self.waiting():
+            with self.waiting(index):
                 future.result()
         future.result()

@@ -12,22 +12,29 @@ Saved for backward beyond the family's formula at L tokens (`saved_bytes`):
               in the kernel, no K/V repeated; no mask: each query chunk's keys before it and
               its own causal block are two flash calls merged by their log-sum-exp, whose
               log-sum-exp and the output are the family's own terms); under document
-              masking (`train.attention_mask=document`) SDPA keeps each chunk's mask in the
-              compute dtype (e·b·c·(j + 1)·c for chunk j at most) and output, not counted here
+              masking (`train.attention_mask=document`) the same, a document piece at a time
+              on CPU, FlexAttention on CUDA: no mask is saved
   ring        the merged output in fp32 (a·b·hq·d·L, where e < a; the log-sum-exp is the
               family's own term)
 Working bytes at the attention's peak (`working_bytes`; the forward moment and a block's
 backward take them):
   allgather   forward: the local K|V concatenation and its sequence-first copy (2·KV) + the
               larger chunk's two partial outputs and their merge in the accumulation dtype
-              (3·a·b·hq·d·c); backward: the gathered K/V gradient and its resharded copy
-              (2·cp·KV) + the dK, dV of the larger chunk's keys before it ((2cp − 1)/2·KV)
+              (3·a·b·hq·d·c); backward: the gathered K/V gradient, summed in the
+              accumulation dtype and cast back (on CPU; on CUDA FlexAttention's dK, dV and
+              their slices put back into K|V), the larger: (1 + max(a/e, 2))·cp·KV (its
+              resharded copy and the pieces' dK, dV come after or within that)
   ring        forward: two K/V blocks in flight (2·KV) + their expansion to hq heads under
               grouped-query attention (2·e·b·hq·d·L) + the partial outputs and a merge's
               temporary (2·a·b·hq·d·L) + one chunk pair's scores, shifted and exponentiated
               (3·a·b·hq·c²); backward: two blocks (2·KV) and two K/V gradient accumulators
               in flight (2·KV·a/e) + the expansion + dK, dV, dQ and the upcast dO
               (4·a·b·hq·d·L) + a pair's probabilities, dP and dS (3·a·b·hq·c²)
+  + under document masking (`document_bytes`, forward and backward): the micro-batch's
+    `DocumentSpans.first` (8·b·L, int64), and the allgather path's FlexAttention block mask
+    on CUDA (`megalite.parallel.context_documents.block_mask_bytes`: int32 block counts and
+    indices, built once per micro-batch) or the ring's one chunk pair's document mask and its
+    complement (2·b·c² bools); no [b, c, S] mask exists
 Wire bytes (`wire_bytes`, as `megalite.parallel.comm` counts them; a recomputed layer's
 re-run forward repeats the forward's):
   allgather   forward an all-gather of K|V, backward a reduce-scatter of its gradient:
@@ -52,6 +59,7 @@ from typing import Dict
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
+from megalite.parallel.context_documents import block_mask_bytes
 from megalite.plan.links import GroupLink, collective_time
 
 
@@ -91,13 +99,28 @@ def working_bytes(cfg: Config, layout: Layout, e: int) -> Dict[str, float]:
         return {"forward": 0.0, "backward": 0.0}
     hq, hk, d, local, c, b, a = _sizes(cfg, layout, e)
     kv, gqa = kv_bytes(cfg, layout, e), hq > hk
+    documents = document_bytes(cfg, layout)
     if cfg.parallel.cp_comm == "allgather":
-        return {"forward": 2 * kv + 3 * a * b * hq * d * c,
-                "backward": 2 * cp * kv + (2 * cp - 1) / 2 * kv}
+        return {"forward": 2 * kv + 3 * a * b * hq * d * c + documents,
+                "backward": (1 + max(a / e, 2)) * cp * kv + documents}
     expanded = 2 * e * b * hq * d * local if gqa else 0.0
     scores = 3 * a * b * hq * c * c
-    return {"forward": 2 * kv + expanded + 2 * a * b * hq * d * local + scores,
-            "backward": 2 * kv * (1 + a / e) + expanded + 4 * a * b * hq * d * local + scores}
+    return {"forward": 2 * kv + expanded + 2 * a * b * hq * d * local + scores + documents,
+            "backward": 2 * kv * (1 + a / e) + expanded + 4 * a * b * hq * d * local + scores
+            + documents}
+
+
+def document_bytes(cfg: Config, layout: Layout) -> float:
+    """What the CP kernels hold for the document mask (module docstring): 0 without it."""
+    cp = layout.cp_size
+    if cp == 1 or cfg.train.attention_mask != "document":
+        return 0.0
+    _, _, _, local, c, b, _ = _sizes(cfg, layout, 2)
+    if cfg.parallel.cp_comm == "allgather":
+        held = block_mask_bytes(b, local, cfg.train.seq_len)
+    else:
+        held = 2 * b * c * c
+    return float(8 * b * local + held)
 
 
 def wire_bytes(cfg: Config, layout: Layout, e: int, layers: int, rerun: int) -> float:

@@ -7,13 +7,16 @@ A window of s tokens is cut into 2·cp chunks of c = s/(2·cp); CP rank r holds 
 chunks 0..j: (j + 1)·c² scores a window (the diagonal chunk computed in full), the kernels'
 causal plan, the same on every rank's two chunks (2·cp + 1 chunk pairs). Under the mask, with
 F_j the first position of the document that holds chunk j's first token, the smallest over the
-micro-batch's windows (the kernels decide per micro-batch: a chunk pair is skipped only where
+micro-batch's windows (the ring decides per micro-batch: a chunk pair is skipped only where
 every sequence of the batch allows it):
 
   ring       key chunk i < j is skipped iff its last token's document ends before chunk j's
              first token's starts in every window, i.e. F_j >= (i + 1)·c: ⌊F_j / c⌋ of the
              j + 1 chunk pairs skipped, (j + 1 − ⌊F_j / c⌋)·c² scores computed
-  allgather  chunk j's keys start at F_j: ((j + 1)·c − F_j)·c computed, F_j·c skipped
+  allgather  each window's chunk j is cut at its documents' starts into pieces, and a piece
+             [p, p + n) computes the keys from its document's start to its own end:
+             Σ n·(p + n − start) computed per window (`piece_work`; the pieces are per
+             sequence, so the micro-batch's windows add), (j + 1)·c² − that skipped
 
 Both are exactly the `AttentionWork` counters (`computed`, `skipped`; their sum the causal
 plan). `cp_masked_work` gives their ratio computed / (computed + skipped) over all ranks
@@ -90,13 +93,26 @@ class CpMaskedWork:
     slowest: float  # the largest rank's computed / its causal plan, averaged over micro-batches
 
 
-def _micro_batches(first: np.ndarray, batch: int) -> np.ndarray:
-    """(groups, n) from (k, n) per-window document starts: the smallest over each strided
-    micro-batch of `batch` windows (all k where fewer)."""
+def _micro_batches(first: np.ndarray, batch: int, reduce=np.min) -> np.ndarray:
+    """(groups, n) from (k, n) per-window values: `reduce` (the smallest, or the sum) over
+    each strided micro-batch of `batch` windows (all k where fewer)."""
     k = first.shape[0]
     groups = max(1, k // batch)
     per = k if k < batch else batch
-    return first[:per * groups].reshape(per, groups, -1).min(axis=0)
+    return reduce(first[:per * groups].reshape(per, groups, -1), axis=0)
+
+
+def piece_work(sample: DocumentSample, c: int) -> np.ndarray:
+    """(k, s / c): the all-gather kernel's computed scores of each window's chunks: every
+    chunk cut at its documents' starts into pieces, a piece [p, p + n) computing the keys
+    [its document's start, p + n) (`megalite.parallel.context_documents`)."""
+    s, k = sample.seq_len, sample.windows
+    cuts = np.union1d(sample.starts, np.arange(0, k * s, c))
+    ends = np.append(cuts[1:], k * s)
+    key_start = sample.starts[np.searchsorted(sample.starts, cuts, side="right") - 1]
+    out = np.zeros(k * (s // c), dtype=np.int64)
+    np.add.at(out, cuts // c, (ends - cuts) * (ends - key_start))
+    return out.reshape(k, s // c)
 
 
 def cp_masked_work(sample: DocumentSample, cp: int, comm: str, batch: int) -> CpMaskedWork:
@@ -104,12 +120,13 @@ def cp_masked_work(sample: DocumentSample, cp: int, comm: str, batch: int) -> Cp
     (at cp 1 no CP kernel runs: `megalite.model.document_attention`'s)."""
     c = context_shard.chunk_len(sample.seq_len, cp)
     j = np.arange(2 * cp)
-    start = _micro_batches(sample.document_start(j * c), batch)  # F_j, (groups, 2cp)
+    per = min(batch, sample.windows)
     if comm == "ring":
-        computed = (j + 1 - start // c) * c * c
+        start = _micro_batches(sample.document_start(j * c), batch)  # F_j, (groups, 2cp)
+        computed = per * (j + 1 - start // c) * c * c
     else:
-        computed = ((j + 1) * c - start) * c
-    plan = (j + 1) * c * c
+        computed = _micro_batches(piece_work(sample, c), batch, np.sum)
+    plan = per * (j + 1) * c * c
     chunks = np.array([context_shard.chunk_ids(cp, r) for r in range(cp)])  # (cp, 2)
     per_rank = computed[:, chunks].sum(axis=2)  # (groups, cp)
     rank_plan = plan[chunks].sum(axis=1)  # (2·cp + 1)·c² on every rank

@@ -15,19 +15,21 @@ the loader logs with): the **pair fraction**. The kernels do not all skip the re
   sdpa    SDPA with a dense boolean mask computes the dense causal work (fraction 1) and
           reads the mask besides
   cp      under cp > 1 (`parallel.cp_comm`: allgather or ring): the context-parallel kernel
-          skips the chunk pairs, or the keys before a chunk's first document, that the mask
+          skips the chunk pairs, or the keys outside each piece's document, that the mask
           empties (`megalite.plan.document_cp`: its work on the slowest CP rank, from the
           same sample, for the run's cp and micro-batch): the ring at the causal kernel's
-          rate (the same chunk-pair matmuls with or without the mask), the all-gather path at
-          the `sdpa` ratio where measured (its masked keys go to SDPA with a boolean mask)
+          rate (the same chunk-pair matmuls with or without the mask), the all-gather path
+          on CUDA at the `flex` ratio where measured (FlexAttention with a block mask, its
+          128-token blocks' rounding in that ratio), on CPU at the causal kernel's (maskless
+          flash calls, a document piece at a time)
 
 (which of flex, varlen and sdpa runs where: `megalite.config.document_kernel`; `kernel_work`).
 
 The time model charges a block's attention (4·h·s FLOPs a token of the dense causal count, at
 the matmul rate R) × work × ratio, ratio the masked kernel's time per unit of its work over the
 causal kernel's, as `--calibrate` measured it (`megalite.plan.calibrate_mask`; 1 where the
-profile has no measurement for the run's kernel, and for the ring: the masked work at the
-causal kernel's rate; `masking`, applied by `megalite.plan.time_model` to
+profile has no measurement for the run's kernel, and for the ring and the CPU all-gather
+path: the masked work at the causal kernel's rate; `masking`, applied by `megalite.plan.time_model` to
 the attention term and to the block time that hides activation offload's copies;
 `mask_seconds`: what it shows).
 
@@ -222,8 +224,9 @@ def masking(cfg: Config, layout: Layout, profile: DeviceProfile,
     cp = run_cp_work(cfg, layout, work)
     out = {"pairs": work.pairs, "blocks": work.blocks, "source": work.source,
            "describe": describe_mask(cfg, layout, work, cp)}
-    if cp is not None:  # the all-gather path's masked keys go to SDPA with a boolean mask
-        ratio = profile.mask_ratios.get("sdpa") if cfg.parallel.cp_comm == "allgather" else None
+    if cp is not None:  # the all-gather path: FlexAttention on CUDA, maskless flash on CPU
+        ratio = profile.mask_ratios.get("flex") \
+            if cfg.parallel.cp_comm == "allgather" and profile.device_type == "cuda" else None
         return {**out, "kernel": f"cp {cfg.parallel.cp_comm}", "ratio": ratio,
                 "factor": cp.slowest * (1.0 if ratio is None else ratio), "cp_mean": cp.mean,
                 "cp_slowest": cp.slowest}

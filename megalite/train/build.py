@@ -257,6 +257,10 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
         init_parameters(chunk, cfg.seed)
         if init_state is not None:
             load_global_state(chunk, init_state)
+    if init_state is not None:  # rank 0 logs it
+        values = sum(t.numel() for t in init_state.values())
+        log.get_logger().info(f"init_from={cfg.init_from!r}: the model starts from its weights "
+                              f"({len(init_state)} tensors, {values:,} values read)")
     return model
 
 

@@ -19,11 +19,21 @@ from megalite.checkpoint.resolve import find_checkpoint
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.model import hf_io
+from megalite.model.safetensors_check import check_weight_files
+
+
+def is_path(source: str) -> bool:
+    """Whether `source` can only be a path (absolute, or starting with ., ~): never a hub id."""
+    return source.startswith(("/", ".", "~")) or Path(source).is_absolute()
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:
-    """Before launch: `source` holds weights of the configured model shape (reads configs and
-    meta.json only); names the first mismatch."""
+    """Before launch: `source` holds weights of the configured model shape (reads configs,
+    meta.json and safetensors headers only); names the first mismatch or damaged file."""
+    if is_path(source) and not Path(source).expanduser().exists():
+        raise ConfigError(f"init_from={source!r}: no such file or directory; give an existing "
+                          "transformers directory or megalite checkpoint, or a hub id such as "
+                          "gpt2")
     if find_dcp(source) is not None:
         check_titan_shapes(source, cfg, source)
         return
@@ -36,6 +46,8 @@ def check_init_from(source: str, cfg: ModelConfig) -> None:
                               "DCP checkpoint (.metadata); give one "
                               "of those or a hub id such as gpt2")
         hf_io.check_init_from(source, cfg)
+        if Path(source).is_dir():  # a hub id's weights are not downloaded before launch
+            check_weight_files(Path(source), f"init_from={source!r}")
         return
     try:
         theirs = read_meta(ckpt)["model"]

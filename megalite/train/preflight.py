@@ -7,8 +7,9 @@ Validates the configuration for the world size (`megalite.config.layout.validate
 prepared token shards (`megalite.data.loader.check_data`), the model shape of `init_from` and
 of the checkpoint `checkpoint.resume` names, the HellaSwag examples of `eval.hellaswag` (and the
 data's tokenizer that renders them), derives the run's `Layout` once, and checks that the fault
-drill's rank holds its tensor (`resilience.inject`: the rank's stage built on the meta device). Raises
-ConfigError or DataError naming the key or file; nothing is written.
+drill's rank holds its tensor (`resilience.inject`: the rank's stage built on the meta device),
+and that `checkpoint.dir` can be written (a temporary directory made and removed). Raises
+ConfigError or DataError naming the key or file; nothing is left written.
 """
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import os
 from typing import List, Optional, Tuple
 
 from megalite.checkpoint.resolve import check_resume
+from megalite.checkpoint.writable import check_writable_dir
 from megalite.config.layout import GpuInfo, Layout, device_type_for, validate
-from megalite.config.schema import Config, load_config
+from megalite.config.schema import Config, load_config, resolve_path
 from megalite.data.documents import document_rule
 from megalite.data.loader import check_data, read_meta
 from megalite.eval.hellaswag import check_hellaswag
 from megalite.resilience.inject_target import check_inject_target
+from megalite.train.cpu_precision import half_precision_note
 from megalite.train.host_memory import check_host_memory
 from megalite.train.init_from import check_init_from
 
@@ -45,6 +48,10 @@ def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
     if cfg.resilience.inject is not None:
         check_inject_target(cfg, layout)
     check_host_memory(cfg, layout, local_ranks)
+    note = half_precision_note(layout.precision, layout.device_type, cfg.model.n_embd)
+    warnings += [note] if note else []
+    if cfg.checkpoint.dir:  # last: the probe is the only check that touches the disk
+        check_writable_dir(resolve_path(cfg.checkpoint.dir), "checkpoint.dir")
     return layout, warnings
 
 

@@ -1,6 +1,8 @@
 """Llama's side of the family interface (`megalite.model.family`): its parameters (names and
 TP splits of `transformers.LlamaForCausalLM`, gate and up fused), initialisation, FLOPs and
-activation terms. The modules are `megalite.model.llama.stage`, the mapping `megalite.model.llama.hf`."""
+activation terms. The modules are `megalite.model.llama.stage`, the mappings
+`megalite.model.llama.hf` (transformers) and `megalite.model.llama.titan` (torchtitan's DCP
+names)."""
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -10,6 +12,7 @@ from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
 from megalite.model.family import Family, Initial, Specs, attention_bytes, token_embedding_spec
 from megalite.model.llama import hf as hf_llama
+from megalite.model.llama.titan import LLAMA_DCP
 from megalite.parallel.param_spec import ParamSpec
 
 
@@ -30,6 +33,7 @@ class LlamaFamily(Family):
     probe_tensor = "model.layers.0.input_layernorm.weight"
     embedding_module = "model.embed_tokens"
     hf = hf_llama.LLAMA_MAPPING
+    dcp = LLAMA_DCP
 
     def check(self, cfg: ModelConfig) -> None:
         """Grouped-query attention's KV heads, rotary positions' even head size and base."""

@@ -97,11 +97,11 @@ def test_torchtitan_checkpoints_both_ways(tiny_data, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from torchtitan.components.checkpointer.base import ModelWrapper
 
-    from megalite.checkpoint import titan_names
     from megalite.checkpoint.dcp_export import read_titan_state
     from megalite.checkpoint.format import read_global_state
     from megalite.model.families import causal_lm
     from megalite.model.init import load_global_state
+    from megalite.model.llama import titan as titan_names
     from megalite.testing.spawn import run_ranks
 
     titan = titan_model()

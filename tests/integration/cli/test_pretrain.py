@@ -152,7 +152,7 @@ def test_two_ranks_under_torchrun_equal_one(tiny_data, tmp_path):
     (["model.vocab_size=512"], "model.vocab_size=512"),
     (["data.dir=/nonexistent/shards"], "data.dir"),
     (["train.global_batch_size=8000000"], "train.global_batch_size=8000000: the training split"),
-    (["init_from=/nonexistent/gpt2"], "init_from='/nonexistent/gpt2'"),
+    (["init_from=/nonexistent/gpt2"], "init_from='/nonexistent/gpt2': no such file or directory"),
     (["optim.lr=-1"], "optim.lr=-1.0"),
 ])
 def test_bad_input_fails_before_anything_is_written(tiny_data, tmp_path, overrides, needle):

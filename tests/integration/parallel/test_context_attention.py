@@ -27,6 +27,34 @@ def _documents(world: int) -> torch.Tensor:
                          [0] * 3 + [1] * (4 * world + 1) + [2] * (4 * world - 4)])
 
 
+def _spans(world: int, rank: int):
+    """The rank's `DocumentSpans` of `_documents`, made on the host as DocumentRule.of does."""
+    from megalite.data.documents import in_document_positions
+    from megalite.parallel.context_documents import DocumentSpans
+
+    ids = _documents(world).numpy()
+    eos = np.zeros(ids.shape, dtype=bool)  # each document's last token is its EOS
+    eos[:, :-1] = ids[:, 1:] != ids[:, :-1]
+    return DocumentSpans.of(np.arange(ids.shape[1]) - in_document_positions(eos), world, rank)
+
+
+def _host_reads(names, reads):
+    """Count the calls that read a tensor's values on the host (a device sync on a GPU)."""
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counting(name):
+        def read(t, *args, **kwargs):
+            reads.append(name)
+            return saved[name](t, *args, **kwargs)
+        return read
+    for name in names:
+        setattr(torch.Tensor, name, counting(name))
+    return saved
+
+
+HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
 def _errors(rank, world):
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -56,11 +84,17 @@ def _errors(rank, world):
             return context_shard.shard(t, world, rank, dim=dim)
         for comm in ("allgather", "ring"):
             ours = [mine(t).clone().requires_grad_() for t in (q, k, v)]
-            work = AttentionWork()
-            o = cp_attention(*ours, group, comm, documents=None if docs is None else
-                             mine(docs, dim=1), work=work)
-            (o * mine(gout)).sum().backward()
+            work, reads = AttentionWork(), []
+            saved = _host_reads(HOST_READS, reads)
+            try:
+                o = cp_attention(*ours, group, comm, work=work,
+                                 documents=None if docs is None else _spans(world, rank))
+                (o * mine(gout)).sum().backward()
+            finally:
+                for name, fn in saved.items():
+                    setattr(torch.Tensor, name, fn)
             case = (comm, hk, docs is not None)
+            errors[(*case, "host reads")] = float(len(reads))
             works[case] = (work.computed, work.skipped)
             for name, a, b in [("out", o, mine(out)), *[(f"d{n}", t.grad, mine(r.grad))
                                for n, t, r in zip("qkv", ours, ref)]]:
@@ -72,8 +106,8 @@ def _errors(rank, world):
 def test_cp_attention_equals_full_sequence_attention(cp):
     results = run_ranks(_errors, cp, timeout_s=240)
     for errors, _ in results:
-        assert len(errors) == 24
-        bad = {key: e for key, e in errors.items() if not e < 1e-10}
+        assert len(errors) == 30
+        bad = {key: e for key, e in errors.items() if not e < 1e-10}  # host reads: none
         assert not bad, bad
     ids = _documents(cp)
     eos = np.zeros(ids.shape, dtype=bool)  # each document's last token is its EOS

@@ -1,10 +1,12 @@
 """The plan's CP terms against `megalite.parallel.context_attention.cp_attention` on real gloo
 ranks (cp 4 and 2, allgather and ring, as many KV heads as query heads and grouped-query
-attention, bf16): its traffic (`megalite.plan.cp_terms.wire_bytes`) equals, to the byte, what
-one layer's forward and backward record in the ranks' `CommCounter` (the ring's gradient
-accumulators travel in fp32; under recompute a checkpointed layer re-runs its forward's
-transfers), and what it saves for backward beyond its inputs and output equals
-`cp_terms.saved_bytes` + the log-sum-exp the family's formula counts."""
+attention, bf16; the grouped-query cases within documents): its traffic
+(`megalite.plan.cp_terms.wire_bytes`) equals, to the byte, what one layer's forward and
+backward record in the ranks' `CommCounter` (the ring's gradient accumulators travel in fp32;
+under recompute a checkpointed layer re-runs its forward's transfers; no document ids
+travel), and what it saves for backward beyond its inputs and output equals
+`cp_terms.saved_bytes` + the log-sum-exp the family's formula counts (within documents too:
+no mask is saved)."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +16,17 @@ from megalite.testing.spawn import run_ranks
 pytestmark = pytest.mark.distributed
 
 B, HQ, D, CHUNK = 2, 4, 8, 2  # CHUNK: tokens of each of the 2·cp chunks
+
+
+def _spans(seq: int, cp: int, index: int):
+    """The documents of two windows (EOS = 0 at their 2nd and middle tokens), this rank's."""
+    import numpy as np
+
+    from megalite.data.documents import DocumentRule
+
+    window = np.ones((B, seq), dtype=np.int64)
+    window[:, [1, seq // 2]] = 0
+    return DocumentRule(0).of(window, (cp, index)).spans
 
 
 def _counted_and_planned(rank, world):
@@ -44,8 +57,10 @@ def _counted_and_planned(rank, world):
                     q, k, v = (torch.randn(B, h, seq // cp, D, dtype=torch.bfloat16,
                                            requires_grad=True) for h in (HQ, hk, hk))
 
-                    def attention(q, k, v, group=group, comm=comm):
-                        return cp_attention(q, k, v, group, comm)
+                    spans = _spans(seq, cp, index) if hk == 2 else None
+
+                    def attention(q, k, v, group=group, comm=comm, spans=spans):
+                        return cp_attention(q, k, v, group, comm, documents=spans)
                     inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
                     saved = {}
 

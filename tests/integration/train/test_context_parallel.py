@@ -20,7 +20,7 @@ import pytest
 from megalite.config.combinations import MATRIX_BASE
 from megalite.config.model import RopeScaling
 from megalite.config.schema import load_config
-from megalite.testing.matrix import TOLERANCES, check_ranks, run_configs
+from megalite.testing.matrix import TOLERANCES, Tolerance, check_ranks, run_configs
 from tests.unit.eval.test_hellaswag import write_hellaswag
 
 pytestmark = pytest.mark.distributed
@@ -31,6 +31,12 @@ FAMILIES = {"gpt2": ["model.arch=gpt2"],
 SMALL = ["model.n_layer=4", "train.seq_len=16", "train.global_batch_size=4",
          "train.eval_every=2", "train.eval_steps=1"]
 FP8 = ["fp8.recipe=tensorwise", "fp8.emulate=true"]
+# FP8 under CP: losses and grad norms at fp32's 1e-5 (the CP amax defect this row exists for
+# moved them 2e-4 / 4e-3), the master weights by their update error: an attention output that
+# differs from the serial one in its last bit (the ring sums its blocks in another order) can
+# cross an FP8 rounding boundary, and AdamW turns that element's changed gradient into a
+# master weight off by ~3e-5 (measured), past the elementwise 1e-5
+FP8_UNDER_CP = Tolerance(loss=1e-5, norm=1e-5, update=1e-3)
 
 LAYOUTS = {  # world -> [(family, settings)]
     2: [("gpt2", ["cp=2", "parallel.cp_comm=allgather"]),
@@ -94,7 +100,9 @@ def test_context_parallel_layouts_equal_the_serial_run(tiny_data, hellaswag, ser
     failures = {}
     for (family, settings), ranks in zip(runs, run_configs(configs, world, tmp_path)):
         key = _serial_key(family, settings)
-        differs = check_ranks(serial[key], ranks, TOLERANCES["fp32", False])
+        fp8 = any(s.startswith("fp8.") for s in settings)
+        differs = check_ranks(serial[key], ranks,
+                              FP8_UNDER_CP if fp8 else TOLERANCES["fp32", False])
         if differs:
             failures[f"{family} {' '.join(settings)}"] = differs[:4]
     assert not failures, failures

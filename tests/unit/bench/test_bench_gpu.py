@@ -37,7 +37,7 @@ def test_the_full_forms_runs_in_priority_order():
         (path, p, c) for path in ("bench", "launch") for p in ("gpt2", "gpt2-xl")
         for c in (True, False)}
     assert specs[-1].resilience is False and all(s.resilience for s in specs[:-1])
-    assert len(specs) == 10 and PARTS[:3] == ("cuda-tests", "document-mask", "mfu")
+    assert len(specs) == 10
     assert [s.id for s in mfu_specs(REDUCED)] == [
         "bench tiny eager", "launch tiny eager dropout 0", "launch tiny eager",
         "launch tiny eager dropout 0 no resilience checks"]
@@ -159,7 +159,8 @@ def test_a_failing_part_and_the_budget_do_not_stop_the_report(tmp_path, monkeypa
     monkeypatch.setitem(gpu.RUNNERS, "offload", slow)
     monkeypatch.setattr(gpu_session, "machine_header", lambda *a: {"started": "now", "gpu": None})
     args = argparse.Namespace(out=str(tmp_path / "r"), budget_s=10.0, parts="cuda-tests,mfu,"
-                              "offload,calibrate", data=None, reduced=True, mfu_runs=0)
+                              "offload,calibrate", data=None, reduced=True, mfu_runs=0,
+                              resume=None)
     body = gpu.run(args)
     status = {p["name"]: p["status"] for p in body["parts"]}
     assert status["cuda-tests"].startswith("failed: RuntimeError('broken on purpose')")
@@ -168,7 +169,106 @@ def test_a_failing_part_and_the_budget_do_not_stop_the_report(tmp_path, monkeypa
     text = (tmp_path / "r" / "report.md").read_text()
     assert "## mfu — ok" in text and "| run | step_s | phases_s |" in text
     assert json.loads((tmp_path / "r" / "report.json").read_text())["parts"][1]["rows"]
+    sections = sorted(p.stem for p in (tmp_path / "r" / "sections").glob("*.json"))
+    assert sections == ["cuda-tests", "mfu", "offload"]  # the cut part has none: resume runs it
     assert render_markdown({"header": {}, "parts": []}).startswith("# megalite-bench gpu")
+
+
+def test_the_parts_run_what_never_ran_on_a_gpu_first():
+    """The CUDA tests, then FP8's speed, then the offload, then MFU (calibrate after mfu:
+    it predicts mfu's steps); every part has its runner."""
+    assert PARTS[:4] == ("cuda-tests", "fp8", "offload", "mfu")
+    assert PARTS.index("calibrate") > PARTS.index("mfu") and set(gpu.RUNNERS) == set(PARTS)
+
+
+def _fake_parts(monkeypatch, clock, lost_at=None):
+    """Every runner a fake adding one row and 10 s of the command's clock; at the part named
+    `lost_at` the machine is lost (the process ends mid-part: SystemExit from inside it)."""
+    ran = []
+
+    def runner(name):
+        def part_runner(bench, part):
+            ran.append(name)
+            if name == lost_at:
+                raise KeyboardInterrupt("the machine is gone")
+            part.rows.append({"run": name, "step_s": 1.0, "status": "ok"})
+            clock.now += 10.0
+        return part_runner
+    for name in PARTS:
+        monkeypatch.setitem(gpu.RUNNERS, name, runner(name))
+    return ran
+
+
+class _Clock:  # the command's clock
+    now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_a_lost_machine_keeps_every_finished_part_and_resume_runs_only_the_rest(
+        tmp_path, monkeypatch):
+    """Each part's section is in DIR/sections the moment it ends; a machine lost in the third
+    part leaves the first two; --resume DIR (another GPU) runs only the missing parts of
+    --parts, and the report holds every part in order, each naming the GPU it ran on."""
+    clock = _Clock()
+    monkeypatch.setattr(gpu, "time", clock)
+    monkeypatch.setattr(gpu_session, "time", clock)
+    gpus = iter(["H200", "H100"])
+    monkeypatch.setattr(gpu_session, "machine_header",
+                        lambda *a: {"started": f"t{clock.now:.0f}", "gpu": next(gpus)})
+    out = tmp_path / "r"
+    args = argparse.Namespace(out=str(out), budget_s=1000.0, parts=",".join(PARTS[:5]),
+                              data=None, reduced=True, mfu_runs=0, resume=None)
+    ran = _fake_parts(monkeypatch, clock, lost_at=PARTS[2])
+    with pytest.raises(KeyboardInterrupt):
+        gpu.run(args)
+    assert ran == list(PARTS[:3])
+    assert sorted(p.stem for p in (out / "sections").glob("*.json")) == sorted(PARTS[:2])
+    kept = json.loads((out / "sections" / f"{PARTS[0]}.json").read_text())
+    assert kept["rows"] == [{"run": PARTS[0], "step_s": 1.0, "status": "ok"}]
+    assert kept["device"] == "H200" and kept["status"] == "ok" and kept["finished"]
+
+    ran = _fake_parts(monkeypatch, clock)
+    again = argparse.Namespace(out=None, budget_s=1000.0, parts=",".join(PARTS[:4]), data=None,
+                               reduced=True, mfu_runs=0, resume=str(out))
+    body = gpu.run(again)
+    assert ran == list(PARTS[2:4])  # the missing parts of --parts, nothing twice
+    assert [p["name"] for p in body["parts"]] == list(PARTS[:4])
+    assert [p["device"] for p in body["parts"]] == ["H200", "H200", "H100", "H100"]
+    assert body["header"]["gpu"] == "H200" and body["header"]["resumed"][0]["gpu"] == "H100"
+    text = (out / "report.md").read_text()
+    assert f"## {PARTS[2]} — ok (10 s of a" in text and "on H100)" in text
+    assert f"## {PARTS[0]} — ok (10 s of a" in text
+    assert sorted(p.stem for p in (out / "sections").glob("*.json")) == sorted(PARTS[:4])
+
+
+def test_resume_refuses_a_folder_without_a_report_or_beside_another_out(tmp_path):
+    args = argparse.Namespace(out=None, budget_s=10.0, parts="mfu", data=None, reduced=True,
+                              mfu_runs=0, resume=str(tmp_path / "none"))
+    with pytest.raises(SystemExit, match="--resume .*none: no report.json there"):
+        gpu.run(args)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text('{"header": {}, "parts": []}')
+    args.resume, args.out = str(tmp_path / "r"), str(tmp_path / "other")
+    with pytest.raises(SystemExit, match="writes to the folder it resumes"):
+        gpu.run(args)
+
+
+def test_a_resumed_calibrate_predicts_the_kept_mfu_steps():
+    """A kept mfu section's ok rows are what calibrate predicts (their overrides rebuilt);
+    a failed run and a gap row are not."""
+    from megalite_bench.gpu_mfu import measured_rows
+    from megalite_bench.gpu_report import Part
+
+    first, second = mfu_specs(REDUCED)[:2]
+    part = Part("mfu", rows=[{"run": first.id, "step_s": 0.5, "status": "ok"},
+                             {"run": second.id, "step_s": None, "status": "failed (exit 1)"},
+                             {"run": "gap: x", "step_s": 0.1, "status": "ok (difference)"}])
+    got = measured_rows(REDUCED, part)
+    assert list(got) == [first.id] and got[first.id]["overrides"] == train_overrides(
+        REDUCED, first)
+    assert measured_rows(REDUCED, None) == {}
 
 
 def test_the_test_plugins_load_without_datasets(monkeypatch):
@@ -181,3 +281,17 @@ def test_the_test_plugins_load_without_datasets(monkeypatch):
     path = Path(__file__).parents[2] / "data_fixtures.py"
     spec = importlib.util.spec_from_file_location("data_fixtures_without_datasets", path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_the_checkout_and_its_commit_are_found_from_any_directory(tmp_path, monkeypatch):
+    """Run from elsewhere, the command still finds the checkout beside its package (the CUDA
+    tests are there, not in the wheel) and names its commit in the report's header."""
+    from pathlib import Path
+
+    from megalite_bench.gpu_report import machine_header
+
+    repo = Path(gpu_session.__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    assert gpu_session.checkout() == repo
+    if (repo / ".git").exists():
+        assert f"({repo}: " in machine_header(True, 1.0, sys.executable)["megalite"]

@@ -1,6 +1,8 @@
 """The offload benchmark's bookkeeping (megalite_bench/offload.py): one variant alive at a
 time in an order that rebuilds the baseline, ratios against the baselines around each
-variant, waits taken from the trainer's step timers."""
+variant, waits taken from the trainer's step timers; the optimizer offload's timeline
+(megalite/parallel/offload_timeline.py) of real steps on CPU, after a warm-up past the first
+host step, and its drawing."""
 from __future__ import annotations
 
 import time
@@ -70,8 +72,77 @@ def test_one_variant_is_built_timed_and_its_waits_counted():
             with timers.phase("offload_wait"):
                 time.sleep(0.01)
         built.append(step)
-        return step, timers
+        return step, timers, None
     got = time_variant(make, torch.device("cpu"), warmup=2, steps=3)
-    assert len(built) == 1 and len(got["times_s"]) == 3
+    assert len(built) == 1 and len(got["times_s"]) == 3 and "timeline" not in got
     assert 0.01 <= got["offload_wait_s"] <= got["step_s"] * 1.5
     assert 0 <= got["cpu_s"] < 0.01  # asleep: the process spent next to no CPU
+
+
+def test_offload_steps_are_timed_past_the_first_host_step_with_their_timeline(monkeypatch):
+    """A real optimizer-offload step on CPU (tiny GPT-2, offload.optimizer=1, fp32): when the
+    timed steps begin, the warm-up's host step has finished and created every range's AdamW
+    moments; every timed step's seconds are reported, and the timeline holds, per timed step,
+    each range's gradient copy, host step and parameter copy, inside the steps' spans."""
+    from megalite.config.schema import load_config
+    from megalite.parallel.offload import OptimizerOffload
+    from megalite_bench.offload import build_variant, random_batches
+    from megalite_bench.offload_draw import draw
+
+    seen = []
+    record = OptimizerOffload.record
+
+    def spy(self, timeline):
+        if timeline is not None:  # the timed steps are about to begin
+            seen.append([(r.stepped is not None and r.stepped.done(),
+                          all("exp_avg" in st for st in r.optimizer.state.values())
+                          and len(r.optimizer.state) == len(r.pieces)) for r in self.order])
+        record(self, timeline)
+    monkeypatch.setattr(OptimizerOffload, "record", spy)
+    cpu = torch.device("cpu")
+    mcfg = load_config(["model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+                        "model.vocab_size=128", "model.n_positions=16", "model.resid_pdrop=0",
+                        "model.embd_pdrop=0", "model.attn_pdrop=0"]).model
+    batches = random_batches(mcfg.vocab_size, 2, 16, 2, cpu)
+    got = time_variant(lambda: build_variant(mcfg, cpu, torch.float32, "fp32", 2, 16, 1.0,
+                                             False, batches), cpu, warmup=1, steps=2)
+    (ranges,) = seen
+    assert ranges and all(done and moments for done, moments in ranges)
+    assert len(got["times_s"]) == 2 and got["step_s"] > 0
+    spans = got["timeline"]
+    steps = [s for s in spans if s["kind"] == "step"]
+    assert [s["range"] for s in steps] == [0, 1]
+    for kind in ("d2h", "host_step", "h2d"):
+        mine = [s for s in spans if s["kind"] == kind]
+        assert sorted(s["range"] for s in mine) == sorted(list(range(len(ranges))) * 2), kind
+        for s in mine:  # every copy and host step within the timed steps (the last host
+            assert 0 <= s["start_s"] <= s["end_s"]  # step may outlast its step's span)
+            assert steps[0]["start_s"] <= s["start_s"] <= spans[-1]["end_s"]
+    assert got["timeline_s"]["host_step"] > 0 and set(got["timeline_s"]) == {
+        "d2h", "host_step", "h2d", "wait"}
+    inside = [x for x in spans if x["start_s"] < steps[-1]["end_s"]]  # per step: of these
+    for kind in ("d2h", "wait"):
+        assert got["timeline_s"][kind] == pytest.approx(sum(
+            x["end_s"] - x["start_s"] for x in inside if x["kind"] == kind) / 2)
+    lines = draw(spans, width=40)
+    assert lines[0].startswith("  seconds 0 .. ") and len(lines) == 6
+    assert all("#" in line for line in lines[2:5]) and "0" in lines[1] and "1" in lines[1]
+
+
+def test_the_timeline_puts_device_and_host_spans_on_one_clock():
+    from megalite.parallel.offload_timeline import OffloadTimeline, totals
+
+    timeline = OffloadTimeline(torch.device("cpu"))
+    with timeline.on_host("host_step", 0):
+        pass
+    timeline.begin()  # forgets the span before it
+    with timeline.on_device("d2h", 1):
+        time.sleep(0.02)
+    with timeline.on_host("host_step", 1):
+        time.sleep(0.01)
+    spans = timeline.take()
+    assert [(s["kind"], s["range"]) for s in spans] == [("d2h", 1), ("host_step", 1)]
+    assert 0 <= spans[0]["start_s"] < spans[0]["end_s"] <= spans[1]["start_s"]
+    got = totals(spans)
+    assert got["d2h"] >= 0.02 and got["host_step"] >= 0.01 and got["wait"] == 0
+    assert timeline.take() == []

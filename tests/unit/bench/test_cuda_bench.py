@@ -1,7 +1,9 @@
 """The offload benchmark on a GPU (megalite_bench/offload.py): each variant built, timed and
 freed in turn (the device memory after a variant is what it was before it), the offload
-waits measured with CUDA events. Skipped without a GPU; `megalite-bench gpu` runs it.
-Written against CUDA semantics; not yet run on a GPU."""
+waits measured with CUDA events, every timed step's seconds and, under optimizer offload, the
+timeline of copies (CUDA events on the side stream) and host steps on one clock. Skipped
+without a GPU; `megalite-bench gpu` runs it. Written against CUDA semantics; not yet run on a
+GPU."""
 from __future__ import annotations
 
 import pytest
@@ -26,5 +28,12 @@ def test_variants_are_freed_and_waits_are_device_time():
                                         activations, batches), device, warmup=1, steps=2)
         assert got["step_s"] > 0 and got["peak_memory_gib"] > 0
         assert got["offload_wait_s"] >= 0 and (fraction > 0 or got["offload_wait_s"] == 0)
+        assert len(got["times_s"]) == 2 and ("timeline" in got) == (fraction > 0)
+        if fraction > 0:  # the copies on the side stream and the host steps, one clock
+            kinds = {s["kind"] for s in got["timeline"]}
+            assert {"step", "d2h", "host_step", "h2d"} <= kinds, kinds
+            steps = [s for s in got["timeline"] if s["kind"] == "step"]
+            assert all(0 <= s["start_s"] <= s["end_s"] for s in got["timeline"])
+            assert steps[-1]["end_s"] == pytest.approx(sum(got["times_s"]), rel=0.5)
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated(device) <= before + 2**20  # nothing left alive

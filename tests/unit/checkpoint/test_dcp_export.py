@@ -12,8 +12,8 @@ import torch
 from megalite.checkpoint.dcp_export import export_dcp, read_titan_state
 from megalite.checkpoint.export import model_config
 from megalite.checkpoint.format import read_global_state
-from megalite.checkpoint.titan_names import to_interleaved, to_rotate_half
 from megalite.config.errors import ConfigError
+from megalite.model.llama.titan import to_interleaved, to_rotate_half
 from megalite.train.init_from import check_init_from
 from megalite_bench.hf_export import write_checkpoint
 

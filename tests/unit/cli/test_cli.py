@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[3]
 COMMANDS = {"pretrain": "pretrain", "prepare": "prepare_data", "plan": "plan",
             "export": "export_hf", "generate": "generate", "bench": "bench",
             "verify_rank": "verify_rank", "evaluate": "evaluate",
-            "plot": "plot", "hang_report": "hang_report", "selftest": "selftest"}
+            "plot": "plot", "hang_report": "hang_report", "selftest": "selftest",
+            "torchrun": "torchrun"}
 
 
 def command_module(command: str) -> str:

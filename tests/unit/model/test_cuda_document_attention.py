@@ -1,7 +1,8 @@
 """The document mask's CUDA kernels (`train.document_kernel=flex|varlen`) against SDPA with the
 boolean mask in fp32: outputs and q/k/v gradients of documents of mixed lengths at several
 multiples of FlexAttention's 128-token block, with and without grouped-query heads (flex
-compiled twice only: the CUDA tests share one time limit in megalite-bench gpu). Skipped on
+compiled twice, and once more for the CP all-gather branch at one rank: the CUDA tests
+share one time limit in megalite-bench gpu). Skipped on
 machines without a GPU (CI); run on one with
 `python -m pytest tests/unit/model/test_cuda_document_attention.py` (megalite-bench gpu's
 cuda-tests part does)."""
@@ -42,3 +43,30 @@ def test_cuda_document_kernel_equals_the_boolean_mask(kernel, dtype, tol, kv_hea
     got = attention_and_grads(kernel, dtype, kv_heads)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{kernel} {name}")
+
+
+def test_cuda_cp_allgather_kernel_equals_the_boolean_mask():
+    """The CP all-gather path's CUDA branch (FlexAttention over the keys with the spans' block
+    mask, `megalite.parallel.context_documents`) on a group of one rank (its two chunks are
+    the whole window), fp32, against SDPA with the boolean mask: outputs and gradients."""
+    import numpy as np
+
+    from megalite.parallel.context_attention import cp_attention
+    from megalite.parallel.context_documents import DocumentSpans
+    from megalite.parallel.group import single_rank_group
+
+    ids = document_ids().cpu().numpy()
+    first = np.stack([np.searchsorted(row, row) for row in ids])  # each document's start
+    spans = DocumentSpans.of(first, 1, 0).to(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(len(LENGTHS), h, 640, 64, generator=g, device="cuda")
+               .requires_grad_() for h in (8, 2, 2))
+    grad = torch.randn(len(LENGTHS), 8, 640, 64, generator=g, device="cuda")
+    out = cp_attention(q, k, v, single_rank_group("cp"), documents=spans)
+    got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want_out = document_attention(*ref, AttentionInputs(ids=document_ids(), kernel="sdpa"),
+                                  0.0, "auto")
+    want = [want_out, *torch.autograd.grad(want_out, ref, grad)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"cp allgather {name}")

@@ -96,6 +96,28 @@ def test_copies_go_to_pinned_memory_on_a_side_stream():
     assert offload.held_bytes == 0
 
 
+def test_host_copies_are_pinned_as_counted_and_reused():
+    """Every block offloaded, bf16, two forward + backward passes: none of the host copies
+    goes through torch's pinned allocator (host_memory_stats' bytes do not grow: it would
+    round each copy up to a power of two); the rank's pool pins the most bytes held at once
+    (`take_peak`, what the plan counts: tests/integration/model/test_activation_offload.py)
+    in whole pages, and the second pass reuses the first's buffers."""
+    from megalite.parallel.host_arena import PAGE
+
+    _, offloaded, offload = _models(torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    reserved = []
+    for _ in range(2):
+        offloaded(*_batch()).backward()
+        torch.cuda.synchronize()
+        reserved.append(offload.pool.reserved)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    peak, buffers = offload.take_peak(), len(offload.pool.whole)
+    assert peak <= reserved[0] < peak + PAGE * buffers
+    assert reserved[1] == reserved[0] and offload.held_bytes == 0
+
+
 def test_the_step_peak_is_bounded_by_the_blocks_in_transit():
     """Every block offloaded (4): the peak device memory of a forward + backward is below
     the plain run's by at least 4 - IN_TRANSIT - 0.5 blocks' activations (the copies out

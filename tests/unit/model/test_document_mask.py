@@ -135,8 +135,9 @@ def test_documents_of_a_window():
 
 def test_documents_of_a_cp_rank_are_its_chunks_of_the_window():
     """cp=2: rank 0 keeps chunks 0 and 3 of 4 (tokens 0-1, 6-7), rank 1 chunks 1 and 2: the
-    global ids, the positions in their documents and the counted targets of those tokens, and
-    the pairs their queries see (the window's Σ n(n+1)/2 = 6 + 3 + 1 + 3 over the ranks)."""
+    global ids, the positions in their documents and the counted targets of those tokens, the
+    pairs their queries see (the window's Σ n(n+1)/2 = 6 + 3 + 1 + 3 over the ranks), and the
+    CP kernels' document spans."""
     window = np.array([[5, 6, 0, 7, 0, 0, 8, 9]])
     rule = DocumentRule(0, reset_positions=True, eos_loss=False)
     ranks = [rule.of(window, (2, r)) for r in range(2)]
@@ -146,6 +147,15 @@ def test_documents_of_a_cp_rank_are_its_chunks_of_the_window():
                                                    [[False, True, False, False]]]
     assert [d.visible_pairs for d in ranks] == [6, 7]
     assert rule.of(window).visible_pairs == 13
+    # the CP kernels' spans, made here on the host: each token's document's first position,
+    # the pieces (sequence, local start, end, global start, key start), the chunks' first
+    assert [d.spans.first.tolist() for d in ranks] == [[[0, 0, 6, 6]], [[0, 3, 3, 5]]]
+    assert [d.spans.pieces for d in ranks] == [
+        ((0, 0, 2, 0, 0), (0, 2, 4, 6, 6)),
+        ((0, 0, 1, 2, 0), (0, 1, 2, 3, 3), (0, 2, 3, 4, 3), (0, 3, 4, 5, 5))]
+    assert ranks[0].spans.chunk_first == ranks[1].spans.chunk_first == (0, 0, 3, 6)
+    assert ranks[1].to(torch.device("cpu")).spans.pieces == ranks[1].spans.pieces
+    assert rule.of(window).spans is None  # cp 1: the single-rank kernels' inputs
 
 
 def test_the_loss_share_gives_the_step_mean_per_counted_target():

@@ -4,6 +4,8 @@ Both families load with the weights saved (a Llama in safetensors shards with th
 a model not in the cache is one line naming the id and the cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,3 +66,63 @@ def test_a_model_neither_cached_nor_reachable_is_one_line(offline_cache):
     assert "\n" not in message
     assert "init_from='someone/not-downloaded'" in message and str(offline_cache) in message
     assert "HF_HUB_OFFLINE=1" in message
+
+
+@pytest.fixture
+def served_hub(tmp_path, monkeypatch):
+    """huggingface_hub's download functions serving repositories the test writes under
+    `remote/<org>--<name>` into a snapshot directory, recording every file they hand out;
+    (remote, fetched)."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    remote, fetched = tmp_path / "remote", []
+
+    def snapshot_download(repo_id, allow_patterns=None, **_):
+        source = remote / repo_id.replace("/", "--")
+        if not source.is_dir():
+            raise OSError(f"no repository {repo_id}")
+        snapshot = tmp_path / "snapshots" / repo_id.replace("/", "--")
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for f in sorted(source.iterdir()):
+            if allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, snapshot / f.name)
+                fetched.append(f.name)
+        return str(snapshot)
+
+    def hf_hub_download(repo_id, filename, **_):
+        fetched.append(filename)
+        return shutil.copy(remote / repo_id.replace("/", "--") / filename, tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    return remote, fetched
+
+
+def test_the_check_before_launch_fetches_the_config_alone(served_hub):
+    """Every rank runs the check before any process group exists: it asks the hub for
+    config.json and nothing else; loading then fetches the weights once."""
+    from megalite.train.init_from import check_init_from as check_before_launch
+
+    remote, fetched = served_hub
+    random_hf_gpt2(GPT2).save_pretrained(remote / "someone--tiny-gpt2")
+    check_before_launch("someone/tiny-gpt2", GPT2)
+    assert fetched == ["config.json"]
+    fetched.clear()
+    state = load_hf_state_dict("someone/tiny-gpt2", GPT2)
+    assert "model.safetensors" in fetched and state
+
+
+@pytest.mark.parametrize("check", ["before launch", "load"])
+def test_a_wrong_shape_is_refused_before_any_weights_are_fetched(served_hub, check):
+    from megalite.train.init_from import check_init_from as check_before_launch
+
+    remote, fetched = served_hub
+    random_hf_gpt2(GPT2).save_pretrained(remote / "someone--tiny-gpt2")
+    wider = dataclasses.replace(GPT2, n_embd=64)
+    with pytest.raises(ConfigError, match="n_embd"):
+        (check_before_launch if check == "before launch" else load_hf_state_dict)(
+            "someone/tiny-gpt2", wider)
+    assert fetched and not [f for f in fetched if f.endswith(".safetensors")]

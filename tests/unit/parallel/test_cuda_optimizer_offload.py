@@ -70,6 +70,45 @@ def test_host_state_is_pinned_and_copies_use_a_side_stream():
         assert r.bucket.main.is_cuda and r.bucket.main.numel() == r.offset
 
 
+def _plan_host(fraction: float, zero: int = 2, precision: str = "bf16") -> dict:
+    """The plan's host bytes per rank (`StagePlan.host`) for `_engine`'s model and batch."""
+    from megalite.config.layout import Layout
+    from megalite.config.schema import load_config
+    from megalite.plan.memory import make_plan
+
+    cfg = load_config([f"model.{k}={getattr(CFG, k)}" for k in
+                       ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")]
+                      + [f"train.seq_len={S}", f"train.micro_batch_size={B}",
+                         f"train.global_batch_size={2 * B}", f"zero={zero}",
+                         f"precision={precision}", f"offload.optimizer={fraction}"])
+    return make_plan(cfg, Layout.from_config(cfg, 1, "cuda")).stages[0].host
+
+
+def _pinned_by_torch() -> int:
+    """Bytes torch's pinned allocator holds (each block rounded up to a power of two)."""
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+def test_pinned_host_memory_is_what_the_plan_counts():
+    """zero 2, bf16, offload 0.5, two steps: none of the offloaded state goes through torch's
+    pinned allocator (host_memory_stats' bytes do not grow: it would hold each range's
+    buffers rounded up to powers of two), and what the rank pins — its one arena, registered
+    exactly — with the AdamW moments is the plan's host bytes."""
+    torch.cuda.synchronize()
+    before = _pinned_by_torch()
+    _, engine, schedule = _engine(0.5)
+    for _ in range(2):
+        _step(engine, schedule, _batches())
+    engine.wait_for_params()
+    torch.cuda.synchronize()
+    assert _pinned_by_torch() == before
+    offload = engine.offload
+    assert offload.arena.buffer.is_pinned()
+    moments = sum(2 * 4 * r.main.numel() for r in offload.ranges.values())
+    assert offload.arena.nbytes + moments == offload.host_bytes()
+    assert offload.host_bytes() == pytest.approx(_plan_host(0.5)["optimizer"], rel=0.01)
+
+
 def test_gradient_copies_start_during_the_backward_and_parameters_return_in_order():
     """zero 3, several units, 2 micro-batches: some device->host copies are issued before
     the backward ends, each ordered after its own reduction, and folded on the offload's

@@ -14,6 +14,7 @@ from megalite.cli.plan import main as plan_main
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
 from megalite.model.families import family
+from megalite.parallel.context_documents import block_mask_bytes
 from megalite.plan import cp_terms
 from megalite.plan.dims import dims
 from megalite.plan.links import group_links
@@ -134,3 +135,21 @@ def test_megalite_plan_shows_cp(capsys):
     out = capsys.readouterr().out
     assert "cp=2 (ring)" in out and "cp GB" in out and "placement over DP x CP" in out
     assert " cp " in out.split("ms per step:")[1]
+
+
+@pytest.mark.parametrize("comm", ["allgather", "ring"])
+def test_under_the_document_mask_the_working_bytes_add_what_the_cp_kernels_hold(comm):
+    """The spans' first positions (int64 a local token) and the allgather path's block mask
+    (`block_mask_bytes`, what test_context_documents holds to a built mask's tensors) or the
+    ring's chunk pair's mask and its complement; no [b, c, s] mask."""
+    over = LLAMA + ["cp=2", f"parallel.cp_comm={comm}", "train.global_batch_size=2",
+                    "train.seq_len=256", "train.micro_batch_size=2"]
+    cfg, lay = _layout(over, 2)
+    masked, _ = _layout(over + ["train.attention_mask=document"], 2)
+    b, local = 2, 128
+    held = block_mask_bytes(b, local, 256) if comm == "allgather" else 2 * b * 64 * 64
+    assert cp_terms.document_bytes(masked, lay) == 8 * b * local + held
+    for when in ("forward", "backward"):
+        assert cp_terms.working_bytes(masked, lay, 2)[when] \
+            == cp_terms.working_bytes(cfg, lay, 2)[when] + 8 * b * local + held
+    assert cp_terms.document_bytes(masked, Layout()) == 0.0

@@ -119,8 +119,12 @@ def test_a_blend_weights_each_datasets_fractions(tmp_path):
         assert cp[0].mean < cp[1].mean  # shorter documents: more skipped
         assert cp_work(blend, 2, comm, 1).mean == pytest.approx(  # 3:1 drawn, micro-batch 1
             0.75 * cp[0].mean + 0.25 * cp[1].mean)
-        # micro-batches of 2 mix the datasets as training draws them: a batch skips only
-        # what both its windows allow, more than the datasets' own batches of 2 would
+        if comm == "allgather":  # its pieces are per sequence: a micro-batch's windows add
+            assert cp_work(blend, 2, comm, 2).mean == pytest.approx(
+                cp_work(blend, 2, comm, 1).mean)
+            continue
+        # the ring's micro-batches of 2 mix the datasets as training draws them: a batch
+        # skips only what both its windows allow, more than the datasets' own batches would
         pooled = cp_work(blend, 2, comm, 2).slowest
         alone = [cp_masked_work(w.sample, 2, comm, 2).slowest for w in each]
         assert 0.75 * alone[0] + 0.25 * alone[1] < pooled <= alone[1]
@@ -178,12 +182,18 @@ def test_under_cp_the_time_model_charges_the_cp_kernels_unskipped_work():
         assert masked.terms["compute"] - causal.terms["compute"] == pytest.approx(
             2 * 3 * attention * (cp.slowest - 1))
         assert f"the cp=2 {comm} kernel computes {cp.mean:.1%}" in masked.summary()
-        # a measured sdpa ratio prices the all-gather path's masked SDPA; the ring: causal
-        _, _, rated = _predict(over + DOCUMENT, work, replace(synthetic(),
-                                                              mask_ratios={"sdpa": 1.5}), world=2)
-        ratio = 1.5 if comm == "allgather" else None
+        # a measured flex ratio prices the all-gather path's FlexAttention on CUDA (a
+        # measured sdpa ratio nothing: no SDPA with a mask runs); the ring: causal
+        ratios = {"sdpa": 1.5, "flex": 1.25}
+        _, _, rated = _predict(over + DOCUMENT, work, replace(synthetic(), mask_ratios=ratios),
+                               world=2)
+        ratio = 1.25 if comm == "allgather" else None
         assert (rated.document_mask["ratio"], rated.document_mask["factor"]) == (
             ratio, pytest.approx(cp.slowest * (ratio or 1.0)))
+        cpu = replace(synthetic(), device="cpu", mask_ratios=ratios)  # maskless flash pieces
+        _, _, on_cpu = _predict(over + DOCUMENT, work, cpu, world=2)
+        assert (on_cpu.document_mask["ratio"], on_cpu.document_mask["factor"]) == (
+            None, cp.slowest)
 
 
 def test_the_masked_block_hides_less_of_activation_offloads_copies(monkeypatch):

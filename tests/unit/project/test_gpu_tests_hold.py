@@ -1,10 +1,14 @@
-"""The GPU-only tests (tests/*/test_cuda*.py, skipped without a GPU) checked on CPU, so they
-cannot rot unseen: every `from megalite... import name` in them (function-local ones too)
-resolves, and every spy or fake they patch in (`mock.patch.object(target, "name", spy)`,
-`monkeypatch.setattr(target, "name", spy)`) accepts every call the real attribute accepts
-(`inspect.signature`: a spy with one argument too few is a TypeError at its first call on
-the GPU). A patch whose target is a local variable names its class in `LOCAL_TARGETS`; a new
-one not listed fails here, naming it."""
+"""The GPU-only tests (tests/*/*/test_cuda*.py, skipped without a GPU) checked on CPU, so they
+cannot rot unseen: each collects (imports) and is skipped without a GPU, every `from
+megalite... import name` in them (function-local ones too) resolves, and every spy or fake
+they patch in (`mock.patch.object(target, "name", spy)`, `monkeypatch.setattr(target, "name",
+spy)`) accepts every call the real attribute accepts (`inspect.signature`: a spy with one
+argument too few is a TypeError at its first call on the GPU). A patch whose target is a local
+variable names its class in `LOCAL_TARGETS`; a new one not listed fails here, naming it. And
+every CUDA-only branch of megalite/ has a single-GPU test: the branches found in the source
+are exactly the ones `cuda_branches` maps to a test (that exists, in a GPU-only file) or,
+reached only by NCCL between GPUs, to why.
+"""
 from __future__ import annotations
 
 import ast
@@ -18,8 +22,10 @@ import pytest
 
 from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.pipeline import PipelineSchedule
+from tests.unit.project.cuda_branches import SEVERAL_GPUS, SINGLE_GPU
 
 TESTS = Path(__file__).resolve().parents[2]
+PACKAGE = TESTS.parent / "megalite"
 GPU_TESTS = sorted(TESTS.glob("*/*/test_cuda*.py"))
 # (file, local variable patched) -> the class of the instance it holds
 LOCAL_TARGETS = {("test_cuda_optimizer_offload.py", "offload"): OptimizerOffload,
@@ -133,3 +139,87 @@ def test_every_import_of_the_gpu_tests_resolves():
                if not hasattr(importlib.import_module(module), name)
                and importlib.util.find_spec(f"{module}.{name}") is None]
     assert not missing, missing
+
+
+def _live_device_test(test: ast.expr) -> bool:
+    """Whether a branch's condition asks the live device (not a configured device name):
+    `<x>.type == "cuda"` or "cpu", `.is_cuda`, a `cuda` flag, `torch.cuda.<call>()`."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Attribute) and n.attr in ("is_cuda", "cuda"):
+            return True
+        if isinstance(n, ast.Name) and n.id == "cuda":
+            return True
+        if isinstance(n, ast.Compare):
+            sides = [n.left, *n.comparators]
+            if any(isinstance(x, ast.Attribute) and x.attr == "type" for x in sides) and any(
+                    isinstance(x, ast.Constant) and x.value in ("cuda", "cpu") for x in sides):
+                return True
+    return False
+
+
+def cuda_branches(root: Path = PACKAGE) -> Dict[str, List[int]]:
+    """module:function -> the lines of its CUDA-only branches (`if`, `while`, `x if c else y`)."""
+    found: Dict[str, List[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+
+        def visit(node: ast.AST, where: List[str]) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(child, where + [child.name])
+                    continue
+                if isinstance(child, (ast.If, ast.IfExp, ast.While)) and \
+                        _live_device_test(child.test):
+                    key = f"{module}:{'.'.join(where) or '<module>'}"
+                    found.setdefault(key, []).append(child.lineno)
+                visit(child, where)
+        visit(ast.parse(path.read_text()), [])
+    return found
+
+
+def test_the_gpu_tests_collect_and_skip_without_a_gpu():
+    for path in GPU_TESTS:
+        module = _module_of(path)
+        marks = getattr(module, "pytestmark", [])
+        marks = marks if isinstance(marks, list) else [marks]
+        per_test = [getattr(f, "pytestmark", []) for n, f in vars(module).items()
+                    if n.startswith("test_")]
+        skips = [m for m in marks + [m for ms in per_test for m in ms] if m.name == "skipif"]
+        reasons = [m.kwargs.get("reason", "") for m in skips]
+        assert any("GPU" in r for r in reasons), f"{path.name}: not skipped without a GPU"
+
+
+def test_every_cuda_branch_of_megalite_has_a_single_gpu_test():
+    found = cuda_branches()
+    assert len(found) > 40, "the branch finder found too few: stale"
+    listed = set(SINGLE_GPU) | set(SEVERAL_GPUS)
+    assert not set(SINGLE_GPU) & set(SEVERAL_GPUS)
+    untested = [f"{k} (lines {found[k]})" for k in sorted(set(found) - listed)]
+    assert not untested, f"CUDA-only branches without a single-GPU test: {untested}; write " \
+        "one (tests/*/*/test_cuda*.py) and name it in tests/unit/project/cuda_branches.py"
+    stale = sorted(listed - set(found))
+    assert not stale, f"cuda_branches.py names branches megalite/ no longer has: {stale}"
+    defined = {str(path.relative_to(TESTS.parent)): {
+        n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        for path in GPU_TESTS}
+    for branch, node in SINGLE_GPU.items():
+        file, test = node.split("::")
+        assert file in defined, f"{branch}: {file} is not a GPU-only test file"
+        assert test in defined[file], f"{branch}: {file} has no {test}"
+
+
+def test_the_branch_finder_sees_a_new_cuda_branch(tmp_path):
+    """What the check above would say of a new one (a module with a branch of each kind)."""
+    package = tmp_path / "megalite"
+    package.mkdir()
+    (package / "new.py").write_text(
+        "def f(x, device, cuda):\n"
+        "    if x.device.type == 'cuda':\n        pass\n"
+        "    y = 1 if x.is_cuda else 2\n"
+        "    while cuda:\n        break\n"
+        "    if layout.device_type == 'cuda':  # a configured name: not one\n        pass\n"
+        "class C:\n    def g(self):\n        return 1 if self.cuda else 0\n"
+        "def h(device):\n    return device.type != 'cpu' and 1\n"
+        "def k():\n    return 'cuda' if torch.cuda.is_available() else 'cpu'\n")
+    assert cuda_branches(package) == {"megalite.new:f": [2, 4, 5], "megalite.new:C.g": [11],
+                                      "megalite.new:k": [15]}

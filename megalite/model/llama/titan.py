@@ -1,4 +1,5 @@
-"""torchtitan's Llama 3 state <-> megalite's Llama state (HF names, `megalite.model.llama.hf`).
+"""torchtitan's Llama 3 state <-> megalite's Llama state (HF names, `megalite.model.llama.hf`):
+Llama's `DCPMapping`, the names `megalite.checkpoint.dcp_export` writes and reads.
 
 torchtitan (0.3.0, `torchtitan.models.llama3`) names a block's tensors
 `layers.<i>.attention.qkv_linear.{wq,wk,wv}.weight`, `layers.<i>.attention.wo.weight`,
@@ -23,6 +24,7 @@ from typing import Dict, Iterator, Tuple
 import torch
 
 from megalite.config.schema import ModelConfig
+from megalite.model.family import DCPMapping
 from megalite.model.llama.hf import GATE_UP
 
 # megalite's per-block suffix (after `model.layers.<i>.`) -> torchtitan's (after `layers.<i>.`)
@@ -113,3 +115,6 @@ def from_titan(state: Dict[str, torch.Tensor], cfg: ModelConfig) -> Dict[str, to
             t = to_rotate_half(t, _heads(suffix, cfg))
         out[f"model.layers.{layer}.{back_block[suffix]}"] = t.contiguous()
     return out
+
+
+LLAMA_DCP = DCPMapping("torchtitan's Llama 3", titan_tensors, from_titan, is_model_key)
