@@ -1,7 +1,8 @@
 """Train the same steps under any (tp, pp, dp, zero, sp) and compare with the serial run.
 
 `train_layout(...)` runs `steps` optimizer steps on real gloo ranks (fp32, dropout 0) and
-returns, per rank: the step losses, grad norms, the validation loss, and after every step this
+returns, per rank: the step losses, grad norms, the validation loss, the MoE figures of every
+step (`Trainer.last_moe`), and after every step this
 rank's slice of every parameter (for zero 3, gathered from the shards first) and the most host
 bytes offloaded activations held (offload.activations); with eval.hellaswag, the scores of the
 initial weights. `assert_equal`
@@ -44,6 +45,7 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
     hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
     zero3 = trainer.engine.zero3
     losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
+    moe = []  # MoE runs: each step's routing figures (trainer.last_moe; None without MoE)
     masters = [_masters(trainer.engine)]
     counter = trainer.topo.counter
     offload, offload_peaks = trainer.model.activation_offload, []
@@ -60,6 +62,7 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
             trainer.save()
         losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
         norms.append(norm)
+        moe.append(trainer.last_moe)
         param_norms.append(trainer.engine.param_norm().item())
         masters_cast.append(_parameters_are_masters_cast(trainer.engine))
         ctx = gathered_parameters(zero3) if zero3 is not None else contextlib.nullcontext()
@@ -70,6 +73,7 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
     c = trainer.topo.coords
     local_numel = sum(p.numel() for p in trainer.model.parameters())
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
+            "moe": moe,
             "hellaswag": hellaswag,
             "params": params, "specs": specs,
             "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
@@ -120,9 +124,11 @@ def composed(overrides: List[str]) -> Config:
     return load_config(TINY + FP32_NO_DROPOUT + overrides)
 
 
-def train_in_process(run_dir, overrides: List[str], steps: int = 10) -> dict:
-    """One configuration on one rank in this process (no spawn: a serial reference)."""
-    return _steps(0, 1, overrides, str(run_dir), steps)
+def train_in_process(run_dir, overrides: List[str], steps: int = 10,
+                     save_at: Optional[int] = None) -> dict:
+    """One configuration on one rank in this process (no spawn: a serial reference); with
+    `save_at=k` a checkpoint after step k (to its `checkpoint.dir`)."""
+    return _steps(0, 1, overrides, str(run_dir), steps, save_at)
 
 
 def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,

@@ -30,10 +30,11 @@ from megalite.checkpoint.export_parts import export_id, pin_checkpoint
 from megalite.checkpoint.format import read_global_state, read_meta
 from megalite.checkpoint.hf_stream import INDEX, write_hf_dir
 from megalite.checkpoint.resolve import CheckpointNotFound, resolve_checkpoint
+from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.data.prepare import TOKENIZER_DIR
 from megalite.model.causal_lm import CausalLM
-from megalite.model.families import causal_lm
+from megalite.model.families import causal_lm, family
 from megalite.model.init import load_global_state
 from megalite.utils.durable import recover_replaced, replace_dir
 
@@ -45,6 +46,18 @@ class ExportError(CheckpointNotFound):
 def model_config(ckpt: Path) -> ModelConfig:
     """The model shape recorded in a checkpoint's meta.json."""
     return ModelConfig.from_record(read_meta(resolve_checkpoint(ckpt))["model"])
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """The family's model class can hold the model (e.g. MixtralForCausalLM has no expert
+    selection bias); an ExportError naming the key otherwise."""
+    check = family(cfg).hf.check_export
+    if check is None:
+        return
+    try:
+        check(cfg)
+    except ConfigError as e:
+        raise ExportError(f"{family(cfg).hf.model_class}: {e}") from e
 
 
 def tokenizer_dir(ckpt: Path, override: Optional[str] = None) -> Path:
@@ -133,6 +146,7 @@ def export_hf(ckpt, out_dir, tokenizer: Optional[str] = None, force: bool = Fals
     recover_replaced(out_dir)  # an earlier export cut short in its swap
     _check_out_dir(out_dir, (given, ckpt, tokenizer_dir(ckpt, tokenizer)), force, parts)
     load_tokenizer(ckpt, tokenizer)  # checked against the model before anything is written
+    check_exportable(model_config(ckpt))
     if parts > 1:
         out_dir.mkdir(parents=True, exist_ok=True)
         ckpt, run = pin_checkpoint(given, out_dir, max_shard_bytes, parts)

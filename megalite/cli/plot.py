@@ -1,5 +1,6 @@
-"""Plot runs' metrics.jsonl: loss, validation loss, HellaSwag accuracy, tokens/s and MFU against
-the tokens trained on, one or several runs overlaid, into a PNG (for users without wandb).
+"""Plot runs' metrics.jsonl: loss, validation loss, HellaSwag accuracy, tokens/s, MFU and an MoE
+run's expert load against the tokens trained on, one or several runs overlaid, into a PNG (for
+users without wandb).
 
     megalite-plot outputs/run                                # -> outputs/run/metrics.png
     megalite-plot outputs/run-a outputs/run-b --out runs.png
@@ -8,9 +9,9 @@ the tokens trained on, one or several runs overlaid, into a PNG (for users witho
 (hydra.run.dir) holding metrics.jsonl; a resumed run's history is read as its last launch sees
 it (`megalite.train.metrics_file`). The legend names each run by its directory (with as much of
 the parent path as tells two same-named directories apart). A panel whose metric no run logged
-is left out (HellaSwag needs eval.hellaswag; MFU needs a known peak). Needs matplotlib (the
-`eval` extra: pip install -e ".[eval]" in a checkout); draws with the Agg backend, no display
-needed.
+is left out (HellaSwag needs eval.hellaswag; MFU needs a known peak; the expert load an MoE
+model). Needs matplotlib (the `eval` extra: pip install -e ".[eval]" in a checkout); draws with
+the Agg backend, no display needed.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ PANELS = (
      [("hellaswag_acc", "-"), ("hellaswag_acc_norm", "--")], 1.0, "accuracy"),
     ("throughput", [("tokens_per_s", "-")], 1.0, "tokens/s"),
     ("MFU", [("mfu", "-")], 100.0, "% of peak"),
+    ("expert load: max / mean tokens per expert, worst MoE layer", [("moe_imbalance", "-")],
+     1.0, "imbalance (1 = balanced)"),
 )
 
 

@@ -113,6 +113,11 @@ OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("rerun attribution", {"resilience.rerun": "on_nan"}),
     ("a named document kernel", {"train.attention_mask": "document",
                                  "train.document_kernel": "sdpa"}),
+    # MoE (docs/moe.md): a Mixtral with the aux loss, the z-loss and the bias on
+    ("MoE", {**LLAMA, "model.arch": "mixtral", "model.n_kv_head": 2, "model.n_inner": 32,
+             "model.moe.num_experts": 4, "model.moe.top_k": 2,
+             "model.moe.aux_loss_coeff": 0.01, "model.moe.z_loss_coeff": 0.001,
+             "model.moe.bias_update_rate": 0.01}),
 )
 
 # the serial run a row is compared with: these axes at the row's values, every other at its

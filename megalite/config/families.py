@@ -19,6 +19,7 @@ class FamilyRules(Protocol):
     """What `megalite.config` asks of a family (`megalite.model.family.Family` supplies it)."""
 
     name: str  # its model.arch
+    mixture_of_experts: bool  # its blocks have MoE layers (model.moe.num_experts >= 1)
 
     def check(self, cfg) -> None:
         """The rules of a `ModelConfig` of this family beyond the shared ones (ConfigError)."""

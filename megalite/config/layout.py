@@ -22,6 +22,7 @@ from megalite.config.errors import fail
 from megalite.config.families import registered_family
 from megalite.config.fp8 import check_fp8
 from megalite.config.inject import check_inject
+from megalite.config.moe import check_layout as check_moe_layout
 from megalite.config.presets import longer_context
 from megalite.config.schedule_rules import check_schedule, expected_bubble, groups_micro_batches
 from megalite.config.schema import ATTENTION_CUDA_ONLY, Config, check_sections
@@ -194,6 +195,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.cp * cfg.pp))
     _check_other_pairs(cfg)
     _check_context_parallel(cfg)
+    check_moe_layout(cfg)
     device_type = device_type_for(cfg.device, local_gpus)
     check_document_kernel_on_device(
         cfg.train.document_kernel, device_type,

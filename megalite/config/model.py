@@ -5,11 +5,12 @@ involve the layout are `megalite.config.layout`'s).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from megalite.config.errors import fail
 from megalite.config.families import registered_family
+from megalite.config.moe import MoEConfig
 
 
 @dataclass
@@ -40,7 +41,7 @@ class ModelConfig:
     """The model's family and shape (docs/models.md)."""
 
     name: str = "tiny"  # preset name, for the record (the shape below is what counts)
-    arch: str = "gpt2"  # model family: gpt2 | llama
+    arch: str = "gpt2"  # model family: gpt2 | llama | mixtral
     n_layer: int = 4  # num_hidden_layers
     n_embd: int = 128  # hidden_size
     n_head: int = 4  # num_attention_heads
@@ -56,6 +57,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2: always)
     rope_theta: float = 10000.0  # llama: the rotary base
     rope_scaling: Optional[RopeScaling] = None  # llama: Llama 3's RoPE scaling, or none
+    moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture-of-Experts (mixtral; docs/moe.md)
 
     @property
     def ffn_size(self) -> int:
@@ -74,6 +76,8 @@ class ModelConfig:
         values = {k: v for k, v in record.items() if k in known}
         if isinstance(values.get("rope_scaling"), dict):
             values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        if isinstance(values.get("moe"), dict):
+            values["moe"] = MoEConfig(**values["moe"])
         return cls(**values)
 
     def check(self) -> None:
@@ -92,4 +96,10 @@ class ModelConfig:
         for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")
+        self.moe.check()
+        if self.moe.enabled != bool(getattr(family, "mixture_of_experts", False)):
+            fail("model.moe.num_experts", self.moe.num_experts,
+                 f"model.arch={self.arch} has MoE layers: set model.moe.num_experts >= 1 (e.g. "
+                 "model=mixtral-tiny)" if self.moe.num_experts == 0 else
+                 f"model.arch={self.arch} is dense: use 0, or an MoE family (model.arch=mixtral)")
         family.check(self)

@@ -27,6 +27,7 @@ from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
+from megalite.model.moe.ledger import with_penalty
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
 from megalite.parallel.group import Group, single_rank_group
@@ -73,6 +74,8 @@ class CausalLM(nn.Module):
       [b, s, vocab_size] (gathered over TP, padding removed). `documents`
       (`megalite.data.documents`): attention within documents, positions restarting at each,
       targets after EOS left out of the loss, as the run sets them; None: none of these.
+      A stage with MoE layers (`routing`, a `megalite.model.moe.ledger.RoutingLedger`) adds
+      their balancing penalty of a training forward to the loss's gradient, not to its value.
 
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice),
     `document_kernel` the document mask's (`megalite.model.document_attention`).
@@ -108,6 +111,8 @@ class CausalLM(nn.Module):
         self.first, self.last = first, last
         self.blocks = blocks if blocks is not None else range(cfg.n_layer)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.tp_group.size)
+        # MoE families: what the stage's MoE layers record (`megalite.model.moe.ledger`)
+        self.routing = self.family.routing_ledger(cfg, self.blocks)
         self.tp_region = rng.tp_region if rng is not None else contextlib.nullcontext
         # Dropout on the residual stream: its own masks per TP rank only when SP shards it.
         self.residual_region = self.tp_region if self.sequence_parallel \
@@ -265,15 +270,21 @@ class CausalLM(nn.Module):
         chain = self.offload.chain(offloaded_blocks(
             len(self.blocks), self.recomputed_blocks(), self.offload.layers),
             len(self.blocks)) if offloading else None
+        if self.routing is not None:
+            self.routing.open(self.training and torch.is_grad_enabled())
         for index, block in enumerate(self.block_list()):
             x = self._run_block(index, block, x, chain, attn)
+        penalty = self.routing.close() if self.routing is not None else None
         if not self.last:
+            if penalty is not None:  # validation refuses MoE with pp > 1 (config/moe.py)
+                raise ValueError("an MoE balancing penalty on a stage without the LM head: "
+                                 "MoE does not support pp > 1 yet")
             return x
         logits = self.logits_local(x)
         if labels is not None and per_sequence:
             return self.sequence_losses(logits, labels)
-        if labels is not None:
-            return self.loss(logits, labels, documents)
+        if labels is not None:  # the balancing penalty in the gradient, not in the value
+            return with_penalty(self.loss(logits, labels, documents), penalty)
         return gather_vocab(logits, self.tp_group, self.cfg.vocab_size).transpose(0, 1)
 
 

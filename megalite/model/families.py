@@ -1,7 +1,7 @@
 """The model families by `model.arch` (the interface: `megalite.model.family`; the registry the
 config asks: `megalite.config.families`), and what the shared code asks of a model through
 them: its stage, its parameter count and FLOPs. A family registers once, by its stage
-(`register`): GPT-2's and Llama's here; a family of one's own the same way."""
+(`register`): GPT-2's, Llama's and Mixtral's here; a family of one's own the same way."""
 from __future__ import annotations
 
 from typing import Dict, Iterator, Optional, Type, Union
@@ -12,6 +12,7 @@ from megalite.model.causal_lm import CausalLM
 from megalite.model.family import Family
 from megalite.model.gpt2.stage import GPT2
 from megalite.model.llama.stage import Llama
+from megalite.model.mixtral.stage import Mixtral
 
 _STAGES: Dict[str, Type[CausalLM]] = {}
 
@@ -63,3 +64,4 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
 register(GPT2)
 register(Llama)
+register(Mixtral)

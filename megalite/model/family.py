@@ -18,8 +18,12 @@ forward, loss and recompute are shared) and its `Family`, registered once throug
                           buckets, Ψ, ZeRO-3's units) are both made from them
     initial_value         how a parameter starts (GPT-2: N(0, 0.02), residual projections
                           scaled, LayerNorms (1, 0); Llama: N(0, 0.02), RMSNorms 1)
-    num_parameters, flops_per_token, block_parameters, head_forward_flops_per_token
-                          the FLOPs the metrics, the header and the time model count
+    num_parameters, active_parameters, flops_per_token, block_parameters,
+    head_forward_flops_per_token
+                          the parameters and FLOPs the metrics, the header and the time
+                          model count (MoE: FLOPs of the active parameters)
+    mixture_of_experts, routing_ledger
+                          MoE layers (`megalite.model.moe`) and the stage's record of them
     layer_activation_bytes, block_backward_bytes
                           the memory plan's activation terms of one block
     hf                    the mapping to and from `transformers` (`HFMapping`)
@@ -40,6 +44,7 @@ import torch
 
 from megalite.config.families import Fp8Linear
 from megalite.config.schema import ModelConfig
+from megalite.model.moe.ledger import RoutingLedger
 from megalite.parallel.param_spec import ParamSpec, padded_vocab_size
 
 Specs = List[Tuple[str, ParamSpec]]  # (the name in the stage's module tree, its spec)
@@ -60,6 +65,8 @@ class HFMapping:
     from_hf_state_dict: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
     check_config: Callable[[ModelConfig, object, str], None]  # (cfg, hf_cfg, source)
     derived: Callable[[str], bool]  # a transformers key megalite's state does not hold
+    # (cfg) -> None, or a ConfigError where the model class cannot compute the model
+    check_export: Optional[Callable[[ModelConfig], None]] = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class Family:
     implement the spec lists, initialisation and FLOP / activation terms."""
 
     name: str = ""
+    mixture_of_experts: bool = False  # MoE layers (model.moe; `megalite.model.moe`)
     probe_tensor: str = ""
     embedding_module: str = ""  # the token embedding's module path in a stage
     hf: HFMapping
@@ -130,6 +138,12 @@ class Family:
     def initial_value(self, cfg: ModelConfig, name: str) -> Initial:
         raise NotImplementedError
 
+    def routing_ledger(self, cfg: ModelConfig, blocks: range) -> Optional[RoutingLedger]:
+        """The ledger a stage of `blocks` keeps of its MoE layers' routing (None: no MoE
+        layer among them, or a dense family)."""
+        layers = [i for i in blocks if self.mixture_of_experts and cfg.moe.is_moe_layer(i)]
+        return RoutingLedger(cfg.moe, layers) if layers else None
+
     def block_numel(self, cfg: ModelConfig, tp: int) -> int:
         """Parameter elements of one block on one TP rank."""
         return sum(local_numel(s, tp) for _, s in self.block_specs(cfg, 0, tp))
@@ -138,6 +152,11 @@ class Family:
 
     def num_parameters(self, cfg: ModelConfig) -> int:
         raise NotImplementedError
+
+    def active_parameters(self, cfg: ModelConfig) -> int:
+        """The parameters a token passes through (MoE: the top-k routed and the shared
+        experts only); all of them in a dense model."""
+        return self.num_parameters(cfg)
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         raise NotImplementedError

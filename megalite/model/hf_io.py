@@ -81,6 +81,8 @@ def save_hf(sd: Dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path,
     from transformers.utils import logging as hf_logging
 
     mapping = family(cfg).hf
+    if mapping.check_export is not None:
+        mapping.check_export(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else None
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id} \
         if tokenizer is not None else {}

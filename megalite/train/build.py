@@ -35,6 +35,7 @@ from megalite.eval.choice import ChoiceEval
 from megalite.eval.hellaswag import ChoiceSet, load_choices
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.init import init_parameters, load_global_state
+from megalite.model.moe.step import RouterBiases
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
 from megalite.parallel.context_attention import ContextParallel
@@ -79,7 +80,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     model = build_model(cfg, runtime, layout.stage_blocks()[c.pp_rank], rng)
     family = model.family  # the model's size and cost, as its family counts them
     counts = ModelCounts(family.num_parameters(cfg.model),
-                         family.flops_per_token(cfg.model, t.seq_len), family.flops_formula())
+                         family.flops_per_token(cfg.model, t.seq_len), family.flops_formula(),
+                         family.active_parameters(cfg.model))
     timers = StepTimers(runtime.device, topo.counter.waits)  # times offload's waits too
     engine = build_engine(cfg, layout, topo, model, timers)
     set_host_threads(cfg.offload.optimizer, runtime.device)  # the host AdamW's cores
@@ -94,7 +96,8 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
         load_choices(cfg), cfg.eval.hellaswag, runtime, model, engine, t.seq_len, shape)
     resilience = build_resilience(cfg, runtime, run_dir, model, engine, rng, loss_scaler)
     progress = Progress()
-    state = run_state(progress, sampler, loss_scaler, resilience.rerun, rng, cfg.seed)
+    state = run_state(progress, sampler, loss_scaler, resilience.rerun, rng, cfg.seed,
+                      RouterBiases.of(model.chunks))
     ckpt_root = checkpoint_root(cfg.checkpoint.dir, run_dir)
     restore(cfg, ckpt_root, engine, topo, state)
     prepare_run_dir(runtime, run_dir, ckpt_root, progress.step, cfg.resilience.hang_dump)

@@ -26,8 +26,9 @@ class ModelCounts:
     train.seq_len, with the formula's name."""
 
     parameters: int
-    flops_per_token: int
+    flops_per_token: int  # of the active parameters (MoE: top-k routed and shared experts)
     flops_formula: str
+    active_parameters: Optional[int] = None  # MoE: those a token passes; None = parameters
 
 
 def build_writer(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage,
@@ -81,6 +82,7 @@ def run_header(cfg: Config, rt: Runtime, run_dir: Path, model: PipelineStage, *,
         "vocab_size": m.vocab_size, "padded_vocab_size": model.padded_vocab,
         "tokenizer_vocab_size": data_meta["vocab_size"],
         "parameters": counts.parameters,
+        "active_parameters": counts.active_parameters or counts.parameters,
         "flops_per_token": counts.flops_per_token,
         "flops_formula": counts.flops_formula,
         "attention_mask": t.attention_mask,

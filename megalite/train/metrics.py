@@ -141,7 +141,7 @@ def strict_json(value):
 
 def wandb_row(record: dict) -> dict:
     """Flatten one metrics.jsonl record into wandb keys: train/*, val/*, perf/*,
-    perf/phase/<phase>_s, memory/*, comm/<group>/<op>_bytes, perf/stragglers (how many a
+    perf/phase/<phase>_s, memory/*, comm/<group>/<op>_bytes, moe/<block>/<figure>, perf/stragglers (how many a
     straggler report named) and perf/compute_median/<phase>_s."""
     row = {}
     for key, value in record.items():
@@ -155,6 +155,12 @@ def wandb_row(record: dict) -> dict:
             row["perf/stragglers"] = len(value["stragglers"])
             row.update({f"perf/compute_median/{k}_s": v
                         for k, v in value["median_compute_s"].items()})
+        elif key == "moe":  # per MoE layer: moe/<block>/<figure>; the pooled aux apart
+            for layer, figures in value.items():
+                if isinstance(figures, dict):
+                    row.update({f"moe/{layer}/{k}": v for k, v in figures.items()})
+                else:
+                    row[f"moe/{layer}"] = figures
         elif key == "comm":
             for name, counts in value.items():
                 row[f"comm/{name}_bytes"] = counts["bytes"]

@@ -33,12 +33,32 @@ ALIASES: Dict[str, Tuple[str, ...]] = {
 }
 
 
+MOE_PREFIX = "moe_"
+
+
+def _worst_layer(record: dict, figure: str) -> Optional[float]:
+    """The largest `figure` over the MoE layers of `record["moe"]` (metrics.jsonl's nested
+    form, or wandb's flat `moe/<block>/<figure>` keys)."""
+    layers = record.get("moe")
+    if isinstance(layers, dict):
+        values = [f.get(figure) for f in layers.values() if isinstance(f, dict)]
+    else:
+        values = [v for k, v in record.items()
+                  if k.startswith("moe/") and k.endswith(f"/{figure}")]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
 class MetricsFileError(ValueError):
     """A run directory without a readable metrics.jsonl; the message names the path."""
 
 
 def metric(record: dict, name: str) -> Optional[float]:
-    """The value of metric `name` in `record` under any of its names; None when absent or null."""
+    """The value of metric `name` in `record` under any of its names; None when absent or null.
+    `moe_<figure>` (an MoE run's `moe` figures, e.g. moe_imbalance): the worst (largest) over
+    its MoE layers."""
+    if name.startswith(MOE_PREFIX):
+        return _worst_layer(record, name[len(MOE_PREFIX):])
     for key in ALIASES.get(name, (name,)):
         value = record.get(key)
         if value is not None:

@@ -7,6 +7,8 @@ the run's position restored from `checkpoint.resume` through it.
                                                  batch ramp is a function of it)
     loss_scaler  LossScaler (precision=fp16)     meta.json "loss_scaler" (null when off)
     rerun        RerunAttribution               meta.json "rerun" (null when off)
+    moe_bias     RouterBiases (MoE with a bias)  meta.json "moe_bias" (a part only where a
+                                                 router has a bias)
     rng          ProcessRNG                     rng_rank<r>.pt (restored under the writer's
                                                  layout only; else reseeded from the step)
 
@@ -21,6 +23,7 @@ from typing import Optional
 from megalite.checkpoint.load import resume
 from megalite.checkpoint.state import META, RANK, TOP, Part, ProcessRNG, Progress, RunState
 from megalite.config.schema import Config
+from megalite.model.moe.step import RouterBiases
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZeroEngine
@@ -31,14 +34,17 @@ from megalite.utils import log
 
 
 def run_state(progress: Progress, sampler, loss_scaler: Optional[LossScaler],
-              rerun: Optional[RerunAttribution], rng: RNGTracker, seed: int) -> RunState:
+              rerun: Optional[RerunAttribution], rng: RNGTracker, seed: int,
+              moe_bias: Optional[RouterBiases] = None) -> RunState:
     """The run's stateful parts, each once (the module docstring). The RNG comes after the
     progress: its reseed reads the restored step."""
+    moe = [Part("moe_bias", moe_bias, META)] if moe_bias is not None else []  # MoE only
     return RunState([
         Part("progress", progress, TOP),
         Part("sampler", sampler, META),
         Part("loss_scaler", loss_scaler, META),
         Part("rerun", rerun, META),
+        *moe,
         Part("rng", ProcessRNG(rng, seed, progress), RANK),
     ])
 

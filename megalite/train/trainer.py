@@ -31,6 +31,7 @@ from megalite.data.documents import counted_targets, with_loss_share
 from megalite.data.loader import TokenShards, TrainBatches, val_batches
 from megalite.eval.choice import ChoiceEval, ChoiceScores
 from megalite.model.families import family
+from megalite.model.moe.step import clear_routing, routing_step
 from megalite.model.stage import PipelineStage
 from megalite.parallel import comm
 from megalite.parallel.pipeline import PipelineSchedule
@@ -104,6 +105,7 @@ class Trainer:
     last_batch_size: int = field(default=0, init=False)  # of the last step taken
     last_lr: float = field(default=0.0, init=False)
     last_micro_batches: list = field(default_factory=list, init=False)  # of the last step
+    last_moe: Optional[dict] = field(default=None, init=False)  # the last step's MoE figures
     _val: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +216,7 @@ class Trainer:
             self.rerun.before_step()
 
         def execute(execution: int, batches: list) -> Tuple[torch.Tensor, torch.Tensor]:
+            clear_routing(self.model.chunks)  # an execution's routing figures alone
             return self.guard.execute(execution, batches, scale)
 
         loss, norm = execute(0, micro_batches)
@@ -222,6 +225,9 @@ class Trainer:
             self.step + 1, loss, norm, micro_batches,       # optimizer step, maybe re-executed
             self.batches.last_samples, execute)
         with timers.phase("optimizer"):
+            # MoE: the step's expert counts over DP x CP, the selection bias updated from them
+            self.last_moe = routing_step(self.model.chunks, self.topo.grad_group,
+                                         update=finite and not skip)
             if finite and not skip:
                 self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
             self.engine.zero_grad()
@@ -387,6 +393,8 @@ class Trainer:
             record["predicted_step_time_s"] = self.planner["prediction"]["step_s"]
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
+        if self.last_moe is not None:  # per MoE layer, the last step's (model.moe)
+            record["moe"] = self.last_moe
         if topo.pp_size > 1:
             record["pipeline_bubble"] = measured_bubble(self.schedule.trace, topo, self.rt.device)
             record["pipeline_in_flight"] = self.schedule.peak_in_flight

@@ -199,10 +199,14 @@ class Llama(CausalLM):
                                                              tp_group, sp)
         inv_freq = inverse_frequencies(cfg)  # one table for the stage's blocks
         self.model.layers = nn.ModuleDict(
-            {str(i): self.make_block(cfg, tp_group, sp, self.tp_region, self.residual_region,
-                                     attention, self.cp, inv_freq) for i in self.blocks})
+            {str(i): self.block_at(i, attention, inv_freq) for i in self.blocks})
         if self.last:
             self.model.norm = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon)
+
+    def block_at(self, index: int, attention: str, inv_freq: torch.Tensor) -> nn.Module:
+        """Block `index` of the stage (sharing the stage's rotary table `inv_freq`)."""
+        return self.make_block(self.cfg, self.tp_group, self.sequence_parallel, self.tp_region,
+                               self.residual_region, attention, self.cp, inv_freq)
 
     def block_list(self) -> List[nn.Module]:
         return list(self.model.layers.values())

@@ -71,7 +71,8 @@ FOUR_RANKS = [
     ["zero=1", "parallel.overlap_param_gather=true"],
     ["pp=2", "parallel.virtual_stages=2", "zero=1", "parallel.overlap_param_gather=true",
      "offload.optimizer=0.5"],
-    ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=2", "offload.optimizer=0.5", "tp=2", "sp=true"],
+    ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=2",
+     "offload.optimizer=0.5", "tp=2", "sp=true"],
     ["pp=2", "parallel.schedule=zb-h1", "zero=0", "cp=2", "parallel.cp_comm=ring", *FP8],
 ]
 

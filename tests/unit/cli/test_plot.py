@@ -89,3 +89,22 @@ def test_a_directory_without_metrics_is_refused_naming_it(tmp_path, capsys):
     write_metrics(tmp_path / "empty", [(0, [])])
     with pytest.raises(MetricsFileError, match="no metric lines yet"):
         plot.read_runs([tmp_path / "empty"])
+
+
+def test_an_moe_run_gets_an_expert_load_panel_of_its_worst_layer(tmp_path):
+    """metric("moe_imbalance"): the largest over the MoE layers, from metrics.jsonl's nested
+    figures or wandb's flat keys; the plot draws it as a panel of its own."""
+    record = {"moe": {"0": {"imbalance": 1.5, "dropped": 0.0},
+                      "1": {"imbalance": 2.5, "dropped": 0.1}, "aux_hf": 2.0}}
+    assert metric(record, "moe_imbalance") == 2.5 and metric(record, "moe_dropped") == 0.1
+    assert metric({"moe/0/imbalance": 1.2, "moe/3/imbalance": 1.7}, "moe_imbalance") == 1.7
+    assert metric({"loss": 1.0}, "moe_imbalance") is None
+    pytest.importorskip("matplotlib", reason="matplotlib comes with the eval extra "
+                        "(pip install -e '.[dev,eval]')")
+    write_metrics(tmp_path, [(0, [10, 20])])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for x in lines[1:]:
+        x["moe"] = record["moe"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plot.main([str(tmp_path)])
+    assert png_size(tmp_path / "metrics.png") == (1200, 1080)  # a fifth panel, 3 rows

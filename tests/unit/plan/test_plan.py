@@ -79,6 +79,13 @@ PEAKS = {
     # a re-run block beside ZeRO-3's gathered units and staging
     "zero 3, recompute": (["zero=3", "model.n_layer=4", "model.n_embd=128",
                            "train.global_batch_size=4", "train.recompute=true"], "backward"),
+    # a Mixtral's routed assignments (8 experts, top-4) and gated shared expert
+    "moe": (["model.arch=mixtral", "model.n_kv_head=2", "model.n_inner=32",
+             "model.tie_word_embeddings=false", "model.moe.num_experts=8", "model.moe.top_k=4",
+             "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001",
+             "model.moe.shared_experts=1", "model.moe.shared_expert_gate=true",
+             "model.n_layer=8", "train.micro_batch_size=8", "train.global_batch_size=8",
+             "zero=1"], "loss backward"),
 }
 
 

@@ -1,0 +1,128 @@
+"""Mixtral's side of the family interface (`megalite.model.family`): Llama's attention, norms,
+embeddings and rules (`LlamaFamily`) with an MoE layer (`model.moe`) in place of the MLP of
+every block `model.moe.is_moe_layer` names (all of them in Mixtral; the others keep Llama's
+dense SwiGLU). Parameter names are transformers 5's MixtralForCausalLM's: `mlp.gate.weight`
+[E, h], `mlp.experts.gate_up_proj` [E, 2I, h], `mlp.experts.down_proj` [E, h, I].
+
+Counts: `num_parameters` every parameter (all experts); `active_parameters` those a token
+passes through (the router, k routed experts, the shared experts: what FLOPs, MFU and the time
+model count, Megatron's and torchtitan's convention).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from megalite.config.errors import fail
+from megalite.config.families import Fp8Linear
+from megalite.config.schema import ModelConfig
+from megalite.model.family import Specs
+from megalite.model.llama.family import LlamaFamily
+from megalite.model.mixtral import hf as hf_mixtral
+from megalite.parallel.param_spec import ParamSpec
+
+DENSE_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+
+
+def moe_specs(cfg: ModelConfig, prefix: str) -> Specs:
+    """The MoE layer's parameters (`megalite.model.moe.layer`), replicated (tp = 1)."""
+    moe, h = cfg.moe, cfg.n_embd
+    e, i = moe.num_experts, moe.expert_hidden(cfg.ffn_size)
+    shapes = [("mlp.gate.weight", (e, h)), ("mlp.experts.gate_up_proj", (e, 2 * i, h)),
+              ("mlp.experts.down_proj", (e, h, i))]
+    if moe.shared_experts:
+        s = moe.shared_hidden(cfg.ffn_size)
+        shapes += [("mlp.shared_experts.gate_up_proj.weight", (2 * s, h)),
+                   ("mlp.shared_experts.down_proj.weight", (h, s))]
+        if moe.shared_expert_gate:
+            shapes.append(("mlp.shared_experts_gate.weight", (1, h)))
+    return [(prefix + n, ParamSpec(prefix + n, shape)) for n, shape in shapes]
+
+
+class MixtralFamily(LlamaFamily):
+    """Llama's blocks with MoE layers (module docstring)."""
+
+    name = "mixtral"
+    mixture_of_experts = True
+    hf = hf_mixtral.MIXTRAL_MAPPING
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        if not any(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layer)):
+            fail("model.moe.first_dense_layers", cfg.moe.first_dense_layers,
+                 f"leaves no MoE layer among the model's {cfg.n_layer} blocks")
+
+    def block_specs(self, cfg: ModelConfig, index: int, tp: int) -> Specs:
+        specs = super().block_specs(cfg, index, tp)
+        if not cfg.moe.is_moe_layer(index):
+            return specs
+        p = f"model.layers.{index}."
+        return [s for s in specs if s[0][len(p):] not in DENSE_MLP] + moe_specs(cfg, p)
+
+    def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
+        """o_proj only: the experts stay in the model dtype (MoE with FP8 is refused)."""
+        return super().fp8_linears(cfg, tp)[:1]
+
+    # --- counts ---------------------------------------------------------------------------
+
+    def _mlp_parameters(self, cfg: ModelConfig, active: bool) -> int:
+        moe, h = cfg.moe, cfg.n_embd
+        experts = moe.top_k if active else moe.num_experts
+        shared = 3 * h * moe.shared_hidden(cfg.ffn_size) if moe.shared_experts else 0
+        gate = h if moe.shared_expert_gate and moe.shared_experts else 0
+        return moe.num_experts * h + experts * 3 * h * moe.expert_hidden(cfg.ffn_size) \
+            + shared + gate
+
+    def _blocks(self, cfg: ModelConfig, active: bool) -> int:
+        """All blocks' parameters (every expert, or those a token passes: `active`)."""
+        dense = super().block_parameters(cfg)
+        moe_blocks = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layer))
+        dense_mlp = 3 * cfg.n_embd * cfg.ffn_size
+        return cfg.n_layer * dense + moe_blocks * (self._mlp_parameters(cfg, active) - dense_mlp)
+
+    def block_parameters(self, cfg: ModelConfig) -> int:
+        """A block's active parameters, averaged over the blocks (the time model's 2·P)."""
+        return self._blocks(cfg, active=True) // cfg.n_layer
+
+    def num_parameters(self, cfg: ModelConfig) -> int:
+        vh = cfg.vocab_size * cfg.n_embd
+        return self._blocks(cfg, active=False) + cfg.n_embd + vh \
+            + (0 if cfg.tie_word_embeddings else vh)
+
+    def active_parameters(self, cfg: ModelConfig) -> int:
+        vh = cfg.vocab_size * cfg.n_embd
+        return self._blocks(cfg, active=True) + cfg.n_embd + vh \
+            + (0 if cfg.tie_word_embeddings else vh)
+
+    def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
+        """6N + 12·L·h·s with N the active parameters but the token embedding's lookup."""
+        n = self._blocks(cfg, active=True) + cfg.n_embd + cfg.vocab_size * cfg.n_embd
+        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+    def flops_formula(self) -> str:
+        return ("6N + 12*L*h*s (N = active parameters: router, top-k routed and shared "
+                "experts, attention, norms, LM head; not the token embedding's lookup)")
+
+    def layer_activation_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, sp: bool,
+                               e: int, dropout: bool = False,
+                               math_attention: bool = False) -> float:
+        """Llama's block without its MLP terms, plus the MoE layer's: the router's fp32
+        logits and scores (8·sb·E), the k weights and three int64 index tensors of the
+        assignments (28·sb·k); per assignment the dispatched row, [gate | up], silu(gate),
+        the SwiGLU product, the expert's output and the weighted output (index_add_ keeps
+        its source), k·e·sb·(3h + 4I); the shared experts' [gate | up], silu and product,
+        4·e·sb·S, and with their gate its output and theirs, e·sb·(h + 1)."""
+        base = super().layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
+        moe, tokens, h = cfg.moe, s * b, cfg.n_embd
+        i = moe.expert_hidden(cfg.ffn_size)
+        routed = 8 * tokens * moe.num_experts + 28 * tokens * moe.top_k \
+            + e * tokens * moe.top_k * (3 * h + 4 * i)
+        if moe.shared_experts:
+            routed += 4 * e * tokens * moe.shared_hidden(cfg.ffn_size) \
+                + (e * tokens * (h + 1) if moe.shared_expert_gate else 0)
+        return base - 4 * e * tokens * cfg.ffn_size + routed
+
+    def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
+        return 2 * e * s * b * cfg.moe.top_k * cfg.moe.expert_hidden(cfg.ffn_size)
+
+
+MIXTRAL_FAMILY = MixtralFamily()

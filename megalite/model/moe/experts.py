@@ -1,0 +1,111 @@
+"""The routed experts: E SwiGLU MLPs with stacked weights — `gate_up_proj` [E, 2I, h] ([gate |
+up] of each expert, transformers 5's fused layout) and `down_proj` [E, h, I] — and the dispatch
+that sends each (token, choice) assignment to its expert and combines the weighted outputs.
+
+Dispatch: the T·k assignments are ordered expert-major (`Dispatch`); each expert computes its
+rows, y_e = down_e(silu(gate_e(x)) · up_e(x)), and the token's output is the sum over its
+experts, in expert order, of y_e · weight (transformers' loop accumulates in the same order).
+Dropless by default. With a capacity C = ceil(capacity_factor · k·T / E) an expert keeps at
+most C assignments — those of the highest routing weight (drop_policy=probs) or of the
+earliest tokens (position) — and the others contribute nothing (counted as dropped; the token
+keeps its other experts and the residual).
+
+The experts' products run as one `torch._grouped_mm` over the expert-major rows where it
+takes them (experts_impl=auto: CUDA in bf16 with 16-byte aligned sizes; grouped: wherever
+PyTorch has it) or expert by expert (loop); the same numbers either way. An expert with no
+assignment computes nothing and its weights' gradient is zero.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite.config.moe import MoEConfig
+
+
+@dataclass
+class Dispatch:
+    """Which assignments each expert computes: `order` [N] the kept assignments' flat indices
+    (t·k + j) expert-major, `counts` [E] the kept assignments per expert, `routed` [E] those
+    the router chose (before the capacity), `dropped` the assignments over capacity."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    routed: torch.Tensor
+    dropped: torch.Tensor
+
+
+def capacity(moe: MoEConfig, tokens: int) -> Optional[int]:
+    """The most assignments an expert takes from `tokens` tokens (None: dropless)."""
+    if moe.capacity_factor is None:
+        return None
+    return math.ceil(moe.capacity_factor * moe.top_k * tokens / moe.num_experts)
+
+
+def dispatch(indices: torch.Tensor, weights: torch.Tensor, experts: int,
+             cap: Optional[int], policy: str = "probs") -> Dispatch:
+    """The expert-major order of the assignments `indices` [T, k] (module docstring)."""
+    flat = indices.reshape(-1)
+    routed = torch.bincount(flat, minlength=experts)
+    if cap is not None and policy == "probs":  # within an expert: by weight, highest first
+        pre = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
+    else:  # by position (token, then choice)
+        pre = torch.arange(flat.numel(), device=flat.device)
+    order = pre[torch.argsort(flat[pre], stable=True)]
+    if cap is None:
+        return Dispatch(order, routed, routed, torch.zeros((), dtype=torch.long,
+                                                            device=flat.device))
+    starts = torch.cumsum(routed, 0) - routed
+    rank = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
+    kept = rank < cap
+    return Dispatch(order[kept], routed.clamp(max=cap), routed, (~kept).sum())
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts of hidden size I on h-wide tokens (module docstring)."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, expert_hidden: int):
+        super().__init__()
+        e = moe.num_experts
+        self.moe = moe
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * expert_hidden, hidden))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, expert_hidden))
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether the products run as `torch._grouped_mm` (experts_impl)."""
+        impl = self.moe.experts_impl
+        if impl == "loop" or not hasattr(torch, "_grouped_mm"):
+            return False
+        aligned = all(n * x.element_size() % 16 == 0 for n in self.down_proj.shape[1:])
+        if impl == "grouped":
+            return aligned
+        return aligned and x.is_cuda and x.dtype == torch.bfloat16
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, d: Dispatch) -> torch.Tensor:
+        """x [T, h], the routing weights [T, k] and the dispatch -> the combined [T, h]."""
+        k = weights.shape[1]
+        tokens = torch.div(d.order, k, rounding_mode="floor")
+        rows = x[tokens]
+        y = self._grouped(rows, d.counts) if self.grouped(x) else self._loop(rows, d.counts)
+        y = (y * weights.reshape(-1)[d.order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, y)
+
+    def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, part in enumerate(rows.split(counts.tolist())):
+            if part.shape[0] == 0:
+                continue
+            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(outs) if outs else rows.new_zeros(0, self.down_proj.shape[1])
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)

@@ -1,0 +1,135 @@
+"""Once per optimizer step: the step's routing counts summed over every rank that saw other
+tokens, the aux-loss-free bias updated from them, and the figures logged per MoE layer.
+
+    counts_le = assignments to expert e in layer l, over the step's micro-batches and the
+                DP × CP ranks (`grad_group`: each holds other tokens; TP and PP ranks see the
+                same tokens or other layers)
+    bias_le  += bias_update_rate · sign(mean_e counts_le − counts_le)   (DeepSeek-V3)
+
+Figures (`metrics.jsonl`'s "moe", per MoE layer by block index): aux (the Switch / Megatron
+layer value E·Σ f·P, mean over the step's forwards and ranks), z_loss (likewise), imbalance
+(max / mean of the step's counts: 1 is perfect balance), dropped (the fraction of assignments
+over capacity), bias_min / bias_max (after the update); with aux_loss=hf `aux_hf`, the pooled
+value (mean over forwards and ranks)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megalite.model.moe.ledger import RoutingLedger, StepFigures
+from megalite.parallel import comm
+from megalite.parallel.group import Group
+
+
+def _packed(f: StepFigures) -> torch.Tensor:
+    return torch.cat([f.counts.reshape(-1), f.aux, f.z, f.dropped, f.assigned, f.pooled,
+                      f.pooled.new_tensor([f.forwards])])
+
+
+def _unpacked(t: torch.Tensor, layers: int, experts: int) -> Dict[str, torch.Tensor]:
+    n = layers * experts
+    parts = t[n:].split([layers] * 4 + [1, 1])
+    return {"counts": t[:n].view(layers, experts), "aux": parts[0], "z": parts[1],
+            "dropped": parts[2], "assigned": parts[3], "pooled": parts[4][0],
+            "forwards": parts[5][0]}
+
+
+def update_bias(router_bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """bias += rate · sign(mean − counts) of one layer (in place, fp32)."""
+    router_bias += rate * torch.sign(counts.mean() - counts).to(router_bias.dtype)
+
+
+def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tensor]],
+                group: Group, update: bool) -> Optional[dict]:
+    """After a step's forwards and backwards: the figures of every MoE layer of this rank's
+    chunks (`ledgers`; `biases` each chunk's {block index: its router's bias}), summed over
+    `group` (DP × CP); the biases updated where `update` (the step is applied). Clears the
+    ledgers. Collective over `group` wherever a chunk has MoE layers (every rank of a stage
+    alike); None where none has."""
+    figures = {}
+    for ledger, bias in zip(ledgers, biases):
+        if ledger.figures is None:
+            ledger.clear()
+            continue
+        layers, experts = len(ledger.layers), ledger.moe.num_experts
+        packed = _packed(ledger.figures)
+        if group.size > 1:
+            comm.all_reduce(packed, group)
+        got = _unpacked(packed, layers, experts)
+        forwards = got["forwards"].clamp(min=1)
+        for row, layer in enumerate(ledger.layers):
+            counts = got["counts"][row]
+            if update and ledger.moe.bias_update_rate > 0:
+                update_bias(bias[layer], counts, ledger.moe.bias_update_rate)
+            figures[str(layer)] = _layer_figures(got, row, counts, forwards, bias.get(layer))
+        if ledger.moe.aux_loss == "hf":
+            figures["aux_hf"] = (got["pooled"] / forwards).item()
+        ledger.clear()
+    return figures or None
+
+
+def _layer_figures(got: Dict[str, torch.Tensor], row: int, counts: torch.Tensor,
+                   forwards: torch.Tensor, bias: Optional[torch.Tensor]) -> dict:
+    out = {"aux": (got["aux"][row] / forwards).item(),
+           "z_loss": (got["z"][row] / forwards).item(),
+           "imbalance": (counts.max() / counts.mean().clamp(min=1e-12)).item(),
+           "dropped": (got["dropped"][row] / got["assigned"][row].clamp(min=1)).item()}
+    if bias is not None:
+        out["bias_min"], out["bias_max"] = bias.min().item(), bias.max().item()
+    return out
+
+
+def _ledgers_and_biases(chunks) -> Tuple[List[RoutingLedger], List[Dict[int, torch.Tensor]]]:
+    from megalite.model.moe.layer import MoELayer
+
+    ledgers, biases = [], []
+    for chunk in chunks:
+        if chunk.routing is None:
+            continue
+        ledgers.append(chunk.routing)
+        biases.append({m.index: m.gate.e_score_correction_bias for m in chunk.modules()
+                       if isinstance(m, MoELayer) and m.gate.e_score_correction_bias is not None})
+    return ledgers, biases
+
+
+def clear_routing(chunks) -> None:
+    """Forget the figures recorded so far (before a step runs, or runs again)."""
+    for ledger in _ledgers_and_biases(chunks)[0]:
+        ledger.clear()
+
+
+def routing_step(chunks, group: Group, update: bool) -> Optional[dict]:
+    """`finish_step` of a rank's model chunks (`megalite.model.stage.PipelineStage.chunks`)."""
+    ledgers, biases = _ledgers_and_biases(chunks)
+    return finish_step(ledgers, biases, group, update) if ledgers else None
+
+
+class RouterBiases:
+    """The routers' selection biases of a rank's chunks as a run-state part (meta.json's
+    "moe_bias": {block index: [E floats]}; every DP × CP rank holds the same values, updated
+    from the same summed counts). fp32 values go through JSON's float exactly. A checkpoint
+    without them (none yet: an MoE run without a bias) restores zeros, the starting bias."""
+
+    def __init__(self, chunks):
+        self.biases: Dict[int, torch.Tensor] = {}
+        for bias in _ledgers_and_biases(chunks)[1]:
+            self.biases.update(bias)
+
+    @classmethod
+    def of(cls, chunks) -> Optional["RouterBiases"]:
+        """The part of `chunks`, None where no router has a bias."""
+        part = cls(chunks)
+        return part if part.biases else None
+
+    def state_dict(self) -> dict:
+        return {str(i): b.tolist() for i, b in sorted(self.biases.items())}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        for i, bias in self.biases.items():
+            values = None if state is None else state.get(str(i))
+            with torch.no_grad():
+                if values is None:
+                    bias.zero_()
+                else:
+                    bias.copy_(torch.tensor(values, dtype=bias.dtype))
