@@ -56,10 +56,11 @@ def cp_cuts(seq_len: int, cp: int) -> List[int]:
 
 def document_failures(ranks: Sequence[dict], cp: int) -> List[str]:
     """What the windows read by a document-masked run's ranks (each result's "windows", the
-    tokens [k, seq_len + 1] of its steps, and "eos_id") lack: a boundary in every window, and
-    with `cp` > 1 a document started inside a window crossing a cut between CP ranks' chunks.
-    Empty when the mask acts as the run's name says."""
-    windows = np.concatenate([r["windows"] for r in ranks])
+    tokens [k, seq_len + 1] of its steps, and "eos_id"; a window that several ranks read
+    counts once) lack: a boundary in every window, and with `cp` > 1 a document started inside
+    a window crossing a cut between CP ranks' chunks. Empty when the mask acts as the run's
+    name says."""
+    windows = np.unique(np.concatenate([r["windows"] for r in ranks]), axis=0)  # TP, PP, CP
     (eos_id,) = {r["eos_id"] for r in ranks}
     ids = document_ids(windows, eos_id)
     failures = []
