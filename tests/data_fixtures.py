@@ -16,6 +16,7 @@ from megalite.config.schema import DataConfig
 from megalite.data import prepare as prepare_module
 from megalite.data.loader import META_FILE, TokenShards
 from megalite.data.prepare import prepare
+from megalite.testing.documents import short_documents
 from tests.conftest import shard_arrays
 
 PREPARE_BATCH = 16  # documents per tokenized batch in the preparation tests: many manifest commits
@@ -110,6 +111,15 @@ def shard_bytes(data_dir: Path) -> dict:
     meta = json.loads((data_dir / META_FILE).read_text())
     return {s: b"".join((data_dir / e["file"]).read_bytes() for e in meta["splits"][s]["shards"])
             for s in ("train", "val")}
+
+
+# --- short documents (the combination matrix, tests/integration/train/test_document_*) -------
+
+@pytest.fixture(scope="session")
+def short_document_data(tmp_path_factory) -> Path:
+    """40,000 tokens of random documents of 3-20 tokens (`megalite.testing.documents`): every
+    32-token window of the matrix's runs holds several."""
+    return short_documents(tmp_path_factory.mktemp("short-documents") / "data")
 
 
 # --- a second prepared directory (tests/*/*/test_blend.py) -------------------------------------

@@ -89,9 +89,11 @@ def render(base: Config) -> str:
              "## Combinations that run", "",
              f"Every pair of values of two features not refused above runs: the test suite "
              f"trains a covering array of strength 2 ({len(pairs)} runs, every such pair in at "
-             f"least one) against the serial run, and `megalite-bench matrix --strength "
-             f"{BENCH_STRENGTH}` one of strength {BENCH_STRENGTH} (every such triple; its last "
-             "result is in [Testing combinations](combinations.md)).", "",
+             "least one, and each value of a feature other than precision and FP8 in at least "
+             "one run in fp32 without FP8: the tightest tolerance) against the serial run, and "
+             f"`megalite-bench matrix --strength {BENCH_STRENGTH}` one of strength "
+             f"{BENCH_STRENGTH} (every such triple; its last result is in [Testing "
+             "combinations](combinations.md)).", "",
              f"Not run by the matrix, which keeps a run to {MAX_RANKS} ranks (not a "
              "limit of megalite's):", ""]
     parts += [f"- {_values(n)}: {why.message}" for n, why in beyond]

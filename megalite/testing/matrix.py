@@ -8,8 +8,11 @@ built again and resumed from that checkpoint to step STEPS. Its serial run
 one rank, no offload or recompute) trains the STEPS steps without a break. The row must equal
 it on every step's loss and gradient norm and on the final fp32 master weights (the parameters
 are these cast to the compute dtype), within the tolerance of its precision and FP8 recipe
-(`TOLERANCES`). Rows share spawns: one spawned world per world size runs all its rows in
-sequence, and the serial runs are made once each, in one world of one rank.
+(`TOLERANCES`). A row with the document mask must also have read windows where the mask acts:
+a document boundary in every window and, at cp 2, a document crossing the cut between the CP
+ranks' chunks (`megalite.testing.documents`; the matrix trains on its short documents). Rows
+share spawns: one spawned world per world size runs all its rows in sequence, and the serial
+runs are made once each, in one world of one rank.
 """
 from __future__ import annotations
 
@@ -20,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from megalite.config.combinations import Row, labels, row_config, serial_row, world_size
 from megalite.config.schema import Config
+from megalite.data.loader import read_windows
+from megalite.testing.documents import document_failures
 from megalite.testing.spawn import run_ranks
 from megalite.train.launch import launch
 from megalite.train.selftest import release
@@ -81,8 +87,21 @@ def _masters(engine) -> List[tuple]:
             for piece, seg, _ in engine.main_params]
 
 
+def _reading(trainer, windows: List[np.ndarray]):
+    """`fit`'s hook around each step: the step, then the token windows [k, seq_len + 1] it
+    read on this rank appended to `windows`."""
+    def around(step):
+        out = step()
+        batches = trainer.batches
+        datasets, starts = zip(*batches.last_samples)
+        windows.append(read_windows(batches.sources, np.array(datasets), np.array(starts),
+                                    batches.seq_len))
+        return out
+    return around
+
+
 def _train(world: int, parts: List[Config], run_dir: str) -> dict:
-    records, first_masters, choices = [], None, None
+    records, first_masters, choices, windows = [], None, None, []
     for cfg in parts:
         run = launch(cfg, world, run_dir)  # validate -> plan -> runtime -> build, as pretrain.py
         runtime, trainer = run.runtime, run.trainer
@@ -90,14 +109,16 @@ def _train(world: int, parts: List[Config], run_dir: str) -> dict:
             first_masters = _masters(trainer.engine)
             if trainer.hellaswag is not None:  # eval.hellaswag: every ending's loss, step 0
                 choices = trainer.evaluate_hellaswag().losses
-        records += trainer.fit()
+        records += trainer.fit(around_step=_reading(trainer, windows))
         release(runtime)  # a process trains many runs: its groups' sockets would pile up
     c = trainer.topo.coords
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
             "norms": [r["grad_norm"] for r in records],
             "val_losses": [r["val_loss"] for r in records], "choice_losses": choices, "first": first_masters,
             "last": _masters(trainer.engine), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
-            "specs": {s.name: s for s in trainer.model.param_specs.values()}}
+            "specs": {s.name: s for s in trainer.model.param_specs.values()},
+            "windows": np.concatenate(windows),
+            "eos_id": trainer.batches.sources[0].meta.get("eos_token_id")}
 
 
 def _rows_on_ranks(rank: int, world: int, jobs: List[Tuple[List[Config], str]]) -> List[dict]:
@@ -177,8 +198,15 @@ def _master_failures(serial: dict, rank: dict, tol: Tolerance) -> List[str]:
 
 def check_row(row: Sequence[int], serial: dict, ranks: List[dict]) -> List[str]:
     """What of `ranks` (a row's result per rank) differs from `serial` beyond the row's
-    tolerance: an empty list when it equals its serial run."""
-    return check_ranks(serial, ranks, tolerance_of(row))
+    tolerance, and, for a row with the document mask, what the windows it read lack for the
+    mask to act (`megalite.testing.documents.document_failures`: boundaries in every window;
+    at cp 2 a document crossing the cut between the CP ranks' chunks): an empty list when it
+    equals its serial run and reads what it names."""
+    failures = check_ranks(serial, ranks, tolerance_of(row))
+    named = labels(row)
+    if named["attention mask"] == "document":
+        failures += document_failures(ranks, cp=int(named["cp"].split()[0]))
+    return failures
 
 
 def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = STEPS

@@ -81,3 +81,24 @@ def test_seeds_start_the_array():
     _assert_covers(rows, sizes, 2)
     with pytest.raises(ValueError, match="seed"):
         covering_array(sizes, 2, lambda r: r[0] != 2, seeds=[{0: 2}])
+
+
+def test_required_combinations_are_each_in_a_row():
+    """Every value of axes 0-2 beside axis 3 = 1 and axis 4 = 0 (as the matrix asks for every
+    value in fp32 without FP8), on top of the pairs; one that no allowed row holds is
+    reported."""
+    sizes = [3, 2, 3, 2, 2]
+    required = [tuple(sorted({a: v, 3: 1, 4: 0}.items())) for a in range(3)
+                for v in range(sizes[a])]
+    rows, unreachable = covering_array(sizes, 2, _all_allowed, required=required)
+    assert unreachable == []
+    assert all(any(all(r[a] == v for a, v in c) for r in rows) for c in required)
+    _assert_covers(rows, sizes, 2)
+
+    def allowed(row):  # axis 0 value 2 never beside axis 3 value 1 and axis 4 value 0
+        return not (row[0] == 2 and row[3] == 1 and row[4] == 0)
+
+    rows, unreachable = covering_array(sizes, 2, allowed, required=required)
+    assert unreachable == [((0, 2), (3, 1), (4, 0))]
+    assert all(allowed(r) for r in rows)
+    _assert_covers(rows, sizes, 2)
