@@ -29,6 +29,7 @@ import torch
 from megalite.config.combinations import Row, labels, row_config, serial_row, world_size
 from megalite.config.schema import Config
 from megalite.data.loader import read_windows
+from megalite.testing.collective_order import OrderProbe, order_mismatches
 from megalite.testing.documents import document_failures
 from megalite.testing.spawn import run_ranks
 from megalite.train.launch import launch
@@ -101,15 +102,17 @@ def _reading(trainer, windows: List[np.ndarray]):
 
 
 def _train(world: int, parts: List[Config], run_dir: str) -> dict:
-    records, first_masters, choices, windows = [], None, None, []
+    records, first_masters, choices, windows, launched = [], None, None, [], []
     for cfg in parts:
         run = launch(cfg, world, run_dir)  # validate -> plan -> runtime -> build, as pretrain.py
         runtime, trainer = run.runtime, run.trainer
+        probe = OrderProbe.install(trainer.topo.counter)  # the ranks' collective order
         if first_masters is None:
             first_masters = _masters(trainer.engine)
             if trainer.hellaswag is not None:  # eval.hellaswag: every ending's loss, step 0
                 choices = trainer.evaluate_hellaswag().losses
         records += trainer.fit(around_step=_reading(trainer, windows))
+        launched += probe.launched
         release(runtime)  # a process trains many runs: its groups' sockets would pile up
     c = trainer.topo.coords
     return {"steps": [r["step"] for r in records], "losses": [r["loss"] for r in records],
@@ -117,7 +120,7 @@ def _train(world: int, parts: List[Config], run_dir: str) -> dict:
             "val_losses": [r["val_loss"] for r in records], "choice_losses": choices, "first": first_masters,
             "last": _masters(trainer.engine), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
             "specs": {s.name: s for s in trainer.model.param_specs.values()},
-            "windows": np.concatenate(windows),
+            "windows": np.concatenate(windows), "launched": launched,
             "eos_id": trainer.batches.sources[0].meta.get("eos_token_id")}
 
 
@@ -214,8 +217,9 @@ def check_ranks(serial: dict, ranks: List[dict], tol: Tolerance, steps: int = ST
     """What of `ranks` (a run's result per rank) differs from `serial` beyond `tol` on each
     of the `steps` steps' logged loss, grad norm and validation loss (where the run
     evaluates), on every HellaSwag ending's loss at step 0 (eval.hellaswag) and on the final
-    master weights."""
-    failures = []
+    master weights; and whether every two ranks launched their shared collectives in one
+    order (NCCL's rule, `megalite.testing.collective_order`)."""
+    failures = order_mismatches([res["launched"] for res in ranks])
     for r, res in enumerate(ranks):
         if res["steps"] != list(range(1, steps + 1)):
             failures.append(f"rank {r}: steps {res['steps']} (the resume did not continue)")
