@@ -74,6 +74,7 @@ from megalite.parallel import host_range
 from megalite.parallel.host_arena import HostArena
 from megalite.parallel.host_range import AdamWSettings, HostRange, build_adamw, host_adamw_kind, host_parts
 from megalite.parallel.offload_worker import HostWorker
+from megalite.parallel.units import forward_order, unit_buckets
 
 
 def _wait_reduction_on(work, stream) -> bool:
@@ -88,30 +89,6 @@ def _wait_reduction_on(work, stream) -> bool:
     with torch.cuda.stream(stream):
         work.work.wait()
     return True
-
-
-def unit_buckets(chunks, buckets) -> List[tuple]:
-    """(unit, the buckets holding its parameters) for each chunk's sharding units, in forward
-    order."""
-    by_param = {id(p): b for b in buckets for p in b.params}
-    out = []
-    for chunk in chunks:
-        for unit in chunk.sharding_units():
-            mine: List = []
-            for p in unit.parameters():
-                b = by_param.get(id(p))
-                if b is not None and all(b is not o for o in mine):
-                    mine.append(b)
-            out.append((unit, mine))
-    return out
-
-
-def forward_order(chunks, buckets) -> List:
-    """Buckets in the order of their first use in a forward (each chunk's sharding units)."""
-    order: List = []
-    for _, mine in unit_buckets(chunks, buckets):
-        order += [b for b in mine if all(b is not o for o in order)]
-    return order + [b for b in buckets if all(b is not o for o in order)]
 
 
 class OptimizerOffload:

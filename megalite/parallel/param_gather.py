@@ -30,25 +30,18 @@ from typing import Callable, Dict, List, Optional
 
 import torch.nn as nn
 
+from megalite.parallel.units import unit_buckets
+
 
 class OverlappedParamGather:
     def __init__(self, chunks, buckets):
-        by_param = {id(p): b for b in buckets for p in b.params}
         self.order: List = []  # buckets in the order of their first use in a forward
         self._pending: Dict[int, object] = {}
         self._deferred: List = []  # offload.optimizer: launched one unit ahead, in order
         self._issue: Optional[Callable] = None
-        units = []
-        for chunk in chunks:
-            for unit in chunk.sharding_units():
-                mine = []
-                for p in unit.parameters():
-                    bucket = by_param[id(p)]
-                    if bucket not in mine:
-                        mine.append(bucket)
-                    if bucket not in self.order:
-                        self.order.append(bucket)
-                units.append((unit, mine))
+        units = unit_buckets(chunks, buckets)
+        for _, mine in units:
+            self.order += [b for b in mine if all(b is not o for o in self.order)]
         if len(self.order) != len(buckets):
             raise ValueError("overlap_param_gather: a bucket holds parameters no unit uses")
         for i, (unit, mine) in enumerate(units):

@@ -196,7 +196,7 @@ def _host_step_overlaps(rank, world, tiny_data, run_dir):
     import threading
 
     from megalite.config.layout import validate
-    from megalite.parallel.offload import unit_buckets
+    from megalite.parallel.units import unit_buckets
     from megalite.train.build import build_trainer
     from megalite.train.runtime import init_runtime
 
