@@ -14,12 +14,12 @@ import torch.distributed as dist
 from megalite.config.layout import validate
 from megalite.config.schema import load_config
 from megalite.data.errors import DataError
+from megalite.testing.documents import short_documents
 from megalite.train.build import build_trainer
 from megalite.train.preflight import preflight
 from megalite.train.runtime import init_runtime
 from megalite.train.selftest import release
 from tests.conftest import TINY
-from tests.integration.train.test_document_mask_layouts import short_documents
 
 DOCUMENT = ["train.attention_mask=document", "train.eos_loss=false", "log.peak_tflops=1",
             "train.max_steps=1", "train.eval_every=1", "log.every=1"]
