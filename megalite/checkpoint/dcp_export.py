@@ -26,7 +26,6 @@ from typing import Dict, List, Type
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.format import read_meta
@@ -77,6 +76,7 @@ def export_dcp(ckpt, out_dir, force: bool = False) -> Path:
     """Write megalite checkpoint `ckpt` as a DCP checkpoint `out_dir` under its family's DCP
     names; in every rank of the default process group where one exists. Returns the
     checkpoint."""
+    import torch.distributed.checkpoint as dcp  # half a second of imports: when used
     ckpt, out_dir = resolve_checkpoint(ckpt), Path(out_dir)
     meta = read_meta(ckpt)
     cfg = ModelConfig.from_record(meta["model"])
@@ -121,6 +121,7 @@ def find_dcp(path) -> Path | None:
 
 def titan_shapes(path: Path, mapping: DCPMapping) -> Dict[str, torch.Size]:
     """The model weights a DCP checkpoint holds and their shapes (from `.metadata` only)."""
+    import torch.distributed.checkpoint as dcp  # half a second of imports: when used
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     return {k: v.size for k, v in metadata.state_dict_metadata.items()
             if mapping.is_model_key(k) and hasattr(v, "size")}
@@ -129,6 +130,7 @@ def titan_shapes(path: Path, mapping: DCPMapping) -> Dict[str, torch.Size]:
 def read_titan_state(path, cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """The weights of DCP checkpoint `path` as megalite's global state (fp32),
     read in this process alone (no process group used)."""
+    import torch.distributed.checkpoint as dcp  # half a second of imports: when used
     found = find_dcp(path)
     if found is None:
         raise CheckpointError(f"{path}: no DCP checkpoint (.metadata) there")

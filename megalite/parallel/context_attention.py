@@ -42,7 +42,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from megalite.parallel import context_shard
 from megalite.parallel.comm import all_gather, reduce_scatter
@@ -151,6 +150,10 @@ def _allgather_attention(q, k, v, group: Group, scale: float,
         return compiled_flex_attention()(
             q, kv[:, :hk], kv[:, hk:], block_mask=documents.block_mask(positions, kv.shape[2]),
             scale=scale, enable_gqa=q.shape[1] != hk)
+    # imported here: torch.nn.attention.bias imports torch._dynamo (a second of CPU), which a
+    # command's refusal or --help should not pay for
+    from torch.nn.attention.bias import causal_lower_right
+
     return torch.cat([_sdpa(q[:, :, i * c:(i + 1) * c], kv[:, :hk, :(j + 1) * c],
                             kv[:, hk:, :(j + 1) * c], causal_lower_right(c, (j + 1) * c), scale)
                       for i, j in enumerate(chunks)], dim=2)
