@@ -46,10 +46,12 @@ def test_one_ranks_chunks_by_lower_right_sdpa_equal_full_attention(cp, rank, kv_
     def causal_lower_right(*size):
         lower_right.append(size)
         return real_lower_right(*size)
-    real_lower_right = context_attention.causal_lower_right
+    import torch.nn.attention.bias as attention_bias  # context_attention imports it when used
+
+    real_lower_right = attention_bias.causal_lower_right
     monkeypatch.setattr(context_attention, "all_gather", gathered)
     monkeypatch.setattr(context_attention, "reduce_scatter", scattered)
-    monkeypatch.setattr(context_attention, "causal_lower_right", causal_lower_right)
+    monkeypatch.setattr(attention_bias, "causal_lower_right", causal_lower_right)
 
     local = [context_shard.shard(t, cp, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
     out = cp_attention(*local, group, "allgather")
