@@ -54,7 +54,7 @@ def time_attention(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dt
     None, else within its documents) over up to `max_timings` timings within about
     `budget_s`, after a warm-up (FlexAttention compiles there)."""
     g = torch.Generator(device=device).manual_seed(0)
-    head_dim = model.n_embd // model.n_head
+    head_dim = model.head_size
 
     def tensor(heads: int) -> torch.Tensor:
         return torch.randn(batch, heads, seq_len, head_dim, generator=g, device=device,

@@ -45,7 +45,7 @@ def hf_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_size,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size,
         max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.layer_norm_epsilon,
         initializer_range=cfg.initializer_range, rope_theta=cfg.rope_theta,
         rope_scaling=scaling, tie_word_embeddings=cfg.tie_word_embeddings,
@@ -130,9 +130,11 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                           f"rope_theta={theta!r}; set model.rope_theta={theta!r}")
     _scaling(cfg, scaling, source)
     head_dim = getattr(hf_cfg, "head_dim", None)
-    if head_dim is not None and head_dim != cfg.n_embd // cfg.n_head:
-        raise ConfigError(f"init_from={source!r}: head_dim={head_dim}, but megalite's Llama "
-                          f"has head_dim = n_embd / n_head = {cfg.n_embd // cfg.n_head}")
+    if head_dim is not None and head_dim != cfg.head_size:
+        raise ConfigError(f"model.head_dim={cfg.head_dim!r}: init_from={source!r} has "
+                          f"head_dim={head_dim} (megalite's: {cfg.head_size}); set "
+                          f"model.head_dim={head_dim} where the family takes it (qwen3), or "
+                          "pick the matching preset")
     for key, accepted in ARCHITECTURE.items():
         theirs = getattr(hf_cfg, key, accepted[0])
         if theirs not in accepted:
