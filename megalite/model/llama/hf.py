@@ -22,7 +22,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig, RopeScaling
-from megalite.model.family import HFMapping
+from megalite.model.family import HFMapping, ModelKeys
 
 GATE_UP = ".mlp.gate_up_proj.weight"
 # LlamaConfig switches megalite's Llama has one setting of (accepted values; first = ours)
@@ -143,6 +143,22 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                               "model")
 
 
+def model_keys(hf_cfg, source: str, arch: str = "llama") -> ModelKeys:
+    """The model config of a LlamaConfig (or a config of Llama's fields: Mixtral's, Qwen3's),
+    as model.arch `arch`: `init_from` takes the shape from config.json."""
+    shape = {key: getattr(hf_cfg, field, None) for key, field in FIELDS.items()}
+    if shape["n_kv_head"] is None:
+        shape["n_kv_head"] = hf_cfg.num_attention_heads
+    theta, scaling = rope_of(hf_cfg)
+    known = asdict(RopeScaling())
+    shape.update(arch=arch, rope_theta=theta, rope_scaling=None if scaling is None else
+                 RopeScaling(**{k: v for k, v in scaling.items() if k in known}))
+    defaults = {"attn_pdrop": float(getattr(hf_cfg, "attention_dropout", 0.0)),
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                "initializer_range": hf_cfg.initializer_range}
+    return ModelKeys(shape, defaults)
+
+
 def derived(name: str) -> bool:
     """A key of the transformers state megalite's state does not hold: a tied head (the token
     embedding; an untied one is in the state), rotary buffers."""
@@ -151,4 +167,4 @@ def derived(name: str) -> bool:
 
 LLAMA_MAPPING = HFMapping("llama", "LlamaForCausalLM", "Llama", "meta-llama/Llama-3.2-1B",
                           hf_config, to_hf_state_dict, from_hf_state_dict, check_shape_matches,
-                          derived)
+                          derived, model_keys=model_keys)

@@ -21,7 +21,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig
-from megalite.model.family import HFMapping
+from megalite.model.family import HFMapping, ModelKeys
 from megalite.model.llama import hf as hf_llama
 
 PER_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -166,10 +166,33 @@ def check_moe_export(cfg: ModelConfig) -> None:
                               "(checkpoint.resume)")
 
 
+def model_keys(hf_cfg, source: str) -> ModelKeys:
+    """The model config of a Qwen3Config: Llama's keys and the head size."""
+    keys = hf_llama.model_keys(hf_cfg, source, "qwen3")
+    keys.shape["head_dim"] = getattr(hf_cfg, "head_dim", None) \
+        or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    return keys
+
+
+def moe_model_keys(hf_cfg, source: str) -> ModelKeys:
+    """The model config of a Qwen3MoeConfig: Qwen3's keys, the experts, their router and
+    places (a pattern megalite cannot place: a ConfigError naming it)."""
+    keys = model_keys(hf_cfg, source)
+    first, freq = layer_pattern(hf_cfg, source)
+    keys.shape.update({"arch": "qwen3_moe", "moe.num_experts": hf_cfg.num_experts,
+                       "moe.top_k": hf_cfg.num_experts_per_tok,
+                       "moe.expert_size": hf_cfg.moe_intermediate_size,
+                       "moe.normalize_top_k": hf_cfg.norm_topk_prob,
+                       "moe.first_dense_layers": first, "moe.layer_freq": freq,
+                       **{f"moe.{k}": v for k, v in ROUTER.items()}})
+    keys.defaults["moe.aux_loss_coeff"] = hf_cfg.router_aux_loss_coef
+    return keys
+
+
 QWEN3_MAPPING = HFMapping("qwen3", "Qwen3ForCausalLM", "Qwen3", "Qwen/Qwen3-0.6B", hf_config,
                           hf_llama.to_hf_state_dict, from_hf_state_dict, check_config,
-                          hf_llama.derived)
+                          hf_llama.derived, model_keys=model_keys)
 QWEN3_MOE_MAPPING = HFMapping("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE",
                               "Qwen/Qwen3-30B-A3B", hf_moe_config, hf_llama.to_hf_state_dict,
                               from_hf_state_dict, check_moe_config, hf_llama.derived,
-                              check_moe_export)
+                              check_moe_export, moe_model_keys)
