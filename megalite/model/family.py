@@ -110,6 +110,9 @@ class Family:
 
     name: str = ""
     mixture_of_experts: bool = False  # MoE layers (model.moe; `megalite.model.moe`)
+    # replicated weights a TP rank uses on its own heads only (Qwen3's q/k norms): their
+    # gradients are partial over TP, summed with SP's norms' (so tp > 1 needs sp)
+    tp_partial_weights: bool = False
     probe_tensor: str = ""
     embedding_module: str = ""  # the token embedding's module path in a stage
     hf: HFMapping

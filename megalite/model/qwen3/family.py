@@ -6,23 +6,15 @@ and key head (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, transformers
 32 heads of 128). No torchtitan DCP mapping (its Llama 3 has no q/k norms).
 
 The q/k norms' weights are shared by all heads, so under TP each rank's gradient of them is a
-partial sum over its own heads: until the engine sums such replicated-weight gradients over TP,
-tp > 1 is refused by key (`check_tp`).
+partial sum over its own heads: the engine sums TP-replicated gradients over TP under sequence
+parallelism (as the block norms' partial sums over the sequence), so tp > 1 needs sp=true
+(`tp_partial_weights`, refused by key otherwise).
 """
 from __future__ import annotations
 
-from megalite.config.errors import fail
-from megalite.config.schema import ModelConfig
 from megalite.model.llama.family import LlamaFamily
 from megalite.model.mixtral.family import MixtralFamily
 from megalite.model.qwen3 import hf as hf_qwen3
-
-
-def _check_tp(name: str, tp: int) -> None:
-    if tp > 1:
-        fail("tp", tp, f"model.arch={name} does not support tp > 1 yet (its q/k norm weights "
-             "are shared by heads that TP splits, their gradients not yet summed over TP); "
-             "use tp=1")
 
 
 class Qwen3Family(LlamaFamily):
@@ -31,12 +23,9 @@ class Qwen3Family(LlamaFamily):
     name = "qwen3"
     qk_norm = True
     own_head_dim = True
+    tp_partial_weights = True
     hf = hf_qwen3.QWEN3_MAPPING
     dcp = None
-
-    def check_tp(self, cfg: ModelConfig, tp: int) -> None:
-        super().check_tp(cfg, tp)
-        _check_tp(self.name, tp)
 
 
 class Qwen3MoeFamily(MixtralFamily):
@@ -48,12 +37,9 @@ class Qwen3MoeFamily(MixtralFamily):
     name = "qwen3_moe"
     qk_norm = True
     own_head_dim = True
+    tp_partial_weights = True
     hf = hf_qwen3.QWEN3_MOE_MAPPING
     dcp = None
-
-    def check_tp(self, cfg: ModelConfig, tp: int) -> None:
-        super().check_tp(cfg, tp)
-        _check_tp(self.name, tp)
 
 
 QWEN3_FAMILY = Qwen3Family()

@@ -237,8 +237,12 @@ def test_head_dim_refused_where_the_family_ties_it():
         ModelConfig(**{**DENSE.__dict__, "arch": "llama"}).check()
 
 
-def test_tp_refused_by_key():
-    from megalite.config.families import registered_family
+def test_tp_without_sp_refused_by_key(tiny_data):
+    """The q/k norms' gradients are partial over TP and summed only under SP."""
+    from megalite.config.layout import validate
+    from tests.layouts import composed
 
-    with pytest.raises(ConfigError, match=r"^tp=2: model.arch=qwen3 does not support tp > 1"):
-        registered_family("qwen3").check_tp(DENSE, 2)
+    qwen3 = [f"data.dir={tiny_data}", "model.arch=qwen3", "model.n_kv_head=2", "tp=2"]
+    with pytest.raises(ConfigError, match=r"^sp=False: model.arch=qwen3 with tp=2 needs sp=true"):
+        validate(composed(qwen3), 2)
+    validate(composed([*qwen3, "sp=true"]), 2)
