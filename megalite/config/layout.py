@@ -246,7 +246,7 @@ def _check_model_split(cfg: Config) -> None:
         fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
     family = registered_family(m.arch)
     family.check_tp(m, cfg.tp)
-    if cfg.tp > 1 and not cfg.sp and family.tp_partial_weights:
+    if cfg.tp > 1 and not cfg.sp and getattr(family, "tp_partial_weights", False):
         fail("sp", cfg.sp, f"model.arch={m.arch} with tp={cfg.tp} needs sp=true: weights every "
              "TP rank uses on its own heads (its q/k norms) have their gradients summed over "
              "TP with sequence parallelism's norms")

@@ -76,3 +76,35 @@ def test_a_checkpoint_keeps_the_model_config(tmp_path):
     (tmp_path / "ckpt" / "meta.json").write_text("{}")
     cfg = load_config([f"init_from={tmp_path / 'ckpt'}"])
     assert adopt_init_from_model(cfg, [f"init_from={tmp_path / 'ckpt'}"]) is cfg
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_directory_gives_transformers_validation_loss(tiny_data, tmp_path):
+    """A trainer of the config `init_from` a Qwen3MoeForCausalLM directory makes (the shape
+    keys given agree; family, heads, experts and router from config.json): its validation loss
+    equals transformers' cross-entropy on the same windows within 1e-5."""
+    import torch.nn.functional as F
+
+    from megalite.config.layout import validate
+    from megalite.config.moe import MoEConfig
+    from megalite.train.build import build_trainer
+    from megalite.train.runtime import init_runtime
+    from tests.layouts import FP32_NO_DROPOUT, TINY
+
+    shape = ModelConfig(arch="qwen3_moe", n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
+                        head_dim=24, n_positions=64, vocab_size=1024, n_inner=48,
+                        tie_word_embeddings=False,
+                        moe=MoEConfig(num_experts=4, top_k=2, expert_size=16,
+                                      normalize_top_k=True, aux_loss_coeff=0.05))
+    hf = test_qwen3.random_hf(shape)
+    hf.save_pretrained(tmp_path / "qwen3-moe")
+    overrides = [*TINY, *FP32_NO_DROPOUT, f"data.dir={tiny_data}",
+                 f"init_from={tmp_path / 'qwen3-moe'}"]
+    cfg = adopt_init_from_model(load_config(overrides), overrides)
+    validate(cfg, 1)
+    trainer = build_trainer(cfg, init_runtime(cfg), tmp_path / "run")
+    ours = trainer.evaluate()
+    with torch.no_grad():
+        losses = [F.cross_entropy(hf(batch[0]).logits.reshape(-1, 1024), batch[1].reshape(-1))
+                  for batch in trainer.val_batches()]
+    assert abs(ours - sum(losses).item() / len(losses)) <= 1e-5
