@@ -97,6 +97,9 @@ class ModelConfig:
                      f"{getattr(ModelConfig, key)})")
         if self.n_inner is not None and self.n_inner < 1:
             fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
+        if self.head_dim is not None and not getattr(family, "own_head_dim", False):
+            fail("model.head_dim", self.head_dim, f"model.arch={self.arch} has head_dim = "
+                 "n_embd / n_head: use null (model.arch=qwen3 or qwen3_moe take a head_dim)")
         if self.head_dim is not None and self.head_dim < 1:
             fail("model.head_dim", self.head_dim, "must be a positive integer or null "
                  "(= n_embd / n_head)")

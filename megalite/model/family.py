@@ -113,6 +113,7 @@ class Family:
     # replicated weights a TP rank uses on its own heads only (Qwen3's q/k norms): their
     # gradients are partial over TP, summed with SP's norms' (so tp > 1 needs sp)
     tp_partial_weights: bool = False
+    own_head_dim: bool = False  # model.head_dim sets the heads' size apart from n_embd (Qwen3)
     probe_tensor: str = ""
     embedding_module: str = ""  # the token embedding's module path in a stage
     hf: HFMapping

@@ -91,7 +91,7 @@ def measure_mask_ratios(model: ModelConfig, seq_len: int, micro_batch: int, dtyp
     torch_dtype = PRECISION_DTYPES[dtype]
     ids = document_ids(seq_len, micro_batch, length).to(device)
     causal = time_attention(model, seq_len, micro_batch, torch_dtype, device, None)
-    flops = 3 * 4 * model.n_embd * seq_len * seq_len * micro_batch
+    flops = 3 * 4 * model.n_head * model.head_size * seq_len * seq_len * micro_batch
     out = []
     for kernel in kernels:
         w = kernel_work(measured, kernel)

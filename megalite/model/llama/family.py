@@ -31,7 +31,6 @@ class LlamaFamily(Family):
 
     name = "llama"
     qk_norm = False  # Qwen3: an RMSNorm over each query and key head before RoPE
-    own_head_dim = False  # Qwen3: model.head_dim sets each head's size apart from n_embd
     probe_tensor = "model.layers.0.input_layernorm.weight"
     embedding_module = "model.embed_tokens"
     hf = hf_llama.LLAMA_MAPPING
@@ -46,9 +45,6 @@ class LlamaFamily(Family):
             divisors = [d for d in range(1, cfg.n_head + 1) if cfg.n_head % d == 0]
             fail("model.n_kv_head", cfg.n_kv_head, f"must divide model.n_head={cfg.n_head} "
                  f"(each KV head serves n_head / n_kv_head query heads): use one of {divisors}")
-        if cfg.head_dim is not None and not self.own_head_dim:
-            fail("model.head_dim", cfg.head_dim, f"model.arch={self.name} has head_dim = "
-                 "n_embd / n_head: use null (model.arch=qwen3 or qwen3_moe take a head_dim)")
         if cfg.head_size % 2:
             fail("model.n_head" if cfg.head_dim is None else "model.head_dim",
                  cfg.n_head if cfg.head_dim is None else cfg.head_dim,

@@ -232,9 +232,11 @@ def test_presets_count_as_transformers(preset):
     assert flops_per_token(m, 4096) == 6 * n + 12 * m.n_layer * m.n_head * m.head_size * 4096
 
 
-def test_head_dim_refused_where_the_family_ties_it():
-    with pytest.raises(ConfigError, match=r"^model.head_dim=24: model.arch=llama"):
-        ModelConfig(**{**DENSE.__dict__, "arch": "llama"}).check()
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
+def test_head_dim_refused_where_the_family_ties_it(arch):
+    cfg = MOE if arch == "mixtral" else DENSE
+    with pytest.raises(ConfigError, match=rf"^model.head_dim=24: model.arch={arch} has head_dim"):
+        ModelConfig(**{**cfg.__dict__, "arch": arch}).check()
 
 
 def test_tp_without_sp_refused_by_key(tiny_data):
