@@ -103,8 +103,9 @@ class ModelConfig:
         if self.head_dim is not None and self.head_dim < 1:
             fail("model.head_dim", self.head_dim, "must be a positive integer or null "
                  "(= n_embd / n_head)")
-        if self.n_embd % self.n_head != 0:
-            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
+            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd} (or "
+                 "model.head_dim set the heads' size, where the family takes it)")
         for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")

@@ -71,8 +71,13 @@ def _router_outputs(model):
     return seen
 
 
-@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["qwen3", "qwen3_moe"])
+# 6 heads of 16 with hidden 64: n_head need not divide n_embd where head_dim is set
+SIX_HEADS = ModelConfig(**{**DENSE.__dict__, "n_head": 6, "head_dim": 16})
+
+
+@pytest.mark.parametrize("cfg", [DENSE, SIX_HEADS, MOE], ids=["qwen3", "six-heads", "qwen3_moe"])
 def test_logits_equal_transformers(cfg):
+    cfg.check()
     hf = random_hf(cfg)
     ours = ours_of(hf, cfg).eval()
     ids = _ids((2, 24))
