@@ -35,6 +35,7 @@ from megalite.config.schema import CONF_DIR, check_presets, register_configs, to
 from megalite.data.errors import DataError
 from megalite.plan.auto import launch_layout
 from megalite.plan.memory import memory_warning
+from megalite.train.init_shape import adopt_init_from_model
 from megalite.train.launch import plan_launch
 from megalite.train.preflight import local_ranks_from_env, preflight
 from megalite.train.runtime import local_gpu, local_gpus, shutdown, world_size_from_env
@@ -70,6 +71,8 @@ def pretrain(node) -> None:
     auto = None
     try:
         cfg = to_config(node)  # a key the schema lacks (`+train.max_step=30`) is refused here
+        # init_from a transformers model: its config.json's model, a disagreeing key refused
+        cfg = adopt_init_from_model(cfg, HydraConfig.get().overrides.task)
         logger = log.configure(launch_rank(), cfg.log.all_ranks)
         if cfg.layout == "auto":  # the same choice on every rank (megalite.plan.auto)
             cfg, auto = launch_layout(cfg, world_size_from_env(), local_gpu(),

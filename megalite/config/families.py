@@ -20,6 +20,10 @@ class FamilyRules(Protocol):
 
     name: str  # its model.arch
     mixture_of_experts: bool  # its blocks have MoE layers (model.moe.num_experts >= 1)
+    # weights every TP rank holds whole but uses on its own heads only (Qwen3's q/k norms):
+    # their gradients are partial sums, summed over TP with the sequence-parallel norms' (sp)
+    tp_partial_weights: bool
+    own_head_dim: bool  # model.head_dim may set the heads' size apart from n_embd / n_head
 
     def check(self, cfg) -> None:
         """The rules of a `ModelConfig` of this family beyond the shared ones (ConfigError)."""

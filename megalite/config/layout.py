@@ -244,7 +244,12 @@ def _check_model_split(cfg: Config) -> None:
         fail("tp", cfg.tp, f"must divide model.n_head={m.n_head} (attention is split by heads)")
     if m.n_embd % cfg.tp:
         fail("tp", cfg.tp, f"must divide model.n_embd={m.n_embd}")
-    registered_family(m.arch).check_tp(m, cfg.tp)
+    family = registered_family(m.arch)
+    family.check_tp(m, cfg.tp)
+    if cfg.tp > 1 and not cfg.sp and getattr(family, "tp_partial_weights", False):
+        fail("sp", cfg.sp, f"model.arch={m.arch} with tp={cfg.tp} needs sp=true: weights every "
+             "TP rank uses on its own heads (its q/k norms) have their gradients summed over "
+             "TP with sequence parallelism's norms")
     if m.ffn_size % cfg.tp:
         fail("tp", cfg.tp, f"must divide the MLP size {m.ffn_size} (model.n_inner)")
     if t.seq_len > m.n_positions:

@@ -41,11 +41,12 @@ class ModelConfig:
     """The model's family and shape (docs/models.md)."""
 
     name: str = "tiny"  # preset name, for the record (the shape below is what counts)
-    arch: str = "gpt2"  # model family: gpt2 | llama | mixtral
+    arch: str = "gpt2"  # model family: gpt2 | llama | mixtral | qwen3 | qwen3_moe
     n_layer: int = 4  # num_hidden_layers
     n_embd: int = 128  # hidden_size
     n_head: int = 4  # num_attention_heads
     n_kv_head: Optional[int] = None  # num_key_value_heads (llama); None = n_head
+    head_dim: Optional[int] = None  # qwen3: each head's size; None = n_embd / n_head
     n_positions: int = 256  # max_position_embeddings
     vocab_size: int = 50257
     n_inner: Optional[int] = None  # MLP hidden size (intermediate_size); None = 4 * n_embd
@@ -62,6 +63,11 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's size (head_dim where set, else n_embd / n_head)."""
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
 
     @property
     def kv_heads(self) -> int:
@@ -91,8 +97,15 @@ class ModelConfig:
                      f"{getattr(ModelConfig, key)})")
         if self.n_inner is not None and self.n_inner < 1:
             fail("model.n_inner", self.n_inner, "must be a positive integer or null (= 4 * n_embd)")
-        if self.n_embd % self.n_head != 0:
-            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd}")
+        if self.head_dim is not None and not getattr(family, "own_head_dim", False):
+            fail("model.head_dim", self.head_dim, f"model.arch={self.arch} has head_dim = "
+                 "n_embd / n_head: use null (model.arch=qwen3 or qwen3_moe take a head_dim)")
+        if self.head_dim is not None and self.head_dim < 1:
+            fail("model.head_dim", self.head_dim, "must be a positive integer or null "
+                 "(= n_embd / n_head)")
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
+            fail("model.n_head", self.n_head, f"must divide model.n_embd={self.n_embd} (or "
+                 "model.head_dim set the heads' size, where the family takes it)")
         for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 fail(f"model.{key}", getattr(self, key), "dropout probability must be in [0, 1)")

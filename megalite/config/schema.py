@@ -295,8 +295,10 @@ class Config:
     #                         predicted layout for the world size (docs/planner.md), the layout
     #                         keys given on the command line held fixed
     init_from: Optional[str] = None  # weights to start from: a transformers directory or hub id
-    #                                  of model.arch's family (GPT2LMHeadModel, LlamaForCausalLM),
-    #                                  or a megalite checkpoint (weights only, step 0)
+    #                                  (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM,
+    #                                  Qwen3(Moe)ForCausalLM: the model and its shape come from
+    #                                  its config.json), or a megalite checkpoint (weights only,
+    #                                  step 0)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,7 +1,8 @@
 """The model families by `model.arch` (the interface: `megalite.model.family`; the registry the
 config asks: `megalite.config.families`), and what the shared code asks of a model through
 them: its stage, its parameter count and FLOPs. A family registers once, by its stage
-(`register`): GPT-2's, Llama's and Mixtral's here; a family of one's own the same way."""
+(`register`): GPT-2's, Llama's, Mixtral's, Qwen3's and Qwen3-MoE's here; a family of one's
+own the same way."""
 from __future__ import annotations
 
 from typing import Dict, Iterator, Optional, Type, Union
@@ -13,6 +14,7 @@ from megalite.model.family import Family
 from megalite.model.gpt2.stage import GPT2
 from megalite.model.llama.stage import Llama
 from megalite.model.mixtral.stage import Mixtral
+from megalite.model.qwen3.stage import Qwen3, Qwen3Moe
 
 _STAGES: Dict[str, Type[CausalLM]] = {}
 
@@ -65,3 +67,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 register(GPT2)
 register(Llama)
 register(Mixtral)
+register(Qwen3)
+register(Qwen3Moe)

@@ -67,6 +67,20 @@ class HFMapping:
     derived: Callable[[str], bool]  # a transformers key megalite's state does not hold
     # (cfg) -> None, or a ConfigError where the model class cannot compute the model
     check_export: Optional[Callable[[ModelConfig], None]] = None
+    # (hf_cfg, source) -> `ModelKeys`: the model config a config.json describes (`init_from`)
+    model_keys: Optional[Callable[[object, str], "ModelKeys"]] = None
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """The `model.*` keys a transformers config.json gives (dotted below `model.`, e.g.
+    `moe.num_experts`): `shape`, what the weights compute (the architecture and every shape:
+    a key the user gives must agree), and `defaults`, what the model was trained with that a
+    run may change (dropout, initialisation, the aux loss's coefficient): taken where the
+    user gives none."""
+
+    shape: Dict[str, object]
+    defaults: Dict[str, object]
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,10 @@ class Family:
 
     name: str = ""
     mixture_of_experts: bool = False  # MoE layers (model.moe; `megalite.model.moe`)
+    # replicated weights a TP rank uses on its own heads only (Qwen3's q/k norms): their
+    # gradients are partial over TP, summed with SP's norms' (so tp > 1 needs sp)
+    tp_partial_weights: bool = False
+    own_head_dim: bool = False  # model.head_dim sets the heads' size apart from n_embd (Qwen3)
     probe_tensor: str = ""
     embedding_module: str = ""  # the token embedding's module path in a stage
     hf: HFMapping

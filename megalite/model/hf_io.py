@@ -12,6 +12,7 @@ import torch
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
 from megalite.model.families import families, family, family_of_model_type
+from megalite.model.family import ModelKeys
 from megalite.model.hub_cache import CONFIG_FILES, WEIGHT_FILES, local_snapshot
 
 
@@ -44,6 +45,26 @@ def read_hf_config(source: str, cfg: ModelConfig):
                           f"{mapping.hub_example}") from e
     _architecture_check(source, cfg, getattr(hf_cfg, "model_type", None))
     return hf_cfg
+
+
+def model_keys_of(source: str) -> ModelKeys:
+    """The model config `source`'s config.json describes (its model_type picks the family;
+    config.json alone is read, a hub id's fetched): what `init_from` takes."""
+    from transformers import AutoConfig
+
+    try:
+        hf_cfg = AutoConfig.from_pretrained(local_snapshot(source, CONFIG_FILES))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from={source!r}: no transformers config.json there ({e}); "
+                          "give a directory written by save_pretrained or a hub id such as "
+                          "gpt2") from e
+    model_type = getattr(hf_cfg, "model_type", None)
+    found = family_of_model_type(model_type)
+    if found is None or found.hf.model_keys is None:
+        raise ConfigError(f"init_from={source!r}: a {model_type!r} model; megalite reads "
+                          + ", ".join(f"{f.hf.model_class} ({f.hf.model_type!r})"
+                                      for f in families()))
+    return found.hf.model_keys(hf_cfg, source)
 
 
 def check_init_from(source: str, cfg: ModelConfig) -> None:

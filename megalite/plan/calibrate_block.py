@@ -38,8 +38,9 @@ from megalite.parallel.group import single_rank_group
 
 
 def block_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """2·P_block + 4·h·s: the time model's forward FLOPs per token of one block."""
-    return 2 * family(model).block_parameters(model) + 4 * model.n_embd * seq_len
+    """2·P_block + 4·a·s (a = n_head · head_dim, h unless head_dim is set apart): the time
+    model's forward FLOPs per token of one block."""
+    return 2 * family(model).block_parameters(model) + 4 * model.n_head * model.head_size * seq_len
 
 
 def time_block(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dtype,

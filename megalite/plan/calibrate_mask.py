@@ -54,7 +54,7 @@ def time_attention(model: ModelConfig, seq_len: int, batch: int, dtype: torch.dt
     None, else within its documents) over up to `max_timings` timings within about
     `budget_s`, after a warm-up (FlexAttention compiles there)."""
     g = torch.Generator(device=device).manual_seed(0)
-    head_dim = model.n_embd // model.n_head
+    head_dim = model.head_size
 
     def tensor(heads: int) -> torch.Tensor:
         return torch.randn(batch, heads, seq_len, head_dim, generator=g, device=device,
@@ -91,7 +91,7 @@ def measure_mask_ratios(model: ModelConfig, seq_len: int, micro_batch: int, dtyp
     torch_dtype = PRECISION_DTYPES[dtype]
     ids = document_ids(seq_len, micro_batch, length).to(device)
     causal = time_attention(model, seq_len, micro_batch, torch_dtype, device, None)
-    flops = 3 * 4 * model.n_embd * seq_len * seq_len * micro_batch
+    flops = 3 * 4 * model.n_head * model.head_size * seq_len * seq_len * micro_batch
     out = []
     for kernel in kernels:
         w = kernel_work(measured, kernel)

@@ -66,7 +66,7 @@ from megalite.plan.links import GroupLink, collective_time
 def _heads(cfg: Config, tp: int):
     """(query heads, KV heads, head dim) on one TP rank."""
     m = cfg.model
-    return m.n_head // tp, max(1, m.kv_heads // tp), m.n_embd // m.n_head
+    return m.n_head // tp, max(1, m.kv_heads // tp), m.head_size
 
 
 def _sizes(cfg: Config, layout: Layout, e: int):

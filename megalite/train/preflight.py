@@ -27,6 +27,7 @@ from megalite.resilience.inject_target import check_inject_target
 from megalite.train.cpu_precision import half_precision_note
 from megalite.train.host_memory import check_host_memory
 from megalite.train.init_from import check_init_from
+from megalite.train.init_shape import adopt_init_from_model
 
 
 def preflight(cfg: Config, world_size: int, local_gpus: Optional[int] = None,
@@ -60,7 +61,7 @@ def validated_config(overrides, world_size: int, gpus_per_node: int, device: str
     """The configuration of `overrides` and its warnings, validated as a launch on
     `world_size` ranks of `device` would be (`gpus_per_node` GPUs a node on cuda), for the
     commands that plan or simulate a launch rather than start one; ConfigError otherwise."""
-    cfg = load_config(list(overrides))
+    cfg = adopt_init_from_model(load_config(list(overrides)), overrides)
     return cfg, validate(cfg, world_size, gpus_per_node if device == "cuda" else None)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.schema import ModelConfig
-from megalite.model.family import HFMapping
+from megalite.model.family import HFMapping, ModelKeys
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
@@ -84,6 +84,16 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                               f"has {key}={ours[0]!r}; its weights would compute another model")
 
 
+def model_keys(hf_cfg, source: str) -> ModelKeys:
+    """The model config of a GPT2Config (`init_from` takes the shape from config.json)."""
+    shape = {key: getattr(hf_cfg, key) for key in SHAPE_FIELDS}
+    shape.update(arch="gpt2", n_inner=getattr(hf_cfg, "n_inner", None),
+                 layer_norm_epsilon=hf_cfg.layer_norm_epsilon, tie_word_embeddings=True)
+    defaults = {key: getattr(hf_cfg, key) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop",
+                                                      "initializer_range")}
+    return ModelKeys(shape, defaults)
+
+
 def derived(name: str) -> bool:
     """A key of the transformers state that megalite's state does not hold: the attention-mask
     buffers and the tied LM head."""
@@ -91,4 +101,5 @@ def derived(name: str) -> bool:
 
 
 GPT2_MAPPING = HFMapping("gpt2", "GPT2LMHeadModel", "GPT-2", "gpt2", hf_config, to_hf_state_dict,
-                         from_hf_state_dict, check_shape_matches, derived)
+                         from_hf_state_dict, check_shape_matches, derived,
+                         model_keys=model_keys)

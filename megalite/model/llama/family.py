@@ -30,6 +30,7 @@ class LlamaFamily(Family):
     MLP, an untied LM head (tied where `tie_word_embeddings` asks)."""
 
     name = "llama"
+    qk_norm = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     probe_tensor = "model.layers.0.input_layernorm.weight"
     embedding_module = "model.embed_tokens"
     hf = hf_llama.LLAMA_MAPPING
@@ -44,9 +45,10 @@ class LlamaFamily(Family):
             divisors = [d for d in range(1, cfg.n_head + 1) if cfg.n_head % d == 0]
             fail("model.n_kv_head", cfg.n_kv_head, f"must divide model.n_head={cfg.n_head} "
                  f"(each KV head serves n_head / n_kv_head query heads): use one of {divisors}")
-        if (cfg.n_embd // cfg.n_head) % 2:
-            fail("model.n_head", cfg.n_head, f"head_dim = n_embd / n_head = "
-                 f"{cfg.n_embd // cfg.n_head} must be even (RoPE rotates pairs)")
+        if cfg.head_size % 2:
+            fail("model.n_head" if cfg.head_dim is None else "model.head_dim",
+                 cfg.n_head if cfg.head_dim is None else cfg.head_dim,
+                 f"head_dim = {cfg.head_size} must be even (RoPE rotates pairs)")
         if not cfg.rope_theta > 0:
             fail("model.rope_theta", cfg.rope_theta, "must be > 0 (Llama 3 uses 500000)")
         if cfg.rope_scaling is not None:
@@ -69,21 +71,23 @@ class LlamaFamily(Family):
     def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
         """o_proj, gate_up_proj, down_proj; the q/k/v projections stay in the model dtype
         (`megalite.model.llama.stage.Projection`)."""
-        h, f = cfg.n_embd, cfg.ffn_size
-        return [("model.layers.*.self_attn.o_proj", "model.n_embd / tp", h // tp,
+        h, f, a = cfg.n_embd, cfg.ffn_size, cfg.n_head * cfg.head_size
+        return [("model.layers.*.self_attn.o_proj", "model.n_head * head_dim / tp", a // tp,
                  "model.n_embd", h),
                 ("model.layers.*.mlp.gate_up_proj", "model.n_embd", h,
                  "2 * model.n_inner / tp", 2 * f // tp),
                 ("model.layers.*.mlp.down_proj", "model.n_inner / tp", f // tp, "model.n_embd", h)]
 
     def block_specs(self, cfg: ModelConfig, index: int, tp: int) -> Specs:
-        h, f, d = cfg.n_embd, cfg.ffn_size, cfg.n_embd // cfg.n_head
+        h, f, d = cfg.n_embd, cfg.ffn_size, cfg.head_size
         replicas = kv_split(cfg.kv_heads, tp)[1]
         p = f"model.layers.{index}."
 
         def spec(name: str, shape, **split) -> Tuple[str, ParamSpec]:
             return p + name, ParamSpec(p + name, tuple(shape), **split)
 
+        norms = [spec("self_attn.q_norm.weight", (d,)), spec("self_attn.k_norm.weight", (d,))] \
+            if self.qk_norm else []
         return [
             spec("input_layernorm.weight", (h,)),
             spec("self_attn.q_proj.weight", (cfg.n_head * d, h), tp_dim=0),
@@ -92,6 +96,7 @@ class LlamaFamily(Family):
             spec("self_attn.v_proj.weight", (cfg.kv_heads * d, h), tp_dim=0,
                  tp_replicas=replicas),
             spec("self_attn.o_proj.weight", (h, cfg.n_head * d), tp_dim=1),
+            *norms,
             spec("post_attention_layernorm.weight", (h,)),
             spec("mlp.gate_up_proj.weight", (2 * f, h), tp_dim=0, tp_interleave=2),
             spec("mlp.down_proj.weight", (h, f), tp_dim=1),
@@ -115,8 +120,9 @@ class LlamaFamily(Family):
     # --- FLOPs and activations ----------------------------------------------------------
 
     def block_parameters(self, cfg: ModelConfig) -> int:
-        h, f, kv = cfg.n_embd, cfg.ffn_size, cfg.kv_heads * (cfg.n_embd // cfg.n_head)
-        return 2 * h + h * h + 2 * kv * h + h * h + 3 * f * h
+        h, f, d = cfg.n_embd, cfg.ffn_size, cfg.head_size
+        a, kv = cfg.n_head * d, cfg.kv_heads * d
+        return 2 * h + 2 * a * h + 2 * kv * h + 3 * f * h + (2 * d if self.qk_norm else 0)
 
     def num_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (a tied embedding once, no padding)."""
@@ -130,7 +136,11 @@ class LlamaFamily(Family):
         attention scores and values over all n_head query heads (grouped-query attention
         shares K and V, not these products)."""
         n = cfg.n_layer * self.block_parameters(cfg) + cfg.n_embd + cfg.vocab_size * cfg.n_embd
-        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+        return 6 * n + self.attention_flops_per_pair(cfg) * seq_len
+
+    def attention_flops_per_pair(self, cfg: ModelConfig) -> int:
+        """12·L·(n_head · head_dim): n_embd unless head_dim sets the heads' size apart."""
+        return 12 * cfg.n_layer * cfg.n_head * cfg.head_size
 
     def flops_formula(self) -> str:
         return "6N + 12*L*h*s (N = parameters except the token embedding's lookup)"
@@ -143,15 +153,20 @@ class LlamaFamily(Family):
                                math_attention: bool = False) -> float:
         """Bytes one Llama block keeps for backward per micro-batch on one rank: the two
         RMSNorms' inputs and outputs, e·s'b·4h (s' = s/t with SP); q after RoPE and the
-        attention output, 2·e·sb·h/t; k after RoPE and v, 2·e·sb·g (g = this rank's KV
-        heads × head dim); the MLP's [gate | up], silu(gate) and the product,
-        4·e·sb·f/t; RoPE's cos and sin (2·e·s·d); the norms' fp32 reciprocal RMS (8·s'b);
-        the attention's extra (`attention_bytes`); residual dropout masks (2·s'bh)."""
-        h, d = cfg.n_embd, cfg.n_embd // cfg.n_head
+        attention output, 2·e·sb·a/t (a = n_head × head dim); k after RoPE and v, 2·e·sb·g
+        (g = this rank's KV heads × head dim); with q/k norms (Qwen3) their inputs,
+        e·sb·(a/t + g), and fp32 reciprocal RMS a head and position; the MLP's [gate | up],
+        silu(gate) and the product, 4·e·sb·f/t; RoPE's cos and sin (2·e·s·d); the norms' fp32
+        reciprocal RMS (8·s'b); the attention's extra (`attention_bytes`); residual dropout
+        masks (2·s'bh)."""
+        h, d = cfg.n_embd, cfg.head_size
+        a, kv_local = cfg.n_head * d, kv_split(cfg.kv_heads, t)[0]
         s_local = s // t if sp else s
-        g = kv_split(cfg.kv_heads, t)[0] * d
-        main = e * s_local * b * 4 * h + e * s * b * (2 * h / t + 2 * g + 4 * cfg.ffn_size / t)
-        attention = attention_bytes(s, b, h, cfg.n_head // t, t, e, math_attention)
+        g = kv_local * d
+        main = e * s_local * b * 4 * h + e * s * b * (2 * a / t + 2 * g + 4 * cfg.ffn_size / t)
+        if self.qk_norm:
+            main += e * s * b * (a / t + g) + 4 * s * b * (cfg.n_head // t + kv_local)
+        attention = attention_bytes(s, b, a, cfg.n_head // t, t, e, math_attention)
         return main + 2 * e * s * d + 8 * s_local * b + attention \
             + (2 * s_local * b * h if dropout else 0)
 

@@ -22,7 +22,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig, RopeScaling
-from megalite.model.family import HFMapping
+from megalite.model.family import HFMapping, ModelKeys
 
 GATE_UP = ".mlp.gate_up_proj.weight"
 # LlamaConfig switches megalite's Llama has one setting of (accepted values; first = ours)
@@ -45,7 +45,7 @@ def hf_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_size,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.kv_heads, head_dim=cfg.n_embd // cfg.n_head,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size,
         max_position_embeddings=cfg.n_positions, rms_norm_eps=cfg.layer_norm_epsilon,
         initializer_range=cfg.initializer_range, rope_theta=cfg.rope_theta,
         rope_scaling=scaling, tie_word_embeddings=cfg.tie_word_embeddings,
@@ -130,15 +130,33 @@ def check_shape_matches(cfg: ModelConfig, hf_cfg, source: str) -> None:
                           f"rope_theta={theta!r}; set model.rope_theta={theta!r}")
     _scaling(cfg, scaling, source)
     head_dim = getattr(hf_cfg, "head_dim", None)
-    if head_dim is not None and head_dim != cfg.n_embd // cfg.n_head:
-        raise ConfigError(f"init_from={source!r}: head_dim={head_dim}, but megalite's Llama "
-                          f"has head_dim = n_embd / n_head = {cfg.n_embd // cfg.n_head}")
+    if head_dim is not None and head_dim != cfg.head_size:
+        raise ConfigError(f"model.head_dim={cfg.head_dim!r}: init_from={source!r} has "
+                          f"head_dim={head_dim} (megalite's: {cfg.head_size}); set "
+                          f"model.head_dim={head_dim} where the family takes it (qwen3), or "
+                          "pick the matching preset")
     for key, accepted in ARCHITECTURE.items():
         theirs = getattr(hf_cfg, key, accepted[0])
         if theirs not in accepted:
             raise ConfigError(f"init_from={source!r}: {key}={theirs!r}, but megalite's Llama "
                               f"has {key}={accepted[0]!r}; its weights would compute another "
                               "model")
+
+
+def model_keys(hf_cfg, source: str, arch: str = "llama") -> ModelKeys:
+    """The model config of a LlamaConfig (or a config of Llama's fields: Mixtral's, Qwen3's),
+    as model.arch `arch`: `init_from` takes the shape from config.json."""
+    shape = {key: getattr(hf_cfg, field, None) for key, field in FIELDS.items()}
+    if shape["n_kv_head"] is None:
+        shape["n_kv_head"] = hf_cfg.num_attention_heads
+    theta, scaling = rope_of(hf_cfg)
+    known = asdict(RopeScaling())
+    shape.update(arch=arch, rope_theta=theta, rope_scaling=None if scaling is None else
+                 RopeScaling(**{k: v for k, v in scaling.items() if k in known}))
+    defaults = {"attn_pdrop": float(getattr(hf_cfg, "attention_dropout", 0.0)),
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                "initializer_range": hf_cfg.initializer_range}
+    return ModelKeys(shape, defaults)
 
 
 def derived(name: str) -> bool:
@@ -149,4 +167,4 @@ def derived(name: str) -> bool:
 
 LLAMA_MAPPING = HFMapping("llama", "LlamaForCausalLM", "Llama", "meta-llama/Llama-3.2-1B",
                           hf_config, to_hf_state_dict, from_hf_state_dict, check_shape_matches,
-                          derived)
+                          derived, model_keys=model_keys)

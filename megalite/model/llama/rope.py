@@ -25,7 +25,7 @@ from megalite.config.model import ModelConfig
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """[head_dim / 2] fp32 on the CPU: θ^(-2i/d), Llama 3-scaled where configured."""
-    dim = cfg.n_embd // cfg.n_head
+    dim = cfg.head_size
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim
     inv_freq = 1.0 / (cfg.rope_theta ** exponents)
     scaling = cfg.rope_scaling

@@ -101,13 +101,14 @@ class LlamaAttention(nn.Module):
         tp = tp_group.size
         if cfg.n_head % tp:
             raise ValueError(f"n_head={cfg.n_head} not divisible by tp={tp}")
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = cfg.head_size
         self.heads = cfg.n_head // tp  # query heads of this TP rank
         self.kv_heads = kv_split(cfg.kv_heads, tp)[0]  # KV heads of this TP rank
         self.q_proj = Projection(self.heads * self.head_dim, cfg.n_embd)
         self.k_proj = Projection(self.kv_heads * self.head_dim, cfg.n_embd)
         self.v_proj = Projection(self.kv_heads * self.head_dim, cfg.n_embd)
-        self.o_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp_group, sp, bias=False)
+        self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, tp_group, sp,
+                                        bias=False)
         self.tp_group, self.sequence_parallel = tp_group, sp
         self.attn_pdrop, self.resid_pdrop = cfg.attn_pdrop, cfg.resid_pdrop
         self.tp_region, self.residual_region = tp_region, residual_region
@@ -123,6 +124,10 @@ class LlamaAttention(nn.Module):
         s, b = t.shape[:2]
         return t.view(s, b, heads, self.head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
 
+    def head_norms(self, q: torch.Tensor, k: torch.Tensor):
+        """q and k [b, heads, s, d] before RoPE: as they are (Qwen3 normalises each head)."""
+        return q, k
+
     def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
         q, k, v = column_parallel_linears(
             x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], self.tp_group,
@@ -131,8 +136,8 @@ class LlamaAttention(nn.Module):
         positions = token_positions(s, self.cp, self.inv_freq.device) \
             if attn is None or attn.positions is None else attn.positions
         cos, sin = cos_sin(self.inv_freq, positions, q.dtype)
-        q = apply_rotary(self._heads(q, self.heads), cos, sin)
-        k = apply_rotary(self._heads(k, self.kv_heads), cos, sin)
+        q, k = self.head_norms(self._heads(q, self.heads), self._heads(k, self.kv_heads))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self._heads(v, self.kv_heads)
         p = self.attn_pdrop if self.training else 0.0
         with self.tp_region() if p > 0 else contextlib.nullcontext(), self.kernel_region():
@@ -160,14 +165,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
+    attention_class = LlamaAttention  # the block's attention module (Qwen3's: with q/k norms)
+
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                  residual_region: RegionFactory, attention: str = "auto",
                  cp: Optional[ContextParallel] = None, inv_freq: Optional[torch.Tensor] = None):
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.input_layernorm = RMSNorm(cfg.n_embd, eps)
-        self.self_attn = LlamaAttention(cfg, tp_group, sp, tp_region, residual_region,
-                                        attention, cp, inv_freq)
+        self.self_attn = self.attention_class(cfg, tp_group, sp, tp_region, residual_region,
+                                              attention, cp, inv_freq)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.mlp = LlamaMLP(cfg, tp_group, sp, residual_region)
 

@@ -96,7 +96,7 @@ class MixtralFamily(LlamaFamily):
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         """6N + 12·L·h·s with N the active parameters but the token embedding's lookup."""
         n = self._blocks(cfg, active=True) + cfg.n_embd + cfg.vocab_size * cfg.n_embd
-        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+        return 6 * n + self.attention_flops_per_pair(cfg) * seq_len
 
     def flops_formula(self) -> str:
         return ("6N + 12*L*h*s (N = active parameters: router, top-k routed and shared "

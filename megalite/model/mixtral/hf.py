@@ -22,7 +22,7 @@ import torch
 
 from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig
-from megalite.model.family import HFMapping
+from megalite.model.family import HFMapping, ModelKeys
 from megalite.model.llama import hf as hf_llama
 
 PER_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -42,7 +42,7 @@ def hf_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
         intermediate_size=moe.expert_hidden(cfg.ffn_size), num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.n_embd // cfg.n_head, max_position_embeddings=cfg.n_positions,
+        head_dim=cfg.head_size, max_position_embeddings=cfg.n_positions,
         rms_norm_eps=cfg.layer_norm_epsilon, initializer_range=cfg.initializer_range,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=cfg.tie_word_embeddings, attention_dropout=cfg.attn_pdrop,
@@ -115,6 +115,16 @@ def check_export(cfg: ModelConfig) -> None:
                               "a megalite checkpoint holds it (checkpoint.resume)")
 
 
+def model_keys(hf_cfg, source: str) -> ModelKeys:
+    """The model config of a MixtralConfig: Llama's keys, the experts and Mixtral's router."""
+    keys = hf_llama.model_keys(hf_cfg, source, "mixtral")
+    keys.shape.update({"moe.num_experts": hf_cfg.num_local_experts,
+                       "moe.top_k": hf_cfg.num_experts_per_tok,
+                       **{f"moe.{k}": v for k, v in ROUTER.items()}})
+    keys.defaults["moe.aux_loss_coeff"] = hf_cfg.router_aux_loss_coef
+    return keys
+
+
 def derived(name: str) -> bool:
     """A tied head (the token embedding) and rotary buffers."""
     return hf_llama.derived(name)
@@ -122,4 +132,5 @@ def derived(name: str) -> bool:
 
 MIXTRAL_MAPPING = HFMapping("mixtral", "MixtralForCausalLM", "Mixtral",
                             "mistralai/Mixtral-8x7B-v0.1", hf_config, to_hf_state_dict,
-                            from_hf_state_dict, check_config, derived, check_export)
+                            from_hf_state_dict, check_config, derived, check_export,
+                            model_keys)

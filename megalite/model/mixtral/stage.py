@@ -26,6 +26,8 @@ from megalite.parallel.group import Group
 class MixtralBlock(nn.Module):
     """Block `index`: attention, then the MoE layer (or a dense MLP) on the residual stream."""
 
+    attention_class = LlamaAttention  # the block's attention module (Qwen3-MoE's: q/k norms)
+
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                  residual_region: RegionFactory, attention: str = "auto",
                  cp: Optional[ContextParallel] = None, inv_freq: Optional[torch.Tensor] = None,
@@ -33,8 +35,8 @@ class MixtralBlock(nn.Module):
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.input_layernorm = RMSNorm(cfg.n_embd, eps)
-        self.self_attn = LlamaAttention(cfg, tp_group, sp, tp_region, residual_region,
-                                        attention, cp, inv_freq)
+        self.self_attn = self.attention_class(cfg, tp_group, sp, tp_region, residual_region,
+                                              attention, cp, inv_freq)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.moe = cfg.moe.is_moe_layer(index)
         self.mlp = MoELayer(cfg.moe, cfg.n_embd, cfg.ffn_size, index, ledger) if self.moe \

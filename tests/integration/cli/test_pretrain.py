@@ -1,5 +1,6 @@
 """End to end: scripts/pretrain.py in a subprocess, as a user runs it."""
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -180,3 +181,32 @@ def test_pipeline_run_reports_its_bubble_and_dumps_the_schedule(tiny_data, tmp_p
         names = [e["name"] for e in events["traceEvents"]]
         assert sorted(names) == sorted([f"F{i}" for i in range(4)] + [f"B{i}" for i in range(4)])
         assert all(e["tid"] == rank for e in events["traceEvents"])  # one row per stage
+
+
+@pytest.mark.distributed
+def test_init_from_a_transformers_directory_takes_its_model(tiny_data, tmp_path):
+    """`megalite-pretrain init_from=<a Qwen3-MoE directory>`: the family, head size and
+    experts come from config.json (the command line gives TINY's keys, which agree); a key that
+    disagrees is refused by name before anything is written."""
+    from megalite.config.model import ModelConfig
+    from megalite.config.moe import MoEConfig
+    from tests.unit.model.test_qwen3 import random_hf
+
+    shape = ModelConfig(arch="qwen3_moe", n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
+                        head_dim=24, n_positions=64, vocab_size=1024, n_inner=48,
+                        tie_word_embeddings=False,
+                        moe=MoEConfig(num_experts=4, top_k=2, expert_size=16))
+    hf = random_hf(shape)
+    hf.save_pretrained(tmp_path / "qwen3-moe")
+    common = [f"data.dir={tiny_data}", f"init_from={tmp_path / 'qwen3-moe'}", "log.wandb=false",
+              "precision=fp32", "train.eval_every=0"]
+    refused = pretrain(tmp_path / "bad", *common, "model.n_layer=3", expect_ok=False)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "model.n_layer=3: init_from=" in refused.stderr and "has 2 (config.json)" \
+        in refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    pretrain(tmp_path / "run", *common, "train.max_steps=1", "log.every=1")
+    header, records = read_metrics(tmp_path / "run")
+    assert header["model"]["arch"] == "qwen3_moe"
+    assert header["parameters"] == hf.num_parameters()
+    assert len(records) == 1 and math.isfinite(records[0]["loss"])
