@@ -26,6 +26,7 @@ from megalite_bench import (
     loader,
     loss,
     matrix,
+    moe,
     offload,
     pipeline,
     plan,
@@ -76,6 +77,9 @@ BENCHMARKS = {
                              "torch's context_parallel"),
     "matrix": (matrix, "the combination matrix (--strength 3 before landing an engine change): "
                        "every run against its serial run"),
+    "moe": (moe, "a tiny MoE training step against its dense model of the same active "
+                 "parameters and transformers' MixtralForCausalLM; grouped GEMM against the "
+                 "per-expert loop (bf16 on CUDA)"),
     "cpu-threads": (cpu_threads, "the quickstart's CPU step with megalite's choice of intra-op "
                                  "threads vs torch's default, quiet and under a load generator"),
     "gpu": (gpu, "everything to measure on one GPU in one command within a budget (CUDA tests, "

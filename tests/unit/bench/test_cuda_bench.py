@@ -1,7 +1,8 @@
 """The offload benchmark on a GPU (megalite_bench/offload.py): each variant built, timed and
 freed in turn (the device memory after a variant is what it was before it), the offload
 waits measured with CUDA events, every timed step's seconds and, under optimizer offload, the
-timeline of copies (CUDA events on the side stream) and host steps on one clock. Skipped
+timeline of copies (CUDA events on the side stream) and host steps on one clock; the MoE
+benchmark's grouped GEMM against the loop in bf16 (megalite_bench/moe.py). Skipped
 without a GPU; `megalite-bench gpu` runs it. Written against CUDA semantics; not yet run on a
 GPU."""
 from __future__ import annotations
@@ -37,3 +38,23 @@ def test_variants_are_freed_and_waits_are_device_time():
             assert steps[-1]["end_s"] == pytest.approx(sum(got["times_s"]), rel=0.5)
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated(device) <= before + 2**20  # nothing left alive
+
+
+def test_moe_bench_times_grouped_gemm_in_bf16_against_the_loop(tmp_path):
+    """`megalite-bench moe` on the GPU: megalite's default (experts_impl=auto) is grouped GEMM
+    in bf16, the layer's grouped GEMM equals the loop within bf16's tolerance before timing,
+    and every training-step arm runs (megalite bf16, transformers under autocast)."""
+    import json
+
+    from megalite_bench.cli import main
+
+    main(["moe", "--model", "n_layer=1", "n_embd=64", "n_head=2", "n_kv_head=1",
+          "vocab_size=256", "n_inner=32", "--seq-len", "16", "--micro-batch", "2",
+          "--layer-tokens", "64", "--steps", "1", "--warmup", "1", "--repeats", "2",
+          "--device", "cuda", "--out", str(tmp_path / "moe.json")])
+    got = json.loads((tmp_path / "moe.json").read_text())
+    assert got["auto"] == "grouped"
+    assert got["layer"]["dtype"] == "bfloat16" and got["layer"]["max_rel_difference"] <= 2e-2
+    assert {"megalite moe grouped", "megalite moe loop", "megalite dense",
+            "transformers eager"} <= set(got["step"]["arms"])
+    assert all(a["s"] > 0 for a in got["layer"]["arms"].values())

@@ -121,3 +121,31 @@ SEVERAL_GPUS = {
     "megalite.plan.link_check:measure_link": "the self-test's link check between GPUs",
     "megalite.plan.link_check:judge": "the self-test's link check between GPUs",
 }
+
+BENCH_MOE = "tests/unit/bench/test_cuda_bench.py::" \
+            "test_moe_bench_times_grouped_gemm_in_bf16_against_the_loop"
+# megalite_bench's CUDA-only branches with a single-GPU test (test_gpu_tests_hold.py holds
+# megalite_bench/ to these and to BENCH_BEFORE_THE_RULE both ways: a new branch needs a test)
+BENCH_SINGLE_GPU = {
+    "megalite_bench.moe:add_arguments": BENCH_MOE,
+    "megalite_bench.moe:run": BENCH_MOE,
+    "megalite_bench.moe_arms:transformers_step": BENCH_MOE,
+    "megalite_bench.timing:synchronize": BENCH_MOE,
+}
+# the benchmarks' branches from before that rule, run on a GPU by `megalite-bench gpu` itself
+# (its parts) but not (yet) by a test of their own; none may be added here
+BENCH_BEFORE_THE_RULE = {
+    "megalite_bench.attention:add_arguments", "megalite_bench.attention:run",
+    "megalite_bench.document_attention:add_arguments", "megalite_bench.document_attention:run",
+    "megalite_bench.gpu:run", "megalite_bench.gpu_worker:measure",
+    "megalite_bench.gpu_worker:parser", "megalite_bench.loss:add_arguments",
+    "megalite_bench.memory:PeakBytes.__enter__", "megalite_bench.memory:PeakBytes.__exit__",
+    "megalite_bench.memory:_replay", "megalite_bench.memory:live_tensor_bytes",
+    "megalite_bench.offload:_free", "megalite_bench.offload:run",
+    "megalite_bench.offload:step_times", "megalite_bench.offload:time_variant",
+    "megalite_bench.offload_variants:parse_variants", "megalite_bench.plan_memory:_rank",
+    "megalite_bench.timing:peak_memory", "megalite_bench.timing:reset_peak",
+    "megalite_bench.train:add_arguments", "megalite_bench.train:megalite_parts",
+    "megalite_bench.train:profile_step", "megalite_bench.train:run",
+    "megalite_bench.train:transformers_step",
+}

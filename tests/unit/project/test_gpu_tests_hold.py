@@ -7,7 +7,8 @@ argument too few is a TypeError at its first call on the GPU). A patch whose tar
 variable names its class in `LOCAL_TARGETS`; a new one not listed fails here, naming it. And
 every CUDA-only branch of megalite/ has a single-GPU test: the branches found in the source
 are exactly the ones `cuda_branches` maps to a test (that exists, in a GPU-only file) or,
-reached only by NCCL between GPUs, to why.
+reached only by NCCL between GPUs, to why; megalite_bench/'s likewise, but for the branches
+from before that rule (`BENCH_BEFORE_THE_RULE`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ import pytest
 
 from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.pipeline import PipelineSchedule
-from tests.unit.project.cuda_branches import SEVERAL_GPUS, SINGLE_GPU
+from tests.unit.project.cuda_branches import (
+    BENCH_BEFORE_THE_RULE,
+    BENCH_SINGLE_GPU,
+    SEVERAL_GPUS,
+    SINGLE_GPU,
+)
 
 TESTS = Path(__file__).resolve().parents[2]
 PACKAGE = TESTS.parent / "megalite"
@@ -199,10 +205,28 @@ def test_every_cuda_branch_of_megalite_has_a_single_gpu_test():
         "one (tests/*/*/test_cuda*.py) and name it in tests/unit/project/cuda_branches.py"
     stale = sorted(listed - set(found))
     assert not stale, f"cuda_branches.py names branches megalite/ no longer has: {stale}"
+    _named_tests_exist(SINGLE_GPU)
+
+
+def test_every_new_cuda_branch_of_the_benchmarks_has_a_single_gpu_test():
+    """megalite_bench/ likewise, but for the branches from before the rule (listed)."""
+    found = cuda_branches(PACKAGE.parent / "megalite_bench")
+    assert not set(BENCH_SINGLE_GPU) & BENCH_BEFORE_THE_RULE
+    listed = set(BENCH_SINGLE_GPU) | BENCH_BEFORE_THE_RULE
+    untested = [f"{k} (lines {found[k]})" for k in sorted(set(found) - listed)]
+    assert not untested, f"CUDA-only branches of the benchmarks without a single-GPU test: " \
+        f"{untested}; write one (tests/*/*/test_cuda*.py) and name it in BENCH_SINGLE_GPU " \
+        "(tests/unit/project/cuda_branches.py)"
+    stale = sorted(listed - set(found))
+    assert not stale, f"cuda_branches.py names branches megalite_bench/ no longer has: {stale}"
+    _named_tests_exist(BENCH_SINGLE_GPU)
+
+
+def _named_tests_exist(mapped: Dict[str, str]) -> None:
     defined = {str(path.relative_to(TESTS.parent)): {
         n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
         for path in GPU_TESTS}
-    for branch, node in SINGLE_GPU.items():
+    for branch, node in mapped.items():
         file, test = node.split("::")
         assert file in defined, f"{branch}: {file} is not a GPU-only test file"
         assert test in defined[file], f"{branch}: {file} has no {test}"
