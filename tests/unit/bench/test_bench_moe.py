@@ -22,18 +22,18 @@ ARMS = {"megalite dense", "megalite moe grouped", "megalite moe loop", "transfor
 def test_the_benchmark_runs_every_arm_and_writes_its_table_as_json(tmp_path, capsys):
     main(["moe", *TINY, "--device", "cpu", "--out", str(tmp_path / "moe.json")])
     got = json.loads((tmp_path / "moe.json").read_text())
-    assert got["auto"] == "loop" and got["not_run"] == {}  # auto off CUDA in fp32: the loop
+    assert got["auto"] == "grouped" and got["not_run"] == {}  # auto on a CPU: grouped GEMM
     arms = got["step"]["arms"]
     assert set(arms) == ARMS
     assert all(a["s"] > 0 and a["per_s"] == pytest.approx(2 * 16 / a["s"]) for a in arms.values())
     ratios = got["step"]["ratios"]
-    assert set(ratios) == {name for name, _, _ in moe.step_ratios("loop")}
+    assert set(ratios) == {name for name, _, _ in moe.step_ratios("grouped")}
     speed = {n: a["per_s"] for n, a in arms.items()}
-    for name, num, den in moe.step_ratios("loop"):  # rounds' medians: within their range
+    for name, num, den in moe.step_ratios("grouped"):  # rounds' medians: within their range
         assert ratios[name]["min"] <= ratios[name]["median"] <= ratios[name]["max"]
         assert ratios[name]["min"] > 0
     assert ratios["moe / dense (megalite)"]["median"] == pytest.approx(
-        speed["megalite moe loop"] / speed["megalite dense"], rel=0.5)
+        speed["megalite moe grouped"] / speed["megalite dense"], rel=0.5)
     layer = got["layer"]
     assert layer["dtype"] == "float32" and layer["max_rel_difference"] <= 1e-5
     assert set(layer["arms"]) == {"grouped", "loop"} and "grouped / loop" in layer["ratios"]
