@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megalite.checkpoint import dcp_export, export_parts, hf_stream
+from megalite.checkpoint import export_parts, hf_stream
 from megalite.checkpoint.dcp_export import export_dcp, read_titan_state
 from megalite.checkpoint.errors import CheckpointError
 from megalite.checkpoint.export import ExportError, export_hf, model_config
@@ -87,7 +87,9 @@ def test_dcp_export_cut_short_keeps_the_finished_one(ckpts, tmp_path, monkeypatc
     def dies(*args, **kwargs):
         raise Crash("killed inside dcp.save")
 
-    monkeypatch.setattr(dcp_export.dcp, "save", dies)
+    import torch.distributed.checkpoint as dcp  # what export_dcp imports when it runs
+
+    monkeypatch.setattr(dcp, "save", dies)
     with pytest.raises(Crash):
         export_dcp(ckpts["step0"], out, force=True)
     monkeypatch.undo()
