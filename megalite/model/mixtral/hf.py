@@ -24,6 +24,7 @@ from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig
 from megalite.model.family import HFMapping, ModelKeys
 from megalite.model.llama import hf as hf_llama
+from megalite.model.moe.hf_experts import stack_per_expert
 
 PER_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 # model.moe.<key>: the value MixtralForCausalLM's routing has
@@ -51,31 +52,11 @@ def hf_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
         router_jitter_noise=0.0, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
 
-def _stack_per_expert(hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The per-expert layout's experts stacked into transformers 5's ([w1 | w3], w2)."""
-    experts: Dict[str, Dict[str, Dict[int, torch.Tensor]]] = {}
-    out = {}
-    for name, t in hf_sd.items():
-        m = PER_EXPERT.match(name)
-        if m is None:
-            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
-            continue
-        prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
-        experts.setdefault(prefix, {}).setdefault(w, {})[e] = t
-    for prefix, ws in experts.items():
-        n = len(ws["w1"])
-        if any(sorted(ws[w]) != list(range(n)) for w in ("w1", "w2", "w3")):
-            raise ValueError(f"{prefix}: the per-expert weights do not cover experts 0..{n - 1}")
-        out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([ws["w1"][e], ws["w3"][e]], dim=0) for e in range(n)])
-        out[prefix + ".mlp.experts.down_proj"] = torch.stack([ws["w2"][e] for e in range(n)])
-    return out
-
-
 def from_hf_state_dict(hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """MixtralForCausalLM state (either layout) -> megalite's global state."""
-    return {name: t for name, t in _stack_per_expert(hf_sd).items()
-            if not name.endswith("rotary_emb.inv_freq")}
+    stacked = stack_per_expert(hf_sd, PER_EXPERT, ("w1", "w3", "w2"),
+                               lambda n: n.replace(".block_sparse_moe.", ".mlp."))
+    return {name: t for name, t in stacked.items() if not name.endswith("rotary_emb.inv_freq")}
 
 
 def to_hf_state_dict(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

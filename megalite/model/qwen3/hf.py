@@ -23,6 +23,7 @@ from megalite.config.errors import ConfigError
 from megalite.config.model import ModelConfig
 from megalite.model.family import HFMapping, ModelKeys
 from megalite.model.llama import hf as hf_llama
+from megalite.model.moe.hf_experts import stack_per_expert
 
 PER_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # model.moe.<key>: the value Qwen3MoeForCausalLM's routing has
@@ -71,31 +72,10 @@ def hf_moe_config(cfg: ModelConfig, bos_token_id: Optional[int] = None,
         mlp_only_layers=[i for i in range(cfg.n_layer) if not moe.is_moe_layer(i)])
 
 
-def _stack_per_expert(hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The per-expert layout's experts stacked into transformers 5's ([gate | up], down)."""
-    experts: Dict[str, Dict[str, Dict[int, torch.Tensor]]] = {}
-    out = {}
-    for name, t in hf_sd.items():
-        m = PER_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
-    for prefix, ws in experts.items():
-        n = len(ws.get("gate_proj", {}))
-        if any(sorted(ws.get(w, {})) != list(range(n)) for w in ("gate_proj", "up_proj",
-                                                                 "down_proj")):
-            raise ValueError(f"{prefix}: the per-expert weights do not cover experts 0..{n - 1}")
-        out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([ws["gate_proj"][e], ws["up_proj"][e]], dim=0) for e in range(n)])
-        out[prefix + ".mlp.experts.down_proj"] = torch.stack(
-            [ws["down_proj"][e] for e in range(n)])
-    return out
-
-
 def from_hf_state_dict(hf_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Qwen3(Moe)ForCausalLM state (either expert layout) -> megalite's global state."""
-    return hf_llama.from_hf_state_dict(_stack_per_expert(hf_sd))
+    return hf_llama.from_hf_state_dict(stack_per_expert(
+        hf_sd, PER_EXPERT, ("gate_proj", "up_proj", "down_proj")))
 
 
 def moe_layers(hf_cfg) -> List[int]:
