@@ -189,14 +189,15 @@ class Llama(CausalLM):
     `model.norm` and the LM head (`lm_head`)."""
 
     family = LLAMA_FAMILY
+    block_class = LlamaBlock  # a variant's block (Qwen3's: its q/k norms)
 
-    @staticmethod
-    def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+    @classmethod
+    def make_block(cls, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                    residual_region: RegionFactory, attention: str = "auto",
                    cp: Optional[ContextParallel] = None,
                    inv_freq: Optional[torch.Tensor] = None) -> nn.Module:
-        return LlamaBlock(cfg, tp_group, sp, tp_region, residual_region, attention, cp,
-                          inv_freq)
+        return cls.block_class(cfg, tp_group, sp, tp_region, residual_region, attention, cp,
+                               inv_freq)
 
     def build(self, attention: str) -> None:
         cfg, sp, tp_group = self.cfg, self.sequence_parallel, self.tp_group

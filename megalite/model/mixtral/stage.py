@@ -56,15 +56,16 @@ class Mixtral(Llama):
     names as `Llama`'s, the MLPs `MoELayer`s."""
 
     family = MIXTRAL_FAMILY
+    block_class = MixtralBlock
 
-    @staticmethod
-    def make_block(cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
+    @classmethod
+    def make_block(cls, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                    residual_region: RegionFactory, attention: str = "auto",
                    cp: Optional[ContextParallel] = None,
                    inv_freq: Optional[torch.Tensor] = None, index: int = 0,
                    ledger: Optional[RoutingLedger] = None) -> nn.Module:
-        return MixtralBlock(cfg, tp_group, sp, tp_region, residual_region, attention, cp,
-                            inv_freq, index, ledger)
+        return cls.block_class(cfg, tp_group, sp, tp_region, residual_region, attention, cp,
+                               inv_freq, index, ledger)
 
     def block_at(self, index: int, attention: str, inv_freq: torch.Tensor) -> nn.Module:
         return self.make_block(self.cfg, self.tp_group, self.sequence_parallel, self.tp_region,
