@@ -112,6 +112,18 @@ class MoEConfig:
                  "(experts are grouped evenly); 1 = no group-limited routing")
         if self.n_groups > 1:
             self._check_groups()
+        elif self.top_groups != 1:
+            fail("model.moe.top_groups", self.top_groups,
+                 "only applies with model.moe.n_groups > 1 (group-limited routing); leave it 1")
+        if self.aux_loss == "hf" and (self.score != "softmax" or self.bias_update_rate > 0):
+            fail("model.moe.aux_loss", "hf", "transformers' pooled value is of softmax routing "
+                 "without a selection bias: set model.moe.score=softmax and "
+                 "bias_update_rate=0, or use aux_loss=layer or sequence")
+        if self.shared_experts == 0 and (self.shared_expert_gate
+                                         or self.shared_expert_size is not None):
+            key = "shared_expert_gate" if self.shared_expert_gate else "shared_expert_size"
+            fail(f"model.moe.{key}", getattr(self, key),
+                 "only applies with model.moe.shared_experts >= 1")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             fail("model.moe.capacity_factor", self.capacity_factor,
                  "must be > 0 (1.25 is common), or null for dropless experts")

@@ -52,6 +52,10 @@ def _register(buf: torch.Tensor) -> None:
 
 
 def _unregister(buf: torch.Tensor) -> None:
+    """Unpin `buf` once no copy can still be reading or writing it (copies are queued on side
+    streams without the CPU waiting: the device is synchronized first; this runs when the
+    owner goes, at the end of a run)."""
+    torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
@@ -102,7 +106,9 @@ class PinnedPool:
         self.free: Dict[int, List[Tuple[torch.Tensor, list]]] = defaultdict(list)
         self.whole: Dict[int, torch.Tensor] = {}  # data_ptr -> the registered pages
         self.reserved = 0
-        self.lock = threading.Lock()
+        # reentrant: `give` runs from a saved block's __del__, which a garbage collection
+        # started inside take/give (on this thread, holding the lock) may call
+        self.lock = threading.RLock()
         weakref.finalize(self, _unregister_all, self.whole)
 
     def take(self, nbytes: int) -> Tuple[torch.Tensor, list]:

@@ -22,7 +22,8 @@ all-to-all) is probed as soon as it goes through `megalite.parallel.comm`.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 # (group name, the group's global ranks, op, peers of a point-to-point batch or None)
 Launch = Tuple[str, Tuple[int, ...], str, Optional[Tuple[int, ...]]]
@@ -72,10 +73,65 @@ def _seen_with(launched: Sequence[Launch], me: int, other: int) -> List[Tuple[st
     return out
 
 
+def _steps(launched: Sequence[Launch], me: int) -> List[List[tuple]]:
+    """`me`'s launches as events every rank taking part names alike: a collective is (its
+    group, its index on the group), a point-to-point batch one event per peer (the pair, its
+    index between them on the group; the events of one batch are launched together)."""
+    seen: Dict[tuple, int] = defaultdict(int)
+    steps = []
+    for name, ranks, op, peers in launched:
+        keys = [(name, ranks)] if peers is None else \
+            [(name, ranks, min(me, p), max(me, p)) for p in peers]
+        step = []
+        for key in keys:
+            step.append((*key, seen[key]))
+            seen[key] += 1
+        steps.append(step)
+    return steps
+
+
+def order_cycle(sequences: Sequence[Sequence[Launch]]) -> List[tuple]:
+    """A cycle of launches that wait for each other, or [] where none. Each rank launches its
+    events in order, so event x before event y on some rank is an edge x -> y; every rank
+    taking part in an event must reach it, so a cycle (A: g1 then g2, B: g2 then g3, C: g3
+    then g1 — every two ranks agree, all three wait) is a hang under NCCL's rule."""
+    edges: Dict[tuple, Set[tuple]] = defaultdict(set)
+    nodes: Set[tuple] = set()
+    for r, launched in enumerate(sequences):
+        steps = _steps(launched, r)
+        for step in steps:
+            nodes.update(step)
+        for before, after in zip(steps, steps[1:]):
+            for x in before:
+                edges[x].update(after)
+    indegree = {n: 0 for n in nodes}
+    for x in nodes:
+        for y in edges[x]:
+            indegree[y] += 1
+    ready = [n for n, d in indegree.items() if d == 0]
+    while ready:
+        for y in edges[ready.pop()]:
+            indegree[y] -= 1
+            if indegree[y] == 0:
+                ready.append(y)
+    left = {n for n, d in indegree.items() if d > 0}
+    if not left:
+        return []
+    # every event left waits for another one left: walk back until one repeats
+    before = {y: x for x in left for y in edges[x] if y in left}
+    path, at = [], next(iter(left))
+    while at not in path:
+        path.append(at)
+        at = before[at]
+    return path[path.index(at):][::-1]
+
+
 def order_mismatches(sequences: Sequence[Sequence[Launch]], limit: int = 5) -> List[str]:
     """Every pair of ranks whose shared launches differ in order (at most `limit` pairs), each
-    with the first position where they part and a few launches either side."""
-    problems = []
+    with the first position where they part and a few launches either side; and a cycle of
+    launches waiting for each other across three or more ranks (`order_cycle`)."""
+    cycle = order_cycle(sequences)
+    problems = [f"a cycle of launches waits for itself: {cycle[:6]}"] if cycle else []
     for a in range(len(sequences)):
         for b in range(a + 1, len(sequences)):
             mine, theirs = _seen_with(sequences[a], a, b), _seen_with(sequences[b], b, a)

@@ -52,7 +52,10 @@ def dispatch(indices: torch.Tensor, weights: torch.Tensor, experts: int,
              cap: Optional[int], policy: str = "probs") -> Dispatch:
     """The expert-major order of the assignments `indices` [T, k] (module docstring)."""
     flat = indices.reshape(-1)
-    routed = torch.bincount(flat, minlength=experts)
+    # not bincount: on CUDA it reads min and max on the host to size its output (two syncs a
+    # layer and micro-batch)
+    routed = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     if cap is not None and policy == "probs":  # within an expert: by weight, highest first
         pre = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
     else:  # by position (token, then choice)

@@ -112,7 +112,7 @@ class RoutingLedger:
         figures.aux[i] += aux.detach().double()
         figures.z[i] += z.detach().double()
         figures.dropped[i] += d.dropped.double()
-        figures.assigned[i] += d.order.new_tensor(routing.indices.numel()).double()
+        figures.assigned[i] += routing.indices.numel()  # a host int: no copy to the device
 
     def close(self) -> Optional[torch.Tensor]:
         """End of a forward: its penalty (None when nothing is weighed)."""

@@ -57,12 +57,14 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
         if group.size > 1:
             comm.all_reduce(packed, group)
         got = _unpacked(packed, layers, experts)
+        if update and ledger.moe.bias_update_rate > 0:
+            for row, layer in enumerate(ledger.layers):
+                update_bias(bias[layer], got["counts"][row], ledger.moe.bias_update_rate)
+        got = _unpacked(packed.cpu(), layers, experts)  # the figures: one copy to the host
         forwards = got["forwards"].clamp(min=1)
         for row, layer in enumerate(ledger.layers):
-            counts = got["counts"][row]
-            if update and ledger.moe.bias_update_rate > 0:
-                update_bias(bias[layer], counts, ledger.moe.bias_update_rate)
-            figures[str(layer)] = _layer_figures(got, row, counts, forwards, bias.get(layer))
+            figures[str(layer)] = _layer_figures(got, row, got["counts"][row], forwards,
+                                                 bias.get(layer))
         if ledger.moe.aux_loss == "hf":
             figures["aux_hf"] = (got["pooled"] / forwards).item()
         ledger.clear()

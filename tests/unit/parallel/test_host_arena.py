@@ -38,10 +38,16 @@ def test_arena_slices_are_aligned_disjoint_views_of_one_buffer():
 
 
 class FakeDriver:
-    """torch.cuda.cudart() on a CPU machine: records the ranges registered and unregistered."""
+    """torch.cuda.cudart() (and torch.cuda.synchronize) on a CPU machine: records the ranges
+    registered and unregistered, and whether the device was synchronized before each
+    unregistration (a copy may still be using the pages)."""
 
     def __init__(self):
         self.registered, self.unregistered = {}, []
+        self.synced, self.synced_first = False, []
+
+    def synchronize(self):
+        self.synced = True
 
     def cudaHostRegister(self, ptr, nbytes, flags):
         self.registered[ptr] = nbytes
@@ -49,13 +55,16 @@ class FakeDriver:
 
     def cudaHostUnregister(self, ptr):
         self.unregistered.append(ptr)
+        self.synced_first.append(self.synced)
+        self.synced = False
         return 0
 
 
 @pytest.fixture
 def driver():
     fake = FakeDriver()
-    with mock.patch.object(torch.cuda, "cudart", lambda: fake):
+    with mock.patch.object(torch.cuda, "cudart", lambda: fake), \
+            mock.patch.object(torch.cuda, "synchronize", fake.synchronize):
         yield fake
 
 
@@ -68,7 +77,7 @@ def test_a_pinned_arena_registers_whole_pages_of_its_own_once(driver):
     assert raw.data_ptr() <= ptr and ptr + nbytes <= raw.data_ptr() + raw.nbytes()
     assert not arena.buffer.any()
     del arena
-    assert driver.unregistered == [ptr]
+    assert driver.unregistered == [ptr] and driver.synced_first == [True]
 
 
 def test_the_pool_reuses_a_buffer_by_its_pages_after_its_holders_copies(driver):
