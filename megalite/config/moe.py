@@ -191,7 +191,6 @@ def check_layout(cfg) -> None:
         if getattr(cfg, key) > 1:
             fail(key, getattr(cfg, key), f"{why} {key} > 1 yet; use {key}=1")
     if cfg.train.compile:
-        fail("train.compile", True, f"{why} torch.compile yet; set train.compile=false")
-    if cfg.resilience.rerun != "off":
-        fail("resilience.rerun", cfg.resilience.rerun, f"{why} the rerun attribution yet; use "
-             "resilience.rerun=off")
+        fail("train.compile", True, f"{why} torch.compile yet: the experts are not traced "
+             "(torch._grouped_mm's compiled kernel takes bf16 only, and each expert's token "
+             "count is data-dependent); set train.compile=false")

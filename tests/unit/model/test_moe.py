@@ -196,7 +196,8 @@ def test_bias_update_follows_the_sign_rule():
     (["pp=2", "parallel.schedule=zb-h1"], "parallel.schedule"),
     (["fp8.recipe=rowwise", "fp8.emulate=true"], "fp8.recipe"),
     (["tp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "tp"),
-    (["cp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "cp")])
+    (["cp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "cp"),
+    (["train.compile=true"], "train.compile")])
 def test_bad_moe_settings_are_refused_before_launch_by_key(overrides, key):
     cfg = load_config(["model=mixtral-tiny", "device=cpu", *overrides])
     with pytest.raises(ConfigError) as e:

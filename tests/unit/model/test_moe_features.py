@@ -127,3 +127,27 @@ def test_use_fp8_switches_the_experts_not_the_router():
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert len(experts) == 2 and all(m.fp8 == "tensorwise" for m in experts)
     assert not any(hasattr(m.gate, "fp8") for m in model.modules() if hasattr(m, "gate"))
+
+
+def test_fp8_with_moe_refuses_by_key_and_counts_the_experts():
+    """An expert size FP8 cannot take (not a multiple of 16) is refused by fp8.recipe naming
+    the experts, FP8 with tp > 1 by tp naming the amaxes; the time model's FP8 weights a
+    token passes are o_proj's and the top_k experts' (a dense block: its MLP)."""
+    from megalite.config.errors import ConfigError
+    from megalite.config.layout import validate
+    from megalite.config.schema import load_config
+    from megalite.model.families import family
+
+    fp8 = ["model=mixtral-tiny", "device=cpu", "fp8.recipe=tensorwise", "fp8.emulate=true"]
+    cases = [(["model.moe.expert_size=24"], 1, "fp8.recipe", "mlp.experts.down_proj"),
+             (["tp=2"], 2, "tp", "amaxes")]
+    for extra, world, key, says in cases:
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(fp8 + extra), world)
+        assert e.value.key == key and says in str(e.value), str(e.value)
+    m = load_config(fp8).model
+    h, i, a = m.n_embd, m.moe.expert_hidden(m.ffn_size), m.n_head * m.head_size
+    assert family(m).fp8_linear_parameters(m) == a * h + m.moe.top_k * 3 * h * i
+    m.moe.first_dense_layers = 1  # 1 dense block of 4: its MLP, 3 MoE blocks' experts
+    assert family(m).fp8_linear_parameters(m) == a * h + (
+        3 * m.moe.top_k * 3 * h * i + 3 * h * m.ffn_size) // m.n_layer
