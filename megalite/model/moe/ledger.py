@@ -5,10 +5,10 @@ update the bias, the aux and z-loss values, the drops), per MoE layer.
 A stage (`megalite.model.causal_lm.CausalLM`) opens the ledger at the start of a training
 forward and closes it at the end; its MoE layers `record` in between. A forward that is not
 training (evaluation, generation) records nothing. A recomputed block's re-run in backward
-(`rerun`, train.recompute) computes the same penalty terms as its forward did — the
-non-reentrant checkpoint matches the tensors the re-run saves with the forward's, one by one,
-and the penalty's backward reads the re-run's — and records nothing: its terms were added,
-its counts counted, by the forward.
+(train.recompute) records as its forward did, into scratch that is then dropped (`rerun`): the
+same operations run — torch's non-reentrant checkpoint matches the tensors the re-run saves
+with the forward's one by one, and the penalty's backward reads the re-run's — and nothing
+is counted twice.
 `close` returns the forward's penalty: Σ_layers coeff · aux + z_coeff · z-loss, or with
 aux_loss=hf coeff · the pooled value of the forward's layers (transformers' value of one
 forward), with z_coeff · z-loss per layer. The stage adds it to the loss's gradient, not to its
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -70,7 +70,7 @@ class RoutingLedger:
     def __init__(self, moe: MoEConfig, layers: List[int]):
         self.moe, self.layers = moe, list(layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self._open = self._rerun = False
+        self._open = False
         self._terms: List[torch.Tensor] = []
         self._pooled: List[tuple] = []
         self.figures: Optional[StepFigures] = None
@@ -95,52 +95,40 @@ class RoutingLedger:
 
     @contextlib.contextmanager
     def rerun(self) -> Iterator[None]:
-        """A recomputed block's re-run in backward: `record` computes, records nothing."""
-        self._rerun = True
+        """A recomputed block's re-run in backward: `record` runs as in a training forward,
+        into terms and figures dropped afterwards (the forward recorded them)."""
+        kept = self._open, self._terms, self._pooled, self.figures
+        self._open, self._terms, self._pooled, self.figures = True, [], [], None
         try:
             yield
         finally:
-            self._rerun = False
+            self._open, self._terms, self._pooled, self.figures = kept
 
     def record(self, layer: int, routing: Routing, d: Dispatch, batch: int) -> None:
         """Layer `layer`'s routing of a forward's T tokens (`batch` sequences)."""
-        if not (self._open or self._rerun):
+        if not self._open:
             return
-        terms, pooled, aux, z = self._penalty_terms(routing, d, batch)
-        if self._rerun:  # the forward recorded them
-            return
-        self._terms += terms
-        if pooled is not None:
-            self._pooled.append(pooled)
-        figures, i = self._figures(routing.logits.device), self.row[layer]
-        figures.counts[i] += d.routed.double()
-        figures.aux[i] += aux.detach().double()
-        figures.z[i] += z.detach().double()
-        figures.dropped[i] += d.dropped.double()
-        figures.assigned[i] += routing.indices.numel()  # a host int: no copy to the device
-
-    def _penalty_terms(self, routing: Routing, d: Dispatch, batch: int
-                       ) -> Tuple[List[torch.Tensor], Optional[tuple], torch.Tensor,
-                                  torch.Tensor]:
-        """One layer's weighed terms, its part of the pooled value (aux_loss=hf, else None),
-        its aux and z-loss values: the same operations in a forward and in its re-run."""
-        moe = self.moe
+        moe, figures = self.moe, self._figures(routing.logits.device)
         weighed = moe.aux_loss_coeff > 0 and moe.aux_loss != "hf"
         with torch.set_grad_enabled(torch.is_grad_enabled() and (weighed or moe.z_loss_coeff > 0)):
             probs = balance.balance_probs(routing, moe.score)
             aux = balance.layer_aux(probs, d.routed, moe.top_k)
             z = balance.z_loss(routing.logits)
-        terms = []
         if weighed:
             value = aux if moe.aux_loss == "layer" else \
                 balance.sequence_aux(probs, routing.indices, batch)
-            terms.append(moe.aux_loss_coeff * value)
+            self._terms.append(moe.aux_loss_coeff * value)
         if moe.z_loss_coeff > 0:
-            terms.append(moe.z_loss_coeff * z)
-        pooled = None
+            self._terms.append(moe.z_loss_coeff * z)
         if moe.aux_loss == "hf":
-            pooled = (d.routed, routing.logits.softmax(-1).sum(0), routing.logits.shape[0])
-        return terms, pooled, aux, z
+            self._pooled.append((d.routed, routing.logits.softmax(-1).sum(0),
+                                 routing.logits.shape[0]))
+        i = self.row[layer]
+        figures.counts[i] += d.routed.double()
+        figures.aux[i] += aux.detach().double()
+        figures.z[i] += z.detach().double()
+        figures.dropped[i] += d.dropped.double()
+        figures.assigned[i] += routing.indices.numel()  # a host int: no copy to the device
 
     def close(self) -> Optional[torch.Tensor]:
         """End of a forward: its penalty (None when nothing is weighed)."""
