@@ -6,8 +6,9 @@ without an MoE layer: no ledger, no bias, yet their stage logs every layer's fig
 others' balancing penalties, on stages without the LM head, reach the objective with the
 weight the loss has (1 / micro-batches), under a split backward too. The runs take 2 and 4
 micro-batches, so a penalty whose weight moved with their number would differ from serial.
-The ZB-V run's checkpoint after step 1 (each stage's biases gathered into meta.json) resumes
-at pp=1 and continues the serial run, bias included."""
+At pp=2 x dp=2 (interleaved, ZeRO 1) each stage's bias follows its counts summed over both
+replicas. The ZB-V run's checkpoint after step 1 (each stage's biases gathered into meta.json)
+resumes at pp=1 and continues the serial run, bias included."""
 from __future__ import annotations
 
 import contextlib
@@ -125,6 +126,20 @@ def test_pp2_moe_under_every_schedule_equals_serial_and_resumes_at_pp1(tiny_data
         if name == "1f1b":  # stage 0 holds only dense blocks: no counts, no bias
             assert ranks[0]["routing"][0] == ({}, {})
     reference = serial[(1, 4)]
+    # pp 2 x dp 2: each stage's bias from its counts summed over its two replicas
+    ranks = run_ranks(_recorded_ranks, 4, args=([composed(_run(tiny_data, 2, 1, 4, [
+        "parallel.schedule=interleaved", "parallel.virtual_stages=2", "zero=1"]))],
+        str(tmp_path / "dp2"), STEPS, None), timeout_s=600)
+    ranks = [r[0] for r in ranks]
+    assert_equal(reference, ranks)
+    assert_figures_equal(reference, ranks)
+    for step, (counts, biases) in enumerate(reference["routing"]):
+        replicas = [_merged(ranks[r:r + 2], step) for r in (0, 2)]  # rank = pp + 2 dp
+        for layer, expect in counts.items():  # the replicas' counts add up to the serial's
+            assert torch.equal(replicas[0][0][layer] + replicas[1][0][layer], expect)
+        for layer, expect in biases.items():  # and update each replica's bias alike
+            for _, got in replicas:
+                torch.testing.assert_close(got[layer], expect, rtol=1e-5, atol=1e-7)
     resumed = _serial(tmp_path / "resumed", _run(tiny_data, 1, 1, 4, [
         f"checkpoint.resume={ckpt / 'step_00000001'}"]), STEPS - 1)
     expected = {**from_step(reference, 1), "moe": reference["moe"][1:],
