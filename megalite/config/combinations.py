@@ -118,6 +118,11 @@ OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
              "model.moe.num_experts": 4, "model.moe.top_k": 2,
              "model.moe.aux_loss_coeff": 0.01, "model.moe.z_loss_coeff": 0.001,
              "model.moe.bias_update_rate": 0.01}),
+    # ... with transformers' pooled aux loss (one term of every layer's routing; no bias)
+    ("MoE with aux_loss=hf", {**LLAMA, "model.arch": "mixtral", "model.n_kv_head": 2,
+                              "model.n_inner": 32, "model.moe.num_experts": 4,
+                              "model.moe.top_k": 2, "model.moe.aux_loss": "hf",
+                              "model.moe.aux_loss_coeff": 0.01}),
 )
 
 # the serial run a row is compared with: these axes at the row's values, every other at its

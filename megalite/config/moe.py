@@ -173,12 +173,11 @@ def check_layout(cfg) -> None:
     why = f"MoE (model.moe.num_experts={moe.num_experts}) does not support"
     if cfg.sp:
         fail("sp", cfg.sp, f"{why} sequence parallelism (it needs tp > 1) yet; use sp=false")
-    if cfg.parallel.schedule not in ("auto", "1f1b"):
-        fail("parallel.schedule", cfg.parallel.schedule, f"{why} pipeline parallelism (pp > 1) "
-             "yet; use pp=1 and parallel.schedule=auto")
-    if cfg.parallel.virtual_stages > 1:
-        fail("parallel.virtual_stages", cfg.parallel.virtual_stages,
-             f"{why} virtual pipeline stages yet; use parallel.virtual_stages=1")
+    if cfg.pp > 1 and moe.aux_loss == "hf":
+        fail("model.moe.aux_loss", "hf", "transformers' pooled value is one term of every "
+             f"layer's routing, which a pipeline (pp={cfg.pp}, parallel.schedule="
+             f"{cfg.parallel.schedule}) does not hold on one stage; use aux_loss=layer or "
+             "sequence, or pp=1")
     if cfg.fp8.recipe == "rowwise":
         fail("fp8.recipe", "rowwise", f"{why} rowwise FP8 on its experts yet (tensorwise: one "
              "scale per expert weight and per expert input); use fp8.recipe=tensorwise or none")
@@ -187,7 +186,7 @@ def check_layout(cfg) -> None:
         fail(key, getattr(cfg, key), f"{why} FP8 with {key} > 1 yet: the experts' per-expert "
              f"amaxes are not reduced over the {key.upper()} ranks; use {key}=1 or "
              "fp8.recipe=none")
-    for key in ("tp", "pp", "cp"):
+    for key in ("tp", "cp"):
         if getattr(cfg, key) > 1:
             fail(key, getattr(cfg, key), f"{why} {key} > 1 yet; use {key}=1")
     if cfg.train.compile:

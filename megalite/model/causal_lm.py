@@ -27,7 +27,7 @@ from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
-from megalite.model.moe.ledger import RoutingLedger, with_penalty
+from megalite.model.moe.ledger import RoutingLedger, with_penalty, with_scaled_penalty
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
 from megalite.parallel.group import Group, single_rank_group
@@ -75,7 +75,8 @@ class CausalLM(nn.Module):
       (`megalite.data.documents`): attention within documents, positions restarting at each,
       targets after EOS left out of the loss, as the run sets them; None: none of these.
       A stage with MoE layers (`routing`, a `megalite.model.moe.ledger.RoutingLedger`) adds
-      their balancing penalty of a training forward to the loss's gradient, not to its value.
+      their balancing penalty of a training forward to the loss's gradient, not to its value;
+      a stage without the LM head to its output's gradient, weighted by `objective_scale`.
 
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice),
     `document_kernel` the document mask's (`megalite.model.document_attention`).
@@ -113,6 +114,10 @@ class CausalLM(nn.Module):
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.tp_group.size)
         # MoE families: what the stage's MoE layers record (`megalite.model.moe.ledger`)
         self.routing = self.family.routing_ledger(cfg, self.blocks)
+        # the weight of a training forward in the step's objective (1 / micro-batches x the
+        # fp16 loss scale), set by the pipeline schedule each step: the gradient a stage without
+        # the LM head sends its MoE balancing penalty (the last stage's goes with its loss)
+        self.objective_scale: Optional[float] = None
         self.tp_region = rng.tp_region if rng is not None else contextlib.nullcontext
         # Dropout on the residual stream: its own masks per TP rank only when SP shards it.
         self.residual_region = self.tp_region if self.sequence_parallel \
@@ -275,11 +280,12 @@ class CausalLM(nn.Module):
         for index, block in enumerate(self.block_list()):
             x = self._run_block(index, block, x, chain, attn)
         penalty = self.routing.close() if self.routing is not None else None
-        if not self.last:
-            if penalty is not None:  # validation refuses MoE with pp > 1 (config/moe.py)
-                raise ValueError("an MoE balancing penalty on a stage without the LM head: "
-                                 "MoE does not support pp > 1 yet")
-            return x
+        if not self.last:  # the balancing penalty in the gradient the output brings back
+            if penalty is not None and self.objective_scale is None:
+                raise ValueError("an MoE balancing penalty on a stage without the LM head "
+                                 "needs the step's objective_scale (the pipeline schedule "
+                                 "sets it)")
+            return with_scaled_penalty(x, penalty, self.objective_scale)
         logits = self.logits_local(x)
         if labels is not None and per_sequence:
             return self.sequence_losses(logits, labels)

@@ -218,8 +218,11 @@ class PipelineSchedule:
         waits for the device, which the caller does after the step's gradient sync is
         enqueued. Gradients of the mean loss over the
         micro-batches, times `loss_scale` (fp16 loss scaling; the engine unscales),
-        accumulate."""
+        accumulate: each chunk's `objective_scale` is that weight of a micro-batch (the
+        gradient a chunk without the LM head gives its MoE balancing penalty)."""
         m = len(micro_batches)
+        for chunk in self.chunks:  # what a micro-batch weighs in the objective (as below for
+            chunk.objective_scale = loss_scale / m  # the loss): a chunk's MoE penalty's weight
         step_start = self.clock.mark()
         run = _Pass(micro_batches, training=True, loss_scale=loss_scale,
                     loss_sum=torch.zeros((), device=self.link.device))

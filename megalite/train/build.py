@@ -97,7 +97,7 @@ def build_trainer(cfg: Config, runtime: Runtime, run_dir, planner: Optional[dict
     resilience = build_resilience(cfg, runtime, run_dir, model, engine, rng, loss_scaler)
     progress = Progress()
     state = run_state(progress, sampler, loss_scaler, resilience.rerun, rng, cfg.seed,
-                      RouterBiases.of(model.chunks))
+                      RouterBiases.of(model.chunks, topo.pp_group, runtime.device))
     ckpt_root = checkpoint_root(cfg.checkpoint.dir, run_dir)
     restore(cfg, ckpt_root, engine, topo, state)
     prepare_run_dir(runtime, run_dir, ckpt_root, progress.step, cfg.resilience.hang_dump)

@@ -225,9 +225,11 @@ class Trainer:
             self.step + 1, loss, norm, micro_batches,       # optimizer step, maybe re-executed
             self.batches.last_samples, execute)
         with timers.phase("optimizer"):
-            # MoE: the step's expert counts over DP x CP, the selection bias updated from them
+            # MoE: the step's expert counts over DP x CP, the selection bias updated from them;
+            # every stage's figures on every rank (the logging rank's are the whole model's)
             self.last_moe = routing_step(self.model.chunks, self.topo.grad_group,
-                                         update=finite and not skip)
+                                         finite and not skip, self.topo.pp_group,
+                                         self.rt.device)
             if finite and not skip:
                 self.engine.clip_and_step(lr, self.cfg.optim.grad_clip, norm, grad_scale=scale)
             self.engine.zero_grad()

@@ -11,9 +11,16 @@ with the forward's one by one, and the penalty's backward reads the re-run's —
 is counted twice.
 `close` returns the forward's penalty: Σ_layers coeff · aux + z_coeff · z-loss, or with
 aux_loss=hf coeff · the pooled value of the forward's layers (transformers' value of one
-forward), with z_coeff · z-loss per layer. The stage adds it to the loss's gradient, not to its
-value (`with_penalty`): the gradient of loss + penalty, the value of the loss, so the logged
-loss stays the language model's cross-entropy.
+forward), with z_coeff · z-loss per layer. The last stage adds it to the loss's gradient, not to
+its value (`with_penalty`): the gradient of loss + penalty, the value of the loss, so the logged
+loss stays the language model's cross-entropy. A stage without the LM head has no loss to carry
+it: its output does (`with_scaled_penalty`, Megatron's MoEAuxLossAutoScaler), the output's
+backward also sending the penalty the gradient the loss's scaling would give it on the last
+stage (the objective's weight of a micro-batch: 1 / micro-batches × the fp16 loss scale, which
+the pipeline schedule sets for the step). Both join the penalty's graph to the stage's output,
+so one backward reaches the routers' weights and, through them, the earlier layers' inputs,
+whether the backward runs whole or split in B and W (zero-bubble schedules: the routers'
+weight gradients are computed in B, the split linears' in W, as for the rest of the block).
 
 The step figures (`StepFigures`, one row per MoE layer of the stage) add up over the step's
 forwards until `megalite.model.moe.step` reads and clears them after the step.
@@ -62,6 +69,29 @@ def with_penalty(loss: torch.Tensor, penalty: Optional[torch.Tensor]) -> torch.T
     if penalty is None:
         return loss
     return WithPenalty.apply(loss, penalty.to(loss.dtype))
+
+
+class WithScaledPenalty(torch.autograd.Function):
+    """x's value (a new tensor on x's storage: the pipeline may free the sent output's data);
+    the gradient flows to x, and `scale` flows to penalty."""
+
+    @staticmethod
+    def forward(ctx, x, penalty, scale: float):
+        ctx.scale, ctx.penalty_like = scale, (penalty.dtype, penalty.device)
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.penalty_like
+        return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
+def with_scaled_penalty(x: torch.Tensor, penalty: Optional[torch.Tensor],
+                        scale: float) -> torch.Tensor:
+    """`x` (a stage's output) whose backward also runs `penalty`'s with gradient `scale`."""
+    if penalty is None:
+        return x
+    return WithScaledPenalty.apply(x, penalty, scale)
 
 
 class RoutingLedger:

@@ -10,7 +10,12 @@ Figures (`metrics.jsonl`'s "moe", per MoE layer by block index): aux (the Switch
 layer value E·Σ f·P, mean over the step's forwards and ranks), z_loss (likewise), imbalance
 (max / mean of the step's counts: 1 is perfect balance), dropped (the fraction of assignments
 over capacity), bias_min / bias_max (after the update); with aux_loss=hf `aux_hf`, the pooled
-value (mean over forwards and ranks)."""
+value (mean over forwards and ranks).
+
+Under pipeline parallelism each stage (each of its chunks: a chunk without an MoE layer has no
+ledger and no bias) updates its own layers' biases from their counts over its DP × CP ranks;
+the figures of every stage's layers are then gathered over the pipeline group, so the logging
+rank logs the whole model's, as a single stage would."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -95,37 +100,93 @@ def _ledgers_and_biases(chunks) -> Tuple[List[RoutingLedger], List[Dict[int, tor
     return ledgers, biases
 
 
+def model_moe_layers(chunks) -> List[int]:
+    """The block indices of the whole model's MoE layers (every stage's chunks alike)."""
+    chunk = chunks[0]
+    ledger = chunk.family.routing_ledger(chunk.cfg, range(chunk.cfg.n_layer))
+    return [] if ledger is None else ledger.layers
+
+
+FIGURES = ("aux", "z_loss", "imbalance", "dropped", "bias_min", "bias_max")
+
+
+def stages_figures(figures: Optional[dict], layers: List[int], has_bias: bool,
+                   pp_group: Group, device: torch.device) -> dict:
+    """Every stage's figures (`figures` this stage's, None where it has no MoE layer) on every
+    rank of the pipeline group: each MoE layer of the model (`layers`; `has_bias`: their
+    routers have a selection bias) is one stage's, the others' rows are zeros, so the sum over
+    the group is each layer's figures, bit for bit. The pooled aux_loss=hf value is not
+    (pp > 1 refuses it: config/moe.py)."""
+    mine = figures or {}
+    table = torch.tensor([[mine.get(str(layer), {}).get(key, 0.0) for key in FIGURES]
+                          for layer in layers], dtype=torch.float64, device=device)
+    comm.all_reduce(table, pp_group)
+    keys = FIGURES if has_bias else FIGURES[:4]
+    rows = table.cpu().tolist()
+    return {str(layer): dict(zip(keys, rows[row])) for row, layer in enumerate(layers)}
+
+
 def clear_routing(chunks) -> None:
     """Forget the figures recorded so far (before a step runs, or runs again)."""
     for ledger in _ledgers_and_biases(chunks)[0]:
         ledger.clear()
 
 
-def routing_step(chunks, group: Group, update: bool) -> Optional[dict]:
-    """`finish_step` of a rank's model chunks (`megalite.model.stage.PipelineStage.chunks`)."""
+def routing_step(chunks, group: Group, update: bool, pp_group: Optional[Group] = None,
+                 device: Optional[torch.device] = None) -> Optional[dict]:
+    """`finish_step` of a rank's model chunks (`megalite.model.stage.PipelineStage.chunks`):
+    the biases of this stage's MoE layers updated from their counts over `group` (DP x CP);
+    with a `pp_group` of several stages, the figures of every stage's MoE layers on every rank
+    (`stages_figures` on `device`; collective over the pipeline group where the model has MoE
+    layers, whether this stage has any or not). None where no figure is."""
     ledgers, biases = _ledgers_and_biases(chunks)
-    return finish_step(ledgers, biases, group, update) if ledgers else None
+    figures = finish_step(ledgers, biases, group, update) if ledgers else None
+    if pp_group is None or pp_group.size == 1:
+        return figures
+    layers = model_moe_layers(chunks)
+    if not layers:
+        return None
+    return stages_figures(figures, layers, chunks[0].cfg.moe.has_bias, pp_group, device)
 
 
 class RouterBiases:
     """The routers' selection biases of a rank's chunks as a run-state part (meta.json's
     "moe_bias": {block index: [E floats]}; every DP × CP rank holds the same values, updated
     from the same summed counts). fp32 values go through JSON's float exactly. A checkpoint
-    without them (none yet: an MoE run without a bias) restores zeros, the starting bias."""
+    without them (none yet: an MoE run without a bias) restores zeros, the starting bias.
 
-    def __init__(self, chunks):
+    Each pipeline stage holds its own layers' biases: `state_dict` gathers every stage's over
+    `pp_group` (collective over it; a save captures the state on every rank) into the whole
+    model's, the same on every rank whoever writes meta.json, and a restore takes this
+    stage's layers' (so a checkpoint resumes under any pp)."""
+
+    def __init__(self, chunks, pp_group: Optional[Group] = None,
+                 device: Optional[torch.device] = None):
         self.biases: Dict[int, torch.Tensor] = {}
         for bias in _ledgers_and_biases(chunks)[1]:
             self.biases.update(bias)
+        self.layers, self.experts = model_moe_layers(chunks), chunks[0].cfg.moe.num_experts
+        self.pp_group, self.device = pp_group, device
 
     @classmethod
-    def of(cls, chunks) -> Optional["RouterBiases"]:
-        """The part of `chunks`, None where no router has a bias."""
-        part = cls(chunks)
-        return part if part.biases else None
+    def of(cls, chunks, pp_group: Optional[Group] = None,
+           device: Optional[torch.device] = None) -> Optional["RouterBiases"]:
+        """The part of `chunks` (every stage's, whether it holds MoE layers or not), None
+        where the model's routers have no bias."""
+        if not (model_moe_layers(chunks) and chunks[0].cfg.moe.has_bias):
+            return None
+        return cls(chunks, pp_group, device)
 
     def state_dict(self) -> dict:
-        return {str(i): b.tolist() for i, b in sorted(self.biases.items())}
+        table = torch.zeros(len(self.layers), self.experts, dtype=torch.float64,
+                            device=self.device)  # fp64 holds each bias exactly
+        for row, layer in enumerate(self.layers):
+            if layer in self.biases:
+                table[row] = self.biases[layer]
+        if self.pp_group is not None and self.pp_group.size > 1:
+            comm.all_reduce(table, self.pp_group)  # one stage's rows each, zeros elsewhere
+        rows = table.cpu().tolist()
+        return {str(layer): rows[row] for row, layer in enumerate(self.layers)}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         for i, bias in self.biases.items():

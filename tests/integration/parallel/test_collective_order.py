@@ -1,9 +1,10 @@
 """One collective order on every rank, whatever each host's speed (NCCL's rule across
 communicators, `megalite.testing.collective_order`): every async path megalite has — ZeRO 1/2/3
 with and without optimizer offload, overlap_param_gather, CP's all-gather and ring, TP + SP,
-the pipeline's schedules, FP8's amax reductions, activation offload — trained on real gloo
-ranks with one rank's host slowed (its offload worker's tasks and its forward), each rank's
-launches recorded by the probe, and every two ranks' shared launches in the same order."""
+the pipeline's schedules, FP8's amax reductions, activation offload, MoE's routing figures
+under pipeline parallelism — trained on real gloo ranks with one rank's host slowed (its
+offload worker's tasks and its forward), each rank's launches recorded by the probe, and every
+two ranks' shared launches in the same order."""
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ from megalite.testing.collective_order import OrderProbe, order_mismatches
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
+from tests.integration.model.test_moe_layouts import MOE
 from tests.layouts import composed
 
 SLOW_S = 0.02  # the slowed rank's delay before each host task (20 ms, as the issue found it)
@@ -74,6 +76,10 @@ FOUR_RANKS = [
     ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=2",
      "offload.optimizer=0.5", "tp=2", "sp=true"],
     ["pp=2", "parallel.schedule=zb-h1", "zero=0", "cp=2", "parallel.cp_comm=ring", *FP8],
+    # MoE at pp 2 x dp 2: the routing figures over DP, then over the stages (a chunk without
+    # an MoE layer on each stage)
+    ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=1", *MOE,
+     "model.moe.first_dense_layers=1"],
 ]
 
 
