@@ -21,6 +21,7 @@ import torch
 from megalite.config.layout import validate
 from megalite.config.schema import Config, load_config
 from megalite.parallel.param_spec import ParamSpec
+from megalite.testing.collective_order import OrderProbe
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
@@ -37,11 +38,13 @@ FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0"
                    "optim.eps=1e-6", "log.peak_tflops=1"]
 
 
-def _steps(rank, world, run, run_dir, steps, save_at=None):
-    """`run`: overrides, or the configuration `composed` made of them in the caller."""
+def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
+    """`run`: overrides, or the configuration `composed` made of them in the caller; `probe`:
+    record the rank's collective launches (`OrderProbe`) as the result's "launched"."""
     cfg = run if isinstance(run, Config) else composed(run)
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
+    launches = OrderProbe.install(trainer.topo.counter) if probe else None
     hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
     zero3 = trainer.engine.zero3
     losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
@@ -82,7 +85,8 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
             "grad_staging": trainer.engine.grad_staging_bytes(),
             "reductions_in_flight": trainer.engine.peak_in_flight,
             "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)],
-            "offload_peaks": offload_peaks, "host_bytes": trainer.engine.host_state_bytes()}
+            "offload_peaks": offload_peaks, "host_bytes": trainer.engine.host_state_bytes(),
+            "launched": None if launches is None else launches.launched}
 
 
 @contextlib.contextmanager
@@ -115,8 +119,8 @@ def _parameters_are_masters_cast(engine) -> bool:
     return True
 
 
-def _many(rank, world, runs, run_dir, steps, save_at):
-    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at)
+def _many(rank, world, runs, run_dir, steps, save_at, probe=False):
+    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at, probe)
             for i, run in enumerate(runs)]
 
 
@@ -138,13 +142,16 @@ def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
 
 
 def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
-                  timeout_s: float = 900, save_at: Optional[int] = None) -> List[List[dict]]:
+                  timeout_s: float = 900, save_at: Optional[int] = None,
+                  probe: bool = False) -> List[List[dict]]:
     """Several configurations one after the other in the same `world` ranks (one launch):
     a list of per-rank results for each configuration. With `save_at=k` each run writes a
-    checkpoint after its step k (to its `checkpoint.dir`). Each configuration is composed
-    here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition)."""
+    checkpoint after its step k (to its `checkpoint.dir`); with `probe` each rank's
+    collective launches are recorded (`megalite.testing.collective_order`). Each
+    configuration is composed here, once, rather than on every rank (Hydra takes about 0.5 s
+    of CPU a composition)."""
     configs = [composed(overrides) for overrides in runs]
-    per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at),
+    per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at, probe),
                          timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 
