@@ -241,11 +241,14 @@ def stage_order(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto")
     return order + [op(B, k) for k in range(total - warmup, total)]
 
 
-def _source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
-            ) -> Optional[Tuple[int, int]]:
+def input_source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
+                 ) -> Optional[Tuple[int, int]]:
     """(stage, chunk) that produces the input of `kind` on (stage, chunk): the previous
     model slice's activation for a forward, the next one's gradient for a backward; None at
-    the ends of the model (token ids in, loss out) and for a W (its B ran on this stage)."""
+    the ends of the model (token ids in, loss out) and for a W (its B ran on this stage).
+    With `stage_order` this is the schedule's whole dependency graph: an operation waits for
+    the one before it on its stage and for the same micro-batch's operation of this kind on
+    the source (a time model weights each by its stage's own blocks)."""
     return None if kind.step is None else placement.neighbour(stage, chunk, kind.step)
 
 
@@ -279,7 +282,7 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False,
             if position[s] == len(orders[s]):
                 continue
             op = orders[s][position[s]]
-            src = _source(op.kind, s, op.chunk, placement)
+            src = input_source(op.kind, s, op.chunk, placement)
             if src is not None and (op.kind, op.chunk, op.micro_batch) not in arrived[s]:
                 continue
             step[s].op = op

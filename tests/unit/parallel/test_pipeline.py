@@ -11,11 +11,12 @@ from megalite.config.errors import ConfigError
 from megalite.config.layout import validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import load_config
-from megalite.config.stage_partition import partition_layers, stage_chunks
+from megalite.config.stage_partition import ChunkPlacement, partition_layers, stage_chunks
 from megalite.parallel.pipeline import Event, StepTrace
 from megalite.parallel.schedule import (
     Op,
     OpKind,
+    input_source,
     interleaved_table,
     max_in_flight,
     peak_live_bytes,
@@ -140,6 +141,28 @@ def test_rounds_match_and_bubble_follows_the_formula(pp, v):
             assert max_in_flight(pp, s, m, v) == limit
         length = max(r[-1].index for r in rounds) + 1  # in forward/backward time units
         assert 1 - 2 * m * v / length == pytest.approx(expected_bubble(pp, m, v))
+
+
+@pytest.mark.parametrize("pp,m,v,schedule", [(2, 5, 2, "auto"), (3, 4, 2, "auto"),
+                                               (4, 6, 1, "zb-h1"), (2, 5, 2, "zb-v")])
+def test_order_and_input_sources_are_the_schedules_graph(pp, m, v, schedule):
+    """A planner's view (docs/pipelines.md): each stage's `stage_order` and each operation's
+    `input_source` give a graph whose as-soon-as-possible unit-time schedule ends when the
+    executor's rounds do, stage by stage (any weights per stage give the timed version)."""
+    placement = ChunkPlacement(pp, v, v_shape=schedule == "zb-v")
+    orders = [stage_order(pp, s, m, v, schedule) for s in range(pp)]
+    done, end = {}, [0] * pp
+    while len(done) < sum(map(len, orders)):
+        for s in range(pp):
+            for op in orders[s][len([k for k in done if k[0] == s]):]:
+                src = input_source(op.kind, s, op.chunk, placement)
+                key = None if src is None else (src[0], op.kind, src[1], op.micro_batch)
+                if key is not None and key not in done:
+                    break
+                end[s] = max(end[s], done.get(key, 0)) + 1
+                done[(s, op.kind, op.chunk, op.micro_batch)] = end[s]
+    rounds = plan_rounds(pp, m, v, False, schedule)
+    assert end == [1 + max(r.index for r in rounds[s] if r.op is not None) for s in range(pp)]
 
 
 def test_peak_live_bytes_weights_the_chunks():
