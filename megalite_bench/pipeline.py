@@ -236,8 +236,8 @@ def _worker(rank: int, pp: int, o: dict) -> List[dict]:
     for v, name in runs:
         split = stage_chunks(cfg.n_layer, pp, v, v_shape=name == "zb-v")
         for m in o["micro_batches"]:
-            if resolve_schedule(name, v) == "interleaved" and m % pp:
-                continue  # the interleaved schedules run micro-batches in groups of pp
+            if resolve_schedule(name, v) == "interleaved" and (m < pp or m % max(1, m // pp)):
+                continue  # megalite's needs m >= pp, torch's m a multiple of its rounds
             rows.append(_compare(topo, cfg, split, m, o, g, name))
             if rank == 0:
                 print(f"pp={pp} v={v} {name} m={m} done: megalite "

@@ -67,7 +67,10 @@ AXES: Tuple[Axis, ...] = (
           ("2 ring", {"cp": 2, "parallel.cp_comm": "ring"})),
     _axis("sp", "sequence parallelism", (OFF, {"sp": False}), (ON, {"sp": True})),
     _axis("pp", "pipeline stages", ("1", {"pp": 1}), ("2", {"pp": 2}), ("4", {"pp": 4})),
-    _axis("schedule", "pipeline schedule (interleaved and zb-v: 2 model chunks a stage)",
+    _axis("schedule", "pipeline schedule (interleaved and zb-v: 2 model chunks a stage; "
+          "interleaved with any m >= pp micro-batches, m < pp refused at "
+          "train.global_batch_size; every schedule also with uneven stages, "
+          "parallel.edge_stage_layers, refused by key where a slice would get no block)",
           ("1f1b", {"parallel.schedule": "1f1b", "parallel.virtual_stages": 1}),
           ("interleaved", {"parallel.schedule": "interleaved", "parallel.virtual_stages": 2}),
           ("zb-h1", {"parallel.schedule": "zb-h1", "parallel.virtual_stages": 1}),

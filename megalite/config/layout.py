@@ -295,13 +295,13 @@ def _check_batch(cfg: Config, dp: int) -> List[str]:
               "micro-batches per step m = global_batch_size / (micro_batch_size*dp) must be >= 1")
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     _check_rampup_units(cfg, dp)
-    if groups_micro_batches(cfg) and num_micro % cfg.pp:
+    if groups_micro_batches(cfg) and num_micro < cfg.pp:
         good = cfg.pp * t.micro_batch_size * dp
         fail("train.global_batch_size", t.global_batch_size,
               f"with parallel.virtual_stages={v} the micro-batches per step m = "
-              f"global_batch_size/(micro_batch_size*dp) = {num_micro} must be a multiple of "
-              f"pp={cfg.pp} (the interleaved schedule runs them in groups of pp); use a multiple "
-              f"of {good}, e.g. {good * max(1, round(t.global_batch_size / good))}")
+              f"global_batch_size/(micro_batch_size*dp) = {num_micro} must be >= pp={cfg.pp} "
+              f"(the interleaved schedule runs them in groups of at least pp); use "
+              f"global_batch_size >= {good} (any multiple of {t.micro_batch_size * dp})")
     if cfg.pp > 1 and num_micro < cfg.pp:
         bubble = expected_bubble(cfg.pp, num_micro, v, cfg.parallel.schedule)
         warnings.append(f"m = global_batch_size/(micro_batch_size*dp) = {num_micro} micro-batches "
@@ -321,13 +321,17 @@ def _check_rampup_units(cfg: Config, dp: int) -> None:
     if t.rampup_batch_size is None:
         return
     ramp = list(t.rampup_batch_size)
-    grouped = groups_micro_batches(cfg)
-    unit = t.micro_batch_size * dp * (cfg.pp if grouped else 1)
+    unit = t.micro_batch_size * dp
     start, increment, _ = ramp
     if start % unit or increment % unit:
-        what = "micro_batch_size*dp" + ("*pp (interleaved schedule)" if grouped else "")
         fail("train.rampup_batch_size", ramp, f"start and increment must be multiples of "
-              f"{what} = {unit}, so that every step runs whole micro-batches on every DP rank")
+              f"micro_batch_size*dp = {unit}, so that every step runs whole micro-batches on "
+              "every DP rank")
+    if groups_micro_batches(cfg) and start < unit * cfg.pp:
+        fail("train.rampup_batch_size", ramp, f"the first step's m = start/(micro_batch_size*dp)"
+              f" = {start // unit} micro-batches must be >= pp={cfg.pp} for the interleaved "
+              f"schedule (parallel.virtual_stages={cfg.parallel.virtual_stages}); use a start "
+              f">= {unit * cfg.pp}")
 
 
 def _check_precision(cfg: Config, device_type: str, gpu: Optional[GpuInfo]) -> List[str]:

@@ -11,8 +11,9 @@ ZERO_BUBBLE = ("zb-h1", "zb-v")
 
 
 def groups_micro_batches(cfg: Config) -> bool:
-    """Whether the schedule runs the micro-batches in groups of pp (the interleaved one, also
-    as auto with virtual_stages > 1), so that m must be a multiple of pp; zb-v needs not."""
+    """Whether the schedule runs the micro-batches in groups of at least pp (the interleaved
+    one, also as auto with virtual_stages > 1: `interleaved_table`), so that m must be >= pp;
+    zb-v needs not."""
     return cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule in ("auto", "interleaved")
 
 

@@ -135,8 +135,7 @@ class ChoiceEval:
     (activations of the set's padded length). Collective over the whole world."""
 
     def __init__(self, choices: ChoiceSet, schedule: PipelineSchedule, topo: Topology,
-                 micro_batch_size: int, length: int, virtual_stages: int,
-                 device: torch.device):
+                 micro_batch_size: int, length: int, device: torch.device):
         self.choices, self.schedule, self.topo, self.device = choices, schedule, topo, device
         self.length = length
         n, dp = len(choices.labels), topo.dp_size
@@ -144,8 +143,6 @@ class ChoiceEval:
         first = min(topo.coords.dp_rank * per_rank, n)
         self.examples = range(first, min(first + per_rank, n))
         count = math.ceil(per_rank * len(choices.endings[0]) / micro_batch_size)
-        if virtual_stages > 1:  # the interleaved order runs micro-batches in groups of pp
-            count = math.ceil(count / topo.pp_size) * topo.pp_size
         mine = [e for i in self.examples for e in choices.endings[i]]
         self.batches = _MicroBatches(mine, count, micro_batch_size, length, device,
                                      cp=(topo.cp_size, topo.coords.cp_rank))

@@ -13,12 +13,23 @@ the idle "bubble" is (p - 1) / (m + p - 1) of the step when forward and backward
 
 Interleaved 1F1B (Narayanan et al. 2021 §2.2; Megatron-LM's virtual pipeline). Each rank holds
 v model chunks: the model is cut into p·v virtual stages, and virtual stage c·p + s is chunk c
-of rank s, so a micro-batch passes through every rank v times. Forwards run micro-batches in
-groups of p: forward k is micro-batch (k // pv)·p + k % p on chunk (k // p) % v; backwards the
-same with the chunks reversed. Warmup is (p - s - 1)·2 + (v - 1)·p forwards (Megatron's count).
-Each pipeline fill and drain now costs 1/v of a full-model pass, so the bubble shrinks to
+of rank s, so a micro-batch passes through every rank v times. Forwards run the micro-batches
+in groups (`interleaved_table`): a group's micro-batches on chunk 0, then the same ones on
+chunk 1, ..., then the next group; backwards the same with the chunks reversed. The groups hold
+p micro-batches and the last one the rest (p to 2p - 1), so any m >= p runs — the flexible
+schedule of Llama 3 (Dubey et al. 2024 §3.3.2, Figure 6). Warmup is (p - s - 1)·2 + (v - 1)·g
+forwards, g the largest group (`largest_group`; Megatron's count with its
+`microbatch_group_size_per_vp_stage` = g): the last stage's first backward of a group on chunk
+v - 1 needs that group's forward on chunk v - 1, (v - 1)·g forwards after the group's first.
+Each pipeline fill and drain now costs 1/v of a full-model pass, so with equal forward and
+backward times a step takes 2·v·m + 2(p - 1) rounds for every m >= p: the bubble is
 (p - 1) / (v·m + p - 1), for v times the point-to-point traffic and more activations in flight
-during warmup. Needs m to be a multiple of p.
+during warmup: at most (p - s - 1)·2 + (v - 1)·g + 1 chunk micro-batches on stage s, so an m
+that is not a multiple of p costs (v - 1)·(m mod p) more chunk activations than a multiple of
+p. Megatron's table instead leaves m mod p as a last group of its own with the warmup of p:
+the activations of a multiple of p, but the short group returns to stage 0 before stage 0 has
+work (idle rounds more per step: pp 4, v 2, m 6: 6; pp 4, v 3, m 6: 12),
+and these matched rounds cannot complete its order for some m (pp 4, v 3, m 5).
 
 ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1, the handcrafted schedule of
 Figure 3, top). Each backward is split into B, the input gradient (what the previous stage waits
@@ -116,10 +127,23 @@ class Round:
     #                                     V's turn: zb-v's slices p-1 and p on stage p-1)
 
 
-def _check_groups(pp: int, m: int) -> None:
-    if m % pp:
-        raise ValueError(f"the interleaved schedule needs m={m} micro-batches to be a multiple "
-                         f"of pp={pp}")
+def largest_group(pp: int, m: int) -> int:
+    """Micro-batches in the interleaved schedule's largest group (`interleaved_table`): pp
+    when m is a multiple of pp, else the last group's pp + m mod pp (m when m < 2·pp)."""
+    return m if m < 2 * pp else pp + m % pp
+
+
+def interleaved_table(pp: int, m: int, v: int) -> List[Tuple[int, int]]:
+    """(micro-batch, chunk) of each of the interleaved schedule's v·m forwards, in order (its
+    backwards run the same list with chunk c as v - 1 - c): groups of pp micro-batches, the
+    last one taking the rest (pp to 2·pp - 1 of them; all m when m < pp), each group through
+    chunk 0, then chunk 1, ... (see the module docstring)."""
+    starts = list(range(0, m, pp))
+    if len(starts) > 1 and m - starts[-1] < pp:
+        starts.pop()  # the remainder joins the last full group
+    ends = starts[1:] + [m]
+    return [(i, c) for start, end in zip(starts, ends) for c in range(v)
+            for i in range(start, end)]
 
 
 def zb_h1_order(pp: int, stage: int, m: int) -> List[Op]:
@@ -201,38 +225,40 @@ def stage_order(pp: int, stage: int, m: int, v: int = 1, schedule: str = "auto")
         for i in range(m - warmup):
             order += [Op(F, 0, warmup + i), Op(B, 0, i)]
         return order + [Op(B, 0, i) for i in range(m - warmup, m)]
-    _check_groups(pp, m)
-    total = m * v
+    if m < pp:
+        raise ValueError(f"the interleaved schedule needs m >= pp micro-batches (m={m}, "
+                         f"pp={pp})")
+    table, total = interleaved_table(pp, m, v), m * v
 
     def op(kind: OpKind, k: int) -> Op:
-        chunk = (k % (pp * v)) // pp
-        return Op(kind, chunk if kind is F else v - 1 - chunk, (k // (pp * v)) * pp + k % pp)
+        micro_batch, chunk = table[k]
+        return Op(kind, chunk if kind is F else v - 1 - chunk, micro_batch)
 
-    warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    warmup = min((pp - stage - 1) * 2 + (v - 1) * largest_group(pp, m), total)
     order = [op(F, k) for k in range(warmup)]
     for k in range(total - warmup):
         order += [op(F, warmup + k), op(B, k)]
     return order + [op(B, k) for k in range(total - warmup, total)]
 
 
-def _source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
-            ) -> Optional[Tuple[int, int]]:
+def input_source(kind: OpKind, stage: int, chunk: int, placement: ChunkPlacement
+                 ) -> Optional[Tuple[int, int]]:
     """(stage, chunk) that produces the input of `kind` on (stage, chunk): the previous
     model slice's activation for a forward, the next one's gradient for a backward; None at
-    the ends of the model (token ids in, loss out) and for a W (its B ran on this stage)."""
+    the ends of the model (token ids in, loss out) and for a W (its B ran on this stage).
+    With `stage_order` this is the schedule's whole dependency graph: an operation waits for
+    the one before it on its stage and for the same micro-batch's operation of this kind on
+    the source (a time model weights each by its stage's own blocks)."""
     return None if kind.step is None else placement.neighbour(stage, chunk, kind.step)
 
 
 def forward_order(pp: int, m: int, v: int = 1, schedule: str = "auto") -> List[Op]:
     """Forward-only (evaluation): the interleaved training order's forwards, in the same
-    micro-batch groups; otherwise every micro-batch's chunk 0, then chunk 1, ... (zb-v: a
-    forward-only pass keeps no activations, so the V needs no groups)."""
+    micro-batch groups (any m: with m < pp one group); otherwise every micro-batch's chunk 0,
+    then chunk 1, ... (zb-v: a forward-only pass keeps no activations, so the V needs no
+    groups)."""
     grouped = v > 1 and resolve_schedule(schedule, v) == "interleaved"
-    if grouped:
-        _check_groups(pp, m)
-    group = pp if grouped else m
-    return [Op(F, (k % (group * v)) // group, (k // (group * v)) * group + k % group)
-            for k in range(m * v)]
+    return [Op(F, c, i) for i, c in interleaved_table(pp if grouped else m, m, v)]
 
 
 @lru_cache(maxsize=64)
@@ -256,7 +282,7 @@ def plan_rounds(pp: int, m: int, v: int = 1, forward_only: bool = False,
             if position[s] == len(orders[s]):
                 continue
             op = orders[s][position[s]]
-            src = _source(op.kind, s, op.chunk, placement)
+            src = input_source(op.kind, s, op.chunk, placement)
             if src is not None and (op.kind, op.chunk, op.micro_batch) not in arrived[s]:
                 continue
             step[s].op = op

@@ -6,7 +6,7 @@ heads, the width and the MLP; context parallelism cp a power of two (1, 2, 4, ..
 seq_len divisible by 2·cp, each cp > 1 with both `parallel.cp_comm`s (allgather, ring); zero
 0-3 (1-3 only with dp·cp > 1: ZeRO shards over DP x CP, and with one replica it shards
 nothing); sp with tp > 1 (the rank's s/cp positions divisible by tp); virtual stages v > 1
-with pp > 1 where pp·v divides the blocks; every
+with pp > 1 where pp·v divides the blocks (interleaved with any m >= pp); every
 micro-batch size that divides the per-replica batch; the pipeline schedule: 1F1B (interleaved
 with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`), or, with pp > 1
 and 2·pp ≤ n_layer, ZB-V (`parallel.schedule=zb-v`: v = 2 in a V, m need not be a multiple of
@@ -21,7 +21,9 @@ not recomputed or for the first `partial_counts` of those (`offload.activations_
 offload.optimizer at each of `OPTIMIZER_SHARES` (and the configuration's own fraction) — where
 the profile gives the host link and host memory bandwidths that price their copies (on CPU the
 offloads save nothing). Other keys (bucket size, reshard_after_forward,
-overlap_param_gather, edge_stage_layers, ...) are the configuration's own.
+overlap_param_gather, edge_stage_layers, ...) are the configuration's own; with
+edge_stage_layers only the pp and v whose pp·v slices can take it (every slice a block: pp = 1
+has no edge stage) are tried.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.schedule_rules import ZERO_BUBBLE
 from megalite.config.schema import CP_COMMS, Config
+from megalite.config.stage_partition import edge_split_problem, partition_layers
 
 DIM_PROBE = 16  # a micro-batch whose tokens are a multiple of 16: the weights' dimensions alone
 PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
@@ -122,8 +125,11 @@ def partial_counts(blocks: int) -> List[int]:
 
 
 def chunk_blocks(cfg: Config, pp: int, v: int) -> int:
-    """Blocks of the largest model chunk (what recompute_layers / activations_layers count)."""
-    return -(-cfg.model.n_layer // (pp * v))
+    """Blocks of the largest model chunk (what recompute_layers / activations_layers count),
+    of the partition the run makes (balanced, or with `parallel.edge_stage_layers`)."""
+    parts = partition_layers(cfg.model.n_layer, pp * v, cfg.parallel.edge_stage_layers
+                             if pp * v > 1 else None)
+    return max(len(r) for r in parts)
 
 
 def memory_options(cfg: Config, blocks: int, offloads: bool
@@ -169,7 +175,9 @@ def _schedules(cfg: Config, pp: int) -> List[Tuple[int, Tuple[str, ...]]]:
         out[1].append("zb-h1")
         if 2 * pp <= n_layer:
             out.setdefault(2, []).append("zb-v")
-    return [(v, tuple(names)) for v, names in sorted(out.items())]
+    edge = cfg.parallel.edge_stage_layers  # the configuration's own: only where it fits
+    return [(v, tuple(names)) for v, names in sorted(out.items())
+            if edge is None or not edge_split_problem(n_layer, pp * v, edge)]
 
 
 @dataclass
@@ -249,7 +257,7 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
                     if fp8 and fp8_dims_refusal(m, tp, tokens, mb):
                         continue
                     micro = t.global_batch_size // (mb * dp)
-                    runs = [x for x in schedules if not (x == "auto" and v > 1 and micro % pp)]
+                    runs = [x for x in schedules if not (x == "auto" and v > 1 and micro < pp)]
                     for (rec, r), acts in options:
                         for name in runs:
                             yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,

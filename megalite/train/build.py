@@ -233,8 +233,7 @@ def build_hellaswag(choices: ChoiceSet, source: str, runtime: Runtime, model: Pi
         f"eval.hellaswag: {len(choices.labels)} examples ({endings} endings) from "
         f"{source}, read at length {length}; {choices.truncated} endings longer "
         f"than train.seq_len + 1 = {seq_len + 1} tokens left-truncated")
-    return ChoiceEval(choices, schedule, topo, shape[0], length, layout.virtual_stages,
-                      runtime.device)
+    return ChoiceEval(choices, schedule, topo, shape[0], length, runtime.device)
 
 
 def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTracker

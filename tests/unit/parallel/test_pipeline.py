@@ -11,9 +11,18 @@ from megalite.config.errors import ConfigError
 from megalite.config.layout import validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import load_config
-from megalite.config.stage_partition import partition_layers, stage_chunks
+from megalite.config.stage_partition import ChunkPlacement, partition_layers, stage_chunks
 from megalite.parallel.pipeline import Event, StepTrace
-from megalite.parallel.schedule import Op, OpKind, max_in_flight, peak_live_bytes, plan_rounds, stage_order
+from megalite.parallel.schedule import (
+    Op,
+    OpKind,
+    input_source,
+    interleaved_table,
+    max_in_flight,
+    peak_live_bytes,
+    plan_rounds,
+    stage_order,
+)
 
 
 def _simulate_1f1b(pp: int, m: int):
@@ -68,8 +77,23 @@ def test_interleaved_order_is_megatrons():
         + b[4:]
     assert stage_order(2, 1, 4, 2) == f[:2] + [x for k in range(6) for x in (f[2 + k], b[k])] \
         + b[6:]
-    with pytest.raises(ValueError, match="multiple of pp=2"):
-        stage_order(2, 0, 3, 2)
+    with pytest.raises(ValueError, match="m >= pp"):
+        stage_order(2, 0, 1, 2)
+
+
+def test_interleaved_groups_take_any_m():
+    """m not a multiple of pp (Llama 3's flexible schedule): groups of pp micro-batches, the
+    last one taking the rest, so every group holds at least pp."""
+    assert interleaved_table(2, 3, 2) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert interleaved_table(2, 5, 2) == [(0, 0), (1, 0), (0, 1), (1, 1),
+                                          (2, 0), (3, 0), (4, 0), (2, 1), (3, 1), (4, 1)]
+    assert interleaved_table(3, 8, 2)[6:] == [(i, c) for c in range(2) for i in range(3, 8)]
+    assert interleaved_table(4, 4, 3) == [(i, c) for c in range(3) for i in range(4)]
+    for m in range(1, 8):  # a forward-only pass (evaluation) runs any m, also m < pp
+        rounds = plan_rounds(3, m, 2, True)
+        for stage in rounds:
+            assert sorted((r.op for r in stage if r.op), key=repr) == \
+                sorted((Op(OpKind.FORWARD, c, i) for c in range(2) for i in range(m)), key=repr)
 
 
 @pytest.mark.parametrize("pp,v", [(2, 1), (2, 2), (2, 3), (3, 2), (4, 1), (4, 2), (4, 4), (8, 2)])
@@ -78,7 +102,8 @@ def test_rounds_match_and_bubble_follows_the_formula(pp, v):
     and its consumer's receive in the same round; the simulated idle fraction is
     (p-1)/(v·m+p-1) and at most (p-s-1)·2 + (v-1)·p + 1 chunk activations are alive (Megatron's
     warmup + 1)."""
-    for m in (pp, 2 * pp, 3 * pp) if v > 1 else (1, pp - 1 or 1, pp, 2 * pp + 1):
+    for m in (pp, pp + 1, 2 * pp, 2 * pp + 1, 3 * pp - 1) if v > 1 else \
+            (1, pp - 1 or 1, pp, 2 * pp + 1):
         rounds = plan_rounds(pp, m, v)
         arrived, sent, received = [set() for _ in range(pp)], [], []
         for index in range(max(r[-1].index for r in rounds) + 1):
@@ -106,10 +131,38 @@ def test_rounds_match_and_bubble_follows_the_formula(pp, v):
                 (Op(k, c, i) for k in (OpKind.FORWARD, OpKind.BACKWARD) for c in range(v)
                  for i in range(m)), key=repr)
             assert ops == stage_order(pp, s, m, v)
-            limit = min(pp - s, m) if v == 1 else min((pp - s - 1) * 2 + (v - 1) * pp + 1, m * v)
+            forwarded = set()  # every backward after its forward (the loss's chunk too)
+            for op in ops:
+                assert op.kind == "F" or (op.chunk, op.micro_batch) in forwarded, (s, op)
+                forwarded.add((op.chunk, op.micro_batch))
+            group = pp if m % pp == 0 else (m if m < 2 * pp else pp + m % pp)
+            limit = min(pp - s, m) if v == 1 else \
+                min((pp - s - 1) * 2 + (v - 1) * group + 1, m * v)
             assert max_in_flight(pp, s, m, v) == limit
         length = max(r[-1].index for r in rounds) + 1  # in forward/backward time units
         assert 1 - 2 * m * v / length == pytest.approx(expected_bubble(pp, m, v))
+
+
+@pytest.mark.parametrize("pp,m,v,schedule", [(2, 5, 2, "auto"), (3, 4, 2, "auto"),
+                                               (4, 6, 1, "zb-h1"), (2, 5, 2, "zb-v")])
+def test_order_and_input_sources_are_the_schedules_graph(pp, m, v, schedule):
+    """A planner's view (docs/pipelines.md): each stage's `stage_order` and each operation's
+    `input_source` give a graph whose as-soon-as-possible unit-time schedule ends when the
+    executor's rounds do, stage by stage (any weights per stage give the timed version)."""
+    placement = ChunkPlacement(pp, v, v_shape=schedule == "zb-v")
+    orders = [stage_order(pp, s, m, v, schedule) for s in range(pp)]
+    done, end = {}, [0] * pp
+    while len(done) < sum(map(len, orders)):
+        for s in range(pp):
+            for op in orders[s][len([k for k in done if k[0] == s]):]:
+                src = input_source(op.kind, s, op.chunk, placement)
+                key = None if src is None else (src[0], op.kind, src[1], op.micro_batch)
+                if key is not None and key not in done:
+                    break
+                end[s] = max(end[s], done.get(key, 0)) + 1
+                done[(s, op.kind, op.chunk, op.micro_batch)] = end[s]
+    rounds = plan_rounds(pp, m, v, False, schedule)
+    assert end == [1 + max(r.index for r in rounds[s] if r.op is not None) for s in range(pp)]
 
 
 def test_peak_live_bytes_weights_the_chunks():
@@ -129,8 +182,8 @@ def test_stage_chunks_interleave_the_model():
     (["pp=1", "parallel.virtual_stages=2"], "parallel.virtual_stages"),
     (["pp=2", "parallel.virtual_stages=0"], "parallel.virtual_stages"),
     (["pp=2", "parallel.virtual_stages=2", "model.n_layer=3"], "parallel.virtual_stages"),
-    (["pp=2", "parallel.virtual_stages=2", "train.global_batch_size=12"],
-     "train.global_batch_size"),  # m = 3
+    (["pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"],
+     "train.global_batch_size"),  # m = 1 < pp
     (["pp=2", "parallel.virtual_stages=2", "model.n_layer=4",
       "parallel.edge_stage_layers=2"], "parallel.edge_stage_layers"),
 ])

@@ -53,7 +53,7 @@ def test_logged_batch_sizes_and_tokens(tiny_data, tmp_path):
     (["train.rampup_batch_size=[8,8,100]"], 2, "multiples of micro_batch_size*dp = 16"),
     (["pp=2", "parallel.virtual_stages=2", "model.n_layer=4",
       "train.rampup_batch_size=[8,8,100]"], 2,
-     "multiples of micro_batch_size*dp*pp (interleaved schedule) = 16"),
+     "m = start/(micro_batch_size*dp) = 1 micro-batches must be >= pp=2"),
 ])
 def test_bad_ramps_are_refused(overrides, world, expect):
     cfg = load_config(TINY + ["train.micro_batch_size=8", "train.global_batch_size=32",
