@@ -171,17 +171,15 @@ def check_layout(cfg) -> None:
     if not moe.enabled:
         return
     why = f"MoE (model.moe.num_experts={moe.num_experts}) does not support"
-    if cfg.sp:
-        fail("sp", cfg.sp, f"{why} sequence parallelism (it needs tp > 1) yet; use sp=false")
+    _check_token_split(cfg, moe)
     if cfg.parallel.schedule not in ("auto", "1f1b"):
         fail("parallel.schedule", cfg.parallel.schedule, f"{why} pipeline parallelism (pp > 1) "
              "yet; use pp=1 and parallel.schedule=auto")
     if cfg.parallel.virtual_stages > 1:
         fail("parallel.virtual_stages", cfg.parallel.virtual_stages,
              f"{why} virtual pipeline stages yet; use parallel.virtual_stages=1")
-    for key in ("tp", "pp", "cp"):
-        if getattr(cfg, key) > 1:
-            fail(key, getattr(cfg, key), f"{why} {key} > 1 yet; use {key}=1")
+    if cfg.pp > 1:
+        fail("pp", cfg.pp, f"{why} pp > 1 yet; use pp=1")
     if cfg.train.recompute:
         fail("train.recompute", True, f"{why} activation recomputation yet; set "
              "train.recompute=false")
@@ -195,3 +193,24 @@ def check_layout(cfg) -> None:
     if cfg.resilience.rerun != "off":
         fail("resilience.rerun", cfg.resilience.rerun, f"{why} the rerun attribution yet; use "
              "resilience.rerun=off")
+
+
+def _check_token_split(cfg, moe: MoEConfig) -> None:
+    """TP and CP with MoE (`megalite.model.moe.tokens`): the router runs on each rank's own
+    tokens, so tp > 1 needs them split (sp); TP splits every expert's SwiGLU and the shared
+    experts' as the dense MLP; a capacity is a micro-batch's, whose tokens CP splits."""
+    if cfg.tp > 1 and not cfg.sp:
+        fail("sp", cfg.sp, f"MoE (model.moe.num_experts={moe.num_experts}) with tp={cfg.tp} "
+             "needs sp=true: each TP rank routes its own tokens (sequence parallelism), the "
+             "experts see them all")
+    for key, size in (("expert_size", moe.expert_hidden(cfg.model.ffn_size)),
+                      ("shared_expert_size", moe.shared_hidden(cfg.model.ffn_size)
+                       if moe.shared_experts else 0)):
+        if size % cfg.tp:
+            fail("tp", cfg.tp, f"must divide the MoE layer's model.moe.{key} ({size}): TP "
+                 "splits each expert's SwiGLU as the dense MLP's")
+    if cfg.cp > 1 and moe.capacity_factor is not None:
+        fail("model.moe.capacity_factor", moe.capacity_factor, f"is refused with cp={cfg.cp}: "
+             "an expert's capacity is a micro-batch's, whose tokens CP splits over its ranks "
+             "(each would cap its own share, not the serial run's); use capacity_factor=null "
+             "(dropless) or cp=1")

@@ -163,7 +163,8 @@ def test_balancing_losses_formulas():
     assert balance.layer_aux(onehot, skew // 2, 1).item() == pytest.approx(4.0)
     idx = torch.tensor([[0], [1], [0], [1]])  # [s=2, b=2]: sequence 0 -> 0, 0; 1 -> 1, 1
     p = F.one_hot(idx[:, 0], 4).float()
-    assert balance.sequence_aux(p, idx, 2).item() == pytest.approx(4.0)
+    assert balance.sequence_aux(p, balance.sequence_counts(idx, 2, 4), 1, 2).item() == \
+        pytest.approx(4.0)
     logits = torch.randn(5, 4)
     assert balance.z_loss(logits).item() == pytest.approx(
         (torch.logsumexp(logits, -1) ** 2).mean().item())
@@ -192,7 +193,10 @@ def test_bias_update_follows_the_sign_rule():
     (["model.moe.shared_expert_size=64"], "model.moe.shared_expert_size"),
     (["model.moe.num_experts=0"], "model.moe.num_experts"),
     (["model=llama-tiny", "model.moe.num_experts=4"], "model.moe.num_experts"),
-    (["tp=2"], "tp"), (["pp=2"], "pp"), (["cp=2"], "cp"), (["tp=2", "sp=true"], "sp"),
+    (["tp=2"], "sp"), (["tp=2", "sp=true", "model.moe.expert_size=63"], "tp"),
+    (["tp=2", "sp=true", "model.moe.shared_experts=1", "model.moe.shared_expert_size=9"], "tp"),
+    (["cp=2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor"),
+    (["pp=2"], "pp"),
     (["pp=2", "parallel.schedule=zb-h1"], "parallel.schedule"),
     (["train.recompute=true"], "train.recompute"),
     (["offload.activations=true"], "offload.activations"),
