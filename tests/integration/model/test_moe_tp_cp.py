@@ -1,11 +1,12 @@
 """MoE under tensor, sequence and context parallelism equals the serial run (fp32, dropout 0,
 the aux loss, z-loss and aux-loss-free bias on): losses, grad norms, parameters at 1e-5, the
-per-layer figures (aux, z-loss, imbalance, dropped, bias range) and so the bias and the step's
-counts. tp2 + SP, cp2 under both CP algorithms (ring with the sequence aux loss), tp2 · cp2, a
-Mixtral and a Qwen3-MoE with a gated shared expert (tp2 with a capacity that drops); a
-checkpoint saved at tp2 · cp2 resumes at cp2 and one saved at tp2 at tp1, each continuing
-the serial run (the bias from meta.json). At the layer: under tp2 an expert that receives no
-token gets a zero gradient, not NaN, and the layer equals the serial one."""
+per-layer figures (aux, z-loss, imbalance, dropped, bias range) and every router's bias after
+every step (updated from the step's counts). tp2 + SP, cp2 under both CP algorithms (ring with
+the sequence aux loss), tp2 · cp2, a Mixtral and a Qwen3-MoE with a gated shared expert (tp2
+with a capacity that drops); a checkpoint saved at tp2 · cp2 resumes at cp2 and one saved at
+tp2 at tp1, each continuing the serial run (the bias from meta.json). At the layer: under tp2
+an expert that receives no token gets a zero gradient, not NaN, and the layer equals the
+serial one (outputs, gradients, counts, aux, z-loss and hf pooled values)."""
 from __future__ import annotations
 
 import pytest
@@ -41,7 +42,18 @@ LR = ["optim.lr=2e-3"]
 
 
 def _resumed(serial: dict, step: int) -> dict:
-    return {**from_step(serial, step), "moe": serial["moe"][step:]}
+    return {**from_step(serial, step), "moe": serial["moe"][step:],
+            "moe_bias": serial["moe_bias"][step:]}
+
+
+def _assert_same(serial: dict, ranks: list) -> None:
+    """assert_equal, the per-layer figures, and every router's bias after every step (exact:
+    the same signs of the same counts)."""
+    assert_equal(serial, ranks)
+    assert_figures_equal(serial, ranks)
+    assert any(v != 0 for step in serial["moe_bias"] for b in step.values() for v in b)
+    for res in ranks:
+        assert res["moe_bias"] == serial["moe_bias"]
 
 
 def test_tp_sp_cp_equal_serial_and_resume_across_layouts(tiny_data, tmp_path):
@@ -59,16 +71,14 @@ def test_tp_sp_cp_equal_serial_and_resume_across_layouts(tiny_data, tmp_path):
            ("sequence", mixtral + SEQUENCE + RING), ("capacity", qwen + CAPACITY + TP)]
     results += train_layouts(tmp_path / "w2", 2, [run for _, run in two], STEPS, save_at=1)
     for (name, _), ranks in zip(four + two, results):
-        assert_equal(serial[name], ranks)
-        assert_figures_equal(serial[name], ranks)
+        _assert_same(serial[name], ranks)
     expected = _resumed(serial["mixtral"], 1)
     resumed_cp = train_layout(tmp_path / "r2", 2, mixtral + CP + [
         f"checkpoint.resume={at_4 / 'step_00000001'}"], STEPS - 1)
     resumed_tp1 = train_in_process(tmp_path / "r1", mixtral + [
         f"checkpoint.resume={at_2 / 'step_00000001'}"], STEPS - 1)
     for ranks in (resumed_cp, [resumed_tp1]):
-        assert_equal(expected, ranks)
-        assert_figures_equal(expected, ranks)
+        _assert_same(expected, ranks)
 
 
 def test_an_expert_without_tokens_under_tp2_has_a_zero_gradient():
