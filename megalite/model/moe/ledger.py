@@ -34,7 +34,8 @@ from megalite.model.moe.tokens import NO_SPLIT, TokenSplit
 
 @dataclass
 class StepFigures:
-    """Sums over the step's training forwards, one row per MoE layer of the stage."""
+    """Sums over the step's training forwards, one row per MoE layer of the stage; each of
+    this rank's tokens' part where TP (SP) or CP split a micro-batch's tokens."""
 
     counts: torch.Tensor  # [L, E] assignments the router chose (fp64)
     aux: torch.Tensor  # [L] the layer aux value (E·Σ f·P) summed over forwards

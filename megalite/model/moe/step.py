@@ -45,9 +45,10 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
                 group: Group, update: bool) -> Optional[dict]:
     """After a step's forwards and backwards: the figures of every MoE layer of this rank's
     chunks (`ledgers`; `biases` each chunk's {block index: its router's bias}), summed over
-    `group` (DP × CP); the biases updated where `update` (the step is applied). Clears the
-    ledgers. Collective over `group` wherever a chunk has MoE layers (every rank of a stage
-    alike); None where none has."""
+    the TP group where SP split the tokens (`ledger.split`), then over `group` (DP × CP); the
+    biases updated where `update` (the step is applied). Clears the ledgers. Collective over
+    those groups wherever a chunk has MoE layers (every rank of a stage alike); None where
+    none has."""
     figures = {}
     for ledger, bias in zip(ledgers, biases):
         if ledger.figures is None:

@@ -245,3 +245,21 @@ def test_the_ledger_counts_drops_and_the_step_logs_their_fraction():
     assert figures["3"]["imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
     assert torch.equal(bias, 0.1 * torch.sign(counts.mean() - counts).float())
     assert ledger.figures is None  # cleared for the next step
+
+
+def test_balancing_parts_of_split_tokens_add_up_to_the_whole():
+    """A micro-batch's tokens split over ranks (TP under SP, CP): each part, computed with
+    the micro-batch's counts and token number, adds up to the value of all the tokens."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 4, generator=g)  # [s=6, b=2] position-major
+    probs, idx = logits.softmax(-1), logits.topk(2, dim=-1).indices
+    routed, counts = balance.expert_counts(idx, 4), balance.sequence_counts(idx, 2, 4)
+    assert torch.equal(counts.sum(0).long(), routed)
+    parts = [slice(0, 4), slice(4, 12)]  # 2 and 4 positions of each sequence
+    whole = (balance.layer_aux(probs, routed, 2), balance.sequence_aux(probs, counts, 2, 6),
+             balance.z_loss(logits))
+    split = [(balance.layer_aux(probs[p], routed, 2, 12),
+              balance.sequence_aux(probs[p], counts, 2, 6), balance.z_loss(logits[p], 12))
+             for p in parts]
+    for i, value in enumerate(whole):
+        assert (split[0][i] + split[1][i]).item() == pytest.approx(value.item(), rel=1e-6)
