@@ -2,7 +2,7 @@
 
 `train_layout(...)` runs `steps` optimizer steps on real gloo ranks (fp32, dropout 0) and
 returns, per rank: the step losses, grad norms, the validation loss, the MoE figures of every
-step (`Trainer.last_moe`), and after every step this
+step (`Trainer.last_moe`) and the routers' selection biases after it, and after every step this
 rank's slice of every parameter (for zero 3, gathered from the shards first) and the most host
 bytes offloaded activations held (offload.activations); with eval.hellaswag, the scores of the
 initial weights. `assert_equal`
@@ -20,6 +20,7 @@ import torch
 
 from megalite.config.layout import validate
 from megalite.config.schema import Config, load_config
+from megalite.model.moe.step import RouterBiases
 from megalite.parallel.param_spec import ParamSpec
 from megalite.testing.collective_order import OrderProbe
 from megalite.testing.spawn import run_ranks
@@ -49,6 +50,8 @@ def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
     zero3 = trainer.engine.zero3
     losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
     moe = []  # MoE runs: each step's routing figures (trainer.last_moe; None without MoE)
+    biases = RouterBiases.of(trainer.model.chunks)  # MoE with a bias: after each step
+    moe_bias = []
     masters = [_masters(trainer.engine)]
     counter = trainer.topo.counter
     offload, offload_peaks = trainer.model.activation_offload, []
@@ -66,6 +69,7 @@ def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
         losses.append(None if loss is None else trainer._global_mean(loss))  # None: skipped
         norms.append(norm)
         moe.append(trainer.last_moe)
+        moe_bias.append(None if biases is None else biases.state_dict())
         param_norms.append(trainer.engine.param_norm().item())
         masters_cast.append(_parameters_are_masters_cast(trainer.engine))
         ctx = gathered_parameters(zero3) if zero3 is not None else contextlib.nullcontext()
@@ -76,7 +80,7 @@ def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
     c = trainer.topo.coords
     local_numel = sum(p.numel() for p in trainer.model.parameters())
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
-            "moe": moe,
+            "moe": moe, "moe_bias": moe_bias,
             "hellaswag": hellaswag,
             "params": params, "specs": specs,
             "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,

@@ -171,8 +171,7 @@ def check_layout(cfg) -> None:
     if not moe.enabled:
         return
     why = f"MoE (model.moe.num_experts={moe.num_experts}) does not support"
-    if cfg.sp:
-        fail("sp", cfg.sp, f"{why} sequence parallelism (it needs tp > 1) yet; use sp=false")
+    _check_token_split(cfg, moe)
     if cfg.pp > 1 and moe.aux_loss == "hf":
         fail("model.moe.aux_loss", "hf", "transformers' pooled value is one term of every "
              f"layer's routing, which a pipeline (pp={cfg.pp}, parallel.schedule="
@@ -186,10 +185,28 @@ def check_layout(cfg) -> None:
         fail(key, getattr(cfg, key), f"{why} FP8 with {key} > 1 yet: the experts' per-expert "
              f"amaxes are not reduced over the {key.upper()} ranks; use {key}=1 or "
              "fp8.recipe=none")
-    for key in ("tp", "cp"):
-        if getattr(cfg, key) > 1:
-            fail(key, getattr(cfg, key), f"{why} {key} > 1 yet; use {key}=1")
     if cfg.train.compile:
         fail("train.compile", True, f"{why} torch.compile yet: the experts are not traced "
              "(torch._grouped_mm's compiled kernel takes bf16 only, and each expert's token "
              "count is data-dependent); set train.compile=false")
+
+
+def _check_token_split(cfg, moe: MoEConfig) -> None:
+    """TP and CP with MoE (`megalite.model.moe.tokens`): the router runs on each rank's own
+    tokens, so tp > 1 needs them split (sp); TP splits every expert's SwiGLU and the shared
+    experts' as the dense MLP; a capacity is a micro-batch's, whose tokens CP splits."""
+    if cfg.tp > 1 and not cfg.sp:
+        fail("sp", cfg.sp, f"MoE (model.moe.num_experts={moe.num_experts}) with tp={cfg.tp} "
+             "needs sp=true: each TP rank routes its own tokens (sequence parallelism), the "
+             "experts see them all")
+    for key, size in (("expert_size", moe.expert_hidden(cfg.model.ffn_size)),
+                      ("shared_expert_size", moe.shared_hidden(cfg.model.ffn_size)
+                       if moe.shared_experts else 0)):
+        if size % cfg.tp:
+            fail("tp", cfg.tp, f"must divide the MoE layer's model.moe.{key} ({size}): TP "
+                 "splits each expert's SwiGLU as the dense MLP's")
+    if cfg.cp > 1 and moe.capacity_factor is not None:
+        fail("model.moe.capacity_factor", moe.capacity_factor, f"is refused with cp={cfg.cp}: "
+             "an expert's capacity is a micro-batch's, whose tokens CP splits over its ranks "
+             "(each would cap its own share, not the serial run's); use capacity_factor=null "
+             "(dropless) or cp=1")

@@ -24,18 +24,23 @@ DENSE_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
 
 def moe_specs(cfg: ModelConfig, prefix: str) -> Specs:
-    """The MoE layer's parameters (`megalite.model.moe.layer`), replicated (tp = 1)."""
+    """The MoE layer's parameters (`megalite.model.moe.layer`): the router and the shared
+    experts' gate replicated over TP, each expert's [gate | up] split by rows (each block
+    split: `tp_interleave=2`, as the dense MLP's) and its down projection by columns, the
+    shared experts' likewise."""
     moe, h = cfg.moe, cfg.n_embd
     e, i = moe.num_experts, moe.expert_hidden(cfg.ffn_size)
-    shapes = [("mlp.gate.weight", (e, h)), ("mlp.experts.gate_up_proj", (e, 2 * i, h)),
-              ("mlp.experts.down_proj", (e, h, i))]
+    shapes = [("mlp.gate.weight", (e, h), {}),
+              ("mlp.experts.gate_up_proj", (e, 2 * i, h), {"tp_dim": 1, "tp_interleave": 2}),
+              ("mlp.experts.down_proj", (e, h, i), {"tp_dim": 2})]
     if moe.shared_experts:
         s = moe.shared_hidden(cfg.ffn_size)
-        shapes += [("mlp.shared_experts.gate_up_proj.weight", (2 * s, h)),
-                   ("mlp.shared_experts.down_proj.weight", (h, s))]
+        shapes += [("mlp.shared_experts.gate_up_proj.weight", (2 * s, h),
+                    {"tp_dim": 0, "tp_interleave": 2}),
+                   ("mlp.shared_experts.down_proj.weight", (h, s), {"tp_dim": 1})]
         if moe.shared_expert_gate:
-            shapes.append(("mlp.shared_experts_gate.weight", (1, h)))
-    return [(prefix + n, ParamSpec(prefix + n, shape)) for n, shape in shapes]
+            shapes.append(("mlp.shared_experts_gate.weight", (1, h), {}))
+    return [(prefix + n, ParamSpec(prefix + n, shape, **split)) for n, shape, split in shapes]
 
 
 class MixtralFamily(LlamaFamily):
@@ -124,24 +129,28 @@ class MixtralFamily(LlamaFamily):
     def layer_activation_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, sp: bool,
                                e: int, dropout: bool = False,
                                math_attention: bool = False) -> float:
-        """Llama's block without its MLP terms, plus the MoE layer's: the router's fp32
-        logits and scores (8·sb·E), the k weights and three int64 index tensors of the
-        assignments (28·sb·k); per assignment the dispatched row, [gate | up], silu(gate),
-        the SwiGLU product, the expert's output and the weighted output (index_add_ keeps
-        its source), k·e·sb·(3h + 4I); the shared experts' [gate | up], silu and product,
-        4·e·sb·S, and with their gate its output and theirs, e·sb·(h + 1)."""
+        """Llama's block without its MLP terms, plus the MoE layer's (TP-split sizes /t; the
+        router on this rank's s'b tokens, s' = s/t under SP, the experts on all sb): the
+        router's fp32 logits and scores (8·s'b·E), the k weights and three int64 index
+        tensors of the assignments (28·sb·k); per assignment the dispatched row,
+        [gate | up], silu(gate), the SwiGLU product, the expert's output and the weighted
+        output (index_add_ keeps its source), k·e·sb·(3h + 4I/t); the shared experts'
+        [gate | up], silu and product, 4·e·sb·S/t, their input gathered over TP (e·sb·h
+        where t > 1), and with their gate its output and theirs, e·sb·(h + 1)."""
         base = super().layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
         moe, tokens, h = cfg.moe, s * b, cfg.n_embd
-        i = moe.expert_hidden(cfg.ffn_size)
-        routed = 8 * tokens * moe.num_experts + 28 * tokens * moe.top_k \
+        i = moe.expert_hidden(cfg.ffn_size) / t
+        local = tokens // t if sp else tokens
+        routed = 8 * local * moe.num_experts + 28 * tokens * moe.top_k \
             + e * tokens * moe.top_k * (3 * h + 4 * i)
         if moe.shared_experts:
-            routed += 4 * e * tokens * moe.shared_hidden(cfg.ffn_size) \
+            routed += 4 * e * tokens * moe.shared_hidden(cfg.ffn_size) / t \
+                + (e * tokens * h if t > 1 else 0) \
                 + (e * tokens * (h + 1) if moe.shared_expert_gate else 0)
-        return base - 4 * e * tokens * cfg.ffn_size + routed
+        return base - 4 * e * tokens * cfg.ffn_size / t + routed
 
     def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
-        return 2 * e * s * b * cfg.moe.top_k * cfg.moe.expert_hidden(cfg.ffn_size)
+        return 2 * e * s * b * cfg.moe.top_k * cfg.moe.expert_hidden(cfg.ffn_size) / t
 
 
 MIXTRAL_FAMILY = MixtralFamily()

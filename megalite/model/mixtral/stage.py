@@ -19,6 +19,7 @@ from megalite.model.llama.stage import Llama, LlamaAttention, LlamaMLP, RMSNorm
 from megalite.model.mixtral.family import MIXTRAL_FAMILY
 from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.ledger import RoutingLedger
+from megalite.model.moe.tokens import TokenSplit
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.group import Group
 
@@ -39,8 +40,9 @@ class MixtralBlock(nn.Module):
                                               attention, cp, inv_freq)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps)
         self.moe = cfg.moe.is_moe_layer(index)
-        self.mlp = MoELayer(cfg.moe, cfg.n_embd, cfg.ffn_size, index, ledger) if self.moe \
-            else LlamaMLP(cfg, tp_group, sp, residual_region)
+        split = TokenSplit.of(tp_group, sp, None if cp is None else cp.group)
+        self.mlp = MoELayer(cfg.moe, cfg.n_embd, cfg.ffn_size, index, ledger, tp_group.size,
+                            split) if self.moe else LlamaMLP(cfg, tp_group, sp, residual_region)
         self.resid_pdrop, self.residual_region = cfg.resid_pdrop, residual_region
 
     def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:

@@ -1,8 +1,15 @@
-"""The MoE layer that replaces a block's MLP: [s, b, h] -> [s, b, h].
+"""The MoE layer that replaces a block's MLP: [s, b, h] -> [s, b, h] ([s/tp, b, h] under
+sequence parallelism).
 
-    routing = gate(x)                                   (`router`, fp32)
-    y = experts(x, routing)                             (`experts`: dispatch, SwiGLUs, combine)
-      + shared_experts(x) [· sigmoid(shared_experts_gate(x))]   (where configured)
+    routing = gate(x)                                   (`router`, fp32, this rank's tokens)
+    X, routing = gathered over TP                       (`tokens`: under SP, all s·b tokens)
+    y = experts(X, routing)                             (`experts`: dispatch, SwiGLUs, combine)
+      + shared_experts(X) [· sigmoid(shared_experts_gate(X))]   (where configured)
+    y = reduce-scattered over TP                        (the TP ranks' partial outputs summed)
+
+TP splits each expert's SwiGLU and the shared experts' as the dense MLP's (gate and up by
+rows, each block split, down by columns); the router and the shared experts' gate are
+replicated (their gradients summed over TP with the norms').
 
 Parameter names are transformers 5's (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`); the shared experts' are `mlp.shared_experts.gate_up_proj.weight`,
@@ -21,10 +28,13 @@ from megalite.config.moe import MoEConfig
 from megalite.model.moe.experts import Experts, capacity, dispatch
 from megalite.model.moe.ledger import RoutingLedger
 from megalite.model.moe.router import Router
+from megalite.model.moe.tokens import NO_SPLIT, TokenSplit
 
 
 class SharedExperts(nn.Module):
-    """The shared experts: one dense SwiGLU of their joint hidden size (no TP split)."""
+    """The shared experts: one dense SwiGLU of their joint hidden size, split over TP like the
+    dense MLP ([gate_r | up_r] rows, down's columns): a TP rank computes a partial output, its
+    communication the layer's (`TokenSplit`)."""
 
     def __init__(self, hidden: int, inner: int):
         super().__init__()
@@ -37,31 +47,38 @@ class SharedExperts(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """Block `index`'s MoE layer of `moe` on h = `hidden` (module docstring)."""
+    """Block `index`'s MoE layer of `moe` on h = `hidden` (module docstring); `tp` the TP size
+    its experts are split over and `split` how its tokens are (`megalite.model.moe.tokens`)."""
 
     def __init__(self, moe: MoEConfig, hidden: int, n_inner: int, index: int,
-                 ledger: Optional[RoutingLedger] = None):
+                 ledger: Optional[RoutingLedger] = None, tp: int = 1,
+                 split: TokenSplit = NO_SPLIT):
         super().__init__()
-        self.moe, self.index, self.ledger = moe, index, ledger
+        if tp != split.tp_size:
+            raise ValueError(f"an MoE layer with tp={tp} needs its tokens split over TP "
+                             "(sequence parallelism)")
+        self.moe, self.index, self.ledger, self.split = moe, index, ledger, split
         self.gate = Router(moe, hidden)
-        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner))
+        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp)
         if moe.shared_experts:
-            self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner))
+            self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner) // tp)
             if moe.shared_expert_gate:
                 self.shared_experts_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
-        flat = x.reshape(s * b, h)
-        routing = self.gate(flat)
-        d = dispatch(routing.indices, routing.weights, self.moe.num_experts,
-                     capacity(self.moe, s * b), self.moe.drop_policy)
-        y = self.experts(flat, routing.weights, d)
+        routing = self.gate(x.reshape(s * b, h))
+        # TP: every TP rank's tokens and routing (the micro-batch's where cp = 1)
+        xs, chosen, weights = self.split.gather(x, routing.indices, routing.weights)
+        flat = xs.reshape(-1, h)
+        d = dispatch(chosen, weights, self.moe.num_experts,
+                     capacity(self.moe, flat.shape[0]), self.moe.drop_policy)
+        y = self.experts(flat, weights, d)
         if self.moe.shared_experts:
             shared = self.shared_experts(flat)
             if self.moe.shared_expert_gate:
                 shared = torch.sigmoid(self.shared_experts_gate(flat)) * shared
             y = y + shared
         if self.ledger is not None:
-            self.ledger.record(self.index, routing, d, b)
-        return y.view(s, b, h)
+            self.ledger.record(self.index, routing, d, b, self.split, chosen)
+        return self.split.scatter(y.view(xs.shape))

@@ -24,6 +24,10 @@ weight gradients are computed in B, the split linears' in W, as for the rest of 
 
 The step figures (`StepFigures`, one row per MoE layer of the stage) add up over the step's
 forwards until `megalite.model.moe.step` reads and clears them after the step.
+
+Where a micro-batch's tokens are split over ranks (TP under sequence parallelism, CP:
+`megalite.model.moe.tokens`), a rank's penalty and figures are its own tokens' part of the
+micro-batch's (computed with the micro-batch's counts), and `step` sums the parts.
 """
 from __future__ import annotations
 
@@ -37,11 +41,13 @@ from megalite.config.moe import MoEConfig
 from megalite.model.moe import balance
 from megalite.model.moe.experts import Dispatch
 from megalite.model.moe.router import Routing
+from megalite.model.moe.tokens import NO_SPLIT, TokenSplit
 
 
 @dataclass
 class StepFigures:
-    """Sums over the step's training forwards, one row per MoE layer of the stage."""
+    """Sums over the step's training forwards, one row per MoE layer of the stage; each of
+    this rank's tokens' part where TP (SP) or CP split a micro-batch's tokens."""
 
     counts: torch.Tensor  # [L, E] assignments the router chose (fp64)
     aux: torch.Tensor  # [L] the layer aux value (E·Σ f·P) summed over forwards
@@ -104,6 +110,7 @@ class RoutingLedger:
         self._terms: List[torch.Tensor] = []
         self._pooled: List[tuple] = []
         self.figures: Optional[StepFigures] = None
+        self.split = NO_SPLIT  # how the recorded forwards' tokens were split (tokens.py)
 
     def _figures(self, device: torch.device) -> StepFigures:
         if self.figures is None:
@@ -134,31 +141,44 @@ class RoutingLedger:
         finally:
             self._open, self._terms, self._pooled, self.figures = kept
 
-    def record(self, layer: int, routing: Routing, d: Dispatch, batch: int) -> None:
-        """Layer `layer`'s routing of a forward's T tokens (`batch` sequences)."""
+    def record(self, layer: int, routing: Routing, d: Dispatch, batch: int,
+               split: TokenSplit = NO_SPLIT, chosen: Optional[torch.Tensor] = None) -> None:
+        """Layer `layer`'s routing of a forward's tokens (`batch` sequences): `routing` this
+        rank's tokens', `chosen` [T, k] the experts chosen for the TP ranks' tokens together
+        (`split.gather`; None: this rank's, `routing.indices`) and `d` their dispatch. The
+        penalty and the figures are this rank's part of the micro-batch's (`tokens`)."""
         if not self._open:
             return
         moe, figures = self.moe, self._figures(routing.logits.device)
-        weighed = moe.aux_loss_coeff > 0 and moe.aux_loss != "hf"
+        self.split = split
+        chosen = routing.indices if chosen is None else chosen
+        # the micro-batch's assignments per sequence and expert (CP: every chunk's)
+        counts = split.sum_over_cp(balance.sequence_counts(chosen, batch, moe.num_experts))
+        tokens = chosen.shape[0] * split.cp_size
+        weighed = moe.aux_loss_coeff > 0  # the aux loss (layer, sequence or hf) is weighed
         with torch.set_grad_enabled(torch.is_grad_enabled() and (weighed or moe.z_loss_coeff > 0)):
-            probs = balance.balance_probs(routing, moe.score)
-            aux = balance.layer_aux(probs, d.routed, moe.top_k)
-            z = balance.z_loss(routing.logits)
-        if weighed:
+            probs = split.grad_times_cp(balance.balance_probs(routing, moe.score))
+            aux = balance.layer_aux(probs, counts.sum(0), moe.top_k, tokens)
+            z = balance.z_loss(split.grad_times_cp(routing.logits), tokens)
+        if weighed and moe.aux_loss != "hf":
             value = aux if moe.aux_loss == "layer" else \
-                balance.sequence_aux(probs, routing.indices, batch)
+                balance.sequence_aux(probs, counts, moe.top_k, tokens // batch)
             self._terms.append(moe.aux_loss_coeff * value)
         if moe.z_loss_coeff > 0:
             self._terms.append(moe.z_loss_coeff * z)
-        if moe.aux_loss == "hf":
-            self._pooled.append((d.routed, routing.logits.softmax(-1).sum(0),
-                                 routing.logits.shape[0]))
+        if moe.aux_loss == "hf":  # softmax scores: probs are the softmax of the logits
+            self._pooled.append((counts.sum(0), probs.sum(0), tokens))
         i = self.row[layer]
-        figures.counts[i] += d.routed.double()
+        own = routing.indices.numel()
+        figures.counts[i] += (d.routed if split.tp is None else  # this rank's tokens'
+                              balance.expert_counts(routing.indices, moe.num_experts)).double()
         figures.aux[i] += aux.detach().double()
         figures.z[i] += z.detach().double()
-        figures.dropped[i] += d.dropped.double()
-        figures.assigned[i] += routing.indices.numel()  # a host int: no copy to the device
+        if moe.capacity_factor is not None:  # this rank's tokens' assignments over capacity
+            kept = split.own(torch.div(d.order, moe.top_k, rounding_mode="floor"),
+                             routing.indices.shape[0]).sum()
+            figures.dropped[i] += (own - kept).double()
+        figures.assigned[i] += own  # a host int: no copy to the device
 
     def close(self) -> Optional[torch.Tensor]:
         """End of a forward: its penalty (None when nothing is weighed)."""

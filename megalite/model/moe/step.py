@@ -1,9 +1,10 @@
 """Once per optimizer step: the step's routing counts summed over every rank that saw other
 tokens, the aux-loss-free bias updated from them, and the figures logged per MoE layer.
 
-    counts_le = assignments to expert e in layer l, over the step's micro-batches and the
-                DP × CP ranks (`grad_group`: each holds other tokens; TP and PP ranks see the
-                same tokens or other layers)
+    counts_le = assignments to expert e in layer l, over the step's micro-batches and every
+                rank that holds other tokens: DP × CP (`grad_group`) and, under sequence
+                parallelism, TP (each rank records its own tokens' part, `ledger`); PP ranks
+                see other layers
     bias_le  += bias_update_rate · sign(mean_e counts_le − counts_le)   (DeepSeek-V3)
 
 Figures (`metrics.jsonl`'s "moe", per MoE layer by block index): aux (the Switch / Megatron
@@ -49,9 +50,10 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
                 group: Group, update: bool) -> Optional[dict]:
     """After a step's forwards and backwards: the figures of every MoE layer of this rank's
     chunks (`ledgers`; `biases` each chunk's {block index: its router's bias}), summed over
-    `group` (DP × CP); the biases updated where `update` (the step is applied). Clears the
-    ledgers. Collective over `group` wherever a chunk has MoE layers (every rank of a stage
-    alike); None where none has."""
+    the TP group where SP split the tokens (`ledger.split`), then over `group` (DP × CP); the
+    biases updated where `update` (the step is applied). Clears the ledgers. Collective over
+    those groups wherever a chunk has MoE layers (every rank of a stage alike); None where
+    none has."""
     figures = {}
     for ledger, bias in zip(ledgers, biases):
         if ledger.figures is None:
@@ -59,6 +61,8 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
             continue
         layers, experts = len(ledger.layers), ledger.moe.num_experts
         packed = _packed(ledger.figures)
+        if ledger.split.tp is not None:  # SP: each TP rank recorded its own tokens' part
+            comm.all_reduce(packed, ledger.split.tp)
         if group.size > 1:
             comm.all_reduce(packed, group)
         got = _unpacked(packed, layers, experts)
@@ -66,7 +70,8 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
             for row, layer in enumerate(ledger.layers):
                 update_bias(bias[layer], got["counts"][row], ledger.moe.bias_update_rate)
         got = _unpacked(packed.cpu(), layers, experts)  # the figures: one copy to the host
-        forwards = got["forwards"].clamp(min=1)
+        # a micro-batch's forward was recorded by each of the ranks its tokens are split over
+        forwards = (got["forwards"] / ledger.split.ranks).clamp(min=1)
         for row, layer in enumerate(ledger.layers):
             figures[str(layer)] = _layer_figures(got, row, got["counts"][row], forwards,
                                                  bias.get(layer))

@@ -230,7 +230,8 @@ def test_layer_and_sequence_aux_and_z_loss_reach_the_gradient(aux_loss):
     for r in seen:
         routed = torch.bincount(r.indices.reshape(-1), minlength=CFG.moe.num_experts)
         aux = balance.layer_aux(r.scores, routed, CFG.moe.top_k) if aux_loss == "layer" \
-            else balance.sequence_aux(r.scores, r.indices, 3)
+            else balance.sequence_aux(r.scores, balance.sequence_counts(
+                r.indices, 3, CFG.moe.num_experts), CFG.moe.top_k, 16)
         loss = loss + 0.3 * aux + 0.05 * balance.z_loss(r.logits)
     loss.backward()
     expected = dict(plain.named_parameters())

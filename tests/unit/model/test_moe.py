@@ -163,7 +163,8 @@ def test_balancing_losses_formulas():
     assert balance.layer_aux(onehot, skew // 2, 1).item() == pytest.approx(4.0)
     idx = torch.tensor([[0], [1], [0], [1]])  # [s=2, b=2]: sequence 0 -> 0, 0; 1 -> 1, 1
     p = F.one_hot(idx[:, 0], 4).float()
-    assert balance.sequence_aux(p, idx, 2).item() == pytest.approx(4.0)
+    assert balance.sequence_aux(p, balance.sequence_counts(idx, 2, 4), 1, 2).item() == \
+        pytest.approx(4.0)
     logits = torch.randn(5, 4)
     assert balance.z_loss(logits).item() == pytest.approx(
         (torch.logsumexp(logits, -1) ** 2).mean().item())
@@ -192,10 +193,12 @@ def test_bias_update_follows_the_sign_rule():
     (["model.moe.shared_expert_size=64"], "model.moe.shared_expert_size"),
     (["model.moe.num_experts=0"], "model.moe.num_experts"),
     (["model=llama-tiny", "model.moe.num_experts=4"], "model.moe.num_experts"),
-    (["tp=2"], "tp"), (["cp=2"], "cp"), (["tp=2", "sp=true"], "sp"),
+    (["tp=2"], "sp"), (["tp=2", "sp=true", "model.moe.expert_size=63"], "tp"),
+    (["tp=2", "sp=true", "model.moe.shared_experts=1", "model.moe.shared_expert_size=9"], "tp"),
+    (["cp=2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor"),
     (["pp=2", "model.moe.aux_loss=hf"], "model.moe.aux_loss"),
     (["fp8.recipe=rowwise", "fp8.emulate=true"], "fp8.recipe"),
-    (["tp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "tp"),
+    (["tp=2", "sp=true", "fp8.recipe=tensorwise", "fp8.emulate=true"], "tp"),
     (["cp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "cp"),
     (["train.compile=true"], "train.compile")])
 def test_bad_moe_settings_are_refused_before_launch_by_key(overrides, key):
@@ -278,3 +281,21 @@ def test_a_stage_without_the_head_sends_its_penalty_the_objectives_weight():
         torch.testing.assert_close(grad, p.grad)
     routers = [m.gate.weight for m in stage.modules() if isinstance(m, MoELayer)]
     assert len(routers) == 2 and all(w.grad.abs().sum() > 0 for w in routers)
+
+
+def test_balancing_parts_of_split_tokens_add_up_to_the_whole():
+    """A micro-batch's tokens split over ranks (TP under SP, CP): each part, computed with
+    the micro-batch's counts and token number, adds up to the value of all the tokens."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 4, generator=g)  # [s=6, b=2] position-major
+    probs, idx = logits.softmax(-1), logits.topk(2, dim=-1).indices
+    routed, counts = balance.expert_counts(idx, 4), balance.sequence_counts(idx, 2, 4)
+    assert torch.equal(counts.sum(0).long(), routed)
+    parts = [slice(0, 4), slice(4, 12)]  # 2 and 4 positions of each sequence
+    whole = (balance.layer_aux(probs, routed, 2), balance.sequence_aux(probs, counts, 2, 6),
+             balance.z_loss(logits))
+    split = [(balance.layer_aux(probs[p], routed, 2, 12),
+              balance.sequence_aux(probs[p], counts, 2, 6), balance.z_loss(logits[p], 12))
+             for p in parts]
+    for i, value in enumerate(whole):
+        assert (split[0][i] + split[1][i]).item() == pytest.approx(value.item(), rel=1e-6)

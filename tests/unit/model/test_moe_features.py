@@ -140,7 +140,7 @@ def test_fp8_with_moe_refuses_by_key_and_counts_the_experts():
 
     fp8 = ["model=mixtral-tiny", "device=cpu", "fp8.recipe=tensorwise", "fp8.emulate=true"]
     cases = [(["model.moe.expert_size=24"], 1, "fp8.recipe", "mlp.experts.down_proj"),
-             (["tp=2"], 2, "tp", "amaxes")]
+             (["tp=2", "sp=true"], 2, "tp", "amaxes")]
     for extra, world, key, says in cases:
         with pytest.raises(ConfigError) as e:
             validate(load_config(fp8 + extra), world)
