@@ -23,6 +23,11 @@ from megalite.config.schema import Config
 
 MAX_RANKS = 8  # the matrix's bound on tp * cp * pp * dp (tiny models on a few CPU cores)
 LLAMA = {"model.arch": "llama", "model.n_inner": 96, "model.rope_theta": 50000.0}
+# MoE (docs/moe.md): a Mixtral of 4 experts, top 2, with the aux loss, the z-loss and the
+# aux-loss-free bias on
+MIXTRAL = {**LLAMA, "model.arch": "mixtral", "model.n_kv_head": 2, "model.n_inner": 32,
+           "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.aux_loss_coeff": 0.01,
+           "model.moe.z_loss_coeff": 0.001, "model.moe.bias_update_rate": 0.01}
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,12 @@ RESILIENCE_ON = {"resilience.check_every": 1, "resilience.straggler_report_every
 
 AXES: Tuple[Axis, ...] = (
     _axis("family", "model family; Llama's 2 KV heads split over tp=2, or its 1 KV head "
-          "replicated over both TP ranks",
+          "replicated over both TP ranks; a Mixtral MoE (4 experts, top 2, aux loss, z-loss "
+          "and bias on)",
           ("gpt2", {"model.arch": "gpt2"}),
           ("llama kv split", {**LLAMA, "model.n_kv_head": 2}),
-          ("llama kv replicated", {**LLAMA, "model.n_kv_head": 1})),
+          ("llama kv replicated", {**LLAMA, "model.n_kv_head": 1}),
+          ("mixtral moe", MIXTRAL)),
     _axis("tp", "tensor parallel size", ("1", {"tp": 1}), ("2", {"tp": 2})),
     _axis("cp", "context parallel size, and at 2 how attention crosses CP (parallel.cp_comm: "
           "keys and values all-gathered, or passed around the ring)",
@@ -116,16 +123,9 @@ OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("rerun attribution", {"resilience.rerun": "on_nan"}),
     ("a named document kernel", {"train.attention_mask": "document",
                                  "train.document_kernel": "sdpa"}),
-    # MoE (docs/moe.md): a Mixtral with the aux loss, the z-loss and the bias on
-    ("MoE", {**LLAMA, "model.arch": "mixtral", "model.n_kv_head": 2, "model.n_inner": 32,
-             "model.moe.num_experts": 4, "model.moe.top_k": 2,
-             "model.moe.aux_loss_coeff": 0.01, "model.moe.z_loss_coeff": 0.001,
-             "model.moe.bias_update_rate": 0.01}),
     # ... with transformers' pooled aux loss (one term of every layer's routing; no bias)
-    ("MoE with aux_loss=hf", {**LLAMA, "model.arch": "mixtral", "model.n_kv_head": 2,
-                              "model.n_inner": 32, "model.moe.num_experts": 4,
-                              "model.moe.top_k": 2, "model.moe.aux_loss": "hf",
-                              "model.moe.aux_loss_coeff": 0.01}),
+    ("MoE with aux_loss=hf", {**MIXTRAL, "model.moe.aux_loss": "hf",
+                              "model.moe.z_loss_coeff": 0.0, "model.moe.bias_update_rate": 0.0}),
 )
 
 # the serial run a row is compared with: these axes at the row's values, every other at its
