@@ -1,7 +1,8 @@
 """Weight initialisation that is the same in every parallel layout, for any model family.
 
 Each parameter's *global* value is drawn from its own generator, seeded by the run seed and the
-parameter's global name, and each rank keeps its TP slice of it (`ParamSpec.shard`). Block 7's
+parameter's global name, and each rank keeps its TP slice of it (`ParamSpec.shard`; of a
+routed expert weight under expert parallelism, its EP rank's experts). Block 7's
 weights are thus the same whether block 7 sits on pipeline stage 0 or 3, whole or split over
 TP ranks, and the two copies of a tied embedding start equal. Memory: one global tensor at a
 time.
@@ -41,7 +42,7 @@ def init_parameters(model: CausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         spec = model.param_specs[name]
         full = global_init_value(spec, model, seed, param.device)
-        param.copy_(spec.shard(full, tp_rank, tp))
+        param.copy_(spec.shard(full, tp_rank, tp, model.ep_rank, model.ep_size))
 
 
 @torch.no_grad()

@@ -104,9 +104,13 @@ class Bucket:
     """One flat buffer of parameters with its gradient and master-weight state."""
 
     def __init__(self, names: List[str], params: List[nn.Parameter], specs, topo: Topology,
-                 layout: Layout, tied: bool = False):
-        group = topo.grad_group  # DP x CP: the ranks holding these parameters
-        self.group, self.tied = group, tied
+                 layout: Layout, tied: bool = False, expert: bool = False):
+        """`expert`: routed expert weights split over EP (ep > 1), held alike by the EDP
+        ranks, over which they are reduced and sharded; else DP x CP's."""
+        group = topo.expert_grad_group if expert else topo.grad_group
+        self.group, self.tied, self.expert = group, tied, expert
+        # the mean over DP x CP, of the dense and (summed over EDP) the experts' gradients
+        self.grad_divisor = layout.grad_replicas
         self.reduction = grad_reduction(layout)
         self.gathers_params = layout.shards_optimizer and not layout.shards_parameters
         self.flat = FlatShards(names, params, specs, shards=group.size)
@@ -168,11 +172,16 @@ class Bucket:
     def launch(self) -> None:
         """Start this bucket's reduction over DP x CP (the gradient of the mean over those
         ranks: each CP rank's loss is the mean over its equal share of the sequences' tokens,
-        so their mean is the serial run's loss)."""
+        so their mean is the serial run's loss).
+
+        An expert bucket (ep > 1) reduces over EDP with the same factor 1/(DP·CP): an expert's
+        gradient on its EP rank already sums the gradients of the losses of every EP rank
+        whose tokens it computed (the all-to-all's backward brings them), so the sum over EDP
+        covers each of the DP x CP losses once."""
         self.launched = True
         grad = self.grad_full if self.grad_full is not None else self._full_temp()
-        if self.group.size > 1:  # the mean over the ranks (one rank's gradient is the mean)
-            grad.div_(self.group.size)
+        if self.grad_divisor > 1:  # the mean over the ranks (one rank's gradient is the mean)
+            grad.div_(self.grad_divisor)
         self.reduction.launch(self, grad)
         self._temp = None
 

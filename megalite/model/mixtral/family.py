@@ -24,7 +24,8 @@ DENSE_MLP = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
 
 def moe_specs(cfg: ModelConfig, prefix: str) -> Specs:
-    """The MoE layer's parameters (`megalite.model.moe.layer`), replicated (tp = 1)."""
+    """The MoE layer's parameters (`megalite.model.moe.layer`), replicated (tp = 1); the
+    routed experts' split over EP (`ParamSpec.expert`)."""
     moe, h = cfg.moe, cfg.n_embd
     e, i = moe.num_experts, moe.expert_hidden(cfg.ffn_size)
     shapes = [("mlp.gate.weight", (e, h)), ("mlp.experts.gate_up_proj", (e, 2 * i, h)),
@@ -35,7 +36,8 @@ def moe_specs(cfg: ModelConfig, prefix: str) -> Specs:
                    ("mlp.shared_experts.down_proj.weight", (h, s))]
         if moe.shared_expert_gate:
             shapes.append(("mlp.shared_experts_gate.weight", (1, h)))
-    return [(prefix + n, ParamSpec(prefix + n, shape)) for n, shape in shapes]
+    return [(prefix + n, ParamSpec(prefix + n, shape, expert=n.startswith("mlp.experts.")))
+            for n, shape in shapes]
 
 
 class MixtralFamily(LlamaFamily):

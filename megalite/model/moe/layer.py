@@ -1,7 +1,8 @@
 """The MoE layer that replaces a block's MLP: [s, b, h] -> [s, b, h].
 
     routing = gate(x)                                   (`router`, fp32)
-    y = experts(x, routing)                             (`experts`: dispatch, SwiGLUs, combine)
+    y = experts(x, routing)                             (`experts`: dispatch, SwiGLUs, combine;
+                                                         over EP ranks: `dispatcher`)
       + shared_experts(x) [· sigmoid(shared_experts_gate(x))]   (where configured)
 
 Parameter names are transformers 5's (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.moe import MoEConfig
+from megalite.model.moe.dispatcher import TokenDispatcher
 from megalite.model.moe.experts import Experts, capacity, dispatch
 from megalite.model.moe.ledger import RoutingLedger
 from megalite.model.moe.router import Router
@@ -40,11 +42,15 @@ class MoELayer(nn.Module):
     """Block `index`'s MoE layer of `moe` on h = `hidden` (module docstring)."""
 
     def __init__(self, moe: MoEConfig, hidden: int, n_inner: int, index: int,
-                 ledger: Optional[RoutingLedger] = None):
+                 ledger: Optional[RoutingLedger] = None,
+                 dispatcher: Optional[TokenDispatcher] = None):
+        """`dispatcher`: expert parallelism's token exchange (this layer then holds
+        num_experts / ep of the experts); None: every expert here."""
         super().__init__()
-        self.moe, self.index, self.ledger = moe, index, ledger
+        self.moe, self.index, self.ledger, self.dispatcher = moe, index, ledger, dispatcher
         self.gate = Router(moe, hidden)
-        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner))
+        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner),
+                               1 if dispatcher is None else dispatcher.size)
         if moe.shared_experts:
             self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner))
             if moe.shared_expert_gate:
@@ -56,7 +62,10 @@ class MoELayer(nn.Module):
         routing = self.gate(flat)
         d = dispatch(routing.indices, routing.weights, self.moe.num_experts,
                      capacity(self.moe, s * b), self.moe.drop_policy)
-        y = self.experts(flat, routing.weights, d)
+        if self.dispatcher is None:
+            y = self.experts(flat, routing.weights, d)
+        else:
+            y = self.dispatcher(self.experts, flat, routing.weights, routing.indices, d)
         if self.moe.shared_experts:
             shared = self.shared_experts(flat)
             if self.moe.shared_expert_gate:

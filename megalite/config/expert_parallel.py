@@ -1,0 +1,52 @@
+"""The `ep` key (expert parallelism) checked before launch: the experts of every MoE layer are
+split over ep ranks folded over a pipeline stage's tp·cp·dp ranks (`megalite.parallel.
+topology`; docs/moe.md). What EP does not run with yet is refused here, each by its key; the
+support matrix lists these refusals."""
+from __future__ import annotations
+
+from megalite.config.errors import fail
+
+
+def check_expert_parallel(cfg, world_size: int) -> None:
+    """`cfg.ep` against the model, the world size (already checked to be tp·cp·pp·dp) and
+    the other keys (ConfigError naming the first key that does not fit)."""
+    ep, moe = cfg.ep, cfg.model.moe
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        fail("ep", ep, "must be a positive integer (1: every rank holds every expert)")
+    if ep == 1:
+        return
+    if not moe.enabled:
+        fail("ep", ep, f"splits the experts of MoE layers, and model.arch={cfg.model.arch} with "
+             f"model.moe.num_experts={moe.num_experts} has none; use ep=1")
+    stage = world_size // cfg.pp  # the tp·cp·dp ranks of one pipeline stage
+    if stage % ep:
+        fail("ep", ep, f"must divide the tp*cp*dp = {stage} ranks of a pipeline stage "
+             f"(world size {world_size} / pp={cfg.pp}); e.g. ep={_divisor(stage, ep)}")
+    if moe.num_experts % ep:
+        fail("ep", ep, f"must divide model.moe.num_experts={moe.num_experts} (each EP rank "
+             f"holds num_experts/ep experts); e.g. ep={_divisor(moe.num_experts, ep)}")
+    why = f"is not supported with ep={ep} (expert parallelism) yet"
+    for key in ("tp", "cp", "pp"):
+        if getattr(cfg, key) > 1:
+            fail(key, getattr(cfg, key), f"{why}: EP folds over data-parallel ranks only so "
+                 f"far; use {key}=1")
+    if cfg.zero > 1:
+        fail("zero", cfg.zero, f"{why}: the experts' states shard over EDP with zero=0 or 1; "
+             "use zero=0 or zero=1")
+    checks = (("layout", cfg.layout != "manual", "manual (the planner does not try ep)"),
+              ("parallel.overlap_param_gather", cfg.parallel.overlap_param_gather, "false"),
+              ("offload.optimizer", cfg.offload.optimizer > 0, "0"),
+              ("eval.hellaswag", cfg.eval.hellaswag is not None, "null (its DP ranks score "
+               "different numbers of micro-batches, which EP's exchanges cannot take)"),
+              ("init_from", cfg.init_from is not None, "null"))
+    for key, refused, use in checks:
+        if refused:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            fail(key, value, f"{why}; use {key}={use}")
+
+
+def _divisor(n: int, near: int) -> int:
+    """The largest divisor of `n` not above `near`."""
+    return max(d for d in range(1, min(n, near) + 1) if n % d == 0)
