@@ -4,6 +4,8 @@ topology`; docs/moe.md). What EP does not run with yet is refused here, each by 
 support matrix lists these refusals."""
 from __future__ import annotations
 
+import math
+
 from megalite.config.errors import fail
 
 
@@ -19,12 +21,13 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         fail("ep", ep, f"splits the experts of MoE layers, and model.arch={cfg.model.arch} with "
              f"model.moe.num_experts={moe.num_experts} has none; use ep=1")
     stage = world_size // cfg.pp  # the tp·cp·dp ranks of one pipeline stage
+    good = _divisor(math.gcd(stage, moe.num_experts), ep)
     if stage % ep:
         fail("ep", ep, f"must divide the tp*cp*dp = {stage} ranks of a pipeline stage "
-             f"(world size {world_size} / pp={cfg.pp}); e.g. ep={_divisor(stage, ep)}")
+             f"(world size {world_size} / pp={cfg.pp}); e.g. ep={good}")
     if moe.num_experts % ep:
         fail("ep", ep, f"must divide model.moe.num_experts={moe.num_experts} (each EP rank "
-             f"holds num_experts/ep experts); e.g. ep={_divisor(moe.num_experts, ep)}")
+             f"holds num_experts/ep experts); e.g. ep={good}")
     why = f"is not supported with ep={ep} (expert parallelism) yet"
     for key in ("tp", "cp", "pp"):
         if getattr(cfg, key) > 1:
