@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from megalite.checkpoint.format import read_global_state
 from megalite.config.layout import Layout
 from megalite.model.moe import step as moe_step
 from megalite.model.moe.layer import MoELayer
@@ -25,6 +26,7 @@ from tests.layouts import (
     assert_equal,
     composed,
     from_step,
+    serial_global,
     train_in_process,
     train_layouts,
 )
@@ -128,6 +130,14 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
                                       skewed))]
     _check(serial, runs, train_layouts(tmp_path, 2, [run for _, run in runs], STEPS,
                                        save_at=1), 2)
+    # the checkpoint's global tensors (what megalite-export writes): every expert the
+    # serial run's after step 1, gathered from both EP ranks' ranges
+    written = read_global_state(ckpt / "step_00000001")
+    after_first = serial_global(serial["moe"], 0)
+    experts = [name for name in written if ".mlp.experts." in name]
+    assert len(experts) == 4  # 2 layers x (gate_up_proj, down_proj)
+    for name in experts:
+        torch.testing.assert_close(written[name], after_first[name], rtol=1e-5, atol=1e-6)
     resumed = train_in_process(tmp_path / "r", [f"data.dir={tiny_data}", *MOE,
                                                 f"checkpoint.resume={ckpt / 'step_00000001'}"],
                                STEPS - 1)
