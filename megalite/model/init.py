@@ -48,10 +48,12 @@ def init_parameters(model: CausalLM, seed: int) -> None:
 @torch.no_grad()
 def load_global_state(model: CausalLM, state: dict) -> None:
     """Copy this rank's slices of global tensors (HF names, nn.Linear orientation, unpadded
-    vocabulary) into the stage; every parameter of the stage must be present."""
+    vocabulary; of the routed experts its EP rank's) into the stage; every parameter of the
+    stage must be present."""
     tp, tp_rank = model.tp_group.size, model.tp_group.rank
     for name, param in model.named_parameters():
         spec = model.param_specs[name]
         if spec.name not in state:
             raise KeyError(f"{spec.name} missing from the state being loaded")
-        param.copy_(spec.shard(state[spec.name].to(param.device, param.dtype), tp_rank, tp))
+        param.copy_(spec.shard(state[spec.name].to(param.device, param.dtype), tp_rank, tp,
+                               model.ep_rank, model.ep_size))

@@ -26,7 +26,7 @@ embedding (first and last pipeline stage) are summed over the embedding group â€
 embedding is a bucket of its own on both stages, so both own the same elements. The global
 gradient norm counts each element once: TP-replicated pieces on TP rank 0, the tied copy not at
 all, DP ranges summed over DP (stages 1-3); with expert parallelism the experts' buckets
-are reduced and sharded over EDP (`Bucket`), their squares summed over EDP (stage 1) and
+are reduced and sharded over EDP (`Bucket`), their squares summed over EDP (stages 1-2) and
 over EP (each EP rank holds other experts) â€” so clipping equals the serial run.
 
 After the optimizer step the fp32 master range is copied into the model-dtype parameters; stages

@@ -3,7 +3,8 @@ losses, grad norms, every parameter (each EP rank's experts are its rows of the 
 [E, ...] tensors), the validation loss, the per-layer figures (aux, z-loss, imbalance, the
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
 — at ep 2 over dp 2 and ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
-dispatchers, ZeRO 0 and 1, a Mixtral and one with gated shared experts, and with routing
+dispatchers, ZeRO 0, 1 and 2, a Mixtral and one with gated shared experts, init_from a
+checkpoint, and with routing
 skewed so that every token picks experts 0 and 1: one expert takes every token and the EP
 ranks holding experts 2 and 3 receive no rows at all. A checkpoint written at ep 2 resumes
 at ep 1. The plan's parameters, model-state bytes and DP / EDP / EP wire bytes per rank
@@ -77,7 +78,12 @@ def _assert_counts(serial, ranks):
 @pytest.fixture(scope="module")
 def serial(tiny_data, tmp_path_factory):
     root, common = tmp_path_factory.mktemp("serial-ep"), [f"data.dir={tiny_data}", *MOE]
-    return {"moe": train_in_process(root / "m", Prepared(common, record_counts), STEPS),
+    moe = train_in_process(root / "m", Prepared(common + [f"checkpoint.dir={root / 'ckpt'}"],
+                                                record_counts), STEPS, save_at=1)
+    start = root / "ckpt" / "step_00000001"  # init_from: its weights, at step 0
+    return {"moe": moe, "start": start,
+            "init": train_in_process(root / "i", Prepared(common + [f"init_from={start}"],
+                                                          record_counts), STEPS),
             "shared": train_in_process(root / "s", Prepared(common + SHARED, record_counts),
                                        STEPS),
             "skew": train_in_process(root / "k", Prepared(common, skewed), STEPS)}
@@ -114,9 +120,10 @@ def _check(serial, runs, results, world):
 
 
 def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, serial):
-    """ep 2 at dp 2: both dispatchers, ZeRO 0 and 1, shared experts, skewed routing (EP rank
-    1 receives nothing); the alltoall ZeRO-1 run's checkpoint after step 1 resumed at ep 1
-    continues the serial run."""
+    """ep 2 at dp 2: both dispatchers, ZeRO 0, 1 and 2 (and the overlapped parameter gather),
+    shared experts, skewed routing (EP rank 1 receives nothing); the alltoall ZeRO-1 run's
+    checkpoint after step 1 holds the serial run's experts and, resumed at ep 1, continues
+    the serial run."""
     common, ckpt = [f"data.dir={tiny_data}", *MOE, "ep=2"], tmp_path / "ckpt"
     skew = serial["skew"]["extra"]
     assert all(c[2] == c[3] == 0 and c[0] > 0 for step in skew for c in step), skew
@@ -126,8 +133,10 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
                                      record_counts)),
             (serial["shared"], Prepared(common + SHARED + ["zero=1"], record_counts)),
             (serial["skew"], Prepared(common, skewed)),
-            (serial["skew"], Prepared(common + ["zero=1", "parallel.ep_dispatch=allgather"],
-                                      skewed))]
+            (serial["moe"], Prepared(common + ["zero=2", "parallel.ep_dispatch=allgather"],
+                                     record_counts)),
+            (serial["skew"], Prepared(common + ["zero=1", "parallel.ep_dispatch=allgather",
+                                                "parallel.overlap_param_gather=true"], skewed))]
     _check(serial, runs, train_layouts(tmp_path, 2, [run for _, run in runs], STEPS,
                                        save_at=1), 2)
     # the checkpoint's global tensors (what megalite-export writes): every expert the
@@ -149,12 +158,15 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
 def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     """4 ranks: ep 4 (both dispatchers, ZeRO 0 and 1; skewed: EP ranks 2 and 3 receive
     nothing) and ep 2 with EDP 2 (the experts reduced and sharded over EDP; the replica check
-    compares them over EDP every step)."""
+    compares them over EDP every step; ZeRO 2 starting from a checkpoint's weights, init_from,
+    each EP rank loading its experts)."""
     common = [f"data.dir={tiny_data}", *MOE]
     runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1"], record_counts)),
             (serial["moe"], Prepared(common + ["ep=4", "parallel.ep_dispatch=allgather"],
                                      record_counts)),
             (serial["moe"], Prepared(common + ["ep=2", "zero=1", "resilience.check_every=1"],
                                      record_counts)),
-            (serial["skew"], Prepared(common + ["ep=4", "zero=1"], skewed))]
+            (serial["skew"], Prepared(common + ["ep=4", "zero=1"], skewed)),
+            (serial["init"], Prepared(common + ["ep=2", "zero=2", f"init_from={serial['start']}"],
+                                      record_counts))]
     _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS), 4)
