@@ -7,6 +7,9 @@ branches on the stage number:
     stage 1  ReduceScatterGrad  whole gradient kept, one reduce-scatter per bucket per step
     stage 2-3 ShardedGrad       no whole gradient: a reduce-scatter every micro-batch into the
                                 owned range
+
+and which parameters share a bucket (`bucket_groups`, `chunk_buckets`: pure, so the plan
+buckets the same way without a model).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from megalite.parallel import comm
 from megalite.parallel.flat import FlatShards, Segment
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
+from megalite.parallel.zero3 import unit_groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 REDUCTIONS_IN_FLIGHT = 2  # zero 2/3: reduce-scatter inputs alive at once (ZeroEngine bounds it)
@@ -208,3 +212,43 @@ class Bucket:
             return comm.all_gather(self.param_full, self.param_region, self.group,
                                    async_op=async_op)
         return None
+
+
+def chunk_buckets(chunk, named, specs, topo: Topology, layout: Layout, bucket_mb: float
+                   ) -> List[Tuple[List[str], bool]]:
+    """(parameter names, whether they are EP-split experts) per bucket of one chunk: ZeRO-3's
+    units, else `bucket_groups` — with ep > 1 the routed experts in buckets of their own
+    (reduced and sharded over EDP, the others over DP x CP)."""
+    if layout.shards_parameters:
+        return [(names, False) for names in filter(None, (
+            [n for n in g if n in dict(named)] for g in unit_groups(chunk)))]
+    parts = [(named, False)]
+    if topo.ep_size > 1:
+        parts = [([(n, p) for n, p in named if specs[n].expert == expert], expert)
+                 for expert in (False, True)]
+    out = []
+    for part, expert in parts:
+        sizes = [(n, p.numel(), specs[n].tied) for n, p in part]
+        out += [(names, expert) for names in filter(None, bucket_groups(
+            sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1))]
+    return out
+
+
+def bucket_groups(sizes: List[Tuple[str, int, bool]], bucket_numel: float,
+                  tied_alone: bool) -> List[List[str]]:
+    """Parameter names per bucket from (name, elements, tied) in registration order: reverse
+    order (the order backward produces gradients), closed at `bucket_numel` elements; the tied
+    embedding alone when pipelined. Pure, so the plan buckets the same way without a model."""
+    groups: List[List[str]] = []
+    size, closed = 0.0, True
+    for name, numel, tied in reversed(sizes):
+        if tied_alone and tied:
+            groups.append([name])
+            closed = True  # nothing joins the tied bucket
+            continue
+        if closed or size + numel > bucket_numel:
+            groups.append([])
+            size, closed = 0.0, False
+        groups[-1].append(name)
+        size += numel
+    return groups

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from megalite.config.layout import Layout
 from megalite.parallel import comm
-from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket, chunk_buckets
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated, sum_tp_shares
 from megalite.parallel.host_range import AdamWSettings, build_adamw
@@ -51,7 +51,7 @@ from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
 from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.param_gather import OverlappedParamGather
 from megalite.parallel.topology import Topology
-from megalite.parallel.zero3 import Zero3Gathering, unit_groups
+from megalite.parallel.zero3 import Zero3Gathering
 from megalite.parallel.zero_state import EngineState
 
 
@@ -77,7 +77,7 @@ class ZeroEngine(EngineState):
                     owner[id(p)].reports += 1
             named = [(n, p) for n, p in named if id(p) not in owner]
             params = dict(named)
-            for names, expert in _chunk_buckets(chunk, named, specs, topo, layout, bucket_mb):
+            for names, expert in chunk_buckets(chunk, named, specs, topo, layout, bucket_mb):
                 tied = topo.pp_size > 1 and any(specs[n].tied for n in names)
                 self.buckets.append(Bucket(names, [params[n] for n in names],
                                            [specs[n] for n in names], topo, layout, tied,
@@ -395,43 +395,3 @@ def _weak_hook(engine: "ZeroEngine"):
         if live is not None:
             live._on_grad(p)
     return hook
-
-
-def _chunk_buckets(chunk, named, specs, topo: Topology, layout: Layout, bucket_mb: float
-                   ) -> List[Tuple[List[str], bool]]:
-    """(parameter names, whether they are EP-split experts) per bucket of one chunk: ZeRO-3's
-    units, else `bucket_groups` — with ep > 1 the routed experts in buckets of their own
-    (reduced and sharded over EDP, the others over DP x CP)."""
-    if layout.shards_parameters:
-        return [(names, False) for names in filter(None, (
-            [n for n in g if n in dict(named)] for g in unit_groups(chunk)))]
-    parts = [(named, False)]
-    if topo.ep_size > 1:
-        parts = [([(n, p) for n, p in named if specs[n].expert == expert], expert)
-                 for expert in (False, True)]
-    out = []
-    for part, expert in parts:
-        sizes = [(n, p.numel(), specs[n].tied) for n, p in part]
-        out += [(names, expert) for names in filter(None, bucket_groups(
-            sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1))]
-    return out
-
-
-def bucket_groups(sizes: List[Tuple[str, int, bool]], bucket_numel: float,
-                  tied_alone: bool) -> List[List[str]]:
-    """Parameter names per bucket from (name, elements, tied) in registration order: reverse
-    order (the order backward produces gradients), closed at `bucket_numel` elements; the tied
-    embedding alone when pipelined. Pure, so the plan buckets the same way without a model."""
-    groups: List[List[str]] = []
-    size, closed = 0.0, True
-    for name, numel, tied in reversed(sizes):
-        if tied_alone and tied:
-            groups.append([name])
-            closed = True  # nothing joins the tied bucket
-            continue
-        if closed or size + numel > bucket_numel:
-            groups.append([])
-            size, closed = 0.0, False
-        groups[-1].append(name)
-        size += numel
-    return groups

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config.layout import Layout
-from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
-from megalite.parallel.zero import bucket_groups
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, bucket_groups
 from megalite.plan.chunks import ChunkEnds
 from megalite.plan.dims import Dims
 
