@@ -37,7 +37,6 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         fail("zero", cfg.zero, f"{why}: ZeRO 3's per-block units would mix the experts "
              "(sharded over EDP) with the dense weights; use zero=0, 1 or 2")
     checks = (("layout", cfg.layout != "manual", "manual (the planner does not try ep)"),
-              ("offload.optimizer", cfg.offload.optimizer > 0, "0"),
               ("eval.hellaswag", cfg.eval.hellaswag is not None, "null (its DP ranks score "
                "different numbers of micro-batches, which EP's exchanges cannot take)"))
     for key, refused, use in checks:

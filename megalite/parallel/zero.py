@@ -145,14 +145,14 @@ class ZeroEngine(EngineState):
         if self.offload is not None:  # host pieces no later sum changes: squared by the
             rest = []                 # offload's worker as their gradients become final
             for (p, seg, b), host in zip(self._main_params, self._on_host):
-                if not host or not self._counted(seg):
+                if not host or not self._counted(seg) or b.expert:  # (experts: their own sum)
                     continue
                 if (b.tied or (self.sequence_parallel and seg.spec.tp_replicated)
                         or seg.spec.tp_replicas > 1):  # (KV heads shared over TP ranks)
                     rest.append(p.grad)  # summed after the reduction: squared in grad_norm
                 else:
                     self.offload.count_in_norm(b, p.grad)
-            self._norm_grads = (self._norm_grads[0], rest, self._norm_grads[2])
+            self._norm_grads = (self._norm_grads[0], rest, *self._norm_grads[2:])
 
     @property
     def main_params(self) -> List[Tuple[nn.Parameter, Segment, Bucket]]:
@@ -274,17 +274,15 @@ class ZeroEngine(EngineState):
         if self.zero3 is not None:
             self.zero3.end_of_step()
 
-    def _norm_split(self, tensors: List[torch.Tensor]) -> Tuple[List, List, List]:
+    def _norm_split(self, tensors: List[torch.Tensor]) -> Tuple[List, ...]:
         """Of tensors laid out like `main_params`, those this rank counts in a global norm:
-        (the device's, the host's, the EP-split experts' — on the device: offload is refused
-        with ep > 1)."""
+        (the device's, the host's) of the dense parameters, then of the EP-split experts."""
         counted = [(t, host, b.expert) for t, host, (_, seg, b) in zip(
             tensors, self._on_host, self._main_params) if self._counted(seg)]
-        return ([t for t, host, expert in counted if not host and not expert],
-                [t for t, host, _ in counted if host],
-                [t for t, host, expert in counted if expert and not host])
+        return tuple([t for t, host, expert in counted if host == on and expert == kind]
+                     for kind in (False, True) for on in (False, True))
 
-    def _global_norm(self, pieces: Tuple[List, List, List],
+    def _global_norm(self, pieces: Tuple[List, ...],
                      host_squares: Optional[torch.Tensor] = None) -> torch.Tensor:
         """L2 norm over the whole model of (device, host) tensors laid out like the master
         pieces, each element counted once (see the module docstring). The device's pieces
@@ -294,7 +292,7 @@ class ZeroEngine(EngineState):
         squares summed in fp64 (`squares_fp32_rows`: ~1e-8 relative; `host_squares`: those
         of further host pieces, taken already); the DP / model-parallel all-reduces in fp64.
         Returns an fp64 scalar."""
-        device_pieces, host_pieces, expert_pieces = pieces
+        device_pieces, host_pieces, expert_pieces, expert_host = pieces
         device = self.buckets[0].main_grad.device
         sq = squares_fp64(device_pieces, device) + squares_fp32_rows(host_pieces, device)
         if host_squares is not None:
@@ -302,7 +300,8 @@ class ZeroEngine(EngineState):
         if self.layout.shards_optimizer:
             comm.all_reduce(sq, self.topo.grad_group)
         if self.topo.ep_size > 1:  # each expert shard once: its EDP ranges, every EP rank's
-            experts = squares_fp64(expert_pieces, device)
+            experts = squares_fp64(expert_pieces, device) \
+                + squares_fp32_rows(expert_host, device)
             if self.layout.shards_optimizer:
                 comm.all_reduce(experts, self.topo.expert_grad_group)
             sq = sq + comm.all_reduce(experts, self.topo.ep_group)

@@ -237,7 +237,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
         + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)
     host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host, schedule)}
     pcie = apply_offload(d.cfg.offload.optimizer, lay, sums.psi, d.e, d.micro, states, host,
-                         sum(sums.chunk_host))
+                         sum(sums.chunk_host), sums.expert_psi)
     host["total"] = sum(host.values())
     # gloo: the tensors sent in rounds that receive nothing are kept until the step's end
     sent = unwaited_sends(pp, k, d.micro, v, schedule) * d.e * d.s_local \

@@ -3,7 +3,7 @@ losses, grad norms, every parameter (each EP rank's experts are its rows of the 
 [E, ...] tensors), the validation loss, the per-layer figures (aux, z-loss, imbalance, the
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
 — at ep 2 over dp 2 and ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
-dispatchers, ZeRO 0, 1 and 2, a Mixtral and one with gated shared experts, init_from a
+dispatchers, ZeRO 0, 1 and 2, optimizer offload, a Mixtral and one with gated shared experts, init_from a
 checkpoint, and with routing
 skewed so that every token picks experts 0 and 1: one expert takes every token and the EP
 ranks holding experts 2 and 3 receive no rows at all. A checkpoint written at ep 2 resumes
@@ -120,7 +120,8 @@ def _check(serial, runs, results, world):
 
 
 def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, serial):
-    """ep 2 at dp 2: both dispatchers, ZeRO 0, 1 and 2 (and the overlapped parameter gather),
+    """ep 2 at dp 2: both dispatchers, ZeRO 0, 1 and 2 (and the overlapped parameter gather,
+    optimizer offload),
     shared experts, skewed routing (EP rank 1 receives nothing); the alltoall ZeRO-1 run's
     checkpoint after step 1 holds the serial run's experts and, resumed at ep 1, continues
     the serial run."""
@@ -135,6 +136,8 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
             (serial["skew"], Prepared(common, skewed)),
             (serial["moe"], Prepared(common + ["zero=2", "parallel.ep_dispatch=allgather"],
                                      record_counts)),
+            (serial["moe"], Prepared(common + ["zero=0", "offload.optimizer=0.5",
+                                               "resilience.check_every=1"], record_counts)),
             (serial["skew"], Prepared(common + ["zero=1", "parallel.ep_dispatch=allgather",
                                                 "parallel.overlap_param_gather=true"], skewed))]
     _check(serial, runs, train_layouts(tmp_path, 2, [run for _, run in runs], STEPS,

@@ -62,7 +62,6 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["model=llama-tiny", "ep=2"], 2, "ep"),
     (["ep=2", "zero=3"], 2, "zero"),
     (["ep=2", "layout=auto"], 2, "layout"),
-    (["ep=2", "offload.optimizer=0.5"], 2, "offload.optimizer"),
     (["ep=2", "eval.hellaswag=x", "train.eval_every=10"], 2, "eval.hellaswag"),
     (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch")])
 def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key):
