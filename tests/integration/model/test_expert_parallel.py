@@ -2,13 +2,13 @@
 losses, grad norms, every parameter (each EP rank's experts are its rows of the serial
 [E, ...] tensors), the validation loss, the per-layer figures (aux, z-loss, imbalance, the
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
-— at ep 2 over dp 2 and ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
-dispatchers, ZeRO 0, 1 and 2, optimizer offload, a Mixtral and one with gated shared experts, init_from a
-checkpoint, and with routing
-skewed so that every token picks experts 0 and 1: one expert takes every token and the EP
-ranks holding experts 2 and 3 receive no rows at all. A checkpoint written at ep 2 resumes
-at ep 1. The plan's parameters, model-state bytes and DP / EDP / EP wire bytes per rank
-match what the runs measure."""
+— at ep 2 over dp 2, ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
+dispatchers, ZeRO 0, 1 and 2, optimizer offload, a Mixtral and a Qwen3-MoE with a gated
+shared expert, init_from a checkpoint, and routing skewed so that every token picks experts
+0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3 receive no
+rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at ep 1. The
+plan's parameters, model-state bytes and DP / EDP / EP wire bytes per rank match what the
+runs measure."""
 from __future__ import annotations
 
 import math
@@ -35,9 +35,14 @@ from tests.layouts import (
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-SHARED = ["model.moe.shared_experts=1", "model.moe.shared_expert_size=16",
+# Qwen3-MoE's blocks (q/k norms) with a Qwen2-MoE-style gated shared expert
+SHARED = ["model.arch=qwen3_moe", "model.moe.shared_experts=1", "model.moe.shared_expert_size=16",
           "model.moe.shared_expert_gate=true"]
 SKEW = (2.0, 1.0, 0.0, 0.0)  # the routers' starting selection bias: experts 0 and 1 always
+
+
+def _qwen(overrides):
+    return [o for o in overrides if o != "model.arch=mixtral"] + SHARED
 
 
 def record_counts(trainer):
@@ -84,7 +89,7 @@ def serial(tiny_data, tmp_path_factory):
     return {"moe": moe, "start": start,
             "init": train_in_process(root / "i", Prepared(common + [f"init_from={start}"],
                                                           record_counts), STEPS),
-            "shared": train_in_process(root / "s", Prepared(common + SHARED, record_counts),
+            "shared": train_in_process(root / "s", Prepared(_qwen(common), record_counts),
                                        STEPS),
             "skew": train_in_process(root / "k", Prepared(common, skewed), STEPS)}
 
@@ -121,10 +126,9 @@ def _check(serial, runs, results, world):
 
 def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, serial):
     """ep 2 at dp 2: both dispatchers, ZeRO 0, 1 and 2 (and the overlapped parameter gather,
-    optimizer offload),
-    shared experts, skewed routing (EP rank 1 receives nothing); the alltoall ZeRO-1 run's
-    checkpoint after step 1 holds the serial run's experts and, resumed at ep 1, continues
-    the serial run."""
+    optimizer offload), Qwen3-MoE with a shared expert, skewed routing (EP rank 1 receives
+    nothing); the alltoall ZeRO-1 run's checkpoint after step 1 holds the serial run's
+    experts and, resumed at ep 1, continues the serial run."""
     common, ckpt = [f"data.dir={tiny_data}", *MOE, "ep=2"], tmp_path / "ckpt"
     skew = serial["skew"]["extra"]
     assert all(c[2] == c[3] == 0 and c[0] > 0 for step in skew for c in step), skew
@@ -132,7 +136,7 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
                                      record_counts)),
             (serial["moe"], Prepared(common + ["parallel.ep_dispatch=allgather"],
                                      record_counts)),
-            (serial["shared"], Prepared(common + SHARED + ["zero=1"], record_counts)),
+            (serial["shared"], Prepared(_qwen(common) + ["zero=1"], record_counts)),
             (serial["skew"], Prepared(common, skewed)),
             (serial["moe"], Prepared(common + ["zero=2", "parallel.ep_dispatch=allgather"],
                                      record_counts)),
