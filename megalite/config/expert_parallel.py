@@ -33,9 +33,6 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         if getattr(cfg, key) > 1:
             fail(key, getattr(cfg, key), f"{why}: EP folds over data-parallel ranks only so "
                  f"far; use {key}=1")
-    if cfg.zero > 2:
-        fail("zero", cfg.zero, f"{why}: ZeRO 3's per-block units would mix the experts "
-             "(sharded over EDP) with the dense weights; use zero=0, 1 or 2")
     checks = (("layout", cfg.layout != "manual", "manual (the planner does not try ep)"),
               ("eval.hellaswag", cfg.eval.hellaswag is not None, "null (its DP ranks score "
                "different numbers of micro-batches, which EP's exchanges cannot take)"))

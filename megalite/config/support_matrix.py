@@ -99,7 +99,7 @@ def render(base: Config) -> str:
              "Those refused are below; every other pair of a value and a setting runs.", "",
              *_settings_table(refused_settings(base)), "",
              "## Expert parallelism", "",
-             "`ep` > 1 runs with MoE models over data-parallel ranks, ZeRO 0-2, both "
+             "`ep` > 1 runs with MoE models over data-parallel ranks, ZeRO 0-3, both "
              "dispatchers (docs: [MoE](moe.md#expert-parallelism)). Each setting below tried "
              "beside the MoE setting at ep 2 over dp 2:", "",
              *_ep_table(ep_refusals(base)), "",

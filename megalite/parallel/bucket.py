@@ -218,10 +218,13 @@ def chunk_buckets(chunk, named, specs, topo: Topology, layout: Layout, bucket_mb
                    ) -> List[Tuple[List[str], bool]]:
     """(parameter names, whether they are EP-split experts) per bucket of one chunk: ZeRO-3's
     units, else `bucket_groups` — with ep > 1 the routed experts in buckets of their own
-    (reduced and sharded over EDP, the others over DP x CP)."""
-    if layout.shards_parameters:
-        return [(names, False) for names in filter(None, (
-            [n for n in g if n in dict(named)] for g in unit_groups(chunk)))]
+    (reduced and sharded over EDP, the others over DP x CP; under ZeRO 3 a unit's two buckets
+    are gathered together, `megalite.parallel.zero3`)."""
+    if layout.shards_parameters:  # a unit's experts (ep > 1) in a bucket of their own
+        params, split = dict(named), topo.ep_size > 1
+        return [(names, expert) for g in unit_groups(chunk) for expert in (False, True)
+                for names in [[n for n in g if n in params
+                               and (split and specs[n].expert) == expert]] if names]
     parts = [(named, False)]
     if topo.ep_size > 1:
         parts = [([(n, p) for n, p in named if specs[n].expert == expert], expert)

@@ -171,7 +171,7 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
     emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
     out = {"tp": tp_bytes, "cp": micro * sums.cp_per_micro, "pp": pp_bytes, "dp": dp_bytes,
            "embedding": emb_bytes}
-    if lay.ep_size > 1:  # the experts' reductions over EDP (zero 0-2), the token exchange;
+    if lay.ep_size > 1:  # the experts' reductions over EDP (the ZeRO table), the token exchange;
         edp = lay.expert_grad_replicas  # each + the grad norm's fp64 sum of expert squares
         out["edp"] = _reduction_bytes(lay.zero_stage, ring(edp), sums.expert_psi, e, micro,
                                       0, True) + (16 * ring(edp) if lay.shards_optimizer

@@ -3,7 +3,7 @@ losses, grad norms, every parameter (each EP rank's experts are its rows of the 
 [E, ...] tensors), the validation loss, the per-layer figures (aux, z-loss, imbalance, the
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
 — at ep 2 over dp 2, ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
-dispatchers, ZeRO 0, 1 and 2, optimizer offload, a Mixtral and a Qwen3-MoE with a gated
+dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated
 shared expert, init_from a checkpoint, and routing skewed so that every token picks experts
 0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3 receive no
 rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at ep 1. The
@@ -166,7 +166,7 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     """4 ranks: ep 4 (both dispatchers, ZeRO 0 and 1; skewed: EP ranks 2 and 3 receive
     nothing) and ep 2 with EDP 2 (the experts reduced and sharded over EDP; the replica check
     compares them over EDP every step; ZeRO 2 starting from a checkpoint's weights, init_from,
-    each EP rank loading its experts)."""
+    each EP rank loading its experts; ZeRO 3, each block's experts gathered over EDP)."""
     common = [f"data.dir={tiny_data}", *MOE]
     runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1"], record_counts)),
             (serial["moe"], Prepared(common + ["ep=4", "parallel.ep_dispatch=allgather"],
@@ -174,6 +174,8 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
             (serial["moe"], Prepared(common + ["ep=2", "zero=1", "resilience.check_every=1"],
                                      record_counts)),
             (serial["skew"], Prepared(common + ["ep=4", "zero=1"], skewed)),
+            (serial["moe"], Prepared(common + ["ep=2", "zero=3", "parallel.bucket_mb=0.01"],
+                                     record_counts)),
             (serial["init"], Prepared(common + ["ep=2", "zero=2", f"init_from={serial['start']}"],
                                       record_counts))]
     _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS), 4)

@@ -79,7 +79,7 @@ FOUR_RANKS = [
     ["pp=2", "parallel.schedule=zb-h1", "zero=0", "cp=2", "parallel.cp_comm=ring", *FP8],
     # expert parallelism: the token all-to-alls (and the all-gather dispatch) between the DP
     # x CP reductions, the experts' EDP reductions and the norm's EP sum
-    [*MOE, "ep=2", "zero=1", "model.moe.bias_update_rate=0.01"],
+    [*MOE, "ep=2", "zero=3", "model.moe.bias_update_rate=0.01"],
     [*MOE, "ep=4", "parallel.ep_dispatch=allgather", "model.moe.shared_experts=1"],
 ]
 
