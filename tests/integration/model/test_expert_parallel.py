@@ -6,7 +6,8 @@ bias's range) and the step's per-expert counts summed over the stage (what updat
 dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated
 shared expert, init_from a checkpoint, and routing skewed so that every token picks experts
 0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3 receive no
-rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at ep 1. The
+rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at ep 1, one
+written at ep 4 resumes at ep 2. The
 plan's parameters, model-state bytes and DP / EDP / EP wire bytes per rank match what the
 runs measure."""
 from __future__ import annotations
@@ -166,9 +167,11 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     """4 ranks: ep 4 (both dispatchers, ZeRO 0 and 1; skewed: EP ranks 2 and 3 receive
     nothing) and ep 2 with EDP 2 (the experts reduced and sharded over EDP; the replica check
     compares them over EDP every step; ZeRO 2 starting from a checkpoint's weights, init_from,
-    each EP rank loading its experts; ZeRO 3, each block's experts gathered over EDP)."""
-    common = [f"data.dir={tiny_data}", *MOE]
-    runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1"], record_counts)),
+    each EP rank loading its experts; ZeRO 3, each block's experts gathered over EDP); the
+    ep 4 run's checkpoint resumed at ep 2."""
+    common, ckpt = [f"data.dir={tiny_data}", *MOE], tmp_path / "ckpt"
+    runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1", f"checkpoint.dir={ckpt}"],
+                                     record_counts)),
             (serial["moe"], Prepared(common + ["ep=4", "parallel.ep_dispatch=allgather"],
                                      record_counts)),
             (serial["moe"], Prepared(common + ["ep=2", "zero=1", "resilience.check_every=1"],
@@ -178,4 +181,11 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
                                      record_counts)),
             (serial["init"], Prepared(common + ["ep=2", "zero=2", f"init_from={serial['start']}"],
                                       record_counts))]
-    _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS), 4)
+    _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS,
+                                       save_at=1), 4)
+    # the ep 4 checkpoint after step 1 resumed at ep 2 (ZeRO 2) continues the serial run
+    resumed = train_layouts(tmp_path / "r", 2, [common + [
+        "ep=2", "zero=2", f"checkpoint.resume={ckpt / 'step_00000001'}"]], STEPS - 1)[0]
+    expected = {**from_step(serial["moe"], 1), "moe": serial["moe"]["moe"][1:]}
+    assert_equal(expected, resumed)
+    assert_figures_equal(expected, resumed)
