@@ -103,8 +103,8 @@ class TokenDispatcher:
         comm.all_gather(choices, kept, group)
         x_all = gather_from_seq(x.contiguous(), group)
         w_all = gather_from_seq(weights.contiguous(), group)
-        mine = choices - group.rank * local
-        mine = torch.where((choices >= 0) & (mine >= 0) & (mine < local), mine, local)
+        mine = choices - group.rank * local  # dropped (-1) and others' experts: outside
+        mine = torch.where((mine >= 0) & (mine < local), mine, local)
         counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(
             0, mine, torch.ones_like(mine))[:local]
         order = torch.argsort(mine, stable=True)[:int(counts.sum())]
