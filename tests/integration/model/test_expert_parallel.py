@@ -3,13 +3,12 @@ losses, grad norms, every parameter (each EP rank's experts are its rows of the 
 [E, ...] tensors), the validation loss, the per-layer figures (aux, z-loss, imbalance, the
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
 — at ep 2 over dp 2, ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
-dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated
-shared expert, init_from a checkpoint, and routing skewed so that every token picks experts
-0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3 receive no
-rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at ep 1, one
-written at ep 4 resumes at ep 2. The
-plan's parameters, model-state bytes and DP / EDP / EP wire bytes per rank match what the
-runs measure."""
+dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated shared
+expert, init_from a checkpoint, HellaSwag's scores, and routing skewed so that every token
+picks experts 0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3
+receive no rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at
+ep 1, one written at ep 4 resumes at ep 2. The plan's parameters, model-state bytes and
+DP / EDP / EP wire bytes per rank match what the runs measure."""
 from __future__ import annotations
 
 import math
@@ -32,6 +31,7 @@ from tests.layouts import (
     train_in_process,
     train_layouts,
 )
+from tests.unit.eval.test_hellaswag import write_hellaswag
 
 pytestmark = pytest.mark.distributed
 
@@ -40,6 +40,21 @@ STEPS = 3
 SHARED = ["model.arch=qwen3_moe", "model.moe.shared_experts=1", "model.moe.shared_expert_size=16",
           "model.moe.shared_expert_gate=true"]
 SKEW = (2.0, 1.0, 0.0, 0.0)  # the routers' starting selection bias: experts 0 and 1 always
+
+
+def _hellaswag(root):
+    """Score a made-up HellaSwag file's 8 examples before the first step (every DP rank the
+    same number of micro-batches, so the EP ranks exchange in step)."""
+    data = write_hellaswag(root / "hellaswag.jsonl")
+    return [f"eval.hellaswag={data}", "eval.hellaswag_examples=8", "train.eval_every=1000"]
+
+
+def _assert_scores(serial, ranks):
+    for rank in ranks:
+        ours, theirs = rank["hellaswag"], serial["hellaswag"]
+        assert torch.equal(ours.counts, theirs.counts)
+        torch.testing.assert_close(ours.losses, theirs.losses, rtol=1e-5, atol=1e-5)
+        assert (ours.acc, ours.acc_norm) == (theirs.acc, theirs.acc_norm)
 
 
 def _qwen(overrides):
@@ -84,10 +99,11 @@ def _assert_counts(serial, ranks):
 @pytest.fixture(scope="module")
 def serial(tiny_data, tmp_path_factory):
     root, common = tmp_path_factory.mktemp("serial-ep"), [f"data.dir={tiny_data}", *MOE]
-    moe = train_in_process(root / "m", Prepared(common + [f"checkpoint.dir={root / 'ckpt'}"],
-                                                record_counts), STEPS, save_at=1)
+    scoring = _hellaswag(root)
+    moe = train_in_process(root / "m", Prepared(common + [f"checkpoint.dir={root / 'ckpt'}"]
+                                                + scoring, record_counts), STEPS, save_at=1)
     start = root / "ckpt" / "step_00000001"  # init_from: its weights, at step 0
-    return {"moe": moe, "start": start,
+    return {"moe": moe, "start": start, "scoring": scoring,
             "init": train_in_process(root / "i", Prepared(common + [f"init_from={start}"],
                                                           record_counts), STEPS),
             "shared": train_in_process(root / "s", Prepared(_qwen(common), record_counts),
@@ -123,6 +139,8 @@ def _check(serial, runs, results, world):
         _assert_counts(reference, ranks)
         if run.prepare is record_counts:  # (skewed routing: not the plan's balanced one)
             _assert_plan(run.run, world, ranks)
+        if any(o.startswith("eval.hellaswag=") for o in run.run):
+            _assert_scores(reference, ranks)
 
 
 def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, serial):
@@ -135,8 +153,8 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
     assert all(c[2] == c[3] == 0 and c[0] > 0 for step in skew for c in step), skew
     runs = [(serial["moe"], Prepared(common + ["zero=1", f"checkpoint.dir={ckpt}"],
                                      record_counts)),
-            (serial["moe"], Prepared(common + ["parallel.ep_dispatch=allgather"],
-                                     record_counts)),
+            (serial["moe"], Prepared(common + ["parallel.ep_dispatch=allgather",
+                                               *serial["scoring"]], record_counts)),
             (serial["shared"], Prepared(_qwen(common) + ["zero=1"], record_counts)),
             (serial["skew"], Prepared(common, skewed)),
             (serial["moe"], Prepared(common + ["zero=2", "parallel.ep_dispatch=allgather"],
@@ -172,8 +190,8 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     common, ckpt = [f"data.dir={tiny_data}", *MOE], tmp_path / "ckpt"
     runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1", f"checkpoint.dir={ckpt}"],
                                      record_counts)),
-            (serial["moe"], Prepared(common + ["ep=4", "parallel.ep_dispatch=allgather"],
-                                     record_counts)),
+            (serial["moe"], Prepared(common + ["ep=4", "parallel.ep_dispatch=allgather",
+                                               *serial["scoring"]], record_counts)),
             (serial["moe"], Prepared(common + ["ep=2", "zero=1", "resilience.check_every=1"],
                                      record_counts)),
             (serial["skew"], Prepared(common + ["ep=4", "zero=1"], skewed)),
