@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -39,13 +40,28 @@ FP32_NO_DROPOUT = ["precision=fp32", "model.resid_pdrop=0", "model.embd_pdrop=0"
                    "optim.eps=1e-6", "log.peak_tflops=1"]
 
 
+@dataclass
+class Prepared:
+    """A run whose trainer `prepare(trainer)` changes before its first step (e.g. the
+    routers' biases); what the callable `prepare` returns is called after the steps, its
+    value the result's "extra". `run`: overrides, or the configuration made of them."""
+
+    run: object
+    prepare: Callable
+
+
 def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
-    """`run`: overrides, or the configuration `composed` made of them in the caller; `probe`:
-    the rank's collective launches recorded (`launched`, for `order_mismatches`)."""
+    """`run`: overrides, or the configuration `composed` made of them in the caller, or
+    either `Prepared`; `probe`: the rank's collective launches recorded (`launched`, for
+    `order_mismatches`)."""
+    prepare = None
+    if isinstance(run, Prepared):
+        run, prepare = run.run, run.prepare
     cfg = run if isinstance(run, Config) else composed(run)
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
     order = OrderProbe.install(trainer.topo.counter) if probe else None
+    collect = None if prepare is None else prepare(trainer)
     hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
     zero3 = trainer.engine.zero3
     losses, norms, params, in_flight, param_norms, masters_cast = [], [], [], [], [], []
@@ -80,7 +96,8 @@ def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
     c = trainer.topo.coords
     local_numel = sum(p.numel() for p in trainer.model.parameters())
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "val": val,
-            "moe": moe, "moe_bias": moe_bias,
+            "moe": moe, "moe_bias": moe_bias, "extra": None if collect is None else collect(),
+            "ep_rank": trainer.topo.ep_rank, "ep": trainer.topo.ep_size,
             "hellaswag": hellaswag,
             "params": params, "specs": specs,
             "coords": (c.tp_rank, c.pp_rank, c.dp_rank), "tp_rank": c.tp_rank, "tp": trainer.topo.tp_size,
@@ -132,7 +149,7 @@ def composed(overrides: List[str]) -> Config:
     return load_config(TINY + FP32_NO_DROPOUT + overrides)
 
 
-def train_in_process(run_dir, overrides: List[str], steps: int = 10,
+def train_in_process(run_dir, overrides, steps: int = 10,
                      save_at: Optional[int] = None) -> dict:
     """One configuration on one rank in this process (no spawn: a serial reference); with
     `save_at=k` a checkpoint after step k (to its `checkpoint.dir`)."""
@@ -153,7 +170,8 @@ def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
     checkpoint after its step k (to its `checkpoint.dir`); with `probe` each result holds
     the rank's collective launches (`launched`, under the order probe). Each configuration is composed
     here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition)."""
-    configs = [composed(overrides) for overrides in runs]
+    configs = [Prepared(composed(run.run), run.prepare) if isinstance(run, Prepared)
+               else composed(run) for run in runs]
     per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at, probe),
                          timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
@@ -193,7 +211,8 @@ def assert_equal(serial: dict, ranks: List[dict], rel: float = 1e-5, atol: float
             ref = serial_global(serial, s)
             for name, local in res["params"][s].items():
                 spec: ParamSpec = res["specs"][name]
-                expect = spec.shard(ref[spec.name], res["tp_rank"], res["tp"])
+                expect = spec.shard(ref[spec.name], res["tp_rank"], res["tp"],
+                                    res.get("ep_rank", 0), res.get("ep", 1))
                 torch.testing.assert_close(local, expect, rtol=rel, atol=atol,
                                            msg=f"rank {r} step {s} {name}")
 

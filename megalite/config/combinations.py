@@ -123,10 +123,43 @@ OTHER_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("rerun attribution", {"resilience.rerun": "on_nan"}),
     ("a named document kernel", {"train.attention_mask": "document",
                                  "train.document_kernel": "sdpa"}),
-    # ... with transformers' pooled aux loss (one term of every layer's routing; no bias)
+    # the family axis's Mixtral with transformers' pooled aux loss (one term of every layer's
+    # routing; no z-loss, no bias)
     ("MoE with aux_loss=hf", {**MIXTRAL, "model.moe.aux_loss": "hf",
                               "model.moe.z_loss_coeff": 0.0, "model.moe.bias_update_rate": 0.0}),
 )
+
+# expert parallelism (docs/moe.md#expert-parallelism): the family axis's Mixtral at ep 2 over
+# dp 2, and each of these tried beside it (the support matrix lists validation's verdicts); the
+# first two are refused whatever the axes, by ep's own rules
+EP_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
+    ("a dense model", {"model.arch": "llama", "model.moe.num_experts": 0}),
+    ("ep 4 over 2 ranks", {"ep": 4}),
+    ("ep 2 and 3 experts", {"model.moe.num_experts": 3}),
+    ("tp 2", {"tp": 2}), ("cp 2", {"cp": 2}), ("pp 2", {"pp": 2}),
+    ("zero 2", {"zero": 2}), ("zero 3", {"zero": 3}),
+    ("layout auto", {"layout": "auto"}),
+    ("overlapped parameter gather", {"zero": 1, "parallel.overlap_param_gather": True}),
+    ("optimizer offload", {"offload.optimizer": 0.5}),
+    ("HellaSwag", {"eval.hellaswag": "hellaswag_val.jsonl", "train.eval_every": 1}),
+    ("init_from", {"init_from": "gpt2"}),
+)
+
+
+def ep_refusals(base: Config) -> List[Tuple[str, Optional[Refusal]]]:
+    """(name, validation's refusal or None) of each of EP_SETTINGS beside MoE at ep 2 over
+    dp 2 (the world grown by the setting's tp, cp and pp)."""
+    out = []
+    for name, extra in EP_SETTINGS:
+        settings = {**MIXTRAL, "ep": 2, **extra}
+        world = 2 * settings.get("tp", 1) * settings.get("cp", 1) * settings.get("pp", 1)
+        try:
+            validate(row_config(base, row_of({}), settings), world)
+            out.append((name, None))
+        except ConfigError as e:
+            out.append((name, Refusal("megalite", e.key or str(e).split("=")[0], str(e))))
+    return out
+
 
 # the serial run a row is compared with: these axes at the row's values, every other at its
 # first value (one rank, no offload, no recompute, the defaults on: numerics unchanged)

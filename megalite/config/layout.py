@@ -19,6 +19,7 @@ import torch
 
 from megalite.config.document_kernel import check_document_kernel_on_device
 from megalite.config.errors import fail
+from megalite.config.expert_parallel import check_expert_parallel
 from megalite.config.families import registered_family
 from megalite.config.fp8 import check_fp8
 from megalite.config.inject import check_inject
@@ -63,6 +64,7 @@ class Layout:
     pp_size: int = 1
     dp_size: int = 1
     cp_size: int = 1  # context parallel: each sequence split over cp ranks (2·cp chunks)
+    ep_size: int = 1  # expert parallel: the MoE experts split over ep of a stage's tp·cp·dp
     zero_stage: int = 0
     sequence_parallel: bool = False
     virtual_stages: int = 1
@@ -78,14 +80,15 @@ class Layout:
         """The layout with `topo`'s sizes (a Topology built directly, as benchmarks and tests
         do) and the given other fields."""
         return cls(tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size,
-                   cp_size=getattr(topo, "cp_size", 1), **fields)
+                   cp_size=getattr(topo, "cp_size", 1), ep_size=getattr(topo, "ep_size", 1),
+                   **fields)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu",
                     bf16: bool = True) -> "Layout":
         """The layout of `cfg` (already validated) on `world_size` ranks of `device_type`
         (`bf16`: whether its GPUs compute in bf16)."""
-        return cls(tp_size=cfg.tp, pp_size=cfg.pp, cp_size=cfg.cp,
+        return cls(tp_size=cfg.tp, pp_size=cfg.pp, cp_size=cfg.cp, ep_size=cfg.ep,
                    dp_size=world_size // (cfg.tp * cfg.cp * cfg.pp),
                    zero_stage=cfg.zero, sequence_parallel=cfg.sp and cfg.tp > 1,
                    virtual_stages=cfg.parallel.virtual_stages,
@@ -104,6 +107,12 @@ class Layout:
         (a CP rank computes the same weights' gradients on other tokens; Megatron's
         `with_context_parallel`). ZeRO splits its ranges over these ranks."""
         return self.dp_size * self.cp_size
+
+    @property
+    def expert_grad_replicas(self) -> int:
+        """EDP: ranks holding the same experts (tp·cp·dp / ep of the folded expert grid,
+        `megalite.parallel.topology`); the experts' ZeRO ranges split over these."""
+        return self.tp_size * self.cp_size * self.dp_size // self.ep_size
 
     @property
     def shards_optimizer(self) -> bool:
@@ -158,6 +167,7 @@ class Layout:
         """The keys of the metrics header, checkpoint meta.json and the plan (stable names:
         meta.json's `layout` is read back at resume, users' tools read the header)."""
         return {"tp": self.tp_size, "cp": self.cp_size, "pp": self.pp_size, "dp": self.dp_size,
+                "ep": self.ep_size,
                 "zero": self.zero_stage, "sp": self.sequence_parallel,
                 "virtual_stages": self.virtual_stages, "world_size": self.world_size}
 
@@ -196,6 +206,7 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
     _check_other_pairs(cfg)
     _check_context_parallel(cfg)
     check_moe_layout(cfg)
+    check_expert_parallel(cfg, world_size)
     device_type = device_type_for(cfg.device, local_gpus)
     check_document_kernel_on_device(
         cfg.train.document_kernel, device_type,

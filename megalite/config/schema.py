@@ -239,6 +239,7 @@ class OptimConfig:
 
 PIPELINE_SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "zb-v")  # parallel.schedule
 CP_COMMS = ("allgather", "ring")  # parallel.cp_comm
+EP_DISPATCHES = ("alltoall", "allgather")  # parallel.ep_dispatch
 
 
 @dataclass
@@ -261,6 +262,10 @@ class ParallelConfig:
     #                             Llama 3's) | ring (K/V blocks passed around the CP ring)
     timeout_s: float = 600.0  # collective timeout: a stuck peer raises an error naming the
     #                           group (gloo); NCCL's watchdog ends the process, naming the group
+    ep_dispatch: str = "alltoall"  # ep > 1: alltoall (each assignment's row sent to the rank
+    #                                of its expert and back) | allgather (every rank's tokens
+    #                                gathered over EP, the outputs reduce-scattered back;
+    #                                docs/moe.md)
 
     def check(self) -> None:
         v = self.virtual_stages
@@ -275,6 +280,8 @@ class ParallelConfig:
                   "(e.g. 25; a value above the model's size gives one bucket per model chunk)")
         if self.cp_comm not in CP_COMMS:
             fail("parallel.cp_comm", self.cp_comm, f"one of {', '.join(CP_COMMS)}")
+        if self.ep_dispatch not in EP_DISPATCHES:
+            fail("parallel.ep_dispatch", self.ep_dispatch, f"one of {', '.join(EP_DISPATCHES)}")
         if self.timeout_s <= 0:
             fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
 
@@ -283,6 +290,8 @@ class Config:
     tp: int = 1  # tensor-parallel size (GPUs of one node)
     pp: int = 1  # pipeline-parallel size (stages)
     cp: int = 1  # context-parallel size: each sequence split over cp ranks (docs/context-parallel.md)
+    ep: int = 1  # expert-parallel size: each MoE layer's experts split over ep ranks, folded
+    #              over the tp*cp*dp ranks of a pipeline stage (docs/parallelism.md)
     zero: int = 0  # ZeRO stage over the data-parallel dimension
     sp: bool = False  # sequence parallelism (with tp > 1)
     seed: int = 1234

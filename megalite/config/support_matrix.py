@@ -8,14 +8,16 @@ rewrites it.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megalite.config.combinations import (
     AXES,
+    EP_SETTINGS,
     MATRIX_BASE,
     MAX_RANKS,
     OTHER_SETTINGS,
     Refusal,
+    ep_refusals,
     matrix_rows,
     refused_setting_pairs,
     refused_settings,
@@ -60,6 +62,16 @@ def _refusals_table(refused: List[Tuple[Dict[str, str], Refusal]]) -> List[str]:
     return lines
 
 
+def _ep_table(tried: List[Tuple[str, Optional[Refusal]]]) -> List[str]:
+    given = dict(EP_SETTINGS)
+    lines = ["| setting | refused at | megalite's message |", "|---|---|---|"]
+    for name, why in tried:
+        keys = " ".join(f"{k}={v}" for k, v in given[name].items())
+        lines.append(f"| {name} (`{keys}`) | " + ("runs | |" if why is None else
+                                                   f"`{why.key}` | {_escape(why.message)} |"))
+    return lines
+
+
 def _settings_table(refused: List[Tuple[Dict[str, str], str, Refusal]]) -> List[str]:
     given = dict(OTHER_SETTINGS)
     lines = ["| feature value | setting | refused at | megalite's message |",
@@ -96,6 +108,11 @@ def render(base: Config) -> str:
              *_settings_table(refused_settings(base)), "",
              "Two of these settings that megalite refuses together (each runs alone):", "",
              *_setting_pairs_table(refused_setting_pairs(base)), "",
+             "## Expert parallelism", "",
+             "`ep` > 1 runs with MoE models over data-parallel ranks, ZeRO 0-3, both "
+             "dispatchers (docs: [MoE](moe.md#expert-parallelism)). Each setting below tried "
+             "beside the MoE setting at ep 2 over dp 2:", "",
+             *_ep_table(ep_refusals(base)), "",
              "## Combinations that run", "",
              f"Every pair of values of two features not refused above runs: the test suite "
              f"trains a covering array of strength 2 ({len(pairs)} runs, every such pair in at "

@@ -27,6 +27,7 @@ from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
+from megalite.model.moe.dispatcher import TokenDispatcher
 from megalite.model.moe.ledger import RoutingLedger, with_penalty, with_scaled_penalty
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
@@ -78,6 +79,8 @@ class CausalLM(nn.Module):
       their balancing penalty of a training forward to the loss's gradient, not to its value;
       a stage without the LM head to its output's gradient, weighted by `objective_scale`.
 
+    `expert_dispatch` (ep > 1): the token exchange of the MoE layers, which then hold E/ep
+    of the experts (`megalite.model.moe.dispatcher`).
     `attention` names the SDPA kernel (`megalite.model.attention`; "auto" = PyTorch's choice),
     `document_kernel` the document mask's (`megalite.model.document_attention`).
     `cp` (context parallelism): this rank holds two chunks of every sequence
@@ -102,9 +105,11 @@ class CausalLM(nn.Module):
                  recompute: bool = False, compile: bool = False, attention: str = "auto",
                  recompute_layers: Optional[int] = None,
                  offload: Optional[ActivationOffload] = None,
-                 cp: Optional[ContextParallel] = None, document_kernel: str = "auto"):
+                 cp: Optional[ContextParallel] = None, document_kernel: str = "auto",
+                 expert_dispatch: Optional[TokenDispatcher] = None):
         super().__init__()
         self.cfg, self.cp, self.document_kernel = cfg, cp, document_kernel
+        self.expert_dispatch = expert_dispatch  # ep > 1: the MoE layers' token exchange
         self.tp_group = tp_group if tp_group is not None else single_rank_group("tp")
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.rng, self.recompute, self.recompute_layers = rng, recompute, recompute_layers
@@ -184,15 +189,24 @@ class CausalLM(nn.Module):
     def _specs(self, listed: Dict[str, ParamSpec]) -> Dict[str, ParamSpec]:
         """Each parameter's spec from the family's list `listed` (`Family.stage_specs`; a tied
         parameter listed once), its local shape checked against the spec's split."""
-        tp = self.tp_group.size
+        tp, ep = self.tp_group.size, self.ep_size
         specs = {}
         for name, param in self.named_parameters():
             spec = listed[name]
-            if tuple(param.shape) != spec.local_shape(tp):
+            if tuple(param.shape) != spec.local_shape(tp, ep):
                 raise ValueError(f"{name}: local shape {tuple(param.shape)}, its spec says "
-                                 f"{spec.local_shape(tp)} at tp={tp}")
+                                 f"{spec.local_shape(tp, ep)} at tp={tp}, ep={ep}")
             specs[name] = spec
         return specs
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the routed experts are split over (1 without expert parallelism)."""
+        return 1 if self.expert_dispatch is None else self.expert_dispatch.size
+
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.expert_dispatch is None else self.expert_dispatch.group.rank
 
     @property
     def chunks(self) -> List["CausalLM"]:

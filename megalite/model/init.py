@@ -1,7 +1,8 @@
 """Weight initialisation that is the same in every parallel layout, for any model family.
 
 Each parameter's *global* value is drawn from its own generator, seeded by the run seed and the
-parameter's global name, and each rank keeps its TP slice of it (`ParamSpec.shard`). Block 7's
+parameter's global name, and each rank keeps its TP slice of it (`ParamSpec.shard`; of a
+routed expert weight under expert parallelism, its EP rank's experts). Block 7's
 weights are thus the same whether block 7 sits on pipeline stage 0 or 3, whole or split over
 TP ranks, and the two copies of a tied embedding start equal. Memory: one global tensor at a
 time.
@@ -41,16 +42,18 @@ def init_parameters(model: CausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         spec = model.param_specs[name]
         full = global_init_value(spec, model, seed, param.device)
-        param.copy_(spec.shard(full, tp_rank, tp))
+        param.copy_(spec.shard(full, tp_rank, tp, model.ep_rank, model.ep_size))
 
 
 @torch.no_grad()
 def load_global_state(model: CausalLM, state: dict) -> None:
     """Copy this rank's slices of global tensors (HF names, nn.Linear orientation, unpadded
-    vocabulary) into the stage; every parameter of the stage must be present."""
+    vocabulary; of the routed experts its EP rank's) into the stage; every parameter of the
+    stage must be present."""
     tp, tp_rank = model.tp_group.size, model.tp_group.rank
     for name, param in model.named_parameters():
         spec = model.param_specs[name]
         if spec.name not in state:
             raise KeyError(f"{spec.name} missing from the state being loaded")
-        param.copy_(spec.shard(state[spec.name].to(param.device, param.dtype), tp_rank, tp))
+        param.copy_(spec.shard(state[spec.name].to(param.device, param.dtype), tp_rank, tp,
+                               model.ep_rank, model.ep_size))

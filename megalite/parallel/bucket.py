@@ -7,6 +7,9 @@ branches on the stage number:
     stage 1  ReduceScatterGrad  whole gradient kept, one reduce-scatter per bucket per step
     stage 2-3 ShardedGrad       no whole gradient: a reduce-scatter every micro-batch into the
                                 owned range
+
+and which parameters share a bucket (`bucket_groups`, `chunk_buckets`: pure, so the plan
+buckets the same way without a model).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from megalite.parallel import comm
 from megalite.parallel.flat import FlatShards, Segment
 from megalite.parallel.param_spec import ParamSpec
 from megalite.parallel.topology import Topology
+from megalite.parallel.zero3 import unit_groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 REDUCTIONS_IN_FLIGHT = 2  # zero 2/3: reduce-scatter inputs alive at once (ZeroEngine bounds it)
@@ -104,9 +108,13 @@ class Bucket:
     """One flat buffer of parameters with its gradient and master-weight state."""
 
     def __init__(self, names: List[str], params: List[nn.Parameter], specs, topo: Topology,
-                 layout: Layout, tied: bool = False):
-        group = topo.grad_group  # DP x CP: the ranks holding these parameters
-        self.group, self.tied = group, tied
+                 layout: Layout, tied: bool = False, expert: bool = False):
+        """`expert`: routed expert weights split over EP (ep > 1), held alike by the EDP
+        ranks, over which they are reduced and sharded; else DP x CP's."""
+        group = topo.expert_grad_group if expert else topo.grad_group
+        self.group, self.tied, self.expert = group, tied, expert
+        # the mean over DP x CP, of the dense and (summed over EDP) the experts' gradients
+        self.grad_divisor = layout.grad_replicas
         self.reduction = grad_reduction(layout)
         self.gathers_params = layout.shards_optimizer and not layout.shards_parameters
         self.flat = FlatShards(names, params, specs, shards=group.size)
@@ -168,11 +176,16 @@ class Bucket:
     def launch(self) -> None:
         """Start this bucket's reduction over DP x CP (the gradient of the mean over those
         ranks: each CP rank's loss is the mean over its equal share of the sequences' tokens,
-        so their mean is the serial run's loss)."""
+        so their mean is the serial run's loss).
+
+        An expert bucket (ep > 1) reduces over EDP with the same factor 1/(DP·CP): an expert's
+        gradient on its EP rank already sums the gradients of the losses of every EP rank
+        whose tokens it computed (the all-to-all's backward brings them), so the sum over EDP
+        covers each of the DP x CP losses once."""
         self.launched = True
         grad = self.grad_full if self.grad_full is not None else self._full_temp()
-        if self.group.size > 1:  # the mean over the ranks (one rank's gradient is the mean)
-            grad.div_(self.group.size)
+        if self.grad_divisor > 1:  # the mean over the ranks (one rank's gradient is the mean)
+            grad.div_(self.grad_divisor)
         self.reduction.launch(self, grad)
         self._temp = None
 
@@ -199,3 +212,46 @@ class Bucket:
             return comm.all_gather(self.param_full, self.param_region, self.group,
                                    async_op=async_op)
         return None
+
+
+def chunk_buckets(chunk, named, specs, topo: Topology, layout: Layout, bucket_mb: float
+                   ) -> List[Tuple[List[str], bool]]:
+    """(parameter names, whether they are EP-split experts) per bucket of one chunk: ZeRO-3's
+    units, else `bucket_groups` — with ep > 1 the routed experts in buckets of their own
+    (reduced and sharded over EDP, the others over DP x CP; under ZeRO 3 a unit's two buckets
+    are gathered together, `megalite.parallel.zero3`)."""
+    if layout.shards_parameters:  # a unit's experts (ep > 1) in a bucket of their own
+        params, split = dict(named), topo.ep_size > 1
+        return [(names, expert) for g in unit_groups(chunk) for expert in (False, True)
+                for names in [[n for n in g if n in params
+                               and (split and specs[n].expert) == expert]] if names]
+    parts = [(named, False)]
+    if topo.ep_size > 1:
+        parts = [([(n, p) for n, p in named if specs[n].expert == expert], expert)
+                 for expert in (False, True)]
+    out = []
+    for part, expert in parts:
+        sizes = [(n, p.numel(), specs[n].tied) for n, p in part]
+        out += [(names, expert) for names in filter(None, bucket_groups(
+            sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1))]
+    return out
+
+
+def bucket_groups(sizes: List[Tuple[str, int, bool]], bucket_numel: float,
+                  tied_alone: bool) -> List[List[str]]:
+    """Parameter names per bucket from (name, elements, tied) in registration order: reverse
+    order (the order backward produces gradients), closed at `bucket_numel` elements; the tied
+    embedding alone when pipelined. Pure, so the plan buckets the same way without a model."""
+    groups: List[List[str]] = []
+    size, closed = 0.0, True
+    for name, numel, tied in reversed(sizes):
+        if tied_alone and tied:
+            groups.append([name])
+            closed = True  # nothing joins the tied bucket
+            continue
+        if closed or size + numel > bucket_numel:
+            groups.append([])
+            size, closed = 0.0, False
+        groups[-1].append(name)
+        size += numel
+    return groups

@@ -8,6 +8,7 @@ it, using the standard ring costs (Patarasuk & Yuan 2009; as in NCCL's busbw):
     reduce_scatter    (N - 1) / N * S        (S = full, unscattered input bytes)
     all_gather        (N - 1) / N * S        (S = full, gathered output bytes)
     broadcast         (N - 1) / N * S        (pipelined ring)
+    all_to_all        S - S_self             (the rows sent to the other ranks; S the input)
     send              S                      (pipeline point-to-point)
 
 A group of size 1 communicates nothing and records nothing. The counters live in the
@@ -81,6 +82,26 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     work = launch("all_gather", group, nbytes, lambda: _all_gather_single(
         output, input, group=group.pg, async_op=async_op), async_op, input.is_cuda)
     return work if async_op else output
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group,
+               output_splits: Optional[List[int]] = None,
+               input_splits: Optional[List[int]] = None) -> torch.Tensor:
+    """Member j receives `input`'s j-th chunk along dim 0 (`input_splits[j]` rows, equal chunks
+    when None) into its `output`, whose i-th chunk (`output_splits[i]` rows) comes from member
+    i (MoE's token exchange, `megalite.model.moe.dispatcher`). Counted: the payload is the
+    input, the wire the rows that leave this rank."""
+    if group.size == 1:
+        output.copy_(input)
+        return output
+    nbytes = _nbytes(input)
+    row = nbytes // max(1, input.shape[0])
+    own = (input_splits[group.rank] if input_splits is not None
+           else input.shape[0] // group.size) * row
+    group.counter.record(group.name, "all_to_all", nbytes, nbytes - own)
+    launch("all_to_all", group, nbytes, lambda: dist.all_to_all_single(
+        output, input, output_splits, input_splits, group=group.pg), cuda=input.is_cuda)
+    return output
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> torch.Tensor:

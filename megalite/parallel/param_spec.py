@@ -19,6 +19,10 @@ read these specs and need no special cases:
   vocabulary, padded to a multiple of 128·tp so each TP rank gets an equal, aligned slice).
 - `tied=True`: the token embedding that the LM head shares (both copies when the pipeline puts
   them on different stages: their gradients are summed over the embedding group).
+- `expert=True`: a routed expert weight, stacked [E, ...] over the experts; with expert
+  parallelism (ep > 1) each EP rank holds E/ep consecutive experts, rows [r·E/ep, (r+1)·E/ep)
+  of dim 0 — a contiguous range of the flattened tensor, so a checkpoint records it as that
+  range of the whole tensor (`expert_offset`) and any ep reads it back.
 - `tied_copy=True`: this parameter is a second copy of another one (the last pipeline stage's
   LM head = the first stage's token embedding); norms and exports count it once.
 """
@@ -40,6 +44,7 @@ class ParamSpec:
     tied: bool = False
     tied_copy: bool = False
     tp_replicas: int = 1
+    expert: bool = False
 
     @property
     def tp_replicated(self) -> bool:
@@ -67,8 +72,12 @@ class ParamSpec:
             return self.shape
         return (self.padded_rows, *self.shape[1:])
 
-    def local_shape(self, tp: int) -> Tuple[int, ...]:
+    def local_shape(self, tp: int, ep: int = 1) -> Tuple[int, ...]:
         shape = list(self.padded_shape())
+        if self.expert and ep > 1:
+            if shape[0] % ep:
+                raise ValueError(f"{self.name}: {shape[0]} experts do not split over ep={ep}")
+            shape[0] //= ep
         if self.tp_dim is not None:
             parts = self.tp_chunks(tp, 0)[0]
             if tp % self.tp_replicas or shape[self.tp_dim] % (parts * self.tp_interleave):
@@ -84,11 +93,25 @@ class ParamSpec:
         extra = full.new_zeros((self.padded_rows - full.shape[0], *full.shape[1:]))
         return torch.cat([full, extra])
 
-    def shard(self, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
-        """This TP rank's piece of the global (logical, unpadded) tensor."""
+    def expert_offset(self, ep_rank: int, ep: int) -> int:
+        """Where EP rank `ep_rank`'s experts start in the flattened tensor (0 but for an
+        expert weight at ep > 1)."""
+        if not self.expert or ep == 1:
+            return 0
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return ep_rank * (numel // ep)
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp: int, ep_rank: int = 0,
+              ep: int = 1) -> torch.Tensor:
+        """This TP (and, for an expert weight, EP) rank's piece of the global (logical,
+        unpadded) tensor."""
         if tuple(full.shape) != self.shape:
             raise ValueError(f"{self.name}: expected global shape {self.shape}, got "
                              f"{tuple(full.shape)}")
+        if self.expert and ep > 1:
+            full = full.chunk(ep, dim=0)[ep_rank]
         full = self.pad(full)
         parts, part = self.tp_chunks(tp, tp_rank)
         if self.tp_dim is None or parts == 1:

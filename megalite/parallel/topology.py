@@ -7,7 +7,20 @@ spans nearby nodes and DP is outermost (Llama 3's network-aware order; cp = 1 is
 grid). Every group is a slice of the grid [dp, pp, cp, tp] of ranks. The CP ranks of one
 (tp, pp, dp) hold the same parameters and see different tokens of the same sequences, so
 gradients are reduced and ZeRO ranges split over DP x CP (the "dp_cp" group, `grad_group`;
-Megatron's `with_context_parallel`). The `Topology` is created once after
+Megatron's `with_context_parallel`).
+
+Expert parallelism folds a second grid over the same world (Megatron-Core's "MoE parallel
+folding", arXiv 2504.14960; torchtitan's sparse mesh): within each pipeline stage the
+tp·cp·dp ranks, numbered by their dense coordinates, are regrouped into [EP, EDP] with EP
+innermost (expert TP = 1), the PP groups unchanged:
+
+    i    = tp_rank + tp * (cp_rank + cp * dp_rank)        # the rank's place in its stage
+    i    = ep_rank + ep * edp_rank                         # [EP, EDP]
+    rank = i % tp + tp * ((i // tp) % cp + cp * (pp_rank + pp * (i // (tp * cp))))
+
+The "ep" group (ranks sharing edp_rank and pp_rank) holds one copy of every expert, E/ep a
+rank; the "edp" group (sharing ep_rank and pp_rank) holds the same experts and reduces their
+gradients (as dp_cp does the dense ones). Listed only when ep > 1. The `Topology` is created once after
 `init_process_group` and passed explicitly to everything that communicates; nothing reads groups
 from module globals.
 """
@@ -43,7 +56,23 @@ def coords_of(rank: int, tp: int, pp: int, cp: int = 1) -> Coords:
                   pp_rank=(rank // (tp * cp)) % pp, dp_rank=rank // (tp * cp * pp))
 
 
-def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
+def expert_coords(rank: int, tp: int, pp: int, cp: int, ep: int) -> Tuple[int, int]:
+    """(ep_rank, edp_rank) of `rank` in the folded expert grid (module docstring)."""
+    c = coords_of(rank, tp, pp, cp)
+    i = c.tp_rank + tp * (c.cp_rank + cp * c.dp_rank)
+    return i % ep, i // ep
+
+
+def expert_rank_of(ep_rank: int, edp_rank: int, pp_rank: int, tp: int, pp: int, cp: int,
+                   ep: int) -> int:
+    """The global rank at (ep_rank, edp_rank) of pipeline stage `pp_rank`'s expert grid."""
+    i = ep_rank + ep * edp_rank
+    return rank_of(Coords(tp_rank=i % tp, cp_rank=(i // tp) % cp, pp_rank=pp_rank,
+                          dp_rank=i // (tp * cp)), tp, pp, cp)
+
+
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
+                ) -> Dict[str, List[List[int]]]:
     """All rank lists of every group kind, derived from one grid of shape [dp, pp, cp, tp].
 
     tp: ranks sharing (cp, pp, dp); cp: sharing (tp, pp, dp); pp: sharing (tp, cp, dp);
@@ -51,7 +80,8 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[i
     global grad norm): sharing (cp, dp); embedding: first and last pipeline stage of each
     (tp, cp, dp) (just the stage when pp = 1); dp_cp (DP x CP, the ranks holding the same
     parameters: gradient reductions and ZeRO ranges): sharing (tp, pp) — listed only when
-    cp > 1 (with cp = 1 it is the dp group, which the topology uses as is).
+    cp > 1 (with cp = 1 it is the dp group, which the topology uses as is). With ep > 1 the
+    folded expert grid's ep (sharing edp_rank, pp) and edp (sharing ep_rank, pp) groups.
     """
     def grid(t: int, c: int, p: int, d: int) -> int:
         return rank_of(Coords(tp_rank=t, pp_rank=p, dp_rank=d, cp_rank=c), tp, pp, cp)
@@ -67,6 +97,14 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[i
     out["embedding"] = [sorted({r[0], r[-1]}) for r in out["pp"]]
     if cp > 1:
         out["dp_cp"] = [[grid(t, c, p, d) for d in D for c in C] for p in P for t in T]
+    if ep > 1:
+        edp = tp * cp * dp // ep
+
+        def folded(e: int, x: int, p: int) -> int:
+            return expert_rank_of(e, x, p, tp, pp, cp, ep)
+
+        out["ep"] = [[folded(e, x, p) for e in range(ep)] for p in P for x in range(edp)]
+        out["edp"] = [[folded(e, x, p) for x in range(edp)] for p in P for e in range(ep)]
     return out
 
 
@@ -79,6 +117,7 @@ class Topology:
     dp_size: int
     rank: int
     cp_size: int = 1
+    ep_size: int = 1
     counter: CommCounter = field(default_factory=CommCounter)
     groups: Dict[str, Group] = field(default_factory=dict)
 
@@ -125,6 +164,26 @@ class Topology:
         return self.groups["dp_cp"] if self.cp_size > 1 else self.groups["dp"]
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its stage's EP group (module docstring)."""
+        return expert_coords(self.rank, self.tp_size, self.pp_size, self.cp_size,
+                             self.ep_size)[0]
+
+    @property
+    def ep_group(self) -> Group:
+        """The expert-parallel ranks of this stage that hold, together, one copy of every
+        expert (E/ep each) and exchange tokens; one rank alone when ep = 1."""
+        if self.ep_size > 1:
+            return self.groups["ep"]
+        return Group(name="ep", ranks=[self.rank], rank=0, pg=None, counter=self.counter)
+
+    @property
+    def expert_grad_group(self) -> Group:
+        """EDP: the ranks holding the same experts, over which the experts' gradients are
+        reduced and their ZeRO ranges split (DP x CP, `grad_group`, when ep = 1)."""
+        return self.groups["edp"] if self.ep_size > 1 else self.grad_group
+
+    @property
     def mp_group(self) -> Group:
         return self.groups["mp"]
 
@@ -163,7 +222,8 @@ class Topology:
         c = self.coords
         return (f"rank {self.rank}/{self.world_size} tp={c.tp_rank}/{self.tp_size} "
                 f"cp={c.cp_rank}/{self.cp_size} pp={c.pp_rank}/{self.pp_size} "
-                f"dp={c.dp_rank}/{self.dp_size}")
+                f"dp={c.dp_rank}/{self.dp_size}"
+                + (f" ep={self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""))
 
 
 def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
@@ -171,7 +231,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                    checkpoint_timeout_s: Optional[float] = None,
                    waits: Optional[CollectiveWaits] = None,
                    flight: Optional[object] = None, alone: bool = False,
-                   cp: int = 1) -> Topology:
+                   cp: int = 1, ep: int = 1) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
     Its calls are counted in one `CommCounter`, which times them in `waits` and reports them
     to the flight recorder `flight` where given (`megalite.parallel.group`); the checkpoint
@@ -197,10 +257,12 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
         rank = dist.get_rank() if initialized else 0
     if not initialized and world != 1:
         raise RuntimeError("torch.distributed must be initialized for world size > 1")
-    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank, cp_size=cp,
+    if (tp * cp * dp) % ep:
+        raise ValueError(f"ep={ep} must divide tp*cp*dp = {tp * cp * dp}")
+    topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank, cp_size=cp, ep_size=ep,
                     counter=CommCounter(waits=waits, flight=flight))
     named = _names_groups()
-    for kind, rank_lists in group_ranks(tp, pp, dp, cp).items():
+    for kind, rank_lists in group_ranks(tp, pp, dp, cp, ep).items():
         mine: Optional[Tuple[List[int], Optional[dist.ProcessGroup]]] = None
         for ranks in rank_lists:
             pg = None

@@ -25,7 +25,9 @@ over TP when sequence parallelism gave each TP rank part of them, and the two co
 embedding (first and last pipeline stage) are summed over the embedding group — the tied
 embedding is a bucket of its own on both stages, so both own the same elements. The global
 gradient norm counts each element once: TP-replicated pieces on TP rank 0, the tied copy not at
-all, DP ranges summed over DP (stages 1-3) — so clipping equals the serial run.
+all, DP ranges summed over DP (stages 1-3); with expert parallelism the experts' buckets
+are reduced and sharded over EDP (`Bucket`), their squares summed over EDP (stages 1-2) and
+over EP (each EP rank holds other experts) — so clipping equals the serial run.
 
 After the optimizer step the fp32 master range is copied into the model-dtype parameters; stages
 1 and 2 all-gather the updated ranges, stage 3 keeps its range (see `megalite.parallel.zero3`).
@@ -41,7 +43,7 @@ import torch.nn as nn
 
 from megalite.config.layout import Layout
 from megalite.parallel import comm
-from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket, chunk_buckets
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated, sum_tp_shares
 from megalite.parallel.host_range import AdamWSettings, build_adamw
@@ -49,7 +51,7 @@ from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
 from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.param_gather import OverlappedParamGather
 from megalite.parallel.topology import Topology
-from megalite.parallel.zero3 import Zero3Gathering, unit_groups
+from megalite.parallel.zero3 import Zero3Gathering
 from megalite.parallel.zero_state import EngineState
 
 
@@ -74,15 +76,12 @@ class ZeroEngine(EngineState):
                 if id(p) in owner:
                     owner[id(p)].reports += 1
             named = [(n, p) for n, p in named if id(p) not in owner]
-            sizes = [(n, p.numel(), specs[n].tied) for n, p in named]
             params = dict(named)
-            groups = [[n for n in g if n in params] for g in unit_groups(chunk)] \
-                if layout.shards_parameters else bucket_groups(
-                    sizes, bucket_mb * 2**20 / 4, tied_alone=topo.pp_size > 1)
-            for names in filter(None, groups):
+            for names, expert in chunk_buckets(chunk, named, specs, topo, layout, bucket_mb):
                 tied = topo.pp_size > 1 and any(specs[n].tied for n in names)
                 self.buckets.append(Bucket(names, [params[n] for n in names],
-                                           [specs[n] for n in names], topo, layout, tied))
+                                           [specs[n] for n in names], topo, layout, tied,
+                                           expert))
                 owner.update((id(params[n]), self.buckets[-1]) for n in names)
         self._where: Dict[nn.Parameter, Tuple[Bucket, int]] = {}
         hook = _weak_hook(self)
@@ -146,14 +145,14 @@ class ZeroEngine(EngineState):
         if self.offload is not None:  # host pieces no later sum changes: squared by the
             rest = []                 # offload's worker as their gradients become final
             for (p, seg, b), host in zip(self._main_params, self._on_host):
-                if not host or not self._counted(seg):
+                if not host or not self._counted(seg) or b.expert:  # (experts: their own sum)
                     continue
                 if (b.tied or (self.sequence_parallel and seg.spec.tp_replicated)
                         or seg.spec.tp_replicas > 1):  # (KV heads shared over TP ranks)
                     rest.append(p.grad)  # summed after the reduction: squared in grad_norm
                 else:
                     self.offload.count_in_norm(b, p.grad)
-            self._norm_grads = (self._norm_grads[0], rest)
+            self._norm_grads = (self._norm_grads[0], rest, *self._norm_grads[2:])
 
     @property
     def main_params(self) -> List[Tuple[nn.Parameter, Segment, Bucket]]:
@@ -275,15 +274,15 @@ class ZeroEngine(EngineState):
         if self.zero3 is not None:
             self.zero3.end_of_step()
 
-    def _norm_split(self, tensors: List[torch.Tensor]) -> Tuple[List, List]:
+    def _norm_split(self, tensors: List[torch.Tensor]) -> Tuple[List, ...]:
         """Of tensors laid out like `main_params`, those this rank counts in a global norm:
-        (the device's, the host's)."""
-        counted = [(t, host) for t, host, (_, seg, _) in zip(tensors, self._on_host,
-                                                             self._main_params)
-                   if self._counted(seg)]
-        return [t for t, host in counted if not host], [t for t, host in counted if host]
+        (the device's, the host's) of the dense parameters, then of the EP-split experts."""
+        counted = [(t, host, b.expert) for t, host, (_, seg, b) in zip(
+            tensors, self._on_host, self._main_params) if self._counted(seg)]
+        return tuple([t for t, host, expert in counted if host == on and expert == kind]
+                     for kind in (False, True) for on in (False, True))
 
-    def _global_norm(self, pieces: Tuple[List, List],
+    def _global_norm(self, pieces: Tuple[List, ...],
                      host_squares: Optional[torch.Tensor] = None) -> torch.Tensor:
         """L2 norm over the whole model of (device, host) tensors laid out like the master
         pieces, each element counted once (see the module docstring). The device's pieces
@@ -293,13 +292,19 @@ class ZeroEngine(EngineState):
         squares summed in fp64 (`squares_fp32_rows`: ~1e-8 relative; `host_squares`: those
         of further host pieces, taken already); the DP / model-parallel all-reduces in fp64.
         Returns an fp64 scalar."""
-        device_pieces, host_pieces = pieces
+        device_pieces, host_pieces, expert_pieces, expert_host = pieces
         device = self.buckets[0].main_grad.device
         sq = squares_fp64(device_pieces, device) + squares_fp32_rows(host_pieces, device)
         if host_squares is not None:
             sq = sq + host_squares.to(device)
         if self.layout.shards_optimizer:
             comm.all_reduce(sq, self.topo.grad_group)
+        if self.topo.ep_size > 1:  # each expert shard once: its EDP ranges, every EP rank's
+            experts = squares_fp64(expert_pieces, device) \
+                + squares_fp32_rows(expert_host, device)
+            if self.layout.shards_optimizer:
+                comm.all_reduce(experts, self.topo.expert_grad_group)
+            sq = sq + comm.all_reduce(experts, self.topo.ep_group)
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
 
@@ -389,23 +394,3 @@ def _weak_hook(engine: "ZeroEngine"):
         if live is not None:
             live._on_grad(p)
     return hook
-
-
-def bucket_groups(sizes: List[Tuple[str, int, bool]], bucket_numel: float,
-                  tied_alone: bool) -> List[List[str]]:
-    """Parameter names per bucket from (name, elements, tied) in registration order: reverse
-    order (the order backward produces gradients), closed at `bucket_numel` elements; the tied
-    embedding alone when pipelined. Pure, so the plan buckets the same way without a model."""
-    groups: List[List[str]] = []
-    size, closed = 0.0, True
-    for name, numel, tied in reversed(sizes):
-        if tied_alone and tied:
-            groups.append([name])
-            closed = True  # nothing joins the tied bucket
-            continue
-        if closed or size + numel > bucket_numel:
-            groups.append([])
-            size, closed = 0.0, False
-        groups[-1].append(name)
-        size += numel
-    return groups

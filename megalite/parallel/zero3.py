@@ -1,6 +1,8 @@
 """ZeRO-3 parameter gathering: each unit (embedding, position embedding, one block, ln_f, LM
 head — a model chunk's `sharding_units()`, in forward order) keeps only its DP range between
-uses and is all-gathered just before it runs.
+uses and is all-gathered just before it runs. With expert parallelism a block's routed experts
+are a bucket of their own, sharded over EDP: the unit's two buckets are gathered (in one order
+on every rank), freed and reduced together.
 
     forward   pre-hook : gather (or wait for the prefetch), prefetch the next unit —
                          except under offload.optimizer (`prefetch_after_forward`)
@@ -52,11 +54,15 @@ def unit_groups(model: nn.Module) -> List[List[str]]:
 
 
 class _UnitState:
-    def __init__(self, bucket):
-        self.bucket = bucket
+    """One unit's buckets (one; two with expert parallelism: its dense weights over DP x CP,
+    its routed experts over EDP), gathered and freed together."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
         self.gathered = False
-        self.work = None
+        self.works: List = []
         self.in_backward = False
+        self.reported = 0  # buckets whose gradients are in, this backward
 
 
 class Zero3Gathering:
@@ -72,15 +78,18 @@ class Zero3Gathering:
         # queued (its parameters may still be stepped on the host)
         self.prefetch_after_forward = False
         by_param = {id(p): b for b in engine.buckets for p in b.params}
-        self.state: Dict[int, _UnitState] = {}
+        self.state: Dict[int, _UnitState] = {}  # by id of each of its buckets
         self.unit_of: Dict[nn.Module, _UnitState] = {}
         for chunk in chunks:
             chain: List[nn.Module] = list(chunk.sharding_units())
             for module in chain:
-                bucket = by_param[id(next(module.parameters()))]
-                if id(bucket) not in self.state:
-                    self.state[id(bucket)] = _UnitState(bucket)
-                self.unit_of[module] = self.state[id(bucket)]
+                buckets = list({id(by_param[id(p)]): by_param[id(p)]
+                                for p in module.parameters()}.values())
+                own = [b for b in buckets if id(b) not in self.state]
+                if own:  # (else a unit sharing another's parameters: the tied LM head)
+                    unit = _UnitState(own)
+                    self.state.update((id(b), unit) for b in own)
+                self.unit_of[module] = self.state[id(own[0] if own else buckets[0])]
             for i, module in enumerate(chain):
                 module.register_forward_pre_hook(self._make_pre_forward(chain, i))
                 module.register_forward_hook(self._make_post_forward(chain, i))
@@ -90,31 +99,35 @@ class Zero3Gathering:
     # --- gather / free ------------------------------------------------------------------
 
     def _start_gather(self, unit: _UnitState, async_op: bool) -> None:
-        if unit.gathered or unit.work is not None:
+        if unit.gathered or unit.works:
             return
-        b = unit.bucket
         if self.params_needed is not None:
-            self.params_needed([b])
-        b.param_full.untyped_storage().resize_(b.param_full.numel() * b.param_full.element_size())
-        work = comm.all_gather(b.param_full, b.param_region, b.group, async_op=async_op)
-        if async_op:
-            unit.work = work
-        else:
-            unit.gathered = True
+            self.params_needed(unit.buckets)
+        for b in unit.buckets:
+            full = b.param_full
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            work = comm.all_gather(full, b.param_region, b.group, async_op=async_op)
+            if async_op:
+                unit.works.append(work)
+        unit.gathered = not async_op
 
     def _ensure(self, unit: _UnitState) -> None:
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
+        if unit.works:
+            self._wait(unit)
             unit.gathered = True
         elif not unit.gathered:
             self._start_gather(unit, async_op=False)
 
+    @staticmethod
+    def _wait(unit: _UnitState) -> None:
+        works, unit.works = unit.works, []
+        for work in works:
+            work.wait()
+
     def _free(self, unit: _UnitState) -> None:
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
-        unit.bucket.param_full.untyped_storage().resize_(0)
+        self._wait(unit)
+        for b in unit.buckets:
+            b.param_full.untyped_storage().resize_(0)
         unit.gathered = False
 
     # --- hooks --------------------------------------------------------------------------
@@ -151,15 +164,19 @@ class Zero3Gathering:
         return hook
 
     def after_backward(self, bucket) -> None:
-        """The engine's signal: every gradient of this unit is in (and reduce-scattered)."""
+        """The engine's signal: every gradient of `bucket` is in (and reduce-scattered); the
+        unit is done when all its buckets are."""
         unit = self.state[id(bucket)]
-        unit.in_backward = False
+        unit.reported += 1
+        if unit.reported < len(unit.buckets):
+            return
+        unit.reported, unit.in_backward = 0, False
         if self.reshard_after_forward:
             self._free(unit)
 
     def end_of_step(self) -> None:
         """Free every unit (after the step's last backward, or after a forward-only pass)."""
         for unit in self.state.values():
-            unit.in_backward = False
-            if unit.gathered or unit.work is not None:
+            unit.in_backward, unit.reported = False, 0
+            if unit.gathered or unit.works:
                 self._free(unit)

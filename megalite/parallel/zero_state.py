@@ -30,16 +30,19 @@ class EngineState:
 
     def state_pieces(self) -> List[StatePiece]:
         """This rank's owned state, one piece per owned range of a parameter: the fp32 master
-        weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq", once they exist)."""
+        weights ("param") and AdamW's moments ("exp_avg", "exp_avg_sq", once they exist).
+        An EP-split expert weight's range is given in the whole [E, ...] tensor (its EP rank's
+        experts are a contiguous run of it, `ParamSpec.expert_offset`), so any ep reads it."""
         pieces = []
         for index, (piece, seg, bucket) in enumerate(self.main_params):
             state = self.adam_state(piece)
             tensors = {"param": piece, **{k: state[k] for k in MOMENTS if k in state}}
             s_lo, s_hi = bucket.dp_share
             a, b = max(seg.flat_lo, s_lo), min(seg.flat_hi, s_hi)
-            share = (seg.param_lo + a - seg.flat_lo, seg.param_lo + max(a, b) - seg.flat_lo)
-            pieces.append(StatePiece(seg.spec, seg.param_lo, seg.param_hi, tensors, index,
-                                     share))
+            at = seg.param_lo - seg.flat_lo + (seg.spec.expert_offset(
+                self.topo.ep_rank, self.topo.ep_size) if bucket.expert else 0)
+            pieces.append(StatePiece(seg.spec, seg.flat_lo + at, seg.flat_hi + at, tensors,
+                                     index, (a + at, max(a, b) + at)))
         return pieces
 
     @torch.no_grad()

@@ -38,18 +38,22 @@ HOST_FOLD_BYTES = 12
 HOST_ADAM_BYTES = 28
 
 
-def owned_elements(layout: Layout, psi: float) -> float:
-    """Ψ_o: the elements whose optimizer state one rank holds (ZeRO shards over DP x CP)."""
-    return psi / (layout.grad_replicas if layout.shards_optimizer else 1)
+def owned_elements(layout: Layout, psi: float, expert_psi: float = 0.0) -> float:
+    """Ψ_o: the elements whose optimizer state one rank holds (ZeRO shards over DP x CP; of
+    the `expert_psi` EP-split experts among `psi`, over EDP)."""
+    if not layout.shards_optimizer:
+        return psi
+    return (psi - expert_psi) / layout.grad_replicas + expert_psi / layout.expert_grad_replicas
 
 
 def apply_offload(f: float, layout: Layout, psi: float, e: int, micro: int,
                   state: Dict[str, float], host: Dict[str, float],
-                  activations_per_micro: float) -> Dict[str, float]:
+                  activations_per_micro: float, expert_psi: float = 0.0) -> Dict[str, float]:
     """Move the share `f` (offload.optimizer) of `state` (device bytes by kind) into `host`,
     and return the PCIe bytes per step by direction. `activations_per_micro`: the host bytes
-    one micro-batch's offloaded activations take (over the stage's chunks)."""
-    n = f * owned_elements(layout, psi)
+    one micro-batch's offloaded activations take (over the stage's chunks); `expert_psi`:
+    the EP-split experts among `psi`."""
+    n = f * owned_elements(layout, psi, expert_psi)
     sharded_grads = layout.shards_gradients
     state["optimizer"] *= 1 - f
     if sharded_grads:

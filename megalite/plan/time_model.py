@@ -85,6 +85,11 @@ bytes of a model-dtype element:
               the step, or during the next forward with parallel.overlap_param_gather;
               zero 3: each block gathered ahead (prefetch) during forward and backward
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
+  ep, edp     expert parallelism (`megalite.plan.comm_time._ep_terms`): the token exchange's
+              wire bytes (`stage_terms.dispatch_bytes`, balanced routing) on the EP group's
+              link, blocking, in the busy time; the experts' reductions over EDP as dp's.
+              Expert load imbalance: planner.expert_imbalance (the busiest expert's load
+              over the mean) lengthens the routed experts' matmuls in compute
   optimizer   the engine's step on the device, memory-bound: `OPTIMIZER_BYTES` a parameter
               (the fp64-accumulated norm, clipping, fused AdamW, the master -> model-dtype
               copy) over Ψ_dev = the owned range less offload.optimizer's share, + the
@@ -132,7 +137,8 @@ from megalite.plan.traffic_bytes import (
 )
 
 TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "cp",
-         "offload", "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
+         "ep", "offload", "bubble", "pp", "dp", "edp", "embedding", "optimizer",
+         "offload_optimizer")
 
 @dataclass
 class Prediction:
@@ -194,7 +200,7 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
         model = recompute = fp8 = fp8_recompute = 0.0
         for c, blocks in enumerate(chunks):
             rerun = recomputed_layers(cfg, len(blocks))
-            model += len(blocks) * block
+            model += len(blocks) * block + _imbalance_flops(cfg, blocks)
             recompute += rerun * block
             fp8 += len(blocks) * linears
             fp8_recompute += rerun * linears
@@ -203,6 +209,17 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
         out.append({"model": model, "recompute": recompute, "fp8": fp8,
                     "fp8_recompute": fp8_recompute})
     return out
+
+
+def _imbalance_flops(cfg: Config, blocks: range) -> float:
+    """The routed experts' forward FLOPs per token beyond the mean load: (planner.
+    expert_imbalance − 1) · 2·k·3·h·I per MoE layer of `blocks`."""
+    moe, m = cfg.model.moe, cfg.model
+    if not moe.enabled or cfg.planner.expert_imbalance == 1.0:
+        return 0.0
+    layers = sum(moe.is_moe_layer(i) for i in blocks)
+    routed = 2 * moe.top_k * 3 * m.n_embd * moe.expert_hidden(m.ffn_size)
+    return (cfg.planner.expert_imbalance - 1.0) * layers * routed
 
 
 def matmul_seconds(flops: float, fp8_flops: float, profile: DeviceProfile, precision: str
@@ -373,7 +390,8 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
     busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["head_loss"]
-            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["offload"] for s in stages]
+            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["ep"] + s["offload"]
+            for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
     totals = [sum(s.values()) for s in stages]

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config.layout import Layout
-from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
-from megalite.parallel.zero import bucket_groups
+from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, bucket_groups
 from megalite.plan.chunks import ChunkEnds
 from megalite.plan.dims import Dims
 
@@ -23,13 +22,17 @@ ZERO_DP_TRAFFIC = {  # DP ring traffic per step, in parameter elements (Ψ; ×4 
 }
 
 
-def model_state_bytes(layout: Layout, psi: float, e: int) -> Dict[str, float]:
+def model_state_bytes(layout: Layout, psi: float, e: int, replicas: Optional[int] = None
+                      ) -> Dict[str, float]:
     """Bytes one rank holds for Ψ parameter elements: parameters e·Ψ, gradients 4·Ψ (fp32
     accumulation), optimizer 8·Ψ (AdamW moments) + 4·Ψ (fp32 master where e < 4); each
-    divided by N = DP x CP (`Layout.grad_replicas`: the ranks holding the same parameters)
-    where the ZeRO stage shards it (`Layout.shards_*`)."""
+    divided by N = DP x CP (`Layout.grad_replicas`: the ranks holding the same parameters;
+    `replicas` where others hold them: EDP for EP-split experts) where the ZeRO stage shards
+    it (`Layout.shards_*`)."""
+    n = layout.grad_replicas if replicas is None else replicas
+
     def shard(sharded: bool) -> int:
-        return layout.grad_replicas if sharded else 1
+        return n if sharded else 1
 
     return {"params": e * psi / shard(layout.shards_parameters),
             "grads": 4 * psi / shard(layout.shards_gradients),

@@ -15,6 +15,8 @@ What is compared, over which group (`megalite.parallel.topology`):
     tp         TP replicas of the parameters TP does not split (LayerNorms, the biases of
                row-parallel layers, wpe); under zero 3 their fp32 master ranges
     embedding  the tied embedding's two copies, on the first and the last pipeline stage
+    edp        with expert parallelism (ep > 1) the routed experts, which only the EDP ranks
+               hold alike (and, under zero 0, their optimizer state), instead of over DP
 
 DP replicas, the tied embedding's copies and TP replicas under sequence parallelism are
 compared bitwise; TP replicas without it within a tolerance (below). The checksum of a tensor
@@ -172,12 +174,12 @@ def replica_sets(engine, topo: Topology, tp_rtol: float = 0.0) -> List[ReplicaSe
     """This rank's replicated tensors by group (groups of one rank left out); the TP set
     compared within `tp_rtol` without sequence parallelism (when > 0)."""
     layout = engine.layout
-    dp, tp, emb = ([], []), ([], []), ([], [])
+    dp, tp, emb, edp = ([], []), ([], []), ([], []), ([], [])
     if not layout.shards_parameters:
         for b in engine.buckets:
             for local, p, spec in zip(b.flat.names, b.params, b.flat.specs):
                 name = f"{local} (the tied copy of {spec.name})" if spec.tied_copy else spec.name
-                _add(dp, name, p)
+                _add(edp if b.expert else dp, name, p)
                 if spec.tp_replicated:
                     _add(tp, name, p)
                 if b.tied:
@@ -191,16 +193,19 @@ def replica_sets(engine, topo: Topology, tp_rtol: float = 0.0) -> List[ReplicaSe
                 _add(emb, name, piece)
     if not layout.shards_optimizer:  # zero 0: the optimizer state is replicated over DP
         for piece, seg, b in engine.main_params:
+            into = edp if b.expert else dp
             if b.main is not b.param_region:
-                _add(dp, f"{seg.spec.name} (fp32 master)", piece)
+                _add(into, f"{seg.spec.name} (fp32 master)", piece)
             state = engine.adam_state(piece)
             for kind in MOMENTS:
                 if kind in state:
-                    _add(dp, f"{seg.spec.name} (AdamW {kind})", state[kind])
+                    _add(into, f"{seg.spec.name} (AdamW {kind})", state[kind])
     replicas = topo.grad_group  # DP, or DP x CP: the ranks holding the same parameters
     found = [(replicas.name, replicas, dp, None),
              ("tp", topo.tp_group, tp, None if layout.sequence_parallel or not tp_rtol
               else tp_rtol)]
+    if edp[0]:  # ep > 1: the routed experts, replicated over EDP only
+        found.append(("edp", topo.expert_grad_group, edp, None))
     if emb[0]:  # a tied copy (first or last stage of pp > 1): the rank is in the group
         found.append(("embedding", topo.embedding_group, emb, None))
     return [ReplicaSet(kind, group, names, tensors, rtol)

@@ -35,6 +35,7 @@ from megalite.eval.choice import ChoiceEval
 from megalite.eval.hellaswag import ChoiceSet, load_choices
 from megalite.model.activation_offload import ActivationOffload
 from megalite.model.init import init_parameters, load_global_state
+from megalite.model.moe.dispatcher import TokenDispatcher
 from megalite.model.moe.step import RouterBiases
 from megalite.model.stage import PipelineStage, build_stage
 from megalite.parallel import comm
@@ -252,7 +253,10 @@ def build_model(cfg: Config, runtime: Runtime, blocks: List[range], rng: RNGTrac
                             attention=cfg.train.attention,
                             document_kernel=cfg.train.document_kernel,
                             recompute_layers=cfg.train.recompute_layers, offload=offload,
-                            cp=ContextParallel(topo.cp_group, cfg.parallel.cp_comm))
+                            cp=ContextParallel(topo.cp_group, cfg.parallel.cp_comm),
+                            expert_dispatch=TokenDispatcher(topo.ep_group,
+                                                            cfg.parallel.ep_dispatch)
+                            if topo.ep_size > 1 else None)
     use_fp8(model, cfg.fp8.recipe, topo.cp_group)
     if runtime.device.type == "meta":
         return model

@@ -93,6 +93,7 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     import torch._dynamo  # noqa: F401  (what AdamW's constructor imports the first time)
     start = clock()
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size, cp=layout.cp_size,
+                          ep=layout.ep_size,
                           timeout_s=cfg.parallel.timeout_s,
                           checkpoint_timeout_s=cfg.checkpoint.timeout_s)
     built_topology = clock()

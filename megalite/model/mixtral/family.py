@@ -27,7 +27,7 @@ def moe_specs(cfg: ModelConfig, prefix: str) -> Specs:
     """The MoE layer's parameters (`megalite.model.moe.layer`): the router and the shared
     experts' gate replicated over TP, each expert's [gate | up] split by rows (each block
     split: `tp_interleave=2`, as the dense MLP's) and its down projection by columns, the
-    shared experts' likewise."""
+    shared experts' likewise; the routed experts' split over EP (`ParamSpec.expert`)."""
     moe, h = cfg.moe, cfg.n_embd
     e, i = moe.num_experts, moe.expert_hidden(cfg.ffn_size)
     shapes = [("mlp.gate.weight", (e, h), {}),
@@ -40,7 +40,9 @@ def moe_specs(cfg: ModelConfig, prefix: str) -> Specs:
                    ("mlp.shared_experts.down_proj.weight", (h, s), {"tp_dim": 1})]
         if moe.shared_expert_gate:
             shapes.append(("mlp.shared_experts_gate.weight", (1, h), {}))
-    return [(prefix + n, ParamSpec(prefix + n, shape, **split)) for n, shape, split in shapes]
+    return [(prefix + n, ParamSpec(prefix + n, shape, expert=n.startswith("mlp.experts."),
+                                   **split))
+            for n, shape, split in shapes]
 
 
 class MixtralFamily(LlamaFamily):

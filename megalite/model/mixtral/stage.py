@@ -17,6 +17,7 @@ from megalite.model.causal_lm import RegionFactory, dropout
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.llama.stage import Llama, LlamaAttention, LlamaMLP, RMSNorm
 from megalite.model.mixtral.family import MIXTRAL_FAMILY
+from megalite.model.moe.dispatcher import TokenDispatcher
 from megalite.model.moe.layer import MoELayer
 from megalite.model.moe.ledger import RoutingLedger
 from megalite.model.moe.tokens import TokenSplit
@@ -32,7 +33,8 @@ class MixtralBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group, sp: bool, tp_region: RegionFactory,
                  residual_region: RegionFactory, attention: str = "auto",
                  cp: Optional[ContextParallel] = None, inv_freq: Optional[torch.Tensor] = None,
-                 index: int = 0, ledger: Optional[RoutingLedger] = None):
+                 index: int = 0, ledger: Optional[RoutingLedger] = None,
+                 dispatcher: Optional[TokenDispatcher] = None):
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.input_layernorm = RMSNorm(cfg.n_embd, eps)
@@ -42,7 +44,8 @@ class MixtralBlock(nn.Module):
         self.moe = cfg.moe.is_moe_layer(index)
         split = TokenSplit.of(tp_group, sp, None if cp is None else cp.group)
         self.mlp = MoELayer(cfg.moe, cfg.n_embd, cfg.ffn_size, index, ledger, tp_group.size,
-                            split) if self.moe else LlamaMLP(cfg, tp_group, sp, residual_region)
+                            split, dispatcher) if self.moe \
+            else LlamaMLP(cfg, tp_group, sp, residual_region)
         self.resid_pdrop, self.residual_region = cfg.resid_pdrop, residual_region
 
     def forward(self, x: torch.Tensor, attn: Optional[AttentionInputs] = None) -> torch.Tensor:
@@ -65,11 +68,12 @@ class Mixtral(Llama):
                    residual_region: RegionFactory, attention: str = "auto",
                    cp: Optional[ContextParallel] = None,
                    inv_freq: Optional[torch.Tensor] = None, index: int = 0,
-                   ledger: Optional[RoutingLedger] = None) -> nn.Module:
+                   ledger: Optional[RoutingLedger] = None,
+                   dispatcher: Optional[TokenDispatcher] = None) -> nn.Module:
         return cls.block_class(cfg, tp_group, sp, tp_region, residual_region, attention, cp,
-                               inv_freq, index, ledger)
+                               inv_freq, index, ledger, dispatcher)
 
     def block_at(self, index: int, attention: str, inv_freq: torch.Tensor) -> nn.Module:
         return self.make_block(self.cfg, self.tp_group, self.sequence_parallel, self.tp_region,
                                self.residual_region, attention, self.cp, inv_freq, index,
-                               self.routing)
+                               self.routing, self.expert_dispatch)

@@ -73,12 +73,27 @@ def dispatch(indices: torch.Tensor, weights: torch.Tensor, experts: int,
     return Dispatch(order[kept], routed.clamp(max=cap), routed, (~kept).sum())
 
 
+def assignment_tokens(order: torch.Tensor, k: int) -> torch.Tensor:
+    """The token of each assignment t·k + j in `order`."""
+    return torch.div(order, k, rounding_mode="floor")
+
+
+def combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+            tokens: torch.Tensor) -> torch.Tensor:
+    """[T, h]: each token's sum, in `order` (expert-major), of its experts' outputs `y` [N, h]
+    (one row per assignment of `order`) weighted by the router's `weights` [T, k]."""
+    y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts of hidden size I on h-wide tokens (module docstring)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, expert_hidden: int):
+    def __init__(self, moe: MoEConfig, hidden: int, expert_hidden: int, ep: int = 1):
+        """`ep`: the experts are split over ep ranks (expert parallelism); this module holds
+        num_experts / ep of them (`megalite.model.moe.dispatcher` brings their rows)."""
         super().__init__()
-        e = moe.num_experts
+        e = moe.num_experts // ep
         self.moe = moe
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * expert_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, expert_hidden))
@@ -96,26 +111,28 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, d: Dispatch) -> torch.Tensor:
         """x [T, h], the routing weights [T, k] and the dispatch -> the combined [T, h]."""
-        k = weights.shape[1]
-        tokens = torch.div(d.order, k, rounding_mode="floor")
-        rows = x[tokens]
+        tokens = assignment_tokens(d.order, weights.shape[1])
+        return combine(x, self.compute(x[tokens], d.counts), weights, d.order, tokens)
+
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs of expert-major `rows` [N, h], `counts` [E local] of them
+        each. No rows at all (an EP rank that received no token) still runs an expert on
+        the empty rows, so that the weights' gradient is zero rather than absent (the
+        reduction of every rank's gradient waits for it)."""
+        if rows.shape[0] == 0:
+            return self._expert(rows, 0)
         if self.fp8 is not None:
-            y = self._fp8(rows, d.counts)
-        elif self.grouped(x):
-            y = self._grouped(rows, d.counts)
-        else:
-            y = self._loop(rows, d.counts)
-        y = (y * weights.reshape(-1)[d.order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, y)
+            return self._fp8(rows, counts)
+        return self._grouped(rows, counts) if self.grouped(rows) else self._loop(rows, counts)
+
+    def _expert(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for e, part in enumerate(rows.split(counts.tolist())):
-            if part.shape[0] == 0:
-                continue
-            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        return torch.cat(outs) if outs else rows.new_zeros(0, self.down_proj.shape[1])
+        outs = [self._expert(part, e) for e, part in enumerate(rows.split(counts.tolist()))
+                if part.shape[0]]
+        return torch.cat(outs)
 
     def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts, 0).to(torch.int32)

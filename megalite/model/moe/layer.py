@@ -3,13 +3,15 @@ sequence parallelism).
 
     routing = gate(x)                                   (`router`, fp32, this rank's tokens)
     X, routing = gathered over TP                       (`tokens`: under SP, all s·b tokens)
-    y = experts(X, routing)                             (`experts`: dispatch, SwiGLUs, combine)
+    y = experts(X, routing)                             (`experts`: dispatch, SwiGLUs, combine;
+                                                         over EP ranks: `dispatcher`)
       + shared_experts(X) [· sigmoid(shared_experts_gate(X))]   (where configured)
     y = reduce-scattered over TP                        (the TP ranks' partial outputs summed)
 
 TP splits each expert's SwiGLU and the shared experts' as the dense MLP's (gate and up by
 rows, each block split, down by columns); the router and the shared experts' gate are
-replicated (their gradients summed over TP with the norms').
+replicated (their gradients summed over TP with the norms'). EP (tp = cp = 1) holds
+num_experts / ep of the experts and exchanges the tokens (`megalite.model.moe.dispatcher`).
 
 Parameter names are transformers 5's (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`); the shared experts' are `mlp.shared_experts.gate_up_proj.weight`,
@@ -25,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.moe import MoEConfig
+from megalite.model.moe.dispatcher import TokenDispatcher
 from megalite.model.moe.experts import Experts, capacity, dispatch
 from megalite.model.moe.ledger import RoutingLedger
 from megalite.model.moe.router import Router
@@ -52,14 +55,18 @@ class MoELayer(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, n_inner: int, index: int,
                  ledger: Optional[RoutingLedger] = None, tp: int = 1,
-                 split: TokenSplit = NO_SPLIT):
+                 split: TokenSplit = NO_SPLIT, dispatcher: Optional[TokenDispatcher] = None):
+        """`dispatcher`: expert parallelism's token exchange (this layer then holds
+        num_experts / ep of the experts); None: every expert here."""
         super().__init__()
         if tp != split.tp_size:
             raise ValueError(f"an MoE layer with tp={tp} needs its tokens split over TP "
                              "(sequence parallelism)")
         self.moe, self.index, self.ledger, self.split = moe, index, ledger, split
+        self.dispatcher = dispatcher
         self.gate = Router(moe, hidden)
-        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp)
+        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp,
+                               1 if dispatcher is None else dispatcher.size)
         if moe.shared_experts:
             self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner) // tp)
             if moe.shared_expert_gate:
@@ -73,7 +80,10 @@ class MoELayer(nn.Module):
         flat = xs.reshape(-1, h)
         d = dispatch(chosen, weights, self.moe.num_experts,
                      capacity(self.moe, flat.shape[0]), self.moe.drop_policy)
-        y = self.experts(flat, weights, d)
+        if self.dispatcher is None:
+            y = self.experts(flat, weights, d)
+        else:  # ep > 1 (tp = cp = 1: this rank's tokens)
+            y = self.dispatcher(self.experts, flat, weights, chosen, d)
         if self.moe.shared_experts:
             shared = self.shared_experts(flat)
             if self.moe.shared_expert_gate:

@@ -2,9 +2,10 @@
 communicators, `megalite.testing.collective_order`): every async path megalite has — ZeRO 1/2/3
 with and without optimizer offload, overlap_param_gather, CP's all-gather and ring, TP + SP,
 the pipeline's schedules, FP8's amax reductions, activation offload, MoE under TP + SP and CP
-and its routing figures under pipeline parallelism — trained on real gloo ranks with one
-rank's host slowed (its offload worker's tasks and its forward), each rank's launches recorded
-by the probe, and every two ranks' shared launches in the same order."""
+and its routing figures under pipeline parallelism, expert parallelism's token exchange —
+trained on real gloo ranks with one rank's host slowed (its offload worker's tasks and its
+forward), each rank's launches recorded by the probe, and every two ranks' shared launches in
+the same order."""
 from __future__ import annotations
 
 import time
@@ -62,6 +63,8 @@ def _run(tiny_data, *extra):
 
 
 FP8 = ["fp8.recipe=tensorwise", "fp8.emulate=true"]
+MOE = ["model.arch=mixtral", "model.n_kv_head=2", "model.n_inner=32",
+       "model.tie_word_embeddings=false", "model.moe.num_experts=4", "model.moe.top_k=2"]
 # every async path, several layouts per launch of 4 ranks
 FOUR_RANKS = [
     # the issue's reproduction (cp 2, zero 1, overlap_param_gather, offload 0.5) at dp 2, FP8
@@ -86,6 +89,10 @@ FOUR_RANKS = [
      "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001",
      "model.moe.bias_update_rate=0.01", "tp=2", "sp=true", "cp=2", "zero=1",
      "offload.optimizer=0.5"],
+    # expert parallelism: the token all-to-alls (and the all-gather dispatch) between the DP
+    # x CP reductions, the experts' EDP reductions and the norm's EP sum
+    [*MOE, "ep=2", "zero=3", "model.moe.bias_update_rate=0.01"],
+    [*MOE, "ep=4", "parallel.ep_dispatch=allgather", "model.moe.shared_experts=1"],
 ]
 
 
@@ -103,3 +110,5 @@ def test_ranks_launch_in_one_order_with_a_slow_host(tiny_data, tmp_path):
         assert all(sequences), extra
         problems = order_mismatches(sequences)
         assert not problems, (extra, problems)
+        if "ep=2" in extra:  # the probe sees the token exchange
+            assert any(op == "all_to_all" and name == "ep" for name, _, op, _ in sequences[0])

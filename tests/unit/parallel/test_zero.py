@@ -21,7 +21,7 @@ def test_the_tied_embedding_is_a_bucket_of_its_own_on_both_pipeline_ends(bucket_
     the last stage must hold it alone, whatever the bucket size."""
     from megalite.config.schema import ModelConfig
     from megalite.model.gpt2.stage import GPT2
-    from megalite.parallel.zero import bucket_groups
+    from megalite.parallel.bucket import bucket_groups
 
     cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=100)
     for stage in (GPT2(cfg, blocks=range(1), last=False), GPT2(cfg, blocks=range(1, 2),

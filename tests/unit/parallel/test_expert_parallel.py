@@ -1,0 +1,133 @@
+"""Expert parallelism's pure parts: the folded expert grid [EP, EDP] over each pipeline stage's
+tp·cp·dp ranks (the picture of docs/parallelism.md for TP2 CP2 DP2 EP4), an expert weight's
+EP shard and its place in the whole tensor, and `ep`'s refusals before launch by key."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megalite.config.errors import ConfigError
+from megalite.config.layout import validate
+from megalite.config.schema import load_config
+from megalite.parallel.param_spec import ParamSpec
+from megalite.parallel.topology import coords_of, expert_coords, group_ranks
+
+
+def test_folded_grid_of_tp2_cp2_dp2_ep4_is_the_documented_one():
+    groups = group_ranks(tp=2, pp=1, dp=2, cp=2, ep=4)
+    assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [expert_coords(r, 2, 1, 2, 4) for r in range(8)] == \
+        [(r % 4, r // 4) for r in range(8)]
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp,ep", [(1, 1, 2, 4, 2), (2, 1, 2, 2, 4), (1, 2, 1, 4, 8),
+                                            (2, 2, 3, 2, 2), (1, 1, 1, 4, 4)])
+def test_expert_groups_fold_each_stage_with_the_same_pipeline_groups(tp, cp, pp, dp, ep):
+    world, stage = tp * cp * pp * dp, tp * cp * dp
+    groups = group_ranks(tp, pp, dp, cp, ep)
+    for kind, size in (("ep", ep), ("edp", stage // ep)):
+        assert sorted(itertools.chain(*groups[kind])) == list(range(world)), kind
+        assert all(len(g) == size for g in groups[kind]), kind
+        for g in groups[kind]:  # inside one pipeline stage
+            assert len({coords_of(r, tp, pp, cp).pp_rank for r in g}) == 1
+    for g in groups["ep"]:  # EP innermost: ep_rank 0..ep-1, one edp_rank
+        coords = [expert_coords(r, tp, pp, cp, ep) for r in g]
+        assert [c[0] for c in coords] == list(range(ep)) and len({c[1] for c in coords}) == 1
+    for g in groups["pp"]:  # a pipeline line keeps its expert coordinates
+        assert len({expert_coords(r, tp, pp, cp, ep) for r in g}) == 1
+
+
+def test_an_expert_weight_is_split_on_dim_0_and_placed_in_the_whole_tensor():
+    spec = ParamSpec("mlp.experts.down_proj", (4, 3, 2), expert=True)
+    full = torch.arange(24.0).view(4, 3, 2)
+    assert spec.local_shape(1, ep=2) == (2, 3, 2)
+    for r in range(2):
+        piece = spec.shard(full, 0, 1, ep_rank=r, ep=2)
+        offset = spec.expert_offset(r, 2)
+        assert torch.equal(piece.reshape(-1), full.reshape(-1)[offset:offset + 12])
+    dense = ParamSpec("mlp.gate.weight", (4, 3))
+    assert dense.local_shape(1, ep=2) == (4, 3) and dense.expert_offset(1, 2) == 0
+
+
+MOE = ["model=mixtral-tiny", "device=cpu"]
+
+
+@pytest.mark.parametrize("overrides, world, key", [
+    (["ep=0"], 2, "ep"),
+    (["ep=4", "model.moe.num_experts=6"], 4, "ep"),  # 6 experts
+    (["ep=4"], 2, "ep"),  # 2 ranks
+    (["model=llama-tiny", "ep=2"], 2, "ep"),
+    (["ep=2", "layout=auto"], 2, "layout"),
+    (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch")])
+def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key):
+    cfg = load_config([*MOE, *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=world)
+    assert e.value.key == key and "\n" not in str(e.value), str(e.value)
+
+
+def test_ep_over_data_parallel_ranks_is_accepted():
+    for ep, world, zero in ((2, 2, 0), (4, 4, 1), (2, 4, 2), (2, 2, 3)):
+        validate(load_config([*MOE, f"ep={ep}", f"zero={zero}", "train.global_batch_size=16",
+                              "train.micro_batch_size=4"]), world_size=world)
+
+
+def test_the_plan_splits_the_experts_and_times_their_exchange():
+    """ep 4 over dp 4: a rank holds 1/4 of the experts (their states over EDP = 1), the
+    all-gather dispatch's bytes per step are its formula's, and the time model puts the
+    exchange on the EP group's link (inside an 8-GPU node), in the step's busy time."""
+    from megalite.config.layout import Layout
+    from megalite.model.families import family
+    from megalite.plan.devices import device_profile
+    from megalite.plan.links import collective_time, group_links
+    from megalite.plan.memory import make_plan
+    from megalite.plan.time_model import predict
+
+    base = [*MOE, "zero=1", "train.global_batch_size=32", "train.micro_batch_size=8"]
+    one = load_config(base)
+    cfg = load_config([*base, "ep=4", "parallel.ep_dispatch=allgather"])
+    plan = make_plan(cfg, Layout.from_config(cfg, 4, "cuda")).stages[0]
+    dense = make_plan(one, Layout.from_config(one, 4, "cuda")).stages[0]
+    m, moe = cfg.model, cfg.model.moe
+    experts = m.n_layer * 3 * m.n_embd * moe.expert_hidden(m.ffn_size) * moe.num_experts
+    assert plan.params == dense.params - experts * 3 // 4 == family(m).num_parameters(m) \
+        - experts * 3 // 4 and plan.expert_params == experts // 4
+    tokens, r = cfg.train.seq_len * 8, 3 / 4  # a rank's micro-batch; ring factor at ep 4
+    per_layer = r * 4 * tokens * (4 * 2 * m.n_embd + 16 * moe.top_k)  # bf16 rows
+    assert plan.comm["ep"] == pytest.approx(m.n_layer * per_layer + 16 * r, rel=1e-12)
+    profile = device_profile("h100-80gb")
+    layout = Layout.from_config(cfg, 4, "cuda")
+    link = group_links(layout, profile, 8)["ep"]
+    assert not link.crosses_nodes and group_links(layout, profile, 2)["ep"].crosses_nodes
+    got = predict(cfg, layout, [plan], profile, 8)
+    assert got.terms["ep"] == pytest.approx(collective_time(
+        plan.comm["ep"], m.n_layer * 7, link, 4, "all_to_all"), rel=1e-12) and \
+        got.terms["ep"] > 0
+
+
+def test_expert_imbalance_lengthens_the_routed_experts_matmuls():
+    """planner.expert_imbalance = 2: the compute term grows by the routed experts' matmuls
+    once more (forward and backward, 3 passes), nothing else; below 1 is refused by key."""
+    from megalite.config.layout import Layout
+    from megalite.plan.devices import device_profile
+    from megalite.plan.memory import make_plan
+    from megalite.plan.time_model import predict
+
+    base = [*MOE, "train.global_batch_size=32", "train.micro_batch_size=8"]
+    profile, terms = device_profile("h100-80gb"), []
+    for factor in (1.0, 2.0):
+        cfg = load_config([*base, f"planner.expert_imbalance={factor}"])
+        layout = Layout.from_config(cfg, 1, "cuda")
+        terms.append(predict(cfg, layout, make_plan(cfg, layout).stages, profile, 8).terms)
+    m, moe = cfg.model, cfg.model.moe
+    routed = 2 * moe.top_k * 3 * m.n_embd * moe.expert_hidden(m.ffn_size) * m.n_layer
+    tokens, micro = cfg.train.seq_len * 8, 4
+    assert terms[1]["compute"] - terms[0]["compute"] == pytest.approx(
+        micro * 3 * routed * tokens / profile.rate("bf16"), rel=1e-9)
+    assert all(terms[1][k] == terms[0][k] for k in terms[0] if k not in ("compute", "bubble"))
+    with pytest.raises(ConfigError) as e:
+        validate(load_config([*base, "planner.expert_imbalance=0.5"]), world_size=1)
+    assert e.value.key == "planner.expert_imbalance"
