@@ -293,14 +293,8 @@ class PlannerConfig:
     #                                overrides device
     gpus_per_node: Optional[int] = None  # ranks per node; None = the ranks started on this
     #                                      node (torchrun --nproc_per_node)
-    expert_imbalance: float = 1.0  # MoE: the busiest expert's load over the mean (>= 1; a
-    #   run's metrics.jsonl logs it per layer as moe.<layer>.imbalance); the time model runs
-    #   the routed experts' matmuls this much longer (the others wait for the busiest)
 
     def check(self) -> None:
-        if not self.expert_imbalance >= 1.0:
-            fail("planner.expert_imbalance", self.expert_imbalance, "must be >= 1 (1: every "
-                 "expert as busy as the mean; a run's moe.<layer>.imbalance is its measure)")
         if self.gpus_per_node is not None and (isinstance(self.gpus_per_node, bool)
                                                or self.gpus_per_node < 1):
             fail("planner.gpus_per_node", self.gpus_per_node,

@@ -88,8 +88,7 @@ bytes of a model-dtype element:
   ep, edp     expert parallelism (`megalite.plan.comm_time._ep_terms`): the token exchange's
               wire bytes (`stage_terms.dispatch_bytes`, balanced routing) on the EP group's
               link, blocking, in the busy time; the experts' reductions over EDP as dp's.
-              Expert load imbalance: planner.expert_imbalance (the busiest expert's load
-              over the mean) lengthens the routed experts' matmuls in compute
+              Not modelled: expert load imbalance (the busiest expert's rank waits longest)
   optimizer   the engine's step on the device, memory-bound: `OPTIMIZER_BYTES` a parameter
               (the fp64-accumulated norm, clipping, fused AdamW, the master -> model-dtype
               copy) over Ψ_dev = the owned range less offload.optimizer's share, + the
@@ -200,7 +199,7 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
         model = recompute = fp8 = fp8_recompute = 0.0
         for c, blocks in enumerate(chunks):
             rerun = recomputed_layers(cfg, len(blocks))
-            model += len(blocks) * block + _imbalance_flops(cfg, blocks)
+            model += len(blocks) * block
             recompute += rerun * block
             fp8 += len(blocks) * linears
             fp8_recompute += rerun * linears
@@ -209,17 +208,6 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
         out.append({"model": model, "recompute": recompute, "fp8": fp8,
                     "fp8_recompute": fp8_recompute})
     return out
-
-
-def _imbalance_flops(cfg: Config, blocks: range) -> float:
-    """The routed experts' forward FLOPs per token beyond the mean load: (planner.
-    expert_imbalance − 1) · 2·k·3·h·I per MoE layer of `blocks`."""
-    moe, m = cfg.model.moe, cfg.model
-    if not moe.enabled or cfg.planner.expert_imbalance == 1.0:
-        return 0.0
-    layers = sum(moe.is_moe_layer(i) for i in blocks)
-    routed = 2 * moe.top_k * 3 * m.n_embd * moe.expert_hidden(m.ffn_size)
-    return (cfg.planner.expert_imbalance - 1.0) * layers * routed
 
 
 def matmul_seconds(flops: float, fp8_flops: float, profile: DeviceProfile, precision: str

@@ -106,28 +106,3 @@ def test_the_plan_splits_the_experts_and_times_their_exchange():
     assert got.terms["ep"] == pytest.approx(collective_time(
         plan.comm["ep"], m.n_layer * 7, link, 4, "all_to_all"), rel=1e-12) and \
         got.terms["ep"] > 0
-
-
-def test_expert_imbalance_lengthens_the_routed_experts_matmuls():
-    """planner.expert_imbalance = 2: the compute term grows by the routed experts' matmuls
-    once more (forward and backward, 3 passes), nothing else; below 1 is refused by key."""
-    from megalite.config.layout import Layout
-    from megalite.plan.devices import device_profile
-    from megalite.plan.memory import make_plan
-    from megalite.plan.time_model import predict
-
-    base = [*MOE, "train.global_batch_size=32", "train.micro_batch_size=8"]
-    profile, terms = device_profile("h100-80gb"), []
-    for factor in (1.0, 2.0):
-        cfg = load_config([*base, f"planner.expert_imbalance={factor}"])
-        layout = Layout.from_config(cfg, 1, "cuda")
-        terms.append(predict(cfg, layout, make_plan(cfg, layout).stages, profile, 8).terms)
-    m, moe = cfg.model, cfg.model.moe
-    routed = 2 * moe.top_k * 3 * m.n_embd * moe.expert_hidden(m.ffn_size) * m.n_layer
-    tokens, micro = cfg.train.seq_len * 8, 4
-    assert terms[1]["compute"] - terms[0]["compute"] == pytest.approx(
-        micro * 3 * routed * tokens / profile.rate("bf16"), rel=1e-9)
-    assert all(terms[1][k] == terms[0][k] for k in terms[0] if k not in ("compute", "bubble"))
-    with pytest.raises(ConfigError) as e:
-        validate(load_config([*base, "planner.expert_imbalance=0.5"]), world_size=1)
-    assert e.value.key == "planner.expert_imbalance"
