@@ -4,7 +4,7 @@ are `megalite.plan.cp_terms`')."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
@@ -33,8 +33,7 @@ class StagePass:
 
 def comm_terms(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink],
                chunks: List[range], p: StagePass) -> Dict[str, float]:
-    """{tp, cp, pp, dp, embedding; ep, edp with ep > 1}: each group's exposed seconds a
-    step."""
+    """{tp, cp, pp, dp, embedding}: each group's exposed seconds a step."""
     t, m, e = cfg.train, p.m, p.e
     terms = dict.fromkeys(("tp", "cp", "pp", "dp", "embedding"), 0.0)
     if lay.tp_size > 1:
@@ -49,36 +48,18 @@ def comm_terms(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink],
                             * cfg.model.n_embd / scatter, 1, links["pp"], 2, "send_recv")
         terms["pp"] = 2 * (lay.pp_size * v - 1) * x + 2 * m * v * max(0.0, x - p.t_f / v)
     units = p.blocks + 2 * p.first + 2 * p.last  # ZeRO-3's gathered units
-    experts = getattr(stage, "expert_params", 0)
-    terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], stage.params - experts, e, m,
-                              p.t_f, p.t_b, links["dp"], units)
-    if lay.ep_size > 1:
-        terms.update(_ep_terms(cfg, lay, stage, links, chunks, p, units))
+    terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], stage.params, e, m, p.t_f, p.t_b,
+                              links["dp"], units)
     if stage.comm["embedding"]:
         terms["embedding"] = collective_time(stage.comm["embedding"], 1, links["embedding"], 2)
     return terms
 
 
-def _ep_terms(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink],
-              chunks: List[range], p: StagePass, units: int) -> Dict[str, float]:
-    """ep: the token exchange, blocking (each MoE layer waits for its rows), on the EP
-    group's link: per MoE layer and micro-batch the alltoall's counts and four row exchanges
-    or the allgather's seven collectives; edp: the experts' reductions, exposed as dp's."""
-    moe = cfg.model.moe
-    layers = sum(moe.is_moe_layer(i) for r in chunks for i in r)
-    calls = p.m * layers * (5 if cfg.parallel.ep_dispatch == "alltoall" else 7)
-    return {"ep": collective_time(stage.comm["ep"], calls, links["ep"], lay.ep_size,
-                                  "all_to_all"),
-            "edp": _dp_exposed(cfg, lay, stage.comm["edp"], stage.expert_params, p.e, p.m,
-                               p.t_f, p.t_b, links["edp"], units, lay.expert_grad_replicas)}
-
-
 def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, m: int,
-                t_f: float, t_b: float, link: GroupLink, units: int,
-                replicas: Optional[int] = None) -> float:
+                t_f: float, t_b: float, link: GroupLink, units: int) -> float:
     """Exposed DP time per step (`megalite.plan.time_model`'s docstring): over the DP x CP
-    ranks that reduce the gradients (the `replicas` EDP ranks of the experts)."""
-    n = layout.grad_replicas if replicas is None else replicas
+    ranks that reduce the gradients."""
+    n = layout.grad_replicas
     if n == 1 or dp_bytes == 0:
         return 0.0
     ring = (n - 1) / n

@@ -19,7 +19,6 @@ from functools import lru_cache
 from typing import Dict, List
 
 from megalite.config.layout import Layout
-from megalite.parallel.topology import group_ranks
 from megalite.plan.devices import DeviceProfile, Link
 
 
@@ -65,24 +64,18 @@ def _groups(tp: int, cp: int, pp: int, dp: int) -> Dict[str, List[tuple]]:
 
 
 @lru_cache(maxsize=4096)
-def _placement(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int, ep: int = 1
-               ) -> Dict[str, tuple]:
+def _placement(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int) -> Dict[str, tuple]:
     world = tp * cp * pp * dp
-    groups = _groups(tp, cp, pp, dp)
-    if ep > 1:  # the folded expert grid's groups (`megalite.parallel.topology`)
-        folded = group_ranks(tp, pp, dp, cp, ep)
-        groups.update(ep=[tuple(g) for g in folded["ep"]],
-                      edp=[tuple(g) for g in folded["edp"]])
-    return {kind: _spread(world, tuple(g), gpus_per_node) for kind, g in groups.items()}
+    return {kind: _spread(world, tuple(groups), gpus_per_node)
+            for kind, groups in _groups(tp, cp, pp, dp).items()}
 
 
 def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
                 ) -> Dict[str, GroupLink]:
     """The effective link of the tp, cp (collectives; cp_send: its ring's sends), pp, dp
-    (DP x CP) and embedding groups, and with ep > 1 of the ep and edp groups (inside a node
-    while the folded group fits one)."""
+    (DP x CP) and embedding groups."""
     spread = _placement(layout.tp_size, layout.cp_size, layout.pp_size, layout.dp_size,
-                        gpus_per_node, layout.ep_size)
+                        gpus_per_node)
     intra, inter = profile.intra_node, profile.inter_node
     intra_ops = profile.op_links.get("intra_node", {})
     inter_ops = profile.op_links.get("inter_node", {})

@@ -138,7 +138,6 @@ class StagePlan:
     peak_at: str = "loss backward"  # the moment whose bytes `bytes` lists (MOMENTS)
     moments: Dict[str, Dict[str, float]] = field(default_factory=dict)  # every moment's bytes
     declared_staging: float = 0.0  # zero 2/3: the staging the engine declares (its bound)
-    expert_params: int = 0  # of `params`, the routed experts split over EP (ep > 1)
 
 
 @dataclass
@@ -252,7 +251,6 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
                      stage_comm(d, sums, tied), host, pcie)
     plan.peak_at, plan.moments = peak_at, moments
     plan.declared_staging = grad_staging_bytes(d, chunks)
-    plan.expert_params = sums.expert_psi
     return plan
 
 

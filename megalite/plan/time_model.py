@@ -85,10 +85,6 @@ bytes of a model-dtype element:
               the step, or during the next forward with parallel.overlap_param_gather;
               zero 3: each block gathered ahead (prefetch) during forward and backward
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
-  ep, edp     expert parallelism (`megalite.plan.comm_time._ep_terms`): the token exchange's
-              wire bytes (`stage_terms.dispatch_bytes`, balanced routing) on the EP group's
-              link, blocking, in the busy time; the experts' reductions over EDP as dp's.
-              Not modelled: expert load imbalance (the busiest expert's rank waits longest)
   optimizer   the engine's step on the device, memory-bound: `OPTIMIZER_BYTES` a parameter
               (the fp64-accumulated norm, clipping, fused AdamW, the master -> model-dtype
               copy) over Ψ_dev = the owned range less offload.optimizer's share, + the
@@ -136,8 +132,7 @@ from megalite.plan.traffic_bytes import (
 )
 
 TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "cp",
-         "ep", "offload", "bubble", "pp", "dp", "edp", "embedding", "optimizer",
-         "offload_optimizer")
+         "offload", "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
 
 @dataclass
 class Prediction:
@@ -378,8 +373,7 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
     busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["head_loss"]
-            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["ep"] + s["offload"]
-            for s in stages]
+            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["offload"] for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
     totals = [sum(s.values()) for s in stages]

@@ -20,7 +20,6 @@ class StageTraffic:
     stage: int
     params: int  # Ψ per rank
     comm: Dict[str, float]  # wire bytes per step per group
-    expert_params: int = 0  # of `params`, the routed experts split over EP (ep > 1)
 
 
 def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
@@ -32,5 +31,5 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
         for e, blocks in zip(stage_ends(place, k, tied_family), chunks):
             add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
         tied = layout.pp_size > 1 and ties_over_stages(place, k, tied_family)
-        out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied), sums.expert_psi))
+        out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied)))
     return out

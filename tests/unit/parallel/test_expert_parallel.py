@@ -73,36 +73,3 @@ def test_ep_over_data_parallel_ranks_is_accepted():
     for ep, world, zero in ((2, 2, 0), (4, 4, 1), (2, 4, 2), (2, 2, 3)):
         validate(load_config([*MOE, f"ep={ep}", f"zero={zero}", "train.global_batch_size=16",
                               "train.micro_batch_size=4"]), world_size=world)
-
-
-def test_the_plan_splits_the_experts_and_times_their_exchange():
-    """ep 4 over dp 4: a rank holds 1/4 of the experts (their states over EDP = 1), the
-    all-gather dispatch's bytes per step are its formula's, and the time model puts the
-    exchange on the EP group's link (inside an 8-GPU node), in the step's busy time."""
-    from megalite.config.layout import Layout
-    from megalite.model.families import family
-    from megalite.plan.devices import device_profile
-    from megalite.plan.links import collective_time, group_links
-    from megalite.plan.memory import make_plan
-    from megalite.plan.time_model import predict
-
-    base = [*MOE, "zero=1", "train.global_batch_size=32", "train.micro_batch_size=8"]
-    one = load_config(base)
-    cfg = load_config([*base, "ep=4", "parallel.ep_dispatch=allgather"])
-    plan = make_plan(cfg, Layout.from_config(cfg, 4, "cuda")).stages[0]
-    dense = make_plan(one, Layout.from_config(one, 4, "cuda")).stages[0]
-    m, moe = cfg.model, cfg.model.moe
-    experts = m.n_layer * 3 * m.n_embd * moe.expert_hidden(m.ffn_size) * moe.num_experts
-    assert plan.params == dense.params - experts * 3 // 4 == family(m).num_parameters(m) \
-        - experts * 3 // 4 and plan.expert_params == experts // 4
-    tokens, r = cfg.train.seq_len * 8, 3 / 4  # a rank's micro-batch; ring factor at ep 4
-    per_layer = r * 4 * tokens * (4 * 2 * m.n_embd + 16 * moe.top_k)  # bf16 rows
-    assert plan.comm["ep"] == pytest.approx(m.n_layer * per_layer + 16 * r, rel=1e-12)
-    profile = device_profile("h100-80gb")
-    layout = Layout.from_config(cfg, 4, "cuda")
-    link = group_links(layout, profile, 8)["ep"]
-    assert not link.crosses_nodes and group_links(layout, profile, 2)["ep"].crosses_nodes
-    got = predict(cfg, layout, [plan], profile, 8)
-    assert got.terms["ep"] == pytest.approx(collective_time(
-        plan.comm["ep"], m.n_layer * 7, link, 4, "all_to_all"), rel=1e-12) and \
-        got.terms["ep"] > 0
