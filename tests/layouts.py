@@ -22,6 +22,7 @@ import torch
 from megalite.config.layout import validate
 from megalite.config.schema import Config, load_config
 from megalite.parallel.param_spec import ParamSpec
+from megalite.testing.collective_order import OrderProbe
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
@@ -48,15 +49,17 @@ class Prepared:
     prepare: Callable
 
 
-def _steps(rank, world, run, run_dir, steps, save_at=None):
+def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
     """`run`: overrides, or the configuration `composed` made of them in the caller, or
-    either `Prepared`."""
+    either `Prepared`; `probe`: the rank's collective launches recorded (`launched`, for
+    `order_mismatches`)."""
     prepare = None
     if isinstance(run, Prepared):
         run, prepare = run.run, run.prepare
     cfg = run if isinstance(run, Config) else composed(run)
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), run_dir)
+    order = OrderProbe.install(trainer.topo.counter) if probe else None
     collect = None if prepare is None else prepare(trainer)
     hellaswag = None if trainer.hellaswag is None else trainer.evaluate_hellaswag()  # step 0
     zero3 = trainer.engine.zero3
@@ -99,7 +102,8 @@ def _steps(rank, world, run, run_dir, steps, save_at=None):
             "grad_staging": trainer.engine.grad_staging_bytes(),
             "reductions_in_flight": trainer.engine.peak_in_flight,
             "masters_cast": masters_cast, "masters": masters + [_masters(trainer.engine)],
-            "offload_peaks": offload_peaks, "host_bytes": trainer.engine.host_state_bytes()}
+            "offload_peaks": offload_peaks, "host_bytes": trainer.engine.host_state_bytes(),
+            "launched": None if order is None else order.launched}
 
 
 @contextlib.contextmanager
@@ -132,8 +136,8 @@ def _parameters_are_masters_cast(engine) -> bool:
     return True
 
 
-def _many(rank, world, runs, run_dir, steps, save_at):
-    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at)
+def _many(rank, world, runs, run_dir, steps, save_at, probe=False):
+    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at, probe)
             for i, run in enumerate(runs)]
 
 
@@ -155,14 +159,16 @@ def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
 
 
 def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
-                  timeout_s: float = 900, save_at: Optional[int] = None) -> List[List[dict]]:
+                  timeout_s: float = 900, save_at: Optional[int] = None,
+                  probe: bool = False) -> List[List[dict]]:
     """Several configurations one after the other in the same `world` ranks (one launch):
     a list of per-rank results for each configuration. With `save_at=k` each run writes a
-    checkpoint after its step k (to its `checkpoint.dir`). Each configuration is composed
+    checkpoint after its step k (to its `checkpoint.dir`); with `probe` each result holds
+    the rank's collective launches (`launched`, under the order probe). Each configuration is composed
     here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition)."""
     configs = [Prepared(composed(run.run), run.prepare) if isinstance(run, Prepared)
                else composed(run) for run in runs]
-    per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at),
+    per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at, probe),
                          timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
 

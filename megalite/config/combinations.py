@@ -304,6 +304,22 @@ def refused_settings(base: Config) -> List[Tuple[Dict[str, str], str, Refusal]]:
     return out
 
 
+def refused_setting_pairs(base: Config) -> List[Tuple[str, str, Refusal]]:
+    """(a setting, another, the refusal) for each two settings of OTHER_SETTINGS validation
+    refuses together in the all-first-values run, although each runs there alone (e.g. MoE
+    and torch.compile)."""
+    default = row_of({})
+    alone = [(name, extra) for name, extra in OTHER_SETTINGS
+             if refusal(base, default, extra) is None]
+    out = []
+    for i, (name, extra) in enumerate(alone):
+        for other, more in alone[i + 1:]:
+            why = refusal(base, default, {**extra, **more})
+            if why is not None:
+                out.append((name, other, why))
+    return out
+
+
 def _where_each_runs(pairs, sizes, allowed, default) -> Row:
     """The default row with what each (axis, value) of `pairs` needs alone, then `pairs`."""
     row = list(default)

@@ -19,6 +19,7 @@ from megalite.config.combinations import (
     Refusal,
     ep_refusals,
     matrix_rows,
+    refused_setting_pairs,
     refused_settings,
     refused_tuples,
 )
@@ -82,6 +83,13 @@ def _settings_table(refused: List[Tuple[Dict[str, str], str, Refusal]]) -> List[
     return lines
 
 
+def _setting_pairs_table(refused: List[Tuple[str, str, Refusal]]) -> List[str]:
+    lines = ["| setting | with setting | refused at | megalite's message |", "|---|---|---|---|"]
+    for name, other, why in refused:
+        lines.append(f"| {name} | {other} | `{why.key}` | {_escape(why.message)} |")
+    return lines
+
+
 def render(base: Config) -> str:
     """The page, from `base` (`combinations.MATRIX_BASE` composed)."""
     refused = refused_tuples(base, BENCH_STRENGTH)
@@ -98,11 +106,16 @@ def render(base: Config) -> str:
              f"run where that value runs alone): {', '.join(n for n, _ in OTHER_SETTINGS)}. "
              "Those refused are below; every other pair of a value and a setting runs.", "",
              *_settings_table(refused_settings(base)), "",
+<<<<<<< HEAD
              "## Expert parallelism", "",
              "`ep` > 1 runs with MoE models over data-parallel ranks, ZeRO 0 and 1, both "
              "dispatchers (docs: [MoE](moe.md#expert-parallelism)). Each setting below tried "
              "beside the MoE setting at ep 2 over dp 2:", "",
              *_ep_table(ep_refusals(base)), "",
+=======
+             "Two of these settings that megalite refuses together (each runs alone):", "",
+             *_setting_pairs_table(refused_setting_pairs(base)), "",
+>>>>>>> main
              "## Combinations that run", "",
              f"Every pair of values of two features not refused above runs: the test suite "
              f"trains a covering array of strength 2 ({len(pairs)} runs, every such pair in at "

@@ -27,8 +27,12 @@ from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
+<<<<<<< HEAD
 from megalite.model.moe.dispatcher import TokenDispatcher
 from megalite.model.moe.ledger import with_penalty
+=======
+from megalite.model.moe.ledger import RoutingLedger, with_penalty
+>>>>>>> main
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
 from megalite.parallel.group import Group, single_rank_group
@@ -227,7 +231,7 @@ class CausalLM(nn.Module):
         and positions (None: causal over the window, positions 0..s-1)."""
         recomputed = self.recomputed_blocks()
         if index < recomputed and self.training and torch.is_grad_enabled():
-            return recompute_block(block, x, self.rng, attn)
+            return recompute_block(block, x, self.rng, attn, self.routing)
         if chain is not None:  # offloaded or not: the chain keeps the blocks in transit
             return chain.run(index, block, x, attn)
         return block(x, attn)
@@ -303,26 +307,29 @@ class CausalLM(nn.Module):
 
 
 def recompute_block(block: nn.Module, x: torch.Tensor, rng: Optional[RNGTracker],
-                    attn: Optional[AttentionInputs] = None) -> torch.Tensor:
+                    attn: Optional[AttentionInputs] = None,
+                    routing: Optional[RoutingLedger] = None) -> torch.Tensor:
     """Activation recomputation (Chen et al. 2016; Korthikanti 2022 "full" recompute): keep only
     the block's input and re-run its forward during backward. torch's checkpoint restores the
     default (replicated) RNG stream for the re-run; the TP stream is restored here, so the
     re-run draws the same dropout masks, and put back afterwards so later forwards continue
-    their own stream. `attn` (the micro-batch's documents) is kept with the input."""
-    if rng is None:
-        return checkpoint(block, x, attn, use_reentrant=False)
-    snapshot = rng.tp_state()
+    their own stream. `attn` (the micro-batch's documents) is kept with the input. `routing`
+    (a stage with MoE layers): the re-run computes the balancing terms again, as the forward
+    did, and records nothing (`RoutingLedger.rerun`)."""
+    snapshot = rng.tp_state() if rng is not None else None
     calls = [0]
 
     def run(inp: torch.Tensor, attn: Optional[AttentionInputs]) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == 1:
             return block(inp, attn)
-        current = rng.tp_state()
-        rng.set_tp_state(snapshot)
-        try:
+        with contextlib.ExitStack() as rerun:
+            if rng is not None:
+                current = rng.tp_state()
+                rng.set_tp_state(snapshot)
+                rerun.callback(rng.set_tp_state, current)
+            if routing is not None:
+                rerun.enter_context(routing.rerun())
             return block(inp, attn)
-        finally:
-            rng.set_tp_state(current)
 
     return checkpoint(run, x, attn, use_reentrant=False)

@@ -61,8 +61,27 @@ class MixtralFamily(LlamaFamily):
         return [s for s in specs if s[0][len(p):] not in DENSE_MLP] + moe_specs(cfg, p)
 
     def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
-        """o_proj only: the experts stay in the model dtype (MoE with FP8 is refused)."""
-        return super().fp8_linears(cfg, tp)[:1]
+        """o_proj, the dense blocks' MLP (where `first_dense_layers` / `layer_freq` leave
+        some) and each routed expert's two products (`megalite.model.moe.fp8_experts`; one
+        expert's weight: the products run expert by expert). The router and the shared
+        experts stay in the model dtype."""
+        llama = super().fp8_linears(cfg, tp)
+        dense = any(not cfg.moe.is_moe_layer(i) for i in range(cfg.n_layer))
+        h, i = cfg.n_embd, cfg.moe.expert_hidden(cfg.ffn_size)
+        experts = [("model.layers.*.mlp.experts.gate_up_proj", "model.n_embd", h,
+                    "2 * model.moe.expert_size", 2 * i),
+                   ("model.layers.*.mlp.experts.down_proj", "model.moe.expert_size", i,
+                    "model.n_embd", h)]
+        return (llama if dense else llama[:1]) + experts
+
+    def fp8_linear_parameters(self, cfg: ModelConfig) -> int:
+        """A block's weights a token passes in FP8, averaged over the blocks: o_proj, the dense
+        MLP of the dense blocks, the top_k routed experts of the MoE blocks."""
+        h, a = cfg.n_embd, cfg.n_head * cfg.head_size
+        moe_blocks = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layer))
+        experts = moe_blocks * cfg.moe.top_k * 3 * h * cfg.moe.expert_hidden(cfg.ffn_size)
+        dense = (cfg.n_layer - moe_blocks) * 3 * h * cfg.ffn_size
+        return a * h + (experts + dense) // cfg.n_layer
 
     # --- counts ---------------------------------------------------------------------------
 

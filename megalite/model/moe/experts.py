@@ -14,7 +14,9 @@ The experts' products run as one `torch._grouped_mm` over the expert-major rows 
 takes them (experts_impl=auto: 16-byte aligned sizes on a CPU, or on CUDA in bf16 — its
 CUDA kernel's dtype; grouped: wherever PyTorch has it) or expert by expert (loop); the same
 numbers either way (`megalite-bench moe`: on a CPU grouped is 1.2x the loop's layer speed). An expert with no
-assignment computes nothing and its weights' gradient is zero.
+assignment computes nothing and its weights' gradient is zero. With `fp8` set (fp8.recipe=
+tensorwise, `megalite.parallel.fp8.use_fp8`) both products run in FP8, expert by expert, each
+expert's weight and rows scaled alone (`megalite.model.moe.fp8_experts`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.moe import MoEConfig
+from megalite.model.moe.fp8_experts import fp8_expert_products
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Experts(nn.Module):
         self.moe = moe
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * expert_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, expert_hidden))
+        self.fp8: Optional[str] = None  # tensorwise: the products in FP8 (module docstring)
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Whether the products run as `torch._grouped_mm` (experts_impl)."""
@@ -107,6 +111,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, d: Dispatch) -> torch.Tensor:
         """x [T, h], the routing weights [T, k] and the dispatch -> the combined [T, h]."""
+<<<<<<< HEAD
         tokens = assignment_tokens(d.order, weights.shape[1])
         return combine(x, self.compute(x[tokens], d.counts), weights, d.order, tokens)
 
@@ -122,6 +127,19 @@ class Experts(nn.Module):
     def _expert(self, rows: torch.Tensor, e: int) -> torch.Tensor:
         gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
+=======
+        k = weights.shape[1]
+        tokens = torch.div(d.order, k, rounding_mode="floor")
+        rows = x[tokens]
+        if self.fp8 is not None:
+            y = self._fp8(rows, d.counts)
+        elif self.grouped(x):
+            y = self._grouped(rows, d.counts)
+        else:
+            y = self._loop(rows, d.counts)
+        y = (y * weights.reshape(-1)[d.order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, y)
+>>>>>>> main
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = [self._expert(part, e) for e, part in enumerate(rows.split(counts.tolist()))
@@ -133,3 +151,8 @@ class Experts(nn.Module):
         h = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+
+    def _fp8(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        sizes = counts.tolist()
+        gate, up = fp8_expert_products(rows, self.gate_up_proj, sizes).chunk(2, dim=-1)
+        return fp8_expert_products(F.silu(gate) * up, self.down_proj, sizes)

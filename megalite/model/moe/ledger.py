@@ -4,7 +4,11 @@ update the bias, the aux and z-loss values, the drops), per MoE layer.
 
 A stage (`megalite.model.causal_lm.CausalLM`) opens the ledger at the start of a training
 forward and closes it at the end; its MoE layers `record` in between. A forward that is not
-training (evaluation, generation) and a block's re-run in backward (recompute) record nothing.
+training (evaluation, generation) records nothing. A recomputed block's re-run in backward
+(train.recompute) records as its forward did, into scratch that is then dropped (`rerun`): the
+same operations run — torch's non-reentrant checkpoint matches the tensors the re-run saves
+with the forward's one by one, and the penalty's backward reads the re-run's — and nothing
+is counted twice.
 `close` returns the forward's penalty: Σ_layers coeff · aux + z_coeff · z-loss, or with
 aux_loss=hf coeff · the pooled value of the forward's layers (transformers' value of one
 forward), with z_coeff · z-loss per layer. The stage adds it to the loss's gradient, not to its
@@ -16,8 +20,9 @@ forwards until `megalite.model.moe.step` reads and clears them after the step.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
@@ -87,6 +92,17 @@ class RoutingLedger:
 
     def open(self, training: bool) -> None:
         self._open, self._terms, self._pooled = training, [], []
+
+    @contextlib.contextmanager
+    def rerun(self) -> Iterator[None]:
+        """A recomputed block's re-run in backward: `record` runs as in a training forward,
+        into terms and figures dropped afterwards (the forward recorded them)."""
+        kept = self._open, self._terms, self._pooled, self.figures
+        self._open, self._terms, self._pooled, self.figures = True, [], [], None
+        try:
+            yield
+        finally:
+            self._open, self._terms, self._pooled, self.figures = kept
 
     def record(self, layer: int, routing: Routing, d: Dispatch, batch: int) -> None:
         """Layer `layer`'s routing of a forward's T tokens (`batch` sequences)."""

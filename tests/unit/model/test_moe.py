@@ -194,9 +194,10 @@ def test_bias_update_follows_the_sign_rule():
     (["model=llama-tiny", "model.moe.num_experts=4"], "model.moe.num_experts"),
     (["tp=2"], "tp"), (["pp=2"], "pp"), (["cp=2"], "cp"), (["tp=2", "sp=true"], "sp"),
     (["pp=2", "parallel.schedule=zb-h1"], "parallel.schedule"),
-    (["train.recompute=true"], "train.recompute"),
-    (["offload.activations=true"], "offload.activations"),
-    (["fp8.recipe=tensorwise", "fp8.emulate=true"], "fp8.recipe")])
+    (["fp8.recipe=rowwise", "fp8.emulate=true"], "fp8.recipe"),
+    (["tp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "tp"),
+    (["cp=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], "cp"),
+    (["train.compile=true"], "train.compile")])
 def test_bad_moe_settings_are_refused_before_launch_by_key(overrides, key):
     cfg = load_config(["model=mixtral-tiny", "device=cpu", *overrides])
     with pytest.raises(ConfigError) as e:
