@@ -106,16 +106,13 @@ def render(base: Config) -> str:
              f"run where that value runs alone): {', '.join(n for n, _ in OTHER_SETTINGS)}. "
              "Those refused are below; every other pair of a value and a setting runs.", "",
              *_settings_table(refused_settings(base)), "",
-<<<<<<< HEAD
+             "Two of these settings that megalite refuses together (each runs alone):", "",
+             *_setting_pairs_table(refused_setting_pairs(base)), "",
              "## Expert parallelism", "",
              "`ep` > 1 runs with MoE models over data-parallel ranks, ZeRO 0 and 1, both "
              "dispatchers (docs: [MoE](moe.md#expert-parallelism)). Each setting below tried "
              "beside the MoE setting at ep 2 over dp 2:", "",
              *_ep_table(ep_refusals(base)), "",
-=======
-             "Two of these settings that megalite refuses together (each runs alone):", "",
-             *_setting_pairs_table(refused_setting_pairs(base)), "",
->>>>>>> main
              "## Combinations that run", "",
              f"Every pair of values of two features not refused above runs: the test suite "
              f"trains a covering array of strength 2 ({len(pairs)} runs, every such pair in at "

@@ -27,12 +27,8 @@ from megalite.data.documents import Documents
 from megalite.model.activation_offload import ActivationOffload, BlockChain, offloaded_blocks
 from megalite.model.document_attention import AttentionInputs
 from megalite.model.family import Family
-<<<<<<< HEAD
 from megalite.model.moe.dispatcher import TokenDispatcher
-from megalite.model.moe.ledger import with_penalty
-=======
 from megalite.model.moe.ledger import RoutingLedger, with_penalty
->>>>>>> main
 from megalite.parallel.context_attention import ContextParallel
 from megalite.parallel.cross_entropy import cross_entropy
 from megalite.parallel.group import Group, single_rank_group

@@ -111,7 +111,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, d: Dispatch) -> torch.Tensor:
         """x [T, h], the routing weights [T, k] and the dispatch -> the combined [T, h]."""
-<<<<<<< HEAD
         tokens = assignment_tokens(d.order, weights.shape[1])
         return combine(x, self.compute(x[tokens], d.counts), weights, d.order, tokens)
 
@@ -122,24 +121,13 @@ class Experts(nn.Module):
         reduction of every rank's gradient waits for it)."""
         if rows.shape[0] == 0:
             return self._expert(rows, 0)
+        if self.fp8 is not None:
+            return self._fp8(rows, counts)
         return self._grouped(rows, counts) if self.grouped(rows) else self._loop(rows, counts)
 
     def _expert(self, rows: torch.Tensor, e: int) -> torch.Tensor:
         gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
-=======
-        k = weights.shape[1]
-        tokens = torch.div(d.order, k, rounding_mode="floor")
-        rows = x[tokens]
-        if self.fp8 is not None:
-            y = self._fp8(rows, d.counts)
-        elif self.grouped(x):
-            y = self._grouped(rows, d.counts)
-        else:
-            y = self._loop(rows, d.counts)
-        y = (y * weights.reshape(-1)[d.order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, y)
->>>>>>> main
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = [self._expert(part, e) for e, part in enumerate(rows.split(counts.tolist()))
