@@ -76,17 +76,20 @@ class ParamSums:
     # slots of the TP-shared slices' gradient sum (`sum_tp_shares`): tp / tp_replicas slots of
     # each shared parameter's elements (grouped-query attention's K, V with tp > n_kv_head)
     shared_slots: int = 0
+    expert: int = 0  # of which routed experts split over EP (their E/ep a rank)
 
 
-def param_sums(specs: Specs, tp: int) -> ParamSums:
-    sizes = [(local_numel(s, tp), s) for _, s in specs]
+def param_sums(specs: Specs, tp: int, ep: int = 1) -> ParamSums:
+    """`specs` on one TP rank (and one EP rank: a routed expert weight's E/ep experts)."""
+    sizes = [(local_numel(s, tp) // (ep if s.expert else 1), s) for _, s in specs]
     return ParamSums(numel=sum(n for n, _ in sizes),
                      replicated=sum(n for n, s in sizes if s.tp_replicated),
                      decayed=sum(n for n, s in sizes if s.weight_decay),
                      split=sum(n for n, s in sizes if not s.tp_replicated),
                      largest=max((n for n, _ in sizes), default=0), units=[n for n, _ in sizes],
                      shared_slots=sum(n * tp // s.tp_replicas for n, s in sizes
-                                      if s.tp_replicas > 1))
+                                      if s.tp_replicas > 1),
+                     expert=sum(n for n, s in sizes if s.expert))
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class Dims:
     s_local: int  # positions of the residual stream per rank (s/cp, /t with SP)
     micro: int  # micro-batches per step
     layer_act_full: float  # activation bytes one layer keeps (no recompute)
-    layer_params: int  # parameter elements of one block on one TP rank
+    layer_params: int  # parameter elements of one block on one TP rank (and EP rank)
     full: float  # bytes of one full activation of the rank's positions [s/cp, b, h]
     family: Family  # the model's family: its parameter lists and activation terms
     block: ParamSums  # one block's parameters on one TP rank
@@ -124,14 +127,14 @@ def dims(cfg: Config, layout: Layout) -> Dims:
     e = 4 if layout.precision == "fp32" else 2
     fam = family(m)
     s_rank = t.seq_len // layout.cp_size
+    block = param_sums(fam.block_specs(m, 0, tp), tp, layout.ep_size)
     return Dims(
         cfg=cfg, layout=layout, e=e, vocab=padded_vocab_size(m.vocab_size, tp),
         s_rank=s_rank, s_local=layout.activation_seq_len(t.seq_len),
         micro=layout.micro_batches(t.global_batch_size),
         layer_act_full=layer_activation_bytes(cfg, layout, e),
-        layer_params=fam.block_numel(m, tp),
-        full=e * s_rank * t.micro_batch_size * m.n_embd, family=fam,
-        block=param_sums(fam.block_specs(m, 0, tp), tp),
+        layer_params=block.numel,
+        full=e * s_rank * t.micro_batch_size * m.n_embd, family=fam, block=block,
         embeddings=param_sums(fam.first_specs(m, tp), tp),
         final_norm=param_sums(fam.final_norm_specs(m, tp), tp))
 

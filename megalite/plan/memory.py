@@ -97,6 +97,9 @@ a full activation:
        last unit, which stays gathered from forward into backward) + reduce-scatter 4Ψ
        (reshard_after_forward=false: one all-gather e·Ψ per step)
   embedding  pp > 1, first and last stage: all-reduce of the tied embedding's gradient, 4·Vh/t
+  edp, ep    ep > 1: dp's reductions of the routed experts' Ψ_E (E/ep a rank, their states
+       sharded over EDP) over EDP instead; the token exchange over EP per MoE layer and
+       micro-batch (`stage_terms.dispatch_bytes`); each + the grad norm's fp64 sum
 """
 from __future__ import annotations
 
@@ -169,6 +172,8 @@ class Plan:
         if lay.get("offload_optimizer"):
             offloaded += f" offload.optimizer={lay['offload_optimizer']:g}"
         cp = f" cp={lay['cp']} ({lay['cp_comm']})" if lay["cp"] > 1 else ""
+        experts = lay.get("ep", 1) > 1
+        cp += f" ep={lay['ep']} ({lay['ep_dispatch']})" if experts else ""
         lines = [f"plan: {lay['model']}, tp={lay['tp']}{cp} pp={lay['pp']}{virtual} dp={lay['dp']} "
                  f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}{offloaded}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
@@ -179,6 +184,7 @@ class Plan:
                  f"{'G ' + unit:>7} {'O ' + unit:>7} {'A ' + unit:>7} {'(in flight)':>11} "
                  f"{'Z3 ' + unit:>7} {'W ' + unit:>7} {'total ' + unit:>9} {'peak at':>14} "
                  f"{'tp GB':>8} {'cp GB':>7} {'pp GB':>7} {'dp GB':>7} {'emb GB':>7}"
+                 + (f" {'edp GB':>7} {'ep GB':>7}" if experts else "")
                  + (f" {'host ' + unit:>8} {'PCIe GB':>8}" if offload else "")]
         for s in self.stages:
             b, c = s.bytes, s.comm
@@ -191,6 +197,7 @@ class Plan:
                 f"{b['total'] / scale:>9.2f} {s.peak_at:>14} {c['tp'] / 1e9:>8.3f} "
                 f"{c['cp'] / 1e9:>7.3f} {c['pp'] / 1e9:>7.3f} "
                 f"{c['dp'] / 1e9:>7.3f} {c['embedding'] / 1e9:>7.3f}"
+                + (f" {c['edp'] / 1e9:>7.3f} {c['ep'] / 1e9:>7.3f}" if experts else "")
                 + (f" {s.host['total'] / scale:>8.2f} "
                    f"{(s.pcie['d2h'] + s.pcie['h2d']) / 1e9:>8.3f}" if offload else ""))
         lines.append("each stage's bytes at the moment its memory peaks (peak at: forward, loss "
@@ -223,9 +230,9 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     tied_family = d.cfg.model.tie_word_embeddings
     sums, ends = StageSums(), stage_ends(slices, k, tied_family)
     for e, blocks in zip(ends, chunk_blocks):
-        add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
+        add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
     chunks = [(e, len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
-    states = model_state_bytes(lay, sums.psi, d.e)
+    states = _state_bytes(lay, sums, d.e)
     activations = peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule) \
         + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)
     host = {"activations": peak_live_bytes(pp, k, d.micro, v, sums.chunk_host, schedule)}
@@ -245,6 +252,16 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     plan.peak_at, plan.moments = peak_at, moments
     plan.declared_staging = grad_staging_bytes(d, chunks)
     return plan
+
+
+def _state_bytes(lay, sums: StageSums, e: int) -> Dict[str, float]:
+    """The ZeRO table's bytes of the stage's Ψ: with expert parallelism the routed experts'
+    Ψ_E (E/ep a rank) sharded over EDP, the rest over DP x CP."""
+    states = model_state_bytes(lay, sums.psi - sums.expert_psi, e)
+    if sums.expert_psi:
+        experts = model_state_bytes(lay, sums.expert_psi, e, lay.expert_grad_replicas)
+        states = {kind: value + experts[kind] for kind, value in states.items()}
+    return states
 
 
 def _scatter(lay) -> int:
@@ -389,6 +406,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         layout.stage_blocks())]
     t = cfg.train
     described = {"model": cfg.model.name, **layout.as_dict(), "cp_comm": cfg.parallel.cp_comm,
+                 "ep_dispatch": cfg.parallel.ep_dispatch,
                  "recompute": t.recompute, "recompute_layers": t.recompute_layers,
                  "offload_activations": cfg.offload.activations,
                  "offload_activations_layers": cfg.offload.activations_layers,

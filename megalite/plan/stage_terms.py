@@ -17,6 +17,7 @@ class StageSums:
     """What a stage's chunks add up to."""
 
     psi: int = 0  # parameter elements
+    expert_psi: int = 0  # of which routed experts split over EP (reduced and sharded over EDP)
     replicated: int = 0  # of which TP-replicated (norms, row-parallel biases, wpe)
     shared_slots: int = 0  # the TP-shared slices' gradient-sum buffer (`ParamSums`)
     largest_unit: int = 0  # ZeRO-3's largest gathered unit
@@ -38,16 +39,20 @@ class StageSums:
     # per chunk, each block's device activation bytes, in backward order (the last first)
     chunk_blocks: List[List[float]] = field(default_factory=list)
     blocks: int = 0  # transformer blocks
+    moe_layers: int = 0  # of which with an MoE layer
     decayed: int = 0  # parameter elements with weight decay (matrices, embeddings)
     largest_param: int = 0  # elements of the largest parameter
     tied_head: int = 0  # elements of a head that is this stage's own embedding (pp = 1, zb-v)
 
 
 def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
-               head_copy: Optional[bool] = None) -> None:
-    """One chunk of n blocks; `first` / `last`: it holds the embeddings / the head
-    (`head_copy`: a parameter of its own, by default when not `first`; `plan_chunks`)."""
+               head_copy: Optional[bool] = None, blocks: Optional[range] = None) -> None:
+    """One chunk of n blocks (`blocks`: which, where known); `first` / `last`: it holds the
+    embeddings / the head (`head_copy`: a parameter of its own, by default when not `first`;
+    `plan_chunks`)."""
     head_copy = last and not first if head_copy is None else head_copy
+    moe = d.cfg.model.moe
+    sums.moe_layers += sum(moe.is_moe_layer(i) for i in blocks or ()) if moe.enabled else 0
     recomputed = recomputed_layers(d.cfg, n)
     _add_params(sums, d, first, last, n, head_copy)
     _add_activations(sums, d, first, last, n, recomputed)
@@ -65,6 +70,7 @@ def _add_params(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     h, vocab_rows = d.cfg.model.n_embd, d.vocab // d.layout.tp_size
     head = vocab_rows * h if last and head_copy else 0  # the head's own parameter
     sums.psi += n * d.layer_params
+    sums.expert_psi += n * d.block.expert
     sums.blocks += n
     sums.replicated += n * d.block.replicated  # norms and the row-parallel biases
     sums.shared_slots += n * d.block.shared_slots  # KV heads shared by TP ranks
@@ -159,12 +165,46 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
         micro * sums.sends * r * d.full if scatter > 1 else 0) if tp > 1 else 0.0
     pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
                      * d.cfg.model.n_embd) / scatter if pp > 1 else 0.0
-    dp_bytes = {0: 2 * rd * 4 * psi,
-                1: rd * (4 + e) * psi,
-                2: rd * (micro * 4 + e) * psi,
-                3: rd * micro * (4 * psi + e * (2 * psi - sums.kept_units))
-                if d.cfg.parallel.reshard_after_forward
-                else rd * (micro * 4 + e) * psi}[lay.zero_stage] if dp > 1 else 0.0
+    dp_bytes = _reduction_bytes(lay.zero_stage, rd, psi - sums.expert_psi, e, micro,
+                                sums.kept_units, d.cfg.parallel.reshard_after_forward) \
+        if dp > 1 else 0.0
     emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
-    return {"tp": tp_bytes, "cp": micro * sums.cp_per_micro, "pp": pp_bytes, "dp": dp_bytes,
-            "embedding": emb_bytes}
+    out = {"tp": tp_bytes, "cp": micro * sums.cp_per_micro, "pp": pp_bytes, "dp": dp_bytes,
+           "embedding": emb_bytes}
+    if lay.ep_size > 1:  # the experts' reductions over EDP (zero 0/1), the token exchange;
+        edp = lay.expert_grad_replicas  # each + the grad norm's fp64 sum of expert squares
+        out["edp"] = _reduction_bytes(lay.zero_stage, ring(edp), sums.expert_psi, e, micro,
+                                      0, True) + (16 * ring(edp) if lay.shards_optimizer
+                                                  else 0.0) if edp > 1 else 0.0
+        out["ep"] = micro * sums.moe_layers * dispatch_bytes(d) + 16 * ring(lay.ep_size)
+    return out
+
+
+def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, kept: int,
+                     reshard: bool) -> float:
+    """The gradient reductions' and ZeRO's gathers' wire bytes of `psi` elements over a
+    group whose ring factor is `rd` (the ZeRO table, `megalite.plan.zero_table`)."""
+    return {0: 2 * rd * 4 * psi,
+            1: rd * (4 + e) * psi,
+            2: rd * (micro * 4 + e) * psi,
+            3: rd * micro * (4 * psi + e * (2 * psi - kept)) if reshard
+            else rd * (micro * 4 + e) * psi}[zero]
+
+
+def dispatch_bytes(d: Dims) -> float:
+    """One MoE layer's token exchange over EP per micro-batch, forward and backward, wire
+    bytes of one rank (`megalite.model.moe.dispatcher`; T tokens of the rank, k choices,
+    h wide, e-byte rows, fp32 routing weights, int64 counts and choices; r = (ep−1)/ep):
+
+      alltoall   counts 8·E·r, then the rows out and back in the forward and again in the
+                 backward, 4·T·k·h·e·r — with balanced routing (a rank keeps 1/ep of its
+                 rows); skewed routing moves more or less
+      allgather  the choices 8·T·k, tokens e·T·h and weights 4·T·k gathered, the outputs
+                 reduce-scattered (e·T·h); backward the tokens' and weights' gradients
+                 reduce-scattered, the outputs' all-gathered: r·ep·T·(3e·h + e·h + 8k + 8k)"""
+    lay, m = d.layout, d.cfg.model
+    ep, moe = lay.ep_size, m.moe
+    r, tokens = ring(ep), d.s_rank * d.cfg.train.micro_batch_size
+    if d.cfg.parallel.ep_dispatch == "allgather":
+        return r * ep * tokens * (4 * d.e * m.n_embd + 16 * moe.top_k)
+    return r * (8 * moe.num_experts + 4 * tokens * moe.top_k * m.n_embd * d.e)

@@ -29,7 +29,7 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
         sums = StageSums()
         tied_family = cfg.model.tie_word_embeddings
         for e, blocks in zip(stage_ends(place, k, tied_family), chunks):
-            add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy)
+            add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
         tied = layout.pp_size > 1 and ties_over_stages(place, k, tied_family)
         out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied)))
     return out

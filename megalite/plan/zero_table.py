@@ -23,13 +23,17 @@ ZERO_DP_TRAFFIC = {  # DP ring traffic per step, in parameter elements (Ψ; ×4 
 }
 
 
-def model_state_bytes(layout: Layout, psi: float, e: int) -> Dict[str, float]:
+def model_state_bytes(layout: Layout, psi: float, e: int, replicas: Optional[int] = None
+                      ) -> Dict[str, float]:
     """Bytes one rank holds for Ψ parameter elements: parameters e·Ψ, gradients 4·Ψ (fp32
     accumulation), optimizer 8·Ψ (AdamW moments) + 4·Ψ (fp32 master where e < 4); each
-    divided by N = DP x CP (`Layout.grad_replicas`: the ranks holding the same parameters)
-    where the ZeRO stage shards it (`Layout.shards_*`)."""
+    divided by N = DP x CP (`Layout.grad_replicas`: the ranks holding the same parameters;
+    `replicas` where others hold them: EDP for EP-split experts) where the ZeRO stage shards
+    it (`Layout.shards_*`)."""
+    n = layout.grad_replicas if replicas is None else replicas
+
     def shard(sharded: bool) -> int:
-        return layout.grad_replicas if sharded else 1
+        return n if sharded else 1
 
     return {"params": e * psi / shard(layout.shards_parameters),
             "grads": 4 * psi / shard(layout.shards_gradients),

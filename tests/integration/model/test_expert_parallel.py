@@ -6,7 +6,8 @@ bias's range) and the step's per-expert counts summed over the stage (what updat
 dispatchers, ZeRO 0 and 1, a Mixtral and one with gated shared experts, and with routing
 skewed so that every token picks experts 0 and 1: one expert takes every token and the EP
 ranks holding experts 2 and 3 receive no rows at all. A checkpoint written at ep 2 resumes
-at ep 1."""
+at ep 1. The plan's parameters, model-state bytes and DP / EDP / EP wire bytes per rank
+match what the runs measure."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,19 @@ import math
 import pytest
 import torch
 
+from megalite.config.layout import Layout
 from megalite.model.moe import step as moe_step
 from megalite.model.moe.layer import MoELayer
+from megalite.plan.memory import make_plan
 from tests.integration.model.test_moe_layouts import MOE, assert_figures_equal
-from tests.layouts import Prepared, assert_equal, from_step, train_in_process, train_layouts
+from tests.layouts import (
+    Prepared,
+    assert_equal,
+    composed,
+    from_step,
+    train_in_process,
+    train_layouts,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -71,11 +81,34 @@ def serial(tiny_data, tmp_path_factory):
             "skew": train_in_process(root / "k", Prepared(common, skewed), STEPS)}
 
 
-def _check(serial, runs, results):
-    for (reference, _), ranks in zip(runs, results):
+def _wire(step_comm: dict, group: str) -> float:
+    return sum(v["wire_bytes"] for k, v in step_comm.items() if k.startswith(group + "/"))
+
+
+def _assert_plan(overrides, world, ranks):
+    """The plan's parameters and model-state bytes per rank (the experts E/ep a rank, their
+    states over EDP) and wire bytes per step: the DP reductions (to 5%: the step's figures'
+    and losses' sums are not the plan's), the EDP reductions and the all-gather dispatch to
+    the byte, the all-to-all's balanced-routing estimate to 25%."""
+    cfg = composed(overrides)
+    stage = make_plan(cfg, Layout.from_config(cfg, world, "cpu")).stages[0]
+    exact = cfg.parallel.ep_dispatch == "allgather"
+    for res in ranks:
+        assert res["local_numel"] == stage.params
+        for kind, got in res["bytes"].items():
+            assert got == pytest.approx(stage.bytes[kind], rel=0.01), (overrides, kind)
+        for group, rel in (("dp", 0.05), ("edp", 1e-9), ("ep", 1e-9 if exact else 0.25)):
+            assert _wire(res["step_comm"], group) == pytest.approx(stage.comm[group], rel=rel), \
+                (overrides, group, res["step_comm"], stage.comm)
+
+
+def _check(serial, runs, results, world):
+    for (reference, run), ranks in zip(runs, results):
         assert_equal(reference, ranks)
         assert_figures_equal(reference, ranks)
         _assert_counts(reference, ranks)
+        if run.prepare is record_counts:  # (skewed routing: not the plan's balanced one)
+            _assert_plan(run.run, world, ranks)
 
 
 def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, serial):
@@ -94,7 +127,7 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
             (serial["skew"], Prepared(common + ["zero=1", "parallel.ep_dispatch=allgather"],
                                       skewed))]
     _check(serial, runs, train_layouts(tmp_path, 2, [run for _, run in runs], STEPS,
-                                       save_at=1))
+                                       save_at=1), 2)
     resumed = train_in_process(tmp_path / "r", [f"data.dir={tiny_data}", *MOE,
                                                 f"checkpoint.resume={ckpt / 'step_00000001'}"],
                                STEPS - 1)
@@ -114,4 +147,4 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
             (serial["moe"], Prepared(common + ["ep=2", "zero=1", "resilience.check_every=1"],
                                      record_counts)),
             (serial["skew"], Prepared(common + ["ep=4", "zero=1"], skewed))]
-    _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS))
+    _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS), 4)
