@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.model.activation_offload import offloaded_blocks
+from megalite.model.moe.experts import capacity
 from megalite.plan import cp_terms
 from megalite.plan.dims import Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
 from megalite.plan.fp8_terms import amax_reductions
@@ -197,14 +198,21 @@ def dispatch_bytes(d: Dims) -> float:
     h wide, e-byte rows, fp32 routing weights, int64 counts and choices; r = (ep−1)/ep):
 
       alltoall   counts 8·E·r, then the rows out and back in the forward and again in the
-                 backward, 4·T·k·h·e·r — with balanced routing (a rank keeps 1/ep of its
-                 rows); skewed routing moves more or less
+                 backward, 4·N·h·e·r — with balanced routing (a rank keeps 1/ep of its
+                 rows); skewed routing moves more or less. N = T·k kept assignments
+                 (dropless), with model.moe.capacity_factor min(T·k, E·C), C the capacity
+                 of an expert per rank (`megalite.model.moe.experts.capacity`): exact
+                 whenever every expert is chosen at least C times on every rank
       allgather  the choices 8·T·k, tokens e·T·h and weights 4·T·k gathered, the outputs
                  reduce-scattered (e·T·h); backward the tokens' and weights' gradients
                  reduce-scattered, the outputs' all-gathered: r·ep·T·(3e·h + e·h + 8k + 8k)"""
     lay, m = d.layout, d.cfg.model
     ep, moe = lay.ep_size, m.moe
-    r, tokens = ring(ep), d.s_rank * d.cfg.train.micro_batch_size
+    # a rank routes its own tokens: s/cp positions, /tp with SP (the folded grid's; the
+    # runtime runs EP over DP ranks only so far)
+    r, tokens = ring(ep), d.s_local * d.cfg.train.micro_batch_size
     if d.cfg.parallel.ep_dispatch == "allgather":
         return r * ep * tokens * (4 * d.e * m.n_embd + 16 * moe.top_k)
-    return r * (8 * moe.num_experts + 4 * tokens * moe.top_k * m.n_embd * d.e)
+    cap = capacity(moe, tokens)
+    rows = tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
+    return r * (8 * moe.num_experts + 4 * rows * m.n_embd * d.e)
