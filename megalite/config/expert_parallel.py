@@ -36,8 +36,7 @@ def check_expert_parallel(cfg, world_size: int) -> None:
     if cfg.zero > 1:
         fail("zero", cfg.zero, f"{why}: the experts' states shard over EDP with zero=0 or 1; "
              "use zero=0 or zero=1")
-    checks = (("layout", cfg.layout != "manual", "manual (the planner does not try ep)"),
-              ("parallel.overlap_param_gather", cfg.parallel.overlap_param_gather, "false"),
+    checks = (("parallel.overlap_param_gather", cfg.parallel.overlap_param_gather, "false"),
               ("offload.optimizer", cfg.offload.optimizer > 0, "0"),
               ("eval.hellaswag", cfg.eval.hellaswag is not None, "null (its DP ranks score "
                "different numbers of micro-batches, which EP's exchanges cannot take)"),

@@ -62,7 +62,6 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["model=llama-tiny", "ep=2"], 2, "ep"),
     (["ep=2", "zero=2"], 2, "zero"),
     (["ep=2", "zero=3"], 2, "zero"),
-    (["ep=2", "layout=auto"], 2, "layout"),
     (["ep=2", "zero=1", "parallel.overlap_param_gather=true"], 2,
      "parallel.overlap_param_gather"),
     (["ep=2", "offload.optimizer=0.5"], 2, "offload.optimizer"),
