@@ -53,10 +53,14 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     `plan_chunks`)."""
     head_copy = last and not first if head_copy is None else head_copy
     moe = d.cfg.model.moe
-    sums.moe_layers += sum(moe.is_moe_layer(i) for i in blocks or ()) if moe.enabled else 0
+    moe_here = sum(moe.is_moe_layer(i) for i in blocks or ()) if moe.enabled else 0
+    sums.moe_layers += moe_here
     recomputed = recomputed_layers(d.cfg, n)
     _add_params(sums, d, first, last, n, head_copy)
     _add_activations(sums, d, first, last, n, recomputed)
+    if moe_here and d.layout.ep_size > 1:  # an MoE layer's exchange in the forward
+        sums.chunk_forward_work[-1] = max(sums.chunk_forward_work[-1],
+                                          dispatch_working_bytes(d))
     _add_traffic(sums, d, first, last, n, recomputed)
     sums.sends += (0 if last else 1) + (0 if first else 1)
     # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
@@ -192,6 +196,29 @@ def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, kept:
             else rd * (micro * 4 + e) * psi}[zero]
 
 
+def kept_rows(moe, tokens: int) -> int:
+    """The assignments a rank's `tokens` keep under balanced routing: T·k (dropless), with a
+    capacity C an expert min(T·k, E·C) (`megalite.model.moe.experts.capacity`)."""
+    cap = capacity(moe, tokens)
+    return tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
+
+
+def dispatch_working_bytes(d: Dims) -> float:
+    """What an MoE layer's exchange under EP holds at once beyond the saved tensors (which
+    are the serial layer's: the expert-major rows, their products and outputs), forward or
+    backward, on one rank (T its tokens, N the rows it sends, balanced routing):
+
+      alltoall   the rows sent beside those received, 2·e·N·h (the dispatch, then the
+                 outputs' return; the gradients' alike in the backward)
+      allgather  the ep·T gathered tokens and the combined outputs before their
+                 reduce-scatter, 2·e·ep·T·h, + the gathered choices and weights 12·ep·T·k"""
+    lay, m = d.layout, d.cfg.model
+    ep, moe, tokens = lay.ep_size, m.moe, d.s_local * d.cfg.train.micro_batch_size
+    if d.cfg.parallel.ep_dispatch == "allgather":
+        return ep * tokens * (2 * d.e * m.n_embd + 12 * moe.top_k)
+    return 2 * d.e * kept_rows(moe, tokens) * m.n_embd
+
+
 def dispatch_bytes(d: Dims) -> float:
     """One MoE layer's token exchange over EP per micro-batch, forward and backward, wire
     bytes of one rank (`megalite.model.moe.dispatcher`; T tokens of the rank, k choices,
@@ -213,6 +240,4 @@ def dispatch_bytes(d: Dims) -> float:
     r, tokens = ring(ep), d.s_local * d.cfg.train.micro_batch_size
     if d.cfg.parallel.ep_dispatch == "allgather":
         return r * ep * tokens * (4 * d.e * m.n_embd + 16 * moe.top_k)
-    cap = capacity(moe, tokens)
-    rows = tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
-    return r * (8 * moe.num_experts + 4 * rows * m.n_embd * d.e)
+    return r * (8 * moe.num_experts + 4 * kept_rows(moe, tokens) * m.n_embd * d.e)
