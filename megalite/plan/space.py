@@ -23,7 +23,8 @@ the profile gives the host link and host memory bandwidths that price their copi
 offloads save nothing). Other keys (bucket size, reshard_after_forward,
 overlap_param_gather, edge_stage_layers, ...) are the configuration's own. For a model with MoE
 layers, each of these at every expert-parallel size ep dividing both tp·cp·dp and the experts
-(`ep_options`; the launch validation keeps those the runtime runs).
+(`ep_options`) that the launch's EP rules accept (`ep_refused`: the runtime runs ep over
+data-parallel ranks only so far).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from megalite.config.errors import ConfigError
+from megalite.config.expert_parallel import check_expert_parallel
 from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.schedule_rules import ZERO_BUBBLE
 from megalite.config.schema import CP_COMMS, Config
@@ -227,6 +230,19 @@ def ep_options(cfg: Config, stage_ranks: int) -> List[int]:
     return _divisors(math.gcd(stage_ranks, moe.num_experts))
 
 
+def ep_refused(cfg: Config, sizes: tuple, zero: int, ep: int) -> bool:
+    """Whether the launch refuses `ep` at these (tp, cp, cp_comm, pp, dp) and zero
+    (`check_expert_parallel`, asked once per grid family rather than per candidate: the
+    runtime runs ep over data-parallel ranks only so far)."""
+    tp, cp, _, pp, dp = sizes
+    try:
+        check_expert_parallel(replace(cfg, tp=tp, cp=cp, pp=pp, zero=zero, ep=ep),
+                              tp * cp * pp * dp)
+    except ConfigError:
+        return True
+    return False
+
+
 def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None
                     ) -> Iterator[Grid]:
     """The search space (module docstring), with the fields named in `fixed` held, as one
@@ -261,6 +277,8 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
     for (v, schedules), ep in itertools.product(_schedules(cfg, pp), eps):
         options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
         for zero in (range(4) if dp * cp > 1 else (0,)):
+            if ep > 1 and ep_refused(cfg, sizes, zero, ep):
+                continue
             for sp in ((False, True) if tp > 1 and tokens % tp == 0 else (False,)):
                 for mb in _divisors(t.global_batch_size // dp):
                     if fp8 and fp8_dims_refusal(m, tp, tokens, mb):
