@@ -31,6 +31,7 @@ from megalite_bench import (
     pipeline,
     plan,
     plan_memory,
+    plan_moe_published,
     plan_table1,
     prepare,
     rerun,
@@ -64,6 +65,8 @@ BENCHMARKS = {
     "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
     "plan-memory": (plan_memory, "the memory plan's peak vs the peak live bytes of real "
                                  "training steps (CPU or GPU, one or more ranks)"),
+    "plan-moe": (plan_moe_published, "the planner's predictions of Megatron-Core's published "
+                 "MoE runs (Mixtral 8x22B, Qwen3-235B) against their TFLOP/s"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
     "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "

@@ -57,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
                         "(default: sampled from data.dir's corpus, each dataset "
                         "of data.blend, where prepared, else no saving assumed; "
                         "megalite/plan/document_terms.py)")
+    p.add_argument("--moe-imbalance-from", default=None, metavar="RUN_DIR",
+                   help="with ep > 1: set planner.moe_imbalance (the busiest EP rank's routed "
+                        "rows over the mean) from an MoE run's logged per-layer imbalance "
+                        "(its metrics.jsonl; megalite/cli/plan_moe.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine instead (matmul rate at the model's shapes; under "
@@ -100,6 +104,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.world_size is None:
         cli.error("the following arguments are required: --world-size")
     profile, per_node = _profile(cli, args)
+    if args.moe_imbalance_from is not None:
+        from megalite.cli.plan_moe import measured_override
+
+        try:
+            args.overrides.append(measured_override(args.moe_imbalance_from))
+        except ValueError as e:
+            cli.error(f"--moe-imbalance-from: {e}")
     if args.document_tokens is not None and args.document_tokens < 1:
         cli.error(f"--document-tokens={args.document_tokens}: must be >= 1 (tokens a "
                   "document, e.g. 1024)")

@@ -33,8 +33,6 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         if getattr(cfg, key) > 1:
             fail(key, getattr(cfg, key), f"{why}: EP folds over data-parallel ranks only so "
                  f"far; use {key}=1")
-    if cfg.layout != "manual":
-        fail("layout", cfg.layout, f"{why}; use layout=manual (the planner does not try ep)")
 
 
 def _divisor(n: int, near: int) -> int:

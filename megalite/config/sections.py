@@ -293,8 +293,15 @@ class PlannerConfig:
     #                                overrides device
     gpus_per_node: Optional[int] = None  # ranks per node; None = the ranks started on this
     #                                      node (torchrun --nproc_per_node)
+    moe_imbalance: float = 1.0  # with ep > 1: the busiest EP rank's routed rows over the mean
+    #                             (1.0: balanced; megalite-plan --moe-imbalance-from RUN reads
+    #                             a run's logged figures; megalite.plan.expert_time)
 
     def check(self) -> None:
+        f = self.moe_imbalance
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1.0:
+            fail("planner.moe_imbalance", f, "must be a number >= 1.0 (the busiest EP rank's "
+                 "routed rows over the mean; 1.0 is balanced routing)")
         if self.gpus_per_node is not None and (isinstance(self.gpus_per_node, bool)
                                                or self.gpus_per_node < 1):
             fail("planner.gpus_per_node", self.gpus_per_node,

@@ -10,6 +10,7 @@ from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.plan import cp_terms
 from megalite.plan.dims import tp_collectives
+from megalite.plan.expert_time import expert_elements
 from megalite.plan.fp8_terms import amax_reductions
 from megalite.plan.links import GroupLink, collective_time
 
@@ -48,7 +49,8 @@ def comm_terms(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink],
                             * cfg.model.n_embd / scatter, 1, links["pp"], 2, "send_recv")
         terms["pp"] = 2 * (lay.pp_size * v - 1) * x + 2 * m * v * max(0.0, x - p.t_f / v)
     units = p.blocks + 2 * p.first + 2 * p.last  # ZeRO-3's gathered units
-    terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], stage.params, e, m, p.t_f, p.t_b,
+    dense = stage.params - expert_elements(cfg, lay, chunks)  # EP's experts: over EDP
+    terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], dense, e, m, p.t_f, p.t_b,
                               links["dp"], units)
     if stage.comm["embedding"]:
         terms["embedding"] = collective_time(stage.comm["embedding"], 1, links["embedding"], 2)

@@ -76,7 +76,8 @@ class ParamSums:
     # slots of the TP-shared slices' gradient sum (`sum_tp_shares`): tp / tp_replicas slots of
     # each shared parameter's elements (grouped-query attention's K, V with tp > n_kv_head)
     shared_slots: int = 0
-    expert: int = 0  # of which routed experts split over EP (their E/ep a rank)
+    expert: int = 0  # of which routed experts split over EP (their E/ep a rank; 0 at ep = 1,
+    #                  where the experts are reduced and sharded with the rest over DP x CP)
 
 
 def param_sums(specs: Specs, tp: int, ep: int = 1) -> ParamSums:
@@ -89,7 +90,7 @@ def param_sums(specs: Specs, tp: int, ep: int = 1) -> ParamSums:
                      largest=max((n for n, _ in sizes), default=0), units=[n for n, _ in sizes],
                      shared_slots=sum(n * tp // s.tp_replicas for n, s in sizes
                                       if s.tp_replicas > 1),
-                     expert=sum(n for n, s in sizes if s.expert))
+                     expert=sum(n for n, s in sizes if s.expert) if ep > 1 else 0)
 
 
 @dataclass(frozen=True)

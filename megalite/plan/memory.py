@@ -114,7 +114,12 @@ from megalite.plan.chunks import stage_ends, ties_over_stages
 from megalite.plan.dims import Dims, dims
 from megalite.plan.fp8_terms import fp8_working_bytes
 from megalite.plan.offload import apply_offload, optimizer_placement, owned_elements
-from megalite.plan.stage_terms import StageSums, add_chunk, stage_comm
+from megalite.plan.stage_terms import (
+    StageSums,
+    add_chunk,
+    dispatch_working_bytes,
+    stage_comm,
+)
 from megalite.plan.zero_table import (
     grad_staging_bytes,
     model_state_bytes,
@@ -349,12 +354,14 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
 
 
 def _block_backward_bytes(d: Dims) -> float:
-    """A block's backward beyond its saved set: the MLP's gradients, or CP attention's
-    working bytes (`cp_terms.working_bytes`), the larger."""
+    """A block's backward beyond its saved set: the MLP's gradients, CP attention's working
+    bytes (`cp_terms.working_bytes`) or EP's exchange (`dispatch_working_bytes`), the
+    largest."""
     lay = d.layout
+    exchange = dispatch_working_bytes(d) if lay.ep_size > 1 else 0.0  # EP's gradient rows
     return max(d.family.block_backward_bytes(d.cfg.model, d.s_rank,
                                              d.cfg.train.micro_batch_size, lay.tp_size, d.e),
-               cp_terms.working_bytes(d.cfg, lay, d.e)["backward"])
+               cp_terms.working_bytes(d.cfg, lay, d.e)["backward"], exchange)
 
 
 def _optimizer_work(d: Dims, sums: StageSums) -> float:

@@ -88,6 +88,8 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     fam = family(mc)
     h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
     layer = fam.block_numel(mc, c.tp)
+    if c.ep > 1:  # E/ep of the routed experts a rank
+        layer -= _expert_numel(mc, c.tp) * (c.ep - 1) // c.ep
     embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
     head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0
@@ -95,8 +97,12 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     lay = Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp, zero_stage=c.zero)
     kept = 1 - offload_fraction(cfg, c)  # of the owned optimizer range (and zero 2/3 grads)
 
+    # the experts' states shard over EDP = tp·cp·dp / ep, the rest over DP x CP: both at the
+    # larger of the two is no more than the plan's
+    sharded = max(lay.grad_replicas, c.tp * c.cp * c.dp // c.ep)
+
     def states(psi: float) -> float:
-        b = model_state_bytes(lay, psi, e)
+        b = model_state_bytes(lay, psi, e, sharded)
         return b["params"] + b["grads"] * (kept if lay.shards_gradients else 1) \
             + b["optimizer"] * kept
     layers = mc.n_layer // (c.pp * c.virtual_stages)
@@ -117,6 +123,11 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     m = t.global_batch_size // (c.micro_batch_size * c.dp)
     first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
     return max(states(average), first)
+
+
+def _expert_numel(mc, tp: int) -> int:
+    """One block's routed experts' elements (block 0's specs, as `block_numel`)."""
+    return sum(local_numel(s, tp) for _, s in family(mc).block_specs(mc, 0, tp) if s.expert)
 
 
 def mask_factor(cfg: Config, c: Choice, profile: DeviceProfile,

@@ -23,14 +23,20 @@ the profile gives the host link and host memory bandwidths that price their copi
 offloads save nothing). Other keys (bucket size, reshard_after_forward,
 overlap_param_gather, edge_stage_layers, ...) are the configuration's own; with
 edge_stage_layers only the pp and v whose pp·v slices can take it (every slice a block: pp = 1
-has no edge stage) are tried.
+has no edge stage) are tried. For a model with MoE layers, each of these at every
+expert-parallel size ep dividing both tp·cp·dp and the experts (`ep_options`) that the
+launch's EP rules accept (`ep_refused`: the runtime runs ep over data-parallel ranks only so
+far).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from megalite.config.errors import ConfigError
+from megalite.config.expert_parallel import check_expert_parallel
 from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.schedule_rules import ZERO_BUBBLE
 from megalite.config.schema import CP_COMMS, Config
@@ -58,6 +64,7 @@ class Choice:
     schedule: str = "auto"  # parallel.schedule: auto (1F1B / interleaved), zb-h1 or zb-v
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_comm: str = "allgather"  # parallel.cp_comm (with cp > 1)
+    ep: int = 1  # expert parallelism: the experts split over ep of a stage's tp·cp·dp ranks
 
     @property
     def zero_bubble(self) -> bool:
@@ -77,6 +84,7 @@ class Choice:
         def opt(x: Optional[int]) -> str:
             return "null" if x is None else str(x)
         return [f"tp={self.tp}", f"cp={self.cp}", f"parallel.cp_comm={self.cp_comm}",
+                f"ep={self.ep}",
                 f"pp={self.pp}", f"zero={self.zero}",
                 f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
                 f"parallel.schedule={self.schedule}",
@@ -91,6 +99,7 @@ class Choice:
         rec = "" if self.recompute_layers is None else f"(first {self.recompute_layers})"
         off = "" if self.offload_layers is None else f"(first {self.offload_layers})"
         cp = f" cp={self.cp} ({self.cp_comm})" if self.cp > 1 else ""
+        cp += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
                 f"v={self.virtual_stages} mb={self.micro_batch_size} "
                 f"recompute={self.recompute}{rec}" + (f" {self.schedule}" if self.zero_bubble else "")
@@ -104,7 +113,7 @@ def apply_choice(cfg: Config, c: Choice) -> Config:
     offload = replace(cfg.offload, activations=c.offload,
                       activations_layers=c.offload_layers if c.offload else None,
                       optimizer=float(c.offload_optimizer))
-    return replace(cfg, tp=c.tp, cp=c.cp, pp=c.pp, zero=c.zero, sp=c.sp,
+    return replace(cfg, tp=c.tp, cp=c.cp, pp=c.pp, zero=c.zero, sp=c.sp, ep=c.ep,
                    parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages,
                                     schedule=c.schedule, cp_comm=c.cp_comm),
                    train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
@@ -194,6 +203,7 @@ class Grid:
     held: list
     cp: int = 1
     cp_comm: str = "allgather"
+    ep: int = 1
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -204,7 +214,7 @@ class Grid:
         if off and self.schedule in ZERO_BUBBLE:
             return None
         c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k, self.schedule,
-                   self.cp, self.cp_comm)
+                   self.cp, self.cp_comm, self.ep)
         return c if all(getattr(c, f) == x for f, x in self.held) else None
 
 
@@ -217,6 +227,28 @@ def cp_options(cfg: Config, world: int) -> List[Tuple[int, str]]:
         out += [(cp, comm) for comm in CP_COMMS]
         cp *= 2
     return out
+
+
+def ep_options(cfg: Config, stage_ranks: int) -> List[int]:
+    """The ep tried for a stage of `stage_ranks` = tp·cp·dp ranks: every divisor of both it
+    and model.moe.num_experts (1 only for a model without MoE layers)."""
+    moe = cfg.model.moe
+    if not moe.enabled:
+        return [1]
+    return _divisors(math.gcd(stage_ranks, moe.num_experts))
+
+
+def ep_refused(cfg: Config, sizes: tuple, zero: int, ep: int) -> bool:
+    """Whether the launch refuses `ep` at these (tp, cp, cp_comm, pp, dp) and zero
+    (`check_expert_parallel`, asked once per grid family rather than per candidate: the
+    runtime runs ep over data-parallel ranks only so far)."""
+    tp, cp, _, pp, dp = sizes
+    try:
+        check_expert_parallel(replace(cfg, tp=tp, cp=cp, pp=pp, zero=zero, ep=ep),
+                              tp * cp * pp * dp)
+    except ConfigError:
+        return True
+    return False
 
 
 def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None
@@ -249,9 +281,12 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
     m, t = cfg.model, cfg.train
     tp, cp, comm, pp, dp = sizes
     fp8, tokens = cfg.fp8.recipe != "none", t.seq_len // cp
-    for v, schedules in _schedules(cfg, pp):
+    eps = ep_options(cfg, tp * cp * dp)
+    for (v, schedules), ep in itertools.product(_schedules(cfg, pp), eps):
         options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
         for zero in (range(4) if dp * cp > 1 else (0,)):
+            if ep > 1 and ep_refused(cfg, sizes, zero, ep):
+                continue
             for sp in ((False, True) if tp > 1 and tokens % tp == 0 else (False,)):
                 for mb in _divisors(t.global_batch_size // dp):
                     if fp8 and fp8_dims_refusal(m, tp, tokens, mb):
@@ -261,7 +296,7 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
                     for (rec, r), acts in options:
                         for name in runs:
                             yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
-                                       fractions, held, cp, comm)
+                                       fractions, held, cp, comm, ep)
 
 
 def candidates(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.model.activation_offload import offloaded_blocks
+from megalite.model.moe.experts import capacity
 from megalite.plan import cp_terms
 from megalite.plan.dims import Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
 from megalite.plan.fp8_terms import amax_reductions
@@ -52,10 +53,14 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     `plan_chunks`)."""
     head_copy = last and not first if head_copy is None else head_copy
     moe = d.cfg.model.moe
-    sums.moe_layers += sum(moe.is_moe_layer(i) for i in blocks or ()) if moe.enabled else 0
+    moe_here = sum(moe.is_moe_layer(i) for i in blocks or ()) if moe.enabled else 0
+    sums.moe_layers += moe_here
     recomputed = recomputed_layers(d.cfg, n)
     _add_params(sums, d, first, last, n, head_copy)
     _add_activations(sums, d, first, last, n, recomputed)
+    if moe_here and d.layout.ep_size > 1:  # an MoE layer's exchange in the forward
+        sums.chunk_forward_work[-1] = max(sums.chunk_forward_work[-1],
+                                          dispatch_working_bytes(d))
     _add_traffic(sums, d, first, last, n, recomputed)
     sums.sends += (0 if last else 1) + (0 if first else 1)
     # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
@@ -191,20 +196,48 @@ def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, kept:
             else rd * (micro * 4 + e) * psi}[zero]
 
 
+def kept_rows(moe, tokens: int) -> int:
+    """The assignments a rank's `tokens` keep under balanced routing: T·k (dropless), with a
+    capacity C an expert min(T·k, E·C) (`megalite.model.moe.experts.capacity`)."""
+    cap = capacity(moe, tokens)
+    return tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
+
+
+def dispatch_working_bytes(d: Dims) -> float:
+    """What an MoE layer's exchange under EP holds at once beyond the saved tensors (which
+    are the serial layer's: the expert-major rows, their products and outputs), forward or
+    backward, on one rank (T its tokens, N the rows it sends, balanced routing):
+
+      alltoall   the rows sent beside those received, 2·e·N·h (the dispatch, then the
+                 outputs' return; the gradients' alike in the backward)
+      allgather  the ep·T gathered tokens and the combined outputs before their
+                 reduce-scatter, 2·e·ep·T·h, + the gathered choices and weights 12·ep·T·k"""
+    lay, m = d.layout, d.cfg.model
+    ep, moe, tokens = lay.ep_size, m.moe, d.s_local * d.cfg.train.micro_batch_size
+    if d.cfg.parallel.ep_dispatch == "allgather":
+        return ep * tokens * (2 * d.e * m.n_embd + 12 * moe.top_k)
+    return 2 * d.e * kept_rows(moe, tokens) * m.n_embd
+
+
 def dispatch_bytes(d: Dims) -> float:
     """One MoE layer's token exchange over EP per micro-batch, forward and backward, wire
     bytes of one rank (`megalite.model.moe.dispatcher`; T tokens of the rank, k choices,
     h wide, e-byte rows, fp32 routing weights, int64 counts and choices; r = (ep−1)/ep):
 
       alltoall   counts 8·E·r, then the rows out and back in the forward and again in the
-                 backward, 4·T·k·h·e·r — with balanced routing (a rank keeps 1/ep of its
-                 rows); skewed routing moves more or less
+                 backward, 4·N·h·e·r — with balanced routing (a rank keeps 1/ep of its
+                 rows); skewed routing moves more or less. N = T·k kept assignments
+                 (dropless), with model.moe.capacity_factor min(T·k, E·C), C the capacity
+                 of an expert per rank (`megalite.model.moe.experts.capacity`): exact
+                 whenever every expert is chosen at least C times on every rank
       allgather  the choices 8·T·k, tokens e·T·h and weights 4·T·k gathered, the outputs
                  reduce-scattered (e·T·h); backward the tokens' and weights' gradients
                  reduce-scattered, the outputs' all-gathered: r·ep·T·(3e·h + e·h + 8k + 8k)"""
     lay, m = d.layout, d.cfg.model
     ep, moe = lay.ep_size, m.moe
-    r, tokens = ring(ep), d.s_rank * d.cfg.train.micro_batch_size
+    # a rank routes its own tokens: s/cp positions, /tp with SP (the folded grid's; the
+    # runtime runs EP over DP ranks only so far)
+    r, tokens = ring(ep), d.s_local * d.cfg.train.micro_batch_size
     if d.cfg.parallel.ep_dispatch == "allgather":
         return r * ep * tokens * (4 * d.e * m.n_embd + 16 * moe.top_k)
-    return r * (8 * moe.num_experts + 4 * tokens * moe.top_k * m.n_embd * d.e)
+    return r * (8 * moe.num_experts + 4 * kept_rows(moe, tokens) * m.n_embd * d.e)

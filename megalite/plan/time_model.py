@@ -72,7 +72,7 @@ bytes of a model-dtype element:
               embeddings and the LM head and is usually the busiest) — their W's are the
               backward's weight half, no FLOPs of their own: compute is the same 3·F either
               way — and busy = compute + recompute + non_matmul + head_loss + grad_accumulate
-              + tp + cp + offload: the slowest stage paces the pipeline; on it this is
+              + tp + cp + offload + ep + expert_imbalance: the slowest stage paces the pipeline; on it this is
               busy·β/(1 − β), the schedule's formula
   pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
               exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
@@ -85,6 +85,11 @@ bytes of a model-dtype element:
               the step, or during the next forward with parallel.overlap_param_gather;
               zero 3: each block gathered ahead (prefetch) during forward and backward
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
+  ep, expert_imbalance, edp   expert parallelism (ep > 1, `megalite.plan.expert_time`): the
+              token exchange on the link the folded EP group spans, blocking in each MoE
+              layer; the busiest EP rank's extra routed-expert compute, (f − 1) × theirs,
+              f = planner.moe_imbalance; the experts' reductions over EDP. ep and
+              expert_imbalance are busy time (the bubble scales with them)
   optimizer   the engine's step on the device, memory-bound: `OPTIMIZER_BYTES` a parameter
               (the fp64-accumulated norm, clipping, fused AdamW, the master -> model-dtype
               copy) over Ψ_dev = the owned range less offload.optimizer's share, + the
@@ -119,6 +124,7 @@ from megalite.plan.comm_time import StagePass, comm_terms
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
 from megalite.plan.document_terms import MaskedWork, attention_forward_s, mask_seconds, masking
+from megalite.plan.expert_time import expert_links, expert_terms
 from megalite.plan.fp8_terms import cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
@@ -132,7 +138,8 @@ from megalite.plan.traffic_bytes import (
 )
 
 TERMS = ("compute", "recompute", "non_matmul", "head_loss", "grad_accumulate", "tp", "cp",
-         "offload", "bubble", "pp", "dp", "embedding", "optimizer", "offload_optimizer")
+         "offload", "ep", "expert_imbalance", "bubble", "pp", "dp", "edp", "embedding",
+         "optimizer", "offload_optimizer")
 
 @dataclass
 class Prediction:
@@ -281,6 +288,8 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                                                    loss_b, masked)
     terms.update(comm_terms(cfg, lay, stage, links, chunks, StagePass(
         m, e, blocks, rerun, first, last, t_f, t_b, profile.rate(lay.precision))))
+    terms.update(expert_terms(cfg, lay, stage, expert_links(lay, profile, ranks_per_node),
+                              profile, chunks, m, rerun, t_b))
     terms["optimizer"], terms["offload_optimizer"] = _optimizer_terms(
         cfg, lay, stage, profile, ranks_per_node, m, e, t_f, t_b, first)
     return terms
@@ -373,7 +382,8 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     m = layout.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
     busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["head_loss"]
-            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["offload"] for s in stages]
+            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["offload"] + s["ep"]
+            + s["expert_imbalance"] for s in stages]
     for s, b in zip(stages, busy):
         s["bubble"] = max(busy) / (1 - beta) - b
     totals = [sum(s.values()) for s in stages]

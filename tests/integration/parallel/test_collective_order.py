@@ -63,8 +63,6 @@ def _run(tiny_data, *extra):
 
 
 FP8 = ["fp8.recipe=tensorwise", "fp8.emulate=true"]
-MOE = ["model.arch=mixtral", "model.n_kv_head=2", "model.n_inner=32",
-       "model.tie_word_embeddings=false", "model.moe.num_experts=4", "model.moe.top_k=2"]
 # every async path, several layouts per launch of 4 ranks
 FOUR_RANKS = [
     # the reproduction (cp 2, zero 1, overlap_param_gather, offload 0.5) at dp 2, FP8
