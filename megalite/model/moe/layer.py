@@ -59,7 +59,7 @@ class MoELayer(nn.Module):
                              "(sequence parallelism)")
         self.moe, self.index, self.ledger, self.split = moe, index, ledger, split
         self.gate = Router(moe, hidden)
-        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp)
+        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp, split)
         if moe.shared_experts:
             self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner) // tp)
             if moe.shared_expert_gate:
