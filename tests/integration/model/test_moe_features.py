@@ -1,8 +1,9 @@
 """A Mixtral with the aux loss, the z-loss and the bias on, with the training features: under
 data parallelism, activation recomputation (every block, or the first) and activation offload
 equal the plain serial run (fp32, 1e-5: losses, grad norms, parameters, the per-layer figures
-and so the bias and counts), FP8 tensorwise on the experts its serial FP8 run within the
-combination matrix's fp32 + FP8 bounds, every rank launching its collectives in one order; a
+and so the bias and counts), FP8 tensorwise on the experts (dp 2, tp 2 + SP, cp 2) its serial
+FP8 run within the combination matrix's fp32 + FP8 bounds, every rank launching its collectives
+in one order; a
 ramped-up batch weighs the aux loss and z-loss of each micro-batch by the step's changing
 micro-batch count, as a penalty computed here from the routers' outputs says; the rerun
 attribution pins a persistent fault on its rank (re-executions and the other replica's
@@ -71,9 +72,9 @@ def test_recompute_offload_and_fp8_experts_under_dp_equal_serial_in_one_order(ti
                                                                               tmp_path, serial):
     """dp 2, one launch under the order probe: recompute (zero 1), activation offload
     (zero 2), the first block recomputed and the next offloaded (zero 3) equal the plain
-    serial run at 1e-5; FP8 experts (zero 1, and recomputed) their serial FP8 run within
-    the matrix's fp32 + FP8 bounds, whose experts are quantized (the losses move off the
-    plain run's)."""
+    serial run at 1e-5; FP8 experts (zero 1, recomputed, tp 2 + SP, cp 2) their serial FP8
+    run within the matrix's fp32 + FP8 bounds, whose experts are quantized (the losses move
+    off the plain run's)."""
     common = _common(tiny_data)
     runs = {"recompute": common + ["zero=1", "train.recompute=true"],
             "offload": common + ["zero=2", "offload.activations=true"],

@@ -6,7 +6,8 @@ the sequence aux loss), tp2 · cp2, a Mixtral and a Qwen3-MoE with a gated share
 with a capacity that drops); a checkpoint saved at tp2 · cp2 resumes at cp2 and one saved at
 tp2 at tp1, each continuing the serial run (the bias from meta.json). At the layer: under tp2
 an expert that receives no token gets a zero gradient, not NaN, and the layer equals the
-serial one (outputs, gradients, counts, aux, z-loss and hf pooled values)."""
+serial one (outputs, gradients, counts, aux, z-loss and hf pooled values); with FP8 experts at
+tp2 + SP and at cp2 every expert's FP8 product takes exactly the serial layer's amaxes."""
 from __future__ import annotations
 
 import pytest
