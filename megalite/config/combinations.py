@@ -143,6 +143,7 @@ EP_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("optimizer offload", {"offload.optimizer": 0.5}),
     ("HellaSwag", {"eval.hellaswag": "hellaswag_val.jsonl", "train.eval_every": 1}),
     ("init_from", {"init_from": "gpt2"}),
+    ("FP8 tensorwise", {"fp8.recipe": "tensorwise", "fp8.emulate": True}),
 )
 
 

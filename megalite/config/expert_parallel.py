@@ -33,6 +33,10 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         if getattr(cfg, key) > 1:
             fail(key, getattr(cfg, key), f"{why}: EP folds over data-parallel ranks only so "
                  f"far; use {key}=1")
+    if cfg.fp8.recipe != "none":
+        fail("fp8.recipe", cfg.fp8.recipe, f"{why}: an expert's rows arrive from ep ranks' "
+             "micro-batches, so its FP8 scales would span them (the serial run's span one); "
+             "use fp8.recipe=none")
 
 
 def _divisor(n: int, near: int) -> int:

@@ -68,15 +68,15 @@ class MixtralFamily(LlamaFamily):
     def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
         """o_proj, the dense blocks' MLP (where `first_dense_layers` / `layer_freq` leave
         some) and each routed expert's two products (`megalite.model.moe.fp8_experts`; one
-        expert's weight: the products run expert by expert). The router and the shared
+        expert's weight at `tp`: the products run expert by expert). The router and the shared
         experts stay in the model dtype."""
         llama = super().fp8_linears(cfg, tp)
         dense = any(not cfg.moe.is_moe_layer(i) for i in range(cfg.n_layer))
         h, i = cfg.n_embd, cfg.moe.expert_hidden(cfg.ffn_size)
         experts = [("model.layers.*.mlp.experts.gate_up_proj", "model.n_embd", h,
-                    "2 * model.moe.expert_size", 2 * i),
-                   ("model.layers.*.mlp.experts.down_proj", "model.moe.expert_size", i,
-                    "model.n_embd", h)]
+                    "2 * model.moe.expert_size / tp", 2 * i // tp),
+                   ("model.layers.*.mlp.experts.down_proj", "model.moe.expert_size / tp",
+                    i // tp, "model.n_embd", h)]
         return (llama if dense else llama[:1]) + experts
 
     def fp8_linear_parameters(self, cfg: ModelConfig) -> int:

@@ -16,7 +16,8 @@ CUDA kernel's dtype; grouped: wherever PyTorch has it) or expert by expert (loop
 numbers either way (`megalite-bench moe`: on a CPU grouped is 1.2x the loop's layer speed). An expert with no
 assignment computes nothing and its weights' gradient is zero. With `fp8` set (fp8.recipe=
 tensorwise, `megalite.parallel.fp8.use_fp8`) both products run in FP8, expert by expert, each
-expert's weight and rows scaled alone (`megalite.model.moe.fp8_experts`).
+expert's weight and rows scaled alone (`megalite.model.moe.fp8_experts`), the amaxes reduced
+over the TP and CP groups of the layer's `TokenSplit` where the serial run's span more.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ import torch.nn.functional as F
 
 from megalite.config.moe import MoEConfig
 from megalite.model.moe.fp8_experts import fp8_expert_products
+from megalite.model.moe.tokens import NO_SPLIT, TokenSplit
+from megalite.parallel.fp8 import Fp8Linear
+from megalite.parallel.group import single_rank_group
 
 
 @dataclass
@@ -87,14 +91,16 @@ def combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torc
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts of hidden size I on h-wide tokens (module docstring)."""
+    """E SwiGLU experts of hidden size I on h-wide tokens (module docstring); `split` the
+    groups the layer's tokens and experts are split over (`megalite.model.moe.tokens`)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, expert_hidden: int, ep: int = 1):
+    def __init__(self, moe: MoEConfig, hidden: int, expert_hidden: int,
+                 split: TokenSplit = NO_SPLIT, ep: int = 1):
         """`ep`: the experts are split over ep ranks (expert parallelism); this module holds
         num_experts / ep of them (`megalite.model.moe.dispatcher` brings their rows)."""
         super().__init__()
         e = moe.num_experts // ep
-        self.moe = moe
+        self.moe, self.split = moe, split
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * expert_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, expert_hidden))
         self.fp8: Optional[str] = None  # tensorwise: the products in FP8 (module docstring)
@@ -142,5 +148,8 @@ class Experts(nn.Module):
 
     def _fp8(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         sizes = counts.tolist()
-        gate, up = fp8_expert_products(rows, self.gate_up_proj, sizes).chunk(2, dim=-1)
-        return fp8_expert_products(F.silu(gate) * up, self.down_proj, sizes)
+        tp = self.split.tp if self.split.tp is not None else single_rank_group("experts")
+        gate_up, down = (Fp8Linear(self.fp8, tp, column, token_group=self.split.cp)
+                         for column in (True, False))
+        gate, up = fp8_expert_products(rows, self.gate_up_proj, sizes, gate_up).chunk(2, dim=-1)
+        return fp8_expert_products(F.silu(gate) * up, self.down_proj, sizes, down)

@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
         self.moe, self.index, self.ledger, self.split = moe, index, ledger, split
         self.dispatcher = dispatcher
         self.gate = Router(moe, hidden)
-        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp,
+        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp, split,
                                1 if dispatcher is None else dispatcher.size)
         if moe.shared_experts:
             self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner) // tp)

@@ -6,7 +6,8 @@ the sequence aux loss), tp2 · cp2, a Mixtral and a Qwen3-MoE with a gated share
 with a capacity that drops); a checkpoint saved at tp2 · cp2 resumes at cp2 and one saved at
 tp2 at tp1, each continuing the serial run (the bias from meta.json). At the layer: under tp2
 an expert that receives no token gets a zero gradient, not NaN, and the layer equals the
-serial one (outputs, gradients, counts, aux, z-loss and hf pooled values)."""
+serial one (outputs, gradients, counts, aux, z-loss and hf pooled values); with FP8 experts at
+tp2 + SP and at cp2 every expert's FP8 product takes exactly the serial layer's amaxes."""
 from __future__ import annotations
 
 import pytest
@@ -154,4 +155,63 @@ def _empty_expert(rank, world):
         for t in figures[1].values():
             torch.distributed.all_reduce(t)
         out[aux_loss] = (ys[0].chunk(world)[rank], ys[1], grads, *figures)
+    return out
+
+
+def test_fp8_experts_scale_each_expert_as_the_serial_layer_under_tp2_and_cp2():
+    """FP8 tensorwise experts at the layer (the aux loss and z-loss on): at tp2 + SP (each
+    expert's weights split, its tokens gathered) and at cp2 (each rank other tokens) every
+    FP8 product every expert runs, forward and backward, takes exactly the serial layer's
+    two amaxes (so scales): the per-expert amaxes reduced over the ranks whose pieces the
+    serial tensor spans. Each CP rank holds tokens of every expert, so the products line up."""
+    for per_layout in run_ranks(_fp8_scales, 2):
+        for layout, (serial, parallel) in per_layout.items():
+            assert len(serial) == 4 * (2 + 4), layout  # 4 experts x 2 forward, 4 backward
+            assert parallel == serial, layout
+
+
+def _fp8_scales(rank, world):
+    """Rank function: one MoE layer with FP8 experts serially and at tp2 + SP and cp2 (this
+    rank's tokens): per layout, the amaxes of each FP8 product's operands in launch order,
+    the serial layer's and this rank's. The output's gradient is a given one (that of
+    y · g): a gradient of y itself would differ from serial's by the rounding of the TP
+    ranks' partial outputs' sum, and its amax with it."""
+    import megalite.model.moe.fp8_experts as fp8_experts
+
+    topos = {"tp": build_topology(world, 1, 1, rank=rank),
+             "cp": build_topology(1, 1, 1, rank=rank, cp=world)}
+    splits = {"tp": TokenSplit.of(topos["tp"].tp_group, True, None),
+              "cp": TokenSplit.of(None, False, topos["cp"].cp_group)}
+    moe = MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    seen, product = [], fp8_experts.scaled_product
+
+    def recorded(a, b, dtypes, layer, groups, out_dtype, amaxes):
+        seen.append([amax.item() for amax in amaxes])
+        return product(a, b, dtypes, layer, groups, out_dtype, amaxes)
+
+    fp8_experts.scaled_product = recorded
+    x, g = torch.randn(2, 16, 2, 16, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for layout, split in splits.items():
+        torch.manual_seed(0)
+        serial = MoELayer(moe, 16, 32, 0, RoutingLedger(moe, [0]))
+        for p in serial.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        tp = split.tp_size
+        layer = MoELayer(moe, 16, 32, 0, RoutingLedger(moe, [0]), tp, split)
+        full = dict(serial.named_parameters())
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(_shard(name, full[name], rank if tp > 1 else 0, tp))
+        runs = []
+        for module, inputs, grad in ((serial, x, g),
+                                     (layer, x.chunk(world)[rank], g.chunk(world)[rank])):
+            module.experts.fp8 = "tensorwise"
+            seen.clear()
+            module.ledger.open(True)
+            y = module(inputs)
+            ((y * grad).sum() + module.ledger.close()).backward()
+            runs.append(list(seen))
+        out[layout] = runs
+    fp8_experts.scaled_product = product
     return out

@@ -2,10 +2,10 @@
 communicators, `megalite.testing.collective_order`): every async path megalite has — ZeRO 1/2/3
 with and without optimizer offload, overlap_param_gather, CP's all-gather and ring, TP + SP,
 the pipeline's schedules, FP8's amax reductions, activation offload, MoE under TP + SP and CP
-and its routing figures under pipeline parallelism, expert parallelism's token exchange —
-trained on real gloo ranks with one rank's host slowed (its offload worker's tasks and its
-forward), each rank's launches recorded by the probe, and every two ranks' shared launches in
-the same order."""
+(its FP8 experts' amaxes too) and its routing figures under pipeline parallelism, expert
+parallelism's token exchange — trained on real gloo ranks with one rank's host slowed (its
+offload worker's tasks and its forward), each rank's launches recorded by the probe, and every
+two ranks' shared launches in the same order."""
 from __future__ import annotations
 
 import time
@@ -82,11 +82,11 @@ FOUR_RANKS = [
     ["pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=1", *MOE,
      "model.moe.first_dense_layers=1"],
     # MoE: the routing's TP gathers and reduce-scatter, the counts' all-reduce over CP, the
-    # step's figures over TP then DP x CP
+    # step's figures over TP then DP x CP, the FP8 experts' per-expert amaxes over TP and CP
     ["model.arch=mixtral", "model.n_kv_head=2", "model.n_inner=32", "model.moe.num_experts=4",
      "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001",
      "model.moe.bias_update_rate=0.01", "tp=2", "sp=true", "cp=2", "zero=1",
-     "offload.optimizer=0.5"],
+     "offload.optimizer=0.5", *FP8],
     # expert parallelism: the token all-to-alls (and the all-gather dispatch) between the DP
     # x CP reductions, the experts' EDP reductions and the norm's EP sum
     [*MOE, "ep=2", "zero=3", "model.moe.bias_update_rate=0.01"],

@@ -1,9 +1,10 @@
 """The combination matrix of strength 2 (docs/combinations.md): every pair of values of two
 feature axes that megalite does not refuse is in some run, and every value of every axis but
-precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 28 runs of
-2-8 ranks, 14 of them with cp 2 (7 in each parallel.cp_comm mode) and 15 with the document
-mask, 7 with both; 9 in fp32 without FP8; 5 of the Mixtral MoE family (aux loss, z-loss and
-bias on); the first one Llama with its KV head replicated over tp=2 under optimizer offload),
+precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 26 runs of
+2-8 ranks, 13 of them with cp 2 (7 all-gather, 6 ring) and 11 with the document mask, 3 with
+both; 8 in fp32 without FP8; 5 of the Mixtral MoE family (aux loss, z-loss and bias on), 2 of
+them FP8 at cp 2, one with tp 2; the first one Llama with its KV head replicated over tp=2
+under optimizer offload),
 and each run trains through a checkpoint and a resume on a corpus of short documents and equals
 its serial run (`megalite.testing.matrix.check_row`: losses, grad norms, final master weights;
 fp32 within 1e-5, bf16 and FP8 within the bounds stated there; a document-masked run's windows

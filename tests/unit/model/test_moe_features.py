@@ -130,9 +130,9 @@ def test_use_fp8_switches_the_experts_not_the_router():
 
 
 def test_fp8_with_moe_refuses_by_key_and_counts_the_experts():
-    """An expert size FP8 cannot take (not a multiple of 16) is refused by fp8.recipe naming
-    the experts, FP8 with tp > 1 by tp naming the amaxes; the time model's FP8 weights a
-    token passes are o_proj's and the top_k experts' (a dense block: its MLP)."""
+    """An expert size FP8 cannot take (not a multiple of 16, one TP rank's share under tp > 1)
+    is refused by fp8.recipe naming the experts; tp2 + SP and cp2 are taken; the time model's
+    FP8 weights a token passes are o_proj's and the top_k experts' (a dense block: its MLP)."""
     from megalite.config.errors import ConfigError
     from megalite.config.layout import validate
     from megalite.config.schema import load_config
@@ -140,11 +140,14 @@ def test_fp8_with_moe_refuses_by_key_and_counts_the_experts():
 
     fp8 = ["model=mixtral-tiny", "device=cpu", "fp8.recipe=tensorwise", "fp8.emulate=true"]
     cases = [(["model.moe.expert_size=24"], 1, "fp8.recipe", "mlp.experts.down_proj"),
-             (["tp=2", "sp=true"], 2, "tp", "amaxes")]
+             (["tp=2", "sp=true", "model.moe.expert_size=48"], 2, "fp8.recipe",
+              "model.moe.expert_size / tp = 24")]
     for extra, world, key, says in cases:
         with pytest.raises(ConfigError) as e:
             validate(load_config(fp8 + extra), world)
         assert e.value.key == key and says in str(e.value), str(e.value)
+    for extra in (["tp=2", "sp=true"], ["cp=2"]):
+        validate(load_config(fp8 + extra), 2)
     m = load_config(fp8).model
     h, i, a = m.n_embd, m.moe.expert_hidden(m.ffn_size), m.n_head * m.head_size
     assert family(m).fp8_linear_parameters(m) == a * h + m.moe.top_k * 3 * h * i

@@ -60,6 +60,7 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["ep=4", "model.moe.num_experts=6"], 4, "ep"),  # 6 experts
     (["ep=4"], 2, "ep"),  # 2 ranks
     (["model=llama-tiny", "ep=2"], 2, "ep"),
+    (["ep=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], 2, "fp8.recipe"),
     (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch")])
 def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key):
     cfg = load_config([*MOE, *overrides])
