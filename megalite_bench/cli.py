@@ -19,6 +19,7 @@ from megalite_bench import (
     context_parallel,
     cpu_threads,
     document_attention,
+    expert_parallel,
     flight,
     gpu,
     hf_export,
@@ -80,6 +81,9 @@ BENCHMARKS = {
                              "torch's context_parallel"),
     "matrix": (matrix, "the combination matrix (--strength 3 before landing an engine change): "
                        "every run against its serial run"),
+    "ep": (expert_parallel, "expert parallelism on a tiny MoE at ep 1 2 4 (over dp): peak bytes "
+                            "per rank and EP wire bytes against the plan, tokens/s, alltoall "
+                            "vs allgather dispatch, the anchors' EP layers where they import"),
     "moe": (moe, "a tiny MoE training step against its dense model of the same active "
                  "parameters and transformers' MixtralForCausalLM; grouped GEMM against the "
                  "per-expert loop (bf16 on CUDA)"),
