@@ -13,7 +13,10 @@ all-gathered and in a ring; ZeRO 1 and 3 over DP; the combination), each against
 run computed on rank 0 of the same job (fp32 unless `precision=` says otherwise: rel 1e-5 as
 the test suite's); saves a checkpoint under
 `checkpoint.dir` (default: <report dir>/checkpoints) and resumes it under another layout;
-measures the links the groups use (within and across nodes) against the device table; and
+measures the links the groups use (within and across nodes) against the device table;
+exchanges rows over expert-parallel groups of up to 8 ranks as the MoE all-to-all dispatcher
+does, the counts then the rows, every row received checked (`megalite.train.selftest_ep`;
+off with the links under --no-links); and
 writes `<report dir>/selftest.json` and `selftest.txt` (per check: pass / fail, the figure,
 the tolerance). Exit status: 0 all passed, 1 a check failed, 2 bad input (refused by name
 before any work: a world that fits none of the layouts asked for, an unwritable directory, a
@@ -49,6 +52,7 @@ from megalite.config.errors import ConfigError
 from megalite.config.schema import load_config
 from megalite.plan import link_check
 from megalite.train import selftest as st
+from megalite.train import selftest_ep
 from megalite.train.runtime import local_device, local_gpus, run_layout
 
 REPORT_FORMAT = "megalite-selftest"
@@ -114,6 +118,9 @@ def run_checks(plan: Plan, device: torch.device, rank: int, work: Path) -> List[
         judged = link_check.judge(link, entries, device, link_check.table_for(device))
         judged["seconds"] = round(time.perf_counter() - t0, 3)
         results.append(_link_result(judged))
+    if plan.links and selftest_ep.ep_size(plan.world, plan.per_node) > 1:  # --no-links: off
+        results.append(selftest_ep.ep_exchange_check(plan.world, plan.per_node, device,
+                                                     plan.base.parallel.timeout_s))
     return results
 
 
@@ -181,6 +188,9 @@ def report_text(report: dict) -> str:
                     f"{c['latency_s'] * 1e6:.3g} µs; {c['tolerance_rule']}")
             if c.get("ratio_to_table") is not None:
                 what += f"; {c['ratio_to_table']:.2f}x the table's {c['table']['name']}"
+        elif c["kind"] == "exchange":
+            fig, tol = f"{c['figure']:g} rows", "0 wrong"
+            what = f"ep {c['ep']}, groups {c['groups']}: {c['quantity']}; {c['tolerance_rule']}"
         else:
             fig = "-" if c["figure"] is None else f"{c['figure']:.2e}"
             tol = f"<= {c['tolerance']:.0e}"

@@ -1,8 +1,8 @@
 """`megalite-selftest` (megalite/cli/selftest.py) on 8 gloo ranks: every layout class that fits
 against the serial run computed on rank 0, a checkpoint resumed under another layout, the
-link check, the report; a fault drill in one layout's gradient (`resilience.inject`, inside
-the rank, through the documented drill API) fails that layout by name; bad input is refused
-by name before any work."""
+link check, the EP exchange, the report; a fault drill in one layout's gradient
+(`resilience.inject`, inside the rank, through the documented drill API) fails that layout by
+name; bad input is refused by name before any work."""
 from __future__ import annotations
 
 import json
@@ -56,17 +56,18 @@ def test_the_selftest_passes_on_8_ranks_and_names_a_drilled_layout(tmp_path, cap
     assert names == ["layout tp8", "layout tp8-sp", "layout pp2-1f1b", "layout pp2-interleaved",
                      "layout pp2-zb-h1", "layout cp2", "layout cp2-ring", "layout zero1",
                      "layout zero3", "layout combined",
-                     "checkpoint zero1 -> combined", "link intra_node"], names
+                     "checkpoint zero1 -> combined", "link intra_node", "ep8 exchange"], names
     for c in rep["checks"]:
         assert c["passed"], c
-        if c["kind"] != "link":
+        if c["kind"] not in ("link", "exchange"):
             assert 0 <= c["figure"] <= c["tolerance"] == 1e-5, c
-    link = rep["checks"][-1]
+    link, exchange = rep["checks"][-2:]
     assert link["figure"] > 0 and link["group_size"] == 8 and link["table"]["name"] == "cpu"
     assert "not judged" in link["tolerance_rule"]
+    assert exchange["figure"] == 0 and exchange["groups"] == [list(range(8))], exchange
     text = (report / "selftest.txt").read_text()
     assert text.startswith("megalite self-test: 8 ranks (1 node(s) x 8), cpu, fp32") and \
-        "12 of 12 checks passed: PASS" in text, text
+        "13 of 13 checks passed: PASS" in text, text
     assert not (ckpt / "megalite-selftest").exists()  # passed: its checkpoints removed
 
     bad = json.loads((drilled / "selftest.json").read_text())
