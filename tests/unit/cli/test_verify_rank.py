@@ -31,6 +31,13 @@ LLAMA3_8B_CP = ["model=llama3-8b", "tp=8", "cp=2", "pp=4", "sp=true", "zero=1",
 LLAMA32_1B_SHARED_KV = ["model=llama3.2-1b", "tp=16", "pp=2", "sp=true", "zero=3",
                         "parallel.schedule=zb-h1", "train.seq_len=2048",
                         "train.micro_batch_size=1", "train.global_batch_size=256"]
+# expert parallelism folded over DP (ep with tp, cp or pp > 1 is refused so far: the tp2 pp8
+# ep8 of Megatron-Core's Mixtral run waits for it): Mixtral 8x22B at ep 8 (EDP 128), Qwen3-235B
+# at ep 32 (EDP 128); ZeRO-1 over EDP for the experts, over DP for the rest
+MIXTRAL_8X22B_EP8 = ["model=mixtral-8x22b", "ep=8", "zero=1", "train.seq_len=4096",
+                     "train.micro_batch_size=1", "train.global_batch_size=1024"]
+QWEN3_235B_EP32 = ["model=qwen3-235b-a22b", "ep=32", "zero=1", "train.seq_len=4096",
+                   "train.micro_batch_size=1", "train.global_batch_size=4096"]
 # (world size, rank, overrides, device kind): zero 0-3, TP with SP, PP with virtual stages
 # (interleaved), uneven edge stages, fp32 and bf16, up to N = 4,096. At N = 4,096 the ranks
 # are not the last DP rank, whose ranges hold the buffers' padding (see the test below).
@@ -55,6 +62,8 @@ CASES = [
     (4096, 4095, LLAMA3_8B, "cuda"),
     (4096, 2111, LLAMA3_8B_CP, "cuda"),  # tp 7, cp 1, pp 3 (the last stage), dp 32
     (4096, 17, LLAMA32_1B_SHARED_KV, "cuda"),
+    (1024, 1021, MIXTRAL_8X22B_EP8, "cuda"),  # ep rank 5, edp rank 127
+    (4096, 4000, QWEN3_235B_EP32, "cuda"),  # ep rank 0, edp rank 125
 ]
 
 
@@ -77,6 +86,23 @@ def test_built_rank_matches_the_plan(world, rank, overrides, device):
     assert result.coords == {"tp": c.tp_rank, "cp": c.cp_rank, "pp": c.pp_rank,
                              "dp": c.dp_rank}
     assert result.groups["dp"] == layout.dp_size and result.groups["world"] == world
+
+
+@pytest.mark.parametrize("world,overrides,ep", [(1024, MIXTRAL_8X22B_EP8, 8),
+                                                (4096, QWEN3_235B_EP32, 32)])
+def test_an_ep_rank_builds_its_share_of_the_experts_in_its_ep_and_edp_groups(world, overrides,
+                                                                             ep):
+    """At ep 8 of 1,024 ranks (and 32 of 4,096) the rank's groups are the folded grid's (ep
+    ranks exchanging tokens, world/ep holding the same experts) and it holds E/ep experts: fewer
+    parameters than the same rank at ep 1 by (1 - 1/ep) of the experts'."""
+    cfg, layout = _layout(overrides, world)
+    result = verify_rank(cfg, layout, world - 1)
+    assert result.groups["ep"] == ep and result.groups["edp"] == world // ep, result.groups
+    dense_cfg, dense = _layout([o for o in overrides if not o.startswith("ep=")], world)
+    whole = verify_rank(dense_cfg, dense, world - 1).params["built"]
+    m = cfg.model
+    experts = m.n_layer * m.moe.num_experts * 3 * m.n_embd * (m.moe.expert_size or m.n_inner)
+    assert whole - result.params["built"] == experts - experts // ep
 
 
 def test_last_dp_rank_holds_the_padding_without_moments():
