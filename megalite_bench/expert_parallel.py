@@ -172,6 +172,10 @@ def anchor_lines(anchors: List[dict]) -> List[str]:
 def run(args) -> Dict[str, List[dict]]:
     """{"rows": one per (ep, dispatch), "anchors": each anchor's import result}."""
     args.world = args.world or max(args.ep)
+    if args.ep[0] != 1 or any(args.world % ep for ep in args.ep):
+        raise SystemExit(f"megalite-bench ep: --ep {' '.join(map(str, args.ep))} --world "
+                         f"{args.world}: the ep sizes start at 1 (the ratios' base) and "
+                         "divide --world, e.g. --ep 1 2 4 --world 4")
     anchors = anchor_layers()
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or str(prepared_corpus(Path(tmp)))

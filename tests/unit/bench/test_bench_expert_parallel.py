@@ -3,7 +3,18 @@ and against the plan, allgather over alltoall, whether the peak falls with ep) a
 anchors' import report."""
 from __future__ import annotations
 
-from megalite_bench.expert_parallel import anchor_layers, anchor_lines, arms, table
+import argparse
+
+import pytest
+
+from megalite_bench.expert_parallel import (
+    add_arguments,
+    anchor_layers,
+    anchor_lines,
+    arms,
+    run,
+    table,
+)
 
 
 def _row(ep, dispatch, measured, wire, tokens_per_s):
@@ -36,3 +47,11 @@ def test_anchor_report_names_each_anchor_with_its_import_result():
     for a, line in zip(anchors, anchor_lines(anchors)):
         assert a["module"] in line
         assert (a["error"] is None) or (a["error"] in line and "does not run here" in line)
+
+
+@pytest.mark.parametrize("argv", [["--ep", "2", "4"], ["--ep", "1", "3", "--world", "4"]])
+def test_ep_sizes_that_do_not_start_at_1_or_divide_the_world_are_refused(argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match="start at 1 .* and divide --world"):
+        run(parser.parse_args(argv))
