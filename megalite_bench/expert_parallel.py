@@ -13,10 +13,10 @@ launches them (`megalite.train.launch.launch`). For each:
                         dispatch's buffers). It falls with ep as the experts' share does.
   EP wire bytes         the "ep" group's wire bytes of that measured step (the topology's
                         `CommCounter`), the largest rank's, against the plan's
-                        (`stage.comm["ep"]`, balanced routing: exact where a capacity makes
-                        every expert keep the same rows on every rank, e.g.
-                        `--model moe.capacity_factor=0.25`; dropless routing is not balanced
-                        on a tiny model, so the ratio shows its skew)
+                        (`stage.comm["ep"]`: the all-gather's exactly; the all-to-all's under
+                        balanced routing, exact only where a capacity makes every expert keep
+                        the same rows on every rank; otherwise the ratio shows the routing's
+                        skew, or the capacity's drops)
   tokens/s              global tokens per optimizer step over the median step time (each step
                         from a barrier, the slowest rank's), the arms' timed steps alternated
                         (A B C ... C B A) so that a shared machine's drift hits all alike.
