@@ -31,6 +31,7 @@ from megalite_bench import (
     pipeline,
     plan,
     plan_memory,
+    plan_published,
     plan_table1,
     prepare,
     rerun,
@@ -64,6 +65,8 @@ BENCHMARKS = {
     "plan": (plan, "the planner's predicted step time vs measured on this machine, Spearman"),
     "plan-memory": (plan_memory, "the memory plan's peak vs the peak live bytes of real "
                                  "training steps (CPU or GPU, one or more ranks)"),
+    "plan-published": (plan_published, "the planner's TFLOP/s per GPU against published runs "
+                       "(Llama 3 405B 8K, Narayanan et al. Table 1) with each row's terms"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
     "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "
