@@ -33,6 +33,7 @@ from megalite_bench import (
     plan,
     plan_memory,
     plan_moe_published,
+    plan_published,
     plan_table1,
     prepare,
     rerun,
@@ -68,6 +69,8 @@ BENCHMARKS = {
                                  "training steps (CPU or GPU, one or more ranks)"),
     "plan-moe": (plan_moe_published, "the planner's predictions of Megatron-Core's published "
                  "MoE runs (Mixtral 8x22B, Qwen3-235B) against their TFLOP/s"),
+    "plan-published": (plan_published, "the planner's TFLOP/s per GPU against published runs "
+                       "(Llama 3 405B 8K, Narayanan et al. Table 1) with each row's terms"),
     "plan-table1": (plan_table1, "the planner's layouts and TFLOP/s for Narayanan et al. "
                                  "2021 Table 1 next to the paper's (no device used)"),
     "offload": (offload, "optimizer / activation offload: host AdamW fused vs foreach, step "

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=len(TABLE1), help="the first N rows")
 
 
-def _overrides(heads, hidden, layers, batch):
+def table1_overrides(heads, hidden, layers, batch):
     return [f"model.n_layer={layers}", f"model.n_embd={hidden}", f"model.n_head={heads}",
             "model.vocab_size=51200", "model.n_positions=2048", "train.seq_len=2048",
             f"train.global_batch_size={batch}", "train.recompute=true", "model.resid_pdrop=0",
@@ -55,7 +55,7 @@ def run(args) -> None:
           "paper layout (tp pp, mb 1) | pred. hw TFLOP/s | paper measured | search s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for params, heads, hidden, layers, tp, pp, gpus, batch, measured in TABLE1[:args.rows]:
-        overrides = _overrides(heads, hidden, layers, batch)
+        overrides = table1_overrides(heads, hidden, layers, batch)
         cfg = load_config(overrides)
         t0 = time.perf_counter()
         full = {"recompute": True, "recompute_layers": None}  # full recompute, as the paper

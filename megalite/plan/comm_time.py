@@ -1,6 +1,6 @@
 """The exposed seconds of each group's communication in a stage's step (the time model's tp,
-cp, pp, dp and embedding terms; `megalite.plan.time_model`'s docstring has the rules, CP's
-are `megalite.plan.cp_terms`')."""
+cp, dp and embedding terms; `megalite.plan.time_model`'s docstring has the rules, CP's
+are `megalite.plan.cp_terms`', the pipeline's transfers `megalite.plan.pipeline_terms`')."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,13 +13,15 @@ from megalite.plan.dims import tp_collectives
 from megalite.plan.expert_time import expert_elements
 from megalite.plan.fp8_terms import amax_reductions
 from megalite.plan.links import GroupLink, collective_time
+from megalite.plan.pipeline_sim import DpWindows, exposed_s
 
 
 @dataclass(frozen=True)
 class StagePass:
     """What a stage's communication is timed against: micro-batches m, bytes e, blocks and
     recomputed blocks, whether it holds the model's ends, one micro-batch's forward and
-    backward seconds and the matmul rate."""
+    backward seconds and the matmul rate; `t_w`: of the backward, the weight gradients'
+    seconds (a zero-bubble schedule's W)."""
 
     m: int
     e: int
@@ -30,35 +32,38 @@ class StagePass:
     t_f: float
     t_b: float
     rate: float
+    t_w: float = 0.0
 
 
 def comm_terms(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink],
                chunks: List[range], p: StagePass) -> Dict[str, float]:
-    """{tp, cp, pp, dp, embedding}: each group's exposed seconds a step."""
-    t, m, e = cfg.train, p.m, p.e
-    terms = dict.fromkeys(("tp", "cp", "pp", "dp", "embedding"), 0.0)
+    """{tp, cp, embedding}: each group's exposed seconds a step (dp: `dp_term`)."""
+    m, e = p.m, p.e
+    terms = dict.fromkeys(("tp", "cp", "embedding"), 0.0)
     if lay.tp_size > 1:
         terms["tp"] = _tp_term(cfg, lay, stage, links["tp"], chunks, p.first, p.last, m,
                                p.blocks, p.rerun)
     terms["cp"] = m * cp_terms.exposed_s(cfg, lay, e, p.blocks, p.rerun, p.rate, links["cp"],
                                          links["cp_send"])
-    if lay.pp_size > 1:
-        v = lay.virtual_stages
-        scatter = lay.tp_size if lay.tp_size > 1 and not lay.sequence_parallel else 1
-        x = collective_time(e * lay.activation_seq_len(t.seq_len) * t.micro_batch_size
-                            * cfg.model.n_embd / scatter, 1, links["pp"], 2, "send_recv")
-        terms["pp"] = 2 * (lay.pp_size * v - 1) * x + 2 * m * v * max(0.0, x - p.t_f / v)
-    units = p.blocks + 2 * p.first + 2 * p.last  # ZeRO-3's gathered units
-    dense = stage.params - expert_elements(cfg, lay, chunks)  # EP's experts: over EDP
-    terms["dp"] = _dp_exposed(cfg, lay, stage.comm["dp"], dense, e, m, p.t_f, p.t_b,
-                              links["dp"], units)
     if stage.comm["embedding"]:
         terms["embedding"] = collective_time(stage.comm["embedding"], 1, links["embedding"], 2)
     return terms
 
 
-def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, m: int,
-                t_f: float, t_b: float, link: GroupLink, units: int) -> float:
+def dp_term(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink], p: StagePass,
+            windows: DpWindows, chunks) -> float:
+    """The stage's exposed DP seconds a step; `windows`: what its per-step reduction and
+    gather run against (`megalite.plan.pipeline_terms`); `chunks` its blocks (EP's experts
+    among them are reduced over EDP, `megalite.plan.expert_time`)."""
+    units = p.blocks + 2 * p.first + 2 * p.last  # ZeRO-3's gathered units
+    dense = stage.params - expert_elements(cfg, lay, chunks)
+    return _dp_exposed(cfg, lay, stage.comm["dp"], dense, p.m, p.t_f, p.t_b,
+                       links["dp"], units, windows)
+
+
+def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, m: int,
+                t_f: float, t_b: float, link: GroupLink, units: int, windows: DpWindows
+                ) -> float:
     """Exposed DP time per step (`megalite.plan.time_model`'s docstring): over the DP x CP
     ranks that reduce the gradients."""
     n = layout.grad_replicas
@@ -69,7 +74,8 @@ def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, 
         max(1.0, 4 * psi / (cfg.parallel.bucket_mb * 2**20))  # collectives per pass
     zero = layout.zero_stage
     if zero == 0:
-        return max(0.0, collective_time(dp_bytes, buckets, link, n, "all_reduce") - t_b)
+        return exposed_s(collective_time(dp_bytes, buckets, link, n, "all_reduce"),
+                         windows.reduce)
     per_micro = zero >= 2
     reduce_bytes = ring * 4 * psi * (m if per_micro else 1)
     gather_bytes = dp_bytes - reduce_bytes
@@ -78,9 +84,10 @@ def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, e: int, 
     gather = collective_time(gather_bytes, buckets * (2 * m if zero == 3 else 1), link, n,
                         "all_gather")
     if zero in (1, 2):
-        exposed = max(0.0, reduce - t_b) if zero == 1 else m * max(0.0, reduce / m - t_b)
-        window = t_f if cfg.parallel.overlap_param_gather else 0.0
-        return exposed + max(0.0, gather - window)
+        exposed = exposed_s(reduce, windows.reduce) if zero == 1 \
+            else m * max(0.0, reduce / m - t_b)
+        return exposed + (exposed_s(gather, windows.gather)
+                          if cfg.parallel.overlap_param_gather else gather)
     if not cfg.parallel.reshard_after_forward:  # one gather per step, before the first forward
         return max(0.0, gather - t_f) + m * max(0.0, reduce / m - t_b)
     g = gather / (2 * m)  # per micro-batch: the forward's gathers, then the backward's

@@ -76,21 +76,29 @@ def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
     (DP x CP) and embedding groups."""
     spread = _placement(layout.tp_size, layout.cp_size, layout.pp_size, layout.dp_size,
                         gpus_per_node)
-    intra, inter = profile.intra_node, profile.inter_node
-    intra_ops = profile.op_links.get("intra_node", {})
-    inter_ops = profile.op_links.get("inter_node", {})
     out = {}
     for kind, (crosses, per_node) in spread.items():
-        if not crosses:
-            out[kind] = GroupLink(intra, False, dict(intra_ops))
-            continue
         rails = 1 if kind in ("pp", "embedding", "cp_send") else per_node
-
-        def across(a: Link, b: Link) -> Link:
-            return Link(min(a.bus_gbps, rails * b.bus_gbps), b.latency_s)
-        out[kind] = GroupLink(across(intra, inter), True, {
-            op: across(intra_ops.get(op, intra), link) for op, link in inter_ops.items()})
+        out[kind] = _across(profile, rails) if crosses else send_link(profile, False)
     return out
+
+
+def _across(profile: DeviceProfile, rails: int) -> GroupLink:
+    """A group spanning nodes over `rails` NIC rails a node (at most the intra-node link)."""
+    intra, intra_ops = profile.intra_node, profile.op_links.get("intra_node", {})
+
+    def across(a: Link, b: Link) -> Link:
+        return Link(min(a.bus_gbps, rails * b.bus_gbps), b.latency_s)
+    return GroupLink(across(intra, profile.inter_node), True, {
+        op: across(intra_ops.get(op, intra), link)
+        for op, link in profile.op_links.get("inter_node", {}).items()})
+
+
+def send_link(profile: DeviceProfile, crosses_nodes: bool) -> GroupLink:
+    """The link of a point-to-point transfer: NVLink inside a node, one NIC rail across."""
+    if crosses_nodes:
+        return _across(profile, 1)
+    return GroupLink(profile.intra_node, False, dict(profile.op_links.get("intra_node", {})))
 
 
 def collective_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int,

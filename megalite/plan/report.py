@@ -82,7 +82,9 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
     lines.append(f"not planned: {result.valid - result.costed} whose time lower bound (compute "
                  "+ recompute + the blocks' TP bytes, and the bubble) is above the top's "
                  "predictions; "
-                 f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower")
+                 f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower; "
+                 f"{result.unreached} never reached (their time lower bound is above, their "
+                 "memory not checked)")
     if result.too_big:
         lines.append("over the device memory, per family: how many, and the least memory per "
                      "rank one of them needs (a lower bound unless planned): " + "; ".join(

@@ -5,10 +5,12 @@ The space is `megalite.plan.space.candidates` (its docstring lists it). Each can
 passes the launch validation (`megalite.config.layout.validate`, which also applies the schedule's
 refusals of `megalite.config.schedule_rules`) and the memory plan (`megalite.plan.memory.make_plan`: every
 stage's estimate within the device memory) before it is proposed. To answer in seconds for
-thousands of devices, candidates are pruned on a memory lower bound first (model states of the
-average stage + the activations a stage-0 rank keeps on the device) and then costed
-best-first by a time lower bound (compute + recompute + the schedule's bubble, which the
-prediction adds communication to): the search stops once the next lower bound exceeds the
+thousands of devices (and the hundreds of thousands of layouts of 16,384), candidates are
+queued best-first by a time lower bound (compute + recompute + the idle time the schedule must
+leave, which the prediction adds communication to; `megalite.plan.search_bounds`), each checked
+against a memory lower bound (model states of the average stage + the activations a stage-0
+rank keeps on the device) only when it is reached, then predicted, then planned: the search
+stops once the next lower bound exceeds the
 k-th best prediction, so the ranking it returns is the exact top k of the whole space.
 
 Under train.attention_mask=document every prediction prices the masked kernel with the run's
@@ -62,7 +64,8 @@ class Ranked:
 @dataclass
 class SearchResult:
     best: List[Ranked]  # fastest first
-    valid: int  # candidates that pass the launch validation rules the search enumerates
+    valid: int  # candidates reached whose memory bound fits (the rest of the space was not
+    #             reached: its time bound exceeds the k-th best prediction)
     costed: int  # predicted (the rest were pruned by a bound)
     too_big: Dict[str, float] = field(default_factory=dict)  # family -> least bytes a
     #                                                           non-fitting layout needs
@@ -72,6 +75,7 @@ class SearchResult:
     # lower bound), "bound" (both lower bounds)
     points: List[Tuple[float, float, str]] = field(default_factory=list)
     masked_work: Optional[MaskedWork] = None  # what the predictions priced the mask with
+    unreached: int = 0  # queued by their time bound, never reached (nor memory-checked)
 
 
 class NothingFits(ValueError):
@@ -160,6 +164,9 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
             if all(r.choice != predicted.choice for r in s.result.best):
                 s.result.best.append(predicted)
             continue
+        if predicted is None:  # not yet checked against the memory
+            walk.check_memory(key, n, c, grid, cell)
+            continue
         if not isinstance(predicted, tuple):  # its memory bound: not predicted yet
             predicted = s.predicted(c)
             if predicted is None:
@@ -209,6 +216,9 @@ def _finish(s: "_Search", walk: "_Offloads") -> SearchResult:
     """The result: the candidates left in the queue as points at their bounds; NothingFits
     (with the plan's figure for each family's least-need layout) when none fits."""
     for key, _, c, predicted, _, _ in walk.queue:  # not planned: their bounds
+        if predicted is None:  # never reached: no memory bound computed
+            s.result.unreached += 1
+            continue
         if isinstance(predicted, Ranked):
             s.result.points.append((predicted.peak_bytes, key, "planned"))
         else:
@@ -248,24 +258,31 @@ class _Offloads:
             self.examine(grid, 0, j)
 
     def examine(self, grid: Grid, i: int, j: int) -> None:
+        """Queue the cell by its time bound; its memory bound waits until it is popped
+        (`check_memory`): most cells of a large space are never reached."""
         c = grid.at(i, j)
         if c is None:  # out of the space: what lies above it may be in
             self.not_fitting(grid, i, j)
             return
-        need = memory_lower_bound(self.s.cfg, c, self.e)
-        if need > self.s.profile.memory_bytes:
-            self.s.too_big(c.family, need)
-            self.s.result.points.append((need, self.bound(c), "bound"))
-            if need < self.smallest.get(c.family, (float("inf"),))[0]:
-                self.smallest[c.family] = (need, c)
-            self.not_fitting(grid, i, j)
-            return
-        self.s.result.valid += 1
-        entry = (self.bound(c), next(self.order), c, need, grid, (i, j))
+        entry = (self.bound(c), next(self.order), c, None, grid, (i, j))
         if self.heap:
             heapq.heappush(self.queue, entry)
         else:
             self.queue.append(entry)
+
+    def check_memory(self, key: float, n: int, c: Choice, grid: Grid, cell: tuple) -> None:
+        """A popped cell's memory bound: over the device, the cells above it are examined;
+        else it is queued again at its key, to be predicted."""
+        need = memory_lower_bound(self.s.cfg, c, self.e)
+        if need > self.s.profile.memory_bytes:
+            self.s.too_big(c.family, need)
+            self.s.result.points.append((need, key, "bound"))
+            if need < self.smallest.get(c.family, (float("inf"),))[0]:
+                self.smallest[c.family] = (need, c)
+            self.not_fitting(grid, *cell)
+            return
+        self.s.result.valid += 1
+        heapq.heappush(self.queue, (key, n, c, need, grid, cell))
 
     def not_fitting(self, grid: Grid, i: int, j: int) -> None:
         """(i, j) is out of the space, invalid or does not fit: examine the variants above it

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 from megalite.config.layout import Layout
-from megalite.config.schedule_rules import expected_bubble
+from megalite.config.schedule_rules import ZERO_BUBBLE, resolve_schedule
 from megalite.config.schema import Config
 from megalite.model.families import family
 from megalite.model.family import local_numel
@@ -25,6 +25,7 @@ from megalite.plan.devices import DeviceProfile
 from megalite.plan.dims import recomputed_layers
 from megalite.plan.document_terms import MaskedWork, masking
 from megalite.plan.links import group_links
+from megalite.plan.pipeline_terms import chunk_shares
 from megalite.plan.space import Choice, apply_choice, offload_fraction
 from megalite.plan.time_model import stage_forward_flops
 from megalite.plan.zero_table import model_state_bytes
@@ -36,9 +37,9 @@ def device_kind(profile: DeviceProfile) -> Tuple[str, bool]:
 
 
 def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
-    """Per stage (model, recompute) forward FLOPs per token and (blocks, recomputed blocks),
-    cached per (pp, v, schedule, recompute, recompute_layers) (zb-v's V puts both ends on
-    stage 0)."""
+    """Per stage (model, recompute) forward FLOPs per token, (blocks, recomputed blocks) and
+    its chunk 0's model forward FLOPs per token, cached per (pp, v, schedule, recompute,
+    recompute_layers) (zb-v's V puts both ends on stage 0)."""
     key = (c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
     if key not in cache:
         cc = replace(cfg, pp=c.pp, parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages),
@@ -49,32 +50,56 @@ def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
                         edge_stage_layers=cfg.parallel.edge_stage_layers)
         cache[key] = tuple(
             (f["model"], f["recompute"], sum(len(b) for b in chunk),
-             sum(recomputed_layers(cc, len(b)) for b in chunk))
-            for f, chunk in zip(stage_forward_flops(cc, layout), layout.stage_blocks()))
+             sum(recomputed_layers(cc, len(b)) for b in chunk), share[0] * f["model"])
+            for f, chunk, share in zip(stage_forward_flops(cc, layout), layout.stage_blocks(),
+                                       chunk_shares(cc, layout)))
     return cache[key]
 
 
 def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
-                     tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0) -> float:
-    """compute + recompute + the blocks' TP wire bytes at the TP group's bus bandwidth (4
-    all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a recomputed block's
-    re-run 1, with SP 3: the plan's count, without the embedding, the head and the
-    latencies) of the busiest stage, over 1 − bubble, for a rank's s/cp tokens: no
-    prediction is lower. `mask_factor`: the document mask's factor on each block's 4·h·s
-    attention FLOPs a token (forward, backward and re-run), as the prediction charges it
-    (at `rate`, no slower than the precision's: still a lower bound for any factor >= 0)."""
+                     tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0,
+                     latency: float = 0.0) -> float:
+    """Per stage k its compute + recompute + the blocks' TP wire bytes at the TP group's bus
+    bandwidth (4 all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a
+    recomputed block's re-run 1, with SP 3: the plan's count, without the embedding, the head
+    and the latencies) + the latency of its blocks' TP and CP collectives (`latency`: the
+    profile's smallest per ring step; CP: all-gather and reduce-scatter a block, the ring's
+    accumulator sends), for a rank's s/cp tokens, + what the schedule must leave it idle: its
+    first operation waits for micro-batch 0's chunk-0 forwards on the stages before it, and
+    (1F1B, interleaved: a stage's last operation is chunk 0's backward of the last
+    micro-batch) its last backward is followed by theirs, at least twice a forward each; the
+    largest over the stages. The simulated pipeline (`megalite.plan.pipeline_sim`) of the
+    prediction, whose operations are no shorter, is no faster; with equal stages this is the
+    formula's busy / (1 − bubble). `mask_factor`: the document mask's factor on each block's
+    4·h·s attention FLOPs a token (forward, backward and re-run), as the prediction charges it
+    (at `rate`, no slower than the precision's: still a lower bound for any factor >= 0).
+    No step is shorter than ZeRO 2/3's per-micro-batch reduce-scatters either (a bucket
+    each, with ZeRO-3 a block each), which the prediction exposes where they outlast the
+    backward."""
     stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
-    tokens = m * c.micro_batch_size * seq / c.tp / rate
+    tokens = c.micro_batch_size * seq / c.tp / rate  # seconds per FLOP a token, a micro-batch
     ring_full = (c.tp - 1) / c.tp * e * seq * c.micro_batch_size \
         * cfg.model.n_embd / (tp_bus_gbps * 1e9)
     per_block, rerun = (10, 3) if c.sp else (8, 2)
     masked = (mask_factor - 1) * 4 * cfg.model.n_embd * cfg.train.seq_len  # a block's, a token
-    busiest = max((3 * f + r + (3 * n + rec) * masked) * tokens
-                  + m * ring_full * (n * per_block + rec * rerun)
-                  for f, r, n, rec in stages)
-    return busiest / (1 - expected_bubble(c.pp, m, c.virtual_stages, c.schedule))
+    idle_per_stage = 1 if resolve_schedule(c.schedule, c.virtual_stages) in ZERO_BUBBLE else 3
+    # each collective's latency (the ring's ranks − 1 steps at the profile's smallest)
+    tp_count = ((10, 3) if c.sp else (4, 1)) if c.tp > 1 else (0, 0)
+    cp_count = 0 if c.cp == 1 else 2 * (c.cp - 1) if c.cp_comm == "allgather" else c.cp
+    replicas = c.dp * c.cp - 1  # ZeRO 2/3 reduce-scatter each micro-batch, one a bucket
+    best, before = 0.0, 0.0
+    for f, r, n, rec, first_chunk in stages:
+        busy = m * ((3 * f + r + (3 * n + rec) * masked) * tokens
+                    + ring_full * (n * per_block + rec * rerun)
+                    + latency * ((n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
+                                 + n * cp_count))
+        # the DP stream's reductions outlast no step (time_model: dp's exposure)
+        streamed = m * replicas * latency * (n if c.zero == 3 else 1) if c.zero >= 2 else 0.0
+        best = max(best, busy + before, streamed)
+        before += idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens
+    return best
 
 
 def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
@@ -139,6 +164,13 @@ def mask_factor(cfg: Config, c: Choice, profile: DeviceProfile,
     return 1.0 if mask is None else mask["factor"]
 
 
+def smallest_latency(profile: DeviceProfile) -> float:
+    """The smallest latency a ring step of any collective pays on `profile`."""
+    links = [profile.intra_node, profile.inter_node] + [
+        link for ops in profile.op_links.values() for link in ops.values()]
+    return min(link.latency_s for link in links)
+
+
 @dataclass
 class TimeBound:
     """`time_lower_bound` of one search's candidates: the compute dtype's bytes `e` and a
@@ -155,6 +187,7 @@ class TimeBound:
     flops: dict = field(default_factory=dict)
     buses: dict = field(default_factory=dict)
     factors: dict = field(default_factory=dict)
+    bounds: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg: Config, profile: DeviceProfile, gpus_per_node: int,
@@ -169,6 +202,15 @@ class TimeBound:
                    4 if precision == "fp32" else 2, rate)
 
     def __call__(self, c: Choice) -> float:
+        """Cached per what the bound depends on (not zero, nor the offloads)."""
+        key = (c.tp, c.cp, c.cp_comm, c.pp, c.dp, c.sp, c.virtual_stages, c.micro_batch_size,
+               c.recompute, c.recompute_layers, c.schedule)
+        bound = self.bounds.get(key)
+        if bound is None:
+            bound = self.bounds[key] = self._bound(c)
+        return bound
+
+    def _bound(self, c: Choice) -> float:
         if (c.tp, c.pp) not in self.buses:
             tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
                              self.profile, self.gpus_per_node)["tp"]
@@ -178,4 +220,5 @@ class TimeBound:
         if key not in self.factors:
             self.factors[key] = mask_factor(self.cfg, c, self.profile, self.masked_work)
         return time_lower_bound(self.cfg, c, self.rate, self.flops, self.e,
-                                self.buses[(c.tp, c.pp)], self.factors[key])
+                                self.buses[(c.tp, c.pp)], self.factors[key],
+                                smallest_latency(self.profile))

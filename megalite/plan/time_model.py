@@ -66,24 +66,28 @@ bytes of a model-dtype element:
               `block_pass` (forward), twice that + two thirds (backward, + the gradient
               accumulation's share); the head and the loss are the compute between the last
               block's forward and its backward
-  bubble      busy_max / (1 − β) − busy_k, β = `expected_bubble(pp, m, v, schedule)`:
-              (p−1)/(v·m+p−1) for 1F1B and interleaved, (p−1)/(3m+p−1) for ZB-H1 (m ≥ p),
-              (p−1)/(6m+p−1) for ZB-V (m ≥ (3p−1)/2; v = 2 in a V, so stage 0 holds the
-              embeddings and the LM head and is usually the busiest) — their W's are the
-              backward's weight half, no FLOPs of their own: compute is the same 3·F either
-              way — and busy = compute + recompute + non_matmul + head_loss + grad_accumulate
-              + tp + cp + offload + ep + expert_imbalance: the slowest stage paces the pipeline; on it this is
-              busy·β/(1 − β), the schedule's formula
-  pp          pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP): posted ahead, so
-              exposed along the fill and drain (2(p·v − 1) transfers) and, in the steady
-              state, only where a transfer outlasts a chunk's forward
+  bubble      the stage's idle seconds in its schedule's own order of operations
+              (`megalite.plan.pipeline_terms`, `megalite.plan.pipeline_sim`): every stage's
+              busy = compute + recompute + non_matmul + head_loss + grad_accumulate + tp + cp
+              + offload + ep + expert_imbalance cut into m·v forwards and backwards (ZB-H1 /
+              ZB-V: B and W, W the linears' and the head's weight gradients and the
+              accumulation) by its forward : backward times and its chunks' FLOPs, simulated
+              as `stage_order` runs them (any m and v it accepts, uneven stages): the step
+              without transfers less the stage's busy. With equal stages and unit times the
+              schedules' formulas (`expected_bubble`); a heavier stage paces the pipeline
+  pp          what the pipeline transfers (e·s'·b·h, 1/t of it with TP and no SP; posted
+              ahead) add to the simulated step, each on the link it crosses (NVLink inside a
+              node, one NIC rail across)
   dp          the plan's DP wire bytes (over DP x CP: the ranks reducing the same
               gradients), split into reduction (reduce / reduce-scatter of 4Ψ
-              fp32 gradients) and gather (e·Ψ parameters). zero 0-1: buckets reduced during
-              the last micro-batch's backward (exposed: what exceeds it); zero 2-3: a
-              reduce-scatter per micro-batch during its backward; zero 1-2: the gather after
-              the step, or during the next forward with parallel.overlap_param_gather;
+              fp32 gradients) and gather (e·Ψ parameters). zero 0-1: each chunk's buckets
+              reduced from the start of its last backward, one after another, exposed where
+              they outlast the pipeline (the stage's idle end and later chunks' backwards
+              hide them); zero 2-3: a reduce-scatter per micro-batch during its backward;
+              zero 1-2: the gather after the step, or with parallel.overlap_param_gather each
+              chunk's before its first forward ends (the stage's idle start hides it);
               zero 3: each block gathered ahead (prefetch) during forward and backward
+              (`megalite.plan.pipeline_sim.DpWindows`)
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
   ep, expert_imbalance, edp   expert parallelism (ep > 1, `megalite.plan.expert_time`): the
               token exchange on the link the folded EP group spans, blocking in each MoE
@@ -117,10 +121,9 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megalite.config.layout import Layout
-from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import Config
 from megalite.model.families import family, flops_per_token
-from megalite.plan.comm_time import StagePass, comm_terms
+from megalite.plan.comm_time import StagePass, comm_terms, dp_term
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
 from megalite.plan.document_terms import MaskedWork, attention_forward_s, mask_seconds, masking
@@ -128,6 +131,7 @@ from megalite.plan.expert_time import expert_links, expert_terms
 from megalite.plan.fp8_terms import cast_traffic_bytes
 from megalite.plan.links import GroupLink, group_links
 from megalite.plan.offload import HOST_ADAM_BYTES, activation_offload_s, optimizer_offload_term
+from megalite.plan.pipeline_terms import pipeline_terms
 from megalite.plan.traffic_bytes import (
     LOSS_BYTES_PER_LOGIT,
     OPTIMIZER_BYTES,
@@ -252,9 +256,10 @@ def device_step_s_per_param(profile: DeviceProfile, e: int) -> Optional[float]:
 def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
                  links: Dict[str, GroupLink], k: int, chunks: List[range],
                  flops: Dict[str, float], ranks_per_node: int, loss: str,
-                 mask_factor: float = 1.0) -> Dict[str, float]:
-    """Stage k's terms a step (module docstring); `mask_factor`: the masked attention's
-    time over the dense causal attention's (1: causal)."""
+                 mask_factor: float = 1.0) -> Tuple[Dict[str, float], StagePass]:
+    """Stage k's terms a step (module docstring; bubble, pp and dp: `predict`) and what its
+    communication is timed against; `mask_factor`: the masked attention's time over the dense
+    causal attention's (1: causal)."""
     t, lay = cfg.train, layout
     m = lay.micro_batches(t.global_batch_size)
     e = 4 if lay.precision == "fp32" else 2
@@ -286,13 +291,16 @@ def _stage_terms(cfg: Config, layout: Layout, stage, profile: DeviceProfile,
         terms["offload"] = m * _activation_offload(cfg, lay, profile, k, chunks, e, flops,
                                                    block_pass, accumulate, f_model, loss_f,
                                                    loss_b, masked)
-    terms.update(comm_terms(cfg, lay, stage, links, chunks, StagePass(
-        m, e, blocks, rerun, first, last, t_f, t_b, profile.rate(lay.precision))))
+    # a zero-bubble W: the linears' and the head's weight gradients (attention has none)
+    t_w = max(0.0, f_model - blocks * mask_factor * attention_forward_s(cfg, lay, profile, 1)) \
+        + accumulate
+    p = StagePass(m, e, blocks, rerun, first, last, t_f, t_b, profile.rate(lay.precision), t_w)
+    terms.update(comm_terms(cfg, lay, stage, links, chunks, p))
     terms.update(expert_terms(cfg, lay, stage, expert_links(lay, profile, ranks_per_node),
                               profile, chunks, m, rerun, t_b))
     terms["optimizer"], terms["offload_optimizer"] = _optimizer_terms(
         cfg, lay, stage, profile, ranks_per_node, m, e, t_f, t_b, first)
-    return terms
+    return terms, p
 
 
 def _memory_bound_s(cfg: Config, lay: Layout, stage, profile: DeviceProfile, tokens: int,
@@ -376,30 +384,25 @@ def predict(cfg: Config, layout: Layout, stages: Sequence, profile: DeviceProfil
     loss = loss or loss_implementation(cfg, layout)
     mask = masking(cfg, layout, profile, masked_work)
     factor = mask["factor"] if mask else 1.0
-    stages = [_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k], flops[k],
-                           min(gpus_per_node, layout.world_size), loss, factor)
-              for k in range(layout.pp_size)]
-    m = layout.micro_batches(cfg.train.global_batch_size)
-    beta = expected_bubble(layout.pp_size, m, layout.virtual_stages, cfg.parallel.schedule)
-    busy = [s["compute"] + s["recompute"] + s["non_matmul"] + s["head_loss"]
-            + s["grad_accumulate"] + s["tp"] + s["cp"] + s["offload"] + s["ep"]
-            + s["expert_imbalance"] for s in stages]
-    for s, b in zip(stages, busy):
-        s["bubble"] = max(busy) / (1 - beta) - b
-    totals = [sum(s.values()) for s in stages]
-    k = max(range(len(stages)), key=totals.__getitem__)
-    step, terms = totals[k], stages[k]
+    terms_k, passes = zip(*[_stage_terms(cfg, layout, stages[k], profile, links, k, chunks[k],
+                                         flops[k], min(gpus_per_node, layout.world_size),
+                                         loss, factor) for k in range(layout.pp_size)])
+    pipe = pipeline_terms(cfg, layout, profile, gpus_per_node, terms_k, passes)
+    for k, s in enumerate(terms_k):  # the schedule's idle time, transfers and DP windows
+        s["bubble"], s["pp"] = pipe.bubble[k], pipe.pp[k]
+        s["dp"] = dp_term(cfg, layout, stages[k], links, passes[k], pipe.windows[k], chunks[k])
+    totals = [sum(s.values()) for s in terms_k]
+    k = max(range(len(terms_k)), key=totals.__getitem__)
+    step, terms, world = totals[k], terms_k[k], layout.world_size
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
-    world = layout.world_size
     model_tflops = tokens / step * flops_per_token(cfg.model, cfg.train.seq_len) / world / 1e12
-    recompute_per_token = sum(f["recompute"] for f in flops)
-    hardware = model_tflops + tokens / step * recompute_per_token / world / 1e12
+    hardware = model_tflops + tokens / step * sum(f["recompute"] for f in flops) / world / 1e12
     return Prediction(step_s=step, terms=terms, critical_stage=k,
                       critical_term=max(terms, key=terms.__getitem__),
                       tokens_per_s=tokens / step, model_tflops_per_device=model_tflops,
                       hardware_tflops_per_device=hardware,
                       mfu=model_tflops / profile.peak_tflops_bf16
                       if profile.peak_tflops_bf16 else None, device=profile.name,
-                      stage_terms=stages,
+                      stage_terms=list(terms_k),
                       document_mask=mask_seconds(cfg, layout, profile, mask, chunks[k]))
 

@@ -142,7 +142,7 @@ def test_an_overlapped_reduction_costs_nothing_while_backward_is_longer():
 @pytest.mark.parametrize("v,m,schedule", [(1, 8, "auto"), (2, 4, "auto"), (1, 2, "auto"),
                                             (1, 8, "zb-h1"), (1, 1, "zb-h1"),
                                             (2, 8, "zb-v"), (2, 1, "zb-v")])
-def test_bubble_term_is_the_schedules_formula(v, m, schedule):
+def test_bubble_term_is_the_schedules_idle_time(v, m, schedule):
     over = ["pp=2", f"parallel.virtual_stages={v}", f"train.global_batch_size={m}",
             "train.micro_batch_size=1", f"parallel.schedule={schedule}"]
     cfg, layout, pred = planned(over, 2, synthetic(bus=1e6))
@@ -155,11 +155,16 @@ def test_bubble_term_is_the_schedules_formula(v, m, schedule):
         if schedule == "zb-h1" else \
         (p - 1) / (6 * m + p - 1) if 2 * m >= 3 * p - 1 else 1 - 6 * m / (4 * m + 4 * p - 2)
     assert beta == pytest.approx(expected_bubble(2, m, v, schedule))
-    slowest = busy.index(max(busy))  # paces the pipeline: idle beta of the step
-    assert pred.stage_terms[slowest]["bubble"] == pytest.approx(
-        max(busy) * beta / (1 - beta), rel=1e-9)
-    for b, terms in zip(busy, pred.stage_terms):  # the others also wait for it
-        assert b + terms["bubble"] == pytest.approx(max(busy) / (1 - beta), rel=1e-9)
+    slowest = busy.index(max(busy))  # paces the pipeline
+    # the simulated idle time (megalite.plan.pipeline_sim): the formula with equal stages
+    # (test_pipeline_sim); here the stages differ (the head), and 1F1B's slowest stage idles
+    # less than the formula on it would charge (the lighter stage's fill and drain)
+    bubble = pred.stage_terms[slowest]["bubble"]
+    assert bubble >= 0
+    if schedule == "auto":
+        assert bubble <= max(busy) * beta / (1 - beta) * (1 + 1e-9)
+    step = {round(b + t["bubble"], 12) for b, t in zip(busy, pred.stage_terms)}
+    assert len(step) == 1  # the others wait for it: one pipeline step
     if schedule == "zb-v":  # the V puts the embedding and the head on stage 0: it paces
         assert slowest == 0 and pred.critical_stage == 0 and layout.v_shape
         _, _, inter = planned(over[:-1], 2, synthetic(bus=1e6)) if m % 2 == 0 else (0, 0, None)
