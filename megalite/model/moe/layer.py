@@ -10,8 +10,9 @@ sequence parallelism).
 
 TP splits each expert's SwiGLU and the shared experts' as the dense MLP's (gate and up by
 rows, each block split, down by columns); the router and the shared experts' gate are
-replicated (their gradients summed over TP with the norms'). EP (tp = cp = 1) holds
-num_experts / ep of the experts and exchanges the tokens (`megalite.model.moe.dispatcher`).
+replicated (their gradients summed over TP with the norms'). EP (tp = 1; any cp and pp, each
+stage its own EP group) holds num_experts / ep of the experts and exchanges each rank's own
+tokens (under CP its two chunks of every sequence; `megalite.model.moe.dispatcher`).
 
 Parameter names are transformers 5's (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`); the shared experts' are `mlp.shared_experts.gate_up_proj.weight`,
@@ -82,7 +83,7 @@ class MoELayer(nn.Module):
                      capacity(self.moe, flat.shape[0]), self.moe.drop_policy)
         if self.dispatcher is None:
             y = self.experts(flat, weights, d)
-        else:  # ep > 1 (tp = cp = 1: this rank's tokens)
+        else:  # ep > 1 (tp = 1: this rank's own tokens, its CP chunks under cp > 1)
             y = self.dispatcher(self.experts, flat, weights, chosen, d)
         if self.moe.shared_experts:
             shared = self.shared_experts(flat)

@@ -1,8 +1,11 @@
-"""Expert parallelism folded over data parallelism equals the serial run (fp32, rel 1e-5):
+"""Expert parallelism folded over a stage's data- and context-parallel ranks equals the serial
+run (fp32, rel 1e-5):
 losses, grad norms, every parameter (each EP rank's experts are its rows of the serial
 [E, ...] tensors), the validation loss, the per-layer figures (aux, z-loss, imbalance, the
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
-— at ep 2 over dp 2, ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), with both
+— at ep 2 over dp 2, ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), ep 2 at pp 2
+(1F1B and ZB-V; each stage its own EP groups, its counts per block), ep 2 over cp 2 and ep 4
+over cp 2 x dp 2 (each rank dispatching its own CP chunks), with both
 dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated shared
 expert, init_from a checkpoint, HellaSwag's scores, and routing skewed so that every token
 picks experts 0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3
@@ -20,6 +23,7 @@ from megalite.checkpoint.format import read_global_state
 from megalite.config.layout import Layout
 from megalite.model.moe import step as moe_step
 from megalite.model.moe.layer import MoELayer
+from megalite.parallel.topology import coords_of
 from megalite.plan.memory import make_plan
 from tests.integration.model.test_moe_layouts import MOE, assert_figures_equal
 from tests.layouts import (
@@ -39,6 +43,9 @@ STEPS = 3
 # Qwen3-MoE's blocks (q/k norms) with a Qwen2-MoE-style gated shared expert
 SHARED = ["model.arch=qwen3_moe", "model.moe.shared_experts=1", "model.moe.shared_expert_size=16",
           "model.moe.shared_expert_gate=true"]
+# 4 blocks, micro-batches of 2 (the pipelined runs': 4 a replica at pp2 x dp2): 1F1B's stage 0
+# holds blocks 0-1, ZB-V's blocks 0 and 3
+DEEP = ["model.n_layer=4", "train.micro_batch_size=2"]
 SKEW = (2.0, 1.0, 0.0, 0.0)  # the routers' starting selection bias: experts 0 and 1 always
 
 
@@ -63,14 +70,16 @@ def _qwen(overrides):
 
 def record_counts(trainer):
     """Record the step's per-expert counts summed over the stage (what `update_bias` reads);
-    returns the collector, which puts `update_bias` back and gives [step][layer] counts."""
+    returns the collector, which puts `update_bias` back and gives [step]{block: counts} of
+    this rank's MoE layers (a pipeline stage's own)."""
     counts, original = [], moe_step.update_bias
-    layers = sum(isinstance(m, MoELayer) for m in trainer.model.modules())
+    block = {id(m.gate.e_score_correction_bias): m.index for m in trainer.model.modules()
+             if isinstance(m, MoELayer)}
 
     def recording(bias, layer_counts, rate):
-        if not counts or len(counts[-1]) == layers:
-            counts.append([])
-        counts[-1].append(layer_counts.tolist())
+        if not counts or block[id(bias)] in counts[-1]:
+            counts.append({})
+        counts[-1][block[id(bias)]] = layer_counts.tolist()
         original(bias, layer_counts, rate)
 
     moe_step.update_bias = recording
@@ -91,9 +100,11 @@ def skewed(trainer):
 
 def _assert_counts(serial, ranks):
     for res in ranks:
+        assert len(res["extra"]) == len(serial["extra"])
         for ours, theirs in zip(serial["extra"], res["extra"]):
-            for a, b in zip(ours, theirs):
-                assert all(math.isclose(x, y) for x, y in zip(a, b)), (a, b)
+            assert theirs and theirs.keys() <= ours.keys(), (ours, theirs)
+            for layer, b in theirs.items():
+                assert all(math.isclose(x, y) for x, y in zip(ours[layer], b)), (layer, b)
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +119,14 @@ def serial(tiny_data, tmp_path_factory):
                                                           record_counts), STEPS),
             "shared": train_in_process(root / "s", Prepared(_qwen(common), record_counts),
                                        STEPS),
+            "deep": train_in_process(root / "d", Prepared(common + DEEP, record_counts), STEPS),
             "skew": train_in_process(root / "k", Prepared(common, skewed), STEPS)}
 
 
 def _wire(step_comm: dict, group: str) -> float:
-    return sum(v["wire_bytes"] for k, v in step_comm.items() if k.startswith(group + "/"))
+    """The step's wire bytes over `group` (the plan's "dp": DP x CP's, dp_cp under cp > 1)."""
+    names = ("dp/", "dp_cp/") if group == "dp" else (group + "/",)
+    return sum(v["wire_bytes"] for k, v in step_comm.items() if k.startswith(names))
 
 
 def _assert_plan(overrides, world, ranks):
@@ -121,9 +135,10 @@ def _assert_plan(overrides, world, ranks):
     and losses' sums are not the plan's), the EDP reductions and the all-gather dispatch to
     the byte, the all-to-all's balanced-routing estimate to 25%."""
     cfg = composed(overrides)
-    stage = make_plan(cfg, Layout.from_config(cfg, world, "cpu")).stages[0]
+    stages = make_plan(cfg, Layout.from_config(cfg, world, "cpu")).stages
     exact = cfg.parallel.ep_dispatch == "allgather"
-    for res in ranks:
+    for rank, res in enumerate(ranks):
+        stage = stages[coords_of(rank, cfg.tp, cfg.pp, cfg.cp).pp_rank]
         assert res["local_numel"] == stage.params
         for kind, got in res["bytes"].items():
             assert got == pytest.approx(stage.bytes[kind], rel=0.01), (overrides, kind)
@@ -150,7 +165,7 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
     experts and, resumed at ep 1, continues the serial run."""
     common, ckpt = [f"data.dir={tiny_data}", *MOE, "ep=2"], tmp_path / "ckpt"
     skew = serial["skew"]["extra"]
-    assert all(c[2] == c[3] == 0 and c[0] > 0 for step in skew for c in step), skew
+    assert all(c[2] == c[3] == 0 and c[0] > 0 for step in skew for c in step.values()), skew
     runs = [(serial["moe"], Prepared(common + ["zero=1", f"checkpoint.dir={ckpt}"],
                                      record_counts)),
             (serial["moe"], Prepared(common + ["parallel.ep_dispatch=allgather",
@@ -198,7 +213,17 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
             (serial["moe"], Prepared(common + ["ep=2", "zero=3", "parallel.bucket_mb=0.01"],
                                      record_counts)),
             (serial["init"], Prepared(common + ["ep=2", "zero=2", f"init_from={serial['start']}"],
-                                      record_counts))]
+                                      record_counts)),
+            # each pipeline stage its own EP groups: ep 2 over a stage's dp 2
+            (serial["deep"], Prepared(common + DEEP + ["ep=2", "pp=2", "zero=1"], record_counts)),
+            (serial["deep"], Prepared(common + DEEP + [
+                "ep=2", "pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
+                "parallel.ep_dispatch=allgather"], record_counts)),
+            # under CP each rank dispatches its own chunks: ep 2 over cp 2 (EDP over dp 2),
+            # ep 4 over cp 2 x dp 2
+            (serial["moe"], Prepared(common + ["ep=2", "cp=2", "zero=1"], record_counts)),
+            (serial["moe"], Prepared(common + ["ep=4", "cp=2", "zero=2",
+                                               "parallel.ep_dispatch=allgather"], record_counts))]
     _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS,
                                        save_at=1), 4)
     # the ep 4 checkpoint after step 1 resumed at ep 2 (ZeRO 2) continues the serial run

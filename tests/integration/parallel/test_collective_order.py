@@ -91,6 +91,9 @@ FOUR_RANKS = [
     # x CP reductions, the experts' EDP reductions and the norm's EP sum
     [*MOE, "ep=2", "zero=3", "model.moe.bias_update_rate=0.01"],
     [*MOE, "ep=4", "parallel.ep_dispatch=allgather", "model.moe.shared_experts=1"],
+    # each pipeline stage's own EP group (ZB-V's split backward), EP over CP ranks
+    [*MOE, "ep=2", "pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=1"],
+    [*MOE, "ep=2", "cp=2", "zero=2", "model.moe.bias_update_rate=0.01"],
 ]
 
 

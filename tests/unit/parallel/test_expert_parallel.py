@@ -61,7 +61,9 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["ep=4"], 2, "ep"),  # 2 ranks
     (["model=llama-tiny", "ep=2"], 2, "ep"),
     (["ep=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], 2, "fp8.recipe"),
-    (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch")])
+    (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch"),
+    (["ep=2", "tp=2", "sp=true"], 4, "tp"),  # expert TP = 1 under TP: not yet
+    (["ep=4", "pp=2"], 4, "ep")])  # 2 ranks a stage
 def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key):
     cfg = load_config([*MOE, *overrides])
     with pytest.raises(ConfigError) as e:
@@ -69,7 +71,11 @@ def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key)
     assert e.value.key == key and "\n" not in str(e.value), str(e.value)
 
 
-def test_ep_over_data_parallel_ranks_is_accepted():
-    for ep, world, zero in ((2, 2, 0), (4, 4, 1), (2, 4, 2), (2, 2, 3)):
+def test_ep_over_data_and_context_parallel_ranks_of_each_stage_is_accepted():
+    for ep, world, zero, more in ((2, 2, 0, []), (4, 4, 1, []), (2, 4, 2, []), (2, 2, 3, []),
+                                  (2, 4, 1, ["pp=2"]), (2, 4, 0, ["cp=2"]),
+                                  (4, 8, 1, ["cp=2", "pp=2"]),
+                                  (2, 4, 0, ["pp=2", "parallel.schedule=zb-v",
+                                             "parallel.virtual_stages=2"])):
         validate(load_config([*MOE, f"ep={ep}", f"zero={zero}", "train.global_batch_size=16",
-                              "train.micro_batch_size=4"]), world_size=world)
+                              "train.micro_batch_size=4", *more]), world_size=world)
