@@ -146,6 +146,8 @@ EP_SETTINGS: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("HellaSwag", {"eval.hellaswag": "hellaswag_val.jsonl", "train.eval_every": 1}),
     ("init_from", {"init_from": "gpt2"}),
     ("FP8 tensorwise", {"fp8.recipe": "tensorwise", "fp8.emulate": True}),
+    ("pp 2 zb-h1 zero 3", {"pp": 2, "parallel.schedule": "zb-h1", "zero": 3}),
+    ("rerun attribution", {"resilience.rerun": "on_nan"}),
 )
 
 

@@ -125,8 +125,8 @@ class Experts(nn.Module):
         each. No rows at all (an EP rank that received no token) still runs an expert on
         the empty rows, so that the weights' gradient is zero rather than absent (the
         reduction of every rank's gradient waits for it)."""
-        if rows.shape[0] == 0:
-            return self._expert(rows, 0)
+        if rows.shape[0] == 0:  # only under EP, which refuses FP8: the FP8 path's amax
+            return self._expert(rows, 0)  # reductions (TP, CP) must run on every rank
         if self.fp8 is not None:
             return self._fp8(rows, counts)
         return self._grouped(rows, counts) if self.grouped(rows) else self._loop(rows, counts)

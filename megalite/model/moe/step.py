@@ -69,12 +69,17 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
         if update and ledger.moe.bias_update_rate > 0:
             for row, layer in enumerate(ledger.layers):
                 update_bias(bias[layer], got["counts"][row], ledger.moe.bias_update_rate)
-        got = _unpacked(packed.cpu(), layers, experts)  # the figures: one copy to the host
+        # the figures and the biases' ranges (after the update): one copy to the host
+        ranges = [torch.stack([bias[layer].min(), bias[layer].max()]).to(packed.dtype)
+                  for layer in ledger.layers if layer in bias]
+        host = torch.cat([packed, *ranges]).cpu()
+        got = _unpacked(host[:packed.numel()], layers, experts)
+        ranged = iter(host[packed.numel():].view(-1, 2).tolist())
         # a micro-batch's forward was recorded by each of the ranks its tokens are split over
         forwards = (got["forwards"] / ledger.split.ranks).clamp(min=1)
         for row, layer in enumerate(ledger.layers):
             figures[str(layer)] = _layer_figures(got, row, got["counts"][row], forwards,
-                                                 bias.get(layer))
+                                                 next(ranged) if layer in bias else None)
         if ledger.moe.aux_loss == "hf":
             figures["aux_hf"] = (got["pooled"] / forwards).item()
         ledger.clear()
@@ -82,13 +87,13 @@ def finish_step(ledgers: List[RoutingLedger], biases: List[Dict[int, torch.Tenso
 
 
 def _layer_figures(got: Dict[str, torch.Tensor], row: int, counts: torch.Tensor,
-                   forwards: torch.Tensor, bias: Optional[torch.Tensor]) -> dict:
+                   forwards: torch.Tensor, bias_range: Optional[List[float]]) -> dict:
     out = {"aux": (got["aux"][row] / forwards).item(),
            "z_loss": (got["z"][row] / forwards).item(),
            "imbalance": (counts.max() / counts.mean().clamp(min=1e-12)).item(),
            "dropped": (got["dropped"][row] / got["assigned"][row].clamp(min=1)).item()}
-    if bias is not None:
-        out["bias_min"], out["bias_max"] = bias.min().item(), bias.max().item()
+    if bias_range is not None:
+        out["bias_min"], out["bias_max"] = bias_range
     return out
 
 

@@ -61,6 +61,8 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["ep=4"], 2, "ep"),  # 2 ranks
     (["model=llama-tiny", "ep=2"], 2, "ep"),
     (["ep=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], 2, "fp8.recipe"),
+    (["ep=2", "pp=2", "zero=3", "parallel.schedule=zb-h1", "model.n_layer=4"], 4, "zero"),
+    (["ep=2", "resilience.rerun=on_nan"], 2, "resilience.rerun"),
     (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch"),
     (["ep=2", "tp=2", "sp=true"], 4, "tp"),  # expert TP = 1 under TP: not yet
     (["ep=4", "pp=2"], 4, "ep")])  # 2 ranks a stage
