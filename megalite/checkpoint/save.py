@@ -75,15 +75,18 @@ def take_snapshot(engine, state: SavedState, cfg: Config, topo: Topology,
         if part is None:
             continue
         a, b = part
+        # an expert whole on each TP rank (ep > 1): its ranges are of the whole tensor, as
+        # one TP rank's would be
+        folded = piece.spec.tp_folded
         for kind in KINDS:
             t = piece.tensors.get(kind)
             if t is None:
                 continue
             tensors.append(t.detach().reshape(-1)[a - piece.lo:b - piece.lo])
             pieces.append({"name": piece.spec.name, "kind": kind,
-                           "tp_rank": topo.coords.tp_rank, "lo": a, "hi": b,
+                           "tp_rank": 0 if folded else topo.coords.tp_rank, "lo": a, "hi": b,
                            "file": data_file, "offset": offset,
-                           "spec": spec_record(piece.spec, topo.tp_size)})
+                           "spec": spec_record(piece.spec, 1 if folded else topo.tp_size)})
             offset += 4 * (b - a)
     if staging is not None:
         flat = staging(offset // 4)

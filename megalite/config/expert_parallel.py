@@ -30,10 +30,6 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         fail("ep", ep, f"must divide model.moe.num_experts={moe.num_experts} (each EP rank "
              f"holds num_experts/ep experts); e.g. ep={good}")
     why = f"is not supported with ep={ep} (expert parallelism) yet"
-    if cfg.tp > 1:
-        fail("tp", cfg.tp, f"{why}: EP folds over a stage's data- and context-parallel ranks "
-             "only so far (its experts would be whole on each rank, its tokens not gathered "
-             "over TP); use tp=1")
     if cfg.fp8.recipe != "none":
         fail("fp8.recipe", cfg.fp8.recipe, f"{why}: an expert's rows arrive from ep ranks' "
              "micro-batches, so its FP8 scales would span them (the serial run's span one); "

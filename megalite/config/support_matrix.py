@@ -109,8 +109,9 @@ def render(base: Config) -> str:
              "Two of these settings that megalite refuses together (each runs alone):", "",
              *_setting_pairs_table(refused_setting_pairs(base)), "",
              "## Expert parallelism", "",
-             "`ep` > 1 runs with MoE models over the data- and context-parallel ranks of "
-             "each pipeline stage (every schedule), ZeRO 0-3, both dispatchers (docs: "
+             "`ep` > 1 runs with MoE models over the tensor- (with SP), data- and "
+             "context-parallel ranks of each pipeline stage (every schedule), ZeRO 0-3, both "
+             "dispatchers (docs: "
              "[MoE](moe.md#expert-parallelism)). Each setting below tried "
              "beside the MoE setting at ep 2 over dp 2:", "",
              *_ep_table(ep_refusals(base)), "",

@@ -15,6 +15,7 @@ Each parameter has a `ParamSpec` in `param_specs`, taken from the family's spec 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -188,11 +189,14 @@ class CausalLM(nn.Module):
 
     def _specs(self, listed: Dict[str, ParamSpec]) -> Dict[str, ParamSpec]:
         """Each parameter's spec from the family's list `listed` (`Family.stage_specs`; a tied
-        parameter listed once), its local shape checked against the spec's split."""
+        parameter listed once), its local shape checked against the spec's split; with
+        ep > 1 the routed experts' whole on each TP rank (`ParamSpec.tp_folded`)."""
         tp, ep = self.tp_group.size, self.ep_size
         specs = {}
         for name, param in self.named_parameters():
             spec = listed[name]
+            if spec.expert and ep > 1:
+                spec = dataclasses.replace(spec, tp_folded=True)
             if tuple(param.shape) != spec.local_shape(tp, ep):
                 raise ValueError(f"{name}: local shape {tuple(param.shape)}, its spec says "
                                  f"{spec.local_shape(tp, ep)} at tp={tp}, ep={ep}")

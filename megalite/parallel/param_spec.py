@@ -23,6 +23,10 @@ read these specs and need no special cases:
   parallelism (ep > 1) each EP rank holds E/ep consecutive experts, rows [r·E/ep, (r+1)·E/ep)
   of dim 0 — a contiguous range of the flattened tensor, so a checkpoint records it as that
   range of the whole tensor (`expert_offset`) and any ep reads it back.
+- `tp_folded=True`: an expert weight under expert parallelism (ep > 1) is not split over TP
+  (expert TP = 1: EP folds over the TP ranks, Megatron-Core's MoE parallel folding): each TP
+  rank holds whole experts, its EP rank's, so `tp_dim` keeps the axis a TP split would cut
+  (a checkpoint reslices it for a layout with ep = 1) and the TP split counts as tp = 1.
 - `tied_copy=True`: this parameter is a second copy of another one (the last pipeline stage's
   LM head = the first stage's token embedding); norms and exports count it once.
 """
@@ -45,6 +49,7 @@ class ParamSpec:
     tied_copy: bool = False
     tp_replicas: int = 1
     expert: bool = False
+    tp_folded: bool = False
 
     @property
     def tp_replicated(self) -> bool:
@@ -60,6 +65,8 @@ class ParamSpec:
 
     def tp_chunks(self, tp: int, tp_rank: int) -> Tuple[int, int]:
         """(the distinct chunks dim `tp_dim` is cut into at `tp`, the one `tp_rank` holds)."""
+        if self.tp_folded:
+            return 1, 0
         return tp // self.tp_replicas, tp_rank // self.tp_replicas
 
     @property
@@ -122,7 +129,8 @@ class ParamSpec:
 
     def unshard(self, pieces: List[torch.Tensor]) -> torch.Tensor:
         """The global (logical, unpadded) tensor from every TP rank's piece, in rank order."""
-        pieces = pieces[::self.tp_replicas] if len(pieces) > 1 else pieces
+        pieces = pieces[::self.tp_replicas] if len(pieces) > 1 and not self.tp_folded \
+            else pieces[:1]
         if self.tp_dim is None or len(pieces) == 1:
             full = pieces[0]
         else:

@@ -304,7 +304,9 @@ class ZeroEngine(EngineState):
                 + squares_fp32_rows(expert_host, device)
             if self.layout.shards_optimizer:
                 comm.all_reduce(experts, self.topo.expert_grad_group)
-            sq = sq + comm.all_reduce(experts, self.topo.ep_group)
+            comm.all_reduce(experts, self.topo.ep_group)  # the stage's experts, each once
+            if self.topo.coords.tp_rank == 0:  # every TP rank holds that sum (EP folds over
+                sq = sq + experts              # TP): the mp_group's sum counts it once
         comm.all_reduce(sq, self.topo.mp_group)
         return sq.sqrt()
 

@@ -81,8 +81,10 @@ class ParamSums:
 
 
 def param_sums(specs: Specs, tp: int, ep: int = 1) -> ParamSums:
-    """`specs` on one TP rank (and one EP rank: a routed expert weight's E/ep experts)."""
-    sizes = [(local_numel(s, tp) // (ep if s.expert else 1), s) for _, s in specs]
+    """`specs` on one TP rank (and one EP rank: a routed expert weight's E/ep experts, whole:
+    EP folds over TP, expert TP = 1)."""
+    sizes = [(local_numel(s, 1) // ep if s.expert and ep > 1 else local_numel(s, tp), s)
+             for _, s in specs]
     return ParamSums(numel=sum(n for n, _ in sizes),
                      replicated=sum(n for n, s in sizes if s.tp_replicated),
                      decayed=sum(n for n, s in sizes if s.weight_decay),

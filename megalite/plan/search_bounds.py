@@ -113,8 +113,8 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     fam = family(mc)
     h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
     layer = fam.block_numel(mc, c.tp)
-    if c.ep > 1:  # E/ep of the routed experts a rank
-        layer -= _expert_numel(mc, c.tp) * (c.ep - 1) // c.ep
+    if c.ep > 1:  # E/ep of the routed experts a rank, whole (expert TP = 1)
+        layer += _expert_numel(mc, 1) // c.ep - _expert_numel(mc, c.tp)
     embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
     head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0

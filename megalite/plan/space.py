@@ -25,8 +25,8 @@ overlap_param_gather, edge_stage_layers, ...) are the configuration's own; with
 edge_stage_layers only the pp and v whose pp·v slices can take it (every slice a block: pp = 1
 has no edge stage) are tried. For a model with MoE layers, each of these at every
 expert-parallel size ep dividing both tp·cp·dp and the experts (`ep_options`) that the
-launch's EP rules accept (`ep_refused`: the runtime folds ep over a stage's data- and
-context-parallel ranks, at any pp, and not yet over tp).
+launch's EP rules accept (`ep_refused`: the runtime folds ep over a stage's tensor- (with
+SP), data- and context-parallel ranks, at any pp).
 """
 from __future__ import annotations
 
@@ -240,8 +240,7 @@ def ep_options(cfg: Config, stage_ranks: int) -> List[int]:
 
 def ep_refused(cfg: Config, sizes: tuple, zero: int, ep: int) -> bool:
     """Whether the launch refuses `ep` at these (tp, cp, cp_comm, pp, dp) and zero
-    (`check_expert_parallel`, asked once per grid family rather than per candidate: the
-    runtime folds ep over a stage's DP and CP ranks only so far, tp = 1)."""
+    (`check_expert_parallel`, asked once per grid family rather than per candidate)."""
     tp, cp, _, pp, dp = sizes
     try:
         check_expert_parallel(replace(cfg, tp=tp, cp=cp, pp=pp, zero=zero, ep=ep),

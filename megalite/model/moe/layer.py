@@ -10,9 +10,16 @@ sequence parallelism).
 
 TP splits each expert's SwiGLU and the shared experts' as the dense MLP's (gate and up by
 rows, each block split, down by columns); the router and the shared experts' gate are
-replicated (their gradients summed over TP with the norms'). EP (tp = 1; any cp and pp, each
-stage its own EP group) holds num_experts / ep of the experts and exchanges each rank's own
-tokens (under CP its two chunks of every sequence; `megalite.model.moe.dispatcher`).
+replicated (their gradients summed over TP with the norms'). EP (any cp and pp, each stage its
+own EP group) holds num_experts / ep of the experts and exchanges each rank's own tokens
+(under CP its two chunks of every sequence; `megalite.model.moe.dispatcher`). EP folded over
+TP ranks (tp > 1, SP; Megatron-Core's MoE parallel folding with expert TP = 1, as torchtitan):
+the routed experts are whole on each rank and run on the rank's own s/tp positions, exchanged
+over EP, not gathered over TP; only the chosen experts are gathered (the balancing's counts
+of the micro-batch), and the shared experts stay TP-split:
+
+    y = dispatcher(experts, x_own, routing_own)
+      + reduce_scatter_TP(shared_experts(all_gather_TP(x)) [· gate])
 
 Parameter names are transformers 5's (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`); the shared experts' are `mlp.shared_experts.gate_up_proj.weight`,
@@ -66,14 +73,18 @@ class MoELayer(nn.Module):
         self.moe, self.index, self.ledger, self.split = moe, index, ledger, split
         self.dispatcher = dispatcher
         self.gate = Router(moe, hidden)
-        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // tp, split,
-                               1 if dispatcher is None else dispatcher.size)
+        # EP folded over TP (expert TP = 1): each expert whole, the rank's own tokens
+        self.folded = dispatcher is not None and split.tp is not None
+        self.experts = Experts(moe, hidden, moe.expert_hidden(n_inner) // (
+            1 if self.folded else tp), split, 1 if dispatcher is None else dispatcher.size)
         if moe.shared_experts:
             self.shared_experts = SharedExperts(hidden, moe.shared_hidden(n_inner) // tp)
             if moe.shared_expert_gate:
                 self.shared_experts_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded:
+            return self._folded(x)
         s, b, h = x.shape
         routing = self.gate(x.reshape(s * b, h))
         # TP: every TP rank's tokens and routing (the micro-batch's where cp = 1)
@@ -83,13 +94,35 @@ class MoELayer(nn.Module):
                      capacity(self.moe, flat.shape[0]), self.moe.drop_policy)
         if self.dispatcher is None:
             y = self.experts(flat, weights, d)
-        else:  # ep > 1 (tp = 1: this rank's own tokens, its CP chunks under cp > 1)
+        else:  # ep > 1, tp = 1: this rank's own tokens (its CP chunks under cp > 1)
             y = self.dispatcher(self.experts, flat, weights, chosen, d)
         if self.moe.shared_experts:
-            shared = self.shared_experts(flat)
-            if self.moe.shared_expert_gate:
-                shared = torch.sigmoid(self.shared_experts_gate(flat)) * shared
-            y = y + shared
+            y = y + self._shared(flat)
         if self.ledger is not None:
             self.ledger.record(self.index, routing, d, b, self.split, chosen)
         return self.split.scatter(y.view(xs.shape))
+
+    def _folded(self, x: torch.Tensor) -> torch.Tensor:
+        """EP folded over TP (module docstring): the routed experts on this rank's own tokens
+        over EP, the shared experts over the TP-gathered ones."""
+        s, b, h = x.shape
+        flat = x.reshape(s * b, h)
+        routing = self.gate(flat)
+        d = dispatch(routing.indices, routing.weights, self.moe.num_experts,
+                     capacity(self.moe, flat.shape[0]), self.moe.drop_policy)
+        y = self.dispatcher(self.experts, flat, routing.weights, routing.indices, d)
+        if self.moe.shared_experts:
+            xs = self.split.gather_tokens(x)
+            y = y + self.split.scatter(self._shared(xs.reshape(-1, h)).view(xs.shape)
+                                       ).reshape(s * b, h)
+        if self.ledger is not None:  # the counts of the micro-batch: the TP ranks' choices
+            self.ledger.record(self.index, routing, d, b, self.split,
+                               self.split.gather_indices(routing.indices, s, b),
+                               own_dispatch=True)
+        return y.view(s, b, h)
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(flat)
+        if self.moe.shared_expert_gate:
+            shared = torch.sigmoid(self.shared_experts_gate(flat)) * shared
+        return shared

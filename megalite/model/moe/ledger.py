@@ -142,11 +142,13 @@ class RoutingLedger:
             self._open, self._terms, self._pooled, self.figures = kept
 
     def record(self, layer: int, routing: Routing, d: Dispatch, batch: int,
-               split: TokenSplit = NO_SPLIT, chosen: Optional[torch.Tensor] = None) -> None:
+               split: TokenSplit = NO_SPLIT, chosen: Optional[torch.Tensor] = None,
+               own_dispatch: bool = False) -> None:
         """Layer `layer`'s routing of a forward's tokens (`batch` sequences): `routing` this
         rank's tokens', `chosen` [T, k] the experts chosen for the TP ranks' tokens together
-        (`split.gather`; None: this rank's, `routing.indices`) and `d` their dispatch. The
-        penalty and the figures are this rank's part of the micro-batch's (`tokens`)."""
+        (`split.gather`; None: this rank's, `routing.indices`) and `d` their dispatch
+        (`own_dispatch`: of this rank's tokens only, EP folded over TP). The penalty and the
+        figures are this rank's part of the micro-batch's (`tokens`)."""
         if not self._open:
             return
         moe, figures = self.moe, self._figures(routing.logits.device)
@@ -170,13 +172,15 @@ class RoutingLedger:
             self._pooled.append((counts.sum(0), probs.sum(0), tokens))
         i = self.row[layer]
         own = routing.indices.numel()
-        figures.counts[i] += (d.routed if split.tp is None else  # this rank's tokens'
-                              balance.expert_counts(routing.indices, moe.num_experts)).double()
+        figures.counts[i] += (d.routed if split.tp is None or own_dispatch  # this rank's tokens'
+                              else balance.expert_counts(routing.indices, moe.num_experts)
+                              ).double()
         figures.aux[i] += aux.detach().double()
         figures.z[i] += z.detach().double()
         if moe.capacity_factor is not None:  # this rank's tokens' assignments over capacity
-            kept = split.own(torch.div(d.order, moe.top_k, rounding_mode="floor"),
-                             routing.indices.shape[0]).sum()
+            kept = d.order.new_tensor(d.order.numel()) if own_dispatch else split.own(
+                torch.div(d.order, moe.top_k, rounding_mode="floor"),
+                routing.indices.shape[0]).sum()
             figures.dropped[i] += (own - kept).double()
         figures.assigned[i] += own  # a host int: no copy to the device
 

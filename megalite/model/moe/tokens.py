@@ -82,10 +82,22 @@ class TokenSplit:
             return x, indices, weights
         s, b = x.shape[:2]
         k = indices.shape[-1]
-        x = regions.gather_from_seq(x, self.tp)
-        indices = comm.gather_seq(indices.view(s, b, k), self.tp).view(-1, k)
+        x, indices = self.gather_tokens(x), self.gather_indices(indices, s, b)
         weights = regions.gather_from_seq(weights.view(s, b, k), self.tp).view(-1, k)
         return x, indices, weights
+
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens [s', b, h] -> every TP rank's, [s'·tp, b, h] (backward: the
+        gradient reduce-scattered)."""
+        return x if self.tp is None else regions.gather_from_seq(x, self.tp)
+
+    def gather_indices(self, indices: torch.Tensor, s: int, b: int) -> torch.Tensor:
+        """The chosen experts [s·b, k] of this rank's tokens ([s, b] of them) -> every TP
+        rank's, [s·tp·b, k] position-major (no gradient)."""
+        if self.tp is None:
+            return indices
+        k = indices.shape[-1]
+        return comm.gather_seq(indices.view(s, b, k), self.tp).view(-1, k)
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """The TP ranks' partial outputs [s'·tp, b, h] summed, this rank's tokens kept."""

@@ -5,7 +5,8 @@ losses, grad norms, every parameter (each EP rank's experts are its rows of the 
 bias's range) and the step's per-expert counts summed over the stage (what updates the bias)
 — at ep 2 over dp 2, ep 4 over dp 4 (EDP = 1) and ep 2 over dp 4 (EDP = 2), ep 2 at pp 2
 (1F1B and ZB-V; each stage its own EP groups, its counts per block), ep 2 over cp 2 and ep 4
-over cp 2 x dp 2 (each rank dispatching its own CP chunks), with both
+over cp 2 x dp 2 (each rank dispatching its own CP chunks), ep 2 over tp 2 and ep 4 over
+tp 2 x dp 2 with SP (experts whole on each rank, each rank's own tokens), with both
 dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated shared
 expert, init_from a checkpoint, HellaSwag's scores, and routing skewed so that every token
 picks experts 0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3
@@ -46,6 +47,9 @@ SHARED = ["model.arch=qwen3_moe", "model.moe.shared_experts=1", "model.moe.share
 # 4 blocks, micro-batches of 2 (the pipelined runs': 4 a replica at pp2 x dp2): 1F1B's stage 0
 # holds blocks 0-1, ZB-V's blocks 0 and 3
 DEEP = ["model.n_layer=4", "train.micro_batch_size=2"]
+# EP folded over TP: lr 2e-3 as the MoE TP tests (test_moe_tp_cp: at 1e-2 AdamW turns the
+# rounding of the few embedding rows whose gradient is near 0 into updates above 1e-5)
+TP_LR = ["optim.lr=2e-3"]
 SKEW = (2.0, 1.0, 0.0, 0.0)  # the routers' starting selection bias: experts 0 and 1 always
 
 
@@ -120,6 +124,7 @@ def serial(tiny_data, tmp_path_factory):
             "shared": train_in_process(root / "s", Prepared(_qwen(common), record_counts),
                                        STEPS),
             "deep": train_in_process(root / "d", Prepared(common + DEEP, record_counts), STEPS),
+            "tp": train_in_process(root / "t", Prepared(common + TP_LR, record_counts), STEPS),
             "skew": train_in_process(root / "k", Prepared(common, skewed), STEPS)}
 
 
@@ -198,11 +203,13 @@ def test_ep2_over_dp2_equals_serial_and_resumes_at_ep1(tiny_data, tmp_path, seri
 
 def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     """4 ranks: ep 4 (both dispatchers, ZeRO 0 and 1; skewed: EP ranks 2 and 3 receive
-    nothing) and ep 2 with EDP 2 (the experts reduced and sharded over EDP; the replica check
-    compares them over EDP every step; ZeRO 2 starting from a checkpoint's weights, init_from,
-    each EP rank loading its experts; ZeRO 3, each block's experts gathered over EDP); the
-    ep 4 run's checkpoint resumed at ep 2."""
+    nothing), ep 2 and ep 4 folded over tp 2 with SP, and ep 2 with EDP 2 (the experts
+    reduced and sharded over EDP; the replica check compares them over EDP every step;
+    ZeRO 2 starting from a checkpoint's weights, init_from, each EP rank loading its experts;
+    ZeRO 3, each block's experts gathered over EDP); the ep 4 run's checkpoint resumed at
+    ep 2, the ep 2 x tp 2 run's (the replica check every step) at ep 1, tp 1."""
     common, ckpt = [f"data.dir={tiny_data}", *MOE], tmp_path / "ckpt"
+    folded = tmp_path / "ckpt-tp"
     runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1", f"checkpoint.dir={ckpt}"],
                                      record_counts)),
             (serial["moe"], Prepared(common + ["ep=4", "parallel.ep_dispatch=allgather",
@@ -223,7 +230,16 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
             # ep 4 over cp 2 x dp 2
             (serial["moe"], Prepared(common + ["ep=2", "cp=2", "zero=1"], record_counts)),
             (serial["moe"], Prepared(common + ["ep=4", "cp=2", "zero=2",
-                                               "parallel.ep_dispatch=allgather"], record_counts))]
+                                               "parallel.ep_dispatch=allgather"], record_counts)),
+            # EP folded over TP (expert TP = 1): ep 2 over tp 2 (EDP over dp 2), ep 4 over
+            # tp 2 x dp 2, each rank dispatching its own sequence-parallel tokens
+            (serial["tp"], Prepared(common + TP_LR + ["ep=2", "tp=2", "sp=true", "zero=1",
+                                                      "resilience.check_every=1",
+                                                      f"checkpoint.dir={folded}"],
+                                    record_counts)),
+            (serial["tp"], Prepared(common + TP_LR + ["ep=4", "tp=2", "sp=true",
+                                                      "parallel.ep_dispatch=allgather"],
+                                    record_counts))]
     _check(serial, runs, train_layouts(tmp_path, 4, [run for _, run in runs], STEPS,
                                        save_at=1), 4)
     # the ep 4 checkpoint after step 1 resumed at ep 2 (ZeRO 2) continues the serial run
@@ -232,3 +248,14 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     expected = {**from_step(serial["moe"], 1), "moe": serial["moe"]["moe"][1:]}
     assert_equal(expected, resumed)
     assert_figures_equal(expected, resumed)
+    # the ep 2 x tp 2 checkpoint (experts whole on each TP rank, each its EP rank's range of
+    # the whole tensor) holds the serial experts and resumes at tp 1, ep 1
+    written = read_global_state(folded / "step_00000001")
+    after_first = serial_global(serial["tp"], 0)
+    for name in (name for name in written if ".mlp.experts." in name):
+        torch.testing.assert_close(written[name], after_first[name], rtol=1e-5, atol=1e-6)
+    resumed = train_in_process(tmp_path / "rt", common + TP_LR + [
+        f"checkpoint.resume={folded / 'step_00000001'}"], STEPS - 1)
+    expected = {**from_step(serial["tp"], 1), "moe": serial["tp"]["moe"][1:]}
+    assert_equal(expected, [resumed])
+    assert_figures_equal(expected, [resumed])

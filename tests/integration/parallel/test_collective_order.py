@@ -94,6 +94,10 @@ FOUR_RANKS = [
     # each pipeline stage's own EP group (ZB-V's split backward), EP over CP ranks
     [*MOE, "ep=2", "pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=1"],
     [*MOE, "ep=2", "cp=2", "zero=2", "model.moe.bias_update_rate=0.01"],
+    # EP folded over TP: each rank's own SP tokens over EP, the shared expert's TP gather and
+    # reduce-scatter, the chosen experts' TP gather for the counts
+    [*MOE, "ep=2", "tp=2", "sp=true", "zero=1", "model.moe.shared_experts=1",
+     "model.moe.bias_update_rate=0.01"],
 ]
 
 

@@ -64,7 +64,7 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["ep=2", "pp=2", "zero=3", "parallel.schedule=zb-h1", "model.n_layer=4"], 4, "zero"),
     (["ep=2", "resilience.rerun=on_nan"], 2, "resilience.rerun"),
     (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch"),
-    (["ep=2", "tp=2", "sp=true"], 4, "tp"),  # expert TP = 1 under TP: not yet
+    (["ep=2", "tp=2"], 4, "sp"),  # MoE under TP: its tokens split (sequence parallelism)
     (["ep=4", "pp=2"], 4, "ep")])  # 2 ranks a stage
 def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key):
     cfg = load_config([*MOE, *overrides])
@@ -73,11 +73,13 @@ def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key)
     assert e.value.key == key and "\n" not in str(e.value), str(e.value)
 
 
-def test_ep_over_data_and_context_parallel_ranks_of_each_stage_is_accepted():
+def test_ep_over_tensor_data_and_context_parallel_ranks_of_each_stage_is_accepted():
     for ep, world, zero, more in ((2, 2, 0, []), (4, 4, 1, []), (2, 4, 2, []), (2, 2, 3, []),
                                   (2, 4, 1, ["pp=2"]), (2, 4, 0, ["cp=2"]),
                                   (4, 8, 1, ["cp=2", "pp=2"]),
                                   (2, 4, 0, ["pp=2", "parallel.schedule=zb-v",
-                                             "parallel.virtual_stages=2"])):
+                                             "parallel.virtual_stages=2"]),
+                                  (2, 4, 1, ["tp=2", "sp=true"]), (4, 4, 0, ["tp=2", "sp=true"]),
+                                  (4, 8, 1, ["tp=2", "sp=true", "pp=2"])):
         validate(load_config([*MOE, f"ep={ep}", f"zero={zero}", "train.global_batch_size=16",
                               "train.micro_batch_size=4", *more]), world_size=world)
