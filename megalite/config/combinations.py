@@ -83,6 +83,10 @@ AXES: Tuple[Axis, ...] = (
           ("zb-h1", {"parallel.schedule": "zb-h1", "parallel.virtual_stages": 1}),
           ("zb-v", {"parallel.schedule": "zb-v", "parallel.virtual_stages": 2})),
     _axis("dp", "data parallel size (world = tp * cp * pp * dp)", ("1", {}), ("2", {})),
+    _axis("ep", "expert parallelism (MoE only): the experts split over 2 of a stage's tp·cp·dp "
+          "ranks, tokens exchanged by all-to-all or all-gather (parallel.ep_dispatch)",
+          ("1", {"ep": 1}), ("2 alltoall", {"ep": 2, "parallel.ep_dispatch": "alltoall"}),
+          ("2 allgather", {"ep": 2, "parallel.ep_dispatch": "allgather"})),
     _axis("zero", "ZeRO stage", *((str(z), {"zero": z}) for z in range(4))),
     _axis("optimizer offload", "offload.optimizer: the fraction of the optimizer state on the "
           "host", *((f"{f:g}", {"offload.optimizer": f}) for f in (0.0, 0.5, 1.0))),

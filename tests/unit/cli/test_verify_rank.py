@@ -31,11 +31,14 @@ LLAMA3_8B_CP = ["model=llama3-8b", "tp=8", "cp=2", "pp=4", "sp=true", "zero=1",
 LLAMA32_1B_SHARED_KV = ["model=llama3.2-1b", "tp=16", "pp=2", "sp=true", "zero=3",
                         "parallel.schedule=zb-h1", "train.seq_len=2048",
                         "train.micro_batch_size=1", "train.global_batch_size=256"]
-# expert parallelism folded over DP (ep with tp, cp or pp > 1 is refused so far: the tp2 pp8
-# ep8 of Megatron-Core's Mixtral run waits for it): Mixtral 8x22B at ep 8 (EDP 128), Qwen3-235B
-# at ep 32 (EDP 128); ZeRO-1 over EDP for the experts, over DP for the rest
+# expert parallelism: Mixtral 8x22B at ep 8 (EDP 128) and Qwen3-235B at ep 32 (EDP 128) folded
+# over DP; Megatron-Core's Mixtral run's own layout, tp2 (SP) pp8 ep8, EP folded over a stage's
+# TP and DP ranks (EDP 16); ZeRO-1 over EDP for the experts, over DP for the rest
 MIXTRAL_8X22B_EP8 = ["model=mixtral-8x22b", "ep=8", "zero=1", "train.seq_len=4096",
                      "train.micro_batch_size=1", "train.global_batch_size=1024"]
+MIXTRAL_8X22B_TP2_PP8_EP8 = ["model=mixtral-8x22b", "tp=2", "sp=true", "pp=8", "ep=8", "zero=1",
+                             "train.seq_len=4096", "train.micro_batch_size=1",
+                             "train.global_batch_size=1024"]
 QWEN3_235B_EP32 = ["model=qwen3-235b-a22b", "ep=32", "zero=1", "train.seq_len=4096",
                    "train.micro_batch_size=1", "train.global_batch_size=4096"]
 # (world size, rank, overrides, device kind): zero 0-3, TP with SP, PP with virtual stages
@@ -63,6 +66,7 @@ CASES = [
     (4096, 2111, LLAMA3_8B_CP, "cuda"),  # tp 7, cp 1, pp 3 (the last stage), dp 32
     (4096, 17, LLAMA32_1B_SHARED_KV, "cuda"),
     (1024, 1021, MIXTRAL_8X22B_EP8, "cuda"),  # ep rank 5, edp rank 127
+    (1024, 1021, MIXTRAL_8X22B_TP2_PP8_EP8, "cuda"),  # a TP rank 1
     (4096, 4000, QWEN3_235B_EP32, "cuda"),  # ep rank 0, edp rank 125
 ]
 
