@@ -239,8 +239,9 @@ def master_update_error(serial: dict, rank: dict) -> float:
     err = moved = 0.0
     for name, lo, hi, values in rank["masters"][-1]:
         spec = specs[name]
-        expect = spec.shard(end[name], rank["tp_rank"], rank["tp"]).reshape(-1)[lo:hi]
-        initial = spec.shard(start[name], rank["tp_rank"], rank["tp"]).reshape(-1)[lo:hi]
+        where = rank["tp_rank"], rank["tp"], rank.get("ep_rank", 0), rank.get("ep", 1)
+        expect = spec.shard(end[name], *where).reshape(-1)[lo:hi]
+        initial = spec.shard(start[name], *where).reshape(-1)[lo:hi]
         err += float(((values - expect) ** 2).sum())
         moved += float(((expect - initial) ** 2).sum())
     return math.sqrt(err / moved)

@@ -1,16 +1,15 @@
 """The combination matrix of strength 2 (docs/combinations.md): every pair of values of two
 feature axes that megalite does not refuse is in some run, and every value of every axis but
-precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 26 runs of
-2-8 ranks, 13 of them with cp 2 (7 all-gather, 6 ring) and 11 with the document mask, 3 with
-both; 8 in fp32 without FP8; 5 of the Mixtral MoE family (aux loss, z-loss and bias on), 2 of
-them FP8 at cp 2, one with tp 2; the first one Llama with its KV head replicated over tp=2
-under optimizer offload),
-and each run trains through a checkpoint and a resume on a corpus of short documents and equals
-its serial run (`megalite.testing.matrix.check_row`: losses, grad norms, final master weights;
-fp32 within 1e-5, bf16 and FP8 within the bounds stated there; a document-masked run's windows
-hold document boundaries, and at cp 2 a document crossing the cut between the CP ranks'
-chunks). The runs share spawns: one world per world size, the serial runs made once each in one
-rank.
+precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 29 runs of
+2-8 ranks, 15 of them with cp 2 (8 all-gather, 7 ring) and 16 with the document mask, 10 with
+both; 10 in fp32 without FP8; 11 of the Mixtral MoE family (aux loss, z-loss and bias on), 10
+of them at ep 2 with either dispatcher; the first one Llama with its KV head replicated over
+tp=2 under optimizer offload), and each run trains through a checkpoint and a resume on a
+corpus of short documents and equals its serial run (`megalite.testing.matrix.check_row`:
+losses, grad norms, final master weights; fp32 within 1e-5, bf16 and FP8 within the bounds
+stated there; a document-masked run's windows hold document boundaries, and at cp 2 a document
+crossing the cut between the CP ranks' chunks). The runs share spawns: one world per world
+size, the serial runs made once each in one rank.
 """
 from __future__ import annotations
 
