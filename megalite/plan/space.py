@@ -45,6 +45,7 @@ from megalite.config.stage_partition import edge_split_problem, partition_layers
 DIM_PROBE = 16  # a micro-batch whose tokens are a multiple of 16: the weights' dimensions alone
 PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
 OPTIMIZER_SHARES = (0.5, 1.0)  # offload.optimizer fractions tried (besides 0)
+CELL_FIELDS = ("offload", "offload_optimizer", "offload_layers")  # what a Grid's cells vary
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,14 @@ class Grid:
     def shape(self) -> Tuple[int, int]:
         return len(self.acts), len(self.fractions)
 
+    def held_out(self) -> bool:
+        """Whether a held field that every cell shares (all but the offloads) differs: then
+        every cell is None and the grid is left out whole (walking its cells would only
+        find that)."""
+        c = Choice(*self.base, False, 0.0, self.recompute_layers, None, self.schedule,
+                   self.cp, self.cp_comm, self.ep)
+        return any(getattr(c, f) != x for f, x in self.held if f not in CELL_FIELDS)
+
     def at(self, i: int, j: int) -> Optional[Choice]:
         off, k = self.acts[i]
         if off and self.schedule in ZERO_BUBBLE:
@@ -295,8 +304,10 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
                     runs = [x for x in schedules if not (x == "auto" and v > 1 and micro < pp)]
                     for (rec, r), acts in options:
                         for name in runs:
-                            yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
-                                       fractions, held, cp, comm, ep)
+                            grid = Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
+                                        fractions, held, cp, comm, ep)
+                            if not grid.held_out():
+                                yield grid
 
 
 def candidates(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None
