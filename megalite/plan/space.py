@@ -264,9 +264,13 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
                     ) -> Iterator[Grid]:
     """The search space (module docstring), with the fields named in `fixed` held, as one
     `Grid` per layout without its offloads."""
+    for sizes in layout_sizes(cfg, world):
+        yield from layout_grids(cfg, sizes, offloads, fixed)
+
+
+def layout_sizes(cfg: Config, world: int) -> Iterator[Tuple[int, int, str, int, int]]:
+    """Each (tp, cp, cp_comm, pp, dp) of the space: its grids are `layout_grids`'."""
     m, t = cfg.model, cfg.train
-    held = list((fixed or {}).items())
-    fractions = optimizer_options(cfg, offloads)
     fp8 = cfg.fp8.recipe != "none"
     for tp in _divisors(world):
         if m.n_head % tp or m.n_embd % tp or m.ffn_size % tp:
@@ -279,8 +283,14 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
                 dp = world // (tp * cp * pp)
                 if pp > m.n_layer or t.global_batch_size % dp:
                     continue
-                yield from _layout_grids(cfg, (tp, cp, comm, pp, dp), offloads, fractions,
-                                         held)
+                yield tp, cp, comm, pp, dp
+
+
+def layout_grids(cfg: Config, sizes: tuple, offloads: bool, fixed: Optional[Dict] = None
+                 ) -> Iterator[Grid]:
+    """The grids of one (tp, cp, cp_comm, pp, dp) of `layout_sizes`."""
+    yield from _layout_grids(cfg, sizes, offloads, optimizer_options(cfg, offloads),
+                             list((fixed or {}).items()))
 
 
 def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[float],
