@@ -253,6 +253,7 @@ class _Offloads:
     def __init__(self, s: _Search, bound: TimeBound, ordered_fractions: bool):
         self.s, self.bound, self.e, self.ordered = s, bound, bound.e, ordered_fractions
         self.queue: list = []
+        self.numel: dict = {}  # memory_lower_bound's cache
         self.order = itertools.count()  # ties: first examined first (Choices do not compare)
         self.smallest: Dict[str, Tuple[float, Choice]] = {}
         self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
@@ -281,7 +282,7 @@ class _Offloads:
     def check_memory(self, key: float, n: int, c: Choice, grid: Grid, cell: tuple) -> None:
         """A popped cell's memory bound: over the device, the cells above it are examined;
         else it is queued again at its key, to be predicted."""
-        need = memory_lower_bound(self.s.cfg, c, self.e)
+        need = memory_lower_bound(self.s.cfg, c, self.e, self.numel)
         if need > self.s.profile.memory_bytes:
             self.s.too_big(c.family, need)
             self.s.result.points.append((need, key, "bound"))

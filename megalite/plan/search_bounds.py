@@ -21,13 +21,14 @@ from megalite.model.families import family
 from megalite.model.family import local_numel
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight
-from megalite.plan.devices import DeviceProfile
+from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
 from megalite.plan.document_terms import MaskedWork, masking
 from megalite.plan.links import group_links
 from megalite.plan.pipeline_terms import chunk_shares
 from megalite.plan.space import Choice, apply_choice, offload_fraction
 from megalite.plan.time_model import stage_forward_flops
+from megalite.plan.traffic_bytes import dropout_bytes, dropout_on
 from megalite.plan.zero_table import model_state_bytes
 
 
@@ -58,7 +59,8 @@ def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
 
 def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
                      tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0,
-                     latency: float = 0.0, buses: Optional[dict] = None) -> float:
+                     latency: float = 0.0, buses: Optional[dict] = None,
+                     block_extra: Tuple[float, float] = (0.0, 0.0)) -> float:
     """Per stage k its compute + recompute + the blocks' TP wire bytes at the TP group's bus
     bandwidth (4 all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a
     recomputed block's re-run 1, with SP 3: the plan's count, without the embedding, the head
@@ -81,7 +83,10 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     collective is priced on; none: infinite) also prices CP's wire bytes, which the
     prediction charges fully exposed: under allgather each block's K/V all-gather (forward
     and re-run) and reduce-scatter (backward), under ring the backward's accumulator sends
-    (`megalite.plan.cp_terms.exposed_s`; the ring's K/V sends it hides under attention)."""
+    (`megalite.plan.cp_terms.exposed_s`; the ring's K/V sends it hides under attention).
+    `block_extra`: (a block pass's seconds beyond its FLOPs, a block's gradient accumulation
+    seconds) a micro-batch, no more than the prediction's non_matmul and grad_accumulate
+    terms charge a block (`TimeBound.per_block`)."""
     stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
@@ -106,7 +111,8 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
                     + ring_full * (n * per_block + rec * rerun)
                     + latency * ((n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
                                  + n * cp_count)
-                    + cp_wire[0] * (n + rec) + cp_wire[1] * n)
+                    + cp_wire[0] * (n + rec) + cp_wire[1] * n
+                    + block_extra[0] * (n + rec / 3) + block_extra[1] * n)
         # the DP stream's reductions outlast no step (time_model: dp's exposure)
         streamed = m * (replicas * latency * (n if c.zero == 3 else 1)
                         + replicas / (replicas + 1) * 4 * n * dense
@@ -136,20 +142,22 @@ def _dense_block_numel(mc, tp: int) -> int:
     return family(mc).block_numel(mc, tp) - (_expert_numel(mc, tp) if mc.moe.enabled else 0)
 
 
-def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
+def memory_lower_bound(cfg: Config, c: Choice, e: int, cache: Optional[dict] = None
+                       ) -> float:
     """No more than the plan's peak: the larger of the average stage's model states and
     stage 0's model states + the activations it keeps on the device (its fewest blocks, the
     micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
     chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
     order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
-    nothing; the family's bytes at the rank's s/cp positions)."""
+    nothing; the family's bytes at the rank's s/cp positions). `cache`: the elements per
+    (tp, ep), kept between calls of one configuration."""
     mc, t = cfg.model, cfg.train
     fam = family(mc)
     h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
-    layer = fam.block_numel(mc, c.tp)
-    if c.ep > 1:  # E/ep of the routed experts a rank
-        layer -= _expert_numel(mc, c.tp) * (c.ep - 1) // c.ep
-    embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
+    cache = {} if cache is None else cache
+    if (c.tp, c.ep) not in cache:
+        cache[(c.tp, c.ep)] = _rank_numel(mc, c.tp, c.ep)
+    layer, embeddings = cache[(c.tp, c.ep)]
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
     head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0
     average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
@@ -182,6 +190,16 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     m = t.global_batch_size // (c.micro_batch_size * c.dp)
     first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
     return max(states(average), first)
+
+
+def _rank_numel(mc, tp: int, ep: int) -> Tuple[int, int]:
+    """(a block's elements a rank holds: E/ep of the routed experts, the first stage's
+    embedding elements)."""
+    fam = family(mc)
+    layer = fam.block_numel(mc, tp)
+    if ep > 1:  # E/ep of the routed experts a rank
+        layer -= _expert_numel(mc, tp) * (ep - 1) // ep
+    return layer, sum(local_numel(s, tp) for _, s in fam.first_specs(mc, tp))
 
 
 def _expert_numel(mc, tp: int) -> int:
@@ -222,6 +240,7 @@ class TimeBound:
     buses: dict = field(default_factory=dict)
     factors: dict = field(default_factory=dict)
     bounds: dict = field(default_factory=dict)
+    blocks: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg: Config, profile: DeviceProfile, gpus_per_node: int,
@@ -238,7 +257,7 @@ class TimeBound:
     def __call__(self, c: Choice) -> float:
         """Cached per what the bound depends on (not the offloads)."""
         key = (c.tp, c.cp, c.cp_comm, c.pp, c.dp, c.sp, c.virtual_stages, c.micro_batch_size,
-               c.recompute, c.recompute_layers, c.schedule, c.zero)
+               c.recompute, c.recompute_layers, c.schedule, c.zero, c.ep)
         bound = self.bounds.get(key)
         if bound is None:
             bound = self.bounds[key] = self._bound(c)
@@ -293,4 +312,26 @@ class TimeBound:
         if key not in self.factors:
             self.factors[key] = mask_factor(self.cfg, c, self.profile, self.masked_work)
         return time_lower_bound(self.cfg, c, self.rate, self.flops, self.e, buses["tp"],
-                                self.factors[key], smallest_latency(self.profile), buses)
+                                self.factors[key], smallest_latency(self.profile), buses,
+                                self.per_block(c))
+
+    def per_block(self, c: Choice) -> Tuple[float, float]:
+        """(a block pass's seconds beyond its FLOPs, a block's gradient accumulation seconds)
+        a micro-batch, no more than `predict` charges: the profile's block pass with the
+        residual dropout's correction at its smallest over sp (time_model's), at least 0;
+        e + 8 bytes a parameter of the rank's block (its E/ep experts) at the HBM rate."""
+        key = (c.tp, c.cp, c.micro_batch_size, c.ep)
+        if key not in self.blocks:
+            p, mc = self.profile, self.cfg.model
+            tokens = c.micro_batch_size * self.cfg.train.seq_len // c.cp
+            hbm = p.hbm_gbps * 1e9 if p.hbm_gbps else None
+            measured = fits_dropout(p.block_fits)
+            dropout = 0.0
+            if measured is not None and hbm and (measured > 0) != dropout_on(self.cfg):
+                sign = 1 if dropout_on(self.cfg) else -1
+                site = tokens * mc.n_embd / (c.tp if sign > 0 else 1)
+                dropout = sign * 2 * site * dropout_bytes(self.e) / hbm
+            accumulate = (self.e + 8) * _rank_numel(mc, c.tp, c.ep)[0] / hbm if hbm else 0.0
+            self.blocks[key] = (max(0.0, p.block_pass_s(mc.n_embd, tokens, c.tp) + dropout),
+                                accumulate)
+        return self.blocks[key]
