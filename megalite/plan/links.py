@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, List
+from typing import Dict, Tuple
 
 from megalite.config.layout import Layout
 from megalite.plan.devices import DeviceProfile, Link
@@ -34,40 +34,47 @@ class GroupLink:
         return self.ops.get(op, self.link)
 
 
-@lru_cache(maxsize=4096)
-def _spread(world: int, groups: tuple, gpus_per_node: int) -> tuple:
-    """(any group crosses nodes, the fewest ranks per node of a crossing group)."""
+def _spread(offsets: tuple, bases, gpus_per_node: int) -> tuple:
+    """(any group crosses nodes, the fewest ranks per node of a crossing group) of the groups
+    {base + o for o in offsets}. Which nodes a group's ranks fall on depends on its base only
+    through base mod gpus_per_node (a shift by a node's ranks shifts every node index by
+    one), so one group of each residue is examined, not every rank."""
     crosses, fewest = False, gpus_per_node
-    for ranks in groups:
+    for base in {b % gpus_per_node for b in bases}:
         nodes: Dict[int, int] = {}
-        for r in ranks:
-            nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+        for o in offsets:
+            nodes[(base + o) // gpus_per_node] = nodes.get((base + o) // gpus_per_node, 0) + 1
         if len(nodes) > 1:
             crosses, fewest = True, min(fewest, min(nodes.values()))
     return crosses, fewest
 
 
-def _groups(tp: int, cp: int, pp: int, dp: int) -> Dict[str, List[tuple]]:
-    def rank(t: int, c: int, s: int, d: int) -> int:
-        return t + tp * (c + cp * (s + pp * d))
-    tp_groups = [tuple(range(b * tp, b * tp + tp)) for b in range(cp * pp * dp)]
-    cp_groups = [tuple(rank(t, c, s, d) for c in range(cp))
-                 for t in range(tp) for s in range(pp) for d in range(dp)]
-    dp_groups = [tuple(rank(t, c, s, d) for d in range(dp) for c in range(cp))
-                 for t in range(tp) for s in range(pp)]
-    pp_pairs = [(rank(t, c, s, d), rank(t, c, s + 1, d)) for t in range(tp) for c in range(cp)
-                for d in range(dp) for s in range(pp - 1)]
-    emb = [(rank(t, c, 0, d), rank(t, c, pp - 1, d)) for t in range(tp) for c in range(cp)
-           for d in range(dp)]
-    return {"tp": tp_groups, "cp": cp_groups, "cp_send": cp_groups, "pp": pp_pairs,
-            "dp": dp_groups, "embedding": emb}
+def _groups(tp: int, cp: int, pp: int, dp: int) -> Dict[str, Tuple[tuple, range]]:
+    """Per kind, (the offsets of a group's ranks from its first, the first ranks): `rank =
+    t + tp·(c + cp·(s + pp·d))`."""
+    stage, replica = tp * cp, tp * cp * pp  # rank strides of s and d
+    bases = {
+        "tp": range(0, tp * cp * pp * dp, tp),
+        "cp": [t + replica * d + stage * s for t in range(tp) for s in range(pp)
+               for d in range(dp)],
+        "dp": [t + stage * s for t in range(tp) for s in range(pp)],
+        "pp": [t + tp * c + stage * s + replica * d for t in range(tp) for c in range(cp)
+               for d in range(dp) for s in range(pp - 1)],
+        "embedding": [t + tp * c + replica * d for t in range(tp) for c in range(cp)
+                      for d in range(dp)],
+    }
+    offsets = {"tp": tuple(range(tp)), "cp": tuple(tp * c for c in range(cp)),
+               "dp": tuple(replica * d + tp * c for d in range(dp) for c in range(cp)),
+               "pp": (0, stage), "embedding": (0, stage * (pp - 1))}
+    out = {kind: (offsets[kind], bases[kind]) for kind in bases}
+    out["cp_send"] = out["cp"]
+    return out
 
 
 @lru_cache(maxsize=4096)
 def _placement(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int) -> Dict[str, tuple]:
-    world = tp * cp * pp * dp
-    return {kind: _spread(world, tuple(groups), gpus_per_node)
-            for kind, groups in _groups(tp, cp, pp, dp).items()}
+    return {kind: _spread(offsets, bases, gpus_per_node)
+            for kind, (offsets, bases) in _groups(tp, cp, pp, dp).items()}
 
 
 def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int

@@ -84,7 +84,8 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
                  "predictions; "
                  f"{sum(1 for p in result.points if p[2] == 'predicted')} predicted slower; "
                  f"{result.unreached} never reached (their time lower bound is above, their "
-                 "memory not checked)")
+                 f"memory not checked); {result.unexpanded} (tp, cp, pp, dp) never expanded "
+                 "(a bound below all their layouts' is above)")
     if result.too_big:
         lines.append("over the device memory, per family: how many, and the least memory per "
                      "rank one of them needs (a lower bound unless planned): " + "; ".join(

@@ -33,12 +33,7 @@ from megalite.plan.document_terms import MaskedWork
 from megalite.plan.fit import fewest_offloaded_blocks
 from megalite.plan.memory import GIB, Plan, make_plan
 from megalite.plan.search_bounds import TimeBound, device_kind, memory_lower_bound
-from megalite.plan.space import (
-    Choice,
-    Grid,
-    apply_choice,
-    candidate_grids,
-)
+from megalite.plan.space import Choice, Grid, apply_choice, layout_grids, layout_sizes
 from megalite.plan.time_model import (
     Prediction,
     device_step_s_per_param,
@@ -76,6 +71,8 @@ class SearchResult:
     points: List[Tuple[float, float, str]] = field(default_factory=list)
     masked_work: Optional[MaskedWork] = None  # what the predictions priced the mask with
     unreached: int = 0  # queued by their time bound, never reached (nor memory-checked)
+    unexpanded: int = 0  # layouts (tp, cp, cp_comm, pp, dp) whose bound (`TimeBound.layout`,
+    #                      below each of their grids') was never reached: grids never made
 
 
 class NothingFits(ValueError):
@@ -153,13 +150,21 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     s = _Search(cfg, world, profile, gpus_per_node, masked_work)
     s.result.masked_work = masked_work
     walk = _walk(s)
-    for grid in candidate_grids(cfg, world, walk.offloads, fixed):
-        walk.start(grid)
+    held = {k: v for k, v in (fixed or {}).items() if k in ("tp", "cp", "cp_comm", "pp", "dp")}
+    for sizes in layout_sizes(cfg, world):
+        if all(dict(zip(("tp", "cp", "cp_comm", "pp", "dp"), sizes))[k] == v
+               for k, v in held.items()):
+            walk.queue.append((walk.bound.layout(sizes), next(walk.order), None, None, sizes,
+                               None))
     queue = walk.queue
     heapq.heapify(queue)
     walk.heap = True
     while queue and len(s.result.best) < top:
         key, n, c, predicted, grid, cell = heapq.heappop(queue)
+        if c is None:  # a layout (tp, cp, cp_comm, pp, dp) reached: its grids
+            for g in layout_grids(cfg, grid, walk.offloads, fixed):
+                walk.start(g)
+            continue
         if isinstance(predicted, Ranked):  # planned (an offload's count refined): ranked
             if all(r.choice != predicted.choice for r in s.result.best):
                 s.result.best.append(predicted)
@@ -216,6 +221,9 @@ def _finish(s: "_Search", walk: "_Offloads") -> SearchResult:
     """The result: the candidates left in the queue as points at their bounds; NothingFits
     (with the plan's figure for each family's least-need layout) when none fits."""
     for key, _, c, predicted, _, _ in walk.queue:  # not planned: their bounds
+        if c is None:  # a layout never reached: its grids never made
+            s.result.unexpanded += 1
+            continue
         if predicted is None:  # never reached: no memory bound computed
             s.result.unreached += 1
             continue
@@ -245,6 +253,7 @@ class _Offloads:
     def __init__(self, s: _Search, bound: TimeBound, ordered_fractions: bool):
         self.s, self.bound, self.e, self.ordered = s, bound, bound.e, ordered_fractions
         self.queue: list = []
+        self.numel: dict = {}  # memory_lower_bound's cache
         self.order = itertools.count()  # ties: first examined first (Choices do not compare)
         self.smallest: Dict[str, Tuple[float, Choice]] = {}
         self.out: Dict[int, set] = {}  # id(grid) -> cells known not to fit
@@ -273,7 +282,7 @@ class _Offloads:
     def check_memory(self, key: float, n: int, c: Choice, grid: Grid, cell: tuple) -> None:
         """A popped cell's memory bound: over the device, the cells above it are examined;
         else it is queued again at its key, to be predicted."""
-        need = memory_lower_bound(self.s.cfg, c, self.e)
+        need = memory_lower_bound(self.s.cfg, c, self.e, self.numel)
         if need > self.s.profile.memory_bytes:
             self.s.too_big(c.family, need)
             self.s.result.points.append((need, key, "bound"))

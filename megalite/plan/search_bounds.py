@@ -21,13 +21,14 @@ from megalite.model.families import family
 from megalite.model.family import local_numel
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight
-from megalite.plan.devices import DeviceProfile
+from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
 from megalite.plan.document_terms import MaskedWork, masking
 from megalite.plan.links import group_links
 from megalite.plan.pipeline_terms import chunk_shares
 from megalite.plan.space import Choice, apply_choice, offload_fraction
 from megalite.plan.time_model import stage_forward_flops
+from megalite.plan.traffic_bytes import dropout_bytes, dropout_on
 from megalite.plan.zero_table import model_state_bytes
 
 
@@ -58,7 +59,8 @@ def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
 
 def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
                      tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0,
-                     latency: float = 0.0) -> float:
+                     latency: float = 0.0, buses: Optional[dict] = None,
+                     block_extra: Tuple[float, float] = (0.0, 0.0)) -> float:
     """Per stage k its compute + recompute + the blocks' TP wire bytes at the TP group's bus
     bandwidth (4 all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a
     recomputed block's re-run 1, with SP 3: the plan's count, without the embedding, the head
@@ -74,8 +76,17 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     4·h·s attention FLOPs a token (forward, backward and re-run), as the prediction charges it
     (at `rate`, no slower than the precision's: still a lower bound for any factor >= 0).
     No step is shorter than ZeRO 2/3's per-micro-batch reduce-scatters either (a bucket
-    each, with ZeRO-3 a block each), which the prediction exposes where they outlast the
-    backward."""
+    each, with ZeRO-3 a block each: the latencies, and 4 bytes a dense block parameter over
+    the DP x CP ring at `buses["dp"]`), which the prediction exposes where they outlast the
+    backward (`megalite.plan.comm_time`: its stage's compute terms + its exposed DP are no
+    less than the stream). `buses` (the bus GB/s of this layout's groups, each the one its
+    collective is priced on; none: infinite) also prices CP's wire bytes, which the
+    prediction charges fully exposed: under allgather each block's K/V all-gather (forward
+    and re-run) and reduce-scatter (backward), under ring the backward's accumulator sends
+    (`megalite.plan.cp_terms.exposed_s`; the ring's K/V sends it hides under attention).
+    `block_extra`: (a block pass's seconds beyond its FLOPs, a block's gradient accumulation
+    seconds) a micro-batch, no more than the prediction's non_matmul and grad_accumulate
+    terms charge a block (`TimeBound.per_block`)."""
     stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
@@ -89,33 +100,64 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     tp_count = ((10, 3) if c.sp else (4, 1)) if c.tp > 1 else (0, 0)
     cp_count = 0 if c.cp == 1 else 2 * (c.cp - 1) if c.cp_comm == "allgather" else c.cp
     replicas = c.dp * c.cp - 1  # ZeRO 2/3 reduce-scatter each micro-batch, one a bucket
+    bus = buses or {}
+    cp_wire = _cp_wire_s(cfg, c, e, bus)
+    if ("dense", c.tp) not in cache:
+        cache[("dense", c.tp)] = _dense_block_numel(cfg.model, c.tp)
+    dense = cache[("dense", c.tp)]
     best, before = 0.0, 0.0
     for f, r, n, rec, first_chunk in stages:
         busy = m * ((3 * f + r + (3 * n + rec) * masked) * tokens
                     + ring_full * (n * per_block + rec * rerun)
                     + latency * ((n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
-                                 + n * cp_count))
+                                 + n * cp_count)
+                    + cp_wire[0] * (n + rec) + cp_wire[1] * n
+                    + block_extra[0] * (n + rec / 3) + block_extra[1] * n)
         # the DP stream's reductions outlast no step (time_model: dp's exposure)
-        streamed = m * replicas * latency * (n if c.zero == 3 else 1) if c.zero >= 2 else 0.0
+        streamed = m * (replicas * latency * (n if c.zero == 3 else 1)
+                        + replicas / (replicas + 1) * 4 * n * dense
+                        / (bus.get("dp", float("inf")) * 1e9)) if c.zero >= 2 else 0.0
         best = max(best, busy + before, streamed)
         before += idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens
     return best
 
 
-def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
+def _cp_wire_s(cfg: Config, c: Choice, e: int, bus: dict) -> Tuple[float, float]:
+    """CP's wire seconds a micro-batch (at `bus`'s GB/s, no latency) of each block's forward
+    (and re-run) and of its backward, as `megalite.plan.cp_terms.exposed_s` charges them
+    (exposed); (0, 0) without CP."""
+    if c.cp == 1:
+        return 0.0, 0.0
+    mc = cfg.model
+    kv = e * c.micro_batch_size * 2 * max(1, mc.kv_heads // c.tp) * mc.head_size \
+        * (cfg.train.seq_len // c.cp)  # a rank's K and V (cp_terms.kv_bytes)
+    if c.cp_comm == "allgather":
+        return ((c.cp - 1) * kv / (bus.get("cp_all_gather", float("inf")) * 1e9),
+                (c.cp - 1) * kv / (bus.get("cp_reduce_scatter", float("inf")) * 1e9))
+    return 0.0, c.cp * kv * max(e, 4) / e / (bus.get("cp_send", float("inf")) * 1e9)
+
+
+def _dense_block_numel(mc, tp: int) -> int:
+    """A block's elements a rank holds that DP x CP reduce (all but its routed experts)."""
+    return family(mc).block_numel(mc, tp) - (_expert_numel(mc, tp) if mc.moe.enabled else 0)
+
+
+def memory_lower_bound(cfg: Config, c: Choice, e: int, cache: Optional[dict] = None
+                       ) -> float:
     """No more than the plan's peak: the larger of the average stage's model states and
     stage 0's model states + the activations it keeps on the device (its fewest blocks, the
     micro-batches in flight under 1F1B — ZB-H1's stage 0 holds as many; under ZB-V its two
     chunks, the tied embedding and LM head one parameter, and the most chunk micro-batches its
     order keeps live (`max_in_flight`) — a recomputed block's input only, an offloaded block
-    nothing; the family's bytes at the rank's s/cp positions)."""
+    nothing; the family's bytes at the rank's s/cp positions). `cache`: the elements per
+    (tp, ep), kept between calls of one configuration."""
     mc, t = cfg.model, cfg.train
     fam = family(mc)
     h, vocab = mc.n_embd, padded_vocab_size(mc.vocab_size, c.tp)
-    layer = fam.block_numel(mc, c.tp)
-    if c.ep > 1:  # E/ep of the routed experts a rank, whole (expert TP = 1)
-        layer += _expert_numel(mc, 1) // c.ep - _expert_numel(mc, c.tp)
-    embeddings = sum(local_numel(s, c.tp) for _, s in fam.first_specs(mc, c.tp))
+    cache = {} if cache is None else cache
+    if (c.tp, c.ep) not in cache:
+        cache[(c.tp, c.ep)] = _rank_numel(mc, c.tp, c.ep)
+    layer, embeddings = cache[(c.tp, c.ep)]
     v_shape = c.schedule == "zb-v"  # stage 0 holds both ends: no second copy of the head
     head_copy = vocab // c.tp * h if not mc.tie_word_embeddings or (c.pp > 1 and not v_shape) else 0
     average = (mc.n_layer * layer + embeddings + head_copy) / c.pp
@@ -148,6 +190,16 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int) -> float:
     m = t.global_batch_size // (c.micro_batch_size * c.dp)
     first += (max_in_flight(c.pp, 0, m, 2, "zb-v") if v_shape else min(c.pp, m)) * per_chunk
     return max(states(average), first)
+
+
+def _rank_numel(mc, tp: int, ep: int) -> Tuple[int, int]:
+    """(a block's elements a rank holds: E/ep of the routed experts, the first stage's
+    embedding elements)."""
+    fam = family(mc)
+    layer = fam.block_numel(mc, tp)
+    if ep > 1:  # E/ep of the routed experts a rank, whole (expert TP = 1)
+        layer += _expert_numel(mc, 1) // ep - _expert_numel(mc, tp)
+    return layer, sum(local_numel(s, tp) for _, s in fam.first_specs(mc, tp))
 
 
 def _expert_numel(mc, tp: int) -> int:
@@ -188,6 +240,7 @@ class TimeBound:
     buses: dict = field(default_factory=dict)
     factors: dict = field(default_factory=dict)
     bounds: dict = field(default_factory=dict)
+    blocks: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg: Config, profile: DeviceProfile, gpus_per_node: int,
@@ -202,23 +255,83 @@ class TimeBound:
                    4 if precision == "fp32" else 2, rate)
 
     def __call__(self, c: Choice) -> float:
-        """Cached per what the bound depends on (not zero, nor the offloads)."""
+        """Cached per what the bound depends on (not the offloads)."""
         key = (c.tp, c.cp, c.cp_comm, c.pp, c.dp, c.sp, c.virtual_stages, c.micro_batch_size,
-               c.recompute, c.recompute_layers, c.schedule)
+               c.recompute, c.recompute_layers, c.schedule, c.zero, c.ep)
         bound = self.bounds.get(key)
         if bound is None:
             bound = self.bounds[key] = self._bound(c)
         return bound
 
+    def layout(self, sizes: tuple) -> float:
+        """No grid of the layout (tp, cp, cp_comm, pp, dp) has a smaller `time_lower_bound`:
+        the largest stage's busy time is no less than the stages' mean, whose sum over the
+        stages is that of the whole model whatever the schedule, partition, micro-batch size
+        (m × a micro-batch's compute, TP and CP wire bytes do not change with it; latencies
+        at m = 1), recompute (none), sp (off: the fewest TP bytes and collectives) and zero
+        (0: no reduce-scatter stream). 0 under a document mask (its factor may be < 1)."""
+        if self.masked_work is not None:
+            return 0.0
+        tp, cp, comm, pp, dp = sizes
+        c = Choice(tp, pp, dp, 0, False, 1, 1, False, False, cp=cp, cp_comm=comm)
+        mc, t, n = self.cfg.model, self.cfg.train, self.cfg.model.n_layer
+        m = t.global_batch_size // dp  # at micro-batch 1
+        if "model" not in self.flops:  # the whole model's forward FLOPs a token
+            whole = replace(self.cfg, parallel=replace(self.cfg.parallel,
+                                                       edge_stage_layers=None))
+            self.flops["model"] = sum(f for f, *_ in _stage_flops({}, whole, replace(
+                c, pp=1, virtual_stages=1, schedule="auto")))
+        total = self.flops["model"]
+        buses = self.links(c)
+        seq = t.seq_len / cp
+        ring = (tp - 1) / tp * self.e * seq * mc.n_embd / (buses["tp"] * 1e9)
+        cp_count = 0 if cp == 1 else 2 * (cp - 1) if comm == "allgather" else cp
+        wire = _cp_wire_s(self.cfg, c, self.e, buses)
+        busy = m * (3 * total * seq / tp / self.rate + ring * n * 8 + sum(wire) * n) \
+            + smallest_latency(self.profile) * n * (4 * (tp - 1) + cp_count)
+        return busy / pp
+
+    def links(self, c: Choice) -> dict:
+        """The bus GB/s of c's groups, as `time_lower_bound` takes them (cached)."""
+        sizes = (c.tp, c.cp, c.pp, c.dp)
+        if sizes not in self.buses:
+            links = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
+                                self.profile, self.gpus_per_node)
+            tp = links["tp"]
+            self.buses[sizes] = {
+                "tp": max([tp.link.bus_gbps] + [fit.bus_gbps for fit in tp.ops.values()]),
+                "dp": links["dp"].of("reduce_scatter").bus_gbps,
+                "cp_all_gather": links["cp"].of("all_gather").bus_gbps,
+                "cp_reduce_scatter": links["cp"].of("reduce_scatter").bus_gbps,
+                "cp_send": links["cp_send"].of("send_recv").bus_gbps}
+        return self.buses[sizes]
+
     def _bound(self, c: Choice) -> float:
-        if (c.tp, c.pp) not in self.buses:
-            tp = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
-                             self.profile, self.gpus_per_node)["tp"]
-            self.buses[(c.tp, c.pp)] = max([tp.link.bus_gbps]
-                                           + [fit.bus_gbps for fit in tp.ops.values()])
+        buses = self.links(c)
         key = (c.cp, c.cp_comm, c.micro_batch_size)
         if key not in self.factors:
             self.factors[key] = mask_factor(self.cfg, c, self.profile, self.masked_work)
-        return time_lower_bound(self.cfg, c, self.rate, self.flops, self.e,
-                                self.buses[(c.tp, c.pp)], self.factors[key],
-                                smallest_latency(self.profile))
+        return time_lower_bound(self.cfg, c, self.rate, self.flops, self.e, buses["tp"],
+                                self.factors[key], smallest_latency(self.profile), buses,
+                                self.per_block(c))
+
+    def per_block(self, c: Choice) -> Tuple[float, float]:
+        """(a block pass's seconds beyond its FLOPs, a block's gradient accumulation seconds)
+        a micro-batch, no more than `predict` charges: the profile's block pass with the
+        residual dropout's correction at its smallest over sp (time_model's), at least 0;
+        e + 8 bytes a parameter of the rank's block (its E/ep experts) at the HBM rate."""
+        key = (c.tp, c.cp, c.micro_batch_size, c.ep)
+        if key not in self.blocks:
+            p, mc = self.profile, self.cfg.model
+            tokens = c.micro_batch_size * self.cfg.train.seq_len // c.cp
+            hbm = p.hbm_gbps * 1e9 if p.hbm_gbps else None
+            measured = fits_dropout(p.block_fits)
+            dropout = 0.0
+            if measured is not None and hbm and (measured > 0) != dropout_on(self.cfg):
+                sign = 1 if dropout_on(self.cfg) else -1
+                site = tokens * mc.n_embd / (c.tp if sign > 0 else 1)
+                dropout = sign * 2 * site * dropout_bytes(self.e) / hbm
+            accumulate = (self.e + 8) * _rank_numel(mc, c.tp, c.ep)[0] / hbm if hbm else 0.0
+            self.blocks[key] = (max(0.0, p.block_pass_s(mc.n_embd, tokens, c.tp) + dropout),
+                                accumulate)
+        return self.blocks[key]

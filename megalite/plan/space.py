@@ -45,6 +45,7 @@ from megalite.config.stage_partition import edge_split_problem, partition_layers
 DIM_PROBE = 16  # a micro-batch whose tokens are a multiple of 16: the weights' dimensions alone
 PARTIAL_SHARES = (0.25, 0.5, 0.75)  # of a chunk's blocks: partial recompute / offload counts
 OPTIMIZER_SHARES = (0.5, 1.0)  # offload.optimizer fractions tried (besides 0)
+CELL_FIELDS = ("offload", "offload_optimizer", "offload_layers")  # what a Grid's cells vary
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,14 @@ class Grid:
     def shape(self) -> Tuple[int, int]:
         return len(self.acts), len(self.fractions)
 
+    def held_out(self) -> bool:
+        """Whether a held field that every cell shares (all but the offloads) differs: then
+        every cell is None and the grid is left out whole (walking its cells would only
+        find that)."""
+        c = Choice(*self.base, False, 0.0, self.recompute_layers, None, self.schedule,
+                   self.cp, self.cp_comm, self.ep)
+        return any(getattr(c, f) != x for f, x in self.held if f not in CELL_FIELDS)
+
     def at(self, i: int, j: int) -> Optional[Choice]:
         off, k = self.acts[i]
         if off and self.schedule in ZERO_BUBBLE:
@@ -254,9 +263,13 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
                     ) -> Iterator[Grid]:
     """The search space (module docstring), with the fields named in `fixed` held, as one
     `Grid` per layout without its offloads."""
+    for sizes in layout_sizes(cfg, world):
+        yield from layout_grids(cfg, sizes, offloads, fixed)
+
+
+def layout_sizes(cfg: Config, world: int) -> Iterator[Tuple[int, int, str, int, int]]:
+    """Each (tp, cp, cp_comm, pp, dp) of the space: its grids are `layout_grids`'."""
     m, t = cfg.model, cfg.train
-    held = list((fixed or {}).items())
-    fractions = optimizer_options(cfg, offloads)
     fp8 = cfg.fp8.recipe != "none"
     for tp in _divisors(world):
         if m.n_head % tp or m.n_embd % tp or m.ffn_size % tp:
@@ -269,8 +282,14 @@ def candidate_grids(cfg: Config, world: int, offloads: bool, fixed: Optional[Dic
                 dp = world // (tp * cp * pp)
                 if pp > m.n_layer or t.global_batch_size % dp:
                     continue
-                yield from _layout_grids(cfg, (tp, cp, comm, pp, dp), offloads, fractions,
-                                         held)
+                yield tp, cp, comm, pp, dp
+
+
+def layout_grids(cfg: Config, sizes: tuple, offloads: bool, fixed: Optional[Dict] = None
+                 ) -> Iterator[Grid]:
+    """The grids of one (tp, cp, cp_comm, pp, dp) of `layout_sizes`."""
+    yield from _layout_grids(cfg, sizes, offloads, optimizer_options(cfg, offloads),
+                             list((fixed or {}).items()))
 
 
 def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[float],
@@ -294,8 +313,10 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
                     runs = [x for x in schedules if not (x == "auto" and v > 1 and micro < pp)]
                     for (rec, r), acts in options:
                         for name in runs:
-                            yield Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
-                                       fractions, held, cp, comm, ep)
+                            grid = Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
+                                        fractions, held, cp, comm, ep)
+                            if not grid.held_out():
+                                yield grid
 
 
 def candidates(cfg: Config, world: int, offloads: bool, fixed: Optional[Dict] = None

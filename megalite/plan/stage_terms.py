@@ -235,8 +235,8 @@ def dispatch_bytes(d: Dims) -> float:
                  reduce-scattered, the outputs' all-gathered: r·ep·T·(3e·h + e·h + 8k + 8k)"""
     lay, m = d.layout, d.cfg.model
     ep, moe = lay.ep_size, m.moe
-    # a rank routes its own tokens: s/cp positions, /tp with SP (the folded grid's; the
-    # runtime runs EP over DP ranks only so far)
+    # a rank routes its own tokens: s/cp positions, /tp with SP (EP folded over TP: each
+    # rank dispatches its own sequence-parallel tokens)
     r, tokens = ring(ep), d.s_local * d.cfg.train.micro_batch_size
     if d.cfg.parallel.ep_dispatch == "allgather":
         return r * ep * tokens * (4 * d.e * m.n_embd + 16 * moe.top_k)

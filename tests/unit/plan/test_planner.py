@@ -346,6 +346,7 @@ def brute_force(cfg, world, profile, per_node, work=None, fixed=None, cps=NO_CP)
             assert memory_lower_bound(cfg, c, 2) <= peak
             step = predict(cc, layout, plan.stages, profile, per_node, masked_work=work).step_s
             assert time_bound(c) <= step * (1 + 1e-12)
+            assert time_bound.layout((tp, cp, comm, pp, dp)) <= time_bound(c) * (1 + 1e-12)
             out.append((step, peak, c))
     return sorted(out, key=lambda x: x[0])
 
