@@ -316,9 +316,20 @@ def refused_settings(base: Config) -> List[Tuple[Dict[str, str], str, Refusal]]:
             for v in range(1, len(axis.values)):
                 row = find_row({a: v}, sizes, allowed, default)
                 why = None if row is None else refusal(base, row, extra)
-                if why is not None:
+                if why is not None and not _refused_by_companion(base, row, a, extra, sizes,
+                                                                 allowed, default):
                     out.append(({axis.name: axis.values[v].label}, name, why))
     return out
+
+
+def _refused_by_companion(base, row, a, extra, sizes, allowed, default) -> bool:
+    """Whether another value the run of axis `a`'s value needs (ep 2 runs with an MoE family
+    and a second rank, e.g. cp 2) refuses the setting `extra` in its own run: the refusal is
+    that value's, listed there."""
+    return any(refusal(base, companion, extra) is not None
+               for b, i in enumerate(row) if b != a and i != default[b]
+               for companion in [find_row({b: i}, sizes, allowed, default)]
+               if companion is not None)
 
 
 def refused_setting_pairs(base: Config) -> List[Tuple[str, str, Refusal]]:

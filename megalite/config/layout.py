@@ -203,10 +203,10 @@ def check_cross_section(cfg: Config, world_size: int, local_gpus: Optional[int] 
                         "group's all-reduces in every layer will cross the inter-node network "
                         "and be slow; keep tp <= GPUs per node and use pp or dp across nodes")
     warnings += _check_batch(cfg, world_size // (cfg.tp * cfg.cp * cfg.pp))
+    check_expert_parallel(cfg, world_size)  # first: its refusals name ep (the matrix's rule)
     _check_other_pairs(cfg)
     _check_context_parallel(cfg)
     check_moe_layout(cfg)
-    check_expert_parallel(cfg, world_size)
     device_type = device_type_for(cfg.device, local_gpus)
     check_document_kernel_on_device(
         cfg.train.document_kernel, device_type,
