@@ -158,15 +158,16 @@ def megatron_error(serial: MoELayer, ep: int, dispatcher: str) -> Optional[str]:
     from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoE
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    e, two_inner, hidden = serial.experts.gate_up_proj.shape
+    n, two_inner, hidden = serial.experts.gate_up_proj.shape
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
         config = TransformerConfig(
-            num_layers=1, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=two_inner // 2,
-            num_moe_experts=e, moe_router_topk=serial.moe.top_k, moe_token_dispatcher_type=dispatcher,
-            expert_model_parallel_size=ep, gated_linear_unit=True, activation_func=F.silu,
-            add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32)
-        spec = get_moe_module_spec(use_te=False, num_experts=e, moe_grouped_gemm=False)
+            num_layers=1, hidden_size=hidden, num_attention_heads=1,
+            ffn_hidden_size=two_inner // 2, num_moe_experts=n, moe_router_topk=serial.moe.top_k,
+            moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep,
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+            use_cpu_initialization=True, params_dtype=torch.float32)
+        spec = get_moe_module_spec(use_te=False, num_experts=n, moe_grouped_gemm=False)
         y, _ = MegatronMoE(config, spec.submodules)(torch.randn(8, 1, hidden, requires_grad=True))
         y.sum().backward()
         return None
