@@ -86,7 +86,8 @@ BENCHMARKS = {
                        "every run against its serial run"),
     "ep": (expert_parallel, "expert parallelism on a tiny MoE at ep 1 2 4 (over dp): peak bytes "
                             "per rank and EP wire bytes against the plan, tokens/s, alltoall "
-                            "vs allgather dispatch, the anchors' EP layers where they import"),
+                            "vs allgather dispatch; the MoE layer beside the anchors' EP "
+                            "layers (same weights: compared, timed) or their errors"),
     "moe": (moe, "a tiny MoE training step against its dense model of the same active "
                  "parameters and transformers' MixtralForCausalLM; grouped GEMM against the "
                  "per-expert loop (bf16 on CUDA)"),

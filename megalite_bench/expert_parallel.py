@@ -23,16 +23,19 @@ launches them (`megalite.train.launch.launch`). For each:
                         Only ratios inside one world mean anything: the ranks share this
                         machine's cores.
 
-The anchors' expert-parallel layers (DeepSpeed-MoE's `deepspeed.moe.layer.MoE`, megatron-core's
-`megatron.core.transformer.moe`) are imported in the same run: where one does not import, the
-table says so with the import's error (`anchor_layers`).
+Then, in the same world, the anchors' expert-parallel layers (DeepSpeed-MoE's
+`deepspeed.moe.layer.MoE`, megatron-core's `megatron.core.transformer.moe.moe_layer.MoELayer`)
+beside megalite's MoE layer at the trainers' shape, each ep of `--ep`: the same weights and
+tokens, their outputs and gradients compared, peak bytes and tokens/s of a forward and
+backward side by side (`megalite_bench.expert_parallel_anchors`); an anchor that does not
+import, or does not run here, is listed with its error.
 
     megalite-bench ep                                       # mixtral-tiny, ep 1 2 4, 4 ranks
     megalite-bench ep --ep 1 2 --seq-len 64 --steps 2       # a smoke run
 """
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -43,11 +46,15 @@ import torch
 import torch.distributed as dist
 
 from megalite.testing.spawn import run_ranks
+from megalite_bench.expert_parallel_anchors import (
+    anchor_layers,
+    anchor_lines,
+    compare,
+    compare_lines,
+)
 from megalite_bench.on_off import CHECKS_OFF, prepared_corpus
 
 DISPATCHES = ("alltoall", "allgather")
-ANCHORS = (("DeepSpeed-MoE", "deepspeed.moe.layer", "MoE"),
-           ("megatron-core", "megatron.core.transformer.moe.moe_layer", "MoELayer"))
 
 
 def arms(eps: List[int]) -> List[tuple]:
@@ -117,25 +124,33 @@ def _timed_steps(trainers: Dict[tuple, object], steps: int) -> Dict[tuple, float
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def _world(rank: int, world: int, args, data: str, root: str) -> List[dict]:
+def _world(rank: int, world: int, args, data: str, root: str, anchors: List[dict]) -> dict:
+    """{"rows": one per trainer, "layers": `compare`'s result}."""
     built = {(ep, d): _build_and_measure(args, ep, d, data, root) for ep, d in arms(args.ep)}
     seconds = _timed_steps({k: b["trainer"] for k, b in built.items()}, args.steps)
-    return [{**{k: v for k, v in b.items() if k != "trainer"},
+    rows = [{**{k: v for k, v in b.items() if k != "trainer"},
              "tokens_per_s": b["tokens"] / seconds[key]} for key, b in built.items()]
+    del built
+    return {"rows": rows, "layers": _layers(rank, world, args, data, root, anchors)}
 
 
-def anchor_layers() -> List[dict]:
-    """Each anchor's expert-parallel layer: {"name", "module", "error"}; `error` is None where
-    the layer's class imports (the import's exception text where it does not)."""
-    out = []
-    for name, module, attr in ANCHORS:
-        try:
-            getattr(importlib.import_module(module), attr)
-            error = None
-        except Exception as e:  # ImportError, or whatever the anchor raises on import here
-            error = f"{type(e).__name__}: {e}"
-        out.append({"name": name, "module": f"{module}.{attr}", "error": error})
-    return out
+def _layers(rank: int, world: int, args, data: str, root: str, anchors: List[dict]) -> dict:
+    """The MoE layer of the trainers' model (its routed experts; no balancing losses) beside
+    the anchors' (`expert_parallel_anchors.compare`), from one seeded serial layer; this
+    rank's tokens [seq-len, micro-batch, h] and the loss's weights g, seeded by rank."""
+    from megalite.config.schema import load_config
+    from megalite.model.moe.layer import MoELayer
+
+    model = load_config(trainer_overrides(args, 1, "-", data, root)).model
+    torch.manual_seed(0)
+    serial = MoELayer(dataclasses.replace(model.moe, shared_experts=0), model.n_embd,
+                      model.ffn_size, 0)
+    for p in serial.parameters():
+        torch.nn.init.normal_(p, std=model.initializer_range)
+    x, g = (torch.randn(args.seq_len, args.micro_batch, model.n_embd,
+                        generator=torch.Generator().manual_seed(seed * world + rank))
+            for seed in (1, 2))
+    return compare(rank, world, serial, args.ep, x, g, args.layer_steps, anchors)
 
 
 def table(rows: List[dict]) -> List[str]:
@@ -163,14 +178,10 @@ def table(rows: List[dict]) -> List[str]:
     return lines
 
 
-def anchor_lines(anchors: List[dict]) -> List[str]:
-    return [f"  {a['name']:<14} {a['module']}: " + (
-        "imports here, not run by this benchmark" if a["error"] is None
-        else f"does not run here: {a['error']}") for a in anchors]
-
-
 def run(args) -> Dict[str, List[dict]]:
-    """{"rows": one per (ep, dispatch), "anchors": each anchor's import result}."""
+    """{"rows": one per (ep, dispatch), "layers": one per ep and MoE layer (megalite's, each
+    anchor's that runs), "anchors": each anchor's import result, "status": what each anchor
+    that imports did in the world}."""
     args.world = args.world or max(args.ep)
     if args.ep[0] != 1 or any(args.world % ep for ep in args.ep):
         raise SystemExit(f"megalite-bench ep: --ep {' '.join(map(str, args.ep))} --world "
@@ -179,14 +190,19 @@ def run(args) -> Dict[str, List[dict]]:
     anchors = anchor_layers()
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or str(prepared_corpus(Path(tmp)))
-        rows = run_ranks(_world, args.world, args=(args, data, tmp), timeout_s=3600)[0]
+        out = run_ranks(_world, args.world, args=(args, data, tmp, anchors), timeout_s=3600)[0]
+    rows, layers = out["rows"], out["layers"]
     print(f"\n{' '.join([args.preset, *args.model])}, seq {args.seq_len}, micro-batch "
           f"{args.micro_batch}, fp32, {args.world} gloo ranks (ep folded over dp), "
           f"{args.steps} timed steps after {args.warmup} warmup + 1 measured")
     print("\n".join(table(rows)))
-    print("anchors' expert-parallel layers:")
-    print("\n".join(anchor_lines(anchors)))
-    return {"rows": rows, "anchors": anchors}
+    print(f"the MoE layer beside the anchors' expert-parallel layers, same weights and tokens "
+          f"({args.seq_len} x {args.micro_batch} a rank), forward + backward, megalite's "
+          f"all-to-all at ep > 1, {args.layer_steps} timed steps:")
+    print("\n".join(compare_lines(layers["rows"])))
+    print("\n".join(anchor_lines(anchors, layers["status"])))
+    return {"rows": rows, "layers": layers["rows"], "anchors": anchors,
+            "status": layers["status"]}
 
 
 def add_arguments(parser) -> None:
@@ -200,4 +216,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per trainer")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--layer-steps", type=int, default=20,
+                        help="timed forward + backward steps per MoE layer (megalite's, "
+                             "each anchor's)")
     parser.add_argument("--data", default=None, help="a prepared data directory")
