@@ -19,8 +19,8 @@ from megalite.config.schema import load_config
 from megalite.model.families import causal_lm, family, flops_per_token, num_parameters
 from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
 from megalite.model.init import init_parameters, load_global_state
-from megalite.model.moe.router import Router
 from megalite.model.qwen3.hf import from_hf_state_dict, hf_config, hf_moe_config
+from tests.moe_layers import router_outputs
 
 SHAPE = dict(n_layer=3, n_embd=64, n_head=4, n_kv_head=2, head_dim=24, n_positions=64,
              vocab_size=211, n_inner=48, rope_theta=50000.0, layer_norm_epsilon=1e-6,
@@ -63,14 +63,6 @@ def _ids(shape, seed=1):
                          generator=torch.Generator().manual_seed(seed))
 
 
-def _router_outputs(model):
-    seen = []
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    return seen
-
-
 # 6 heads of 16 with hidden 64: n_head need not divide n_embd where head_dim is set
 SIX_HEADS = ModelConfig(**{**DENSE.__dict__, "n_head": 6, "head_dim": 16})
 
@@ -81,7 +73,7 @@ def test_logits_equal_transformers(cfg):
     hf = random_hf(cfg)
     ours = ours_of(hf, cfg).eval()
     ids = _ids((2, 24))
-    seen = _router_outputs(ours)
+    seen = router_outputs(ours)
     with torch.no_grad():
         theirs = hf(ids, output_router_logits=cfg.moe.enabled)
         assert (ours(ids) - theirs.logits).abs().max().item() <= 1e-5
