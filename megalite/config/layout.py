@@ -26,8 +26,9 @@ from megalite.config.grid_rules import check_batch, check_grid, check_model_spli
 from megalite.config.inject import check_inject
 from megalite.config.moe import check_layout as check_moe_layout
 from megalite.config.schedule_rules import check_schedule
-from megalite.config.schema import ATTENTION_CUDA_ONLY, Config, check_sections
+from megalite.config.schema import Config, check_sections
 from megalite.config.stage_partition import ChunkPlacement, stage_chunks
+from megalite.config.train_section import ATTENTION_CUDA_ONLY
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
