@@ -18,6 +18,7 @@ from megalite.model.families import causal_lm, family, flops_per_token, num_para
 from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.mixtral.hf import from_hf_state_dict, hf_config
+from tests.hf_export import assert_logits_and_greedy_text_equal, export_initialized
 from tests.moe_layers import router_outputs
 
 CFG = ModelConfig(name="mixtral-test", arch="mixtral", n_layer=2, n_embd=64, n_head=4,
@@ -129,11 +130,7 @@ def test_both_layouts_read_alike():
 def test_export_round_trip_bitwise_logits_and_greedy_text(tmp_path):
     from transformers import MixtralForCausalLM
 
-    ours = causal_lm(CFG).eval()
-    init_parameters(ours, seed=3)
-    state = {ours.param_specs[n].name: ours.param_specs[n].unshard([p.detach()])
-             for n, p in ours.named_parameters()}
-    save_hf(state, CFG, tmp_path / "hf")
+    ours, state = export_initialized(CFG, tmp_path / "hf")
     hf = MixtralForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager")
     hf = hf.eval()
     assert hf.num_parameters() == num_parameters(CFG)
@@ -141,13 +138,7 @@ def test_export_round_trip_bitwise_logits_and_greedy_text(tmp_path):
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
     ids = _ids((2, 20), seed=2)
-    with torch.no_grad():
-        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-5
-        theirs = hf.generate(ids[:1, :5], max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-        seq = ids[0, :5].tolist()
-        for _ in range(8):
-            seq.append(ours(torch.tensor([seq]))[0, -1].argmax().item())
-    assert seq[5:] == theirs
+    assert_logits_and_greedy_text_equal(ours, hf, ids)
 
 
 def test_init_from_checks_the_config(tmp_path):
