@@ -25,7 +25,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megalite.config.layout import PRECISION_DTYPES, Layout
-from megalite.config.schema import ATTENTION_CHOICES, Config, load_config
+from megalite.config.schema import Config, load_config
+from megalite.config.train_section import ATTENTION_CHOICES
 from megalite.model.families import causal_lm, family, flops_per_token
 from megalite.model.init import init_parameters
 from megalite.parallel.pipeline import PipelineSchedule

@@ -1,9 +1,10 @@
-"""The configuration layer: the typed schema behind `conf/*.yaml` (`schema`, `sections`), the one
-error every check raises (`errors`), the run's `Layout` and the checks before launch (`layout`),
-the pipeline's partition of the blocks (`stage_partition`), the schedules' rules and bubble
-(`schedule_rules`) and the fault drill's syntax (`inject`). It imports nothing else of megalite
-but `megalite.utils`. The names below are its public API, imported when first used (so that
-importing a light module of the package, e.g. `families`, does not import torch)."""
+"""The configuration layer: the typed schema behind `conf/*.yaml` (`schema`, `train_section`,
+`sections`), the one error every check raises (`errors`), the run's `Layout` and the checks
+before launch (`layout`, `grid_rules`), the pipeline's partition of the blocks
+(`stage_partition`), the schedules' rules and bubble (`schedule_rules`) and the fault drill's
+syntax (`inject`). It imports nothing else of megalite but `megalite.utils`. The names below
+are its public API, imported when first used (so that importing a light module of the package,
+e.g. `families`, does not import torch)."""
 import importlib
 
 _API = {"ConfigError": "megalite.config.errors", "Layout": "megalite.config.layout",

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megalite.config.schema import ATTENTION_CHOICES
+from megalite.config.train_section import ATTENTION_CHOICES
 from megalite.parallel.context_attention import ContextParallel, cp_attention
 
 # SDPA's enable_gqa (grouped-query attention without repeating k and v) came with torch 2.5

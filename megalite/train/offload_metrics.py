@@ -1,4 +1,4 @@
-"""The offload figures of a metrics line (`Trainer._record`'s memory section): the host bytes
+"""The offload figures of a metrics line (`StepReport._record`'s memory section): the host bytes
 each offload holds and the PCIe bytes the optimizer offload copied per step, the most of any
 rank (collective over the world). The time blocked on the copies is the step phase
 `offload_wait` (`megalite.train.timers`)."""

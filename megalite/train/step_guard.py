@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from megalite.checkpoint.state import Progress
-from megalite.config.schema import TrainConfig
+from megalite.config.train_section import TrainConfig
 from megalite.parallel.pipeline import PipelineSchedule
 from megalite.parallel.zero import ZeroEngine
 from megalite.resilience.inject import FaultInjector

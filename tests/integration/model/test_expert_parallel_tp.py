@@ -17,6 +17,7 @@ from megalite.model.moe.ledger import RoutingLedger
 from megalite.model.moe.tokens import TokenSplit
 from megalite.parallel.topology import build_topology
 from megalite.testing.spawn import run_ranks
+from tests.moe_layers import random_serial_layer, serial_and_split, stacked_piece
 
 pytestmark = pytest.mark.distributed
 
@@ -44,8 +45,7 @@ def _piece(name: str, full: torch.Tensor, rank: int, world: int) -> torch.Tensor
         return full.chunk(world)[rank]
     if name not in SHARED:
         return full
-    dim, blocks = SHARED[name]
-    return torch.cat([b.chunk(world, dim)[rank] for b in full.chunk(blocks, dim)], dim)
+    return stacked_piece(full, *SHARED[name], rank, world)
 
 
 def _folded(rank, world):
@@ -58,31 +58,11 @@ def _folded(rank, world):
         for aux_loss in ("layer", "sequence"):
             moe = MoEConfig(num_experts=4, top_k=2, aux_loss=aux_loss, aux_loss_coeff=0.1,
                             z_loss_coeff=0.01, shared_experts=1, shared_expert_gate=True)
-            torch.manual_seed(0)
-            serial = MoELayer(moe, 8, 16, 0, RoutingLedger(moe, [0]))
-            for p in serial.parameters():
-                torch.nn.init.normal_(p, std=0.5)
+            serial = random_serial_layer(moe, 8, 16)
             layer = MoELayer(moe, 8, 16, 0, RoutingLedger(moe, [0]), world, split,
                              TokenDispatcher(topo.ep_group, mode))
-            full = dict(serial.named_parameters())
-            with torch.no_grad():
-                for name, p in layer.named_parameters():
-                    p.copy_(_piece(name, full[name], rank, world))
             x = torch.randn(8, 2, 8, generator=torch.Generator().manual_seed(1))
-            ys = []
-            for module, inputs in ((serial, x), (layer, x.chunk(world)[rank])):
-                module.ledger.open(True)
-                y = module(inputs)
-                (y.square().sum() + module.ledger.close()).backward()
-                ys.append(y.detach())
-            grads = {}
-            for name, p in layer.named_parameters():
-                if name not in SHARED and name not in ROUTED:  # TP-replicated: summed
-                    torch.distributed.all_reduce(p.grad)
-                grads[name] = (_piece(name, full[name].grad, rank, world), p.grad)
-            figures = [{k: getattr(m.ledger.figures, k) for k in ("counts", "aux", "z")}
-                       for m in (serial, layer)]
-            for t in figures[1].values():
-                torch.distributed.all_reduce(t)
-            out[f"{mode} {aux_loss}"] = (ys[0].chunk(world)[rank], ys[1], grads, *figures)
+            out[f"{mode} {aux_loss}"] = serial_and_split(
+                serial, layer, x, lambda name, full: _piece(name, full, rank, world),
+                {*SHARED, *ROUTED}, ("counts", "aux", "z"), rank, world)
     return out

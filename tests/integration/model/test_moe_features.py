@@ -23,7 +23,6 @@ from megalite.config.model import ModelConfig
 from megalite.config.moe import MoEConfig
 from megalite.model.families import causal_lm
 from megalite.model.moe import balance
-from megalite.model.moe.router import Router
 from megalite.parallel.pipeline import micro_batch_parts
 from megalite.resilience.faults import HARDWARE_FAULT_EXIT
 from megalite.testing.collective_order import OrderProbe, order_mismatches
@@ -39,6 +38,7 @@ from tests.layouts import (
     train_in_process,
     train_layouts,
 )
+from tests.moe_layers import router_outputs
 
 STEPS = 3
 FP8 = ["fp8.recipe=tensorwise", "fp8.emulate=true"]
@@ -98,14 +98,6 @@ def test_recompute_offload_and_fp8_experts_under_dp_equal_serial_in_one_order(ti
     assert plain[0] != fp8[0] and abs(plain[0] - fp8[0]) < 1e-2 * plain[0]
 
 
-def _router_outputs(model):
-    seen = []
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    return seen
-
-
 def _penalized_norm(model_cfg: ModelConfig, state: dict, micro_batches: list) -> float:
     """The grad norm of mean over micro-batches of CE + Σ_layers (c · aux + z · z-loss), the
     penalty computed here from the routers' outputs of a model without one."""
@@ -115,7 +107,7 @@ def _penalized_norm(model_cfg: ModelConfig, state: dict, micro_batches: list) ->
     model = causal_lm(plain)
     model.load_state_dict(state)
     model.train()
-    seen = _router_outputs(model)
+    seen = router_outputs(model)
     total = 0.0
     for batch in micro_batches:
         x, y, _ = micro_batch_parts(batch)

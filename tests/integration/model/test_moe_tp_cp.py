@@ -28,6 +28,7 @@ from tests.layouts import (
     train_layout,
     train_layouts,
 )
+from tests.moe_layers import copy_pieces, random_serial_layer, serial_and_split, stacked_piece
 
 pytestmark = pytest.mark.distributed
 
@@ -111,8 +112,7 @@ def _shard(name: str, full: torch.Tensor, rank: int, world: int) -> torch.Tensor
     into `blocks` stacked blocks, each split over the ranks (ParamSpec's rule)."""
     if name not in SPLITS:
         return full
-    dim, blocks = SPLITS[name]
-    return torch.cat([b.chunk(world, dim)[rank] for b in full.chunk(blocks, dim)], dim)
+    return stacked_piece(full, *SPLITS[name], rank, world)
 
 
 def _empty_expert(rank, world):
@@ -126,35 +126,15 @@ def _empty_expert(rank, world):
     for aux_loss in ("layer", "sequence", "hf"):
         moe = MoEConfig(num_experts=4, top_k=2, aux_loss=aux_loss, aux_loss_coeff=0.1,
                         z_loss_coeff=0.01, shared_experts=1, shared_expert_gate=True)
-        torch.manual_seed(0)
-        serial = MoELayer(moe, 8, 16, 0, RoutingLedger(moe, [0]))
-        for p in serial.parameters():
-            torch.nn.init.normal_(p, std=0.5)
+        serial = random_serial_layer(moe, 8, 16)
         with torch.no_grad():
             serial.gate.weight[3] = -5.0  # x > 0: expert 3's logit far below the others'
         layer = MoELayer(moe, 8, 16, 0, RoutingLedger(moe, [0]), world,
                          TokenSplit.of(topo.tp_group, True, None))
-        full = dict(serial.named_parameters())
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                p.copy_(_shard(name, full[name], rank, world))
         x = torch.rand(8, 2, 8, generator=torch.Generator().manual_seed(1)) + 0.1
-        ys = []
-        for module, inputs in ((serial, x), (layer, x.chunk(world)[rank])):
-            module.ledger.open(True)
-            y = module(inputs)
-            (y.square().sum() + module.ledger.close()).backward()
-            ys.append(y.detach())
-        grads = {}
-        for name, p in layer.named_parameters():
-            if name not in SPLITS:
-                torch.distributed.all_reduce(p.grad)
-            grads[name] = (_shard(name, full[name].grad, rank, world), p.grad)
-        figures = [{k: getattr(m.ledger.figures, k) for k in ("counts", "aux", "z", "pooled")}
-                   for m in (serial, layer)]
-        for t in figures[1].values():
-            torch.distributed.all_reduce(t)
-        out[aux_loss] = (ys[0].chunk(world)[rank], ys[1], grads, *figures)
+        out[aux_loss] = serial_and_split(
+            serial, layer, x, lambda name, full: _shard(name, full, rank, world), SPLITS,
+            ("counts", "aux", "z", "pooled"), rank, world)
     return out
 
 
@@ -193,16 +173,11 @@ def _fp8_scales(rank, world):
     x, g = torch.randn(2, 16, 2, 16, generator=torch.Generator().manual_seed(1))
     out = {}
     for layout, split in splits.items():
-        torch.manual_seed(0)
-        serial = MoELayer(moe, 16, 32, 0, RoutingLedger(moe, [0]))
-        for p in serial.parameters():
-            torch.nn.init.normal_(p, std=0.5)
+        serial = random_serial_layer(moe, 16, 32)
         tp = split.tp_size
         layer = MoELayer(moe, 16, 32, 0, RoutingLedger(moe, [0]), tp, split)
-        full = dict(serial.named_parameters())
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                p.copy_(_shard(name, full[name], rank if tp > 1 else 0, tp))
+        copy_pieces(layer, serial, lambda name, full: _shard(name, full, rank if tp > 1 else 0,
+                                                             tp))
         runs = []
         for module, inputs, grad in ((serial, x, g),
                                      (layer, x.chunk(world)[rank], g.chunk(world)[rank])):

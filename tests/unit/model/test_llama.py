@@ -12,11 +12,12 @@ from megalite.config.layout import validate
 from megalite.config.model import ModelConfig, RopeScaling
 from megalite.config.schema import load_config
 from megalite.model.families import causal_lm, flops_per_token, num_parameters
-from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
-from megalite.model.init import init_parameters, load_global_state
+from megalite.model.hf_io import check_init_from, load_hf_state_dict
+from megalite.model.init import load_global_state
 from megalite.model.llama.hf import from_hf_state_dict
 from megalite.model.llama.stage import RMSNorm
 from tests.conftest import random_hf_gpt2, random_hf_llama
+from tests.hf_export import assert_logits_and_greedy_text_equal, export_initialized
 from tests.unit.eval.test_hellaswag import (
     assert_scores,
     serial_trainer,
@@ -66,21 +67,11 @@ def test_rope_scaling_changes_logits():
 def test_export_loads_in_transformers_with_equal_logits_and_generation(tmp_path):
     from transformers import LlamaForCausalLM
 
-    ours = causal_lm(GQA).eval()
-    init_parameters(ours, seed=3)
-    state = {ours.param_specs[n].name: ours.param_specs[n].unshard([p.detach()])
-             for n, p in ours.named_parameters()}
-    save_hf(state, GQA, tmp_path / "hf")
+    ours, state = export_initialized(GQA, tmp_path / "hf")
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.num_parameters() == num_parameters(GQA)
     ids = torch.randint(0, GQA.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-5
-        theirs = hf.generate(ids[:1, :5], max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-        seq = ids[0, :5].tolist()
-        for _ in range(8):
-            seq.append(ours(torch.tensor([seq]))[0, -1].argmax().item())
-    assert seq[5:] == theirs
+    assert_logits_and_greedy_text_equal(ours, hf, ids)
     back = load_hf_state_dict(str(tmp_path / "hf"), GQA)
     assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
 

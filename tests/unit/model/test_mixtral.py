@@ -18,7 +18,8 @@ from megalite.model.families import causal_lm, family, flops_per_token, num_para
 from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
 from megalite.model.init import init_parameters, load_global_state
 from megalite.model.mixtral.hf import from_hf_state_dict, hf_config
-from megalite.model.moe.router import Router
+from tests.hf_export import assert_logits_and_greedy_text_equal, export_initialized
+from tests.moe_layers import router_outputs
 
 CFG = ModelConfig(name="mixtral-test", arch="mixtral", n_layer=2, n_embd=64, n_head=4,
                   n_kv_head=2, n_positions=64, vocab_size=211, n_inner=32,
@@ -49,20 +50,11 @@ def _ids(shape, seed=1):
     return torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _router_outputs(model):
-    """Each MoE layer's Routing of the next forward, in block order (forward hooks)."""
-    seen = []
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    return seen
-
-
 def test_logits_router_logits_and_choices_equal_transformers():
     hf = random_hf_mixtral(CFG)
     ours = ours_of(hf).eval()
     ids = _ids((2, 24))
-    seen = _router_outputs(ours)
+    seen = router_outputs(ours)
     with torch.no_grad():
         theirs = hf(ids, output_router_logits=True)
         assert (ours(ids) - theirs.logits).abs().max().item() <= 1e-5
@@ -138,11 +130,7 @@ def test_both_layouts_read_alike():
 def test_export_round_trip_bitwise_logits_and_greedy_text(tmp_path):
     from transformers import MixtralForCausalLM
 
-    ours = causal_lm(CFG).eval()
-    init_parameters(ours, seed=3)
-    state = {ours.param_specs[n].name: ours.param_specs[n].unshard([p.detach()])
-             for n, p in ours.named_parameters()}
-    save_hf(state, CFG, tmp_path / "hf")
+    ours, state = export_initialized(CFG, tmp_path / "hf")
     hf = MixtralForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager")
     hf = hf.eval()
     assert hf.num_parameters() == num_parameters(CFG)
@@ -150,13 +138,7 @@ def test_export_round_trip_bitwise_logits_and_greedy_text(tmp_path):
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
     ids = _ids((2, 20), seed=2)
-    with torch.no_grad():
-        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-5
-        theirs = hf.generate(ids[:1, :5], max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-        seq = ids[0, :5].tolist()
-        for _ in range(8):
-            seq.append(ours(torch.tensor([seq]))[0, -1].argmax().item())
-    assert seq[5:] == theirs
+    assert_logits_and_greedy_text_equal(ours, hf, ids)
 
 
 def test_init_from_checks_the_config(tmp_path):
@@ -225,7 +207,7 @@ def test_layer_and_sequence_aux_and_z_loss_reach_the_gradient(aux_loss):
     ours = ours_of(hf, cfg_of(0.3, 0.05)).train()
     ours(ids[:, :-1], ids[:, 1:]).backward()
     plain = ours_of(hf, cfg_of(0.0, 0.0)).train()
-    seen = _router_outputs(plain)
+    seen = router_outputs(plain)
     loss = plain(ids[:, :-1], ids[:, 1:])
     for r in seen:
         routed = torch.bincount(r.indices.reshape(-1), minlength=CFG.moe.num_experts)

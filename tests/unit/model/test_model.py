@@ -134,7 +134,7 @@ def test_hf_directory_round_trip_and_shape_mismatch(tmp_path):
 def test_attention_kernel_choice_changes_no_result():
     """train.attention picks SDPA's kernel only: the math and flash kernels give auto's loss and
     gradients (fp32), a kernel that cannot run the inputs raises instead of falling back."""
-    from megalite.config.schema import ATTENTION_CHOICES
+    from megalite.config.train_section import ATTENTION_CHOICES
     from megalite.model.attention import BACKENDS
 
     assert ATTENTION_CHOICES == ("auto", *BACKENDS)

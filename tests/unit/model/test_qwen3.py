@@ -17,10 +17,11 @@ from megalite.config.model import ModelConfig
 from megalite.config.moe import MoEConfig
 from megalite.config.schema import load_config
 from megalite.model.families import causal_lm, family, flops_per_token, num_parameters
-from megalite.model.hf_io import check_init_from, load_hf_state_dict, save_hf
-from megalite.model.init import init_parameters, load_global_state
-from megalite.model.moe.router import Router
+from megalite.model.hf_io import check_init_from, load_hf_state_dict
+from megalite.model.init import load_global_state
 from megalite.model.qwen3.hf import from_hf_state_dict, hf_config, hf_moe_config
+from tests.hf_export import assert_logits_and_greedy_text_equal, export_initialized
+from tests.moe_layers import router_outputs
 
 SHAPE = dict(n_layer=3, n_embd=64, n_head=4, n_kv_head=2, head_dim=24, n_positions=64,
              vocab_size=211, n_inner=48, rope_theta=50000.0, layer_norm_epsilon=1e-6,
@@ -63,14 +64,6 @@ def _ids(shape, seed=1):
                          generator=torch.Generator().manual_seed(seed))
 
 
-def _router_outputs(model):
-    seen = []
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    return seen
-
-
 # 6 heads of 16 with hidden 64: n_head need not divide n_embd where head_dim is set
 SIX_HEADS = ModelConfig(**{**DENSE.__dict__, "n_head": 6, "head_dim": 16})
 
@@ -81,7 +74,7 @@ def test_logits_equal_transformers(cfg):
     hf = random_hf(cfg)
     ours = ours_of(hf, cfg).eval()
     ids = _ids((2, 24))
-    seen = _router_outputs(ours)
+    seen = router_outputs(ours)
     with torch.no_grad():
         theirs = hf(ids, output_router_logits=cfg.moe.enabled)
         assert (ours(ids) - theirs.logits).abs().max().item() <= 1e-5
@@ -157,11 +150,7 @@ def test_both_expert_layouts_read_alike(tmp_path):
 def test_export_round_trip_bitwise_logits_and_greedy_text(cfg, tmp_path):
     import transformers
 
-    ours = causal_lm(cfg).eval()
-    init_parameters(ours, seed=3)
-    state = {ours.param_specs[n].name: ours.param_specs[n].unshard([p.detach()])
-             for n, p in ours.named_parameters()}
-    save_hf(state, cfg, tmp_path / "hf")
+    ours, state = export_initialized(cfg, tmp_path / "hf")
     cls = getattr(transformers, family(cfg).hf.model_class)
     kwargs = {"experts_implementation": "eager"} if cfg.moe.enabled else {}
     hf = cls.from_pretrained(tmp_path / "hf", **kwargs).eval()
@@ -172,13 +161,7 @@ def test_export_round_trip_bitwise_logits_and_greedy_text(cfg, tmp_path):
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
     ids = _ids((2, 20), seed=2)
-    with torch.no_grad():
-        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-5
-        theirs = hf.generate(ids[:1, :5], max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-        seq = ids[0, :5].tolist()
-        for _ in range(8):
-            seq.append(ours(torch.tensor([seq]))[0, -1].argmax().item())
-    assert seq[5:] == theirs
+    assert_logits_and_greedy_text_equal(ours, hf, ids)
 
 
 def test_init_from_checks_the_config(tmp_path):

@@ -60,11 +60,11 @@ SINGLE_GPU = {
         OPT_OFFLOAD + "test_host_state_is_pinned_and_copies_use_a_side_stream",
     "megalite.parallel.offload:OptimizerOffload._copy_in": OPT_ORDER,
     "megalite.parallel.offload:OptimizerOffload.drain": OPT_ORDER,
-    "megalite.parallel.offload:OptimizerOffload.step": OPT_ORDER,
-    "megalite.parallel.offload:OptimizerOffload._to_device": OPT_ORDER,
-    "megalite.parallel.offload:OptimizerOffload.params_needed": OPT_ORDER,
-    "megalite.parallel.offload:OptimizerOffload.gather_after_copy": OPT_EQUAL,
-    "megalite.parallel.offload:OptimizerOffload.params_to_device": PRETRAIN,  # the resume
+    "megalite.parallel.offload_params:HostParams.step": OPT_ORDER,
+    "megalite.parallel.offload_params:HostParams._to_device": OPT_ORDER,
+    "megalite.parallel.offload_params:HostParams.params_needed": OPT_ORDER,
+    "megalite.parallel.offload_params:HostParams.gather_after_copy": OPT_EQUAL,
+    "megalite.parallel.offload_params:HostParams.params_to_device": PRETRAIN,  # the resume
     "megalite.parallel.offload_timeline:OffloadTimeline.begin":
         "tests/unit/bench/test_cuda_bench.py::test_variants_are_freed_and_waits_are_device_time",
     "megalite.parallel.offload_worker:HostWorker._cuda_index": OPT_ORDER,

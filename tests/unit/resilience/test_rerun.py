@@ -243,7 +243,7 @@ def test_a_batch_skipped_as_bad_data_is_no_good_step_for_the_loss_scale():
     """fp16: the dynamic scale grows after `window` good steps in a row; a finite step that
     resilience.rerun skipped as bad data is not one of them (nor an overflow)."""
     from megalite.checkpoint.state import Progress
-    from megalite.config.schema import TrainConfig
+    from megalite.config.train_section import TrainConfig
     from megalite.train.loss_scale import LossScaler
     from megalite.train.step_guard import StepGuard
 
