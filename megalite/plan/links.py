@@ -1,7 +1,10 @@
 """Which links each process group of a layout uses, from the [TP, CP, PP, DP] placement of ranks
 on nodes (`rank = tp_rank + tp·(cp_rank + cp·(pp_rank + pp·dp_rank))`, nodes of `gpus_per_node`
 consecutive ranks; ARCHITECTURE.md §3), and what a collective costs on one
-(`collective_time`).
+(`collective_time`: its bytes at the bus bandwidth, its latency as NCCL's own model prices a
+ring, `collective_latency`). Not modelled: NCCL's tree all-reduce across nodes (log-depth
+latency, chosen by NCCL where it is faster), a ring's intra-node steps in a group that spans
+nodes (all its steps are priced at the inter-node latency).
 
 A group whose ranks share a node runs at the intra-node bus bandwidth. A group that spans
 nodes with k of its ranks on each node uses k NIC rails at once (one NIC per GPU), so its bus
@@ -108,11 +111,48 @@ def send_link(profile: DeviceProfile, crosses_nodes: bool) -> GroupLink:
     return GroupLink(profile.intra_node, False, dict(profile.op_links.get("intra_node", {})))
 
 
+# NCCL's latency model of a ring collective (src/graph/tuning.cc, ncclTopoTuneModel, the
+# same form from NCCL 2.8 of 2020 on): baseLat + nsteps × hwLat, nsteps = 2(n − 1) for an
+# all-reduce, n − 1 for an all-gather or a reduce-scatter; baseLat of the Simple protocol
+# (the large messages training sends) 8.4 µs, hwLat a ring step (NVLink 3.4 µs, network
+# 9.6-14 µs). The device table's 2-rank latencies agree with it: NVLink 15 µs (NCCL:
+# 8.4 + 2 × 3.4 = 15.2), across nodes 30 µs (8.4 + 2 × 9.6 = 27.6).
+NCCL_RING_BASE_S = 8.4e-6
+STEPS_AT_TWO = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "send_recv": 1}
+
+
+def ring_steps(op: str, ranks: int) -> int:
+    """The steps of a ring collective of kind `op` over `ranks` ranks (NCCL's nsteps)."""
+    return 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+
+
+def ring_step_s(fit: Link, op: str = "all_reduce") -> float:
+    """One ring step's latency (NCCL's hwLat) of a link whose latency is `fit`'s: the 2-rank
+    collective's small-message time of kind `op` (a link without its own fit for the kind:
+    the 2-rank all-reduce's, as nccl-tests reports it) less NCCL's base, over its steps at 2
+    ranks; the base is at most the whole latency."""
+    return (fit.latency_s - min(NCCL_RING_BASE_S, fit.latency_s)) / STEPS_AT_TWO[op]
+
+
+def collective_latency(link: GroupLink, ranks: int, op: str = "all_reduce") -> float:
+    """One collective's latency over `ranks` ranks: NCCL's base + its ring steps × a step's
+    latency (`ring_step_s`), from the kind's own fit where the profile has one (`op_links`),
+    else from the link's (a 2-rank all-reduce's); 0 on one rank. A pipeline send is one
+    step: the fit's whole latency."""
+    if ranks < 2:
+        return 0.0
+    fit, own = link.of(op), op in link.ops
+    if op == "send_recv":
+        return fit.latency_s
+    step = ring_step_s(fit, op if own else "all_reduce")
+    base = fit.latency_s - STEPS_AT_TWO[op if own else "all_reduce"] * step
+    return base + ring_steps(op, ranks) * step
+
+
 def collective_time(wire_bytes: float, collectives: float, link: GroupLink, ranks: int,
                     op: str = "all_reduce") -> float:
     """Seconds of `collectives` collectives of kind `op` over `ranks` ranks moving
-    `wire_bytes` in all: wire bytes at the bus bandwidth + the latency of each: a ring takes
-    ranks − 1 steps, each the profile's latency (that of a 2-rank collective, its smallest
-    group) — the kind's own fit where the profile has one (`op_links`), else the link's."""
-    fit = link.of(op)
-    return wire_bytes / (fit.bus_gbps * 1e9) + collectives * (ranks - 1) * fit.latency_s
+    `wire_bytes` in all: wire bytes at the bus bandwidth (the kind's own fit where the profile
+    has one, else the link's) + each one's `collective_latency`."""
+    return wire_bytes / (link.of(op).bus_gbps * 1e9) \
+        + collectives * collective_latency(link, ranks, op)

@@ -24,7 +24,7 @@ from megalite.parallel.schedule import max_in_flight
 from megalite.plan.devices import DeviceProfile, fits_dropout
 from megalite.plan.dims import recomputed_layers
 from megalite.plan.document_terms import MaskedWork, masking
-from megalite.plan.links import group_links
+from megalite.plan.links import group_links, ring_step_s
 from megalite.plan.pipeline_terms import chunk_shares
 from megalite.plan.space import Choice, apply_choice, offload_fraction
 from megalite.plan.time_model import stage_forward_flops
@@ -217,10 +217,12 @@ def mask_factor(cfg: Config, c: Choice, profile: DeviceProfile,
 
 
 def smallest_latency(profile: DeviceProfile) -> float:
-    """The smallest latency a ring step of any collective pays on `profile`."""
-    links = [profile.intra_node, profile.inter_node] + [
-        link for ops in profile.op_links.values() for link in ops.values()]
-    return min(link.latency_s for link in links)
+    """The smallest latency a ring step of any collective pays on `profile`
+    (`megalite.plan.links.ring_step_s`: a collective over n ranks pays n − 1 of them at
+    least)."""
+    steps = [ring_step_s(profile.intra_node), ring_step_s(profile.inter_node)] + [
+        ring_step_s(link, op) for ops in profile.op_links.values() for op, link in ops.items()]
+    return min(steps)
 
 
 @dataclass

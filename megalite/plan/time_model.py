@@ -43,7 +43,9 @@ bytes of a model-dtype element:
   grad_accumulate  m · Ψ_k·(e + 8) / B: the engine folds each micro-batch's e-byte gradients
               into fp32 (zero 2/3: + a zeroed fp32 buffer (4) and the owned part's fold
               (12/dp) a micro-batch), during the backward
-  tp          the plan's TP wire bytes / bus bandwidth + collectives × latency: blocking, in the
+  tp          the plan's TP wire bytes / bus bandwidth + collectives × each one's latency
+              (`megalite.plan.links.collective_latency`: NCCL's ring model, its base + 2(n − 1)
+              steps an all-reduce, n − 1 an all-gather or reduce-scatter): blocking, in the
               layer's critical path (megalite does not overlap TP collectives); all-reduces,
               with SP 6 all-gathers : 4 reduce-scatters a block (each kind at its own fit
               where a calibrated profile has one: `op_links`; pp: send/recv, dp: all-reduce,
