@@ -50,6 +50,15 @@ class Prepared:
     prepare: Callable
 
 
+@dataclass
+class Later:
+    """A run that reads what an earlier run of the same launch writes (its checkpoint.resume):
+    its overrides composed in the ranks as it starts, and `steps` steps of its own."""
+
+    run: List[str]
+    steps: int
+
+
 def _steps(rank, world, run, run_dir, steps, save_at=None, probe=False):
     """`run`: overrides, or the configuration `composed` made of them in the caller, or
     either `Prepared`; `probe`: the rank's collective launches recorded (`launched`, for
@@ -141,7 +150,9 @@ def _parameters_are_masters_cast(engine) -> bool:
 
 
 def _many(rank, world, runs, run_dir, steps, save_at, probe=False):
-    return [_steps(rank, world, run, f"{run_dir}/{i}", steps, save_at, probe)
+    return [_steps(rank, world, run.run, f"{run_dir}/{i}", run.steps, save_at, probe)
+            if isinstance(run, Later) else
+            _steps(rank, world, run, f"{run_dir}/{i}", steps, save_at, probe)
             for i, run in enumerate(runs)]
 
 
@@ -162,16 +173,17 @@ def train_layout(tmp_path, world: int, overrides: List[str], steps: int = 10,
     return train_layouts(tmp_path, world, [overrides], steps, timeout_s, save_at)[0]
 
 
-def train_layouts(tmp_path, world: int, runs: List[List[str]], steps: int = 10,
+def train_layouts(tmp_path, world: int, runs: List[object], steps: int = 10,
                   timeout_s: float = 900, save_at: Optional[int] = None,
                   probe: bool = False) -> List[List[dict]]:
     """Several configurations one after the other in the same `world` ranks (one launch):
     a list of per-rank results for each configuration. With `save_at=k` each run writes a
     checkpoint after its step k (to its `checkpoint.dir`); with `probe` each result holds
     the rank's collective launches (`launched`, under the order probe). Each configuration is composed
-    here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition)."""
+    here, once, rather than on every rank (Hydra takes about 0.5 s of CPU a composition), but
+    a `Later` one (resuming an earlier run's checkpoint, which does not exist yet)."""
     configs = [Prepared(composed(run.run), run.prepare) if isinstance(run, Prepared)
-               else composed(run) for run in runs]
+               else run if isinstance(run, Later) else composed(run) for run in runs]
     per_rank = run_ranks(_many, world, args=(configs, str(tmp_path), steps, save_at, probe),
                          timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]

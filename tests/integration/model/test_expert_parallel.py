@@ -11,7 +11,7 @@ dispatchers, ZeRO 0-3, optimizer offload, a Mixtral and a Qwen3-MoE with a gated
 expert, init_from a checkpoint, HellaSwag's scores, and routing skewed so that every token
 picks experts 0 and 1: one expert takes every token and the EP ranks holding experts 2 and 3
 receive no rows at all. A checkpoint written at ep 2 holds the serial experts and resumes at
-ep 1, one written at ep 4 resumes at ep 2. The plan's parameters, model-state bytes and
+ep 1, one written at ep 4 resumes at ep 2 and ep 1. The plan's parameters, model-state bytes and
 DP / EDP / EP wire bytes per rank match what the runs measure."""
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     reduced and sharded over EDP; the replica check compares them over EDP every step;
     ZeRO 2 starting from a checkpoint's weights, init_from, each EP rank loading its experts;
     ZeRO 3, each block's experts gathered over EDP); the ep 4 run's checkpoint resumed at
-    ep 2, the ep 2 x tp 2 run's (the replica check every step) at ep 1, tp 1."""
+    ep 2 and ep 1, the ep 2 x tp 2 run's (the replica check every step) at ep 1, tp 1."""
     common, ckpt = [f"data.dir={tiny_data}", *MOE], tmp_path / "ckpt"
     folded = tmp_path / "ckpt-tp"
     runs = [(serial["moe"], Prepared(common + ["ep=4", "zero=1", f"checkpoint.dir={ckpt}"],
@@ -248,6 +248,11 @@ def test_ep4_and_ep2_over_dp4_equal_serial(tiny_data, tmp_path, serial):
     expected = {**from_step(serial["moe"], 1), "moe": serial["moe"]["moe"][1:]}
     assert_equal(expected, resumed)
     assert_figures_equal(expected, resumed)
+    # and at ep 1 (serially)
+    alone = train_in_process(tmp_path / "r1", common + [
+        f"checkpoint.resume={ckpt / 'step_00000001'}"], STEPS - 1)
+    assert_equal(expected, [alone])
+    assert_figures_equal(expected, [alone])
     # the ep 2 x tp 2 checkpoint (experts whole on each TP rank, each its EP rank's range of
     # the whole tensor) holds the serial experts and resumes at tp 1, ep 1
     written = read_global_state(folded / "step_00000001")
