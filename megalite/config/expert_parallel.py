@@ -33,11 +33,6 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         fail("fp8.recipe", cfg.fp8.recipe, f"{why}: an expert's rows arrive from ep ranks' "
              "micro-batches, so its FP8 scales would span them (the serial run's span one); "
              "use fp8.recipe=none")
-    if cfg.resilience.rerun != "off":
-        fail("resilience.rerun", cfg.resilience.rerun, f"{why}: the re-execution compares a "
-             "replica's gradients with a neighbour's recomputing the same micro-batches, and "
-             "under EP neighbours hold other experts, fed by every replica's tokens; use "
-             "resilience.rerun=off")
 
 
 def _divisor(n: int, near: int) -> int:
