@@ -18,7 +18,10 @@ on every rank), freed and reduced together.
               gather again, prefetch the previous unit; with activation recomputation the
               unit's forward re-runs here and its pre-hook, finding the unit in backward,
               prefetches nothing (the next unit's backward is already done)
-              when every parameter's gradient is in (engine): reduce-scatter, free
+              when every parameter's gradient of a micro-batch is in (engine): its
+              reduce-scatter; free once each of the unit's buckets has that micro-batch's
+              (`after_backward`: under a zero-bubble schedule with EP, the experts' B and the
+              dense weights' W)
 
 Freeing shrinks the flat buffer's storage to 0 bytes; gathering grows it back and fills it, so
 the tensors autograd saved in forward (views of that storage) are valid again in backward
