@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 from megalite.config.errors import fail
-from megalite.config.schedule_rules import ZERO_BUBBLE
 
 
 def check_expert_parallel(cfg, world_size: int) -> None:
@@ -34,17 +33,6 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         fail("fp8.recipe", cfg.fp8.recipe, f"{why}: an expert's rows arrive from ep ranks' "
              "micro-batches, so its FP8 scales would span them (the serial run's span one); "
              "use fp8.recipe=none")
-    if cfg.pp > 1 and cfg.zero == 3 and cfg.parallel.schedule in ZERO_BUBBLE:
-        fail("zero", 3, f"{why} under parallel.schedule={cfg.parallel.schedule}: a block's "
-             "experts' gradients arrive in its input-gradient pass and its other weights' in "
-             "the deferred weight-gradient pass, and ZeRO-3 frees a unit when its buckets "
-             "have reported, not per micro-batch; use zero<=2 or parallel.schedule=1f1b / "
-             "interleaved")
-    if cfg.resilience.rerun != "off":
-        fail("resilience.rerun", cfg.resilience.rerun, f"{why}: the re-execution compares a "
-             "replica's gradients with a neighbour's recomputing the same micro-batches, and "
-             "under EP neighbours hold other experts, fed by every replica's tokens; use "
-             "resilience.rerun=off")
 
 
 def _divisor(n: int, near: int) -> int:

@@ -194,7 +194,7 @@ class ZeroEngine(EngineState):
         elif bucket.completed == self._micro_batches:  # the step's last: its one reduction
             self._launch(bucket)
         if self.zero3 is not None:
-            self.zero3.after_backward(bucket)
+            self.zero3.after_backward(bucket, mb)
 
     def before_backward(self, micro_batch: int, micro_batches: int) -> None:
         """Called before each backward (or each of its B and W halves) of `micro_batch`, one

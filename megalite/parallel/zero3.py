@@ -18,7 +18,10 @@ on every rank), freed and reduced together.
               gather again, prefetch the previous unit; with activation recomputation the
               unit's forward re-runs here and its pre-hook, finding the unit in backward,
               prefetches nothing (the next unit's backward is already done)
-              when every parameter's gradient is in (engine): reduce-scatter, free
+              when every parameter's gradient of a micro-batch is in (engine): its
+              reduce-scatter; free once each of the unit's buckets has that micro-batch's
+              (`after_backward`: under a zero-bubble schedule with EP, the experts' B and the
+              dense weights' W)
 
 Freeing shrinks the flat buffer's storage to 0 bytes; gathering grows it back and fills it, so
 the tensors autograd saved in forward (views of that storage) are valid again in backward
@@ -62,7 +65,7 @@ class _UnitState:
         self.gathered = False
         self.works: List = []
         self.in_backward = False
-        self.reported = 0  # buckets whose gradients are in, this backward
+        self.reported: Dict[int, int] = {}  # micro-batch -> its buckets whose gradients are in
 
 
 class Zero3Gathering:
@@ -163,20 +166,28 @@ class Zero3Gathering:
             return grad
         return hook
 
-    def after_backward(self, bucket) -> None:
-        """The engine's signal: every gradient of `bucket` is in (and reduce-scattered); the
-        unit is done when all its buckets are."""
+    def after_backward(self, bucket, micro_batch: int) -> None:
+        """The engine's signal: every gradient of `bucket` for `micro_batch` is in (and its
+        reduce-scatter launched); the unit is done with that micro-batch when all its buckets
+        are. Counted per micro-batch: under a zero-bubble schedule with expert parallelism a
+        block's experts' bucket completes in the micro-batch's B (their grouped GEMM computes
+        both gradients) and its dense bucket in the deferred W, and the next micro-batch's B
+        can come in between — one running count would take that B's expert bucket for the
+        dense one still missing and free the unit while the B still reads it."""
         unit = self.state[id(bucket)]
-        unit.reported += 1
-        if unit.reported < len(unit.buckets):
+        reported = unit.reported.get(micro_batch, 0) + 1
+        if reported < len(unit.buckets):
+            unit.reported[micro_batch] = reported
             return
-        unit.reported, unit.in_backward = 0, False
+        unit.reported.pop(micro_batch, None)
+        unit.in_backward = False
         if self.reshard_after_forward:
             self._free(unit)
 
     def end_of_step(self) -> None:
         """Free every unit (after the step's last backward, or after a forward-only pass)."""
         for unit in self.state.values():
-            unit.in_backward, unit.reported = False, 0
+            unit.in_backward = False
+            unit.reported.clear()
             if unit.gathered or unit.works:
                 self._free(unit)

@@ -5,6 +5,8 @@ blocks its `Layout` gives it — the same chunks, in the same placement (interle
 as the run builds."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megalite.config.errors import fail
@@ -34,7 +36,8 @@ def check_inject_target(cfg, layout: Layout) -> None:
 
 
 def rank_parameters(cfg, layout: Layout, rank: int) -> dict:
-    """Global name -> elements of the copy `rank` holds (its TP shard), of every parameter the
+    """Global name -> elements of the copy `rank` holds (its TP shard; an expert weight under
+    ep > 1: its EP rank's E/ep whole experts, `ParamSpec.local_shape`), of every parameter the
     fault drill can target on that rank (tied copies left out, as the drill takes the first
     copy)."""
     c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size)
@@ -48,6 +51,8 @@ def rank_parameters(cfg, layout: Layout, rank: int) -> dict:
     for chunk in stage.chunks:
         for local, p in chunk.named_parameters():
             spec = chunk.param_specs[local]
-            if not spec.tied_copy:
-                numels.setdefault(spec.name, p.numel())
+            if spec.tied_copy:
+                continue
+            numels.setdefault(spec.name, math.prod(spec.local_shape(1, cfg.ep))
+                              if spec.expert and cfg.ep > 1 else p.numel())
     return numels

@@ -10,29 +10,36 @@ says whether a device or the data is to blame.
        gradients zeroed; no optimizer step has run). Every rank compares its local results
        of the two executions (`megalite.resilience.verdicts`).
        some differ   -> TRANSIENT fault on the ranks whose results differ; unless ranks
-                        of two or more DP replicas computed their own results differently:
-                        no device does that to another replica, the kernels' non-determinism
-                        does (NONDETERMINISTIC: logged to nondeterminism.jsonl, the batch
-                        skipped and counted, no hardware verdict; `verdicts.nondeterministic`)
+                        of two or more domains (DP replicas; under expert parallelism the
+                        replicas an EP group joins, `verdicts.replica_domains`) computed
+                        their own results differently: no device does that to another
+                        domain, the kernels' non-determinism does (NONDETERMINISTIC:
+                        logged to nondeterminism.jsonl, the batch skipped and counted, no
+                        hardware verdict; `verdicts.nondeterministic`)
        Comparisons are within resilience.rerun_tolerance (relative, default 1e-5), and with
        resilience.rerun_deterministic (default) a CUDA run uses torch's deterministic
        algorithms throughout, so that a healthy re-execution reproduces the step
        (`use_deterministic_kernels`).
-    2. the same everywhere: the data or a persistent fault. With dp >= 2 every DP replica
-       recomputes its predecessor's micro-batches (replica d + 1 those of d, with d's random
-       streams) and the results are compared with the originals.
+    2. the same everywhere: the data or a persistent fault. With two or more domains every
+       domain recomputes its predecessor's micro-batches (the replicas of domain d + 1
+       those of d's, each the one at its own place, with its random streams; without EP a
+       domain is a replica) and the results are compared with the originals. Under EP a
+       rank's local gradient holds its experts', computed from its EP group's tokens: the
+       recomputing rank's EP group holds the same data, so its experts' gradient is
+       comparable too (a shift by one replica inside a domain would compare other experts,
+       fed other tokens).
        the same      -> DATA: the samples are logged, the batch skipped and counted
        different     -> PERSISTENT fault on the replica that computed them wrong
-       With dp = 1 there is no other replica: as Megatron does, the verdict needs a restart
-       that excludes this node (run the step elsewhere); the step is skipped and logged as
-       unresolved meanwhile.
+       With one domain (dp = 1, or ep spanning every replica) there is no independent
+       replica: as Megatron does, the verdict needs a restart that excludes this node (run
+       the step elsewhere); the step is skipped and logged as unresolved meanwhile.
     A fault verdict writes <run dir>/resilience/fault.json and raises HardwareFaultError on
     every rank (the CLI exits with HARDWARE_FAULT_EXIT; `megalite.resilience.faults`).
 
 Cost: a step that is not suspicious costs the saved random-stream states and one fp32 pass
 over the local gradient (its norm as the reduction starts), plus with on_spike one
-all-reduce of the loss. A suspicious step costs one more execution, with dp >= 2 two more
-(and an all-gather of the micro-batches' tokens over DP).
+all-reduce of the loss. A suspicious step costs one more execution, with two or more domains
+two more (and an all-gather of the micro-batches' tokens over DP).
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ from megalite.resilience.verdicts import (
     cross_replica_verdict,
     nondeterministic,
     own_changes,
+    replica_domains,
     transient_suspects,
 )
 from megalite.utils.log import get_logger
@@ -80,7 +88,7 @@ class RerunAttribution:
                                       res.spike_window, res.spike_warmup)
         self.reruns = 0  # suspicious steps re-executed so far
         self.data_skips = 0  # batches judged to be bad data and skipped
-        self.unresolved = 0  # reproducible suspicious steps that dp = 1 could not judge
+        self.unresolved = 0  # reproducible suspicious steps that one domain could not judge
         self.nondeterministic = 0  # re-executions that differed in several replicas
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=device)
         self._rng_before = None
@@ -100,7 +108,7 @@ class RerunAttribution:
         """A drill: the next step judged is suspicious for `reason` whatever its values, so
         it is re-executed and judged as a real one would be. On healthy hardware the replay
         reproduces the step and the replicas agree, so the verdict is the batch's (skipped
-        and logged; with dp = 1 unresolved and skipped). For rehearsing the path and timing
+        and logged; with one domain unresolved and skipped). For rehearsing the path and timing
         its cost (`megalite-bench rerun`)."""
         self._drill = reason
 
@@ -121,7 +129,7 @@ class RerunAttribution:
     def judge(self, step: int, loss: torch.Tensor, norm: torch.Tensor, micro_batches: list,
               samples: List[Tuple[int, int]], execute: Execute) -> bool:
         """After the step's first execution, before its optimizer step: True when the batch
-        is to be skipped (bad data, or unresolved with dp = 1), False when the step is to be
+        is to be skipped (bad data, or unresolved with one domain), False when the step is to be
         applied as usual (not suspicious, or an fp16 overflow the loss scale absorbs). Raises
         HardwareFaultError on a fault verdict."""
         values = {"grad_norm": norm.item()}
@@ -153,7 +161,7 @@ class RerunAttribution:
         second = self._execute(execute, 1, micro_batches)
         firsts, seconds = self._everyones(first), self._everyones(second)
         changed = own_changes(firsts, seconds, self.tolerance)
-        if nondeterministic(changed, self._replicas(), self.engine.zero3 is not None):
+        if nondeterministic(changed, self._domains(), self.engine.zero3 is not None):
             self.rng.load_state_dict(rng_after)
             return self._nondeterministic(step, reasons, changed, firsts, seconds)
         suspects = transient_suspects(firsts, seconds, self.tolerance)
@@ -161,17 +169,17 @@ class RerunAttribution:
             self._fault(step, "transient", suspects, reasons,
                         "re-executing it on the same data with the same parameters and random "
                         "streams gave different results")
-        if self.topo.dp_size == 1:
+        if len(self._domains()) == 1:
             self.rng.load_state_dict(rng_after)
             return self._unresolved(step, reasons, samples)
         recomputed = self._recompute_predecessors(execute, micro_batches)
         self.rng.load_state_dict(rng_after)
         suspects = cross_replica_verdict(firsts, self._everyones(recomputed),
-                                         self._replicas(), self.tolerance)
+                                         self._domains(), self.tolerance)
         if suspects:
             self._fault(step, "persistent", suspects, reasons,
                         "re-executing it reproduced the results, and another data-parallel "
-                        "replica computing the same micro-batches did not")
+                        "replica (domain) computing the same micro-batches did not")
         return self._data(step, reasons, firsts, samples)
 
     def _execute(self, execute: Execute, execution: int, micro_batches: list) -> List[float]:
@@ -206,15 +214,21 @@ class RerunAttribution:
 
     def _replicas(self) -> List[List[int]]:
         """The global ranks of each DP replica, in model-parallel order."""
-        topo, mp = self.topo, self.topo.tp_size * self.topo.pp_size
-        return [[d * mp + j for j in range(mp)] for d in range(topo.dp_size)]
+        topo = self.topo
+        return replica_domains(topo.tp_size, topo.pp_size, topo.dp_size)
+
+    def _domains(self) -> List[List[int]]:
+        """The global ranks of each domain (`verdicts.replica_domains`: a replica, or under
+        EP the replicas its EP groups join), in model-parallel order."""
+        topo = self.topo
+        return replica_domains(topo.tp_size, topo.pp_size, topo.dp_size, topo.ep_size)
 
     # --- recomputing another replica's micro-batches ------------------------------------
 
     def _recompute_predecessors(self, execute: Execute, micro_batches: list) -> List[float]:
-        """Every DP replica d + 1 executes the step on replica d's micro-batches with d's
-        random streams (one all_gather of tokens and stream states over DP); this rank's
-        local results of that."""
+        """Every domain d + 1 executes the step on domain d's micro-batches, each replica
+        those of the replica at its place in d, with its random streams (one all_gather of
+        tokens and stream states over DP); this rank's local results of that."""
         theirs, their_rng = self._from_predecessor(micro_batches)
         self.rng.load_state_dict(their_rng)
         return self._execute(execute, 2, theirs)
@@ -231,7 +245,8 @@ class RerunAttribution:
         group = self.topo.dp_group
         everyone = torch.empty(group.size * mine.numel(), dtype=torch.int64, device=self.device)
         comm.all_gather(everyone, mine, group)
-        flat = everyone.view(group.size, -1)[(group.rank - 1) % group.size]
+        shift = group.size // len(self._domains())  # replicas per domain
+        flat = everyone.view(group.size, -1)[(group.rank - shift) % group.size]
         pieces = iter(flat.split([p.numel() for p in parts]))
         theirs = [_unflat(tuple(None if t is None else next(pieces).view_as(t).to(t.dtype)
                                 for t in mb), share) for mb, share in zip(micro_batches, shares)]
@@ -291,9 +306,11 @@ class RerunAttribution:
                 "samples": [list(map(int, x)) for x in samples]})
             get_logger().warning(
                 f"step {step}: its re-execution reproduced it, so the data or a "
-                "persistent fault of this replica's devices; with dp=1 there is no other "
-                "replica to recompute it on: telling them apart needs a restart that excludes "
-                "this node (if the step fails there too, it is the data). Skipped the batch "
+                "persistent fault of this replica's devices; with dp=1 (or ep spanning every "
+                "DP replica, whose tokens all ran through every EP rank's experts) there is "
+                "no independent replica to recompute it on: telling them apart needs a "
+                "restart that excludes this node (if the step fails there too, it is the "
+                "data). Skipped the batch "
                 f"meanwhile; its samples are in {path}")
         return True
 

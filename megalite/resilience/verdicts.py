@@ -15,7 +15,10 @@ then spreads any of them to every DP replica's reduced gradient, which is why `g
 only names a rank when nothing earlier differs (a fault after the reduction). Under tensor
 and pipeline parallelism a fault also spreads through the activations to the rank's
 model-parallel peers of the same replica, whose local results then differ too: they are
-named with it.
+named with it. Under expert parallelism it spreads through the token exchange to the rank's
+EP peers, which may be other replicas' ranks (their tokens ran through its experts, its
+tokens through theirs): the replicas an EP group joins form one *domain*
+(`replica_domains`), which takes the place of a replica in the verdicts.
 """
 from __future__ import annotations
 
@@ -62,16 +65,34 @@ def own_changes(first: Sequence[Sequence[float]], second: Sequence[Sequence[floa
             if differing(a[:LOCAL], b[:LOCAL], tolerance)]
 
 
+def replica_domains(tp: int, pp: int, dp: int, ep: int = 1) -> List[List[int]]:
+    """The global ranks of each *domain*: the DP replicas that a fault can reach through the
+    activations, each in the same model-parallel order (rank = tp_rank + tp · (pp_rank + pp ·
+    dp_rank), cp = 1). Without expert parallelism a domain is one replica. With ep > 1 each
+    pipeline stage's EP groups exchange tokens over ep consecutive ranks of the stage's
+    tp·dp (`megalite.parallel.topology`), so a rank's experts compute for, and its faults
+    reach, every replica of its EP group: a domain is lcm(ep, tp) / tp consecutive replicas
+    (one run of EP groups and replicas that ends where both end), the whole world when ep
+    spans every replica. Two domains never exchange an activation, and the j-th ranks of two
+    domains hold the same dense parameters and the same experts."""
+    k = math.lcm(ep, tp) // tp  # replicas per domain
+    mp = tp * pp
+    return [[r * mp + j for r in range(d * k, (d + 1) * k) for j in range(mp)]
+            for d in range(dp // k)]
+
+
 def nondeterministic(changed: Sequence[int], replicas: Sequence[Sequence[int]],
                      shards_parameters: bool = False) -> bool:
     """Whether the ranks whose own results changed on re-execution (`changed`) lie in two or
-    more DP replicas (`replicas[d]`: replica d's global ranks). A faulty device changes its
-    own results and those of its model-parallel peers (through the activations), never
-    another replica's loss or local gradient (computed from that replica's data with the same
-    parameters, before any reduction): changes in several replicas at once are the kernels'
-    non-determinism (atomics in the backward, most often), not a fault on all of them. Two
-    faults at once on two replicas would read the same: called non-determinism, and logged.
-    With one replica (dp = 1) a fault changes every rank's results too, and this cannot tell;
+    more domains (`replicas[d]`: domain d's global ranks, `replica_domains`: a DP replica
+    without expert parallelism). A faulty device changes its own results and those of its
+    model-parallel peers and EP peers (through the activations), never another domain's loss
+    or local gradient (computed from that domain's data with the same parameters, before any
+    reduction): changes in several domains at once are the kernels' non-determinism
+    (atomics in the backward, most often), not a fault on all of them. Two faults at once on
+    two domains would read the same: called non-determinism, and logged.
+    With one domain (dp = 1, or ep spanning every replica) a fault changes every rank's
+    results too, and this cannot tell;
     deterministic kernels and resilience.rerun_tolerance are the protection there. Nor under
     ZeRO-3 (`shards_parameters`): every forward gathers every replica's parameter shard, so a
     device that corrupts its shard or its send changes every replica's results; the rule is
@@ -84,10 +105,13 @@ def nondeterministic(changed: Sequence[int], replicas: Sequence[Sequence[int]],
 
 def cross_replica_verdict(first: Sequence[Sequence[float]], recomputed: Sequence[Sequence[float]],
                           replicas: Sequence[Sequence[int]], tolerance: float) -> List[int]:
-    """After a re-execution reproduced the suspicious step: replica d + 1 recomputed replica
+    """After a re-execution reproduced the suspicious step: domain d + 1 recomputed domain
     d's micro-batches (same parameters and random streams; `recomputed[r]`: rank r's local
     results of that recomputation, `first[r]` of its original execution). `replicas[d]`: the
-    global ranks of DP replica d, in the same model-parallel order for every d.
+    global ranks of domain d (`replica_domains`: a DP replica without expert parallelism), in
+    the same model-parallel order for every d. Under EP the j-th rank of domain d + 1 holds
+    the experts of domain d's j-th and receives the same tokens from the same EP positions,
+    so its local gradient, experts' included, is the one d's j-th computed.
 
     Returns the ranks of a persistent fault, or [] when every replica's micro-batches gave
     the same results on their neighbour: then the data is the cause. A faulty replica F

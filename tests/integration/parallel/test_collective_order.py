@@ -93,6 +93,9 @@ FOUR_RANKS = [
     [*MOE, "ep=4", "parallel.ep_dispatch=allgather", "model.moe.shared_experts=1"],
     # each pipeline stage's own EP group (ZB-V's split backward), EP over CP ranks
     [*MOE, "ep=2", "pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=1"],
+    # ZeRO 3 under ZB-H1: a unit's experts' EDP gathers and reduce-scatters in its B, its
+    # dense weights' reduce-scatter in the deferred W, freed after both
+    [*MOE, "ep=2", "pp=2", "parallel.schedule=zb-h1", "zero=3"],
     [*MOE, "ep=2", "cp=2", "zero=2", "model.moe.bias_update_rate=0.01"],
     # EP folded over TP: each rank's own SP tokens over EP, the shared expert's TP gather and
     # reduce-scatter, the chosen experts' TP gather for the counts

@@ -1,7 +1,7 @@
 """The combination matrix of strength 2 (docs/combinations.md): every pair of values of two
 feature axes that megalite does not refuse is in some run, and every value of every axis but
 precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 29 runs of
-2-8 ranks, 15 of them with cp 2 (8 all-gather, 7 ring) and 16 with the document mask, 10 with
+2-8 ranks, 16 of them with cp 2 (9 all-gather, 7 ring) and 16 with the document mask, 10 with
 both; 10 in fp32 without FP8; 11 of the Mixtral MoE family (aux loss, z-loss and bias on), 10
 of them at ep 2 with either dispatcher; the first one Llama with its KV head replicated over
 tp=2 under optimizer offload), and each run trains through a checkpoint and a resume on a

@@ -25,6 +25,7 @@ from megalite.resilience.verdicts import (
     cross_replica_verdict,
     nondeterministic,
     own_changes,
+    replica_domains,
     transient_suspects,
 )
 
@@ -100,6 +101,31 @@ def test_the_cross_replica_recomputation_tells_a_persistent_fault_from_the_data(
     # two replicas, finite and disagreeing both ways: either may be wrong, both are named
     assert cross_replica_verdict([[1.0, 1, 0], [2.0, 1, 0]], [[2.5, 1, 0], [1.5, 1, 0]],
                                  replicas, 0) == [0, 1]
+
+
+def test_under_expert_parallelism_the_replicas_an_ep_group_joins_are_one_domain():
+    """The replicas a fault reaches through the token exchange: ep 2 over dp 4 joins replicas
+    0-1 and 2-3; ep 2 over tp 2 stays inside each replica; ep 4 over tp 2 x dp 2 joins both
+    replicas (one domain: a reproduced step is unresolved, as with dp = 1)."""
+    assert replica_domains(1, 1, 4) == [[0], [1], [2], [3]]
+    assert replica_domains(2, 2, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # tp 2 x pp 2 x dp 2
+    assert replica_domains(1, 1, 4, ep=2) == [[0, 1], [2, 3]]
+    assert replica_domains(2, 1, 2, ep=2) == [[0, 1], [2, 3]]
+    assert replica_domains(2, 1, 2, ep=4) == [[0, 1, 2, 3]]
+    assert replica_domains(1, 2, 4, ep=2) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # pp 2: by stage
+    # ep 2 over dp 4: a transient fault on rank 2 changes its EP peer 3 too (one domain, a
+    # fault); rounding on ranks 1 and 2 is two domains (non-determinism)
+    domains = replica_domains(1, 1, 4, ep=2)
+    assert not nondeterministic([2, 3], domains) and nondeterministic([2, 3], [[0], [1], [2], [3]])
+    assert nondeterministic([1, 2], domains)
+    # domain 1 (ranks 2, 3) recomputes domain 0's data: rank 2 holds rank 0's experts and is
+    # fed the same tokens, so its local gradient (experts included) is rank 0's; a persistent
+    # fault in rank 2's experts reaches rank 3 through the exchange, and both are named
+    ok = [[2.0, 1.0, 0.0], [2.5, 3.0, 0.0], [2.2, 1.5, 0.0], [2.7, 3.5, 0.0]]
+    assert cross_replica_verdict(ok, [ok[2], ok[3], ok[0], ok[1]], domains, 0) == []
+    nan = [math.nan, math.nan, 0.0]
+    assert cross_replica_verdict([*ok[:2], nan, nan], [ok[2], ok[3], nan, nan],
+                                 domains, 0) == [2, 3]
 
 
 def test_flip_bit_flips_one_bit_and_back():
@@ -186,17 +212,20 @@ def test_an_overflow_the_loss_scale_absorbs_is_not_suspicious():
     (["tp=2", "resilience.inject=rank:1/step:3/tensor:transformer.h.1.mlp.c_fc.weight/"
       "index:32768"], "has 32768 elements: use an index < 32768"),  # its TP shard: 512 x 128 / 2
     (["resilience.inject=rank:0/step:3/target:grad/bit:32"], "32-bit elements of the fp32"),
+    (["model.arch=mixtral", "model.n_inner=32", "model.moe.num_experts=4", "ep=2",
+      "resilience.inject=rank:1/step:3/tensor:model.layers.0.mlp.experts."
+      "gate_up_proj/index:16384"], "has 16384 elements: use an index < 16384"),  # E/ep experts
 ])
 def test_a_drill_outside_the_rank_s_tensor_is_refused_before_launch(overrides, what):
     """A drill the rank could not apply (a bit beyond the element's width, a tensor of another
-    pipeline stage, an element beyond the rank's TP shard) is refused by the launch's checks,
-    naming the key: not by a crash of that rank at the drill's step."""
+    pipeline stage, an element beyond the rank's TP shard or its EP rank's experts) is refused
+    by the launch's checks, naming the key: not by a crash of that rank at the drill's step."""
     cfg = load_config([*overrides, "resilience.allow_inject=true", "train.max_steps=5"])
     with pytest.raises(ConfigError, match=r"^resilience\.inject=") as e:
         _launch_checks(cfg, 2)
     assert what in str(e.value)
     fixed = [o.replace("/bit:30", "").replace("/bit:32", "").replace("index:32768", "index:0")
-             for o in overrides]
+             .replace("index:16384", "index:0") for o in overrides]
     if "pp=2" not in overrides:  # the same drill within the rank's tensor is accepted
         _launch_checks(load_config([*fixed, "resilience.allow_inject=true",
                                     "train.max_steps=5"]), 2)
