@@ -214,6 +214,18 @@ class Family:
         """What a block's backward holds beyond its saved set (the MLP's gradients)."""
         raise NotImplementedError
 
+    def block_activation_bytes(self, cfg: ModelConfig, index: int, s: int, b: int, t: int,
+                               sp: bool, e: int, dropout: bool = False,
+                               math_attention: bool = False, ep: int = 1) -> float:
+        """Block `index`'s `layer_activation_bytes` under `ep` (every block alike but in a
+        family whose blocks differ: an MoE model's dense and MoE blocks)."""
+        return self.layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
+
+    def block_backward_bytes_of(self, cfg: ModelConfig, index: int, s: int, b: int, t: int,
+                                e: int, sp: bool = False, ep: int = 1) -> float:
+        """Block `index`'s `block_backward_bytes` under `ep` (every block alike by default)."""
+        return self.block_backward_bytes(cfg, s, b, t, e)
+
 
 def token_embedding_spec(name: str, vocab_size: int, n_embd: int, tp: int,
                          tied: bool) -> ParamSpec:

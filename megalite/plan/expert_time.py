@@ -145,14 +145,15 @@ def expert_terms(cfg: Config, lay: Layout, stage, links: ExpertLinks, profile: D
     if lay.ep_size == 1 or not blocks:
         return terms
     f, ep = cfg.planner.moe_imbalance, lay.ep_size
-    counts = 8 * cfg.model.moe.num_experts * (ep - 1) / ep * m * blocks  # alltoall's counts
+    moe_rerun = min(rerun, blocks)  # a recomputed MoE layer's forward exchange again
+    exchanges = m * (blocks + moe_rerun)
+    counts = 8 * cfg.model.moe.num_experts * (ep - 1) / ep * exchanges  # alltoall's counts
     alltoall = cfg.parallel.ep_dispatch == "alltoall"
     rows = stage.comm["ep"] - (counts if alltoall else 0.0)
-    calls = m * blocks * (5 if alltoall else 7)
+    calls = m * blocks * (5 if alltoall else 7) + m * moe_rerun * (3 if alltoall else 4)
     terms["ep"] = alltoall_s((counts if alltoall else 0.0) + f * rows, calls, ep,
                              links.ep_nodes, profile)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len // lay.cp_size / lay.tp_size
-    moe_rerun = min(rerun, blocks)
     terms["expert_imbalance"] = (f - 1) * m * (3 * blocks + moe_rerun) * tokens \
         * routed_expert_flops(cfg) / profile.rate(lay.precision)
     edp = lay.expert_grad_replicas
