@@ -45,6 +45,7 @@ from typing import Dict, List, Tuple
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
+from megalite.parallel.topology import expert_rank_of
 from megalite.plan.devices import DeviceProfile, Link
 from megalite.plan.links import GroupLink, collective_time
 
@@ -52,13 +53,14 @@ EXPERT_TERMS = ("ep", "edp", "expert_imbalance")
 
 
 def folded_groups(tp: int, cp: int, pp: int, dp: int, ep: int) -> Dict[str, List[tuple]]:
-    """The ep and edp groups' global ranks (`megalite.parallel.topology`'s folded grid)."""
-    def rank(i: int, s: int) -> int:
-        return i % tp + tp * ((i // tp) % cp + cp * (s + pp * (i // (tp * cp))))
+    """The ep and edp groups' global ranks: the runtime's own folded grid
+    (`megalite.parallel.topology.expert_rank_of`, the ranks its groups are made of)."""
+    def rank(e: int, x: int, s: int) -> int:
+        return expert_rank_of(e, x, s, tp, pp, cp, ep)
     edp = tp * cp * dp // ep
-    return {"ep": [tuple(rank(e + ep * x, s) for e in range(ep)) for s in range(pp)
+    return {"ep": [tuple(rank(e, x, s) for e in range(ep)) for s in range(pp)
                    for x in range(edp)],
-            "edp": [tuple(rank(e + ep * x, s) for x in range(edp)) for s in range(pp)
+            "edp": [tuple(rank(e, x, s) for x in range(edp)) for s in range(pp)
                     for e in range(ep)]}
 
 

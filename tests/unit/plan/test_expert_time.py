@@ -14,6 +14,7 @@ from megalite.cli.plan_moe import imbalance_from_run
 from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
+from megalite.parallel.topology import group_ranks
 from megalite.plan.devices import device_profile
 from megalite.plan.expert_time import alltoall_s, expert_links, folded_groups
 from megalite.plan.memory import make_plan
@@ -44,6 +45,13 @@ def test_folded_groups_follow_the_topology_and_span_nodes():
     assert sorted(r for g in groups["edp"] for r in g) == list(range(128))
     lay = Layout(tp_size=2, pp_size=8, dp_size=8, ep_size=8)
     assert expert_links(lay, H100, 8).ep_nodes == 4
+    # the runtime's groups (`group_ranks`, what `Topology` makes its ep / edp groups of)
+    for tp, cp, pp, dp, ep in [(2, 1, 8, 8, 8), (2, 2, 2, 2, 4), (1, 2, 4, 4, 8),
+                               (2, 1, 8, 16, 32)]:
+        runtime = group_ranks(tp, pp, dp, cp, ep)
+        planned = folded_groups(tp, cp, pp, dp, ep)
+        for kind in ("ep", "edp"):
+            assert [list(g) for g in planned[kind]] == runtime[kind], (tp, cp, pp, dp, ep)
     assert not expert_links(replace(lay, ep_size=2), H100, 8).ep_crosses
 
 
