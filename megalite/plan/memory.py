@@ -112,7 +112,7 @@ a full activation:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config.layout import Layout
@@ -245,7 +245,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     sums, ends = StageSums(), stage_ends(slices, k, tied_family)
     for e, blocks in zip(ends, chunk_blocks):
         add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
-    chunks = [(e, len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
+    chunks = [(replace(e, blocks=blocks), len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
     states = _state_bytes(lay, sums, d.e)
     activations = peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule) \
         + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)

@@ -62,8 +62,8 @@ def test_moe_tp_and_ep_bytes_equal_the_counters_folded_or_not(measured):
 
 def test_each_stage_plans_its_own_blocks(measured):
     """pp 2 of 3 blocks, the first dense: stage 0 holds the dense block and an MoE one,
-    stage 1 an MoE block and the head; each stage's parameters, model states and pipeline
-    bytes (the sends, the routing figures gathered) are its own blocks' (not block 0's
+    stage 1 an MoE block and the head; each stage's parameters, model states, ZeRO buckets
+    and pipeline bytes (the sends, the routing figures gathered) are its own blocks' (not block 0's
     times the blocks)."""
     runs, results = measured
     cfg = composed(runs[4])
@@ -73,6 +73,7 @@ def test_each_stage_plans_its_own_blocks(measured):
         assert res["local_numel"] == stage.params, (res["coords"], stage.params)
         for kind, got in res["bytes"].items():
             assert got == pytest.approx(stage.bytes[kind], rel=1e-6), kind
+        assert res["grad_staging"] == stage.declared_staging  # its buckets, block by block
         assert group_wire_bytes(res["step_comm"], "pp") == stage.comm["pp"]
 
 
