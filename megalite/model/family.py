@@ -192,6 +192,10 @@ class Family:
         """One block's parameters (tp = 1): the time model's 2·P_block FLOPs a token."""
         raise NotImplementedError
 
+    def block_parameters_of(self, cfg: ModelConfig, index: int) -> int:
+        """Block `index`'s `block_parameters` (every block alike by default)."""
+        return self.block_parameters(cfg)
+
     def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
         """The block's column- and row-parallel linears, the matmuls fp8.recipe runs in FP8
         (`megalite.parallel.fp8`), at `tp` (`megalite.config.families.Fp8Linear`)."""

@@ -109,6 +109,14 @@ class MixtralFamily(LlamaFamily):
         """A block's active parameters, averaged over the blocks (the time model's 2·P)."""
         return self._blocks(cfg, active=True) // cfg.n_layer
 
+    def block_parameters_of(self, cfg: ModelConfig, index: int) -> int:
+        """Block `index`'s active parameters: Llama's dense block, or with its MoE layer's
+        router, top-k routed and shared experts in place of the MLP."""
+        dense = super().block_parameters(cfg)
+        if not cfg.moe.is_moe_layer(index):
+            return dense
+        return dense - 3 * cfg.n_embd * cfg.ffn_size + self._mlp_parameters(cfg, active=True)
+
     def num_parameters(self, cfg: ModelConfig) -> int:
         vh = cfg.vocab_size * cfg.n_embd
         return self._blocks(cfg, active=False) + cfg.n_embd + vh \
