@@ -197,4 +197,20 @@ def tp_collectives(cfg: Config, layout: Layout, chunks: List[range], first: bool
     layers = sum(len(b) for b in chunks)
     rec = sum(recomputed_layers(cfg, len(b)) for b in chunks)
     per_layer, rerun = ((10, 3) if layout.sequence_parallel else (4, 1))
-    return layers * per_layer + rec * rerun + 2 * first + 4 * last
+    return layers * per_layer + rec * rerun + 2 * first + 4 * last \
+        + moe_tp_collectives(cfg, layout, chunks)
+
+
+def moe_tp_collectives(cfg: Config, layout: Layout, chunks: List[range]) -> int:
+    """What a stage's MoE layers (SP) launch over TP beyond the dense MLP's 5 a layer (1 a
+    re-run), as `megalite.plan.stage_terms.moe_tp_bytes` counts their bytes: TP-split experts
+    7 (the tokens', choices' and weights' gathers, the outputs' reduce-scatter, the backward's
+    three), a re-run 3; EP folded over TP the choices' gather, + the shared experts' 4 (a
+    re-run 1, + their 2)."""
+    moe = cfg.model.moe
+    if not moe.enabled or not layout.sequence_parallel:
+        return 0
+    shared = 4 if moe.shared_experts else 0
+    per_layer, rerun = (1 + shared - 5, 1 + shared // 2 - 1) if layout.ep_size > 1 else (2, 2)
+    return sum((per_layer + (rerun if j < recomputed_layers(cfg, len(b)) else 0))
+               for b in chunks for j, i in enumerate(b) if moe.is_moe_layer(i))
