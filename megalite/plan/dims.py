@@ -172,11 +172,13 @@ def dims(cfg: Config, layout: Layout) -> Dims:
     e = 4 if layout.precision == "fp32" else 2
     fam = family(m)
     s_rank = t.seq_len // layout.cp_size
-    firsts = {}  # the first block of each kind
-    for i in range(m.n_layer):
-        firsts.setdefault(is_moe_block(cfg, i), i)
+    firsts = {False: 0}  # the first block of each kind
+    if m.moe.enabled:
+        firsts = {}
+        for i in range(m.n_layer):
+            firsts.setdefault(is_moe_block(cfg, i), i)
     kinds = {moe: _block_terms(cfg, layout, e, i) for moe, i in firsts.items()}
-    typical = kinds[is_moe_block(cfg, typical_block(cfg))]
+    typical = kinds[True in kinds]
     return Dims(
         cfg=cfg, layout=layout, e=e, vocab=padded_vocab_size(m.vocab_size, tp),
         s_rank=s_rank, s_local=layout.activation_seq_len(t.seq_len),

@@ -55,13 +55,19 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     typical block's); `first` / `last`: it holds the embeddings / the head (`head_copy`: a
     parameter of its own, by default when not `first`; `plan_chunks`)."""
     head_copy = last and not first if head_copy is None else head_copy
-    terms = [d.of(i) for i in blocks] if blocks is not None else [d.kinds[True in d.kinds]] * n
-    moe_here = sum(b.moe for b in terms)
+    if blocks is None or len(d.kinds) == 1:  # every block alike
+        terms = [d.kinds[True in d.kinds]] * n
+        groups = [(terms[0], n)] if n else []
+    else:
+        terms = [d.of(i) for i in blocks]
+        groups = [(kind, sum(t is kind for t in terms)) for kind in d.kinds.values()]
+    moe_here = sum(c for t, c in groups if t.moe)
     sums.moe_layers += moe_here
     recomputed = recomputed_layers(d.cfg, n)
-    sums.moe_reruns += sum(b.moe for b in terms[:recomputed])
-    _add_params(sums, d, first, last, terms, head_copy)
+    sums.moe_reruns += sum(b.moe for b in terms[:recomputed]) if moe_here else 0
+    _add_params(sums, d, first, last, groups, head_copy)
     _add_activations(sums, d, first, last, terms, recomputed)
+    sums.block_backward = max(sums.block_backward, *(t.backward for t, c in groups if c), 0.0)
     if moe_here and d.layout.ep_size > 1:  # an MoE layer's exchange in the forward
         sums.chunk_forward_work[-1] = max(sums.chunk_forward_work[-1],
                                           dispatch_working_bytes(d))
@@ -75,23 +81,24 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
         d.vocab // d.layout.tp_size * d.cfg.model.n_embd if last and head_copy else 0
 
 
-def _add_params(sums: StageSums, d: Dims, first: bool, last: bool, terms: List[BlockTerms],
-                head_copy: bool) -> None:
-    """The chunk's parameters: counts, the replicated and decayed ones, the largest."""
+def _add_params(sums: StageSums, d: Dims, first: bool, last: bool,
+                groups: List[Tuple[BlockTerms, int]], head_copy: bool) -> None:
+    """The chunk's parameters (`groups`: each kind of its blocks and how many): counts, the
+    replicated and decayed ones, the largest."""
     h, vocab_rows = d.cfg.model.n_embd, d.vocab // d.layout.tp_size
     head = vocab_rows * h if last and head_copy else 0  # the head's own parameter
-    blocks = [b.params for b in terms]
-    sums.psi += sum(p.numel for p in blocks)
-    sums.expert_psi += sum(p.expert for p in blocks)
-    sums.blocks += len(blocks)
-    sums.replicated += sum(p.replicated for p in blocks)  # norms, row-parallel biases
-    sums.shared_slots += sum(p.shared_slots for p in blocks)  # KV heads shared by TP ranks
-    sums.decayed += sum(p.decayed for p in blocks)
+    blocks = [(t.params, c) for t, c in groups if c]
+    sums.psi += sum(p.numel * c for p, c in blocks)
+    sums.expert_psi += sum(p.expert * c for p, c in blocks)
+    sums.blocks += sum(c for _, c in blocks)
+    sums.replicated += sum(p.replicated * c for p, c in blocks)  # norms, row-parallel biases
+    sums.shared_slots += sum(p.shared_slots * c for p, c in blocks)  # KV heads shared by TP
+    sums.decayed += sum(p.decayed * c for p, c in blocks)
     # zero-bubble schedules: a W computes the weight gradients of the chunk's matmuls (its
     # blocks' TP-split parameters, the token embedding, the head)
-    sums.chunk_weight_grads.append(sum(p.split for p in blocks)
+    sums.chunk_weight_grads.append(sum(p.split * c for p, c in blocks)
                                    + (d.embeddings.split if first else 0) + head)
-    sums.largest_param = max(sums.largest_param, *(p.largest for p in blocks),
+    sums.largest_param = max(sums.largest_param, *(p.largest for p, _ in blocks),
                              vocab_rows * h if first or last else 0)
     if first:
         sums.psi += d.embeddings.numel
@@ -102,7 +109,7 @@ def _add_params(sums: StageSums, d: Dims, first: bool, last: bool, terms: List[B
         sums.replicated += d.final_norm.replicated
         sums.decayed += head
         sums.tied_head = 0 if head_copy else vocab_rows * h
-    sums.largest_unit = max(sums.largest_unit, *(p.numel for p in blocks),
+    sums.largest_unit = max(sums.largest_unit, *(p.numel for p, _ in blocks),
                             vocab_rows * h if (first or last) else 0)
 
 
@@ -112,7 +119,8 @@ def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool,
     the working bytes of its forward's end and its backward's start."""
     m, b, e, n = d.cfg.model, d.cfg.train.micro_batch_size, d.e, len(terms)
     tokens, residual = d.s_rank * b, e * d.s_local * b * m.n_embd  # a block's input
-    act = recomputed * residual + sum(t.act for t in terms[recomputed:])
+    act = recomputed * residual + (sum(t.act for t in terms[recomputed:])
+                                   if len(d.kinds) > 1 else (n - recomputed) * d.layer_act_full)
     # a recomputed layer's full set exists only while it is re-run, in the backward
     sums.chunk_rerun.append(max((t.act for t in terms[:recomputed]), default=0.0))
     if first:
@@ -125,7 +133,6 @@ def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool,
     sums.chunk_forward_work.append(max(loss["forward"] if last else 0.0, attention))
     sums.chunk_backward_work.append(loss["backward"] if last else residual)
     sums.chunk_freed.append(loss["saved"] if last else 0.0)
-    sums.block_backward = max(sums.block_backward, *(t.backward for t in terms))
     on_host = offloaded_blocks(n, recomputed, d.cfg.offload.activations_layers) \
         if offloaded_layers(d.cfg, n) else range(0)
     host = sum(terms[i].act for i in on_host)
@@ -174,8 +181,8 @@ def _add_traffic(sums: StageSums, d: Dims, first: bool, last: bool,
     sums.tp_per_micro += n * per_layer + recomputed * rerun
     # an MoE layer's own collectives in place of the dense MLP's (SP: its forward's all-gather
     # and reduce-scatter, the backward's two and the re-gather, 5·r·full; a re-run 1·r·full)
-    moe = sum(t.moe for t in terms)
-    moe_rerun = sum(t.moe for t in terms[:recomputed])
+    moe = sum(t.moe for t in terms) if d.cfg.model.moe.enabled else 0
+    moe_rerun = sum(t.moe for t in terms[:recomputed]) if moe else 0
     if moe and sp:
         sums.tp_per_micro += moe * (moe_tp_bytes(d) - 5 * r * full) \
             + moe_rerun * (moe_tp_bytes(d, rerun=True) - r * full)
