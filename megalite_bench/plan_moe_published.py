@@ -17,9 +17,13 @@ lacks that the run used, each with the prediction if megalite had it:
                   hides a micro-batch's exchange behind another's compute: the exchange
                   hidden up to the stage's compute
 
-Each "with" column adds its feature to the ones before it. The runtime runs ep > 1 over
-data-parallel ranks only so far (tp, cp, pp = 1); these layouts are the planner's model of
-the folded grid the EP issue specifies. No device is used: arithmetic on the device table.
+Each "with" prediction adds its feature to the ones before it. The table's last column names,
+for each row, the features its published run used that megalite lacks (`MoeRow.used`), each
+with the prediction if megalite had it and the error against the publication (the overlap
+against the overlapped figure where one is published). megalite's runtime runs these
+layouts (EP folded over a stage's TP and DP ranks, expert TP = 1); the EP group's nodes are
+those of its own ranks (`megalite.plan.expert_time.folded_groups`, the runtime's grid). No
+device is used: arithmetic on the device table.
 
 Published figures: Megatron-Core's MoE reports (Mixtral 8x22B: the MoE README's 128-H100
 row, TP2 PP8 EP8, BF16, dropless, ~455 TFLOP/s; Qwen3-235B-A22B: the Megatron MoE model
@@ -31,10 +35,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from megalite.config.layout import Layout
+from megalite.config.layout import Layout, validate
 from megalite.config.schedule_rules import expected_bubble
 from megalite.config.schema import load_config
 from megalite.plan.devices import DeviceProfile, device_profile, load_profile_file
@@ -57,25 +61,26 @@ class MoeRow:
     published: float  # model TFLOP/s per GPU
     overlapped: Optional[float]  # with the all-to-all overlapped, where published
     dispatcher: str  # what the publication ran
+    used: Tuple[str, ...]  # the "with" features its run used that megalite lacks
 
 
 ROWS = [
     MoeRow("Mixtral 8x22B", "mixtral-8x22b", 128, 2, 8, 1, 8, 4096, 256, 455.0, None,
-           "alltoall"),
+           "alltoall", ("EP in one node",)),
     MoeRow("Qwen3-235B-A22B", "qwen3-235b-a22b", 256, 2, 8, 4, 32, 4096, 2048, 245.0, 276.0,
-           "DeepEP"),
+           "DeepEP", ("EP in one node", "+ node dedup")),
 ]
 
 
 def row_config(row: MoeRow, imbalance: float) -> Tuple[object, Layout]:
-    """The row's configuration and its layout (ep set on the Layout: the runtime's validation
-    refuses ep with tp/pp > 1, which the planner models)."""
-    cfg = load_config([f"model={row.preset}", f"tp={row.tp}", f"pp={row.pp}",
+    """The row's configuration and its layout (validated as a launch would be)."""
+    cfg = load_config([f"model={row.preset}", f"tp={row.tp}", f"pp={row.pp}", f"ep={row.ep}",
                        f"parallel.virtual_stages={row.v}", f"train.seq_len={row.seq}",
                        f"train.global_batch_size={row.batch}", "train.micro_batch_size=1",
                        "precision=bf16", "sp=true", "zero=1",
                        f"planner.moe_imbalance={imbalance}"])
-    return cfg, replace(Layout.from_config(cfg, row.gpus, "cuda"), ep_size=row.ep)
+    validate(cfg, row.gpus)
+    return cfg, Layout.from_config(cfg, row.gpus, "cuda")
 
 
 def dedup_ratio(experts: int, k: int, nodes: int) -> float:
@@ -126,12 +131,30 @@ def predict_row(row: MoeRow, profile: DeviceProfile, per_node: int, imbalance: f
             "ep_nodes": (spread, theirs), "dedup_ratio": ratio}
 
 
+LACKED = {"EP in one node": "Megatron's rank order (EP on its nodes)",
+          "+ node dedup": "DeepEP's node dedup"}
+
+
+def lacks(out: Dict[str, object]) -> str:
+    """The features the row's run used that megalite lacks, each with the prediction if
+    megalite had it (and those before it) and its error; the a2a overlap against the
+    overlapped figure where one is published."""
+    row, tf = out["row"], out["tflops"]
+    parts = [f"{LACKED[name]} {tf[name]:.0f} ({tf[name] / row.published - 1:+.0%})"
+             for name in row.used]
+    if row.overlapped:
+        name = "+ a2a overlap"
+        parts.append(f"a2a overlap {tf[name]:.0f} ({tf[name] / row.overlapped - 1:+.0%} "
+                     f"of {row.overlapped:.0f})")
+    return "; ".join(parts)
+
+
 def table(profile: DeviceProfile, per_node: int, imbalance: float = 1.0) -> List[str]:
     """The markdown table of every row (docs/planner.md's)."""
     lines = ["| run | GPUs | layout | f | predicted TFLOP/s | published | error | critical "
              "stage's terms (s a step) | EP nodes (megalite / Megatron) | with EP in one "
-             "node | + node dedup | + a2a overlap |", "|---|---|---|---|---|---|---|---|---|"
-             "---|---|---|"]
+             "node | + node dedup | + a2a overlap | megalite lacks (with it) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         out = predict_row(row, profile, per_node, imbalance)
         tf, pred = out["tflops"], out["prediction"]
@@ -145,7 +168,7 @@ def table(profile: DeviceProfile, per_node: int, imbalance: float = 1.0) -> List
             f"{published} | {tf['megalite'] / row.published - 1:+.0%} | {terms} | "
             f"{out['ep_nodes'][0]} / {out['ep_nodes'][1]} | {tf['EP in one node']:.0f} | "
             f"{tf['+ node dedup']:.0f} (x{out['dedup_ratio']:.2f} off-node bytes) | "
-            f"{tf['+ a2a overlap']:.0f} |")
+            f"{tf['+ a2a overlap']:.0f} | {lacks(out)} |")
     return lines
 
 

@@ -192,6 +192,10 @@ class Family:
         """One block's parameters (tp = 1): the time model's 2·P_block FLOPs a token."""
         raise NotImplementedError
 
+    def block_parameters_of(self, cfg: ModelConfig, index: int) -> int:
+        """Block `index`'s `block_parameters` (every block alike by default)."""
+        return self.block_parameters(cfg)
+
     def fp8_linears(self, cfg: ModelConfig, tp: int) -> List[Fp8Linear]:
         """The block's column- and row-parallel linears, the matmuls fp8.recipe runs in FP8
         (`megalite.parallel.fp8`), at `tp` (`megalite.config.families.Fp8Linear`)."""
@@ -213,6 +217,18 @@ class Family:
     def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
         """What a block's backward holds beyond its saved set (the MLP's gradients)."""
         raise NotImplementedError
+
+    def block_activation_bytes(self, cfg: ModelConfig, index: int, s: int, b: int, t: int,
+                               sp: bool, e: int, dropout: bool = False,
+                               math_attention: bool = False, ep: int = 1) -> float:
+        """Block `index`'s `layer_activation_bytes` under `ep` (every block alike but in a
+        family whose blocks differ: an MoE model's dense and MoE blocks)."""
+        return self.layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
+
+    def block_backward_bytes_of(self, cfg: ModelConfig, index: int, s: int, b: int, t: int,
+                                e: int, sp: bool = False, ep: int = 1) -> float:
+        """Block `index`'s `block_backward_bytes` under `ep` (every block alike by default)."""
+        return self.block_backward_bytes(cfg, s, b, t, e)
 
 
 def token_embedding_spec(name: str, vocab_size: int, n_embd: int, tp: int,

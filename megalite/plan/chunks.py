@@ -8,7 +8,7 @@ nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from megalite.config.stage_partition import ChunkPlacement
 
@@ -20,6 +20,7 @@ class ChunkEnds:
     head_copy: bool  # last, and the head is a parameter of its own (a copy of the tied
     #                  embedding on a stage without it, or an untied head)
     tied: bool = True  # the embedding's spec is `tied` (not zb-v's stage 0: one parameter)
+    blocks: Optional[range] = None  # the blocks it holds, where known (each planned as itself)
 
 
 def stage_ends(placement: ChunkPlacement, stage: int, tied: bool = True) -> List[ChunkEnds]:

@@ -45,6 +45,7 @@ from typing import Dict, List, Tuple
 
 from megalite.config.layout import Layout
 from megalite.config.schema import Config
+from megalite.parallel.topology import expert_rank_of
 from megalite.plan.devices import DeviceProfile, Link
 from megalite.plan.links import GroupLink, collective_time
 
@@ -52,13 +53,14 @@ EXPERT_TERMS = ("ep", "edp", "expert_imbalance")
 
 
 def folded_groups(tp: int, cp: int, pp: int, dp: int, ep: int) -> Dict[str, List[tuple]]:
-    """The ep and edp groups' global ranks (`megalite.parallel.topology`'s folded grid)."""
-    def rank(i: int, s: int) -> int:
-        return i % tp + tp * ((i // tp) % cp + cp * (s + pp * (i // (tp * cp))))
+    """The ep and edp groups' global ranks: the runtime's own folded grid
+    (`megalite.parallel.topology.expert_rank_of`, the ranks its groups are made of)."""
+    def rank(e: int, x: int, s: int) -> int:
+        return expert_rank_of(e, x, s, tp, pp, cp, ep)
     edp = tp * cp * dp // ep
-    return {"ep": [tuple(rank(e + ep * x, s) for e in range(ep)) for s in range(pp)
+    return {"ep": [tuple(rank(e, x, s) for e in range(ep)) for s in range(pp)
                    for x in range(edp)],
-            "edp": [tuple(rank(e + ep * x, s) for x in range(edp)) for s in range(pp)
+            "edp": [tuple(rank(e, x, s) for x in range(edp)) for s in range(pp)
                     for e in range(ep)]}
 
 
@@ -145,14 +147,15 @@ def expert_terms(cfg: Config, lay: Layout, stage, links: ExpertLinks, profile: D
     if lay.ep_size == 1 or not blocks:
         return terms
     f, ep = cfg.planner.moe_imbalance, lay.ep_size
-    counts = 8 * cfg.model.moe.num_experts * (ep - 1) / ep * m * blocks  # alltoall's counts
+    moe_rerun = min(rerun, blocks)  # a recomputed MoE layer's forward exchange again
+    exchanges = m * (blocks + moe_rerun)
+    counts = 8 * cfg.model.moe.num_experts * (ep - 1) / ep * exchanges  # alltoall's counts
     alltoall = cfg.parallel.ep_dispatch == "alltoall"
     rows = stage.comm["ep"] - (counts if alltoall else 0.0)
-    calls = m * blocks * (5 if alltoall else 7)
+    calls = m * blocks * (5 if alltoall else 7) + m * moe_rerun * (3 if alltoall else 4)
     terms["ep"] = alltoall_s((counts if alltoall else 0.0) + f * rows, calls, ep,
                              links.ep_nodes, profile)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len // lay.cp_size / lay.tp_size
-    moe_rerun = min(rerun, blocks)
     terms["expert_imbalance"] = (f - 1) * m * (3 * blocks + moe_rerun) * tokens \
         * routed_expert_flops(cfg) / profile.rate(lay.precision)
     edp = lay.expert_grad_replicas

@@ -17,6 +17,10 @@ C = V/t padded columns; s = the rank's sequence positions, seq_len/cp; n = s·b 
                 + 2·s'bh (residual dropout masks, resid_pdrop > 0)      s' = s/t with SP
               SDPA's math kernel (attention dropout on a CPU, train.attention=math): no
                 log-sum-exp, + 3·e·b(a/t)s² (probabilities, dropout mask, dropped) + 2·e·sbh/t
+              each block its own (the family's `block_activation_bytes`): an MoE model's
+                dense blocks (model.moe.first_dense_layers / layer_freq) a dense block's, its
+                MoE blocks the MoE layer's (`MixtralFamily.moe_layer_bytes`: TP-split experts
+                on the TP-gathered tokens; EP folded over TP whole experts on the rank's own)
               context parallelism (cp > 1): + what CP attention saves beyond these at s/cp
                 positions (`megalite.plan.cp_terms`: the gathered K/V under
                 allgather, the fp32 merged output under ring); its working bytes at their
@@ -84,7 +88,11 @@ a full activation:
        it stops once the saved tensors are rebuilt (before the MLP's reduction); the embedding, the
        LM head and the vocab-parallel loss (3 fp32 numbers per token); SP: one all-reduce of the
        TP-replicated gradients per step; KV heads shared by k TP ranks (tp > n_kv_head): one
-       all-reduce per step of tp/k slots of their fp32 gradients
+       all-reduce per step of tp/k slots of their fp32 gradients; an MoE layer (SP) in place
+       of the MLP's: its tokens gathered and outputs reduce-scattered and the choices (int64)
+       and weights (fp32) gathered, or with EP folded over TP the choices only (+ the shared
+       experts' tokens) (`stage_terms.moe_tp_bytes`); the step's routing figures (fp64)
+       all-reduced over TP, DP x CP and PP (`stage_terms.routing_figure_bytes`)
   cp   per micro-batch and layer (`megalite.plan.cp_terms`): allgather, an all-gather of K|V
        and a reduce-scatter of its gradient; ring, cp − 1 K/V block sends forward, as many +
        cp fp32 gradient-accumulator sends backward; a recomputed layer repeats its forward's
@@ -99,11 +107,12 @@ a full activation:
   embedding  pp > 1, first and last stage: all-reduce of the tied embedding's gradient, 4·Vh/t
   edp, ep    ep > 1: dp's reductions of the routed experts' Ψ_E (E/ep a rank, their states
        sharded over EDP) over EDP instead; the token exchange over EP per MoE layer and
-       micro-batch (`stage_terms.dispatch_bytes`); each + the grad norm's fp64 sum
+       micro-batch (`stage_terms.dispatch_bytes`; a recomputed layer's forward exchange
+       again); each + the grad norm's fp64 sum
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config.layout import Layout
@@ -236,7 +245,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     sums, ends = StageSums(), stage_ends(slices, k, tied_family)
     for e, blocks in zip(ends, chunk_blocks):
         add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
-    chunks = [(e, len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
+    chunks = [(replace(e, blocks=blocks), len(blocks)) for e, blocks in zip(ends, chunk_blocks)]
     states = _state_bytes(lay, sums, d.e)
     activations = peak_live_bytes(pp, k, d.micro, v, sums.chunk_act, schedule) \
         + (2 * d.layer_act_full if any(sums.chunk_host) else 0.0)
@@ -302,7 +311,7 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     lay, e, t = d.layout, d.e, d.cfg.train
     loss_last = any(ends.last for ends, _ in chunks)
     timeline, pending = staging_alive(d, chunks)
-    block = _block_backward_bytes(d)
+    block = _block_backward_bytes(d, sums)
     gathered = _zero3_gathered(d, sums, loss_last)
     freed = min(sums.chunk_freed)  # the loss's saved bytes, freed before weights' gradients
     # a stage without the loss runs its backward from a received gradient (e·s'bh)
@@ -353,15 +362,14 @@ def _moments(d: Dims, sums: StageSums, chunks, states: Dict[str, float],
     return out
 
 
-def _block_backward_bytes(d: Dims) -> float:
-    """A block's backward beyond its saved set: the MLP's gradients, CP attention's working
-    bytes (`cp_terms.working_bytes`) or EP's exchange (`dispatch_working_bytes`), the
-    largest."""
+def _block_backward_bytes(d: Dims, sums: StageSums) -> float:
+    """A block's backward beyond its saved set: the MLP's gradients (the stage's largest
+    block's), CP attention's working bytes (`cp_terms.working_bytes`) or EP's exchange
+    (`dispatch_working_bytes`, where the stage has an MoE layer), the largest."""
     lay = d.layout
-    exchange = dispatch_working_bytes(d) if lay.ep_size > 1 else 0.0  # EP's gradient rows
-    return max(d.family.block_backward_bytes(d.cfg.model, d.s_rank,
-                                             d.cfg.train.micro_batch_size, lay.tp_size, d.e),
-               cp_terms.working_bytes(d.cfg, lay, d.e)["backward"], exchange)
+    exchange = dispatch_working_bytes(d) if lay.ep_size > 1 and sums.moe_layers else 0.0
+    return max(sums.block_backward, cp_terms.working_bytes(d.cfg, lay, d.e)["backward"],
+               exchange)
 
 
 def _optimizer_work(d: Dims, sums: StageSums) -> float:

@@ -22,7 +22,7 @@ from megalite.model.family import local_numel
 from megalite.parallel.param_spec import padded_vocab_size
 from megalite.parallel.schedule import max_in_flight
 from megalite.plan.devices import DeviceProfile, fits_dropout
-from megalite.plan.dims import recomputed_layers
+from megalite.plan.dims import recomputed_layers, typical_block
 from megalite.plan.document_terms import MaskedWork, masking
 from megalite.plan.links import group_links, ring_step_s
 from megalite.plan.pipeline_terms import chunk_shares
@@ -182,8 +182,10 @@ def memory_lower_bound(cfg: Config, c: Choice, e: int, cache: Optional[dict] = N
         if c.offload_layers is None else max(0, min(layers, recomputed + c.offload_layers)
                                              - recomputed)
     seq = t.seq_len // c.cp  # a rank's positions (CP attention's own bytes left out)
-    full = fam.layer_activation_bytes(mc, seq, c.micro_batch_size, c.tp, c.sp, e,
-                                      mc.resid_pdrop > 0)
+    # the smaller kind of block (an MoE model's dense first blocks; EP folded over TP)
+    full = min(fam.block_activation_bytes(mc, i, seq, c.micro_batch_size, c.tp, c.sp, e,
+                                          mc.resid_pdrop > 0, ep=c.ep)
+               for i in {0, typical_block(cfg)})
     s_local = seq // c.tp if c.sp else seq
     per_chunk = recomputed * e * s_local * c.micro_batch_size * h \
         + (layers - recomputed - offloaded) * full

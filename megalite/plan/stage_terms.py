@@ -4,12 +4,12 @@ planner's traffic (`megalite.plan.traffic`) share."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megalite.model.activation_offload import offloaded_blocks
 from megalite.model.moe.experts import capacity
 from megalite.plan import cp_terms
-from megalite.plan.dims import Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
+from megalite.plan.dims import BlockTerms, Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
 from megalite.plan.fp8_terms import amax_reductions
 
 
@@ -39,8 +39,11 @@ class StageSums:
     chunk_weight_grads: List[int] = field(default_factory=list)  # a W's gradient elements
     # per chunk, each block's device activation bytes, in backward order (the last first)
     chunk_blocks: List[List[float]] = field(default_factory=list)
+    block_backward: float = 0.0  # the largest block backward's bytes beyond its saved set
+    ledger_elements: int = 0  # fp64 routing figures summed over TP (SP) and DP x CP a step
     blocks: int = 0  # transformer blocks
     moe_layers: int = 0  # of which with an MoE layer
+    moe_reruns: int = 0  # of which recomputed (their forward's exchange run again)
     decayed: int = 0  # parameter elements with weight decay (matrices, embeddings)
     largest_param: int = 0  # elements of the largest parameter
     tied_head: int = 0  # elements of a head that is this stage's own embedding (pp = 1, zb-v)
@@ -48,43 +51,54 @@ class StageSums:
 
 def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
                head_copy: Optional[bool] = None, blocks: Optional[range] = None) -> None:
-    """One chunk of n blocks (`blocks`: which, where known); `first` / `last`: it holds the
-    embeddings / the head (`head_copy`: a parameter of its own, by default when not `first`;
-    `plan_chunks`)."""
+    """One chunk of n blocks (`blocks`: which, where known: each block's own terms, else the
+    typical block's); `first` / `last`: it holds the embeddings / the head (`head_copy`: a
+    parameter of its own, by default when not `first`; `plan_chunks`)."""
     head_copy = last and not first if head_copy is None else head_copy
-    moe = d.cfg.model.moe
-    moe_here = sum(moe.is_moe_layer(i) for i in blocks or ()) if moe.enabled else 0
+    if blocks is None or len(d.kinds) == 1:  # every block alike
+        terms = [d.kinds[True in d.kinds]] * n
+        groups = [(terms[0], n)] if n else []
+    else:
+        terms = [d.of(i) for i in blocks]
+        groups = [(kind, sum(t is kind for t in terms)) for kind in d.kinds.values()]
+    moe_here = sum(c for t, c in groups if t.moe)
     sums.moe_layers += moe_here
     recomputed = recomputed_layers(d.cfg, n)
-    _add_params(sums, d, first, last, n, head_copy)
-    _add_activations(sums, d, first, last, n, recomputed)
+    sums.moe_reruns += sum(b.moe for b in terms[:recomputed]) if moe_here else 0
+    _add_params(sums, d, first, last, groups, head_copy)
+    _add_activations(sums, d, first, last, terms, recomputed)
+    sums.block_backward = max(sums.block_backward, *(t.backward for t, c in groups if c), 0.0)
     if moe_here and d.layout.ep_size > 1:  # an MoE layer's exchange in the forward
         sums.chunk_forward_work[-1] = max(sums.chunk_forward_work[-1],
                                           dispatch_working_bytes(d))
-    _add_traffic(sums, d, first, last, n, recomputed)
+    _add_traffic(sums, d, first, last, terms, recomputed)
+    if moe_here:  # the step's routing figures summed over TP (SP) once per chunk
+        sums.ledger_elements += moe_here * (d.cfg.model.moe.num_experts + 4) + 2
     sums.sends += (0 if last else 1) + (0 if first else 1)
     # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
     # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
-    sums.kept_units += d.layer_params if not last else d.vocab // d.layout.tp_size \
-        * d.cfg.model.n_embd if head_copy else 0
+    sums.kept_units += terms[-1].params.numel if terms and not last else \
+        d.vocab // d.layout.tp_size * d.cfg.model.n_embd if last and head_copy else 0
 
 
-def _add_params(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
-                head_copy: bool) -> None:
-    """The chunk's parameters: counts, the replicated and decayed ones, the largest."""
+def _add_params(sums: StageSums, d: Dims, first: bool, last: bool,
+                groups: List[Tuple[BlockTerms, int]], head_copy: bool) -> None:
+    """The chunk's parameters (`groups`: each kind of its blocks and how many): counts, the
+    replicated and decayed ones, the largest."""
     h, vocab_rows = d.cfg.model.n_embd, d.vocab // d.layout.tp_size
     head = vocab_rows * h if last and head_copy else 0  # the head's own parameter
-    sums.psi += n * d.layer_params
-    sums.expert_psi += n * d.block.expert
-    sums.blocks += n
-    sums.replicated += n * d.block.replicated  # norms and the row-parallel biases
-    sums.shared_slots += n * d.block.shared_slots  # KV heads shared by TP ranks
-    sums.decayed += n * d.block.decayed
+    blocks = [(t.params, c) for t, c in groups if c]
+    sums.psi += sum(p.numel * c for p, c in blocks)
+    sums.expert_psi += sum(p.expert * c for p, c in blocks)
+    sums.blocks += sum(c for _, c in blocks)
+    sums.replicated += sum(p.replicated * c for p, c in blocks)  # norms, row-parallel biases
+    sums.shared_slots += sum(p.shared_slots * c for p, c in blocks)  # KV heads shared by TP
+    sums.decayed += sum(p.decayed * c for p, c in blocks)
     # zero-bubble schedules: a W computes the weight gradients of the chunk's matmuls (its
     # blocks' TP-split parameters, the token embedding, the head)
-    sums.chunk_weight_grads.append(n * d.block.split + (d.embeddings.split if first else 0)
-                                   + head)
-    sums.largest_param = max(sums.largest_param, d.block.largest if n else 0,
+    sums.chunk_weight_grads.append(sum(p.split * c for p, c in blocks)
+                                   + (d.embeddings.split if first else 0) + head)
+    sums.largest_param = max(sums.largest_param, *(p.largest for p, _ in blocks),
                              vocab_rows * h if first or last else 0)
     if first:
         sums.psi += d.embeddings.numel
@@ -95,19 +109,20 @@ def _add_params(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
         sums.replicated += d.final_norm.replicated
         sums.decayed += head
         sums.tied_head = 0 if head_copy else vocab_rows * h
-    sums.largest_unit = max(sums.largest_unit, d.layer_params if n else 0,
+    sums.largest_unit = max(sums.largest_unit, *(p.numel for p, _ in blocks),
                             vocab_rows * h if (first or last) else 0)
 
 
-def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
-                     recomputed: int) -> None:
+def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool,
+                     terms: List[BlockTerms], recomputed: int) -> None:
     """The chunk's saved activations (device and host), its blocks' in backward order, and
     the working bytes of its forward's end and its backward's start."""
-    m, b, e = d.cfg.model, d.cfg.train.micro_batch_size, d.e
+    m, b, e, n = d.cfg.model, d.cfg.train.micro_batch_size, d.e, len(terms)
     tokens, residual = d.s_rank * b, e * d.s_local * b * m.n_embd  # a block's input
-    act = recomputed * residual + (n - recomputed) * d.layer_act_full
+    act = recomputed * residual + (sum(t.act for t in terms[recomputed:])
+                                   if len(d.kinds) > 1 else (n - recomputed) * d.layer_act_full)
     # a recomputed layer's full set exists only while it is re-run, in the backward
-    sums.chunk_rerun.append(d.layer_act_full if recomputed else 0.0)
+    sums.chunk_rerun.append(max((t.act for t in terms[:recomputed]), default=0.0))
     if first:
         act += 8 * tokens + (residual if m.embd_pdrop > 0 else 0)
     loss = loss_bytes(tokens, d.vocab // d.layout.tp_size, e, d.layout.tp_size) \
@@ -118,13 +133,12 @@ def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     sums.chunk_forward_work.append(max(loss["forward"] if last else 0.0, attention))
     sums.chunk_backward_work.append(loss["backward"] if last else residual)
     sums.chunk_freed.append(loss["saved"] if last else 0.0)
-    offloaded = offloaded_layers(d.cfg, n)
-    host = offloaded * d.layer_act_full
     on_host = offloaded_blocks(n, recomputed, d.cfg.offload.activations_layers) \
-        if offloaded else range(0)
+        if offloaded_layers(d.cfg, n) else range(0)
+    host = sum(terms[i].act for i in on_host)
     sums.chunk_blocks.append([residual if i < recomputed else 0.0 if i in on_host
-                              else d.layer_act_full for i in reversed(range(n))])
-    if offloaded and not recomputed and not first:
+                              else terms[i].act for i in reversed(range(n))])
+    if on_host and not recomputed and not first:
         # the first block's input, copied to host, stays on the device too: the schedule
         # holds the received activation for its gradient
         act += residual
@@ -132,9 +146,29 @@ def _add_activations(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     sums.chunk_host.append(host)
 
 
-def _add_traffic(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
-                 recomputed: int) -> None:
+def moe_tp_bytes(d: Dims, rerun: bool = False) -> float:
+    """An MoE layer's TP wire bytes per micro-batch under SP (`megalite.model.moe.layer`;
+    full = e·s'·b·h with s' = s/cp, T = s'·b tokens gathered, r = (tp − 1)/tp): TP-split
+    experts gather the tokens (backward: reduce-scatter) and reduce-scatter the outputs
+    (backward: all-gather), 4·r·full, and gather the int64 choices (8·T·k) and the fp32
+    weights (4·T·k, backward reduce-scattered), 16·r·T·k. EP folded over TP: the routed
+    experts take the rank's own tokens over EP; TP gathers only the choices, 8·r·T·k, and
+    the shared experts' input and output as the TP-split experts' tokens, 4·r·full.
+    `rerun`: a recomputed layer's forward again (torch checkpoint's early stop ends it once
+    its saved tensors are back: the TP-split experts' output reduce-scatter is not repeated;
+    the folded layer's shared experts and gathered choices come last and are)."""
+    lay, moe = d.layout, d.cfg.model.moe
+    r, full, tk = ring(lay.tp_size), d.full, d.s_rank * d.cfg.train.micro_batch_size * moe.top_k
+    if lay.ep_size > 1:  # folded (EP with tp > 1 needs SP)
+        shared = (2 if rerun else 4) * r * full if moe.shared_experts else 0.0
+        return shared + 8 * r * tk
+    return r * full + 12 * r * tk if rerun else 4 * r * full + 16 * r * tk
+
+
+def _add_traffic(sums: StageSums, d: Dims, first: bool, last: bool,
+                 terms: List[BlockTerms], recomputed: int) -> None:
     """The chunk's TP and CP wire bytes per micro-batch."""
+    n = len(terms)
     sums.cp_per_micro += cp_terms.wire_bytes(d.cfg, d.layout, d.e, n, recomputed)
     tp, sp = d.layout.tp_size, d.layout.sequence_parallel
     if tp == 1:
@@ -145,6 +179,13 @@ def _add_traffic(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     per_layer, rerun = (10 * r * full, 3 * r * full) if sp else \
         (4 * 2 * r * full, 2 * r * full)
     sums.tp_per_micro += n * per_layer + recomputed * rerun
+    # an MoE layer's own collectives in place of the dense MLP's (SP: its forward's all-gather
+    # and reduce-scatter, the backward's two and the re-gather, 5·r·full; a re-run 1·r·full)
+    moe = sum(t.moe for t in terms) if d.cfg.model.moe.enabled else 0
+    moe_rerun = sum(t.moe for t in terms[:recomputed]) if moe else 0
+    if moe and sp:
+        sums.tp_per_micro += moe * (moe_tp_bytes(d) - 5 * r * full) \
+            + moe_rerun * (moe_tp_bytes(d, rerun=True) - r * full)
     # fp8.recipe: the amax all-reduces (fp32) of each block and re-run
     sums.tp_per_micro += 2 * r * 4 * (n * amax_reductions(d.cfg, tp)[1]
                                       + recomputed * amax_reductions(d.cfg, tp, True)[1])
@@ -176,13 +217,42 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
     emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
     out = {"tp": tp_bytes, "cp": micro * sums.cp_per_micro, "pp": pp_bytes, "dp": dp_bytes,
            "embedding": emb_bytes}
+    for group, size in routing_figure_groups(d, sums):
+        out[group] += routing_figure_bytes(d, sums, group, size)
     if lay.ep_size > 1:  # the experts' reductions over EDP (the ZeRO table), the token exchange;
         edp = lay.expert_grad_replicas  # each + the grad norm's fp64 sum of expert squares
         out["edp"] = _reduction_bytes(lay.zero_stage, ring(edp), sums.expert_psi, e, micro,
                                       0, True) + (16 * ring(edp) if lay.shards_optimizer
                                                   else 0.0) if edp > 1 else 0.0
-        out["ep"] = micro * sums.moe_layers * dispatch_bytes(d) + 16 * ring(lay.ep_size)
+        out["ep"] = micro * (sums.moe_layers * dispatch_bytes(d)
+                             + sums.moe_reruns * dispatch_bytes(d, rerun=True)) \
+            + 16 * ring(lay.ep_size)
     return out
+
+
+def routing_figure_groups(d: Dims, sums: StageSums) -> List[Tuple[str, int]]:
+    """The groups a step's MoE routing figures are summed over (`megalite.model.moe.step`):
+    a stage with MoE layers over TP (SP: each TP rank recorded its own tokens) and DP x CP;
+    every stage of a model with MoE layers over PP (each layer's figures gathered)."""
+    lay, out = d.layout, []
+    if sums.ledger_elements:
+        out += [("tp", lay.tp_size)] if lay.sequence_parallel and lay.tp_size > 1 else []
+        out += [("dp", lay.grad_replicas)] if lay.grad_replicas > 1 else []
+    if lay.pp_size > 1 and d.cfg.model.moe.enabled:
+        out.append(("pp", lay.pp_size))
+    return out
+
+
+def routing_figure_bytes(d: Dims, sums: StageSums, group: str, size: int) -> float:
+    """One step's all-reduce of the routing figures over `group` (fp64, `size` ranks, 2·r·8
+    bytes an element): a stage's per chunk, L layers' E counts, aux, z, dropped and assigned
+    + the pooled value and the forwards (`StageSums.ledger_elements`); over PP the model's
+    L MoE layers × 6 figures (4 without a router bias)."""
+    moe = d.cfg.model.moe
+    if group == "pp":
+        layers = sum(moe.is_moe_layer(i) for i in range(d.cfg.model.n_layer))
+        return 2 * ring(size) * 8 * layers * (6 if moe.has_bias else 4)
+    return 2 * ring(size) * 8 * sums.ledger_elements
 
 
 def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, kept: int,
@@ -219,7 +289,7 @@ def dispatch_working_bytes(d: Dims) -> float:
     return 2 * d.e * kept_rows(moe, tokens) * m.n_embd
 
 
-def dispatch_bytes(d: Dims) -> float:
+def dispatch_bytes(d: Dims, rerun: bool = False) -> float:
     """One MoE layer's token exchange over EP per micro-batch, forward and backward, wire
     bytes of one rank (`megalite.model.moe.dispatcher`; T tokens of the rank, k choices,
     h wide, e-byte rows, fp32 routing weights, int64 counts and choices; r = (ep−1)/ep):
@@ -232,12 +302,17 @@ def dispatch_bytes(d: Dims) -> float:
                  whenever every expert is chosen at least C times on every rank
       allgather  the choices 8·T·k, tokens e·T·h and weights 4·T·k gathered, the outputs
                  reduce-scattered (e·T·h); backward the tokens' and weights' gradients
-                 reduce-scattered, the outputs' all-gathered: r·ep·T·(3e·h + e·h + 8k + 8k)"""
+                 reduce-scattered, the outputs' all-gathered: r·ep·T·(3e·h + e·h + 8k + 8k)
+
+    `rerun`: a recomputed layer's forward exchange again (alltoall 8·E·r + 2·N·h·e·r,
+    allgather r·ep·T·(2e·h + 12k))."""
     lay, m = d.layout, d.cfg.model
     ep, moe = lay.ep_size, m.moe
     # a rank routes its own tokens: s/cp positions, /tp with SP (EP folded over TP: each
     # rank dispatches its own sequence-parallel tokens)
     r, tokens = ring(ep), d.s_local * d.cfg.train.micro_batch_size
     if d.cfg.parallel.ep_dispatch == "allgather":
-        return r * ep * tokens * (4 * d.e * m.n_embd + 16 * moe.top_k)
-    return r * (8 * moe.num_experts + 4 * kept_rows(moe, tokens) * m.n_embd * d.e)
+        return r * ep * tokens * ((2 if rerun else 4) * d.e * m.n_embd
+                                  + (12 if rerun else 16) * moe.top_k)
+    return r * (8 * moe.num_experts
+                + (2 if rerun else 4) * kept_rows(moe, tokens) * m.n_embd * d.e)

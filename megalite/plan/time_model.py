@@ -199,7 +199,13 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
     the `recompute` re-run; `fp8`, `fp8_recompute`: of which the FP8 linears' (fp8.recipe)."""
     m, s = cfg.model, cfg.train.seq_len
     fam = family(m)
-    block = 2 * fam.block_parameters(m) + 4 * m.n_embd * s
+    kinds = {}  # each block its own active parameters (an MoE model's dense blocks)
+
+    def block(i: int) -> float:
+        key = fam.mixture_of_experts and m.moe.is_moe_layer(i)
+        if key not in kinds:
+            kinds[key] = 2 * fam.block_parameters_of(m, i) + 4 * m.n_embd * s
+        return kinds[key]
     linears = 2 * fam.fp8_linear_parameters(m) if cfg.fp8.recipe != "none" else 0
     place = layout.placement
     out = []
@@ -207,8 +213,8 @@ def stage_forward_flops(cfg: Config, layout: Layout) -> List[Dict[str, float]]:
         model = recompute = fp8 = fp8_recompute = 0.0
         for c, blocks in enumerate(chunks):
             rerun = recomputed_layers(cfg, len(blocks))
-            model += len(blocks) * block
-            recompute += rerun * block
+            model += sum(block(i) for i in blocks)
+            recompute += sum(block(i) for i in list(blocks)[:rerun])
             fp8 += len(blocks) * linears
             fp8_recompute += rerun * linears
             if place.holds_last(k, c):

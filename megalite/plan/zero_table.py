@@ -65,25 +65,31 @@ def zero_table() -> str:
 
 
 def chunk_param_sizes(d: Dims, first: bool, last: bool, n: int,
-                      head_copy: Optional[bool] = None, tied: bool = True
-                      ) -> List[Tuple[str, int, bool]]:
+                      head_copy: Optional[bool] = None, tied: bool = True,
+                      blocks: Optional[range] = None) -> List[Tuple[str, int, bool]]:
     """(name, elements on one TP rank, tied) of a chunk's parameters in the stage's
     registration order (the family's spec lists: what the engine buckets; a test holds it to
     the model): `embedding.<j>` (the token embedding first), `h<block>.<j>`, `final.<j>` (the
     final norm), `lm_head`. `head_copy`: the LM head is a parameter of its own (default: last
     and not first); `tied`: the embedding's spec is tied (not zb-v's stage 0, where head and
-    embedding are one parameter, nor an untied family's)."""
+    embedding are one parameter, nor an untied family's); `blocks`: which (each block's own
+    parameters; default: the typical block's)."""
     v, h = d.vocab // d.layout.tp_size, d.cfg.model.n_embd
     tied_family = d.cfg.model.tie_word_embeddings
     sizes = [(f"embedding.{j}", size, tied and tied_family and j == 0)
              for j, size in enumerate(d.embeddings.units)] if first else []
     sizes += [(f"h{i}.{j}", size, False) for i in range(n)
-              for j, size in enumerate(d.block.units)]
+              for j, size in enumerate(_block_units(d, blocks, i))]
     if last:
         sizes += [(f"final.{j}", size, False) for j, size in enumerate(d.final_norm.units)]
         copy = not first if head_copy is None else head_copy
         sizes += [("lm_head", v * h, tied_family)] if copy else []
     return sizes
+
+
+def _block_units(d: Dims, blocks: Optional[range], i: int) -> List[int]:
+    """The parameter sizes of a chunk's i-th block (`blocks` unknown: the typical block's)."""
+    return (d.block if blocks is None else d.of(blocks[i]).params).units
 
 
 def _bucket_numels(d: Dims, chunks: List[Tuple[ChunkEnds, int]]) -> List[int]:
@@ -105,7 +111,7 @@ def _backward_buckets(d: Dims, chunks: List[Tuple[ChunkEnds, int]]
         if lay.shards_parameters:  # units: the embeddings, each block, the norm, the LM head
             out.append(_zero3_units(d, ends, n, tied))
             continue
-        sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied)
+        sizes = chunk_param_sizes(d, first, last, n, head_copy, ends.tied, ends.blocks)
         by_name = dict((name, s) for name, s, _ in sizes)
         groups = bucket_groups(sizes, d.cfg.parallel.bucket_mb * 2**20 / 4,
                                tied_alone=lay.pp_size > 1)
@@ -125,10 +131,11 @@ def _zero3_units(d: Dims, ends: ChunkEnds, n: int, tied: bool
     layer, norm, first = d.layer_params, d.final_norm.numel, d.embeddings.units
     others = (lay.virtual_stages - 1) * layer + (vocab if tied else 0)
     kept = vocab if tied else 0  # the tied embedding, counted in `others`, is the unit itself
-    before = [layer if i else first[-1] if ends.first else 0 for i in range(n)]  # prefetched
+    sizes = [sum(_block_units(d, ends.blocks, i)) for i in range(n)]  # each block's unit
+    before = [sizes[i - 1] if i else first[-1] if ends.first else 0 for i in range(n)]
     return ([(vocab, 0, 0, vocab + norm + others)] if ends.head_copy else []) \
-        + ([(norm, 0, 0, norm + (layer if n else 0) + others)] if ends.last else []) \
-        + [(layer, n - 1 - i, n - 1 - i, layer + before[i] + others)
+        + ([(norm, 0, 0, norm + (sizes[-1] if n else 0) + others)] if ends.last else []) \
+        + [(sizes[i], n - 1 - i, n - 1 - i, sizes[i] + before[i] + others)
            for i in reversed(range(n))] \
         + ([(first[j], n, n, first[j] + (first[j - 1] if j else 0) + others - kept)
             for j in reversed(range(len(first)))] if ends.first else [])

@@ -109,6 +109,14 @@ class MixtralFamily(LlamaFamily):
         """A block's active parameters, averaged over the blocks (the time model's 2·P)."""
         return self._blocks(cfg, active=True) // cfg.n_layer
 
+    def block_parameters_of(self, cfg: ModelConfig, index: int) -> int:
+        """Block `index`'s active parameters: Llama's dense block, or with its MoE layer's
+        router, top-k routed and shared experts in place of the MLP."""
+        dense = super().block_parameters(cfg)
+        if not cfg.moe.is_moe_layer(index):
+            return dense
+        return dense - 3 * cfg.n_embd * cfg.ffn_size + self._mlp_parameters(cfg, active=True)
+
     def num_parameters(self, cfg: ModelConfig) -> int:
         vh = cfg.vocab_size * cfg.n_embd
         return self._blocks(cfg, active=False) + cfg.n_embd + vh \
@@ -131,28 +139,60 @@ class MixtralFamily(LlamaFamily):
     def layer_activation_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, sp: bool,
                                e: int, dropout: bool = False,
                                math_attention: bool = False) -> float:
-        """Llama's block without its MLP terms, plus the MoE layer's (TP-split sizes /t; the
-        router on this rank's s'b tokens, s' = s/t under SP, the experts on all sb): the
-        router's fp32 logits and scores (8·s'b·E), the k weights and three int64 index
-        tensors of the assignments (28·sb·k); per assignment the dispatched row,
-        [gate | up], silu(gate), the SwiGLU product, the expert's output and the weighted
-        output (index_add_ keeps its source), k·e·sb·(3h + 4I/t); the shared experts'
-        [gate | up], silu and product, 4·e·sb·S/t, their input gathered over TP (e·sb·h
-        where t > 1), and with their gate its output and theirs, e·sb·(h + 1)."""
+        """An MoE block's bytes (`block_activation_bytes` at ep = 1)."""
         base = super().layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
+        return base - 4 * e * s * b * cfg.ffn_size / t \
+            + self.moe_layer_bytes(cfg, s, b, t, sp, e, folded=False)
+
+    def block_activation_bytes(self, cfg: ModelConfig, index: int, s: int, b: int, t: int,
+                               sp: bool, e: int, dropout: bool = False,
+                               math_attention: bool = False, ep: int = 1) -> float:
+        """Llama's block without its MLP terms, plus the MoE layer's (`moe_layer_bytes`);
+        a block `model.moe.is_moe_layer` leaves dense: Llama's."""
+        base = super().layer_activation_bytes(cfg, s, b, t, sp, e, dropout, math_attention)
+        if not cfg.moe.is_moe_layer(index):
+            return base
+        return base - 4 * e * s * b * cfg.ffn_size / t \
+            + self.moe_layer_bytes(cfg, s, b, t, sp, e, folded=ep > 1 and t > 1 and sp)
+
+    @staticmethod
+    def moe_layer_bytes(cfg: ModelConfig, s: int, b: int, t: int, sp: bool, e: int,
+                        folded: bool) -> float:
+        """What an MoE layer saves (`megalite.model.moe.layer`), on T tokens of I-wide
+        experts: the router's fp32 logits and scores on this rank's s'b tokens (8·s'b·E,
+        s' = s/t under SP), the k weights and three int64 index tensors of the assignments
+        (28·T·k); per assignment the dispatched row, [gate | up], silu(gate), the SwiGLU
+        product, the expert's output and the weighted output (index_add_ keeps its source),
+        k·e·T·(3h + 4I); the shared experts' [gate | up], silu and product, 4·e·sb·S/t,
+        their input gathered over TP (e·sb·h where t > 1), and with their gate its output
+        and theirs, e·sb·(h + 1). TP-split experts (`folded` false) run on the sb tokens
+        gathered over TP, I = expert_size/t; EP folded over TP (ep > 1, t > 1, SP) runs each
+        whole expert (I = expert_size) on the rank's own T = s'b tokens, the rows it
+        receives as many as it sends under balanced routing."""
         moe, tokens, h = cfg.moe, s * b, cfg.n_embd
-        i = moe.expert_hidden(cfg.ffn_size) / t
         local = tokens // t if sp else tokens
-        routed = 8 * local * moe.num_experts + 28 * tokens * moe.top_k \
-            + e * tokens * moe.top_k * (3 * h + 4 * i)
+        rows = local if folded else tokens
+        i = moe.expert_hidden(cfg.ffn_size) / (1 if folded else t)
+        out = 8 * local * moe.num_experts + 28 * rows * moe.top_k \
+            + e * rows * moe.top_k * (3 * h + 4 * i)
         if moe.shared_experts:
-            routed += 4 * e * tokens * moe.shared_hidden(cfg.ffn_size) / t \
+            out += 4 * e * tokens * moe.shared_hidden(cfg.ffn_size) / t \
                 + (e * tokens * h if t > 1 else 0) \
                 + (e * tokens * (h + 1) if moe.shared_expert_gate else 0)
-        return base - 4 * e * tokens * cfg.ffn_size / t + routed
+        return out
 
     def block_backward_bytes(self, cfg: ModelConfig, s: int, b: int, t: int, e: int) -> float:
         return 2 * e * s * b * cfg.moe.top_k * cfg.moe.expert_hidden(cfg.ffn_size) / t
+
+    def block_backward_bytes_of(self, cfg: ModelConfig, index: int, s: int, b: int, t: int,
+                                e: int, sp: bool = False, ep: int = 1) -> float:
+        """The SwiGLU's gradients of [gate | up]: a dense block's Llama's; an MoE block's
+        2·e·T·k·I (`moe_layer_bytes`' T and I)."""
+        if not cfg.moe.is_moe_layer(index):
+            return super().block_backward_bytes(cfg, s, b, t, e)
+        if ep > 1 and t > 1 and sp:
+            return 2 * e * (s // t) * b * cfg.moe.top_k * cfg.moe.expert_hidden(cfg.ffn_size)
+        return self.block_backward_bytes(cfg, s, b, t, e)
 
 
 MIXTRAL_FAMILY = MixtralFamily()

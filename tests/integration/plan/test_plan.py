@@ -11,6 +11,7 @@ from megalite.config.layout import Layout
 from megalite.config.schema import load_config
 from megalite.plan.memory import make_plan
 from tests.conftest import TINY
+from tests.integration.model.test_moe_layouts import MOE
 from tests.layouts import FP32_NO_DROPOUT, train_layouts
 from tests.unit.eval.test_hellaswag import hellaswag_overrides, serial_trainer
 
@@ -155,6 +156,11 @@ SPAWNED_PEAKS = [
       "train.global_batch_size=4"], ["backward"]),
     # ZeRO-3 over DP: the gathered units beside the activations and the loss
     (["zero=3", "model.n_layer=4", "train.micro_batch_size=8"], ["loss backward"]),
+    # EP folded over TP: the routed experts whole on each rank's own tokens, the shared
+    # experts TP-split, the first block dense
+    (MOE + ["tp=2", "sp=true", "ep=2", "model.n_layer=4", "train.micro_batch_size=8",
+            "train.global_batch_size=16", "zero=1", "model.moe.shared_experts=1",
+            "model.moe.first_dense_layers=1"], ["loss backward"]),
 ]
 
 

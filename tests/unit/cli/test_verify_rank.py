@@ -41,6 +41,12 @@ MIXTRAL_8X22B_TP2_PP8_EP8 = ["model=mixtral-8x22b", "tp=2", "sp=true", "pp=8", "
                              "train.global_batch_size=1024"]
 QWEN3_235B_EP32 = ["model=qwen3-235b-a22b", "ep=32", "zero=1", "train.seq_len=4096",
                    "train.micro_batch_size=1", "train.global_batch_size=4096"]
+# the Megatron MoE model zoo's Qwen3-235B layout: tp2 (SP) pp8 vpp4 ep32, its 94 blocks in 32
+# uneven chunks, EP folded over a stage's TP and DP ranks (EDP 4 at 1,024 ranks)
+QWEN3_235B_TP2_PP8_VPP4_EP32 = ["model=qwen3-235b-a22b", "tp=2", "sp=true", "pp=8",
+                                "parallel.virtual_stages=4", "ep=32", "zero=1",
+                                "train.seq_len=4096", "train.micro_batch_size=1",
+                                "train.global_batch_size=2048"]
 # (world size, rank, overrides, device kind): zero 0-3, TP with SP, PP with virtual stages
 # (interleaved), uneven edge stages, fp32 and bf16, up to N = 4,096. At N = 4,096 the ranks
 # are not the last DP rank, whose ranges hold the buffers' padding (see the test below).
@@ -68,6 +74,7 @@ CASES = [
     (1024, 1021, MIXTRAL_8X22B_EP8, "cuda"),  # ep rank 5, edp rank 127
     (1024, 1021, MIXTRAL_8X22B_TP2_PP8_EP8, "cuda"),  # a TP rank 1
     (4096, 4000, QWEN3_235B_EP32, "cuda"),  # ep rank 0, edp rank 125
+    (1024, 1021, QWEN3_235B_TP2_PP8_VPP4_EP32, "cuda"),  # TP rank 1, stage 6, last DP rank
 ]
 
 

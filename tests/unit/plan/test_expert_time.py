@@ -14,13 +14,15 @@ from megalite.cli.plan_moe import imbalance_from_run
 from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
+from megalite.model.families import family
+from megalite.parallel.topology import group_ranks
 from megalite.plan.devices import device_profile
 from megalite.plan.expert_time import alltoall_s, expert_links, folded_groups
 from megalite.plan.memory import make_plan
 from megalite.plan.search import search
 from megalite.plan.search_bounds import memory_lower_bound
 from megalite.plan.space import apply_choice, candidates
-from megalite.plan.time_model import predict
+from megalite.plan.time_model import predict, stage_forward_flops
 from megalite.plan.traffic import stage_traffic
 
 H100 = device_profile("h100-80gb")
@@ -44,6 +46,13 @@ def test_folded_groups_follow_the_topology_and_span_nodes():
     assert sorted(r for g in groups["edp"] for r in g) == list(range(128))
     lay = Layout(tp_size=2, pp_size=8, dp_size=8, ep_size=8)
     assert expert_links(lay, H100, 8).ep_nodes == 4
+    # the runtime's groups (`group_ranks`, what `Topology` makes its ep / edp groups of)
+    for tp, cp, pp, dp, ep in [(2, 1, 8, 8, 8), (2, 2, 2, 2, 4), (1, 2, 4, 4, 8),
+                               (2, 1, 8, 16, 32)]:
+        runtime = group_ranks(tp, pp, dp, cp, ep)
+        planned = folded_groups(tp, cp, pp, dp, ep)
+        for kind in ("ep", "edp"):
+            assert [list(g) for g in planned[kind]] == runtime[kind], (tp, cp, pp, dp, ep)
     assert not expert_links(replace(lay, ep_size=2), H100, 8).ep_crosses
 
 
@@ -105,3 +114,16 @@ def test_imbalance_read_from_a_runs_logged_figures(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl: no MoE figures"):
         imbalance_from_run(tmp_path)
+
+
+def test_each_stage_computes_its_own_blocks():
+    """pp 2 of a 4-block mixtral-tiny whose first block keeps a dense MLP: stage 0 (the dense
+    block and an MoE one) computes the dense MLP's 3·h·f weights where stage 1 (two MoE
+    blocks) computes the router's E·h and k experts' 3·h·I, 2 FLOPs a weight a token."""
+    cfg = load_config(TINY + ["pp=2", "model.moe.first_dense_layers=1"])
+    flops = stage_forward_flops(cfg, Layout.from_config(cfg, 2, "cpu"))
+    m = cfg.model
+    h, f, moe = m.n_embd, m.ffn_size, m.moe
+    dense_mlp, moe_mlp = 3 * h * f, moe.num_experts * h + moe.top_k * 3 * h * moe.expert_hidden(f)
+    head = family(m).head_forward_flops_per_token(m)
+    assert flops[0]["model"] - (flops[1]["model"] - head) == 2 * (dense_mlp - moe_mlp)

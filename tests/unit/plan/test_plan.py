@@ -14,6 +14,7 @@ from megalite.model.init import init_parameters
 from megalite.plan.memory import make_plan
 from megalite_bench.tensor import saved_activation_bytes
 from tests.conftest import TINY
+from tests.integration.model.test_moe_layouts import MOE
 from tests.layouts import FP32_NO_DROPOUT
 
 
@@ -37,7 +38,10 @@ def test_activation_estimate_matches_saved_tensors(recompute):
                                                   "model.n_layer=4"],
                                        ["pp=2", "parallel.schedule=zb-v", "model.n_layer=4",
                                         "parallel.virtual_stages=2"],
-                                       []])
+                                       [],
+                                       # an MoE model's dense first block beside MoE ones
+                                       [*MOE, "pp=2", "model.n_layer=3",
+                                        "model.moe.first_dense_layers=1"]])
 def test_the_plans_parameter_list_is_the_models(overrides):
     """The plan buckets gradients as the engine does, from its own list of each chunk's
     parameter sizes in registration order: that list is the model's."""
@@ -61,7 +65,7 @@ def test_the_plans_parameter_list_is_the_models(overrides):
                     if id(p) not in seen]
             seen.update(id(p) for p in chunk.parameters())
             got = chunk_param_sizes(dims(cfg, layout), e.first, e.last, len(blocks[c]),
-                                    e.head_copy, e.tied)
+                                    e.head_copy, e.tied, blocks[c])
             assert [(size, tied) for _, size, tied in got] == want, (overrides, k, c)
 
 
