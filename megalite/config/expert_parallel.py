@@ -29,10 +29,11 @@ def check_expert_parallel(cfg, world_size: int) -> None:
         fail("ep", ep, f"must divide model.moe.num_experts={moe.num_experts} (each EP rank "
              f"holds num_experts/ep experts); e.g. ep={good}")
     why = f"is not supported with ep={ep} (expert parallelism) yet"
-    if cfg.fp8.recipe != "none":
-        fail("fp8.recipe", cfg.fp8.recipe, f"{why}: an expert's rows arrive from ep ranks' "
-             "micro-batches, so its FP8 scales would span them (the serial run's span one); "
-             "use fp8.recipe=none")
+    if cfg.fp8.recipe == "rowwise":  # tensorwise runs: megalite.model.moe.fp8_sources
+        fail("fp8.recipe", "rowwise", f"{why}: the routed experts' FP8 is tensorwise (one "
+             "scale per expert and micro-batch, each source's rows scaled with its own "
+             "micro-batch's); MoE refuses rowwise whatever ep; use fp8.recipe=tensorwise or "
+             "none")
 
 
 def _divisor(n: int, near: int) -> int:

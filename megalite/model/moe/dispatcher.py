@@ -24,7 +24,9 @@ rows of the assignments travel to the rank of their expert and the outputs back.
 Dropless unless model.moe.capacity_factor is set. The rows' numbers are known only after
 routing, so the alltoall reads the exchanged counts on the host once per layer and forward
 (as every dropless dispatcher does); an EP rank that receives no rows still runs its experts
-on the empty rows (`Experts.compute`), so its gradient is zero, not absent.
+on the empty rows (`Experts.compute`), so its gradient is zero, not absent. Both pass the
+expert compute where its rows came from (`Sources`: rows per source and local expert, each
+expert's source-major), which FP8 scales each source's by (`megalite.model.moe.fp8_sources`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import List
 import torch
 
 from megalite.model.moe.experts import Dispatch, Experts, assignment_tokens, combine
+from megalite.model.moe.fp8_sources import Sources
 from megalite.parallel import comm
 from megalite.parallel.group import Group
 from megalite.parallel.regions import gather_from_seq, reduce_scatter_to_seq
@@ -88,7 +91,7 @@ class TokenDispatcher:
         expert = torch.arange(local, device=x.device).repeat(ep)
         expert = torch.repeat_interleave(expert, received.reshape(-1))
         perm = torch.argsort(expert, stable=True)  # source-major -> expert-major
-        y = experts.compute(rows[perm], received.sum(0))
+        y = experts.compute(rows[perm], received.sum(0), Sources(received, group))
         y = y[torch.argsort(perm)]  # back to source-major, as the rows came
         y = _AllToAll.apply(y, in_splits, out_splits, group)
         return combine(x, y, weights, d.order, tokens)
@@ -105,9 +108,11 @@ class TokenDispatcher:
         w_all = gather_from_seq(weights.contiguous(), group)
         mine = choices - group.rank * local  # dropped (-1) and others' experts: outside
         mine = torch.where((mine >= 0) & (mine < local), mine, local)
-        counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(
-            0, mine, torch.ones_like(mine))[:local]
-        order = torch.argsort(mine, stable=True)[:int(counts.sum())]
+        received = torch.zeros(group.size, local + 1, dtype=torch.long, device=x.device)
+        received = received.scatter_add_(1, mine.view(group.size, -1), torch.ones_like(
+            mine).view(group.size, -1))[:, :local]  # [source, my local expert]
+        counts = received.sum(0)
+        order = torch.argsort(mine, stable=True)[:int(counts.sum())]  # source-major in each
         tokens = assignment_tokens(order, k)
-        y = experts.compute(x_all[tokens], counts)
+        y = experts.compute(x_all[tokens], counts, Sources(received, group))
         return reduce_scatter_to_seq(combine(x_all, y, w_all, order, tokens), group)

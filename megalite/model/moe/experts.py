@@ -17,7 +17,8 @@ numbers either way (`megalite-bench moe`: on a CPU grouped is 1.2x the loop's la
 assignment computes nothing and its weights' gradient is zero. With `fp8` set (fp8.recipe=
 tensorwise, `megalite.parallel.fp8.use_fp8`) both products run in FP8, expert by expert, each
 expert's weight and rows scaled alone (`megalite.model.moe.fp8_experts`), the amaxes reduced
-over the TP and CP groups of the layer's `TokenSplit` where the serial run's span more.
+over the TP and CP groups of the layer's `TokenSplit` where the serial run's span more; under
+EP each source's rows with its micro-batch's amaxes (`megalite.model.moe.fp8_sources`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config.moe import MoEConfig
-from megalite.model.moe.fp8_experts import fp8_expert_products
+from megalite.model.moe.fp8_experts import PerExpert, fp8_expert_products
+from megalite.model.moe.fp8_sources import PerSource, Sources
 from megalite.model.moe.tokens import NO_SPLIT, TokenSplit
 from megalite.parallel.fp8 import Fp8Linear
 from megalite.parallel.group import single_rank_group
@@ -120,15 +122,17 @@ class Experts(nn.Module):
         tokens = assignment_tokens(d.order, weights.shape[1])
         return combine(x, self.compute(x[tokens], d.counts), weights, d.order, tokens)
 
-    def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor,
+                sources: Optional[Sources] = None) -> torch.Tensor:
         """The experts' outputs of expert-major `rows` [N, h], `counts` [E local] of them
-        each. No rows at all (an EP rank that received no token) still runs an expert on
-        the empty rows, so that the weights' gradient is zero rather than absent (the
-        reduction of every rank's gradient waits for it)."""
-        if rows.shape[0] == 0:  # only under EP, which refuses FP8: the FP8 path's amax
-            return self._expert(rows, 0)  # reductions (TP, CP) must run on every rank
+        each (under EP `sources`: where they came from, which FP8 scales by). No rows at all
+        (an EP rank that received no token) still runs an expert on the empty rows, so that
+        the weights' gradient is zero rather than absent (the reduction of every rank's
+        gradient waits for it), and FP8 still takes part in its amax reductions."""
         if self.fp8 is not None:
-            return self._fp8(rows, counts)
+            return self._fp8(rows, counts, sources)
+        if rows.shape[0] == 0:
+            return self._expert(rows, 0)
         return self._grouped(rows, counts) if self.grouped(rows) else self._loop(rows, counts)
 
     def _expert(self, rows: torch.Tensor, e: int) -> torch.Tensor:
@@ -146,10 +150,16 @@ class Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
-    def _fp8(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        sizes = counts.tolist()
-        tp = self.split.tp if self.split.tp is not None else single_rank_group("experts")
-        gate_up, down = (Fp8Linear(self.fp8, tp, column, token_group=self.split.cp)
+    def _fp8(self, rows: torch.Tensor, counts: torch.Tensor,
+             sources: Optional[Sources]) -> torch.Tensor:
+        if sources is None:  # the experts split over TP like the dense MLP, tokens over CP
+            scaling = PerExpert(counts.tolist())
+            tp = self.split.tp if self.split.tp is not None else single_rank_group("experts")
+            cp = self.split.cp
+        else:  # EP: whole experts, each segment scaled by its source's micro-batch
+            scaling = PerSource(sources, [self.split.tp, self.split.cp])
+            tp, cp = single_rank_group("experts"), None
+        gate_up, down = (Fp8Linear(self.fp8, tp, column, token_group=cp)
                          for column in (True, False))
-        gate, up = fp8_expert_products(rows, self.gate_up_proj, sizes, gate_up).chunk(2, dim=-1)
-        return fp8_expert_products(F.silu(gate) * up, self.down_proj, sizes, down)
+        gate, up = fp8_expert_products(rows, self.gate_up_proj, scaling, gate_up).chunk(2, -1)
+        return fp8_expert_products(F.silu(gate) * up, self.down_proj, scaling, down)

@@ -1,13 +1,13 @@
 """A Mixtral with the aux loss, the z-loss and the bias on, with the training features: under
 data parallelism, activation recomputation (every block, or the first) and activation offload
 equal the plain serial run (fp32, 1e-5: losses, grad norms, parameters, the per-layer figures
-and so the bias and counts), FP8 tensorwise on the experts (dp 2, tp 2 + SP, cp 2) its serial
-FP8 run within the combination matrix's fp32 + FP8 bounds, every rank launching its collectives
-in one order; a
-ramped-up batch weighs the aux loss and z-loss of each micro-batch by the step's changing
-micro-batch count, as a penalty computed here from the routers' outputs says; the rerun
-attribution pins a persistent fault on its rank (re-executions and the other replica's
-recomputation of the micro-batches reproduce the MoE step)."""
+and so the bias and counts), FP8 tensorwise on the experts (dp 2, tp 2 + SP, cp 2, ep 2 over
+dp 2 and over tp 2 + SP) its serial FP8 run within the combination matrix's fp32 + FP8 bounds,
+every rank launching its collectives in one order; a ramped-up batch weighs the aux loss and
+z-loss of each micro-batch by the step's changing micro-batch count, as a penalty computed here
+from the routers' outputs says; the rerun attribution pins a persistent fault on its rank
+(re-executions and the other replica's recomputation of the micro-batches reproduce the MoE
+step)."""
 from __future__ import annotations
 
 import json
@@ -72,9 +72,10 @@ def test_recompute_offload_and_fp8_experts_under_dp_equal_serial_in_one_order(ti
                                                                               tmp_path, serial):
     """dp 2, one launch under the order probe: recompute (zero 1), activation offload
     (zero 2), the first block recomputed and the next offloaded (zero 3) equal the plain
-    serial run at 1e-5; FP8 experts (zero 1, recomputed, tp 2 + SP, cp 2) their serial FP8
-    run within the matrix's fp32 + FP8 bounds, whose experts are quantized (the losses move
-    off the plain run's)."""
+    serial run at 1e-5; FP8 experts (zero 1, recomputed, tp 2 + SP, cp 2, ep 2 over dp 2
+    and ep 2 folded over tp 2 + SP with the all-gather dispatch) their serial FP8 run within
+    the matrix's fp32 + FP8 bounds, whose experts are quantized (the losses move off the
+    plain run's)."""
     common = _common(tiny_data)
     runs = {"recompute": common + ["zero=1", "train.recompute=true"],
             "offload": common + ["zero=2", "offload.activations=true"],
@@ -83,7 +84,10 @@ def test_recompute_offload_and_fp8_experts_under_dp_equal_serial_in_one_order(ti
             "fp8": common + FP8 + ["zero=1"],
             "fp8-recompute": common + FP8 + ["zero=0", "train.recompute=true"],
             "fp8-tp": common + FP8 + ["tp=2", "sp=true"],
-            "fp8-cp": common + FP8 + ["cp=2"]}
+            "fp8-cp": common + FP8 + ["cp=2"],
+            "fp8-ep": common + FP8 + ["ep=2", "zero=1"],
+            "fp8-ep-tp": common + FP8 + ["ep=2", "tp=2", "sp=true",
+                                         "parallel.ep_dispatch=allgather"]}
     results = train_layouts(tmp_path, 2, list(runs.values()), STEPS, probe=True)
     for name, ranks in zip(runs, results):
         assert not order_mismatches([r["launched"] for r in ranks]), name

@@ -3,9 +3,9 @@ communicators, `megalite.testing.collective_order`): every async path megalite h
 with and without optimizer offload, overlap_param_gather, CP's all-gather and ring, TP + SP,
 the pipeline's schedules, FP8's amax reductions, activation offload, MoE under TP + SP and CP
 (its FP8 experts' amaxes too) and its routing figures under pipeline parallelism, expert
-parallelism's token exchange — trained on real gloo ranks with one rank's host slowed (its
-offload worker's tasks and its forward), each rank's launches recorded by the probe, and every
-two ranks' shared launches in the same order."""
+parallelism's token exchange and FP8 experts' amaxes — trained on real gloo ranks with one
+rank's host slowed (its offload worker's tasks and its forward), each rank's launches recorded
+by the probe, and every two ranks' shared launches in the same order."""
 from __future__ import annotations
 
 import time
@@ -91,12 +91,13 @@ FOUR_RANKS = [
     # x CP reductions, the experts' EDP reductions and the norm's EP sum
     [*MOE, "ep=2", "zero=3", "model.moe.bias_update_rate=0.01"],
     [*MOE, "ep=4", "parallel.ep_dispatch=allgather", "model.moe.shared_experts=1"],
-    # each pipeline stage's own EP group (ZB-V's split backward), EP over CP ranks
+    # each pipeline stage's own EP group (ZB-V's split backward), EP over CP ranks (its FP8
+    # experts' amaxes: back to the sources over EP, over CP, to the expert ranks over EP)
     [*MOE, "ep=2", "pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "zero=1"],
     # ZeRO 3 under ZB-H1: a unit's experts' EDP gathers and reduce-scatters in its B, its
     # dense weights' reduce-scatter in the deferred W, freed after both
     [*MOE, "ep=2", "pp=2", "parallel.schedule=zb-h1", "zero=3"],
-    [*MOE, "ep=2", "cp=2", "zero=2", "model.moe.bias_update_rate=0.01"],
+    [*MOE, "ep=2", "cp=2", "zero=2", "model.moe.bias_update_rate=0.01", *FP8],
     # EP folded over TP: each rank's own SP tokens over EP, the shared expert's TP gather and
     # reduce-scatter, the chosen experts' TP gather for the counts
     [*MOE, "ep=2", "tp=2", "sp=true", "zero=1", "model.moe.shared_experts=1",

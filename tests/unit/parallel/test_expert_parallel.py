@@ -60,7 +60,7 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["ep=4", "model.moe.num_experts=6"], 4, "ep"),  # 6 experts
     (["ep=4"], 2, "ep"),  # 2 ranks
     (["model=llama-tiny", "ep=2"], 2, "ep"),
-    (["ep=2", "fp8.recipe=tensorwise", "fp8.emulate=true"], 2, "fp8.recipe"),
+    (["ep=2", "fp8.recipe=rowwise", "fp8.emulate=true"], 2, "fp8.recipe"),
     (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch"),
     (["ep=2", "tp=2"], 4, "sp"),  # MoE under TP: its tokens split (sequence parallelism)
     (["ep=4", "pp=2"], 4, "ep")])  # 2 ranks a stage
@@ -80,6 +80,8 @@ def test_ep_over_tensor_data_and_context_parallel_ranks_of_each_stage_is_accepte
                                   (2, 4, 1, ["tp=2", "sp=true"]), (4, 4, 0, ["tp=2", "sp=true"]),
                                   (4, 8, 1, ["tp=2", "sp=true", "pp=2"]),
                                   (2, 4, 3, ["pp=2", "parallel.schedule=zb-h1", "model.n_layer=4"]),
-                                  (2, 2, 1, ["resilience.rerun=on_nan"])):
+                                  (2, 2, 1, ["resilience.rerun=on_nan"]),
+                                  (2, 4, 1, ["cp=2", "fp8.recipe=tensorwise",
+                                             "fp8.emulate=true"])):
         validate(load_config([*MOE, f"ep={ep}", f"zero={zero}", "train.global_batch_size=16",
                               "train.micro_batch_size=4", *more]), world_size=world)
