@@ -86,7 +86,9 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     (`megalite.plan.cp_terms.exposed_s`; the ring's K/V sends it hides under attention).
     `block_extra`: (a block pass's seconds beyond its FLOPs, a block's gradient accumulation
     seconds) a micro-batch, no more than the prediction's non_matmul and grad_accumulate
-    terms charge a block (`TimeBound.per_block`)."""
+    terms charge a block (`TimeBound.per_block`). Under ZeRO 1/2 with pp > 1 and one chunk
+    a stage, stage 0's parameter gather adds what its first forward cannot hide
+    (`_first_gather_s`)."""
     stages = _stage_flops(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
@@ -105,7 +107,7 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     if ("dense", c.tp) not in cache:
         cache[("dense", c.tp)] = _dense_block_numel(cfg.model, c.tp)
     dense = cache[("dense", c.tp)]
-    best, before = 0.0, 0.0
+    pipe, flow, before = 0.0, 0.0, 0.0
     for f, r, n, rec, first_chunk in stages:
         busy = m * ((3 * f + r + (3 * n + rec) * masked) * tokens
                     + ring_full * (n * per_block + rec * rerun)
@@ -117,9 +119,30 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
         streamed = m * (replicas * latency * (n if c.zero == 3 else 1)
                         + replicas / (replicas + 1) * 4 * n * dense
                         / (bus.get("dp", float("inf")) * 1e9)) if c.zero >= 2 else 0.0
-        best = max(best, busy + before, streamed)
+        pipe, flow = max(pipe, busy + before), max(flow, streamed)
         before += idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens
-    return best
+    gather = _first_gather_s(cfg, c, e, bus, cache, stages[0][2], latency)
+    return max(pipe + max(0.0, gather - pipe / m), flow)
+
+
+def _first_gather_s(cfg: Config, c: Choice, e: int, bus: dict, cache: dict, blocks: int,
+                    latency: float) -> float:
+    """No more than stage 0's ZeRO 1/2 parameter all-gather a step (e bytes a dense
+    parameter of its `blocks` blocks and its embeddings over the DP x CP ring at
+    `bus["dp_all_gather"]`, one collective's latency), with pp > 1 and one chunk a stage; 0
+    otherwise. The prediction exposes what of it outlasts stage 0's first forward
+    (`megalite.plan.pipeline_sim.DpWindows.gather`; without overlap_param_gather all of
+    it), which starts the step and is at most 1/m of the stage's busy time; so with P no more
+    than the pipeline's makespan, stage 0's step (makespan + its exposed DP) is at least
+    P + max(0, gather − P/m)."""
+    n = c.dp * c.cp
+    if c.pp == 1 or c.virtual_stages > 1 or c.zero not in (1, 2) or n == 1:
+        return 0.0
+    if ("first", c.tp, c.ep) not in cache:
+        cache[("first", c.tp, c.ep)] = _rank_numel(cfg.model, c.tp, c.ep)[1]
+    psi = blocks * cache[("dense", c.tp)] + cache[("first", c.tp, c.ep)]
+    return (n - 1) / n * e * psi / (bus.get("dp_all_gather", float("inf")) * 1e9) \
+        + (n - 1) * latency
 
 
 def _cp_wire_s(cfg: Config, c: Choice, e: int, bus: dict) -> Tuple[float, float]:
@@ -301,6 +324,7 @@ class TimeBound:
             self.buses[sizes] = {
                 "tp": max([tp.link.bus_gbps] + [fit.bus_gbps for fit in tp.ops.values()]),
                 "dp": links["dp"].of("reduce_scatter").bus_gbps,
+                "dp_all_gather": links["dp"].of("all_gather").bus_gbps,
                 "cp_all_gather": links["cp"].of("all_gather").bus_gbps,
                 "cp_reduce_scatter": links["cp"].of("reduce_scatter").bus_gbps,
                 "cp_send": links["cp_send"].of("send_recv").bus_gbps}

@@ -21,7 +21,8 @@ not recomputed or for the first `partial_counts` of those (`offload.activations_
 offload.optimizer at each of `OPTIMIZER_SHARES` (and the configuration's own fraction) — where
 the profile gives the host link and host memory bandwidths that price their copies (on CPU the
 offloads save nothing). Other keys (bucket size, reshard_after_forward,
-overlap_param_gather, edge_stage_layers, ...) are the configuration's own; with
+overlap_param_gather, edge_stage_layers, ...) are the configuration's own (with
+overlap_param_gather the zero stages it refuses, 0 and 3, are left out); with
 edge_stage_layers only the pp and v whose pp·v slices can take it (every slice a block: pp = 1
 has no edge stage) are tried. For a model with MoE layers, each of these at every
 expert-parallel size ep dividing both tp·cp·dp and the experts (`ep_options`) that the
@@ -38,6 +39,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from megalite.config.errors import ConfigError
 from megalite.config.expert_parallel import check_expert_parallel
 from megalite.config.fp8 import fp8_dims_refusal
+from megalite.config.layout import overlap_gather_refuses
 from megalite.config.schedule_rules import ZERO_BUBBLE
 from megalite.config.schema import CP_COMMS, Config
 from megalite.config.stage_partition import edge_split_problem, partition_layers
@@ -303,6 +305,8 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
     for (v, schedules), ep in itertools.product(_schedules(cfg, pp), eps):
         options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
         for zero in (range(4) if dp * cp > 1 else (0,)):
+            if overlap_gather_refuses(cfg, zero):
+                continue
             if ep > 1 and ep_refused(cfg, sizes, zero, ep):
                 continue
             for sp in ((False, True) if tp > 1 and tokens % tp == 0 else (False,)):
