@@ -65,7 +65,8 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     bandwidth (4 all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a
     recomputed block's re-run 1, with SP 3: the plan's count, without the embedding, the head
     and the latencies) + the latency of its blocks' TP and CP collectives (`latency`: the
-    profile's smallest per ring step; CP: all-gather and reduce-scatter a block, the ring's
+    profile's smallest per ring step, TP's at least `buses["tp_latency"]`, the smallest of
+    its group's link and fits; CP: all-gather and reduce-scatter a block, the ring's
     accumulator sends), for a rank's s/cp tokens, + what the schedule must leave it idle: its
     first operation waits for micro-batch 0's chunk-0 forwards on the stages before it, and
     (1F1B, interleaved: a stage's last operation is chunk 0's backward of the last
@@ -103,6 +104,7 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     cp_count = 0 if c.cp == 1 else 2 * (c.cp - 1) if c.cp_comm == "allgather" else c.cp
     replicas = c.dp * c.cp - 1  # ZeRO 2/3 reduce-scatter each micro-batch, one a bucket
     bus = buses or {}
+    tp_latency = max(latency, bus.get("tp_latency", 0.0))  # the TP group's own, where known
     cp_wire = _cp_wire_s(cfg, c, e, bus)
     if ("dense", c.tp) not in cache:
         cache[("dense", c.tp)] = _dense_block_numel(cfg.model, c.tp)
@@ -111,8 +113,8 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     for f, r, n, rec, first_chunk in stages:
         busy = m * ((3 * f + r + (3 * n + rec) * masked) * tokens
                     + ring_full * (n * per_block + rec * rerun)
-                    + latency * ((n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
-                                 + n * cp_count)
+                    + tp_latency * (n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
+                    + latency * n * cp_count
                     + cp_wire[0] * (n + rec) + cp_wire[1] * n
                     + block_extra[0] * (n + rec / 3) + block_extra[1] * n)
         # the DP stream's reductions outlast no step (time_model: dp's exposure)
@@ -311,7 +313,8 @@ class TimeBound:
         cp_count = 0 if cp == 1 else 2 * (cp - 1) if comm == "allgather" else cp
         wire = _cp_wire_s(self.cfg, c, self.e, buses)
         busy = m * (3 * total * seq / tp / self.rate + ring * n * 8 + sum(wire) * n) \
-            + smallest_latency(self.profile) * n * (4 * (tp - 1) + cp_count)
+            + n * (4 * (tp - 1) * buses["tp_latency"]
+                   + cp_count * smallest_latency(self.profile))
         return busy / pp
 
     def links(self, c: Choice) -> dict:
@@ -323,6 +326,8 @@ class TimeBound:
             tp = links["tp"]
             self.buses[sizes] = {
                 "tp": max([tp.link.bus_gbps] + [fit.bus_gbps for fit in tp.ops.values()]),
+                "tp_latency": min([tp.link.latency_s]
+                                  + [fit.latency_s for fit in tp.ops.values()]),
                 "dp": links["dp"].of("reduce_scatter").bus_gbps,
                 "dp_all_gather": links["dp"].of("all_gather").bus_gbps,
                 "cp_all_gather": links["cp"].of("all_gather").bus_gbps,
