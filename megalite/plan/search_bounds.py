@@ -57,6 +57,21 @@ def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
     return cache[key]
 
 
+def _stage_runs(cache: dict, cfg: Config, c: Choice) -> Tuple[Tuple[tuple, int], ...]:
+    """`_stage_flops` with each run of equal consecutive stages as one (stage, count): the
+    bound's busy + wait over a run is largest at its last stage (the wait only grows)."""
+    key = ("runs", c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
+    if key not in cache:
+        runs: list = []
+        for stage in _stage_flops(cache, cfg, c):
+            if runs and runs[-1][0] == stage:
+                runs[-1][1] += 1
+            else:
+                runs.append([stage, 1])
+        cache[key] = tuple((stage, count) for stage, count in runs)
+    return cache[key]
+
+
 def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
                      tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0,
                      latency: float = 0.0, buses: Optional[dict] = None,
@@ -90,7 +105,7 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     terms charge a block (`TimeBound.per_block`). Under ZeRO 1/2 with pp > 1 and one chunk
     a stage, stage 0's parameter gather adds what its first forward cannot hide
     (`_first_gather_s`)."""
-    stages = _stage_flops(cache, cfg, c)
+    runs = _stage_runs(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
     tokens = c.micro_batch_size * seq / c.tp / rate  # seconds per FLOP a token, a micro-batch
@@ -110,7 +125,7 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
         cache[("dense", c.tp)] = _dense_block_numel(cfg.model, c.tp)
     dense = cache[("dense", c.tp)]
     pipe, flow, before = 0.0, 0.0, 0.0
-    for f, r, n, rec, first_chunk in stages:
+    for (f, r, n, rec, first_chunk), count in runs:
         busy = m * ((3 * f + r + (3 * n + rec) * masked) * tokens
                     + ring_full * (n * per_block + rec * rerun)
                     + tp_latency * (n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
@@ -121,9 +136,11 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
         streamed = m * (replicas * latency * (n if c.zero == 3 else 1)
                         + replicas / (replicas + 1) * 4 * n * dense
                         / (bus.get("dp", float("inf")) * 1e9)) if c.zero >= 2 else 0.0
-        pipe, flow = max(pipe, busy + before), max(flow, streamed)
-        before += idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens
-    gather = _first_gather_s(cfg, c, e, bus, cache, stages[0][2], latency)
+        wait = idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens  # a stage adds
+        pipe = max(pipe, busy + before + (count - 1) * wait)  # a run's last stage: its most
+        flow = max(flow, streamed)
+        before += count * wait
+    gather = _first_gather_s(cfg, c, e, bus, cache, runs[0][0][2], latency)
     return max(pipe + max(0.0, gather - pipe / m), flow)
 
 
