@@ -61,3 +61,15 @@ def test_overlap_param_gather_leaves_its_refused_zero_stages_out_of_the_space():
     assert {g.base[3] for g in candidate_grids(replace(
         cfg, parallel=replace(cfg.parallel, overlap_param_gather=False)), 8, False)} == \
         {0, 1, 2, 3}
+
+
+def test_tp_latency_in_the_bound_is_the_tp_groups_own():
+    """tp 4 on nodes of 2 crosses nodes: its collectives pay the inter-node 10 µs a ring step
+    in the prediction, and the bound charges at least that (4 all-reduces a block, no SP)."""
+    cfg = load_config(SMALL)
+    bound = TimeBound.of(cfg, PROFILE, 2, None)
+    c = next(c for c in candidates(cfg, 8, False) if (c.tp, c.pp, c.sp, c.micro_batch_size,
+                                                      c.recompute) == (4, 1, False, 1, False))
+    assert bound.links(c)["tp_latency"] == 1e-5
+    m = cfg.train.global_batch_size // c.dp
+    assert bound(c) >= m * cfg.model.n_layer * 4 * 3 * 1e-5
