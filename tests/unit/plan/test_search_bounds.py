@@ -1,9 +1,12 @@
-"""The search's time bound with ZeRO 1/2's parameter gather (`_first_gather_s`): below every
-prediction, above the bound without it where the gather outlasts stage 0's first forward;
-and parallel.overlap_param_gather's refused zero stages left out of the space."""
+"""The search's time bound with ZeRO 1/2's parameter gather (`_first_gather_s`) and TP's own
+latency: below every prediction, above the bound without them where they matter; and the
+space leaving out what the launch refuses (overlap_param_gather's zero stages, MoE without
+SP at tp > 1, EP with ZeRO-3 under a zero-bubble schedule)."""
 from __future__ import annotations
 
 from dataclasses import replace
+
+import pytest
 
 from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
@@ -73,3 +76,19 @@ def test_tp_latency_in_the_bound_is_the_tp_groups_own():
     assert bound.links(c)["tp_latency"] == 1e-5
     m = cfg.train.global_batch_size // c.dp
     assert bound(c) >= m * cfg.model.n_layer * 4 * 3 * 1e-5
+
+
+def test_moe_at_tp_over_1_is_searched_with_sp_only_and_ep_zero3_without_zero_bubble():
+    """The launch refuses both (sp=false with MoE at tp > 1; zero 3 with ep > 1 under ZB-H1 /
+    ZB-V): the space leaves them out rather than the validation one candidate at a time."""
+    cfg = load_config(["model=mixtral-8x22b", "model.n_layer=4", "train.seq_len=64",
+                       "train.global_batch_size=8", "precision=bf16"])
+    out = candidates(cfg, 8, False)
+    assert not [c for c in out if c.tp > 1 and not c.sp]
+    assert not [c for c in out if c.ep > 1 and c.zero == 3 and c.zero_bubble]
+    assert any(c.tp > 1 and c.sp for c in out) and any(c.ep > 1 and c.zero_bubble for c in out)
+    for c in (next(c for c in out if c.tp > 1), next(c for c in out if c.ep > 1 and c.pp > 1
+                                                        and c.zero == 2 and c.zero_bubble)):
+        bad = replace(c, sp=False) if c.tp > 1 else replace(c, zero=3)
+        with pytest.raises(ConfigError):  # still refused: the space follows the launch
+            validate(apply_choice(cfg, bad), 8, 8)
