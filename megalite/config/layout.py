@@ -299,13 +299,19 @@ def _check_context_parallel(cfg: Config) -> None:
               "compares DP replicas only; use resilience.rerun=off or cp=1")
 
 
+def overlap_gather_refuses(cfg: Config, zero: int) -> bool:
+    """Whether parallel.overlap_param_gather refuses ZeRO stage `zero` (it needs 1 or 2;
+    the layout search leaves the others out of its space)."""
+    return cfg.parallel.overlap_param_gather and zero not in (1, 2)
+
+
 def _check_other_pairs(cfg: Config) -> None:
     if cfg.eval.hellaswag is not None and cfg.train.eval_every == 0:
         fail("eval.hellaswag", cfg.eval.hellaswag,
               "runs with the validation loss every train.eval_every steps, and "
               "train.eval_every=0 never evaluates: set train.eval_every (e.g. 250), or "
               "eval.hellaswag=null")
-    if cfg.parallel.overlap_param_gather and cfg.zero not in (1, 2):
+    if overlap_gather_refuses(cfg, cfg.zero):
         fail("parallel.overlap_param_gather", True,
               f"needs zero=1 or zero=2 (zero={cfg.zero}: "
               + ("no parameter gather to overlap" if cfg.zero == 0 else

@@ -106,6 +106,16 @@ class _Search:
         self.result.costed += 1
         return cfg, layout, self.prediction(cfg, layout)
 
+    def least_offload_s(self, c: Choice, pred: Prediction) -> float:
+        """The step of `c` (predicted `pred`) with one block's activations offloaded: no
+        refined offload count of it (at least 1, `planned`) is faster."""
+        if c.offload_layers == 1:
+            return pred.step_s
+        cfg = apply_choice(self.cfg, replace(c, offload_layers=1))
+        device_type, bf16 = device_kind(self.profile)
+        return self.prediction(cfg, Layout.from_config(cfg, self.world, device_type,
+                                                        bf16)).step_s
+
     def planned(self, c: Choice, cfg: Config, layout: Layout, pred: Prediction
                 ) -> Optional[Ranked]:
         """The memory plan of a predicted candidate; None when some stage does not fit. A
@@ -169,6 +179,9 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
             if all(r.choice != predicted.choice for r in s.result.best):
                 s.result.best.append(predicted)
             continue
+        if isinstance(predicted, _Refine):
+            _push_refined(s, walk, queue, (n, c, predicted.predicted, grid, cell))
+            continue
         if predicted is None:  # not yet checked against the memory
             walk.check_memory(key, n, c, grid, cell)
             continue
@@ -176,8 +189,9 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
             predicted = s.predicted(c)
             if predicted is None:
                 walk.not_fitting(grid, *cell)
-            elif c.offload:  # refined before it is queued by its time (`_push_refined`)
-                _push_refined(s, walk, queue, (n, c, predicted, grid, cell))
+            elif c.offload:  # refined once its least-offload time is reached (`_Refine`)
+                heapq.heappush(queue, (s.least_offload_s(c, predicted[2]), n, c,
+                                       _Refine(predicted), grid, cell))
             else:
                 heapq.heappush(queue, (predicted[2].step_s, n, c, predicted, grid, cell))
             continue
@@ -189,13 +203,22 @@ def search(cfg: Config, world: int, profile: DeviceProfile, gpus_per_node: int,
     return _finish(s, walk)
 
 
+@dataclass
+class _Refine:
+    """A predicted activation-offload candidate queued at its least-offload step
+    (`_Search.least_offload_s`), to be planned and refined when that is reached: most never
+    are, and planning is the search's dearest step."""
+
+    predicted: Tuple[Config, Layout, Prediction]
+
+
 def _push_refined(s: "_Search", walk: "_Offloads", queue: list, entry: tuple) -> None:
     """Plan a predicted activation-offload candidate now and queue it at the prediction of
     its refined offload count (`_Search.planned`: fewer blocks may be faster), so that it is
     ranked among the others at the time it will report. (Refined only once popped in its
     time's turn, a candidate that became faster than ones already taken would be listed below
-    them.) The time bound that queued it leaves offload copies out, so the refined time is
-    never below the key just popped."""
+    them.) It was queued at its time with one offloaded block, so the refined time is never
+    below the key just popped."""
     n, c, predicted, grid, cell = entry
     ranked = s.planned(c, *predicted)
     if ranked is None:
@@ -231,7 +254,8 @@ def _finish(s: "_Search", walk: "_Offloads") -> SearchResult:
             s.result.points.append((predicted.peak_bytes, key, "planned"))
         else:
             s.result.points.append((memory_lower_bound(s.cfg, c, walk.e), key, "predicted")
-                                   if isinstance(predicted, tuple) else (predicted, key, "bound"))
+                                   if isinstance(predicted, (tuple, _Refine))
+                                   else (predicted, key, "bound"))
     if not s.result.best:
         for family, (_, c) in walk.smallest.items():  # the plan's figure for the least-need one
             predicted = s.predicted(c)

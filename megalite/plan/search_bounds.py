@@ -57,6 +57,21 @@ def _stage_flops(cache: dict, cfg: Config, c: Choice) -> Tuple[tuple, ...]:
     return cache[key]
 
 
+def _stage_runs(cache: dict, cfg: Config, c: Choice) -> Tuple[Tuple[tuple, int], ...]:
+    """`_stage_flops` with each run of equal consecutive stages as one (stage, count): the
+    bound's busy + wait over a run is largest at its last stage (the wait only grows)."""
+    key = ("runs", c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers)
+    if key not in cache:
+        runs: list = []
+        for stage in _stage_flops(cache, cfg, c):
+            if runs and runs[-1][0] == stage:
+                runs[-1][1] += 1
+            else:
+                runs.append([stage, 1])
+        cache[key] = tuple((stage, count) for stage, count in runs)
+    return cache[key]
+
+
 def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 2,
                      tp_bus_gbps: float = float("inf"), mask_factor: float = 1.0,
                      latency: float = 0.0, buses: Optional[dict] = None,
@@ -65,7 +80,8 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     bandwidth (4 all-reduces a block, with SP 6 all-gathers + 4 reduce-scatters; a
     recomputed block's re-run 1, with SP 3: the plan's count, without the embedding, the head
     and the latencies) + the latency of its blocks' TP and CP collectives (`latency`: the
-    profile's smallest per ring step; CP: all-gather and reduce-scatter a block, the ring's
+    profile's smallest per ring step, TP's at least `buses["tp_latency"]`, the smallest of
+    its group's link and fits; CP: all-gather and reduce-scatter a block, the ring's
     accumulator sends), for a rank's s/cp tokens, + what the schedule must leave it idle: its
     first operation waits for micro-batch 0's chunk-0 forwards on the stages before it, and
     (1F1B, interleaved: a stage's last operation is chunk 0's backward of the last
@@ -86,8 +102,10 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     (`megalite.plan.cp_terms.exposed_s`; the ring's K/V sends it hides under attention).
     `block_extra`: (a block pass's seconds beyond its FLOPs, a block's gradient accumulation
     seconds) a micro-batch, no more than the prediction's non_matmul and grad_accumulate
-    terms charge a block (`TimeBound.per_block`)."""
-    stages = _stage_flops(cache, cfg, c)
+    terms charge a block (`TimeBound.per_block`). Under ZeRO 1/2 with pp > 1 and one chunk
+    a stage, stage 0's parameter gather adds what its first forward cannot hide
+    (`_first_gather_s`)."""
+    runs = _stage_runs(cache, cfg, c)
     m = cfg.train.global_batch_size // (c.micro_batch_size * c.dp)
     seq = cfg.train.seq_len / c.cp  # a rank's positions of a sequence
     tokens = c.micro_batch_size * seq / c.tp / rate  # seconds per FLOP a token, a micro-batch
@@ -101,25 +119,49 @@ def time_lower_bound(cfg: Config, c: Choice, rate: float, cache: dict, e: int = 
     cp_count = 0 if c.cp == 1 else 2 * (c.cp - 1) if c.cp_comm == "allgather" else c.cp
     replicas = c.dp * c.cp - 1  # ZeRO 2/3 reduce-scatter each micro-batch, one a bucket
     bus = buses or {}
+    tp_latency = max(latency, bus.get("tp_latency", 0.0))  # the TP group's own, where known
     cp_wire = _cp_wire_s(cfg, c, e, bus)
     if ("dense", c.tp) not in cache:
         cache[("dense", c.tp)] = _dense_block_numel(cfg.model, c.tp)
     dense = cache[("dense", c.tp)]
-    best, before = 0.0, 0.0
-    for f, r, n, rec, first_chunk in stages:
+    pipe, flow, before = 0.0, 0.0, 0.0
+    for (f, r, n, rec, first_chunk), count in runs:
         busy = m * ((3 * f + r + (3 * n + rec) * masked) * tokens
                     + ring_full * (n * per_block + rec * rerun)
-                    + latency * ((n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
-                                 + n * cp_count)
+                    + tp_latency * (n * tp_count[0] + rec * tp_count[1]) * (c.tp - 1)
+                    + latency * n * cp_count
                     + cp_wire[0] * (n + rec) + cp_wire[1] * n
                     + block_extra[0] * (n + rec / 3) + block_extra[1] * n)
         # the DP stream's reductions outlast no step (time_model: dp's exposure)
         streamed = m * (replicas * latency * (n if c.zero == 3 else 1)
                         + replicas / (replicas + 1) * 4 * n * dense
                         / (bus.get("dp", float("inf")) * 1e9)) if c.zero >= 2 else 0.0
-        best = max(best, busy + before, streamed)
-        before += idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens
-    return best
+        wait = idle_per_stage * first_chunk * min(1.0, mask_factor) * tokens  # a stage adds
+        pipe = max(pipe, busy + before + (count - 1) * wait)  # a run's last stage: its most
+        flow = max(flow, streamed)
+        before += count * wait
+    gather = _first_gather_s(cfg, c, e, bus, cache, runs[0][0][2], latency)
+    return max(pipe + max(0.0, gather - pipe / m), flow)
+
+
+def _first_gather_s(cfg: Config, c: Choice, e: int, bus: dict, cache: dict, blocks: int,
+                    latency: float) -> float:
+    """No more than stage 0's ZeRO 1/2 parameter all-gather a step (e bytes a dense
+    parameter of its `blocks` blocks and its embeddings over the DP x CP ring at
+    `bus["dp_all_gather"]`, one collective's latency), with pp > 1 and one chunk a stage; 0
+    otherwise. The prediction exposes what of it outlasts stage 0's first forward
+    (`megalite.plan.pipeline_sim.DpWindows.gather`; without overlap_param_gather all of
+    it), which starts the step and is at most 1/m of the stage's busy time; so with P no more
+    than the pipeline's makespan, stage 0's step (makespan + its exposed DP) is at least
+    P + max(0, gather − P/m)."""
+    n = c.dp * c.cp
+    if c.pp == 1 or c.virtual_stages > 1 or c.zero not in (1, 2) or n == 1:
+        return 0.0
+    if ("first", c.tp, c.ep) not in cache:
+        cache[("first", c.tp, c.ep)] = _rank_numel(cfg.model, c.tp, c.ep)[1]
+    psi = blocks * cache[("dense", c.tp)] + cache[("first", c.tp, c.ep)]
+    return (n - 1) / n * e * psi / (bus.get("dp_all_gather", float("inf")) * 1e9) \
+        + (n - 1) * latency
 
 
 def _cp_wire_s(cfg: Config, c: Choice, e: int, bus: dict) -> Tuple[float, float]:
@@ -292,7 +334,8 @@ class TimeBound:
         cp_count = 0 if cp == 1 else 2 * (cp - 1) if comm == "allgather" else cp
         wire = _cp_wire_s(self.cfg, c, self.e, buses)
         busy = m * (3 * total * seq / tp / self.rate + ring * n * 8 + sum(wire) * n) \
-            + smallest_latency(self.profile) * n * (4 * (tp - 1) + cp_count)
+            + n * (4 * (tp - 1) * buses["tp_latency"]
+                   + cp_count * smallest_latency(self.profile))
         return busy / pp
 
     def links(self, c: Choice) -> dict:
@@ -304,7 +347,10 @@ class TimeBound:
             tp = links["tp"]
             self.buses[sizes] = {
                 "tp": max([tp.link.bus_gbps] + [fit.bus_gbps for fit in tp.ops.values()]),
+                "tp_latency": min([tp.link.latency_s]
+                                  + [fit.latency_s for fit in tp.ops.values()]),
                 "dp": links["dp"].of("reduce_scatter").bus_gbps,
+                "dp_all_gather": links["dp"].of("all_gather").bus_gbps,
                 "cp_all_gather": links["cp"].of("all_gather").bus_gbps,
                 "cp_reduce_scatter": links["cp"].of("reduce_scatter").bus_gbps,
                 "cp_send": links["cp_send"].of("send_recv").bus_gbps}

@@ -5,7 +5,8 @@ A candidate: tp, cp and pp whose product divides the world size (dp the rest), t
 heads, the width and the MLP; context parallelism cp a power of two (1, 2, 4, ...) with
 seq_len divisible by 2·cp, each cp > 1 with both `parallel.cp_comm`s (allgather, ring); zero
 0-3 (1-3 only with dp·cp > 1: ZeRO shards over DP x CP, and with one replica it shards
-nothing); sp with tp > 1 (the rank's s/cp positions divisible by tp); virtual stages v > 1
+nothing); sp with tp > 1 (the rank's s/cp positions divisible by tp; with MoE layers sp
+only, `sp_options`); virtual stages v > 1
 with pp > 1 where pp·v divides the blocks (interleaved with any m >= pp); every
 micro-batch size that divides the per-replica batch; the pipeline schedule: 1F1B (interleaved
 with v > 1) or, with pp > 1 and v = 1, ZB-H1 (`parallel.schedule=zb-h1`), or, with pp > 1
@@ -21,12 +22,13 @@ not recomputed or for the first `partial_counts` of those (`offload.activations_
 offload.optimizer at each of `OPTIMIZER_SHARES` (and the configuration's own fraction) — where
 the profile gives the host link and host memory bandwidths that price their copies (on CPU the
 offloads save nothing). Other keys (bucket size, reshard_after_forward,
-overlap_param_gather, edge_stage_layers, ...) are the configuration's own; with
+overlap_param_gather, edge_stage_layers, ...) are the configuration's own (with
+overlap_param_gather the zero stages it refuses, 0 and 3, are left out); with
 edge_stage_layers only the pp and v whose pp·v slices can take it (every slice a block: pp = 1
 has no edge stage) are tried. For a model with MoE layers, each of these at every
 expert-parallel size ep dividing both tp·cp·dp and the experts (`ep_options`) that the
-launch's EP rules accept (`ep_refused`: the runtime folds ep over a stage's tensor- (with
-SP), data- and context-parallel ranks, at any pp).
+launch's EP rules accept at each schedule (`ep_refused`: the runtime folds ep over a stage's
+tensor- (with SP), data- and context-parallel ranks, at any pp).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from megalite.config.errors import ConfigError
 from megalite.config.expert_parallel import check_expert_parallel
 from megalite.config.fp8 import fp8_dims_refusal
+from megalite.config.layout import overlap_gather_refuses
 from megalite.config.schedule_rules import ZERO_BUBBLE
 from megalite.config.schema import CP_COMMS, Config
 from megalite.config.stage_partition import edge_split_problem, partition_layers
@@ -247,6 +250,15 @@ def ep_options(cfg: Config, stage_ranks: int) -> List[int]:
     return _divisors(math.gcd(stage_ranks, moe.num_experts))
 
 
+def sp_options(cfg: Config, tp: int, tokens: int) -> Tuple[bool, ...]:
+    """sp tried at `tp` for a rank's `tokens` positions: off, and on where tp > 1 divides
+    them; with MoE layers at tp > 1 on only (the launch refuses sp=false there,
+    `megalite.config.moe`: each TP rank routes its own tokens)."""
+    if tp == 1 or tokens % tp:
+        return () if tp > 1 and cfg.model.moe.enabled else (False,)
+    return (True,) if cfg.model.moe.enabled else (False, True)
+
+
 def ep_refused(cfg: Config, sizes: tuple, zero: int, ep: int) -> bool:
     """Whether the launch refuses `ep` at these (tp, cp, cp_comm, pp, dp) and zero
     (`check_expert_parallel`, asked once per grid family rather than per candidate)."""
@@ -303,14 +315,18 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
     for (v, schedules), ep in itertools.product(_schedules(cfg, pp), eps):
         options = memory_options(cfg, chunk_blocks(cfg, pp, v), offloads)
         for zero in (range(4) if dp * cp > 1 else (0,)):
+            if overlap_gather_refuses(cfg, zero):
+                continue
             if ep > 1 and ep_refused(cfg, sizes, zero, ep):
                 continue
-            for sp in ((False, True) if tp > 1 and tokens % tp == 0 else (False,)):
+            named = [x for x in schedules if ep == 1 or not ep_refused(
+                replace(cfg, parallel=replace(cfg.parallel, schedule=x)), sizes, zero, ep)]
+            for sp in sp_options(cfg, tp, tokens):
                 for mb in _divisors(t.global_batch_size // dp):
                     if fp8 and fp8_dims_refusal(m, tp, tokens, mb):
                         continue
                     micro = t.global_batch_size // (mb * dp)
-                    runs = [x for x in schedules if not (x == "auto" and v > 1 and micro < pp)]
+                    runs = [x for x in named if not (x == "auto" and v > 1 and micro < pp)]
                     for (rec, r), acts in options:
                         for name in runs:
                             grid = Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
