@@ -347,8 +347,8 @@ class TimeBound:
             tp = links["tp"]
             self.buses[sizes] = {
                 "tp": max([tp.link.bus_gbps] + [fit.bus_gbps for fit in tp.ops.values()]),
-                "tp_latency": min([tp.link.latency_s]
-                                  + [fit.latency_s for fit in tp.ops.values()]),
+                "tp_latency": min([ring_step_s(tp.link)] + [ring_step_s(fit, op) for op, fit
+                                                             in tp.ops.items()]),
                 "dp": links["dp"].of("reduce_scatter").bus_gbps,
                 "dp_all_gather": links["dp"].of("all_gather").bus_gbps,
                 "cp_all_gather": links["cp"].of("all_gather").bus_gbps,
