@@ -23,7 +23,7 @@ from megalite.checkpoint.format import (
     verify_ranges,
 )
 from megalite.checkpoint.resolve import candidates
-from megalite.config.schema import Config
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config
 from megalite.parallel import comm
 from megalite.parallel.group import Group
 from megalite.parallel.topology import Topology
@@ -62,7 +62,10 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology,
         same_layout = meta["layout"]["world_size"] == topo.world_size and all(
             meta["layout"].get(k, 1) == v for k, v in (
                 ("tp", topo.tp_size), ("cp", topo.cp_size), ("pp", topo.pp_size),
-                ("dp", topo.dp_size)))  # (no "cp": written before context parallelism)
+                ("dp", topo.dp_size))) and meta["layout"].get(
+                    "rank_order", DEFAULT_RANK_ORDER) == topo.rank_order
+        # (no "cp": written before context parallelism; no "rank_order": before the key.
+        # Under another rank order a rank's per-rank files are another coordinate's.)
         if same_layout:
             readable = [f for f in (rank_file(n, topo.rank) for n in rank_files)
                         if f in meta["files"]]

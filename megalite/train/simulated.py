@@ -93,7 +93,7 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     import torch._dynamo  # noqa: F401  (what AdamW's constructor imports the first time)
     start = clock()
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size, cp=layout.cp_size,
-                          ep=layout.ep_size,
+                          ep=layout.ep_size, order=layout.rank_order,
                           timeout_s=cfg.parallel.timeout_s,
                           checkpoint_timeout_s=cfg.checkpoint.timeout_s)
     built_topology = clock()
@@ -177,7 +177,8 @@ def report(cfg: Config, layout: Layout, topo: Topology, model: PipelineStage,
     """The built objects of this rank set next to `make_plan`'s stage."""
     c = topo.coords
     planned = make_plan(cfg, layout).stages[c.pp_rank]
-    kinds = group_ranks(layout.tp_size, layout.pp_size, layout.dp_size, layout.cp_size)
+    kinds = group_ranks(layout.tp_size, layout.pp_size, layout.dp_size, layout.cp_size,
+                        order=layout.rank_order)
     return RankReport(
         rank=topo.rank, layout=layout,
         coords={"tp": c.tp_rank, "cp": c.cp_rank, "pp": c.pp_rank, "dp": c.dp_rank},
