@@ -251,11 +251,13 @@ def ep_options(cfg: Config, stage_ranks: int) -> List[int]:
     return _divisors(math.gcd(stage_ranks, moe.num_experts))
 
 
-def rank_orders(cfg: Config, pp: int, dp: int, ep: int) -> Tuple[str, ...]:
-    """The rank orders tried: both where they place groups differently (pp > 1 and dp > 1)
-    and EP is folded (ep > 1: tp-cp-dp-pp keeps an EP group in a node, the reason to pick
-    it); elsewhere the configuration's own, so the dense-only space is not doubled."""
-    if ep > 1 and pp > 1 and dp > 1:
+def rank_orders(cfg: Config, sizes: tuple, ep: int) -> Tuple[str, ...]:
+    """The rank orders tried at (tp, cp, cp_comm, pp, dp) and `ep`: both where the order
+    moves the EP groups (pp > 1 and ep > tp·cp, so an EP group takes several DP indices: the
+    reason to pick tp-cp-dp-pp, which keeps it in a node); elsewhere the configuration's
+    own, so the dense space (and EP within tp·cp) is not searched twice."""
+    tp, cp, _, pp, _ = sizes
+    if pp > 1 and ep > tp * cp:
         return RANK_ORDERS
     return (cfg.parallel.rank_order,)
 
@@ -326,7 +328,7 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
                     runs = [x for x in schedules if not (x == "auto" and v > 1 and micro < pp)]
                     for (rec, r), acts in options:
                         for name, order in itertools.product(
-                                runs, rank_orders(cfg, pp, dp, ep)):
+                                runs, rank_orders(cfg, sizes, ep)):
                             grid = Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
                                         fractions, held, cp, comm, ep, order)
                             if not grid.held_out():

@@ -125,8 +125,8 @@ def test_search_tries_ep_and_layout_auto_may_choose_it():
                     fixed={"ep": 2})
     assert result.best and all(r.choice.ep == 2 and r.config.ep == 2 for r in result.best)
     assert "ep=2" in result.best[0].choice.overrides()
-    # both rank orders where they differ (pp > 1, dp > 1) and EP is folded; one elsewhere
-    orders = {(c.ep > 1 and c.pp > 1 and c.dp > 1, c.rank_order)
+    # both rank orders where the order moves the EP groups (pp > 1, ep > tp·cp); one elsewhere
+    orders = {(c.pp > 1 and c.ep > c.tp * c.cp, c.rank_order)
               for c in candidates(cfg, 8, False)}
     assert orders == {(True, "tp-cp-pp-dp"), (True, "tp-cp-dp-pp"), (False, "tp-cp-pp-dp")}
 
