@@ -1,13 +1,12 @@
 """The planner on the published MoE runs of Megatron-Core (issue 52's MoE rows): for each row
 the time model's prediction of the published layout (model TFLOP/s per GPU: 6N + 12·L·h·s
-with N the active parameters, Megatron's count) next to the publication, the load-imbalance
-factor assumed (planner.moe_imbalance), the terms of the critical stage, and what megalite
-lacks that the run used, each with the prediction if megalite had it:
+with N the active parameters, Megatron's count) in Megatron's rank order, which the runs used
+and megalite offers (`parallel.rank_order=tp-cp-dp-pp`: a stage's ranks consecutive, an EP
+group on ceil(ep / GPUs per node) nodes), next to the publication, the load-imbalance factor
+assumed (planner.moe_imbalance), the terms of the critical stage, the prediction in megalite's
+default order (tp-cp-pp-dp: a stage's ranks tp·cp·pp apart, so EP spreads over more nodes),
+and what megalite lacks that the run used, each with the prediction if megalite had it:
 
-  EP in one node  megalite's rank order [TP, CP, PP, DP] folds EP over TP·CP·DP ranks that
-                  sit tp·cp·pp ranks apart, so an EP group spreads over more nodes than in
-                  Megatron-Core's expert grid (tp-ep-dp-pp: EP ranks consecutive, ceil(ep /
-                  GPUs per node) nodes); the prediction with the exchange on Megatron's nodes
   node dedup      DeepEP's dispatcher sends a token once to each other node that holds one of
                   its experts and fans it out over NVLink there; megalite sends each (token,
                   expert) row. Under uniform routing a token's k choices among E experts on n
@@ -21,8 +20,8 @@ Each "with" prediction adds its feature to the ones before it. The table's last 
 for each row, the features its published run used that megalite lacks (`MoeRow.used`), each
 with the prediction if megalite had it and the error against the publication (the overlap
 against the overlapped figure where one is published). megalite's runtime runs these
-layouts (EP folded over a stage's TP and DP ranks, expert TP = 1); the EP group's nodes are
-those of its own ranks (`megalite.plan.expert_time.folded_groups`, the runtime's grid). No
+layouts (EP folded over a stage's TP and DP ranks, expert TP = 1) in either order; the EP
+group's nodes are those of its own ranks (`megalite.plan.expert_time.folded_groups`, the runtime's grid). No
 device is used: arithmetic on the device table.
 
 Published figures: Megatron-Core's MoE reports (Mixtral 8x22B: the MoE README's 128-H100
@@ -66,15 +65,19 @@ class MoeRow:
 
 ROWS = [
     MoeRow("Mixtral 8x22B", "mixtral-8x22b", 128, 2, 8, 1, 8, 4096, 256, 455.0, None,
-           "alltoall", ("EP in one node",)),
+           "alltoall", ()),
     MoeRow("Qwen3-235B-A22B", "qwen3-235b-a22b", 256, 2, 8, 4, 32, 4096, 2048, 245.0, 276.0,
-           "DeepEP", ("EP in one node", "+ node dedup")),
+           "DeepEP", ("+ node dedup",)),
 ]
+MEGATRON_ORDER, DEFAULT_ORDER = "tp-cp-dp-pp", "tp-cp-pp-dp"  # parallel.rank_order
 
 
-def row_config(row: MoeRow, imbalance: float) -> Tuple[object, Layout]:
-    """The row's configuration and its layout (validated as a launch would be)."""
-    cfg = load_config([f"model={row.preset}", f"tp={row.tp}", f"pp={row.pp}", f"ep={row.ep}",
+def row_config(row: MoeRow, imbalance: float, order: str = MEGATRON_ORDER
+               ) -> Tuple[object, Layout]:
+    """The row's configuration in rank order `order` and its layout (validated as a launch
+    would be)."""
+    cfg = load_config([f"parallel.rank_order={order}", f"model={row.preset}", f"tp={row.tp}",
+                       f"pp={row.pp}", f"ep={row.ep}",
                        f"parallel.virtual_stages={row.v}", f"train.seq_len={row.seq}",
                        f"train.global_batch_size={row.batch}", "train.micro_batch_size=1",
                        "precision=bf16", "sp=true", "zero=1",
@@ -106,33 +109,32 @@ def predict_row(row: MoeRow, profile: DeviceProfile, per_node: int, imbalance: f
     cfg, lay = row_config(row, imbalance)
     stages = stage_traffic(cfg, lay)
     pred = predict(cfg, lay, stages, profile, per_node)
+    dcfg, dlay = row_config(row, imbalance, DEFAULT_ORDER)
+    default = predict(dcfg, dlay, stage_traffic(dcfg, dlay), profile, per_node)
     k, terms = pred.critical_stage, pred.terms
     m = lay.micro_batches(cfg.train.global_batch_size)
     beta = expected_bubble(lay.pp_size, m, lay.virtual_stages, cfg.parallel.schedule)
     chunks = lay.stage_blocks()[k]
     calls = m * moe_blocks(cfg, chunks) * 5
     wire = imbalance * stages[k].comm["ep"]
-    spread = expert_links(lay, profile, per_node).ep_nodes
-    theirs = -(-row.ep // per_node)  # Megatron's tp-ep-dp-pp: consecutive EP ranks
-    ours_s = alltoall_s(wire, calls, row.ep, spread, profile)
-    placed_s = alltoall_s(wire, calls, row.ep, theirs, profile)
+    nodes = expert_links(lay, profile, per_node).ep_nodes
+    ours_s = alltoall_s(wire, calls, row.ep, nodes, profile)
     moe = cfg.model.moe
-    ratio = dedup_ratio(moe.num_experts, moe.top_k, theirs)
-    dedup_s = alltoall_s(wire * ratio, calls, row.ep, theirs, profile) if theirs > 1 \
-        else placed_s
+    ratio = dedup_ratio(moe.num_experts, moe.top_k, nodes)
+    dedup_s = alltoall_s(wire * ratio, calls, row.ep, nodes, profile) if nodes > 1 \
+        else ours_s
     hidden_s = min(dedup_s, terms["compute"])
-    steps = {"megalite": pred.step_s,
-             "EP in one node": _step_without(pred, beta, ours_s - placed_s),
+    steps = {"megalite": pred.step_s, DEFAULT_ORDER: default.step_s,
              "+ node dedup": _step_without(pred, beta, ours_s - dedup_s),
              "+ a2a overlap": _step_without(pred, beta, ours_s - dedup_s + hidden_s)}
     scale = pred.model_tflops_per_device * pred.step_s
     return {"row": row, "imbalance": imbalance, "prediction": pred,
             "tflops": {name: scale / s for name, s in steps.items()},
-            "ep_nodes": (spread, theirs), "dedup_ratio": ratio}
+            "ep_nodes": (nodes, expert_links(dlay, profile, per_node).ep_nodes),
+            "dedup_ratio": ratio}
 
 
-LACKED = {"EP in one node": "Megatron's rank order (EP on its nodes)",
-          "+ node dedup": "DeepEP's node dedup"}
+LACKED = {"+ node dedup": "DeepEP's node dedup"}
 
 
 def lacks(out: Dict[str, object]) -> str:
@@ -146,14 +148,14 @@ def lacks(out: Dict[str, object]) -> str:
         name = "+ a2a overlap"
         parts.append(f"a2a overlap {tf[name]:.0f} ({tf[name] / row.overlapped - 1:+.0%} "
                      f"of {row.overlapped:.0f})")
-    return "; ".join(parts)
+    return "; ".join(parts) or "none of these"
 
 
 def table(profile: DeviceProfile, per_node: int, imbalance: float = 1.0) -> List[str]:
     """The markdown table of every row (docs/planner.md's)."""
     lines = ["| run | GPUs | layout | f | predicted TFLOP/s | published | error | critical "
-             "stage's terms (s a step) | EP nodes (megalite / Megatron) | with EP in one "
-             "node | + node dedup | + a2a overlap | megalite lacks (with it) |",
+             f"stage's terms (s a step) | EP nodes ({MEGATRON_ORDER} / {DEFAULT_ORDER}) | "
+             f"in {DEFAULT_ORDER} | + node dedup | + a2a overlap | megalite lacks (with it) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         out = predict_row(row, profile, per_node, imbalance)
@@ -166,7 +168,7 @@ def table(profile: DeviceProfile, per_node: int, imbalance: float = 1.0) -> List
         lines.append(
             f"| {row.name} | {row.gpus} | {layout} | {imbalance:g} | {tf['megalite']:.0f} | "
             f"{published} | {tf['megalite'] / row.published - 1:+.0%} | {terms} | "
-            f"{out['ep_nodes'][0]} / {out['ep_nodes'][1]} | {tf['EP in one node']:.0f} | "
+            f"{out['ep_nodes'][0]} / {out['ep_nodes'][1]} | {tf[DEFAULT_ORDER]:.0f} | "
             f"{tf['+ node dedup']:.0f} (x{out['dedup_ratio']:.2f} off-node bytes) | "
             f"{tf['+ a2a overlap']:.0f} | {lacks(out)} |")
     return lines

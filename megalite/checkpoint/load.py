@@ -23,7 +23,7 @@ from megalite.checkpoint.format import (
     verify_ranges,
 )
 from megalite.checkpoint.resolve import candidates
-from megalite.config.schema import Config
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config
 from megalite.parallel import comm
 from megalite.parallel.group import Group
 from megalite.parallel.topology import Topology
@@ -59,11 +59,7 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology,
         plans, ranges = plan_reads(reader, engine, topo)
         for name in sorted(ranges):
             verified += verify_ranges(ckpt, name, meta["files"][name], ranges[name])
-        same_layout = meta["layout"]["world_size"] == topo.world_size and all(
-            meta["layout"].get(k, 1) == v for k, v in (
-                ("tp", topo.tp_size), ("cp", topo.cp_size), ("pp", topo.pp_size),
-                ("dp", topo.dp_size)))  # (no "cp": written before context parallelism)
-        if same_layout:
+        if same_ranks(meta["layout"], topo):
             readable = [f for f in (rank_file(n, topo.rank) for n in rank_files)
                         if f in meta["files"]]
         for name in readable:
@@ -80,6 +76,19 @@ def load_checkpoint(ckpt: Path, engine, cfg: Config, topo: Topology,
     comm.barrier(topo.checkpoint_group)
     engine.params_from_master()
     return Loaded(meta, states, verified, reader.bytes_read)
+
+
+def same_ranks(written: dict, topo: Topology) -> bool:
+    """Whether the checkpoint's layout (`written`, its meta.json's) put every rank at the
+    coordinates `topo` gives it, so that a rank may read its own per-rank files: the same
+    sizes and the same rank order (no "cp": written before context parallelism; no
+    "rank_order": before the key, the default). Under another order rank r's files are
+    another coordinate's."""
+    sizes = (("tp", topo.tp_size), ("cp", topo.cp_size), ("pp", topo.pp_size),
+             ("dp", topo.dp_size))
+    return written["world_size"] == topo.world_size \
+        and all(written.get(k, 1) == v for k, v in sizes) \
+        and written.get("rank_order", DEFAULT_RANK_ORDER) == topo.rank_order
 
 
 def plan_reads(reader: Reader, engine, topo: Topology

@@ -26,7 +26,7 @@ from megalite.config.grid_rules import check_batch, check_grid, check_model_spli
 from megalite.config.inject import check_inject
 from megalite.config.moe import check_layout as check_moe_layout
 from megalite.config.schedule_rules import check_schedule
-from megalite.config.schema import Config, check_sections
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config, check_sections
 from megalite.config.stage_partition import ChunkPlacement, stage_chunks
 from megalite.config.train_section import ATTENTION_CUDA_ONLY
 
@@ -75,6 +75,7 @@ class Layout:
     v_shape: bool = False  # parallel.schedule=zb-v: the chunks sit in a V (ChunkPlacement)
     n_layer: int = 0  # the model's blocks (0: a layout made without a model, e.g. a bench's)
     edge_stage_layers: Optional[int] = None  # parallel.edge_stage_layers
+    rank_order: str = DEFAULT_RANK_ORDER  # parallel.rank_order (megalite.parallel.topology)
 
     @classmethod
     def of(cls, topo, **fields) -> "Layout":
@@ -82,7 +83,7 @@ class Layout:
         do) and the given other fields."""
         return cls(tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size,
                    cp_size=getattr(topo, "cp_size", 1), ep_size=getattr(topo, "ep_size", 1),
-                   **fields)
+                   rank_order=getattr(topo, "rank_order", DEFAULT_RANK_ORDER), **fields)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu",
@@ -96,7 +97,8 @@ class Layout:
                    micro_batch_size=cfg.train.micro_batch_size,
                    precision=resolved_precision(cfg.precision, device_type, bf16),
                    device_type=device_type, v_shape=cfg.parallel.schedule == "zb-v",
-                   n_layer=cfg.model.n_layer, edge_stage_layers=cfg.parallel.edge_stage_layers)
+                   n_layer=cfg.model.n_layer, edge_stage_layers=cfg.parallel.edge_stage_layers,
+                   rank_order=cfg.parallel.rank_order)
 
     @property
     def world_size(self) -> int:
@@ -170,7 +172,8 @@ class Layout:
         return {"tp": self.tp_size, "cp": self.cp_size, "pp": self.pp_size, "dp": self.dp_size,
                 "ep": self.ep_size,
                 "zero": self.zero_stage, "sp": self.sequence_parallel,
-                "virtual_stages": self.virtual_stages, "world_size": self.world_size}
+                "virtual_stages": self.virtual_stages, "world_size": self.world_size,
+                "rank_order": self.rank_order}
 
 
 # --- validation before launch ------------------------------------------------------------

@@ -126,6 +126,8 @@ class OptimConfig:
 PIPELINE_SCHEDULES = ("auto", "1f1b", "interleaved", "zb-h1", "zb-v")  # parallel.schedule
 CP_COMMS = ("allgather", "ring")  # parallel.cp_comm
 EP_DISPATCHES = ("alltoall", "allgather")  # parallel.ep_dispatch
+RANK_ORDERS = ("tp-cp-pp-dp", "tp-cp-dp-pp")  # parallel.rank_order (megalite.parallel.topology)
+DEFAULT_RANK_ORDER = RANK_ORDERS[0]
 
 
 @dataclass
@@ -152,6 +154,9 @@ class ParallelConfig:
     #                                of its expert and back) | allgather (every rank's tokens
     #                                gathered over EP, the outputs reduce-scattered back;
     #                                docs/moe.md)
+    rank_order: str = DEFAULT_RANK_ORDER  # how global ranks map to (tp, cp, pp, dp): tp-cp-pp-dp
+    #   (Llama 3's: PP neighbours close, DP outermost) | tp-cp-dp-pp (Megatron's: PP outermost,
+    #   a stage's ranks consecutive, so EP stays in a node; docs/parallelism.md)
 
     def check(self) -> None:
         v = self.virtual_stages
@@ -168,6 +173,9 @@ class ParallelConfig:
             fail("parallel.cp_comm", self.cp_comm, f"one of {', '.join(CP_COMMS)}")
         if self.ep_dispatch not in EP_DISPATCHES:
             fail("parallel.ep_dispatch", self.ep_dispatch, f"one of {', '.join(EP_DISPATCHES)}")
+        if self.rank_order not in RANK_ORDERS:
+            fail("parallel.rank_order", self.rank_order, f"one of {', '.join(RANK_ORDERS)} "
+                  "(tp-cp-dp-pp: Megatron's, a pipeline stage's ranks consecutive)")
         if self.timeout_s <= 0:
             fail("parallel.timeout_s", self.timeout_s, "must be > 0 seconds (e.g. 600)")
 

@@ -1,13 +1,18 @@
-"""The rank grid: the one place where a global rank becomes (tp, cp, pp, dp) coordinates.
+"""The rank grid: the one place where a global rank becomes (tp, cp, pp, dp) coordinates, in
+one of two dense orders (`parallel.rank_order`, `RANK_ORDERS`):
 
-    rank = tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))   # [TP, CP, PP, DP]
+    tp-cp-pp-dp: rank = tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))  # default
+    tp-cp-dp-pp: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))  # Megatron's
 
-so the TP group of a rank is a run of consecutive ranks (inside one node), CP next to it, PP
-spans nearby nodes and DP is outermost (Llama 3's network-aware order; cp = 1 is the [TP, PP, DP]
-grid). Every group is a slice of the grid [dp, pp, cp, tp] of ranks. The CP ranks of one
-(tp, pp, dp) hold the same parameters and see different tokens of the same sequences, so
-gradients are reduced and ZeRO ranges split over DP x CP (the "dp_cp" group, `grad_group`;
-Megatron's `with_context_parallel`).
+In both the TP group of a rank is a run of consecutive ranks (inside one node) and CP sits next
+to it. tp-cp-pp-dp (Llama 3's network-aware order) puts PP next, on nearby nodes, and DP
+outermost; tp-cp-dp-pp (Megatron-Core's default "tp-cp-ep-dp-pp") puts PP outermost, so the
+tp·cp·dp ranks of one pipeline stage are consecutive and an expert-parallel group folded over
+them stays inside a node while it fits one. cp = 1 is the [TP, PP, DP] (or [TP, DP, PP]) grid.
+`strides` gives each coordinate's rank stride; every formula here derives from it. The CP
+ranks of one (tp, pp, dp) hold the same parameters and see different tokens of the same
+sequences, so gradients are reduced and ZeRO ranges split over DP x CP (the "dp_cp" group,
+`grad_group`; Megatron's `with_context_parallel`).
 
 Expert parallelism folds a second grid over the same world (Megatron-Core's "MoE parallel
 folding", arXiv 2504.14960; torchtitan's sparse mesh): within each pipeline stage the
@@ -16,8 +21,9 @@ innermost (expert TP = 1), the PP groups unchanged:
 
     i    = tp_rank + tp * (cp_rank + cp * dp_rank)        # the rank's place in its stage
     i    = ep_rank + ep * edp_rank                         # [EP, EDP]
-    rank = i % tp + tp * ((i // tp) % cp + cp * (pp_rank + pp * (i // (tp * cp))))
+    rank = rank_of(tp_rank=i % tp, cp_rank=(i // tp) % cp, dp_rank=i // (tp * cp), pp_rank)
 
+Under tp-cp-dp-pp that is rank = pp_rank·tp·cp·dp + i: an EP group is ep consecutive ranks.
 The "ep" group (ranks sharing edp_rank and pp_rank) holds one copy of every expert, E/ep a
 rank; the "edp" group (sharing ep_rank and pp_rank) holds the same experts and reduces their
 gradients (as dp_cp does the dense ones). Listed only when ep > 1. The `Topology` is created once after
@@ -33,6 +39,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from megalite.config.schema import DEFAULT_RANK_ORDER, RANK_ORDERS
 from megalite.parallel.group import CollectiveWaits, CommCounter, Group
 
 
@@ -46,34 +53,56 @@ class Coords:
     cp_rank: int = 0
 
 
-def rank_of(coords: Coords, tp: int, pp: int, cp: int = 1) -> int:
-    c = coords
-    return c.tp_rank + tp * (c.cp_rank + cp * (c.pp_rank + pp * c.dp_rank))
+def strides(tp: int, cp: int, pp: int, dp: Optional[int], order: str = DEFAULT_RANK_ORDER
+            ) -> Dict[str, int]:
+    """The rank stride of each coordinate in the dense `order` (module docstring): rank =
+    sum of coordinate x stride. `dp` may be None under tp-cp-pp-dp (DP outermost) only."""
+    if order not in RANK_ORDERS:
+        raise ValueError(f"rank order {order!r}: one of {', '.join(RANK_ORDERS)}")
+    inner = tp * cp
+    if order == "tp-cp-dp-pp":
+        if dp is None:
+            raise ValueError("rank order tp-cp-dp-pp (PP outermost) needs the dp size")
+        return {"tp": 1, "cp": tp, "dp": inner, "pp": inner * dp}
+    return {"tp": 1, "cp": tp, "pp": inner, "dp": inner * pp}
 
 
-def coords_of(rank: int, tp: int, pp: int, cp: int = 1) -> Coords:
+def rank_of(coords: Coords, tp: int, pp: int, cp: int = 1, dp: Optional[int] = None,
+            order: str = DEFAULT_RANK_ORDER) -> int:
+    c, s = coords, strides(tp, cp, pp, dp, order)
+    return (c.tp_rank + s["cp"] * c.cp_rank + s["pp"] * c.pp_rank + s["dp"] * c.dp_rank)
+
+
+def coords_of(rank: int, tp: int, pp: int, cp: int = 1, dp: Optional[int] = None,
+              order: str = DEFAULT_RANK_ORDER) -> Coords:
+    """The inverse of `rank_of` (`dp` matters only to tp-cp-dp-pp, where PP is outermost)."""
+    s = strides(tp, cp, pp, dp, order)
     return Coords(tp_rank=rank % tp, cp_rank=(rank // tp) % cp,
-                  pp_rank=(rank // (tp * cp)) % pp, dp_rank=rank // (tp * cp * pp))
+                  pp_rank=(rank // s["pp"]) % pp, dp_rank=(rank // s["dp"]) % (dp or 1)
+                  if order == "tp-cp-dp-pp" else rank // s["dp"])
 
 
-def expert_coords(rank: int, tp: int, pp: int, cp: int, ep: int) -> Tuple[int, int]:
+def expert_coords(rank: int, tp: int, pp: int, cp: int, ep: int, dp: Optional[int] = None,
+                  order: str = DEFAULT_RANK_ORDER) -> Tuple[int, int]:
     """(ep_rank, edp_rank) of `rank` in the folded expert grid (module docstring)."""
-    c = coords_of(rank, tp, pp, cp)
+    c = coords_of(rank, tp, pp, cp, dp, order)
     i = c.tp_rank + tp * (c.cp_rank + cp * c.dp_rank)
     return i % ep, i // ep
 
 
 def expert_rank_of(ep_rank: int, edp_rank: int, pp_rank: int, tp: int, pp: int, cp: int,
-                   ep: int) -> int:
+                   ep: int, dp: Optional[int] = None, order: str = DEFAULT_RANK_ORDER) -> int:
     """The global rank at (ep_rank, edp_rank) of pipeline stage `pp_rank`'s expert grid."""
     i = ep_rank + ep * edp_rank
     return rank_of(Coords(tp_rank=i % tp, cp_rank=(i // tp) % cp, pp_rank=pp_rank,
-                          dp_rank=i // (tp * cp)), tp, pp, cp)
+                          dp_rank=i // (tp * cp)), tp, pp, cp, dp, order)
 
 
-def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
-                ) -> Dict[str, List[List[int]]]:
-    """All rank lists of every group kind, derived from one grid of shape [dp, pp, cp, tp].
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1,
+                order: str = DEFAULT_RANK_ORDER) -> Dict[str, List[List[int]]]:
+    """All rank lists of every group kind, derived from one grid of shape [dp, pp, cp, tp]
+    whose ranks `rank_of` places in `order` (each list in the same coordinate order under
+    either rank order; only the ranks differ).
 
     tp: ranks sharing (cp, pp, dp); cp: sharing (tp, pp, dp); pp: sharing (tp, cp, dp);
     dp: sharing (tp, cp, pp); mp (model parallel = TP x PP, one model replica's, for the
@@ -84,7 +113,8 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
     folded expert grid's ep (sharing edp_rank, pp) and edp (sharing ep_rank, pp) groups.
     """
     def grid(t: int, c: int, p: int, d: int) -> int:
-        return rank_of(Coords(tp_rank=t, pp_rank=p, dp_rank=d, cp_rank=c), tp, pp, cp)
+        return rank_of(Coords(tp_rank=t, pp_rank=p, dp_rank=d, cp_rank=c), tp, pp, cp, dp,
+                       order)
 
     T, C, P, D = range(tp), range(cp), range(pp), range(dp)
     out: Dict[str, List[List[int]]] = {
@@ -101,7 +131,7 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1
         edp = tp * cp * dp // ep
 
         def folded(e: int, x: int, p: int) -> int:
-            return expert_rank_of(e, x, p, tp, pp, cp, ep)
+            return expert_rank_of(e, x, p, tp, pp, cp, ep, dp, order)
 
         out["ep"] = [[folded(e, x, p) for e in range(ep)] for p in P for x in range(edp)]
         out["edp"] = [[folded(e, x, p) for x in range(edp)] for p in P for e in range(ep)]
@@ -118,6 +148,7 @@ class Topology:
     rank: int
     cp_size: int = 1
     ep_size: int = 1
+    rank_order: str = DEFAULT_RANK_ORDER  # parallel.rank_order (module docstring)
     counter: CommCounter = field(default_factory=CommCounter)
     groups: Dict[str, Group] = field(default_factory=dict)
 
@@ -127,7 +158,8 @@ class Topology:
 
     @property
     def coords(self) -> Coords:
-        return coords_of(self.rank, self.tp_size, self.pp_size, self.cp_size)
+        return coords_of(self.rank, self.tp_size, self.pp_size, self.cp_size, self.dp_size,
+                         self.rank_order)
 
     @property
     def is_first_stage(self) -> bool:
@@ -167,7 +199,7 @@ class Topology:
     def ep_rank(self) -> int:
         """This rank's place in its stage's EP group (module docstring)."""
         return expert_coords(self.rank, self.tp_size, self.pp_size, self.cp_size,
-                             self.ep_size)[0]
+                             self.ep_size, self.dp_size, self.rank_order)[0]
 
     @property
     def ep_group(self) -> Group:
@@ -231,7 +263,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
                    checkpoint_timeout_s: Optional[float] = None,
                    waits: Optional[CollectiveWaits] = None,
                    flight: Optional[object] = None, alone: bool = False,
-                   cp: int = 1, ep: int = 1) -> Topology:
+                   cp: int = 1, ep: int = 1, order: str = DEFAULT_RANK_ORDER) -> Topology:
     """Create every process group of the grid; works without torch.distributed at world size 1.
     Its calls are counted in one `CommCounter`, which times them in `waits` and reports them
     to the flight recorder `flight` where given (`megalite.parallel.group`); the checkpoint
@@ -244,7 +276,7 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
 
     `alone`: a world of this process only (tp = pp = dp = 1) even inside a launched job, e.g.
     the serial reference one rank of `megalite-selftest` computes while the others wait: no
-    process group is created or used.
+    process group is created or used. `order`: the dense rank order (`parallel.rank_order`).
     """
     world = tp * cp * pp * dp
     sizes = f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp}"
@@ -260,9 +292,9 @@ def build_topology(tp: int, pp: int, dp: int, rank: Optional[int] = None,
     if (tp * cp * dp) % ep:
         raise ValueError(f"ep={ep} must divide tp*cp*dp = {tp * cp * dp}")
     topo = Topology(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank, cp_size=cp, ep_size=ep,
-                    counter=CommCounter(waits=waits, flight=flight))
+                    rank_order=order, counter=CommCounter(waits=waits, flight=flight))
     named = _names_groups()
-    for kind, rank_lists in group_ranks(tp, pp, dp, cp, ep).items():
+    for kind, rank_lists in group_ranks(tp, pp, dp, cp, ep, order).items():
         mine: Optional[Tuple[List[int], Optional[dist.ProcessGroup]]] = None
         for ranks in rank_lists:
             pg = None

@@ -9,11 +9,11 @@ inside one node exchanges at the intra-node bus bandwidth; one that spans nodes 
 rank's rows for the other nodes over its own NIC rail (an all-to-all has no ring of rails), so
 a rank's exchange takes max(the off-node share of its bytes at the inter-node rate, the rest
 at the intra-node rate) + one latency a collective (the messages to the ep − 1 peers leave at
-once, not in a ring's ep − 1 steps). Under megalite's [TP, CP, PP, DP]
-order the folded group fits a node while ep <= tp·cp, or while the ep / (tp·cp) DP indices it
-takes, tp·cp·pp ranks apart, fit one node (pp sits inside DP). Megatron-Core orders its expert
-grid tp-ep-dp-pp with EP next to TP, so its EP <= 8 stays inside a node at any pp
-(`megalite-bench plan-moe` prices that difference).
+once, not in a ring's ep − 1 steps). Under the default rank order tp-cp-pp-dp the folded group
+fits a node while ep <= tp·cp, or while the ep / (tp·cp) DP indices it takes, tp·cp·pp ranks
+apart, fit one node (pp sits inside DP). Under tp-cp-dp-pp (`parallel.rank_order`,
+Megatron-Core's default) a stage's ranks are consecutive, so an EP group is ep consecutive
+ranks and EP <= 8 stays inside a node at any pp (`megalite-bench plan-moe` prices both).
 
   ep          the plan's EP wire bytes (`stage.comm["ep"]`: the counts and the rows out and
               back, forward and backward, under balanced routing) on the EP link: blocking,
@@ -44,7 +44,7 @@ from functools import lru_cache
 from typing import Dict, List, Tuple
 
 from megalite.config.layout import Layout
-from megalite.config.schema import Config
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config
 from megalite.parallel.topology import expert_rank_of
 from megalite.plan.devices import DeviceProfile, Link
 from megalite.plan.links import GroupLink, collective_time
@@ -52,11 +52,12 @@ from megalite.plan.links import GroupLink, collective_time
 EXPERT_TERMS = ("ep", "edp", "expert_imbalance")
 
 
-def folded_groups(tp: int, cp: int, pp: int, dp: int, ep: int) -> Dict[str, List[tuple]]:
-    """The ep and edp groups' global ranks: the runtime's own folded grid
-    (`megalite.parallel.topology.expert_rank_of`, the ranks its groups are made of)."""
+def folded_groups(tp: int, cp: int, pp: int, dp: int, ep: int,
+                  order: str = DEFAULT_RANK_ORDER) -> Dict[str, List[tuple]]:
+    """The ep and edp groups' global ranks in rank order `order`: the runtime's own folded
+    grid (`megalite.parallel.topology.expert_rank_of`, the ranks its groups are made of)."""
     def rank(e: int, x: int, s: int) -> int:
-        return expert_rank_of(e, x, s, tp, pp, cp, ep)
+        return expert_rank_of(e, x, s, tp, pp, cp, ep, dp, order)
     edp = tp * cp * dp // ep
     return {"ep": [tuple(rank(e, x, s) for e in range(ep)) for s in range(pp)
                    for x in range(edp)],
@@ -65,12 +66,12 @@ def folded_groups(tp: int, cp: int, pp: int, dp: int, ep: int) -> Dict[str, List
 
 
 @lru_cache(maxsize=1024)
-def _spans(tp: int, cp: int, pp: int, dp: int, ep: int, per_node: int
+def _spans(tp: int, cp: int, pp: int, dp: int, ep: int, per_node: int, order: str
            ) -> Dict[str, Tuple[int, int]]:
     """Per group kind, over its groups: (the fewest ranks a node holds of a group that
     spans nodes, 0 where none does; the most nodes a group spans)."""
     out = {}
-    for kind, groups in folded_groups(tp, cp, pp, dp, ep).items():
+    for kind, groups in folded_groups(tp, cp, pp, dp, ep, order).items():
         fewest, nodes_max = 0, 1
         for ranks in groups:
             nodes: Dict[int, int] = {}
@@ -94,7 +95,7 @@ class ExpertLinks:
 def expert_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int) -> ExpertLinks:
     """Where the EP and EDP groups of `layout` sit (module docstring)."""
     spans = _spans(layout.tp_size, layout.cp_size, layout.pp_size, layout.dp_size,
-                   layout.ep_size, gpus_per_node)
+                   layout.ep_size, gpus_per_node, layout.rank_order)
     intra, inter = profile.intra_node, profile.inter_node
     fewest = spans["edp"][0]
     edp = GroupLink(intra, False) if not fewest else GroupLink(

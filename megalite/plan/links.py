@@ -1,6 +1,7 @@
-"""Which links each process group of a layout uses, from the [TP, CP, PP, DP] placement of ranks
-on nodes (`rank = tp_rank + tp·(cp_rank + cp·(pp_rank + pp·dp_rank))`, nodes of `gpus_per_node`
-consecutive ranks; ARCHITECTURE.md §3), and what a collective costs on one
+"""Which links each process group of a layout uses, from the placement of ranks on nodes in the
+layout's rank order (`parallel.rank_order`: `rank = tp_rank + tp·(cp_rank + cp·(pp_rank +
+pp·dp_rank))` by default, PP outermost under tp-cp-dp-pp; `megalite.parallel.topology`), nodes of
+`gpus_per_node` consecutive ranks (ARCHITECTURE.md §3), and what a collective costs on one
 (`collective_time`: its bytes at the bus bandwidth, its latency as NCCL's own model prices a
 ring, `collective_latency`). Not modelled: NCCL's tree all-reduce across nodes (log-depth
 latency, chosen by NCCL where it is faster), a ring's intra-node steps in a group that spans
@@ -22,6 +23,7 @@ from functools import lru_cache
 from typing import Dict, Tuple
 
 from megalite.config.layout import Layout
+from megalite.parallel.topology import strides
 from megalite.plan.devices import DeviceProfile, Link
 
 
@@ -52,32 +54,33 @@ def _spread(offsets: tuple, bases, gpus_per_node: int) -> tuple:
     return crosses, fewest
 
 
-def _groups(tp: int, cp: int, pp: int, dp: int) -> Dict[str, Tuple[tuple, range]]:
-    """Per kind, (the offsets of a group's ranks from its first, the first ranks): `rank =
-    t + tp·(c + cp·(s + pp·d))`."""
-    stage, replica = tp * cp, tp * cp * pp  # rank strides of s and d
+def _groups(tp: int, cp: int, pp: int, dp: int, order: str) -> Dict[str, Tuple[tuple, list]]:
+    """Per kind, (the offsets of a group's ranks from its first, the first ranks), from the
+    runtime's own rank strides in `order` (`megalite.parallel.topology.strides`)."""
+    st = strides(tp, cp, pp, dp, order)
+    sc, sp, sd = st["cp"], st["pp"], st["dp"]
+    T, C, P, D = range(tp), range(cp), range(pp), range(dp)
     bases = {
-        "tp": range(0, tp * cp * pp * dp, tp),
-        "cp": [t + replica * d + stage * s for t in range(tp) for s in range(pp)
-               for d in range(dp)],
-        "dp": [t + stage * s for t in range(tp) for s in range(pp)],
-        "pp": [t + tp * c + stage * s + replica * d for t in range(tp) for c in range(cp)
-               for d in range(dp) for s in range(pp - 1)],
-        "embedding": [t + tp * c + replica * d for t in range(tp) for c in range(cp)
-                      for d in range(dp)],
+        "tp": [sc * c + sp * s + sd * d for c in C for s in P for d in D],
+        "cp": [t + sp * s + sd * d for t in T for s in P for d in D],
+        "dp": [t + sp * s for t in T for s in P],
+        "pp": [t + sc * c + sp * s + sd * d for t in T for c in C for d in D
+               for s in range(pp - 1)],
+        "embedding": [t + sc * c + sd * d for t in T for c in C for d in D],
     }
-    offsets = {"tp": tuple(range(tp)), "cp": tuple(tp * c for c in range(cp)),
-               "dp": tuple(replica * d + tp * c for d in range(dp) for c in range(cp)),
-               "pp": (0, stage), "embedding": (0, stage * (pp - 1))}
+    offsets = {"tp": tuple(T), "cp": tuple(sc * c for c in C),
+               "dp": tuple(sd * d + sc * c for d in D for c in C),
+               "pp": (0, sp), "embedding": (0, sp * (pp - 1))}
     out = {kind: (offsets[kind], bases[kind]) for kind in bases}
     out["cp_send"] = out["cp"]
     return out
 
 
 @lru_cache(maxsize=4096)
-def _placement(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int) -> Dict[str, tuple]:
+def _placement(tp: int, cp: int, pp: int, dp: int, gpus_per_node: int, order: str
+               ) -> Dict[str, tuple]:
     return {kind: _spread(offsets, bases, gpus_per_node)
-            for kind, (offsets, bases) in _groups(tp, cp, pp, dp).items()}
+            for kind, (offsets, bases) in _groups(tp, cp, pp, dp, order).items()}
 
 
 def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
@@ -85,7 +88,7 @@ def group_links(layout: Layout, profile: DeviceProfile, gpus_per_node: int
     """The effective link of the tp, cp (collectives; cp_send: its ring's sends), pp, dp
     (DP x CP) and embedding groups."""
     spread = _placement(layout.tp_size, layout.cp_size, layout.pp_size, layout.dp_size,
-                        gpus_per_node)
+                        gpus_per_node, layout.rank_order)
     out = {}
     for kind, (crosses, per_node) in spread.items():
         rails = 1 if kind in ("pp", "embedding", "cp_send") else per_node

@@ -116,7 +116,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config.layout import Layout
-from megalite.config.schema import Config
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config
 from megalite.parallel.schedule import max_in_flight, peak_live_bytes, unwaited_sends
 from megalite.plan import cp_terms
 from megalite.plan.chunks import stage_ends, ties_over_stages
@@ -188,7 +188,9 @@ class Plan:
         cp = f" cp={lay['cp']} ({lay['cp_comm']})" if lay["cp"] > 1 else ""
         experts = lay.get("ep", 1) > 1
         cp += f" ep={lay['ep']} ({lay['ep_dispatch']})" if experts else ""
-        lines = [f"plan: {lay['model']}, tp={lay['tp']}{cp} pp={lay['pp']}{virtual} dp={lay['dp']} "
+        order = lay.get("rank_order", DEFAULT_RANK_ORDER)
+        ordered = f" rank_order={order}" if order != DEFAULT_RANK_ORDER else ""
+        lines = [f"plan: {lay['model']}, tp={lay['tp']}{cp} pp={lay['pp']}{virtual} dp={lay['dp']}{ordered} "
                  f"zero={lay['zero']} sp={lay['sp']} recompute={lay['recompute']}{partial}{offloaded}, "
                  f"{lay['dtype']}, micro-batch {lay['micro_batch']} x seq {lay['seq_len']}, "
                  f"m={lay['micro_batches']}",

@@ -19,6 +19,7 @@ LAYOUT_KEYS = {
     "parallel.cp_comm": ("cp_comm", lambda c: c.parallel.cp_comm),
     "pp": ("pp", lambda c: c.pp),
     "ep": ("ep", lambda c: c.ep),
+    "parallel.rank_order": ("rank_order", lambda c: c.parallel.rank_order),
     "zero": ("zero", lambda c: c.zero),
     "sp": ("sp", lambda c: c.sp),
     "parallel.virtual_stages": ("virtual_stages", lambda c: c.parallel.virtual_stages),
@@ -59,7 +60,7 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
         lines.append("held fixed (given on the command line): "
                      + ", ".join(f"{k}={v}" for k, v in fixed.items()))
     lines.append(f"{'#':>2} {'tp':>3} {'cp':>6} {'pp':>3} {'dp':>5} {'zero':>4} {'sp':>3} {'v':>2} "
-                 f"{'zb':>2}" + (f" {'ep':>3}" if experts else "")
+                 f"{'zb':>2}" + (f" {'ep':>3} {'order':>5}" if experts else "")
                  + f" {'mb':>3} {'rec':>3} {'off':>3} {'oo':>4} {'GiB':>6} {'step s':>8} "
                  f"{'tok/s':>10} "
                  f"{'TF/s':>6} {'hwTF/s':>6} {'MFU':>5}  time split s (critical)")
@@ -71,7 +72,7 @@ def ranking_table(result: SearchResult, profile: DeviceProfile, world: int,
             f"{i:>2} {c.tp:>3} {_cp(c.cp, c.cp_comm):>6} {c.pp:>3} {c.dp:>5} {c.zero:>4} "
             f"{'y' if c.sp else 'n':>3} "
             f"{c.virtual_stages:>2} {c.schedule[3:] if c.zero_bubble else 'n':>2}"
-            + (f" {c.ep:>3}" if experts else "")
+            + (f" {c.ep:>3} {c.rank_order[-5:]:>5}" if experts else "")
             + f" {c.micro_batch_size:>3} {_count(c.recompute, c.recompute_layers):>3} "
             f"{_count(c.offload, c.offload_layers):>3} {c.offload_optimizer:>4g} "
             f"{r.peak_bytes / GIB:>6.1f} {p.step_s:>8.4g} "

@@ -340,9 +340,10 @@ class TimeBound:
 
     def links(self, c: Choice) -> dict:
         """The bus GB/s of c's groups, as `time_lower_bound` takes them (cached)."""
-        sizes = (c.tp, c.cp, c.pp, c.dp)
+        sizes = (c.tp, c.cp, c.pp, c.dp, c.rank_order)  # the order places the dp group
         if sizes not in self.buses:
-            links = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp),
+            links = group_links(Layout(tp_size=c.tp, pp_size=c.pp, dp_size=c.dp, cp_size=c.cp,
+                                       rank_order=c.rank_order),
                                 self.profile, self.gpus_per_node)
             tp = links["tp"]
             self.buses[sizes] = {

@@ -42,7 +42,7 @@ from megalite.config.expert_parallel import check_expert_parallel
 from megalite.config.fp8 import fp8_dims_refusal
 from megalite.config.layout import overlap_gather_refuses
 from megalite.config.schedule_rules import ZERO_BUBBLE
-from megalite.config.schema import CP_COMMS, Config
+from megalite.config.schema import CP_COMMS, DEFAULT_RANK_ORDER, RANK_ORDERS, Config
 from megalite.config.stage_partition import edge_split_problem, partition_layers
 
 DIM_PROBE = 16  # a micro-batch whose tokens are a multiple of 16: the weights' dimensions alone
@@ -69,6 +69,7 @@ class Choice:
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_comm: str = "allgather"  # parallel.cp_comm (with cp > 1)
     ep: int = 1  # expert parallelism: the experts split over ep of a stage's tp·cp·dp ranks
+    rank_order: str = DEFAULT_RANK_ORDER  # parallel.rank_order (`rank_orders`)
 
     @property
     def zero_bubble(self) -> bool:
@@ -88,7 +89,7 @@ class Choice:
         def opt(x: Optional[int]) -> str:
             return "null" if x is None else str(x)
         return [f"tp={self.tp}", f"cp={self.cp}", f"parallel.cp_comm={self.cp_comm}",
-                f"ep={self.ep}",
+                f"ep={self.ep}", f"parallel.rank_order={self.rank_order}",
                 f"pp={self.pp}", f"zero={self.zero}",
                 f"sp={str(self.sp).lower()}", f"parallel.virtual_stages={self.virtual_stages}",
                 f"parallel.schedule={self.schedule}",
@@ -104,6 +105,7 @@ class Choice:
         off = "" if self.offload_layers is None else f"(first {self.offload_layers})"
         cp = f" cp={self.cp} ({self.cp_comm})" if self.cp > 1 else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
+        cp += f" order={self.rank_order}" if self.rank_order != DEFAULT_RANK_ORDER else ""
         return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} zero={self.zero} sp={self.sp} "
                 f"v={self.virtual_stages} mb={self.micro_batch_size} "
                 f"recompute={self.recompute}{rec}" + (f" {self.schedule}" if self.zero_bubble else "")
@@ -119,7 +121,8 @@ def apply_choice(cfg: Config, c: Choice) -> Config:
                       optimizer=float(c.offload_optimizer))
     return replace(cfg, tp=c.tp, cp=c.cp, pp=c.pp, zero=c.zero, sp=c.sp, ep=c.ep,
                    parallel=replace(cfg.parallel, virtual_stages=c.virtual_stages,
-                                    schedule=c.schedule, cp_comm=c.cp_comm),
+                                    schedule=c.schedule, cp_comm=c.cp_comm,
+                                    rank_order=c.rank_order),
                    train=replace(cfg.train, micro_batch_size=c.micro_batch_size,
                                  recompute=c.recompute,
                                  recompute_layers=c.recompute_layers if c.recompute else None),
@@ -208,6 +211,7 @@ class Grid:
     cp: int = 1
     cp_comm: str = "allgather"
     ep: int = 1
+    rank_order: str = DEFAULT_RANK_ORDER
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -218,7 +222,7 @@ class Grid:
         every cell is None and the grid is left out whole (walking its cells would only
         find that)."""
         c = Choice(*self.base, False, 0.0, self.recompute_layers, None, self.schedule,
-                   self.cp, self.cp_comm, self.ep)
+                   self.cp, self.cp_comm, self.ep, self.rank_order)
         return any(getattr(c, f) != x for f, x in self.held if f not in CELL_FIELDS)
 
     def at(self, i: int, j: int) -> Optional[Choice]:
@@ -226,7 +230,7 @@ class Grid:
         if off and self.schedule in ZERO_BUBBLE:
             return None
         c = Choice(*self.base, off, self.fractions[j], self.recompute_layers, k, self.schedule,
-                   self.cp, self.cp_comm, self.ep)
+                   self.cp, self.cp_comm, self.ep, self.rank_order)
         return c if all(getattr(c, f) == x for f, x in self.held) else None
 
 
@@ -257,6 +261,17 @@ def sp_options(cfg: Config, tp: int, tokens: int) -> Tuple[bool, ...]:
     if tp == 1 or tokens % tp:
         return () if tp > 1 and cfg.model.moe.enabled else (False,)
     return (True,) if cfg.model.moe.enabled else (False, True)
+
+
+def rank_orders(cfg: Config, sizes: tuple, ep: int) -> Tuple[str, ...]:
+    """The rank orders tried at (tp, cp, cp_comm, pp, dp) and `ep`: both where the order
+    moves the EP groups (pp > 1 and ep > tp·cp, so an EP group takes several DP indices: the
+    reason to pick tp-cp-dp-pp, which keeps it in a node); elsewhere the configuration's
+    own, so the dense space (and EP within tp·cp) is not searched twice."""
+    tp, cp, _, pp, _ = sizes
+    if pp > 1 and ep > tp * cp:
+        return RANK_ORDERS
+    return (cfg.parallel.rank_order,)
 
 
 def ep_refused(cfg: Config, sizes: tuple, zero: int, ep: int) -> bool:
@@ -328,9 +343,10 @@ def _layout_grids(cfg: Config, sizes: tuple, offloads: bool, fractions: List[flo
                     micro = t.global_batch_size // (mb * dp)
                     runs = [x for x in named if not (x == "auto" and v > 1 and micro < pp)]
                     for (rec, r), acts in options:
-                        for name in runs:
+                        for name, order in itertools.product(
+                                runs, rank_orders(cfg, sizes, ep)):
                             grid = Grid((tp, pp, dp, zero, sp, v, mb, rec), r, name, acts,
-                                        fractions, held, cp, comm, ep)
+                                        fractions, held, cp, comm, ep, order)
                             if not grid.held_out():
                                 yield grid
 

@@ -40,7 +40,8 @@ def rank_parameters(cfg, layout: Layout, rank: int) -> dict:
     ep > 1: its EP rank's E/ep whole experts, `ParamSpec.local_shape`), of every parameter the
     fault drill can target on that rank (tied copies left out, as the drill takes the first
     copy)."""
-    c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size)
+    c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_size,
+                  layout.rank_order)
     group = Group(name="tp", ranks=list(range(layout.tp_size)), rank=c.tp_rank, pg=None,
                   counter=CommCounter())
     with torch.device("meta"):

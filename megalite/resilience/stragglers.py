@@ -68,7 +68,8 @@ def peer_groups(topo: Topology) -> List[List[int]]:
     if topo.tp_size * topo.cp_size * topo.dp_size == 1:
         return []
     return [[r for r in range(topo.world_size)
-             if coords_of(r, topo.tp_size, topo.pp_size, topo.cp_size).pp_rank == stage]
+             if coords_of(r, topo.tp_size, topo.pp_size, topo.cp_size, topo.dp_size,
+                                topo.rank_order).pp_rank == stage]
             for stage in range(topo.pp_size)]
 
 

@@ -97,7 +97,7 @@ def init_runtime(cfg: Config, layout: Optional[Layout] = None) -> Runtime:
     res = cfg.resilience
     topo = build_topology(
         layout.tp_size, layout.pp_size, layout.dp_size, cp=layout.cp_size,
-        ep=layout.ep_size,
+        ep=layout.ep_size, order=layout.rank_order,
         timeout_s=cfg.parallel.timeout_s,
         checkpoint_timeout_s=cfg.checkpoint.timeout_s,
         # straggler reports: the time each rank waits inside collectives

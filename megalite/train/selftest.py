@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config.layout import Layout, device_type_for
-from megalite.config.schema import Config
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config
 from megalite.data.token_arrays import write_token_arrays
 from megalite.parallel import comm
 from megalite.parallel.topology import build_topology, group_ranks
@@ -150,8 +150,9 @@ def crossing_groups(check: LayoutCheck, world: int, per_node: int) -> List[str]:
     """The kinds of the layout's groups that span nodes (nodes of `per_node` ranks)."""
     sets = dict(check.sets)
     tp, pp, cp = int(sets.get("tp", 1)), int(sets.get("pp", 1)), int(sets.get("cp", 1))
+    order = str(sets.get("parallel.rank_order", DEFAULT_RANK_ORDER))
     out = []
-    for kind, lists in group_ranks(tp, pp, world // (tp * cp * pp), cp).items():
+    for kind, lists in group_ranks(tp, pp, world // (tp * cp * pp), cp, order=order).items():
         if any(len({r // per_node for r in ranks}) > 1 for ranks in lists):
             out.append(kind)
     return out

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config.layout import Layout
-from megalite.config.schema import Config
+from megalite.config.schema import DEFAULT_RANK_ORDER, Config
 from megalite.model.stage import PipelineStage
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.topology import Topology, build_topology, group_ranks
@@ -93,7 +93,7 @@ def build_parts(cfg: Config, layout: Layout) -> Tuple[Topology, PipelineStage, Z
     import torch._dynamo  # noqa: F401  (what AdamW's constructor imports the first time)
     start = clock()
     topo = build_topology(layout.tp_size, layout.pp_size, layout.dp_size, cp=layout.cp_size,
-                          ep=layout.ep_size,
+                          ep=layout.ep_size, order=layout.rank_order,
                           timeout_s=cfg.parallel.timeout_s,
                           checkpoint_timeout_s=cfg.checkpoint.timeout_s)
     built_topology = clock()
@@ -148,7 +148,7 @@ class RankReport:
         lines = [
             f"verify-rank: rank {self.rank} of {lay.world_size} (tp {c['tp']}/{lay.tp_size}, "
             f"cp {c['cp']}/{lay.cp_size}, pp {c['pp']}/{lay.pp_size}, "
-            f"dp {c['dp']}/{lay.dp_size}), zero={lay.zero_stage} "
+            f"dp {c['dp']}/{lay.dp_size}{_order(lay)}), zero={lay.zero_stage} "
             f"sp={lay.sequence_parallel} virtual_stages={lay.virtual_stages} "
             f"{lay.precision} ({lay.device_type}); tensors on meta, collectives on PyTorch's "
             "fake backend",
@@ -177,7 +177,8 @@ def report(cfg: Config, layout: Layout, topo: Topology, model: PipelineStage,
     """The built objects of this rank set next to `make_plan`'s stage."""
     c = topo.coords
     planned = make_plan(cfg, layout).stages[c.pp_rank]
-    kinds = group_ranks(layout.tp_size, layout.pp_size, layout.dp_size, layout.cp_size)
+    kinds = group_ranks(layout.tp_size, layout.pp_size, layout.dp_size, layout.cp_size,
+                        order=layout.rank_order)
     return RankReport(
         rank=topo.rank, layout=layout,
         coords={"tp": c.tp_rank, "cp": c.cp_rank, "pp": c.pp_rank, "dp": c.dp_rank},
@@ -190,6 +191,11 @@ def report(cfg: Config, layout: Layout, topo: Topology, model: PipelineStage,
         buckets=len(engine.buckets), padding=owned_padding(engine),
         planned={k: planned.bytes[k] for _, k in STATES},
         built=engine.state_bytes(), seconds=seconds)
+
+
+def _order(layout: Layout) -> str:
+    """The rank order where it is not the default (`parallel.rank_order`)."""
+    return "" if layout.rank_order == DEFAULT_RANK_ORDER else f"; ranks {layout.rank_order}"
 
 
 def owned_padding(engine: ZeroEngine) -> int:

@@ -43,7 +43,8 @@ def test_resume_under_any_layout(tiny_data, tmp_path, serial_run):
     step5 = root / f"step_{SAVE_AT:08d}"
     meta = read_meta(step5)
     assert meta["layout"] == {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "zero": 1, "sp": False,
-                              "virtual_stages": 1, "world_size": 8, "ep": 1}
+                              "virtual_stages": 1, "world_size": 8, "ep": 1,
+                              "rank_order": "tp-cp-pp-dp"}
     assert meta["consumed_samples"] == SAVE_AT * 8 and meta["adam_step"] == SAVE_AT
 
     resume = [f"checkpoint.resume={step5}"]

@@ -287,7 +287,7 @@ def test_two_agents_form_one_job_and_train(two_node_run):
     tp, pp = layout_value("tp"), layout_value("pp")
     assert header["layout"] == {"tp": tp, "cp": 1, "pp": pp, "dp": WORLD // (tp * pp), "zero": 0,
                                 "sp": False, "virtual_stages": 1, "world_size": WORLD,
-                                "ep": 1}
+                                "ep": 1, "rank_order": "tp-cp-pp-dp"}
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records[::10]]
     final = checkpoint_meta(run_dir / "checkpoints", MAX_STEPS)

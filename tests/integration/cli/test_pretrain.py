@@ -50,7 +50,8 @@ def test_pretrain_loss_falls_metrics_complete_and_wandb_matches(tiny_data, tmp_p
     check_end_of_run_summary(proc.stderr, run, records)
     assert HEADER_KEYS <= set(header)
     assert header["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero": 0, "sp": False,
-                                "virtual_stages": 1, "world_size": 1, "ep": 1}
+                                "virtual_stages": 1, "world_size": 1, "ep": 1,
+                                "rank_order": "tp-cp-pp-dp"}
     assert header["peak_source"].startswith("measured") and header["peak_tflops_per_device"] > 0
     (planned,) = header["plan"]["stages"]  # the plan's state bytes = what the engine holds
     (held,) = header["model_state_bytes"]

@@ -22,7 +22,8 @@ def test_script_prints_the_report_as_json():
                          capture_output=True, text=True, env=env, timeout=300, check=True)
     result = json.loads(out.stdout)
     assert result["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 32, "zero": 1, "sp": True,
-                                "virtual_stages": 1, "world_size": 4096, "ep": 1}
+                                "virtual_stages": 1, "world_size": 4096, "ep": 1,
+                                "rank_order": "tp-cp-pp-dp"}
     assert result["params"]["built"] == result["params"]["planned"]
     assert set(result["bytes"]) == {"P", "G", "O"}
     assert all(abs(v["ratio"] - 1) < 0.01 for v in result["bytes"].values())

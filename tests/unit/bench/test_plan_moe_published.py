@@ -14,31 +14,33 @@ H100 = device_profile("h100-80gb")
 
 
 def test_mixtral_row_prediction_is_pinned():
-    """Mixtral 8x22B at TP2 PP8 EP8 on 128 H100 (f = 1.0): 354 model TFLOP/s a GPU against
-    the published 455; with the EP group in one node (Megatron's order) 411, and with the
-    all-to-all hidden 424; f = 1.2: 311."""
+    """Mixtral 8x22B at TP2 PP8 EP8 on 128 H100 (f = 1.0), in Megatron's rank order
+    (tp-cp-dp-pp, as the run was): EP8 in one node, 413 model TFLOP/s a GPU against the
+    published 455; in megalite's default order (EP over 4 nodes) 355; with the all-to-all
+    hidden 426; f = 1.2: 366; nothing the run used is missing."""
     out = predict_row(ROWS[0], H100, 8)
     tf = out["tflops"]
-    assert tf["megalite"] == pytest.approx(354.0, rel=2e-3)
-    assert tf["EP in one node"] == pytest.approx(410.8, rel=2e-3)
-    assert tf["+ a2a overlap"] == pytest.approx(423.9, rel=2e-3)
-    assert out["ep_nodes"] == (4, 1)
+    assert tf["megalite"] == pytest.approx(413.2, rel=2e-3)
+    assert tf["tp-cp-pp-dp"] == pytest.approx(355.0, rel=2e-3)
+    assert tf["+ a2a overlap"] == pytest.approx(426.4, rel=2e-3)
+    assert out["ep_nodes"] == (1, 4)
+    assert lacks(out) == "none of these"
     assert predict_row(ROWS[0], H100, 8, 1.2)["tflops"]["megalite"] == pytest.approx(
-        311.3, rel=2e-3)
+        366.1, rel=2e-3)
 
 
 def test_qwen3_row_prediction_is_pinned():
-    """Qwen3-235B-A22B at TP2 PP8 VPP4 EP32 on 256 H100 (f = 1.0): 185 against the
-    published 245; EP32 on Megatron's 4 nodes 207, with DeepEP's node dedup 281; the lacked
-    features named in the table with their predictions."""
+    """Qwen3-235B-A22B at TP2 PP8 VPP4 EP32 on 256 H100 (f = 1.0), in Megatron's rank
+    order: EP32 on 4 nodes, 210 against the published 245 (185 in the default order, EP over
+    16 nodes); with DeepEP's node dedup 287; the lacked features named with their
+    predictions."""
     out = predict_row(ROWS[1], H100, 8)
     tf = out["tflops"]
-    assert tf["megalite"] == pytest.approx(184.7, rel=2e-3)
-    assert tf["EP in one node"] == pytest.approx(207.0, rel=2e-3)
-    assert tf["+ node dedup"] == pytest.approx(281.0, rel=2e-3)
-    assert out["ep_nodes"] == (16, 4)
-    assert lacks(out).startswith("Megatron's rank order (EP on its nodes) 207 (-16%); "
-                                 "DeepEP's node dedup 281 (+15%)")
+    assert tf["megalite"] == pytest.approx(210.4, rel=2e-3)
+    assert tf["tp-cp-pp-dp"] == pytest.approx(185.1, rel=2e-3)
+    assert tf["+ node dedup"] == pytest.approx(287.4, rel=2e-3)
+    assert out["ep_nodes"] == (4, 16)
+    assert lacks(out).startswith("DeepEP's node dedup 287 (+17%); a2a overlap 420")
 
 
 def test_dedup_ratio_counts_the_other_nodes_a_token_reaches():

@@ -212,3 +212,20 @@ def test_resume_is_checked_before_launch(tiny_data, tmp_path):
     shutil.copytree(tiny_data, other)
     with pytest.raises(ConfigError, match="data.blend: .* 1 blended dataset.*this run blends 2"):
         check_resume(cfg(f"checkpoint.resume={root}", f"data.blend=[1,{tiny_data},1,{other}]"))
+
+
+def test_per_rank_files_are_read_only_under_the_layout_and_rank_order_that_wrote_them():
+    """A pp2·dp2 checkpoint written in tp-cp-pp-dp (or before the key: no "rank_order") puts
+    rank 1 at pp 1, dp 0; in tp-cp-dp-pp rank 1 is pp 0, dp 1, so its RNG file is another
+    coordinate's and is not read (the streams restart as after any layout change)."""
+    from megalite.checkpoint.load import same_ranks
+    from megalite.parallel.topology import Topology
+
+    written = {"tp": 1, "cp": 1, "pp": 2, "dp": 2, "world_size": 4, "rank_order": "tp-cp-pp-dp"}
+    before_key = {k: v for k, v in written.items() if k != "rank_order"}
+    same = Topology(tp_size=1, pp_size=2, dp_size=2, rank=1)
+    other = Topology(tp_size=1, pp_size=2, dp_size=2, rank=1, rank_order="tp-cp-dp-pp")
+    assert same_ranks(written, same) and same_ranks(before_key, same)
+    assert not same_ranks(written, other) and not same_ranks(before_key, other)
+    assert same_ranks({**written, "rank_order": "tp-cp-dp-pp"}, other)
+    assert not same_ranks({**written, "dp": 1, "pp": 4}, same)

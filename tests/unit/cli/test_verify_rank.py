@@ -73,6 +73,8 @@ CASES = [
     (4096, 17, LLAMA32_1B_SHARED_KV, "cuda"),
     (1024, 1021, MIXTRAL_8X22B_EP8, "cuda"),  # ep rank 5, edp rank 127
     (1024, 1021, MIXTRAL_8X22B_TP2_PP8_EP8, "cuda"),  # a TP rank 1
+    # Megatron's rank order (parallel.rank_order=tp-cp-dp-pp): rank 1021 is stage 7, dp 62
+    (1024, 1021, MIXTRAL_8X22B_TP2_PP8_EP8 + ["parallel.rank_order=tp-cp-dp-pp"], "cuda"),
     (4096, 4000, QWEN3_235B_EP32, "cuda"),  # ep rank 0, edp rank 125
     (1024, 1021, QWEN3_235B_TP2_PP8_VPP4_EP32, "cuda"),  # TP rank 1, stage 6, last DP rank
 ]
@@ -93,7 +95,8 @@ def test_built_rank_matches_the_plan(world, rank, overrides, device):
     assert result.params["built"] == result.params["planned"]
     for _, state in STATES:
         assert result.ratio(state) == pytest.approx(1.0, abs=0.01), (state, result.table())
-    c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size)
+    c = coords_of(rank, layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_size,
+                  layout.rank_order)
     assert result.coords == {"tp": c.tp_rank, "cp": c.cp_rank, "pp": c.pp_rank,
                              "dp": c.dp_rank}
     assert result.groups["dp"] == layout.dp_size and result.groups["world"] == world

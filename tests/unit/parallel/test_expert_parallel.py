@@ -62,6 +62,7 @@ MOE = ["model=mixtral-tiny", "device=cpu"]
     (["model=llama-tiny", "ep=2"], 2, "ep"),
     (["ep=2", "fp8.recipe=rowwise", "fp8.emulate=true"], 2, "fp8.recipe"),
     (["ep=2", "parallel.ep_dispatch=ring"], 2, "parallel.ep_dispatch"),
+    (["ep=2", "parallel.rank_order=tp-ep-dp-pp"], 2, "parallel.rank_order"),
     (["ep=2", "tp=2"], 4, "sp"),  # MoE under TP: its tokens split (sequence parallelism)
     (["ep=4", "pp=2"], 4, "ep")])  # 2 ranks a stage
 def test_bad_ep_settings_are_refused_before_launch_by_key(overrides, world, key):

@@ -1,4 +1,4 @@
-"""Rank grid: [TP, CP, PP, DP] mapping and group membership."""
+"""Rank grid: [TP, CP, PP, DP] (and Megatron's PP-outermost order) mapping and group membership."""
 import itertools
 
 import pytest
@@ -106,3 +106,50 @@ def test_without_cp_the_grad_group_is_the_dp_group():
     topo = build_topology(1, 1, 1)
     assert topo.grad_group is topo.dp_group and topo.cp_group.size == 1
     assert "cp=0/1" in topo.describe()
+
+
+ORDERS = [(2, 1, 2, 2, 2), (2, 2, 3, 2, 4), (1, 2, 2, 3, 3), (4, 1, 2, 4, 8), (2, 1, 8, 8, 8)]
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp,ep", ORDERS)
+def test_megatron_order_places_pp_outermost_and_keeps_ep_in_a_stage_run(tp, cp, pp, dp, ep):
+    """parallel.rank_order=tp-cp-dp-pp: rank = t + tp·(c + cp·(d + dp·s)), every rank once;
+    each group's members share the coordinates documented in `group_ranks` and walk the
+    other one in order; a stage's tp·cp·dp ranks are one run, split into EP groups of ep
+    consecutive ranks. Under the default order the same groups (by coordinates) hold other
+    ranks wherever pp > 1 and dp > 1."""
+    order, world = "tp-cp-dp-pp", tp * cp * pp * dp
+    seen = []
+    for t, c, s, d in itertools.product(range(tp), range(cp), range(pp), range(dp)):
+        rank = rank_of(Coords(tp_rank=t, cp_rank=c, pp_rank=s, dp_rank=d), tp, pp, cp, dp,
+                       order)
+        assert rank == t + tp * (c + cp * (d + dp * s))
+        assert coords_of(rank, tp, pp, cp, dp, order) == Coords(t, s, d, c)
+        seen.append(rank)
+    assert sorted(seen) == list(range(world))
+    groups = group_ranks(tp, pp, dp, cp, ep, order)
+    walks = {"tp": "tp_rank", "cp": "cp_rank", "pp": "pp_rank", "dp": "dp_rank"}
+    for kind, walked in walks.items():
+        assert sorted(itertools.chain(*groups[kind])) == list(range(world)), kind
+        for g in groups[kind]:
+            cs = [coords_of(r, tp, pp, cp, dp, order) for r in g]
+            fixed = {(c.tp_rank, c.cp_rank, c.pp_rank, c.dp_rank) for c in cs}
+            assert [getattr(c, walked) for c in cs] == list(range(len(g))), kind
+            assert len({tuple(v for f, v in vars(c).items() if f != walked)
+                        for c in cs}) == 1 and len(fixed) == len(g), kind
+    stage = tp * cp * dp
+    for s in range(pp):
+        members = [r for r in range(world) if coords_of(r, tp, pp, cp, dp, order).pp_rank == s]
+        assert members == list(range(s * stage, (s + 1) * stage))
+    for g in groups["ep"]:
+        assert g == list(range(g[0], g[0] + ep))
+    assert sorted(itertools.chain(*groups["edp"])) == list(range(world))
+    if pp > 1 and dp > 1:
+        assert group_ranks(tp, pp, dp, cp, ep)["pp"] != groups["pp"]
+
+
+def test_rank_orders_are_named_and_megatrons_needs_the_dp_size():
+    with pytest.raises(ValueError, match="tp-cp-pp-dp"):
+        rank_of(Coords(0, 0, 0), 2, 2, 1, 2, "dp-pp-cp-tp")
+    with pytest.raises(ValueError, match="needs the dp size"):
+        coords_of(3, 2, 2, 1, None, "tp-cp-dp-pp")

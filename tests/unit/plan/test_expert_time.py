@@ -56,6 +56,29 @@ def test_folded_groups_follow_the_topology_and_span_nodes():
     assert not expert_links(replace(lay, ep_size=2), H100, 8).ep_crosses
 
 
+def test_megatrons_rank_order_keeps_ep8_at_tp2_pp8_in_one_node():
+    """parallel.rank_order=tp-cp-dp-pp: Mixtral's EP8 at TP2 PP8 DP8 on 8-GPU nodes is ranks
+    0-7 (1 node; 4 under tp-cp-pp-dp), its DP group 2 nodes of 4 (8 of 1); the planned
+    groups are the runtime's in either order."""
+    lay = Layout(tp_size=2, pp_size=8, dp_size=8, ep_size=8, rank_order="tp-cp-dp-pp")
+    assert folded_groups(2, 1, 8, 8, 8, "tp-cp-dp-pp")["ep"][0] == tuple(range(8))
+    assert expert_links(lay, H100, 8).ep_nodes == 1
+    assert expert_links(replace(lay, rank_order="tp-cp-pp-dp"), H100, 8).ep_nodes == 4
+    for tp, cp, pp, dp, ep in [(2, 1, 8, 8, 8), (2, 2, 2, 2, 4), (1, 2, 4, 4, 8)]:
+        runtime = group_ranks(tp, pp, dp, cp, ep, "tp-cp-dp-pp")
+        planned = folded_groups(tp, cp, pp, dp, ep, "tp-cp-dp-pp")
+        assert [list(g) for g in planned["ep"]] == runtime["ep"]
+        assert [list(g) for g in planned["edp"]] == runtime["edp"]
+    faster = _predict_order(MIXTRAL, 128, "tp-cp-dp-pp")
+    assert faster.terms["ep"] < _predict_order(MIXTRAL, 128, "tp-cp-pp-dp").terms["ep"]
+
+
+def _predict_order(overrides, world, order):
+    cfg = load_config([*overrides, "ep=8", f"parallel.rank_order={order}"])
+    lay = Layout.from_config(cfg, world, "cuda")
+    return predict(cfg, lay, stage_traffic(cfg, lay), H100, 8)
+
+
 def test_alltoall_time_inside_and_across_nodes():
     wire = 1e9
     inside = alltoall_s(wire, 0, 8, 1, H100)
@@ -102,6 +125,10 @@ def test_search_tries_ep_and_layout_auto_may_choose_it():
                     fixed={"ep": 2})
     assert result.best and all(r.choice.ep == 2 and r.config.ep == 2 for r in result.best)
     assert "ep=2" in result.best[0].choice.overrides()
+    # both rank orders where the order moves the EP groups (pp > 1, ep > tp·cp); one elsewhere
+    orders = {(c.pp > 1 and c.ep > c.tp * c.cp, c.rank_order)
+              for c in candidates(cfg, 8, False)}
+    assert orders == {(True, "tp-cp-pp-dp"), (True, "tp-cp-dp-pp"), (False, "tp-cp-pp-dp")}
 
 
 def test_imbalance_read_from_a_runs_logged_figures(tmp_path):

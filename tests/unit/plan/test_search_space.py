@@ -21,11 +21,14 @@ def test_a_held_field_leaves_out_the_grids_that_differ_in_it():
                          for g in grids)
 
 
-def walked_crossings(tp, cp, pp, dp, per_node):
+def walked_crossings(tp, cp, pp, dp, per_node, order="tp-cp-pp-dp"):
     """The long way: per kind of group that spans nodes, the fewest ranks a node of such a
     group holds (1 for point-to-point kinds: one rail), from every group's every rank (rank =
-    t + tp·(c + cp·(s + pp·d)), nodes of per_node consecutive ranks)."""
+    t + tp·(c + cp·(s + pp·d)), or t + tp·(c + cp·(d + dp·s)) under tp-cp-dp-pp, nodes of
+    per_node consecutive ranks)."""
     def rank(t, c, s, d):
+        if order == "tp-cp-dp-pp":
+            return t + tp * (c + cp * (d + dp * s))
         return t + tp * (c + cp * (s + pp * d))
     groups = {"tp": {}, "cp": {}, "dp": {}}
     for t, c, s, d in itertools.product(range(tp), range(cp), range(pp), range(dp)):
@@ -46,14 +49,16 @@ def walked_crossings(tp, cp, pp, dp, per_node):
     return out
 
 
+@pytest.mark.parametrize("order", ["tp-cp-pp-dp", "tp-cp-dp-pp"])
 @pytest.mark.parametrize("tp,cp,pp,dp,per_node", [
-    (2, 2, 3, 4, 8), (8, 1, 4, 2, 8), (1, 4, 2, 3, 6), (3, 2, 2, 2, 4), (4, 2, 2, 4, 8)])
+    (2, 2, 3, 4, 8), (8, 1, 4, 2, 8), (1, 4, 2, 3, 6), (3, 2, 2, 2, 4), (4, 2, 2, 4, 8),
+    (2, 1, 8, 8, 8)])
 def test_group_links_from_one_group_per_residue_equal_walking_every_rank(tp, cp, pp, dp,
-                                                                         per_node):
+                                                                         per_node, order):
     profile = device_profile("h100-80gb")
-    got = group_links(Layout(tp_size=tp, cp_size=cp, pp_size=pp, dp_size=dp), profile,
-                      per_node)
-    crossing = walked_crossings(tp, cp, pp, dp, per_node)
+    got = group_links(Layout(tp_size=tp, cp_size=cp, pp_size=pp, dp_size=dp,
+                             rank_order=order), profile, per_node)
+    crossing = walked_crossings(tp, cp, pp, dp, per_node, order)
     for kind in ("tp", "cp", "dp", "pp", "embedding"):
         assert got[kind].crosses_nodes == (kind in crossing)
         if kind not in crossing:
