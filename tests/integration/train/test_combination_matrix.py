@@ -3,9 +3,9 @@ feature axes that megalite does not refuse is in some run, and every value of ev
 precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 29 runs of
 1-8 ranks, 15 of them with cp 2 (8 all-gather, 7 ring) and 11 with the document mask, 5 with
 both; 8 in fp32 without FP8; 14 of the Mixtral MoE family (aux loss, z-loss and bias on), 13
-of them at ep 2 with either dispatcher, 6 of those with FP8; 14 in Megatron's rank order; the first one Llama with its KV
-head replicated over tp=2 under optimizer offload), and each run trains through a checkpoint
-and a resume on a
+of them at ep 2 with either dispatcher, 6 of those with FP8; 14 in Megatron's rank order; the first one Llama
+with its KV head replicated over tp=2 under optimizer offload), and each run trains through a
+checkpoint and a resume on a
 corpus of short documents and equals its serial run (`megalite.testing.matrix.check_row`:
 losses, grad norms, final master weights; fp32 within 1e-5, bf16 and FP8 within the bounds
 stated there; a document-masked run's windows hold document boundaries, and at cp 2 a document
