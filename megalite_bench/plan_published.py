@@ -11,7 +11,10 @@ embedding and the head there) and GPT of Narayanan et al. 2021, Table 1 (hardwar
 full recompute counted; micro-batch 1, the data-parallel all-reduce, no SP: Table 1 lists no
 micro-batch size). The MoE rows of Megatron-Core's reports wait for expert parallelism
 (`PENDING`). Where the prediction stays under the publication and megalite lacks (or does not
-default to) what the run used, `GAINS` names it with the prediction it would give.
+default to) what the run used, `GAINS` names it with the prediction it would give; for
+Narayanan's rows, Megatron 2021's fused kernels (`megalite.plan.fused_block`: the block's
+non-matmul time as a memory-bound roofline of those kernels, in place of megalite's eager
+block measured on an H100).
 No device is used: this is arithmetic on the device table."""
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from megalite.config.errors import ConfigError
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
 from megalite.plan.devices import device_profile
+from megalite.plan.fused_block import fused_profile
 from megalite.plan.memory import GIB, make_plan
 from megalite.plan.time_model import Prediction, predict
 from megalite_bench.plan_table1 import TABLE1, table1_overrides
@@ -43,6 +47,7 @@ class Row:
     hardware: bool  # the publication counts recompute's forward (Narayanan) or not (Llama)
     band: float  # the relative distance the prediction must stay within
     edge_short: bool = False  # first and last stage one block short (Llama 3)
+    fused_2021: bool = False  # the run's block: Megatron 2021's fused kernels (Narayanan)
 
 
 def rows() -> List[Row]:
@@ -55,7 +60,7 @@ def rows() -> List[Row]:
                        f"PP{pp}", "a100-80gb", gpus, tuple(table1_overrides(
                            heads, hidden, layers, batch) + [f"tp={tp}", f"pp={pp}",
                                                             "train.micro_batch_size=1"]),
-                       float(measured), True, 0.15))
+                       float(measured), True, 0.15, fused_2021=True))
     return out
 
 
@@ -72,6 +77,10 @@ PENDING = [
 GAINS = {
     "bucket": lambda lay: [f"parallel.bucket_mb={4 * max(40, lay.grad_replicas)}"],
 }
+
+
+# the gain's name: the block's non-matmul time predicted for Megatron 2021's fused kernels
+FUSED = "fused kernels"
 
 
 @dataclass
@@ -106,7 +115,10 @@ def schedules(row: Row) -> List[Tuple[str, List[str]]]:
     return out
 
 
-def _predict(row: Row, extra: List[str]) -> Optional[Tuple[Prediction, float, Layout]]:
+def _predict(row: Row, extra: List[str], fused: bool = False
+             ) -> Optional[Tuple[Prediction, float, Layout]]:
+    """The row's prediction with `extra` overrides; `fused`: with the fused block's
+    non-matmul time (`megalite.plan.fused_block`) in place of megalite's measured eager one."""
     cfg = load_config(list(row.overrides) + extra)
     try:
         validate(cfg, row.gpus, 8)
@@ -114,7 +126,10 @@ def _predict(row: Row, extra: List[str]) -> Optional[Tuple[Prediction, float, La
         return None
     layout = Layout.from_config(cfg, row.gpus, "cuda")
     plan = make_plan(cfg, layout)
-    p = predict(cfg, layout, plan.stages, device_profile(row.device), 8)
+    profile = device_profile(row.device)
+    if fused:
+        profile = fused_profile(cfg, layout, profile)
+    p = predict(cfg, layout, plan.stages, profile, 8)
     return p, plan.peak.bytes["total"] / GIB, layout
 
 
@@ -134,11 +149,9 @@ def evaluate(row: Row) -> Result:
         got = _predict(row, extra + more)
         if got and got[0].step_s < p.step_s:
             result.gains[" ".join(more)] = replace(result, prediction=got[0]).tflops
-    # the runs' fused kernels (Megatron's / Transformer Engine's LayerNorm, bias-GeLU,
-    # softmax) against megalite's eager block: no fused block is measured, so the bound
-    # with none of the block's non-matmul time
-    fused = p.step_s - p.terms["non_matmul"]
-    result.gains["fused kernels (bound: no non_matmul)"] = result.tflops * p.step_s / fused
+    if row.fused_2021:  # Megatron 2021's fused kernels against megalite's eager block
+        got = _predict(row, extra, fused=True)
+        result.gains[FUSED] = replace(result, prediction=got[0]).tflops
     return result
 
 
