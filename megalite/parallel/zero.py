@@ -211,9 +211,8 @@ class ZeroEngine(EngineState):
                 self._complete(b)
 
     def before_op(self, op, next_op) -> None:
-        """Called before each pipeline F and B (`megalite.parallel.schedule.Op`), with the
-        stage's next F or B (None after the step's last): ZeRO-3 prefetches the next one's
-        first unit during this one (`Zero3Gathering.op_starts`)."""
+        """Before each pipeline F and B, with the stage's next F or B (None after the last):
+        ZeRO-3 prefetches the next one's first unit during this one (`op_starts`)."""
         if self.zero3 is not None:
             self.zero3.op_starts(op, next_op)
 
