@@ -257,9 +257,13 @@ class PipelineSchedule:
     def _run(self, rounds, run: _Pass) -> None:
         """The round loop: each round's operation, then its exchange; a sent activation keeps
         only its graph. Every posted batch is done at the end."""
+        gathering = [r.op for r in rounds if r.op is not None and r.op.kind is not W]
+        following = dict(zip(gathering, gathering[1:]))  # each F / B: the stage's next F / B
         for rnd in rounds:
             op, outgoing = rnd.op, []
             if op is not None:
+                if op.kind is not W:  # (ZeRO-3 prefetches the next one's first unit)
+                    self.engine.before_op(op, following.get(op))
                 outgoing = self._operate(op, run)
             self._exchange(rnd, outgoing, run.received, run.posted)
             if run.training and op is not None and op.kind is F and outgoing:

@@ -210,6 +210,12 @@ class ZeroEngine(EngineState):
             if b.reduction.every_micro_batch:
                 self._complete(b)
 
+    def before_op(self, op, next_op) -> None:
+        """Before each pipeline F and B, with the stage's next F or B (None after the last):
+        ZeRO-3 prefetches the next one's first unit during this one (`op_starts`)."""
+        if self.zero3 is not None:
+            self.zero3.op_starts(op, next_op)
+
     def _launch_bounded(self, bucket: Bucket) -> None:
         """Zero 2/3: launch `bucket`'s reduce-scatter with at most REDUCTIONS_IN_FLIGHT inputs
         alive: NCCL keeps an asynchronous collective's input until it is waited for (its

@@ -28,6 +28,19 @@ the tensors autograd saved in forward (views of that storage) are valid again in
 (the technique of PyTorch FSDP1). The prefetch is an asynchronous all-gather: on GPUs NCCL runs
 it on its own stream, on CPUs gloo on its own threads, overlapping the current unit's compute.
 
+Across pipeline operations (`op_starts`, told by the pipeline before each F and B, with the
+first unit of the stage's next F or B in its schedule's order — a W gathers nothing): the
+chain goes on into the next operation, which may be another chunk's. At a fixed point of the
+current operation — the forward pre-hook of its chunk's last unit (under offload.optimizer its
+post-hook), the backward hook of its chunk's first unit — the next operation's first unit is
+prefetched (FSDP2's and Megatron's prefetch across micro-batches) and held: not freed (by a
+post-hook or `after_backward`, or by a W in between) until that operation starts. So only the
+step's first unit is gathered where it is needed; at most one unit beyond the current one is
+gathered ahead, and where the next operation starts with a unit the current one ends with (a
+backward's first unit after the forward, the forward's first after the backward of the same
+chunk) it is kept instead of freed and gathered again. The launch points depend only on the
+schedule and the chain, the same on every rank of the DP x CP group (NCCL's rule).
+
 `reshard_after_forward=False` keeps every unit gathered from its first use to the end of the
 step: one all-gather per unit per step instead of two per micro-batch, at the memory cost of
 the stage's full parameters during the step — the better choice under pipeline parallelism with
@@ -41,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from megalite.parallel import comm
+from megalite.parallel.schedule import F, Op
 
 
 def unit_groups(model: nn.Module) -> List[List[str]]:
@@ -80,11 +94,21 @@ class Zero3Gathering:
         # offload.optimizer: the next unit's prefetch waits until this unit's forward is
         # queued (its parameters may still be stepped on the host)
         self.prefetch_after_forward = False
+        # the running pipeline operation (True: a forward, False: a backward, None: none
+        # announced), the next operation's first unit (prefetched at this operation's fixed
+        # point) and the one prefetched for the next operation (not freed before it starts)
+        self._op_forward: Optional[bool] = None
+        self._ahead: Optional[_UnitState] = None
+        self._held: Optional[_UnitState] = None
+        # gathers that ran where the unit was needed, no prefetch having launched them
+        self.exposed_gathers = 0
         by_param = {id(p): b for b in engine.buckets for p in b.params}
         self.state: Dict[int, _UnitState] = {}  # by id of each of its buckets
         self.unit_of: Dict[nn.Module, _UnitState] = {}
+        self.chains: List[List[nn.Module]] = []  # each chunk's units, in forward order
         for chunk in chunks:
             chain: List[nn.Module] = list(chunk.sharding_units())
+            self.chains.append(chain)
             for module in chain:
                 buckets = list({id(by_param[id(p)]): by_param[id(p)]
                                 for p in module.parameters()}.values())
@@ -119,6 +143,7 @@ class Zero3Gathering:
             self._wait(unit)
             unit.gathered = True
         elif not unit.gathered:
+            self.exposed_gathers += 1
             self._start_gather(unit, async_op=False)
 
     @staticmethod
@@ -127,11 +152,44 @@ class Zero3Gathering:
         for work in works:
             work.wait()
 
+    def _release(self, unit: _UnitState) -> None:
+        """Free `unit` after a use, unless it is held for the next pipeline operation."""
+        if unit is not self._held:
+            self._free(unit)
+
     def _free(self, unit: _UnitState) -> None:
         self._wait(unit)
         for b in unit.buckets:
             b.param_full.untyped_storage().resize_(0)
         unit.gathered = False
+
+    # --- across pipeline operations -----------------------------------------------------
+
+    def op_starts(self, op: Op, next_op: Optional[Op]) -> None:
+        """The pipeline's F or B `op` starts; `next_op` is the stage's next F or B, None after
+        the step's last. The unit held for `op` may be freed again after its use."""
+        self._held = None
+        self._op_forward = op.kind is F
+        self._ahead = None
+        if next_op is not None:  # a forward starts with its chunk's first unit, a backward
+            chain = self.chains[next_op.chunk]  # with its last
+            self._ahead = self.unit_of[chain[0] if next_op.kind is F else chain[-1]]
+
+    def _prefetch_ahead(self, forward: bool) -> None:
+        """This operation's fixed point (`forward`: reached in a forward hook): the next
+        operation's first unit gathered asynchronously and held for it."""
+        if self._op_forward is not forward or self._ahead is None:
+            return
+        unit, self._ahead = self._ahead, None
+        self._start_gather(unit, async_op=True)
+        self._held = unit
+
+    def _in_forward(self, unit: _UnitState) -> bool:
+        """Whether a forward hook of `unit` runs in a forward, not in a backward's
+        recomputation: the pipeline operation says so where one was announced (under a
+        zero-bubble schedule a unit stays in backward from its B to its W, and a forward may
+        run in between); else the unit's state."""
+        return not unit.in_backward if self._op_forward is None else self._op_forward
 
     # --- hooks --------------------------------------------------------------------------
 
@@ -139,8 +197,12 @@ class Zero3Gathering:
         def hook(module, args):
             unit = self.unit_of[module]
             self._ensure(unit)
-            if i + 1 < len(chain) and not unit.in_backward and not self.prefetch_after_forward:
+            if self.prefetch_after_forward:
+                return
+            if i + 1 < len(chain) and self._in_forward(unit):
                 self._start_gather(self.unit_of[chain[i + 1]], async_op=True)
+            elif i + 1 == len(chain):
+                self._prefetch_ahead(forward=True)
         return hook
 
     def _make_post_forward(self, chain: List[nn.Module], i: int):
@@ -150,10 +212,12 @@ class Zero3Gathering:
             unit = self.unit_of[module]
             if torch.is_tensor(output) and output.requires_grad:
                 output.register_hook(self._make_pre_backward(chain, i))
-            if not last and not unit.in_backward and self.prefetch_after_forward:
+            if not last and self._in_forward(unit) and self.prefetch_after_forward:
                 self._start_gather(self.unit_of[chain[i + 1]], async_op=True)
+            elif last and self.prefetch_after_forward:
+                self._prefetch_ahead(forward=True)
             if self.reshard_after_forward and not last and not unit.in_backward:
-                self._free(unit)
+                self._release(unit)
         return hook
 
     def _make_pre_backward(self, chain: List[nn.Module], i: int):
@@ -163,6 +227,8 @@ class Zero3Gathering:
             unit.in_backward = True
             if i > 0:
                 self._start_gather(self.unit_of[chain[i - 1]], async_op=True)
+            else:
+                self._prefetch_ahead(forward=False)
             return grad
         return hook
 
@@ -182,10 +248,11 @@ class Zero3Gathering:
         unit.reported.pop(micro_batch, None)
         unit.in_backward = False
         if self.reshard_after_forward:
-            self._free(unit)
+            self._release(unit)
 
     def end_of_step(self) -> None:
         """Free every unit (after the step's last backward, or after a forward-only pass)."""
+        self._op_forward = self._ahead = self._held = None
         for unit in self.state.values():
             unit.in_backward = False
             unit.reported.clear()

@@ -87,9 +87,10 @@ bytes of a model-dtype element:
               they outlast the pipeline (the stage's idle end and later chunks' backwards
               hide them); zero 2-3: a reduce-scatter per micro-batch during its backward;
               zero 1-2: the gather after the step, or with parallel.overlap_param_gather each
-              chunk's before its first forward ends (the stage's idle start hides it);
-              zero 3: each block gathered ahead (prefetch) during forward and backward
-              (`megalite.plan.pipeline_sim.DpWindows`)
+              chunk's before its first forward ends (the stage's idle start hides it;
+              `megalite.plan.pipeline_sim.DpWindows`); zero 3: each block gathered ahead
+              (prefetch) during forward and backward, across the pipeline's operations too
+              (`megalite.parallel.zero3`)
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
   ep, expert_imbalance, edp   expert parallelism (ep > 1, `megalite.plan.expert_time`): the
               token exchange on the link the folded EP group spans, blocking in each MoE

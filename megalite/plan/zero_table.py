@@ -40,7 +40,9 @@ def model_state_bytes(layout: Layout, psi: float, e: int, replicas: Optional[int
 
 
 def dp_traffic_elements(layout: Layout, psi: float, m: int) -> float:
-    """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward)."""
+    """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward;
+    zero 3: at most, as a unit that ends one pipeline operation and starts the next stays
+    gathered, `megalite.parallel.zero3`)."""
     n = layout.grad_replicas
     ring = (n - 1) / n * psi
     return {0: 2 * ring, 1: 2 * ring, 2: (m + 1) * ring, 3: 3 * m * ring}[layout.zero_stage]

@@ -11,7 +11,7 @@ import pytest
 from megalite.parallel.schedule import largest_group
 from megalite.testing.collective_order import order_mismatches
 from tests.conftest import pipeline_layout
-from tests.layouts import assert_equal, train_in_process, train_layouts
+from tests.layouts import Prepared, assert_equal, train_in_process, train_layouts
 
 STEPS = 4
 V2 = "parallel.virtual_stages=2"
@@ -66,6 +66,19 @@ def _first(launched: list, group: str, op: str) -> int:
     return next(i for i, x in enumerate(launched) if x[0] == group and x[2] == op)
 
 
+def _exposed_gathers(trainer):
+    """Count, per training step, the ZeRO-3 gathers no prefetch launched (`exposed_gathers`)."""
+    zero3, per_step, step = trainer.engine.zero3, [], trainer.train_step
+
+    def counted():
+        before = zero3.exposed_gathers
+        out = step()
+        per_step.append(zero3.exposed_gathers - before)
+        return out
+    trainer.train_step = counted
+    return lambda: per_step
+
+
 @pytest.mark.distributed
 def test_zero_overlaps_the_flexible_pipeline(tiny_data, tmp_path):
     """pp2 v2 dp2 (one launch of 4 ranks), 3 micro-batches a DP rank: ZeRO 1 with
@@ -75,18 +88,30 @@ def test_zero_overlaps_the_flexible_pipeline(tiny_data, tmp_path):
     launch before the step's last pipeline transfer (overlapping the earlier chunk's last
     backwards), and the gathers of the updated parameters launch in the step, before the next
     forward's first transfer (that each block then waits only for its own buckets is
-    test_zero.py's test_overlapped_parameter_gather_equals_serial)."""
-    cases = [(3, ["zero=1", "parallel.overlap_param_gather=true"], []),
-             (3, ["zero=2"], ["model.n_layer=6", "parallel.edge_stage_layers=1"]),
-             (5, ["zero=3"], [])]
+    test_zero.py's test_overlapped_parameter_gather_equals_serial).
+
+    ZeRO 3 also under 1F1B (with offload.optimizer: the prefetch after a unit's forward) and
+    ZB-H1 (with recompute; B keeps its units to W): each pipeline operation prefetches the
+    next one's first unit, so a step gathers one unit where it is needed (its first), not
+    one per operation."""
+    cases = [(3, ["zero=1", "parallel.overlap_param_gather=true", V2], []),
+             (3, ["zero=2", V2], ["model.n_layer=6", "parallel.edge_stage_layers=1"]),
+             (5, ["zero=3", V2], []),
+             (3, ["zero=3", "offload.optimizer=0.5"], []),
+             (5, ["zero=3", "parallel.schedule=zb-h1", "train.recompute=true"], [])]
     serial = [train_in_process(tmp_path / f"serial{i}", pipeline_layout(
         tiny_data, 1, 1, 2 * m, [x for x in shape if "edge" not in x]), STEPS)
-        for i, (m, _, shape) in enumerate(cases)]
-    runs = train_layouts(tmp_path / "dp2", 4, [
-        pipeline_layout(tiny_data, 2, 1, 2 * m, [V2, "parallel.bucket_mb=0.01", *zero, *shape])
+        for i, (m, _, shape) in enumerate(cases[:3])]
+    serial += serial[0], serial[2]  # the same serial runs (6 and 10 micro-batches)
+    runs = train_layouts(tmp_path / "dp2", 4, [Prepared(pipeline_layout(
+        tiny_data, 2, 1, 2 * m, ["parallel.bucket_mb=0.01", *zero, *shape]), _exposed_gathers)
+        if "zero=3" in zero else pipeline_layout(
+        tiny_data, 2, 1, 2 * m, ["parallel.bucket_mb=0.01", *zero, *shape])
         for m, zero, shape in cases], STEPS, probe=True)
     for reference, ranks, (m, _, _) in zip(serial, runs, cases):
         _held(reference, ranks, 2, m)
+    for ranks in runs[2:]:
+        assert all(r["extra"] == [1] * STEPS for r in ranks), [r["extra"] for r in ranks]
     stage0 = next(r for r in runs[0] if r["coords"] == (0, 0, 0))["launched"]
     end = _first(stage0, "embedding", "all_reduce")  # the step's gradient sums begin
     last_transfer = max(i for i, x in enumerate(stage0[:end]) if x[0] == "pp")
