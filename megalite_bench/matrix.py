@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from megalite.config.combinations import MATRIX_BASE, labels, matrix_rows, world_size
+from megalite.config.combination_search import matrix_rows
+from megalite.config.combinations import MATRIX_BASE, labels, world_size
 from megalite.config.schema import load_config
 from megalite.testing.documents import short_documents
 from megalite.testing.matrix import run_matrix

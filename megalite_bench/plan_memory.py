@@ -2,7 +2,7 @@
 `--steps`-th step (what is alive before it, `megalite_bench.memory.live_tensor_bytes`, + the
 most the step's own allocations hold at once, `PeakBytes`: the CPU allocator's events replayed,
 or CUDA's `max_memory_allocated`), next to the plan's peak for its stage and the plan's bytes
-at every moment (`megalite.plan.memory`).
+at every moment (`megalite.plan.memory`, `megalite.plan.peak_moments`).
 
     megalite-bench plan-memory data.dir=data/stdlib model.n_layer=8 train.micro_batch_size=8
     megalite-bench plan-memory --world-size 2 data.dir=data/stdlib pp=2      # gloo ranks
@@ -18,7 +18,8 @@ from typing import Dict, List
 
 from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
-from megalite.plan.memory import MOMENTS, make_plan
+from megalite.plan.memory import make_plan
+from megalite.plan.peak_moments import MOMENTS
 from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime, run_layout

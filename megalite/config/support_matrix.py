@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from megalite.config.combination_search import (
+    ep_refusals,
+    matrix_rows,
+    refused_setting_pairs,
+    refused_settings,
+    refused_tuples,
+)
 from megalite.config.combinations import (
     AXES,
     EP_SETTINGS,
@@ -17,11 +24,6 @@ from megalite.config.combinations import (
     MAX_RANKS,
     OTHER_SETTINGS,
     Refusal,
-    ep_refusals,
-    matrix_rows,
-    refused_setting_pairs,
-    refused_settings,
-    refused_tuples,
 )
 from megalite.config.schema import Config, load_config
 

@@ -42,12 +42,11 @@ import torch
 import torch.nn as nn
 
 from megalite.config.layout import Layout
-from megalite.parallel import comm
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT, Bucket, chunk_buckets
 from megalite.parallel.flat import Segment
 from megalite.parallel.grad_sums import sum_tied_embedding, sum_tp_replicated, sum_tp_shares
 from megalite.parallel.host_range import AdamWSettings, build_adamw
-from megalite.parallel.norms import by_device, squares_fp32_rows, squares_fp64
+from megalite.parallel.norms import by_device, global_norm
 from megalite.parallel.offload import OptimizerOffload
 from megalite.parallel.param_gather import OverlappedParamGather
 from megalite.parallel.topology import Topology
@@ -290,31 +289,9 @@ class ZeroEngine(EngineState):
 
     def _global_norm(self, pieces: Tuple[List, ...],
                      host_squares: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """L2 norm over the whole model of (device, host) tensors laid out like the master
-        pieces, each element counted once (see the module docstring). The device's pieces
-        accumulate in fp64 from the elements up (DeepSpeed's fp64 norm), so the result does
-        not move with how a layout cuts the model into pieces; offloaded pieces, on the host
-        CPU where fp64 is ~20x slower, in fp32 over rows of 1024 elements with the rows'
-        squares summed in fp64 (`squares_fp32_rows`: ~1e-8 relative; `host_squares`: those
-        of further host pieces, taken already); the DP / model-parallel all-reduces in fp64.
-        Returns an fp64 scalar."""
-        device_pieces, host_pieces, expert_pieces, expert_host = pieces
-        device = self.buckets[0].main_grad.device
-        sq = squares_fp64(device_pieces, device) + squares_fp32_rows(host_pieces, device)
-        if host_squares is not None:
-            sq = sq + host_squares.to(device)
-        if self.layout.shards_optimizer:
-            comm.all_reduce(sq, self.topo.grad_group)
-        if self.topo.ep_size > 1:  # each expert shard once: its EDP ranges, every EP rank's
-            experts = squares_fp64(expert_pieces, device) \
-                + squares_fp32_rows(expert_host, device)
-            if self.layout.shards_optimizer:
-                comm.all_reduce(experts, self.topo.expert_grad_group)
-            comm.all_reduce(experts, self.topo.ep_group)  # the stage's experts, each once
-            if self.topo.coords.tp_rank == 0:  # every TP rank holds that sum (EP folds over
-                sq = sq + experts              # TP): the mp_group's sum counts it once
-        comm.all_reduce(sq, self.topo.mp_group)
-        return sq.sqrt()
+        """L2 norm over the whole model of `_norm_split`'s pieces (`global_norm`)."""
+        return global_norm(pieces, self.topo, self.layout.shards_optimizer,
+                           self.buckets[0].main_grad.device, host_squares)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradient of the whole model (offload.optimizer: most host

@@ -34,12 +34,8 @@ from megalite.plan.fit import fewest_offloaded_blocks
 from megalite.plan.memory import GIB, Plan, make_plan
 from megalite.plan.search_bounds import TimeBound, device_kind, memory_lower_bound
 from megalite.plan.space import Choice, Grid, apply_choice, layout_grids, layout_sizes
-from megalite.plan.time_model import (
-    Prediction,
-    device_step_s_per_param,
-    host_step_s_per_param,
-    predict,
-)
+from megalite.plan.stage_time import device_step_s_per_param, host_step_s_per_param
+from megalite.plan.time_model import Prediction, predict
 from megalite.plan.traffic import stage_traffic
 
 

@@ -27,7 +27,7 @@ from megalite.plan.document_terms import MaskedWork, masking
 from megalite.plan.links import group_links, ring_step_s
 from megalite.plan.pipeline_terms import chunk_shares
 from megalite.plan.space import Choice, apply_choice, offload_fraction
-from megalite.plan.time_model import stage_forward_flops
+from megalite.plan.stage_time import stage_forward_flops
 from megalite.plan.traffic_bytes import dropout_bytes, dropout_on
 from megalite.plan.zero_table import model_state_bytes
 

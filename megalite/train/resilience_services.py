@@ -14,12 +14,13 @@ from megalite.config.schema import Config
 from megalite.model.stage import PipelineStage
 from megalite.parallel.rng import RNGTracker
 from megalite.parallel.zero import ZeroEngine
+from megalite.resilience.deterministic import use_deterministic_kernels
 from megalite.resilience.hang import HangWatch
 from megalite.resilience.hang_store import default_store
 from megalite.resilience.inject import FaultInjector
 from megalite.resilience.nccl_flight import set_nccl_flight_env
 from megalite.resilience.replicas import ReplicaCheck
-from megalite.resilience.rerun import RerunAttribution, use_deterministic_kernels
+from megalite.resilience.rerun import RerunAttribution
 from megalite.resilience.stragglers import StragglerReport
 from megalite.train.loss_scale import LossScaler
 from megalite.train.runtime import Runtime

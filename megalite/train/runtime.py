@@ -19,9 +19,9 @@ from megalite.config.layout import GpuInfo, Layout, device_type_for
 from megalite.config.schema import Config
 from megalite.parallel.group import CollectiveWaits
 from megalite.parallel.topology import Topology, build_topology
+from megalite.resilience.deterministic import cublas_workspace_env
 from megalite.resilience.flight import FlightRecorder
 from megalite.resilience.nccl_flight import set_nccl_flight_env
-from megalite.resilience.rerun import cublas_workspace_env
 from megalite.utils.clock import DeviceClock
 
 

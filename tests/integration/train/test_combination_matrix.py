@@ -1,6 +1,6 @@
 """The combination matrix of strength 2 (docs/combinations.md): every pair of values of two
 feature axes that megalite does not refuse is in some run, and every value of every axis but
-precision and FP8 in a run in fp32 without FP8 (`combinations.matrix_rows`, seed 0: 29 runs of
+precision and FP8 in a run in fp32 without FP8 (`combination_search.matrix_rows`, seed 0: 29 runs of
 1-8 ranks, 15 of them with cp 2 (8 all-gather, 7 ring) and 11 with the document mask, 5 with
 both; 8 in fp32 without FP8; 14 of the Mixtral MoE family (aux loss, z-loss and bias on), 13
 of them at ep 2 with either dispatcher, 6 of those with FP8; 14 in Megatron's rank order; the first one Llama
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.config.combinations import MATRIX_BASE, SUITE_SEED, labels, matrix_rows, serial_row, world_size
+from megalite.config.combination_search import matrix_rows
+from megalite.config.combinations import MATRIX_BASE, SUITE_SEED, labels, serial_row, world_size
 from megalite.config.schema import load_config
 from megalite.testing.matrix import check_row, run_rows, serial_runs
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from megalite.config.combination_search import matrix_rows, refused_settings, refused_tuples
 from megalite.config.combinations import (
     AXES,
     MATRIX_BASE,
@@ -16,10 +17,7 @@ from megalite.config.combinations import (
     SUITE_SEED,
     TIGHT,
     labels,
-    matrix_rows,
     refusal,
-    refused_settings,
-    refused_tuples,
     row_config,
     row_of,
     world_size,

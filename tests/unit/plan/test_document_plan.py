@@ -21,7 +21,7 @@ from megalite.config.layout import Layout, validate
 from megalite.config.schema import load_config
 from megalite.data.documents import in_document_positions
 from megalite.data.token_arrays import write_token_arrays
-from megalite.plan import time_model
+from megalite.plan import stage_time
 from megalite.plan.auto import resolve_layout
 from megalite.plan.calibrate_mask import kernels_here, measure_mask_ratios
 from megalite.plan.devices import load_profile_file
@@ -199,8 +199,8 @@ def test_under_cp_the_time_model_charges_the_cp_kernels_unskipped_work():
 def test_the_masked_block_hides_less_of_activation_offloads_copies(monkeypatch):
     """The offload term's block time is the masked block's: its forward shorter by the
     attention's saving, its backward by twice that; the head's time unchanged."""
-    handed, real = [], time_model.activation_offload_s
-    monkeypatch.setattr(time_model, "activation_offload_s",
+    handed, real = [], stage_time.activation_offload_s
+    monkeypatch.setattr(stage_time, "activation_offload_s",
                         lambda *a: handed.append(a) or real(*a))
     over = ["train.seq_len=512", "model.n_positions=512", "offload.activations=true",
             "offload.activations_layers=2"]

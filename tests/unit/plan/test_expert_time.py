@@ -22,7 +22,8 @@ from megalite.plan.memory import make_plan
 from megalite.plan.search import search
 from megalite.plan.search_bounds import memory_lower_bound
 from megalite.plan.space import apply_choice, candidates
-from megalite.plan.time_model import predict, stage_forward_flops
+from megalite.plan.stage_time import stage_forward_flops
+from megalite.plan.time_model import predict
 from megalite.plan.traffic import stage_traffic
 
 H100 = device_profile("h100-80gb")

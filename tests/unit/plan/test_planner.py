@@ -33,10 +33,8 @@ from megalite.plan.offload import HOST_ADAM_BYTES, activation_copies_exposed
 from megalite.plan.search import NothingFits, search
 from megalite.plan.search_bounds import TimeBound, mask_factor, memory_lower_bound
 from megalite.plan.space import Choice, apply_choice
-from megalite.plan.time_model import (
-    predict,
-    stage_forward_flops,
-)
+from megalite.plan.stage_time import stage_forward_flops
+from megalite.plan.time_model import predict
 from megalite.plan.traffic import stage_traffic
 from megalite.plan.traffic_bytes import LOSS_BYTES_PER_LOGIT, dropout_bytes
 from megalite.train.metrics import table_peak

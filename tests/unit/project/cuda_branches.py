@@ -85,7 +85,7 @@ SINGLE_GPU = {
     "megalite.plan.calibrate_block:time_block.one": PROFILE,
     "megalite.plan.calibrate_mask:time_attention.one": PROFILE,
     "megalite.plan.link_check:table_for": BRANCHES + "test_the_link_checks_table_entry_is_this_gpus",
-    "megalite.resilience.rerun:use_deterministic_kernels": PRETRAIN,
+    "megalite.resilience.deterministic:use_deterministic_kernels": PRETRAIN,
     "megalite.resilience.stragglers:where_this_rank_runs": PRETRAIN,
     "megalite.train.host_threads:set_host_threads": PRETRAIN,
     "megalite.train.host_threads:set_cpu_threads": PRETRAIN,

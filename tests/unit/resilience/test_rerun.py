@@ -314,7 +314,10 @@ def test_rerun_deterministic_switches_a_cuda_run_to_deterministic_algorithms(mon
     (`cublas_workspace_env`, from init_runtime) with rerun on, unless the user set it."""
     from types import SimpleNamespace
 
-    from megalite.resilience.rerun import cublas_workspace_env, use_deterministic_kernels
+    from megalite.resilience.deterministic import (
+        cublas_workspace_env,
+        use_deterministic_kernels,
+    )
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cublas_workspace_env(SimpleNamespace(rerun="off", rerun_deterministic=True))
