@@ -224,7 +224,7 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     tied = pp > 1 and ties_over_stages(slices, k, tied_family)
     plan = StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
                      max_in_flight(pp, k, d.micro, v, schedule), dict(moments[peak_at]),
-                     stage_comm(d, sums, tied), host, pcie)
+                     stage_comm(d, sums, tied, k), host, pcie)
     plan.peak_at, plan.moments = peak_at, moments
     plan.declared_staging = grad_staging_bytes(d, chunks)
     return plan

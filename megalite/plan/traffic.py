@@ -31,5 +31,5 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
         for e, blocks in zip(stage_ends(place, k, tied_family), chunks):
             add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
         tied = layout.pp_size > 1 and ties_over_stages(place, k, tied_family)
-        out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied)))
+        out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied, k)))
     return out
