@@ -70,6 +70,9 @@ def _sources(chains: Tuple[Chain, ...], split: bool) -> Dict[int, Set[Tuple[int,
 
 
 class _Walk:
+    """The units' state through the walk: gathered (or in flight), in backward, held, and
+    which operations reported each (unit, micro-batch)'s gradients so far."""
+
     def __init__(self, units: int, reshard: bool, sources: Dict[int, Set[Tuple[int, bool]]]):
         self.gathers = [0] * units
         self.gathered: Set[int] = set()

@@ -111,6 +111,27 @@ def test_zero3_keeping_gathered_blocks_for_the_step(tiny_data, tmp_path, serial_
 
 
 @pytest.mark.distributed
+def test_zero3_gathers_equal_the_plan_under_every_schedule(tiny_data, tmp_path):
+    """ZeRO-3's DP bytes per stage equal the plan's walk of the schedule
+    (`megalite.plan.zero3_gathers`): interleaved with recomputation, ZB-H1 with the optimizer
+    offloaded, ZB-V (its stage 0's head is its embedding), reshard_after_forward=false; pp 2,
+    dp 2, m = 4, 2 steps (the runs equal the serial one in tests of their own)."""
+    common = [f"data.dir={tiny_data}", "train.micro_batch_size=1", "train.global_batch_size=8",
+              "model.n_layer=4", "pp=2", "zero=3"]
+    configs = [common + extra for extra in (
+        ["parallel.virtual_stages=2", "train.recompute=true"],
+        ["parallel.schedule=zb-h1", "offload.optimizer=0.5"],
+        ["parallel.schedule=zb-v", "parallel.virtual_stages=2"],
+        ["parallel.reshard_after_forward=false"])]
+    for overrides, ranks in zip(configs, train_layouts(tmp_path, 4, configs, steps=2)):
+        cfg = composed(overrides)
+        for stage in stage_traffic(cfg, Layout.from_config(cfg, 4, "cpu")):
+            got = [dp_wire_bytes(r["step_comm"]) for r in ranks if r["coords"][1] == stage.stage]
+            assert sum(got) / len(got) == pytest.approx(stage.comm["dp"], rel=1e-4), \
+                (overrides, stage.stage, got)
+
+
+@pytest.mark.distributed
 def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
     """Tiny buckets (one per parameter: many reductions during backward) over 3 DP ranks: most
     buckets do not divide by 3 and are padded, not refused; still the serial run. Zero 2 keeps
