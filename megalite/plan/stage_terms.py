@@ -216,7 +216,7 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool, stage: int) -> Dict[str, fl
     """Wire bytes per step per group of one rank of pipeline stage `stage` (dp: the gradient
     reductions and ZeRO's gathers, over the DP x CP ranks that hold the same parameters)."""
     lay, t, e, psi = d.layout, d.cfg.train, d.e, sums.psi
-    gathered = zero3_gathered(d, sums, stage) if lay.zero_stage == 3 else (0, 0)
+    gathered = zero3_gathered(d, sums, stage) if lay.zero_stage == 3 else (0, 0, 0)
     tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.grad_replicas, d.micro
     r, rd = ring(tp), ring(dp)
     shard = dp if lay.shards_optimizer else 1
@@ -282,10 +282,10 @@ def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, gathe
             3: rd * (micro * 4 * psi + e * gathered)}[zero]
 
 
-def zero3_gathered(d: Dims, sums: StageSums, stage: int) -> Tuple[int, int]:
+def zero3_gathered(d: Dims, sums: StageSums, stage: int) -> Tuple[int, int, int]:
     """The parameter elements ZeRO-3 all-gathers in one step on `stage` (dense, EP-split
-    experts): each unit's elements times its gathers in the schedule's walk
-    (`megalite.plan.zero3_gathers`)."""
+    experts: each unit's elements times its gathers in the schedule's walk,
+    `megalite.plan.zero3_gathers`) and its all-gathers (units) a step."""
     lay = d.layout
     chains, sizes = [], []
     for chunk in sums.units:  # the head of a stage holding the token embedding is its unit:
@@ -298,7 +298,7 @@ def zero3_gathered(d: Dims, sums: StageSums, stage: int) -> Tuple[int, int]:
     counts = unit_gathers(lay.pp_size, stage, d.micro, lay.virtual_stages, schedule,
                           tuple(chains), d.cfg.parallel.reshard_after_forward)
     return (sum(n * dense for n, (dense, _, _) in zip(counts, sizes)),
-            sum(n * expert for n, (_, expert, _) in zip(counts, sizes)))
+            sum(n * expert for n, (_, expert, _) in zip(counts, sizes)), sum(counts))
 
 
 def kept_rows(moe, tokens: int) -> int:
