@@ -58,14 +58,15 @@ def dp_term(cfg: Config, lay: Layout, stage, links: Dict[str, GroupLink], p: Sta
     units = p.blocks + 2 * p.first + 2 * p.last  # ZeRO-3's gathered units
     dense = stage.params - expert_elements(cfg, lay, chunks)
     return _dp_exposed(cfg, lay, stage.comm["dp"], dense, p.m, p.t_f, p.t_b,
-                       links["dp"], units, windows)
+                       links["dp"], units, windows, stage.gathers)
 
 
 def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, m: int,
-                t_f: float, t_b: float, link: GroupLink, units: int, windows: DpWindows
-                ) -> float:
+                t_f: float, t_b: float, link: GroupLink, units: int, windows: DpWindows,
+                gathers: int) -> float:
     """Exposed DP time per step (`megalite.plan.time_model`'s docstring): over the DP x CP
-    ranks that reduce the gradients."""
+    ranks that reduce the gradients; zero 3: `gathers` unit all-gathers a step (the
+    schedule's walk, `megalite.plan.zero3_gathers`)."""
     n = layout.grad_replicas
     if n == 1 or dp_bytes == 0:
         return 0.0
@@ -81,7 +82,7 @@ def _dp_exposed(cfg: Config, layout: Layout, dp_bytes: float, psi: int, m: int,
     gather_bytes = dp_bytes - reduce_bytes
     reduce = collective_time(reduce_bytes, buckets * (m if per_micro else 1), link, n,
                         "reduce_scatter")
-    gather = collective_time(gather_bytes, buckets * (2 * m if zero == 3 else 1), link, n,
+    gather = collective_time(gather_bytes, gathers if zero == 3 else buckets, link, n,
                         "all_gather")
     if zero in (1, 2):
         exposed = exposed_s(reduce, windows.reduce) if zero == 1 \

@@ -92,6 +92,7 @@ from megalite.plan.stage_terms import (
     StageSums,
     add_chunk,
     stage_comm,
+    zero3_gathered,
 )
 from megalite.plan.zero_table import (
     grad_staging_bytes,
@@ -115,6 +116,7 @@ class StagePlan:
     peak_at: str = "loss backward"  # the moment whose bytes `bytes` lists (MOMENTS)
     moments: Dict[str, Dict[str, float]] = field(default_factory=dict)  # every moment's bytes
     declared_staging: float = 0.0  # zero 2/3: the staging the engine declares (its bound)
+    gathers: int = 0  # ZeRO-3's unit all-gathers a step (`zero3_gathered`)
 
 
 @dataclass
@@ -224,9 +226,10 @@ def _stage_plan(d: Dims, k: int, chunk_blocks: List[range]) -> StagePlan:
     tied = pp > 1 and ties_over_stages(slices, k, tied_family)
     plan = StagePlan(k, sum(len(x) for x in chunk_blocks), sums.psi,
                      max_in_flight(pp, k, d.micro, v, schedule), dict(moments[peak_at]),
-                     stage_comm(d, sums, tied), host, pcie)
+                     stage_comm(d, sums, tied, k), host, pcie)
     plan.peak_at, plan.moments = peak_at, moments
     plan.declared_staging = grad_staging_bytes(d, chunks)
+    plan.gathers = zero3_gathered(d, sums, k)[2] if lay.zero_stage == 3 else 0
     return plan
 
 

@@ -11,6 +11,7 @@ from megalite.model.moe.experts import capacity
 from megalite.plan import cp_terms
 from megalite.plan.dims import BlockTerms, Dims, loss_bytes, offloaded_layers, recomputed_layers, ring
 from megalite.plan.fp8_terms import amax_reductions
+from megalite.plan.zero3_gathers import unit_gathers
 
 
 @dataclass
@@ -22,7 +23,10 @@ class StageSums:
     replicated: int = 0  # of which TP-replicated (norms, row-parallel biases, wpe)
     shared_slots: int = 0  # the TP-shared slices' gradient-sum buffer (`ParamSums`)
     largest_unit: int = 0  # ZeRO-3's largest gathered unit
-    kept_units: int = 0  # ZeRO-3 units kept gathered from forward into backward
+    # per chunk, its ZeRO-3 units in forward order (`megalite.parallel.zero3`): (dense
+    # elements, EP-split expert elements, reported by a W under a zero-bubble schedule), None
+    # for a head that is the stage's own token embedding (one unit with it)
+    units: List[List[Optional[Tuple[int, int, bool]]]] = field(default_factory=list)
     sends: float = 0.0  # point-to-point tensors per micro-batch
     tp_per_micro: float = 0.0  # TP wire bytes per micro-batch
     cp_per_micro: float = 0.0  # CP wire bytes per micro-batch
@@ -75,10 +79,22 @@ def add_chunk(sums: StageSums, d: Dims, first: bool, last: bool, n: int,
     if moe_here:  # the step's routing figures summed over TP (SP) once per chunk
         sums.ledger_elements += moe_here * (d.cfg.model.moe.num_experts + 4) + 2
     sums.sends += (0 if last else 1) + (0 if first else 1)
-    # ZeRO-3 keeps a chunk's last unit gathered from its forward into its backward
-    # (with pp = 1 that is the tied embedding, gathered twice in forward: no saving)
-    sums.kept_units += terms[-1].params.numel if terms and not last else \
-        d.vocab // d.layout.tp_size * d.cfg.model.n_embd if last and head_copy else 0
+    sums.units.append(_chunk_units(d, first, last, terms, head_copy))
+
+
+def _chunk_units(d: Dims, first: bool, last: bool, terms: List[BlockTerms], head_copy: bool
+                 ) -> List[Optional[Tuple[int, int, bool]]]:
+    """A chunk's `sharding_units()` (`StageSums.units`): the embeddings (each parameter its
+    own unit, the token embedding's weight gradient in a W), each block, the final norm (its
+    gradient in the B), the LM head."""
+    out: List[Optional[Tuple[int, int, bool]]] = \
+        [(size, 0, j == 0) for j, size in enumerate(d.embeddings.units)] if first else []
+    out += [(t.params.numel - t.params.expert, t.params.expert, True) for t in terms]
+    if last:
+        out.append((d.final_norm.numel, 0, False))
+        out.append((d.vocab // d.layout.tp_size * d.cfg.model.n_embd, 0, True)
+                   if head_copy else None)
+    return out
 
 
 def _add_params(sums: StageSums, d: Dims, first: bool, last: bool,
@@ -196,10 +212,11 @@ def _add_traffic(sums: StageSums, d: Dims, first: bool, last: bool,
             + 2 * r * 12 * d.s_rank * d.cfg.train.micro_batch_size
 
 
-def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
-    """Wire bytes per step per group of one rank of the stage (dp: the gradient reductions
-    and ZeRO's gathers, over the DP x CP ranks that hold the same parameters)."""
+def stage_comm(d: Dims, sums: StageSums, tied: bool, stage: int) -> Dict[str, float]:
+    """Wire bytes per step per group of one rank of pipeline stage `stage` (dp: the gradient
+    reductions and ZeRO's gathers, over the DP x CP ranks that hold the same parameters)."""
     lay, t, e, psi = d.layout, d.cfg.train, d.e, sums.psi
+    gathered = zero3_gathered(d, sums, stage) if lay.zero_stage == 3 else (0, 0, 0)
     tp, pp, dp, micro = lay.tp_size, lay.pp_size, lay.grad_replicas, d.micro
     r, rd = ring(tp), ring(dp)
     shard = dp if lay.shards_optimizer else 1
@@ -212,8 +229,7 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
     pp_bytes = float(micro * sums.sends * e * d.s_local * t.micro_batch_size
                      * d.cfg.model.n_embd) / scatter if pp > 1 else 0.0
     dp_bytes = _reduction_bytes(lay.zero_stage, rd, psi - sums.expert_psi, e, micro,
-                                sums.kept_units, d.cfg.parallel.reshard_after_forward) \
-        if dp > 1 else 0.0
+                                gathered[0]) if dp > 1 else 0.0
     emb_bytes = 4 * (d.vocab // tp * d.cfg.model.n_embd) / shard if tied else 0.0
     out = {"tp": tp_bytes, "cp": micro * sums.cp_per_micro, "pp": pp_bytes, "dp": dp_bytes,
            "embedding": emb_bytes}
@@ -222,8 +238,8 @@ def stage_comm(d: Dims, sums: StageSums, tied: bool) -> Dict[str, float]:
     if lay.ep_size > 1:  # the experts' reductions over EDP (the ZeRO table), the token exchange;
         edp = lay.expert_grad_replicas  # each + the grad norm's fp64 sum of expert squares
         out["edp"] = _reduction_bytes(lay.zero_stage, ring(edp), sums.expert_psi, e, micro,
-                                      0, True) + (16 * ring(edp) if lay.shards_optimizer
-                                                  else 0.0) if edp > 1 else 0.0
+                                      gathered[1]) + (16 * ring(edp) if lay.shards_optimizer
+                                                      else 0.0) if edp > 1 else 0.0
         out["ep"] = micro * (sums.moe_layers * dispatch_bytes(d)
                              + sums.moe_reruns * dispatch_bytes(d, rerun=True)) \
             + 16 * ring(lay.ep_size)
@@ -255,15 +271,34 @@ def routing_figure_bytes(d: Dims, sums: StageSums, group: str, size: int) -> flo
     return 2 * ring(size) * 8 * sums.ledger_elements
 
 
-def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, kept: int,
-                     reshard: bool) -> float:
+def _reduction_bytes(zero: int, rd: float, psi: float, e: int, micro: int, gathered: int
+                     ) -> float:
     """The gradient reductions' and ZeRO's gathers' wire bytes of `psi` elements over a
-    group whose ring factor is `rd` (the ZeRO table, `megalite.plan.zero_table`)."""
+    group whose ring factor is `rd` (the ZeRO table, `megalite.plan.zero_table`); zero 3's
+    gathers: `gathered` elements a step (`zero3_gathered`)."""
     return {0: 2 * rd * 4 * psi,
             1: rd * (4 + e) * psi,
             2: rd * (micro * 4 + e) * psi,
-            3: rd * micro * (4 * psi + e * (2 * psi - kept)) if reshard
-            else rd * (micro * 4 + e) * psi}[zero]
+            3: rd * (micro * 4 * psi + e * gathered)}[zero]
+
+
+def zero3_gathered(d: Dims, sums: StageSums, stage: int) -> Tuple[int, int, int]:
+    """The parameter elements ZeRO-3 all-gathers in one step on `stage` (dense, EP-split
+    experts: each unit's elements times its gathers in the schedule's walk,
+    `megalite.plan.zero3_gathers`) and its all-gathers (units) a step."""
+    lay = d.layout
+    chains, sizes = [], []
+    for chunk in sums.units:  # the head of a stage holding the token embedding is its unit:
+        chain = []  # the stage's first (its chunk 0 starts with the embeddings)
+        for unit in chunk:
+            chain.append((0, True) if unit is None else (len(sizes), unit[2]))
+            sizes += [] if unit is None else [unit]
+        chains.append(tuple(chain))
+    schedule = d.cfg.parallel.schedule if lay.pp_size > 1 else "auto"
+    counts = unit_gathers(lay.pp_size, stage, d.micro, lay.virtual_stages, schedule,
+                          tuple(chains), d.cfg.parallel.reshard_after_forward)
+    return (sum(n * dense for n, (dense, _, _) in zip(counts, sizes)),
+            sum(n * expert for n, (_, expert, _) in zip(counts, sizes)), sum(counts))
 
 
 def kept_rows(moe, tokens: int) -> int:

@@ -90,7 +90,8 @@ bytes of a model-dtype element:
               chunk's before its first forward ends (the stage's idle start hides it;
               `megalite.plan.pipeline_sim.DpWindows`); zero 3: each block gathered ahead
               (prefetch) during forward and backward, across the pipeline's operations too
-              (`megalite.parallel.zero3`)
+              (`megalite.parallel.zero3`), as many all-gathers as the schedule's walk counts
+              (`megalite.plan.zero3_gathers`)
   embedding   the tied embedding's gradient all-reduce (pp > 1), after backward
   ep, expert_imbalance, edp   expert parallelism (ep > 1, `megalite.plan.expert_time`): the
               token exchange on the link the folded EP group spans, blocking in each MoE

@@ -12,7 +12,7 @@ from megalite.config.layout import Layout
 from megalite.config.schema import Config
 from megalite.plan.chunks import stage_ends, ties_over_stages
 from megalite.plan.dims import dims
-from megalite.plan.stage_terms import StageSums, add_chunk, stage_comm
+from megalite.plan.stage_terms import StageSums, add_chunk, stage_comm, zero3_gathered
 
 
 @dataclass
@@ -20,6 +20,7 @@ class StageTraffic:
     stage: int
     params: int  # Ψ per rank
     comm: Dict[str, float]  # wire bytes per step per group
+    gathers: int = 0  # ZeRO-3's unit all-gathers a step (`zero3_gathered`)
 
 
 def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
@@ -31,5 +32,6 @@ def stage_traffic(cfg: Config, layout: Layout) -> List[StageTraffic]:
         for e, blocks in zip(stage_ends(place, k, tied_family), chunks):
             add_chunk(sums, d, e.first, e.last, len(blocks), e.head_copy, blocks)
         tied = layout.pp_size > 1 and ties_over_stages(place, k, tied_family)
-        out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied)))
+        gathers = zero3_gathered(d, sums, k)[2] if layout.zero_stage == 3 else 0
+        out.append(StageTraffic(k, sums.psi, stage_comm(d, sums, tied, k), gathers))
     return out

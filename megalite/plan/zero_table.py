@@ -40,9 +40,11 @@ def model_state_bytes(layout: Layout, psi: float, e: int, replicas: Optional[int
 
 
 def dp_traffic_elements(layout: Layout, psi: float, m: int) -> float:
-    """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward;
-    zero 3: at most, as a unit that ends one pipeline operation and starts the next stays
-    gathered, `megalite.parallel.zero3`)."""
+    """DP ring elements one rank sends per step (ZERO_DP_TRAFFIC, reshard after forward).
+    Zero 3: the table's bound, each unit gathered twice a micro-batch; the runtime gathers
+    fewer (a unit that ends one pipeline operation and starts the next stays gathered,
+    `megalite.parallel.zero3`), and the plan counts them exactly by walking the stage's
+    schedule (`megalite.plan.zero3_gathers`, `megalite.plan.stage_terms.zero3_gathered`)."""
     n = layout.grad_replicas
     ring = (n - 1) / n * psi
     return {0: 2 * ring, 1: 2 * ring, 2: (m + 1) * ring, 3: 3 * m * ring}[layout.zero_stage]

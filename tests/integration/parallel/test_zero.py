@@ -4,8 +4,9 @@ Gradient integrity and state consistency: every run's losses, grad norms and val
 equal the single-process run, and after every step every rank's parameters (gathered from the
 shards for zero 3) are its slice of the serial parameters — hence DP replicas are identical.
 
-Memory and traffic, fp32 on CPU: the ZeRO table of `megalite.plan.memory` (`model_state_bytes`,
-`dp_traffic_elements`; docs/zero.md renders it with `zero_table()`), with Ψ = elements of this
+Memory and traffic, fp32 on CPU: the ZeRO table of `megalite.plan.zero_table` (`model_state_bytes`,
+`dp_traffic_elements`; docs/zero.md renders it with `zero_table()`; zero 3's gathers: the plan's
+walk of the schedule, `megalite.plan.zero3_gathers`), with Ψ = elements of this
 rank's TP x PP shard (vocabulary padded), N = DP size, m = micro-batches per step. For m = 1
 these are the ZeRO paper's 2Ψ and 3Ψ; zero 2 and 3 reduce-scatter every micro-batch because
 they keep no full gradient to accumulate into.
@@ -16,10 +17,11 @@ import pytest
 
 from megalite.config.layout import Layout
 from megalite.parallel.bucket import REDUCTIONS_IN_FLIGHT
+from megalite.plan.traffic import stage_traffic
 from megalite.plan.zero_table import dp_traffic_elements, model_state_bytes
 from megalite.testing.spawn import run_ranks
 from tests.conftest import serial_common
-from tests.layouts import assert_equal, train_layout, train_layouts
+from tests.layouts import assert_equal, composed, train_layout, train_layouts
 
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
@@ -40,7 +42,13 @@ def expected_state_bytes(zero: int, psi: int, n: int) -> dict:
     return model_state_bytes(Layout(dp_size=n, zero_stage=zero), psi, e=4)
 
 
-def expected_dp_wire_bytes(zero: int, psi: int, n: int, m: int) -> float:
+def expected_dp_wire_bytes(zero: int, psi: int, n: int, m: int, overrides) -> float:
+    """The ZeRO table's bytes; zero 3: the plan's, whose gathers walk the schedule (a unit
+    that ends one pipeline operation and starts the next stays gathered: at pp 1 the
+    embedding, m - 1 gathers fewer than 3mΨ, `megalite.plan.zero3_gathers`)."""
+    if zero == 3:
+        cfg = composed(overrides)
+        return stage_traffic(cfg, Layout.from_config(cfg, n, "cpu"))[0].comm["dp"]
     return 4 * dp_traffic_elements(Layout(dp_size=n, zero_stage=zero), psi, m)
 
 
@@ -48,17 +56,12 @@ def dp_wire_bytes(step_comm: dict) -> float:
     return sum(v["wire_bytes"] for k, v in step_comm.items() if k.startswith("dp/"))
 
 
-def _check_accounting(ranks, zero: int, dp: int, m: int) -> None:
+def _check_accounting(ranks, zero: int, dp: int, m: int, overrides) -> None:
     for res in ranks:
         psi = res["local_numel"]
         for kind, want in expected_state_bytes(zero, psi, dp).items():
             assert res["bytes"][kind] == pytest.approx(want, rel=0.05), (zero, kind, res["bytes"])
-        want = expected_dp_wire_bytes(zero, psi, dp, m)
-        if zero == 3:  # each backward's last unit, the next forward's first (the embedding),
-            # stays gathered: m - 1 gathers fewer than 3mΨ (megalite.parallel.zero3)
-            wte = next(p.numel() for n, p in res["params"][-1].items()
-                       if n.endswith("wte.weight"))
-            want -= 4 * (dp - 1) / dp * (m - 1) * wte
+        want = expected_dp_wire_bytes(zero, psi, dp, m, overrides)
         assert dp_wire_bytes(res["step_comm"]) == pytest.approx(want, rel=0.05), \
             (zero, res["step_comm"])
 
@@ -68,10 +71,11 @@ def _check_accounting(ranks, zero: int, dp: int, m: int) -> None:
 def test_every_stage_equals_serial(tiny_data, tmp_path, serial_run, dp):
     """zero 0-3 at this DP size, 10 steps each; and the bytes held and sent per rank."""
     m = GLOBAL_BATCH // (MICRO_BATCH * dp)
-    runs = train_layouts(tmp_path, dp, [_common(tiny_data, [f"zero={z}"]) for z in range(4)])
+    configs = [_common(tiny_data, [f"zero={z}"]) for z in range(4)]
+    runs = train_layouts(tmp_path, dp, configs)
     for zero, ranks in enumerate(runs):
         assert_equal(serial_run, ranks)
-        _check_accounting(ranks, zero, dp, m)
+        _check_accounting(ranks, zero, dp, m, configs[zero])
 
 
 @pytest.mark.distributed
@@ -107,6 +111,27 @@ def test_zero3_keeping_gathered_blocks_for_the_step(tiny_data, tmp_path, serial_
 
 
 @pytest.mark.distributed
+def test_zero3_gathers_equal_the_plan_under_every_schedule(tiny_data, tmp_path):
+    """ZeRO-3's DP bytes per stage equal the plan's walk of the schedule
+    (`megalite.plan.zero3_gathers`): interleaved with recomputation, ZB-H1 with the optimizer
+    offloaded, ZB-V (its stage 0's head is its embedding), reshard_after_forward=false; pp 2,
+    dp 2, m = 4, 2 steps (the runs equal the serial one in tests of their own)."""
+    common = [f"data.dir={tiny_data}", "train.micro_batch_size=1", "train.global_batch_size=8",
+              "model.n_layer=4", "pp=2", "zero=3"]
+    configs = [common + extra for extra in (
+        ["parallel.virtual_stages=2", "train.recompute=true"],
+        ["parallel.schedule=zb-h1", "offload.optimizer=0.5"],
+        ["parallel.schedule=zb-v", "parallel.virtual_stages=2"],
+        ["parallel.reshard_after_forward=false"])]
+    for overrides, ranks in zip(configs, train_layouts(tmp_path, 4, configs, steps=2)):
+        cfg = composed(overrides)
+        for stage in stage_traffic(cfg, Layout.from_config(cfg, 4, "cpu")):
+            got = [dp_wire_bytes(r["step_comm"]) for r in ranks if r["coords"][1] == stage.stage]
+            assert sum(got) / len(got) == pytest.approx(stage.comm["dp"], rel=1e-4), \
+                (overrides, stage.stage, got)
+
+
+@pytest.mark.distributed
 def test_small_buckets_and_sizes_that_do_not_divide(tiny_data, tmp_path):
     """Tiny buckets (one per parameter: many reductions during backward) over 3 DP ranks: most
     buckets do not divide by 3 and are padded, not refused; still the serial run. Zero 2 keeps
@@ -129,12 +154,12 @@ def test_overlapped_parameter_gather_equals_serial(tiny_data, tmp_path, serial_r
     under pp 2: the gathers run during the next forward, and still every step equals the
     serial run, with the same DP traffic."""
     overlap = ["parallel.overlap_param_gather=true", "parallel.bucket_mb=0.05"]
-    runs = train_layouts(tmp_path, 2, [_common(tiny_data, ["zero=1", *overlap]),
-                                       _common(tiny_data, ["zero=2", *overlap])])
+    configs = [_common(tiny_data, ["zero=1", *overlap]), _common(tiny_data, ["zero=2", *overlap])]
+    runs = train_layouts(tmp_path, 2, configs)
     m = GLOBAL_BATCH // (MICRO_BATCH * 2)
-    for zero, ranks in zip((1, 2), runs):
+    for zero, overrides, ranks in zip((1, 2), configs, runs):
         assert_equal(serial_run, ranks)
-        _check_accounting(ranks, zero, 2, m)
+        _check_accounting(ranks, zero, 2, m, overrides)
     ranks = train_layout(tmp_path / "pp", 4, _common(tiny_data, ["pp=2", "zero=1", *overlap]))
     assert_equal(serial_run, ranks)
 
