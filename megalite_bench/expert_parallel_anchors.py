@@ -6,7 +6,8 @@ tokens a rank, fp32, at each ep of `--ep` (EP folded over the world's ranks).
   DeepSpeed-MoE  `deepspeed.moe.layer.MoE(ep_size=ep)` (GShard's top-k gate, its dense
                  dispatch and combine, an all-to-all over its own EP groups, made by
                  `set_deepspeed_parallelism` as its engine makes them), each expert megalite's
-                 SwiGLU; no Gumbel noise on the second choice (top2_2nd_expert_sampling off),
+                 dense SwiGLU module (`SharedExperts`: down(silu(gate(x)) · up(x))); no
+                 Gumbel noise on the second choice (top2_2nd_expert_sampling off),
                  no random token selection (use_rts off); dropless (drop_tokens off: its
                  capacity is the EP ranks' largest count) unless model.moe.capacity_factor is
                  set (then its capacity, which drops by position, not by weight as megalite)
@@ -44,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.model.moe.dispatcher import TokenDispatcher
-from megalite.model.moe.layer import MoELayer
+from megalite.model.moe.layer import MoELayer, SharedExperts
 from megalite.parallel.topology import build_topology
 from megalite_bench.memory import PeakBytes
 
@@ -78,19 +79,6 @@ def error_text(e: BaseException, package: str) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-class SwiGLU(nn.Module):
-    """One expert as megalite's (`Experts._expert`): down(silu(gate(x)) * up(x)), [gate | up]."""
-
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DeepSpeedMoE(nn.Module):
     """DeepSpeed-MoE's layer at `ep` (module docstring) with `serial`'s weights; forward -> y."""
 
@@ -99,7 +87,8 @@ class DeepSpeedMoE(nn.Module):
         from deepspeed.moe.layer import MoE
 
         moe, (e, two_inner, hidden) = serial.moe, serial.experts.gate_up_proj.shape
-        self.layer = MoE(hidden, SwiGLU(hidden, two_inner // 2), num_experts=e, ep_size=ep,
+        expert = SharedExperts(hidden, two_inner // 2)  # megalite's SwiGLU, [gate | up]
+        self.layer = MoE(hidden, expert, num_experts=e, ep_size=ep,
                          k=moe.top_k, capacity_factor=moe.capacity_factor or 1.0,
                          drop_tokens=moe.capacity_factor is not None, use_rts=False,
                          top2_2nd_expert_sampling=False)
@@ -113,7 +102,7 @@ class DeepSpeedMoE(nn.Module):
                 ex.gate_up_proj.weight.copy_(serial.experts.gate_up_proj[first + j])
                 ex.down_proj.weight.copy_(serial.experts.down_proj[first + j])
 
-    def experts(self) -> List[SwiGLU]:
+    def experts(self) -> List[SharedExperts]:
         return list(self.layer.deepspeed_moe.experts.deepspeed_experts)
 
     def router(self) -> torch.Tensor:

@@ -13,12 +13,15 @@ DP replicas are identical to each other).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megalite.cli.fault_exit import fit_or_exit
 from megalite.config.layout import validate
 from megalite.config.schema import Config, load_config
 from megalite.model.moe.step import RouterBiases
@@ -154,6 +157,18 @@ def _many(rank, world, runs, run_dir, steps, save_at, probe=False):
             if isinstance(run, Later) else
             _steps(rank, world, run, f"{run_dir}/{i}", steps, save_at, probe)
             for i, run in enumerate(runs)]
+
+
+def fit_to_exit(trainer, run_dir) -> Tuple[Optional[int], Optional[dict]]:
+    """Train through the CLI's fit_or_exit: its exit code (None: finished) and the run's
+    resilience/fault.json (None: none written)."""
+    try:
+        fit_or_exit(trainer)
+        code = None
+    except SystemExit as e:
+        code = e.code
+    fault = Path(run_dir) / "resilience" / "fault.json"
+    return code, json.loads(fault.read_text()) if fault.exists() else None
 
 
 def composed(overrides: List[str]) -> Config:

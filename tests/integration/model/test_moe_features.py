@@ -10,14 +10,12 @@ from the routers' outputs says; the rerun attribution pins a persistent fault on
 step)."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from megalite.cli.fault_exit import fit_or_exit
 from megalite.config.layout import validate
 from megalite.config.model import ModelConfig
 from megalite.config.moe import MoEConfig
@@ -34,6 +32,7 @@ from tests.integration.model.test_moe_layouts import MOE, assert_figures_equal
 from tests.layouts import (
     assert_equal,
     composed,
+    fit_to_exit,
     master_update_error,
     train_in_process,
     train_layouts,
@@ -153,14 +152,8 @@ def _drill(rank, world, cfg, run_dir):
     validate(cfg, world)
     trainer = build_trainer(cfg, init_runtime(cfg), Path(run_dir))
     probe = OrderProbe.install(trainer.topo.counter)
-    try:
-        fit_or_exit(trainer)
-        code = None
-    except SystemExit as e:
-        code = e.code
-    fault = Path(run_dir) / "resilience" / "fault.json"
-    return {"code": code, "step": trainer.step, "launched": probe.launched,
-            "fault": json.loads(fault.read_text()) if fault.exists() else None}
+    code, fault = fit_to_exit(trainer, run_dir)
+    return {"code": code, "step": trainer.step, "launched": probe.launched, "fault": fault}
 
 
 def test_rerun_attribution_pins_a_persistent_fault_on_its_rank(tiny_data, tmp_path):

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.cli.fault_exit import fit_or_exit
 from megalite.config.layout import validate
 from megalite.config.schema import load_config
 from megalite.resilience.faults import HARDWARE_FAULT_EXIT
@@ -23,7 +22,7 @@ from megalite.testing.spawn import run_ranks
 from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
-from tests.layouts import FP32_NO_DROPOUT
+from tests.layouts import FP32_NO_DROPOUT, fit_to_exit
 
 POISON = 7  # a sequence of this token only: the data test makes its embedding NaN
 POISONED_STEP = 2
@@ -39,25 +38,15 @@ def _trainer(tiny_data, run_dir, world, *extra):
     return build_trainer(cfg, init_runtime(cfg), Path(run_dir))
 
 
-def _exit_code(trainer):
-    """Train through the CLI's fit_or_exit; its exit code (None: finished)."""
-    try:
-        fit_or_exit(trainer)
-    except SystemExit as e:
-        return e.code
-    return None
-
-
 def _drill(rank, world, tiny_data, run_dir, overrides):
     """A run with a fault drill, through the CLI's fit_or_exit: the exit code and fault.json."""
     trainer = _trainer(tiny_data, run_dir, world, "resilience.allow_inject=true", *overrides)
     if trainer.engine.param_gather is not None:
         _defer_the_gather(trainer.engine.param_gather)
-    code = _exit_code(trainer)
-    fault = Path(run_dir) / "resilience" / "fault.json"
+    code, fault = fit_to_exit(trainer, run_dir)
     return {"code": code, "step": trainer.step, "reruns": trainer.rerun.reruns,
             "injected": None if trainer.injector is None else trainer.injector.injected,
-            "fault": json.loads(fault.read_text()) if fault.exists() else None,
+            "fault": fault,
             "published": sorted(p.name for p in (Path(run_dir) / "ckpt").glob("step_*"))}
 
 
@@ -132,11 +121,10 @@ def _nondeterministic(rank, world, tiny_data, run_dir):
 
     trainer.rerun.detector.suspicious = made_suspicious
     trainer.guard.execute = nondeterministic_execute
-    code = _exit_code(trainer)
+    code, fault = fit_to_exit(trainer, run_dir)
     log = Path(run_dir) / "resilience" / "nondeterminism.jsonl"
     return {"code": code, "step": trainer.step, "skipped": trainer.skipped_steps,
-            "state": trainer.rerun.state_dict(),
-            "fault": (Path(run_dir) / "resilience" / "fault.json").exists(),
+            "state": trainer.rerun.state_dict(), "fault": fault is not None,
             "log": [json.loads(line) for line in log.read_text().splitlines()]
             if log.exists() else []}
 

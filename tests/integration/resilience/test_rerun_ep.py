@@ -10,13 +10,11 @@ over dp 4 is one domain: a reproduced step is unresolved, as with dp = 1. The re
 compares the experts over EDP: a bit flipped in rank 2's copy names the edp group [0, 2]."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from megalite.cli.fault_exit import fit_or_exit
 from megalite.config.layout import validate
 from megalite.config.schema import load_config
 from megalite.resilience.faults import HARDWARE_FAULT_EXIT
@@ -26,7 +24,7 @@ from megalite.train.build import build_trainer
 from megalite.train.runtime import init_runtime
 from tests.conftest import TINY
 from tests.integration.model.test_moe_layouts import MOE
-from tests.layouts import FP32_NO_DROPOUT
+from tests.layouts import FP32_NO_DROPOUT, fit_to_exit
 
 pytestmark = pytest.mark.distributed
 
@@ -54,15 +52,10 @@ def _judged(rank, world, tiny_data, run_dir, steps, overrides, drill=False):
                        "resilience.allow_inject=true", *overrides)
     if drill:
         trainer.rerun.drill_next_step("made suspicious by the test")
-    try:
-        fit_or_exit(trainer)
-        code = None
-    except SystemExit as e:
-        code = e.code
-    fault = Path(run_dir) / "resilience" / "fault.json"
+    code, fault = fit_to_exit(trainer, run_dir)
     return {"code": code, "step": trainer.step, "state": trainer.rerun.state_dict(),
             "injected": None if trainer.injector is None else trainer.injector.injected,
-            "fault": json.loads(fault.read_text()) if fault.exists() else None}
+            "fault": fault}
 
 
 def _flipped(rank, world, tiny_data, run_dir):
